@@ -1,0 +1,89 @@
+#pragma once
+// Tensor: shape, dtype, device and a refcounted buffer. Copying a Tensor shares the buffer (a view);
+// copying the data is explicit (clone, copy_from). Always contiguous, row-major (NCHW for images).
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/core/device.h"
+#include "dtrain/core/dtype.h"
+#include "dtrain/core/error.h"
+
+namespace dtrain {
+
+using Shape = std::vector<int64_t>;
+std::string shape_str(const Shape& s);
+int64_t shape_numel(const Shape& s);
+
+// Memory from one device's allocator. Not copyable: a buffer is owned by exactly one Storage.
+class Storage {
+ public:
+  using Deleter = std::function<void(void*)>;
+  Storage(void* data, size_t bytes, Device device, Deleter deleter);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  Device device() const { return device_; }
+
+ private:
+  void* data_;
+  size_t bytes_;
+  Device device_;
+  Deleter deleter_;
+};
+
+// Allocates `bytes` on `device`. CPU memory is 64-byte aligned; CUDA memory comes from the CUDA
+// engine's caching allocator once it registers itself.
+std::shared_ptr<Storage> allocate(size_t bytes, Device device);
+using DeviceAllocator = std::function<std::shared_ptr<Storage>(size_t, Device)>;
+void register_allocator(DeviceType type, DeviceAllocator alloc);
+
+class Tensor {
+ public:
+  Tensor() = default;
+  static Tensor empty(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
+  static Tensor zeros(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
+  static Tensor full(const Shape& shape, float value);  // f32, CPU
+  static Tensor from(const Shape& shape, const std::vector<float>& values);  // f32, CPU
+
+  bool defined() const { return storage_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
+  int64_t size(int64_t d) const;  // negative d counts from the end
+  int64_t numel() const { return numel_; }
+  size_t nbytes() const { return static_cast<size_t>(numel_) * dtype_size(dtype_); }
+  DType dtype() const { return dtype_; }
+  Device device() const { return storage_ ? storage_->device() : Device::cpu(); }
+
+  void* raw() const { return static_cast<char*>(storage_->data()) + offset_; }
+  template <typename T>
+  T* data() const {
+    return static_cast<T*>(raw());
+  }
+  float* f32() const;  // checks dtype F32
+
+  // A view with another shape over the same elements (numel must match; one -1 is inferred).
+  Tensor reshape(const Shape& shape) const;
+  // Rows [begin, end) of the first dimension, as a view.
+  Tensor slice0(int64_t begin, int64_t end) const;
+  Tensor clone() const;
+  void copy_from(const Tensor& src);  // same numel and dtype; host copies only here
+  void zero_();
+  void fill_(float v);  // f32
+
+  std::string str() const;  // "f32[64, 1, 28, 28] on cpu"
+
+ private:
+  std::shared_ptr<Storage> storage_;
+  size_t offset_ = 0;
+  Shape shape_;
+  int64_t numel_ = 0;
+  DType dtype_ = DType::F32;
+};
+
+}  // namespace dtrain

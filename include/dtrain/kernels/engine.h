@@ -1,0 +1,121 @@
+#pragma once
+// The Engine contract: everything one device computes for training. A rank owns one engine bound
+// to one device. All tensors are contiguous row-major; images are NCHW, conv weights OIHW.
+// Gradients of parameters are ACCUMULATED (dw += ...) so that micro-batches can add up; the
+// optimizer's zero_grad clears them. Activation gradients (dx) are overwritten.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "dtrain/core/tensor.h"
+
+namespace dtrain {
+
+struct Conv2dGeom {
+  int64_t n, c, h, w;   // input
+  int64_t k, r, s;      // output channels, kernel height, width
+  int64_t stride = 1, pad = 0;
+  int64_t out_h() const { return (h + 2 * pad - r) / stride + 1; }
+  int64_t out_w() const { return (w + 2 * pad - s) / stride + 1; }
+};
+
+enum class PoolKind { Max, Avg };
+struct Pool2dGeom {
+  int64_t n, c, h, w;
+  int64_t kernel, stride, pad = 0;
+  int64_t out_h() const { return (h + 2 * pad - kernel) / stride + 1; }
+  int64_t out_w() const { return (w + 2 * pad - kernel) / stride + 1; }
+};
+
+enum class Unary { Relu, Gelu };
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual Device device() const = 0;
+  virtual std::string describe() const = 0;
+  virtual void set_threads(int threads) = 0;
+  virtual int threads() const = 0;
+
+  // ---- GEMM: C[M,N] = alpha * op(A) op(B) + beta * C, row-major, f32 (bf16 inputs where supported).
+  virtual void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a,
+                    const Tensor& b, float beta, Tensor& c) = 0;
+  // batch GEMMs over equally strided slices (attention): A_i = a + i*stride_a elements, etc.
+  virtual void gemm_batched(int64_t batch, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                            const Tensor& a, int64_t stride_a, const Tensor& b, int64_t stride_b, float beta,
+                            Tensor& c, int64_t stride_c) = 0;
+
+  // ---- Convolution. x [N,C,H,W], w [K,C,R,S], bias [K] (may be undefined), y [N,K,P,Q].
+  virtual void conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias,
+                              Tensor& y) = 0;
+  virtual void conv2d_backward_data(const Conv2dGeom& g, const Tensor& dy, const Tensor& w, Tensor& dx) = 0;
+  // dw += ..., dbias += ... (dbias may be undefined)
+  virtual void conv2d_backward_weights(const Conv2dGeom& g, const Tensor& x, const Tensor& dy, Tensor& dw,
+                                       Tensor& dbias) = 0;
+
+  // ---- Pooling. `state` is whatever backward needs (the max pool's argmax workspace); the engine
+  // allocates it in forward when training.
+  virtual void pool2d_forward(const Pool2dGeom& g, PoolKind kind, const Tensor& x, Tensor& y, Tensor* state) = 0;
+  virtual void pool2d_backward(const Pool2dGeom& g, PoolKind kind, const Tensor& dy, const Tensor& state,
+                               Tensor& dx) = 0;
+
+  // ---- Normalisation. BatchNorm over [N,C,H*W] per channel c; LayerNorm over the last dim of [M,D].
+  // Training forward saves mean and inverse std [C] and updates running stats (momentum as PyTorch).
+  virtual void batchnorm_forward_train(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta,
+                                       float eps, float momentum, Tensor& running_mean, Tensor& running_var,
+                                       Tensor& save_mean, Tensor& save_invstd, Tensor& y) = 0;
+  virtual void batchnorm_forward_infer(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta,
+                                       float eps, const Tensor& running_mean, const Tensor& running_var,
+                                       Tensor& y) = 0;
+  // dx overwritten; dgamma, dbeta accumulated.
+  virtual void batchnorm_backward(const Tensor& x, const Tensor& dy, int64_t channels, const Tensor& gamma,
+                                  const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx, Tensor& dgamma,
+                                  Tensor& dbeta) = 0;
+  virtual void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& mean,
+                                 Tensor& rstd, Tensor& y) = 0;
+  virtual void layernorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
+                                  const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) = 0;
+
+  // ---- Element-wise.
+  virtual void unary_forward(Unary op, const Tensor& x, Tensor& y) = 0;
+  virtual void unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
+  // Inverted dropout: mask[i] = keep ? 1/(1-p) : 0, drawn from (seed, i); y = x * mask.
+  virtual void dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor& mask, Tensor& y) = 0;
+  virtual void mul(const Tensor& a, const Tensor& b, Tensor& y) = 0;       // y = a * b
+  virtual void add(const Tensor& a, const Tensor& b, Tensor& y) = 0;       // y = a + b
+  virtual void axpy(float alpha, const Tensor& x, Tensor& y) = 0;          // y += alpha * x
+  virtual void scale(Tensor& y, float alpha) = 0;                          // y *= alpha
+  virtual void fill(Tensor& y, float value) = 0;
+  virtual void copy(const Tensor& src, Tensor& dst) = 0;                   // same device
+  virtual void cast(const Tensor& src, Tensor& dst) = 0;                   // f32 <-> bf16/f16
+  // Rows: y[M,N] += bias[N]; dbias[N] += sum over rows of dy[M,N].
+  virtual void add_row_bias(Tensor& y, const Tensor& bias) = 0;
+  virtual void row_bias_grad(const Tensor& dy, Tensor& dbias) = 0;
+  virtual double sum_squares(const Tensor& x) = 0;                         // f64 accumulation
+  virtual bool all_finite(const Tensor& x) = 0;
+
+  // ---- Softmax cross-entropy over logits [M,C] with i32 labels [M]. Writes the probabilities,
+  // returns the summed loss and (through `correct`) the count of argmax hits.
+  virtual double softmax_xent_forward(const Tensor& logits, const Tensor& labels, Tensor& probs,
+                                      int64_t* correct) = 0;
+  // dlogits = (probs - onehot(labels)) * scale
+  virtual void softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) = 0;
+
+  // ---- Optimizer updates over flat parameter / gradient / state tensors.
+  virtual void sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buf, float lr, float momentum,
+                          float dampening, float weight_decay, bool nesterov) = 0;
+  virtual void adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1,
+                           float beta2, float eps, float weight_decay, bool decoupled, int64_t step) = 0;
+};
+
+// The engine of a device: the CPU engine always exists; the CUDA engine registers itself.
+Engine& engine_for(Device device);
+inline Engine& cpu_engine() { return engine_for(Device::cpu()); }
+using EngineFactory = std::unique_ptr<Engine> (*)(int device_index);
+void register_engine(DeviceType type, EngineFactory factory);
+
+// Library versions compiled in, for `dtrain info`.
+std::string onednn_version();
+std::string blas_info();
+
+}  // namespace dtrain

@@ -1,0 +1,71 @@
+#pragma once
+// Element-wise math written once, as __host__ __device__ functors: the CPU engine loops over them
+// with OpenMP and the CUDA engine launches them in kernels, so CPU tests cover the GPU's arithmetic.
+#include <cmath>
+
+#include "dtrain/core/dtype.h"
+
+namespace dtrain::fn {
+
+struct Relu {
+  DT_HD float operator()(float x) const { return x > 0.f ? x : 0.f; }
+};
+struct ReluGrad {  // dx = dy * [x > 0]
+  DT_HD float operator()(float x, float dy) const { return x > 0.f ? dy : 0.f; }
+};
+
+// GELU, tanh approximation (as GPT-2 uses): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+struct Gelu {
+  DT_HD float operator()(float x) const {
+    const float k = 0.7978845608028654f;
+    float u = k * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.f + tanhf(u));
+  }
+};
+struct GeluGrad {
+  DT_HD float operator()(float x, float dy) const {
+    const float k = 0.7978845608028654f;
+    float x2 = x * x;
+    float u = k * (x + 0.044715f * x2 * x);
+    float t = tanhf(u);
+    float du = k * (1.f + 3.f * 0.044715f * x2);
+    return dy * (0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * du);
+  }
+};
+
+// SGD with momentum (PyTorch's formulation): g = grad + wd*p; buf = mu*buf + (1-dampening)*g;
+// step = nesterov ? g + mu*buf : buf; p -= lr*step. With mu == 0 the buffer is unused.
+struct SgdStep {
+  float lr, momentum, dampening, weight_decay;
+  bool nesterov;
+  DT_HD void operator()(float& p, float g, float& buf) const {
+    g += weight_decay * p;
+    float step = g;
+    if (momentum != 0.f) {
+      buf = momentum * buf + (1.f - dampening) * g;
+      step = nesterov ? g + momentum * buf : buf;
+    }
+    p -= lr * step;
+  }
+};
+
+// Adam / AdamW. decoupled: p -= lr*wd*p (AdamW); otherwise wd is added to the gradient (Adam).
+// bias1 = 1 - beta1^t, bias2 = 1 - beta2^t, computed once per step by the caller.
+struct AdamStep {
+  float lr, beta1, beta2, eps, weight_decay, bias1, bias2;
+  bool decoupled;
+  DT_HD void operator()(float& p, float g, float& m, float& v) const {
+    if (decoupled) {
+      p -= lr * weight_decay * p;
+    } else {
+      g += weight_decay * p;
+    }
+    m = beta1 * m + (1.f - beta1) * g;
+    v = beta2 * v + (1.f - beta2) * g * g;
+    float mhat = m / bias1;
+    float vhat = v / bias2;
+    p -= lr * mhat / (sqrtf(vhat) + eps);
+  }
+};
+
+}  // namespace dtrain::fn

@@ -1,0 +1,178 @@
+#pragma once
+// The layers. Shapes: Linear (..., in) -> (..., out); images NCHW; conv weights (K, C, R, S).
+#include "dtrain/core/rng.h"
+#include "dtrain/nn/module.h"
+
+namespace dtrain::nn {
+
+class Linear : public Module {
+ public:
+  Linear(int64_t in, int64_t out, bool bias, Rng& rng);
+  Tensor forward(const Tensor& x) override;   // x (..., in) -> (..., out)
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return "Linear(" + std::to_string(in_) + ", " + std::to_string(out_) + ")"; }
+  Parameter& weight() { return *w_; }  // (out, in)
+  Parameter* bias() { return b_; }
+
+ private:
+  int64_t in_, out_;
+  Parameter* w_;
+  Parameter* b_ = nullptr;
+  Tensor x_, y_, dx_;
+};
+
+class Conv2d : public Module {
+ public:
+  Conv2d(int64_t in_ch, int64_t out_ch, int64_t kernel, int64_t stride, int64_t pad, bool bias, Rng& rng);
+  Tensor forward(const Tensor& x) override;  // (N, C, H, W) -> (N, K, P, Q)
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override;
+
+ private:
+  Conv2dGeom geom(const Tensor& x) const;
+  int64_t in_, out_, kernel_, stride_, pad_;
+  Parameter* w_;
+  Parameter* b_ = nullptr;
+  Tensor x_, y_, dx_, no_bias_;
+};
+
+class Pool2d : public Module {
+ public:
+  Pool2d(PoolKind kind, int64_t kernel, int64_t stride, int64_t pad = 0);
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override;
+
+ private:
+  PoolKind kind_;
+  int64_t kernel_, stride_, pad_;
+  Pool2dGeom g_{};
+  Tensor y_, dx_, state_;
+};
+inline ModulePtr MaxPool2d(int64_t k, int64_t s, int64_t p = 0) { return std::make_unique<Pool2d>(PoolKind::Max, k, s, p); }
+inline ModulePtr AvgPool2d(int64_t k, int64_t s, int64_t p = 0) { return std::make_unique<Pool2d>(PoolKind::Avg, k, s, p); }
+
+// (N, C, H, W) -> (N, C): mean over H*W.
+class GlobalAvgPool : public Module {
+ public:
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return "GlobalAvgPool"; }
+
+ private:
+  Shape in_shape_;
+  Tensor y_, dx_;
+};
+
+class Activation : public Module {
+ public:
+  explicit Activation(Unary op) : op_(op) {}
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return op_ == Unary::Relu ? "ReLU" : "GELU"; }
+
+ private:
+  Unary op_;
+  Tensor x_, y_, dx_;
+};
+inline ModulePtr ReLU() { return std::make_unique<Activation>(Unary::Relu); }
+inline ModulePtr GELU() { return std::make_unique<Activation>(Unary::Gelu); }
+
+class Dropout : public Module {
+ public:
+  Dropout(float p, uint64_t seed);
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return "Dropout(" + std::to_string(p_) + ")"; }
+  Rng& rng() { return rng_; }
+
+ private:
+  float p_;
+  Rng rng_;
+  Tensor mask_, y_, dx_;
+};
+
+// (N, ...) -> (N, prod(...)); a view, no copy.
+class Flatten : public Module {
+ public:
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return "Flatten"; }
+
+ private:
+  Shape in_shape_;
+};
+
+class BatchNorm2d : public Module {
+ public:
+  explicit BatchNorm2d(int64_t channels, float eps = 1e-5f, float momentum = 0.1f);
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return "BatchNorm2d(" + std::to_string(c_) + ")"; }
+
+ private:
+  int64_t c_;
+  float eps_, momentum_;
+  Parameter *gamma_, *beta_;
+  Buffer *running_mean_, *running_var_;
+  Tensor x_, y_, dx_, save_mean_, save_invstd_;
+};
+
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(int64_t features, float eps = 1e-5f);
+  Tensor forward(const Tensor& x) override;  // normalises the last dimension
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return "LayerNorm(" + std::to_string(d_) + ")"; }
+
+ private:
+  int64_t d_;
+  float eps_;
+  Parameter *gamma_, *beta_;
+  Tensor x_, y_, dx_, mean_, rstd_;
+};
+
+class Sequential : public Module {
+ public:
+  Sequential() = default;
+  Sequential& add(ModulePtr m);
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return "Sequential"; }
+  std::vector<std::pair<std::string, Module*>> children() override;
+  size_t size() const { return layers_.size(); }
+  Module& operator[](size_t i) { return *layers_[i]; }
+
+ private:
+  std::vector<ModulePtr> layers_;
+};
+
+// y = body(x) + shortcut(x); shortcut is the identity when null.
+class Residual : public Module {
+ public:
+  Residual(ModulePtr body, ModulePtr shortcut = nullptr);
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return "Residual"; }
+  std::vector<std::pair<std::string, Module*>> children() override;
+
+ private:
+  ModulePtr body_, shortcut_;
+  Tensor y_, dx_;
+};
+
+// Mean softmax cross-entropy over a batch of logits (N, C) with i32 labels (N).
+class SoftmaxCrossEntropy {
+ public:
+  // Returns the mean loss; `correct` receives the number of argmax hits.
+  float forward(const Tensor& logits, const Tensor& labels, int64_t* correct = nullptr);
+  // d(mean loss)/d(logits), times `scale` (the loss scale, or 1/micro-steps).
+  Tensor backward(float scale = 1.f);
+  double last_loss_sum() const { return loss_sum_; }
+
+ private:
+  Tensor labels_, probs_, dlogits_;
+  double loss_sum_ = 0;
+};
+
+}  // namespace dtrain::nn

@@ -1,0 +1,22 @@
+#pragma once
+#include <string>
+#include <vector>
+
+#include "dtrain/nn/layers.h"
+
+namespace dtrain::nn {
+
+struct ModelSpec {
+  std::string name;            // mlp, simple_cnn, resnet20
+  Shape input;                 // per-sample input shape, e.g. {1, 28, 28}
+  int64_t classes = 10;
+  std::vector<int64_t> hidden{256, 128};  // MLP widths
+  float dropout = 0.f;         // MLP dropout between hidden layers
+  uint64_t seed = 1;
+};
+
+// Builds a model; throws InputError naming the model when the name or input shape does not fit.
+ModulePtr make_model(const ModelSpec& spec);
+std::vector<std::string> model_names();
+
+}  // namespace dtrain::nn

@@ -1,0 +1,71 @@
+#pragma once
+// Optimizers over a model's parameters, fp32 master weights. Each parameter's state tensors are
+// named (for checkpoints) and live on the parameter's device.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/nn/module.h"
+
+namespace dtrain::optim {
+
+struct StateTensor {
+  std::string name;  // "<param>.momentum", "<param>.exp_avg", ...
+  Tensor* value;
+};
+
+class Optimizer {
+ public:
+  explicit Optimizer(std::vector<nn::Parameter*> params);
+  virtual ~Optimizer() = default;
+  virtual std::string kind() const = 0;
+  // One update with learning rate `lr` (from the schedule) using the gradients as they are.
+  virtual void step(float lr) = 0;
+  void zero_grad();
+  int64_t steps() const { return steps_; }
+  void set_steps(int64_t s) { steps_ = s; }
+  virtual std::vector<StateTensor> state() = 0;
+  const std::vector<nn::Parameter*>& params() const { return params_; }
+
+ protected:
+  std::vector<nn::Parameter*> params_;
+  int64_t steps_ = 0;
+};
+
+struct SgdOptions {
+  float momentum = 0.f, dampening = 0.f, weight_decay = 0.f;
+  bool nesterov = false;
+};
+class SGD : public Optimizer {
+ public:
+  SGD(std::vector<nn::Parameter*> params, SgdOptions o);
+  std::string kind() const override { return "sgd"; }
+  void step(float lr) override;
+  std::vector<StateTensor> state() override;
+
+ private:
+  SgdOptions o_;
+  std::vector<Tensor> buf_;
+};
+
+struct AdamOptions {
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.f;
+  bool decoupled = false;  // true: AdamW
+};
+class Adam : public Optimizer {
+ public:
+  Adam(std::vector<nn::Parameter*> params, AdamOptions o);
+  std::string kind() const override { return o_.decoupled ? "adamw" : "adam"; }
+  void step(float lr) override;
+  std::vector<StateTensor> state() override;
+
+ private:
+  AdamOptions o_;
+  std::vector<Tensor> m_, v_;
+};
+
+// Scales all gradients so their global L2 norm is at most max_norm; returns the norm before clipping.
+double clip_grad_norm(const std::vector<nn::Parameter*>& params, double max_norm);
+double grad_norm(const std::vector<nn::Parameter*>& params);
+
+}  // namespace dtrain::optim

@@ -1,0 +1,184 @@
+// Convolution and pooling on the CPU through oneDNN primitives.
+// Tensors stay NCHW / OIHW; oneDNN picks its own (blocked) layouts with format_tag::any, and we
+// reorder at the boundary. Primitives are built once per shape and cached: building one costs
+// about as much as running it.
+#include <cstring>
+#include <sstream>
+
+#include "cpu_engine.h"
+
+namespace dtrain::cpu {
+
+
+
+static std::string conv_key(const Conv2dGeom& g) {
+  std::ostringstream k;
+  k << g.n << ',' << g.c << ',' << g.h << ',' << g.w << ',' << g.k << ',' << g.r << ',' << g.s << ',' << g.stride
+    << ',' << g.pad;
+  return k.str();
+}
+
+ConvPrims& CpuEngine::conv_prims(const Conv2dGeom& g) {
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  auto& slot = conv_cache_[conv_key(g)];
+  if (slot) return *slot;
+  auto p = std::make_unique<ConvPrims>();
+  memory::dims xd{g.n, g.c, g.h, g.w}, wd{g.k, g.c, g.r, g.s}, bd{g.k}, yd{g.n, g.k, g.out_h(), g.out_w()};
+  memory::dims st{g.stride, g.stride}, pad{g.pad, g.pad};
+  p->x_md = plain(xd, tag::nchw);
+  p->w_md = plain(wd, tag::oihw);
+  p->b_md = plain(bd, tag::x);
+  p->y_md = plain(yd, tag::nchw);
+  auto any = [](const memory::dims& d) { return memory::desc(d, dt::f32, tag::any); };
+  dnnl::convolution_forward::desc fd(dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, any(xd),
+                                     any(wd), p->b_md, any(yd), st, pad, pad);
+  p->fwd_pd = dnnl::convolution_forward::primitive_desc(fd, eng_);
+  p->fwd = dnnl::convolution_forward(p->fwd_pd);
+  p->fx.init(eng_, p->x_md, p->fwd_pd.src_desc(), true, false);
+  p->fw.init(eng_, p->w_md, p->fwd_pd.weights_desc(), true, false);
+  p->fy.init(eng_, p->y_md, p->fwd_pd.dst_desc(), false, true);
+
+  dnnl::convolution_backward_data::desc bdd(dnnl::algorithm::convolution_direct, any(xd), any(wd), any(yd), st, pad,
+                                            pad);
+  p->bwd_d_pd = dnnl::convolution_backward_data::primitive_desc(bdd, eng_, p->fwd_pd);
+  p->bwd_d = dnnl::convolution_backward_data(p->bwd_d_pd);
+  p->dy_d.init(eng_, p->y_md, p->bwd_d_pd.diff_dst_desc(), true, false);
+  p->w_d.init(eng_, p->w_md, p->bwd_d_pd.weights_desc(), true, false);
+  p->dx_d.init(eng_, p->x_md, p->bwd_d_pd.diff_src_desc(), false, true);
+
+  dnnl::convolution_backward_weights::desc bwd(dnnl::algorithm::convolution_direct, any(xd), any(wd), p->b_md,
+                                               any(yd), st, pad, pad);
+  p->bwd_w_pd = dnnl::convolution_backward_weights::primitive_desc(bwd, eng_, p->fwd_pd);
+  p->bwd_w = dnnl::convolution_backward_weights(p->bwd_w_pd);
+  p->x_w.init(eng_, p->x_md, p->bwd_w_pd.src_desc(), true, false);
+  p->dy_w.init(eng_, p->y_md, p->bwd_w_pd.diff_dst_desc(), true, false);
+  p->dw_w.init(eng_, p->w_md, p->bwd_w_pd.diff_weights_desc(), false, true);
+  p->dw_tmp = memory(p->w_md, eng_);
+  p->db_tmp = memory(p->b_md, eng_);
+  slot = std::move(p);
+  return *slot;
+}
+
+static void check_conv(const Conv2dGeom& g, const Tensor& x, const Tensor& w, const Tensor& y) {
+  DT_CHECK(x.numel() == g.n * g.c * g.h * g.w && w.numel() == g.k * g.c * g.r * g.s &&
+               y.numel() == g.n * g.k * g.out_h() * g.out_w(),
+           "conv2d geometry does not match tensors x " << x.str() << ", w " << w.str() << ", y " << y.str());
+}
+
+void CpuEngine::conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
+  check_conv(g, x, w, y);
+  ConvPrims& p = conv_prims(g);
+  std::unordered_map<int, memory> args;
+  args[DNNL_ARG_SRC] = p.fx.input(eng_, strm_, p.x_md, x.raw());
+  args[DNNL_ARG_WEIGHTS] = p.fw.input(eng_, strm_, p.w_md, w.raw());
+  memory zero_bias;
+  if (bias.defined()) {
+    args[DNNL_ARG_BIAS] = memory(p.b_md, eng_, bias.raw());
+  } else {
+    zero_bias = memory(p.b_md, eng_);
+    std::memset(zero_bias.get_data_handle(), 0, static_cast<size_t>(g.k) * 4);
+    args[DNNL_ARG_BIAS] = zero_bias;
+  }
+  args[DNNL_ARG_DST] = p.fy.output(eng_, p.y_md, y.raw());
+  p.fwd.execute(strm_, args);
+  p.fy.finish(eng_, strm_, p.y_md, y.raw());
+  strm_.wait();
+}
+
+void CpuEngine::conv2d_backward_data(const Conv2dGeom& g, const Tensor& dy, const Tensor& w, Tensor& dx) {
+  check_conv(g, dx, w, dy);
+  ConvPrims& p = conv_prims(g);
+  std::unordered_map<int, memory> args;
+  args[DNNL_ARG_DIFF_DST] = p.dy_d.input(eng_, strm_, p.y_md, dy.raw());
+  args[DNNL_ARG_WEIGHTS] = p.w_d.input(eng_, strm_, p.w_md, w.raw());
+  args[DNNL_ARG_DIFF_SRC] = p.dx_d.output(eng_, p.x_md, dx.raw());
+  p.bwd_d.execute(strm_, args);
+  p.dx_d.finish(eng_, strm_, p.x_md, dx.raw());
+  strm_.wait();
+}
+
+void CpuEngine::conv2d_backward_weights(const Conv2dGeom& g, const Tensor& x, const Tensor& dy, Tensor& dw,
+                                        Tensor& dbias) {
+  check_conv(g, x, dw, dy);
+  ConvPrims& p = conv_prims(g);
+  std::unordered_map<int, memory> args;
+  args[DNNL_ARG_SRC] = p.x_w.input(eng_, strm_, p.x_md, x.raw());
+  args[DNNL_ARG_DIFF_DST] = p.dy_w.input(eng_, strm_, p.y_md, dy.raw());
+  void* dw_tmp = p.dw_tmp.get_data_handle();
+  args[DNNL_ARG_DIFF_WEIGHTS] = p.dw_w.output(eng_, p.w_md, dw_tmp);
+  args[DNNL_ARG_DIFF_BIAS] = p.db_tmp;
+  p.bwd_w.execute(strm_, args);
+  p.dw_w.finish(eng_, strm_, p.w_md, dw_tmp);
+  strm_.wait();
+  // Gradients accumulate (engine contract).
+  const float* tw = static_cast<const float*>(dw_tmp);
+  float* pdw = dw.f32();
+  for (int64_t i = 0; i < dw.numel(); ++i) pdw[i] += tw[i];
+  if (dbias.defined()) {
+    const float* tb = static_cast<const float*>(p.db_tmp.get_data_handle());
+    float* pdb = dbias.f32();
+    for (int64_t i = 0; i < g.k; ++i) pdb[i] += tb[i];
+  }
+}
+
+// ------------------------------------------------------------------ pooling
+
+PoolPrims& CpuEngine::pool_prims(const Pool2dGeom& g, PoolKind kind) {
+  std::ostringstream key;
+  key << static_cast<int>(kind) << ',' << g.n << ',' << g.c << ',' << g.h << ',' << g.w << ',' << g.kernel << ','
+      << g.stride << ',' << g.pad;
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  auto& slot = pool_cache_[key.str()];
+  if (slot) return *slot;
+  auto p = std::make_unique<PoolPrims>();
+  p->x_md = plain({g.n, g.c, g.h, g.w}, tag::nchw);
+  p->y_md = plain({g.n, g.c, g.out_h(), g.out_w()}, tag::nchw);
+  // Average pooling counts the padding, as PyTorch's default count_include_pad=True does.
+  auto alg = kind == PoolKind::Max ? dnnl::algorithm::pooling_max : dnnl::algorithm::pooling_avg_include_padding;
+  memory::dims st{g.stride, g.stride}, ker{g.kernel, g.kernel}, pad{g.pad, g.pad};
+  dnnl::pooling_forward::desc fd(dnnl::prop_kind::forward_training, alg, p->x_md, p->y_md, st, ker, pad, pad);
+  p->fwd_pd = dnnl::pooling_forward::primitive_desc(fd, eng_);
+  p->fwd = dnnl::pooling_forward(p->fwd_pd);
+  dnnl::pooling_backward::desc bd(alg, p->x_md, p->y_md, st, ker, pad, pad);
+  p->bwd_pd = dnnl::pooling_backward::primitive_desc(bd, eng_, p->fwd_pd);
+  p->bwd = dnnl::pooling_backward(p->bwd_pd);
+  p->workspace_bytes = p->fwd_pd.workspace_desc().get_size();
+  slot = std::move(p);
+  return *slot;
+}
+
+void CpuEngine::pool2d_forward(const Pool2dGeom& g, PoolKind kind, const Tensor& x, Tensor& y, Tensor* state) {
+  DT_CHECK(x.numel() == g.n * g.c * g.h * g.w && y.numel() == g.n * g.c * g.out_h() * g.out_w(),
+           "pool2d geometry does not match x " << x.str() << ", y " << y.str());
+  PoolPrims& p = pool_prims(g, kind);
+  std::unordered_map<int, memory> args{{DNNL_ARG_SRC, memory(p.x_md, eng_, x.raw())},
+                                       {DNNL_ARG_DST, memory(p.y_md, eng_, y.raw())}};
+  Tensor ws;
+  if (p.workspace_bytes) {
+    if (state && state->defined() && state->nbytes() == p.workspace_bytes) {
+      ws = *state;
+    } else {
+      ws = Tensor::empty({static_cast<int64_t>(p.workspace_bytes)}, DType::U8);
+      if (state) *state = ws;
+    }
+    args[DNNL_ARG_WORKSPACE] = memory(p.fwd_pd.workspace_desc(), eng_, ws.raw());
+  }
+  p.fwd.execute(strm_, args);
+  strm_.wait();
+}
+
+void CpuEngine::pool2d_backward(const Pool2dGeom& g, PoolKind kind, const Tensor& dy, const Tensor& state,
+                                Tensor& dx) {
+  PoolPrims& p = pool_prims(g, kind);
+  std::unordered_map<int, memory> args{{DNNL_ARG_DIFF_DST, memory(p.y_md, eng_, dy.raw())},
+                                       {DNNL_ARG_DIFF_SRC, memory(p.x_md, eng_, dx.raw())}};
+  if (p.workspace_bytes) {
+    DT_CHECK(state.defined() && state.nbytes() == p.workspace_bytes,
+             "max-pool backward needs the workspace saved by a training forward");
+    args[DNNL_ARG_WORKSPACE] = memory(p.fwd_pd.workspace_desc(), eng_, state.raw());
+  }
+  p.bwd.execute(strm_, args);
+  strm_.wait();
+}
+
+}  // namespace dtrain::cpu

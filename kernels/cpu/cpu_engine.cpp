@@ -1,0 +1,336 @@
+#include "cpu_engine.h"
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+
+#include <cblas.h>
+
+#include "dtrain/kernels/functors.h"
+
+namespace dtrain {
+
+namespace {
+std::mutex g_engines_mu;
+EngineFactory g_factories[2] = {nullptr, nullptr};
+std::unordered_map<int, std::unique_ptr<Engine>>& cuda_engines() {
+  static std::unordered_map<int, std::unique_ptr<Engine>> m;
+  return m;
+}
+}  // namespace
+
+void register_engine(DeviceType type, EngineFactory factory) {
+  std::lock_guard<std::mutex> lock(g_engines_mu);
+  g_factories[static_cast<int>(type)] = factory;
+}
+
+Engine& engine_for(Device device) {
+  if (device.is_cpu()) {
+    static cpu::CpuEngine cpu_engine;
+    return cpu_engine;
+  }
+  std::lock_guard<std::mutex> lock(g_engines_mu);
+  auto& m = cuda_engines();
+  auto it = m.find(device.index);
+  if (it != m.end()) return *it->second;
+  EngineFactory f = g_factories[static_cast<int>(DeviceType::CUDA)];
+  DT_CHECK(f, "no engine for " << device.str() << ": dtrain was built without CUDA");
+  return *(m[device.index] = f(device.index));
+}
+
+std::string onednn_version() {
+  const dnnl_version_t* v = dnnl_version();
+  return std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) + " (" +
+         v->hash + ")";
+}
+
+std::string blas_info() {
+  const char* cfg = openblas_get_config();
+  return std::string("OpenBLAS ") + (cfg ? cfg : "?");
+}
+
+namespace cpu {
+
+// Loops smaller than this run on the calling thread: OpenMP's fork/join costs more than the work.
+constexpr int64_t kParallelGrain = 1 << 15;
+
+CpuEngine::CpuEngine() : eng_(dnnl::engine::kind::cpu, 0), strm_(eng_) { threads_ = omp_get_max_threads(); }
+
+std::string CpuEngine::describe() const {
+  return "cpu (oneDNN " + onednn_version() + ", " + std::to_string(threads_) + " threads)";
+}
+
+void CpuEngine::set_threads(int threads) {
+  DT_CHECK(threads >= 1, "thread count must be >= 1, got " << threads);
+  threads_ = threads;
+  omp_set_num_threads(threads);
+}
+
+static void check_f32(const Tensor& t, const char* what) {
+  DT_CHECK(t.defined() && t.dtype() == DType::F32 && t.device().is_cpu(),
+           what << " must be an f32 CPU tensor, got " << (t.defined() ? t.str() : "undefined"));
+}
+
+// ------------------------------------------------------------------ GEMM
+void CpuEngine::gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a, const Tensor& b,
+                     float beta, Tensor& c) {
+  check_f32(a, "gemm A");
+  check_f32(b, "gemm B");
+  check_f32(c, "gemm C");
+  DT_CHECK(a.numel() >= m * k && b.numel() >= k * n && c.numel() >= m * n,
+           "gemm " << m << "x" << n << "x" << k << ": operands too small (" << a.str() << ", " << b.str() << ", "
+                   << c.str() << ")");
+  dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a.f32(), ta ? m : k, b.f32(),
+                                tb ? k : n, beta, c.f32(), n);
+  DT_CHECK(st == dnnl_success, "dnnl_sgemm failed with status " << static_cast<int>(st));
+}
+
+void CpuEngine::gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                             const Tensor& a, int64_t sa, const Tensor& b, int64_t sb, float beta, Tensor& c,
+                             int64_t sc) {
+  check_f32(a, "gemm_batched A");
+  check_f32(b, "gemm_batched B");
+  check_f32(c, "gemm_batched C");
+  DT_CHECK(a.numel() >= (batch - 1) * sa + m * k && b.numel() >= (batch - 1) * sb + k * n &&
+               c.numel() >= (batch - 1) * sc + m * n,
+           "gemm_batched: operands too small");
+  for (int64_t i = 0; i < batch; ++i) {
+    dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a.f32() + i * sa, ta ? m : k,
+                                  b.f32() + i * sb, tb ? k : n, beta, c.f32() + i * sc, n);
+    DT_CHECK(st == dnnl_success, "dnnl_sgemm failed with status " << static_cast<int>(st));
+  }
+}
+
+// ------------------------------------------------------------------ element-wise
+template <typename F>
+static void map1(const Tensor& x, Tensor& y, F f) {
+  check_f32(x, "input");
+  check_f32(y, "output");
+  DT_CHECK(x.numel() == y.numel(), "element-wise op on " << x.str() << " -> " << y.str());
+  const float* px = x.f32();
+  float* py = y.f32();
+  int64_t n = x.numel();
+#pragma omp parallel for schedule(static) if (n > kParallelGrain)
+  for (int64_t i = 0; i < n; ++i) py[i] = f(px[i]);
+}
+
+template <typename F>
+static void map2(const Tensor& a, const Tensor& b, Tensor& y, F f) {
+  check_f32(a, "input");
+  check_f32(b, "input");
+  check_f32(y, "output");
+  DT_CHECK(a.numel() == y.numel() && b.numel() == y.numel(),
+           "element-wise op on " << a.str() << ", " << b.str() << " -> " << y.str());
+  const float* pa = a.f32();
+  const float* pb = b.f32();
+  float* py = y.f32();
+  int64_t n = y.numel();
+#pragma omp parallel for schedule(static) if (n > kParallelGrain)
+  for (int64_t i = 0; i < n; ++i) py[i] = f(pa[i], pb[i]);
+}
+
+void CpuEngine::unary_forward(Unary op, const Tensor& x, Tensor& y) {
+  if (op == Unary::Relu) map1(x, y, fn::Relu{});
+  else map1(x, y, fn::Gelu{});
+}
+
+void CpuEngine::unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) {
+  if (op == Unary::Relu) map2(x, dy, dx, fn::ReluGrad{});
+  else map2(x, dy, dx, fn::GeluGrad{});
+}
+
+// A stateless hash of (seed, index) so the mask does not depend on thread scheduling.
+static inline float hash_uniform(uint64_t seed, uint64_t i) {
+  uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+}
+
+void CpuEngine::dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor& mask, Tensor& y) {
+  check_f32(x, "dropout input");
+  DT_CHECK(p >= 0.f && p < 1.f, "dropout probability must be in [0, 1), got " << p);
+  float keep_scale = 1.f / (1.f - p);
+  float* pm = mask.f32();
+  int64_t n = x.numel();
+#pragma omp parallel for schedule(static) if (n > kParallelGrain)
+  for (int64_t i = 0; i < n; ++i) pm[i] = hash_uniform(seed, static_cast<uint64_t>(i)) >= p ? keep_scale : 0.f;
+  mul(x, mask, y);
+}
+
+void CpuEngine::mul(const Tensor& a, const Tensor& b, Tensor& y) {
+  map2(a, b, y, [](float u, float v) { return u * v; });
+}
+void CpuEngine::add(const Tensor& a, const Tensor& b, Tensor& y) {
+  map2(a, b, y, [](float u, float v) { return u + v; });
+}
+void CpuEngine::axpy(float alpha, const Tensor& x, Tensor& y) {
+  map2(x, y, y, [alpha](float u, float v) { return v + alpha * u; });
+}
+void CpuEngine::scale(Tensor& y, float alpha) {
+  map1(y, y, [alpha](float u) { return u * alpha; });
+}
+void CpuEngine::fill(Tensor& y, float value) {
+  if (y.dtype() != DType::F32) {
+    DT_CHECK(value == 0.f, "fill of " << y.str() << " with a non-zero value");
+    y.zero_();
+    return;
+  }
+  map1(y, y, [value](float) { return value; });
+}
+void CpuEngine::copy(const Tensor& src, Tensor& dst) { dst.copy_from(src); }
+
+void CpuEngine::cast(const Tensor& src, Tensor& dst) {
+  DT_CHECK(src.numel() == dst.numel(), "cast " << src.str() << " -> " << dst.str());
+  int64_t n = src.numel();
+  if (src.dtype() == dst.dtype()) return dst.copy_from(src);
+  if (src.dtype() == DType::F32 && dst.dtype() == DType::BF16) {
+    const float* s = src.f32();
+    uint16_t* d = dst.data<uint16_t>();
+#pragma omp parallel for if (n > kParallelGrain)
+    for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(s[i]);
+  } else if (src.dtype() == DType::BF16 && dst.dtype() == DType::F32) {
+    const uint16_t* s = src.data<uint16_t>();
+    float* d = dst.f32();
+#pragma omp parallel for if (n > kParallelGrain)
+    for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_float(s[i]);
+  } else if (src.dtype() == DType::F32 && dst.dtype() == DType::F16) {
+    const float* s = src.f32();
+    uint16_t* d = dst.data<uint16_t>();
+#pragma omp parallel for if (n > kParallelGrain)
+    for (int64_t i = 0; i < n; ++i) d[i] = float_to_f16(s[i]);
+  } else if (src.dtype() == DType::F16 && dst.dtype() == DType::F32) {
+    const uint16_t* s = src.data<uint16_t>();
+    float* d = dst.f32();
+#pragma omp parallel for if (n > kParallelGrain)
+    for (int64_t i = 0; i < n; ++i) d[i] = f16_to_float(s[i]);
+  } else {
+    DT_CHECK(false, "cast from " << dtype_name(src.dtype()) << " to " << dtype_name(dst.dtype()) << " is not defined");
+  }
+}
+
+void CpuEngine::add_row_bias(Tensor& y, const Tensor& bias) {
+  check_f32(y, "y");
+  check_f32(bias, "bias");
+  int64_t n = bias.numel();
+  DT_CHECK(n > 0 && y.numel() % n == 0, "add_row_bias " << y.str() << " + " << bias.str());
+  int64_t m = y.numel() / n;
+  float* py = y.f32();
+  const float* pb = bias.f32();
+#pragma omp parallel for if (m * n > kParallelGrain)
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) py[i * n + j] += pb[j];
+}
+
+void CpuEngine::row_bias_grad(const Tensor& dy, Tensor& dbias) {
+  check_f32(dy, "dy");
+  check_f32(dbias, "dbias");
+  int64_t n = dbias.numel();
+  DT_CHECK(n > 0 && dy.numel() % n == 0, "row_bias_grad " << dy.str() << " -> " << dbias.str());
+  int64_t m = dy.numel() / n;
+  const float* p = dy.f32();
+  float* db = dbias.f32();
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) db[j] += p[i * n + j];
+}
+
+double CpuEngine::sum_squares(const Tensor& x) {
+  check_f32(x, "sum_squares input");
+  const float* p = x.f32();
+  int64_t n = x.numel();
+  double s = 0;
+#pragma omp parallel for reduction(+ : s) if (n > kParallelGrain)
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(p[i]) * p[i];
+  return s;
+}
+
+bool CpuEngine::all_finite(const Tensor& x) {
+  check_f32(x, "all_finite input");
+  const float* p = x.f32();
+  int64_t n = x.numel();
+  int bad = 0;
+#pragma omp parallel for reduction(| : bad) if (n > kParallelGrain)
+  for (int64_t i = 0; i < n; ++i) bad |= !std::isfinite(p[i]);
+  return !bad;
+}
+
+// ------------------------------------------------------------------ softmax cross-entropy
+double CpuEngine::softmax_xent_forward(const Tensor& logits, const Tensor& labels, Tensor& probs, int64_t* correct) {
+  check_f32(logits, "logits");
+  DT_CHECK(logits.dim() == 2 && labels.dtype() == DType::I32 && labels.numel() == logits.size(0),
+           "softmax_xent: logits " << logits.str() << ", labels " << labels.str());
+  int64_t m = logits.size(0), c = logits.size(1);
+  const float* x = logits.f32();
+  const int32_t* y = labels.data<int32_t>();
+  float* p = probs.f32();
+  double loss = 0;
+  int64_t hits = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = x + i * c;
+    float* prow = p + i * c;
+    int32_t label = y[i];
+    DT_CHECK(label >= 0 && label < c, "label " << label << " out of range [0, " << c << ") at row " << i);
+    float mx = row[0];
+    int64_t arg = 0;
+    for (int64_t j = 1; j < c; ++j)
+      if (row[j] > mx) mx = row[j], arg = j;
+    double sum = 0;
+    for (int64_t j = 0; j < c; ++j) {
+      float e = std::exp(row[j] - mx);
+      prow[j] = e;
+      sum += e;
+    }
+    float inv = static_cast<float>(1.0 / sum);
+    for (int64_t j = 0; j < c; ++j) prow[j] *= inv;
+    loss += -(static_cast<double>(row[label]) - mx - std::log(sum));
+    hits += (arg == label);
+  }
+  if (correct) *correct = hits;
+  return loss;
+}
+
+void CpuEngine::softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) {
+  int64_t m = probs.size(0), c = probs.size(1);
+  const float* p = probs.f32();
+  const int32_t* y = labels.data<int32_t>();
+  float* d = dlogits.f32();
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < c; ++j) d[i * c + j] = (p[i * c + j] - (j == y[i] ? 1.f : 0.f)) * scale;
+}
+
+// ------------------------------------------------------------------ optimizer updates
+void CpuEngine::sgd_update(Tensor& param, const Tensor& grad, Tensor& buf, float lr, float momentum, float dampening,
+                           float weight_decay, bool nesterov) {
+  check_f32(param, "param");
+  check_f32(grad, "grad");
+  DT_CHECK(param.numel() == grad.numel(), "sgd_update " << param.str() << " with grad " << grad.str());
+  fn::SgdStep f{lr, momentum, dampening, weight_decay, nesterov};
+  float* p = param.f32();
+  const float* g = grad.f32();
+  float dummy = 0.f;
+  float* b = momentum != 0.f ? buf.f32() : nullptr;
+  int64_t n = param.numel();
+#pragma omp parallel for if (n > kParallelGrain) firstprivate(dummy)
+  for (int64_t i = 0; i < n; ++i) f(p[i], g[i], b ? b[i] : dummy);
+}
+
+void CpuEngine::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1,
+                            float beta2, float eps, float weight_decay, bool decoupled, int64_t step) {
+  check_f32(param, "param");
+  DT_CHECK(step >= 1, "adam step counts from 1");
+  float bias1 = 1.f - std::pow(beta1, static_cast<float>(step));
+  float bias2 = 1.f - std::pow(beta2, static_cast<float>(step));
+  fn::AdamStep f{lr, beta1, beta2, eps, weight_decay, bias1, bias2, decoupled};
+  float* p = param.f32();
+  const float* g = grad.f32();
+  float* pm = m.f32();
+  float* pv = v.f32();
+  int64_t n = param.numel();
+#pragma omp parallel for if (n > kParallelGrain)
+  for (int64_t i = 0; i < n; ++i) f(p[i], g[i], pm[i], pv[i]);
+}
+
+}  // namespace cpu
+}  // namespace dtrain

@@ -1,0 +1,145 @@
+#pragma once
+// CpuEngine: GEMM, convolution and pooling through oneDNN; normalisation, element-wise ops and
+// reductions as OpenMP loops over the shared functors. Private to kernels/.
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include "dtrain/kernels/engine.h"
+
+namespace dtrain::cpu {
+
+using dnnl::memory;
+using tag = memory::format_tag;
+using dt = memory::data_type;
+
+inline dnnl::memory::desc plain(const memory::dims& d, tag t) { return memory::desc(d, dt::f32, t); }
+
+// A memory in the layout a primitive wants, reordering from/to the user's plain buffer when the
+// layouts differ. The scratch buffer lives in the cache entry so a step allocates nothing.
+struct Staged {
+  memory::desc want;
+  memory scratch;  // empty when `want` equals the user's layout
+  dnnl::reorder to_prim, from_prim;
+  void init(const dnnl::engine& eng, const memory::desc& user, const memory::desc& wanted, bool in, bool out) {
+    want = wanted;
+    if (wanted != user) {
+      scratch = memory(wanted, eng);
+      memory u(user, eng, DNNL_MEMORY_NONE);
+      if (in) to_prim = dnnl::reorder(u, scratch);
+      if (out) from_prim = dnnl::reorder(scratch, u);
+    }
+  }
+  // The memory the primitive should read: the user's data, reordered when needed.
+  memory input(const dnnl::engine& eng, dnnl::stream& s, const memory::desc& user, void* data) {
+    memory u(user, eng, data);
+    if (!scratch) return u;
+    to_prim.execute(s, u, scratch);
+    return scratch;
+  }
+  memory output(const dnnl::engine& eng, const memory::desc& user, void* data) {
+    return scratch ? scratch : memory(user, eng, data);
+  }
+  void finish(const dnnl::engine& eng, dnnl::stream& s, const memory::desc& user, void* data) {
+    if (!scratch) return;
+    memory u(user, eng, data);
+    from_prim.execute(s, scratch, u);
+  }
+};
+
+
+struct ConvPrims {
+  memory::desc x_md, w_md, b_md, y_md;
+  dnnl::convolution_forward::primitive_desc fwd_pd;
+  dnnl::convolution_forward fwd;
+  Staged fx, fw, fy;
+  dnnl::convolution_backward_data::primitive_desc bwd_d_pd;
+  dnnl::convolution_backward_data bwd_d;
+  Staged dy_d, w_d, dx_d;
+  dnnl::convolution_backward_weights::primitive_desc bwd_w_pd;
+  dnnl::convolution_backward_weights bwd_w;
+  Staged x_w, dy_w, dw_w;
+  memory dw_tmp, db_tmp;  // backward-weights results, added into the accumulating gradients
+};
+
+struct PoolPrims {
+  memory::desc x_md, y_md;
+  dnnl::pooling_forward::primitive_desc fwd_pd;
+  dnnl::pooling_forward fwd;
+  dnnl::pooling_backward::primitive_desc bwd_pd;
+  dnnl::pooling_backward bwd;
+  size_t workspace_bytes = 0;
+};
+
+class CpuEngine final : public Engine {
+ public:
+  CpuEngine();
+  Device device() const override { return Device::cpu(); }
+  std::string describe() const override;
+  void set_threads(int threads) override;
+  int threads() const override { return threads_; }
+
+  void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a, const Tensor& b,
+            float beta, Tensor& c) override;
+  void gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a,
+                    int64_t sa, const Tensor& b, int64_t sb, float beta, Tensor& c, int64_t sc) override;
+
+  void conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) override;
+  void conv2d_backward_data(const Conv2dGeom& g, const Tensor& dy, const Tensor& w, Tensor& dx) override;
+  void conv2d_backward_weights(const Conv2dGeom& g, const Tensor& x, const Tensor& dy, Tensor& dw,
+                               Tensor& dbias) override;
+  void pool2d_forward(const Pool2dGeom& g, PoolKind kind, const Tensor& x, Tensor& y, Tensor* state) override;
+  void pool2d_backward(const Pool2dGeom& g, PoolKind kind, const Tensor& dy, const Tensor& state,
+                       Tensor& dx) override;
+
+  void batchnorm_forward_train(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta, float eps,
+                               float momentum, Tensor& running_mean, Tensor& running_var, Tensor& save_mean,
+                               Tensor& save_invstd, Tensor& y) override;
+  void batchnorm_forward_infer(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta, float eps,
+                               const Tensor& running_mean, const Tensor& running_var, Tensor& y) override;
+  void batchnorm_backward(const Tensor& x, const Tensor& dy, int64_t channels, const Tensor& gamma,
+                          const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx, Tensor& dgamma,
+                          Tensor& dbeta) override;
+  void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& mean,
+                         Tensor& rstd, Tensor& y) override;
+  void layernorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
+                          const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override;
+
+  void unary_forward(Unary op, const Tensor& x, Tensor& y) override;
+  void unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) override;
+  void dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor& mask, Tensor& y) override;
+  void mul(const Tensor& a, const Tensor& b, Tensor& y) override;
+  void add(const Tensor& a, const Tensor& b, Tensor& y) override;
+  void axpy(float alpha, const Tensor& x, Tensor& y) override;
+  void scale(Tensor& y, float alpha) override;
+  void fill(Tensor& y, float value) override;
+  void copy(const Tensor& src, Tensor& dst) override;
+  void cast(const Tensor& src, Tensor& dst) override;
+  void add_row_bias(Tensor& y, const Tensor& bias) override;
+  void row_bias_grad(const Tensor& dy, Tensor& dbias) override;
+  double sum_squares(const Tensor& x) override;
+  bool all_finite(const Tensor& x) override;
+
+  double softmax_xent_forward(const Tensor& logits, const Tensor& labels, Tensor& probs, int64_t* correct) override;
+  void softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) override;
+
+  void sgd_update(Tensor& param, const Tensor& grad, Tensor& buf, float lr, float momentum, float dampening,
+                  float weight_decay, bool nesterov) override;
+  void adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1, float beta2,
+                   float eps, float weight_decay, bool decoupled, int64_t step) override;
+
+ private:
+  ConvPrims& conv_prims(const Conv2dGeom& g);
+  PoolPrims& pool_prims(const Pool2dGeom& g, PoolKind kind);
+
+  dnnl::engine eng_;
+  dnnl::stream strm_;
+  int threads_ = 1;
+  std::mutex cache_mu_;
+  std::unordered_map<std::string, std::unique_ptr<ConvPrims>> conv_cache_;
+  std::unordered_map<std::string, std::unique_ptr<PoolPrims>> pool_cache_;
+};
+
+}  // namespace dtrain::cpu

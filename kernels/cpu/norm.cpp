@@ -1,0 +1,199 @@
+// BatchNorm (per channel over N and H*W) and LayerNorm (per row over the last dim), OpenMP loops.
+#include <cmath>
+
+#include "cpu_engine.h"
+
+namespace dtrain::cpu {
+
+// x viewed as [N, C, HW].
+struct NchwView {
+  int64_t n, c, hw;
+};
+static NchwView nchw(const Tensor& x, int64_t channels) {
+  DT_CHECK(x.dim() >= 2 && x.size(1) == channels, "batchnorm over " << channels << " channels of " << x.str());
+  return {x.size(0), channels, x.numel() / (x.size(0) * channels)};
+}
+
+void CpuEngine::batchnorm_forward_train(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta,
+                                        float eps, float momentum, Tensor& running_mean, Tensor& running_var,
+                                        Tensor& save_mean, Tensor& save_invstd, Tensor& y) {
+  NchwView v = nchw(x, channels);
+  const float* px = x.f32();
+  float* py = y.f32();
+  const float* g = gamma.f32();
+  const float* b = beta.f32();
+  float* rm = running_mean.f32();
+  float* rv = running_var.f32();
+  float* sm = save_mean.f32();
+  float* si = save_invstd.f32();
+  const double count = static_cast<double>(v.n * v.hw);
+#pragma omp parallel for if (x.numel() > (1 << 15))
+  for (int64_t c = 0; c < v.c; ++c) {
+    double s = 0, ss = 0;
+    for (int64_t i = 0; i < v.n; ++i) {
+      const float* row = px + (i * v.c + c) * v.hw;
+      for (int64_t j = 0; j < v.hw; ++j) s += row[j];
+    }
+    double mean = s / count;
+    for (int64_t i = 0; i < v.n; ++i) {
+      const float* row = px + (i * v.c + c) * v.hw;
+      for (int64_t j = 0; j < v.hw; ++j) {
+        double d = row[j] - mean;
+        ss += d * d;
+      }
+    }
+    double var = ss / count;  // biased, used to normalise
+    float invstd = static_cast<float>(1.0 / std::sqrt(var + eps));
+    sm[c] = static_cast<float>(mean);
+    si[c] = invstd;
+    // Running variance is unbiased, as in PyTorch.
+    double unbiased = count > 1 ? ss / (count - 1) : var;
+    rm[c] = (1.f - momentum) * rm[c] + momentum * static_cast<float>(mean);
+    rv[c] = (1.f - momentum) * rv[c] + momentum * static_cast<float>(unbiased);
+    float a = g[c] * invstd;
+    float off = b[c] - static_cast<float>(mean) * a;
+    for (int64_t i = 0; i < v.n; ++i) {
+      const float* row = px + (i * v.c + c) * v.hw;
+      float* out = py + (i * v.c + c) * v.hw;
+      for (int64_t j = 0; j < v.hw; ++j) out[j] = row[j] * a + off;
+    }
+  }
+}
+
+void CpuEngine::batchnorm_forward_infer(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta,
+                                        float eps, const Tensor& running_mean, const Tensor& running_var,
+                                        Tensor& y) {
+  NchwView v = nchw(x, channels);
+  const float* px = x.f32();
+  float* py = y.f32();
+  const float* g = gamma.f32();
+  const float* b = beta.f32();
+  const float* rm = running_mean.f32();
+  const float* rv = running_var.f32();
+#pragma omp parallel for if (x.numel() > (1 << 15))
+  for (int64_t c = 0; c < v.c; ++c) {
+    float a = g[c] / std::sqrt(rv[c] + eps);
+    float off = b[c] - rm[c] * a;
+    for (int64_t i = 0; i < v.n; ++i) {
+      const float* row = px + (i * v.c + c) * v.hw;
+      float* out = py + (i * v.c + c) * v.hw;
+      for (int64_t j = 0; j < v.hw; ++j) out[j] = row[j] * a + off;
+    }
+  }
+}
+
+// With xhat = (x - mean) * invstd and M = N*HW:
+//   dbeta = sum dy, dgamma = sum dy*xhat,
+//   dx = gamma*invstd/M * (M*dy - dbeta - xhat*dgamma).
+void CpuEngine::batchnorm_backward(const Tensor& x, const Tensor& dy, int64_t channels, const Tensor& gamma,
+                                   const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx, Tensor& dgamma,
+                                   Tensor& dbeta) {
+  NchwView v = nchw(x, channels);
+  const float* px = x.f32();
+  const float* pdy = dy.f32();
+  float* pdx = dx.f32();
+  const float* g = gamma.f32();
+  const float* sm = save_mean.f32();
+  const float* si = save_invstd.f32();
+  float* dg = dgamma.f32();
+  float* db = dbeta.f32();
+  const double count = static_cast<double>(v.n * v.hw);
+#pragma omp parallel for if (x.numel() > (1 << 15))
+  for (int64_t c = 0; c < v.c; ++c) {
+    double sdy = 0, sdyx = 0;
+    for (int64_t i = 0; i < v.n; ++i) {
+      const float* row = px + (i * v.c + c) * v.hw;
+      const float* drow = pdy + (i * v.c + c) * v.hw;
+      for (int64_t j = 0; j < v.hw; ++j) {
+        sdy += drow[j];
+        sdyx += drow[j] * (row[j] - sm[c]);
+      }
+    }
+    float invstd = si[c];
+    float sum_dy_xhat = static_cast<float>(sdyx) * invstd;
+    dg[c] += sum_dy_xhat;
+    db[c] += static_cast<float>(sdy);
+    float k = g[c] * invstd / static_cast<float>(count);
+    float mean_dy = static_cast<float>(sdy);
+    for (int64_t i = 0; i < v.n; ++i) {
+      const float* row = px + (i * v.c + c) * v.hw;
+      const float* drow = pdy + (i * v.c + c) * v.hw;
+      float* out = pdx + (i * v.c + c) * v.hw;
+      for (int64_t j = 0; j < v.hw; ++j) {
+        float xhat = (row[j] - sm[c]) * invstd;
+        out[j] = k * (static_cast<float>(count) * drow[j] - mean_dy - xhat * sum_dy_xhat);
+      }
+    }
+  }
+}
+
+void CpuEngine::layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& mean,
+                                  Tensor& rstd, Tensor& y) {
+  int64_t d = gamma.numel();
+  DT_CHECK(d > 0 && x.size(-1) == d, "layernorm over " << d << " features of " << x.str());
+  int64_t m = x.numel() / d;
+  const float* px = x.f32();
+  float* py = y.f32();
+  const float* g = gamma.f32();
+  const float* b = beta.f32();
+  float* pm = mean.f32();
+  float* pr = rstd.f32();
+#pragma omp parallel for if (x.numel() > (1 << 15))
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = px + i * d;
+    double s = 0;
+    for (int64_t j = 0; j < d; ++j) s += row[j];
+    float mu = static_cast<float>(s / d);
+    double ss = 0;
+    for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(row[j] - mu) * (row[j] - mu);
+    float r = static_cast<float>(1.0 / std::sqrt(ss / d + eps));
+    pm[i] = mu;
+    pr[i] = r;
+    float* out = py + i * d;
+    for (int64_t j = 0; j < d; ++j) out[j] = (row[j] - mu) * r * g[j] + b[j];
+  }
+}
+
+// dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * gamma.
+void CpuEngine::layernorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
+                                   const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
+  int64_t d = gamma.numel();
+  int64_t m = x.numel() / d;
+  const float* px = x.f32();
+  const float* pdy = dy.f32();
+  float* pdx = dx.f32();
+  const float* g = gamma.f32();
+  const float* pm = mean.f32();
+  const float* pr = rstd.f32();
+  float* dg = dgamma.f32();
+  float* db = dbeta.f32();
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = px + i * d;
+    const float* drow = pdy + i * d;
+    for (int64_t j = 0; j < d; ++j) {
+      float xhat = (row[j] - pm[i]) * pr[i];
+      dg[j] += drow[j] * xhat;
+      db[j] += drow[j];
+    }
+  }
+#pragma omp parallel for if (x.numel() > (1 << 15))
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = px + i * d;
+    const float* drow = pdy + i * d;
+    float* out = pdx + i * d;
+    double s1 = 0, s2 = 0;
+    for (int64_t j = 0; j < d; ++j) {
+      float xhat = (row[j] - pm[i]) * pr[i];
+      float dxh = drow[j] * g[j];
+      s1 += dxh;
+      s2 += dxh * xhat;
+    }
+    float mean1 = static_cast<float>(s1 / d), mean2 = static_cast<float>(s2 / d);
+    for (int64_t j = 0; j < d; ++j) {
+      float xhat = (row[j] - pm[i]) * pr[i];
+      out[j] = pr[i] * (drow[j] * g[j] - mean1 - xhat * mean2);
+    }
+  }
+}
+
+}  // namespace dtrain::cpu

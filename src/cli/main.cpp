@@ -1,0 +1,64 @@
+// dtrain: one executable, subcommands. Every rank runs the same command line.
+// Errors end here: one clear message (printed once when every rank hit it, otherwise by the rank
+// that failed, naming it), and a non-zero exit on every rank.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "commands.h"
+#include "dtrain/comm/runtime.h"
+#include "dtrain/core/error.h"
+
+namespace {
+
+void usage() {
+  std::printf(
+      "dtrain: distributed deep-learning training for HPC clusters\n\n"
+      "usage: dtrain <command> [options]   (dtrain <command> --help for each command's options)\n\n"
+      "commands:\n"
+      "  train     train a model (data from HDF5 shards, or --synthetic)\n"
+      "  eval      evaluate a checkpoint on a dataset\n"
+      "  convert   convert idx (MNIST/Fashion-MNIST) or CIFAR-10 files into HDF5 shards\n"
+      "  bench     micro-benchmarks: gemm, allreduce\n"
+      "  info      what was compiled in, library versions, devices\n\n"
+      "launch on several ranks with mpirun -n N dtrain train ... or srun dtrain train ...\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "help")) {
+    usage();
+    return argc < 2 ? 2 : 0;
+  }
+  std::string cmd = argv[1];
+  int sub_argc = argc - 1;
+  char** sub_argv = argv + 1;
+  using namespace dtrain;
+  int code = 0;
+  try {
+    comm::Runtime::init(&argc, &argv);
+    if (cmd == "train") code = cli::cmd_train(sub_argc, sub_argv);
+    else if (cmd == "eval") code = cli::cmd_eval(sub_argc, sub_argv);
+    else if (cmd == "convert") code = cli::cmd_convert(sub_argc, sub_argv);
+    else if (cmd == "bench") code = cli::cmd_bench(sub_argc, sub_argv);
+    else if (cmd == "info") code = cli::cmd_info(sub_argc, sub_argv);
+    else throw InputError("unknown command '" + cmd + "' (commands: train, eval, convert, bench, info)");
+  } catch (const InputError& e) {
+    // Input errors are found the same way on every rank (same options, same files), so rank 0
+    // speaks for all and every rank exits without tearing MPI down.
+    if (!comm::Runtime::initialized() || comm::Runtime::get().topology().rank == 0)
+      std::fprintf(stderr, "dtrain %s: error: %s\n", cmd.c_str(), e.what());
+    comm::Runtime::finalize();
+    return 2;
+  } catch (const std::exception& e) {
+    // Anything else may have happened on one rank only: abort the job so no rank waits forever.
+    std::string msg = std::string("dtrain ") + cmd + ": " + e.what();
+    if (comm::Runtime::initialized() && comm::Runtime::get().topology().size > 1) comm::Runtime::abort(1, msg);
+    std::fprintf(stderr, "%s\n", msg.c_str());
+    comm::Runtime::finalize();
+    return 1;
+  }
+  comm::Runtime::finalize();
+  return code;
+}

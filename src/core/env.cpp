@@ -1,0 +1,50 @@
+#include "dtrain/core/env.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "dtrain/core/error.h"
+
+namespace dtrain::env {
+
+const std::vector<Knob>& knobs() {
+  static const std::vector<Knob> k = {
+      {"DTRAIN_COMM_TIMEOUT", "300", "seconds any collective or point-to-point wait may take before the job aborts"},
+      {"DTRAIN_LOADER_THREADS", "2", "background threads per rank that read and augment batches"},
+      {"DTRAIN_PREFETCH", "4", "batches the loader keeps ready ahead of the step"},
+      {"DTRAIN_PROGRESS", "auto", "progress bar on rank 0: auto (when stdout is a terminal), on, off"},
+      {"DTRAIN_CONV_IMPL", "auto", "convolution on the CPU: auto (by shape), onednn, im2col"},
+  };
+  return k;
+}
+
+static const Knob& find(const char* name) {
+  for (const Knob& k : knobs())
+    if (std::strcmp(k.name, name) == 0) return k;
+  DT_CHECK(false, "environment knob " << name << " is not declared in src/core/env.cpp");
+  __builtin_unreachable();
+}
+
+std::string get(const char* name) {
+  const Knob& k = find(name);
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::string(v) : std::string(k.default_value);
+}
+
+double get_double(const char* name) {
+  std::string v = get(name);
+  char* end = nullptr;
+  double d = std::strtod(v.c_str(), &end);
+  DT_INPUT_CHECK(end && *end == '\0', "environment variable " << name << "='" << v << "' is not a number");
+  return d;
+}
+
+long get_long(const char* name) {
+  std::string v = get(name);
+  char* end = nullptr;
+  long d = std::strtol(v.c_str(), &end, 10);
+  DT_INPUT_CHECK(end && *end == '\0', "environment variable " << name << "='" << v << "' is not an integer");
+  return d;
+}
+
+}  // namespace dtrain::env

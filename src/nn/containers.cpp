@@ -1,0 +1,57 @@
+#include "dtrain/nn/layers.h"
+
+namespace dtrain::nn {
+
+Sequential& Sequential::add(ModulePtr m) {
+  layers_.push_back(std::move(m));
+  return *this;
+}
+
+Tensor Sequential::forward(const Tensor& x) {
+  Tensor h = x;
+  for (auto& l : layers_) h = l->forward(h);
+  return h;
+}
+
+Tensor Sequential::backward(const Tensor& dy) {
+  Tensor g = dy;
+  for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) g = (*it)->backward(g);
+  return g;
+}
+
+std::vector<std::pair<std::string, Module*>> Sequential::children() {
+  std::vector<std::pair<std::string, Module*>> out;
+  for (size_t i = 0; i < layers_.size(); ++i) out.emplace_back(std::to_string(i), layers_[i].get());
+  return out;
+}
+
+Residual::Residual(ModulePtr body, ModulePtr shortcut) : body_(std::move(body)), shortcut_(std::move(shortcut)) {}
+
+Tensor Residual::forward(const Tensor& x) {
+  Tensor a = body_->forward(x);
+  Tensor b = shortcut_ ? shortcut_->forward(x) : x;
+  DT_CHECK(a.shape() == b.shape(), "Residual: body gives " << a.str() << " but shortcut gives " << b.str());
+  Tensor& y = ensure(y_, a.shape(), x.device());
+  engine(x).add(a, b, y);
+  return y;
+}
+
+Tensor Residual::backward(const Tensor& dy) {
+  Tensor g_body = body_->backward(dy);
+  Tensor& dx = ensure(dx_, g_body.shape(), dy.device());
+  if (shortcut_) {
+    Tensor g_short = shortcut_->backward(dy);
+    engine(dy).add(g_body, g_short, dx);
+  } else {
+    engine(dy).add(g_body, dy, dx);
+  }
+  return dx;
+}
+
+std::vector<std::pair<std::string, Module*>> Residual::children() {
+  std::vector<std::pair<std::string, Module*>> out{{"body", body_.get()}};
+  if (shortcut_) out.emplace_back("shortcut", shortcut_.get());
+  return out;
+}
+
+}  // namespace dtrain::nn

@@ -1,0 +1,53 @@
+#include <cmath>
+
+#include "dtrain/nn/layers.h"
+
+namespace dtrain::nn {
+
+// PyTorch's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias, so the two
+// frameworks start from the same distribution and their accuracies can be compared.
+static Tensor uniform(const Shape& s, float bound, Rng& rng) {
+  Tensor t = Tensor::empty(s);
+  float* p = t.f32();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = rng.uniform(-bound, bound);
+  return t;
+}
+
+Linear::Linear(int64_t in, int64_t out, bool bias, Rng& rng) : in_(in), out_(out) {
+  DT_CHECK(in > 0 && out > 0, "Linear(" << in << ", " << out << ")");
+  float bound = 1.f / std::sqrt(static_cast<float>(in));
+  w_ = &add_parameter("weight", uniform({out, in}, bound, rng));
+  if (bias) b_ = &add_parameter("bias", uniform({out}, bound, rng));
+}
+
+// y (M, out) = x (M, in) . W^T (in, out) + b
+Tensor Linear::forward(const Tensor& x) {
+  DT_CHECK(x.dim() >= 1 && x.size(-1) == in_, kind() << " got input " << x.str() << " (last dim must be " << in_ << ")");
+  x_ = x;
+  int64_t m = x.numel() / in_;
+  Shape ys = x.shape();
+  ys.back() = out_;
+  Tensor& y = ensure(y_, ys, x.device());
+  Engine& e = engine(x);
+  e.gemm(false, true, m, out_, in_, 1.f, x, w_->value, 0.f, y);
+  if (b_) e.add_row_bias(y, b_->value);
+  return y;
+}
+
+// dW (out, in) += dy^T (out, M) . x (M, in); db += sum_rows dy; dx (M, in) = dy (M, out) . W (out, in)
+Tensor Linear::backward(const Tensor& dy) {
+  int64_t m = x_.numel() / in_;
+  DT_CHECK(dy.numel() == m * out_, kind() << " backward got " << dy.str());
+  Engine& e = engine(dy);
+  e.gemm(true, false, out_, in_, m, 1.f, dy, x_, 1.f, w_->grad);
+  grad_ready(*w_);
+  if (b_) {
+    e.row_bias_grad(dy, b_->grad);
+    grad_ready(*b_);
+  }
+  Tensor& dx = ensure(dx_, x_.shape(), dy.device());
+  e.gemm(false, false, m, in_, out_, 1.f, dy, w_->value, 0.f, dx);
+  return dx;
+}
+
+}  // namespace dtrain::nn

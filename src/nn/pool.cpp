@@ -1,0 +1,50 @@
+#include "dtrain/nn/layers.h"
+
+namespace dtrain::nn {
+
+Pool2d::Pool2d(PoolKind kind, int64_t kernel, int64_t stride, int64_t pad)
+    : kind_(kind), kernel_(kernel), stride_(stride), pad_(pad) {
+  DT_CHECK(kernel > 0 && stride > 0 && pad >= 0 && 2 * pad <= kernel, "bad pooling arguments");
+}
+
+std::string Pool2d::kind() const {
+  return std::string(kind_ == PoolKind::Max ? "MaxPool2d" : "AvgPool2d") + "(k=" + std::to_string(kernel_) +
+         ", s=" + std::to_string(stride_) + ")";
+}
+
+Tensor Pool2d::forward(const Tensor& x) {
+  DT_CHECK(x.dim() == 4, kind() << " needs (N, C, H, W), got " << x.str());
+  g_ = Pool2dGeom{x.size(0), x.size(1), x.size(2), x.size(3), kernel_, stride_, pad_};
+  DT_CHECK(g_.out_h() > 0 && g_.out_w() > 0, kind() << ": input " << x.str() << " is smaller than the window");
+  Tensor& y = ensure(y_, {g_.n, g_.c, g_.out_h(), g_.out_w()}, x.device());
+  engine(x).pool2d_forward(g_, kind_, x, y, training_ ? &state_ : nullptr);
+  return y;
+}
+
+Tensor Pool2d::backward(const Tensor& dy) {
+  Tensor& dx = ensure(dx_, {g_.n, g_.c, g_.h, g_.w}, dy.device());
+  engine(dy).pool2d_backward(g_, kind_, dy, state_, dx);
+  return dx;
+}
+
+Tensor GlobalAvgPool::forward(const Tensor& x) {
+  DT_CHECK(x.dim() == 4, "GlobalAvgPool needs (N, C, H, W), got " << x.str());
+  in_shape_ = x.shape();
+  int64_t n = x.size(0), c = x.size(1), hw = x.size(2) * x.size(3);
+  Tensor& y = ensure(y_, {n, c}, x.device());
+  // y (N*C, 1) = x (N*C, HW) . ones(HW, 1) / HW, as a GEMV on the engine.
+  Tensor ones = Tensor::full({hw}, 1.f / static_cast<float>(hw));
+  engine(x).gemm(false, false, n * c, 1, hw, 1.f, x, ones, 0.f, y);
+  return y;
+}
+
+Tensor GlobalAvgPool::backward(const Tensor& dy) {
+  int64_t hw = in_shape_[2] * in_shape_[3];
+  Tensor& dx = ensure(dx_, in_shape_, dy.device());
+  // dx (N*C, HW) = dy (N*C, 1) . ones(1, HW) / HW
+  Tensor ones = Tensor::full({hw}, 1.f / static_cast<float>(hw));
+  engine(dy).gemm(false, false, dy.numel(), hw, 1, 1.f, dy, ones, 0.f, dx);
+  return dx;
+}
+
+}  // namespace dtrain::nn

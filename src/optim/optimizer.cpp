@@ -1,0 +1,82 @@
+#include "dtrain/optim/optimizer.h"
+
+#include <cmath>
+
+namespace dtrain::optim {
+
+Optimizer::Optimizer(std::vector<nn::Parameter*> params) : params_(std::move(params)) {}
+
+void Optimizer::zero_grad() {
+  for (nn::Parameter* p : params_) engine_for(p->grad.device()).fill(p->grad, 0.f);
+}
+
+SGD::SGD(std::vector<nn::Parameter*> params, SgdOptions o) : Optimizer(std::move(params)), o_(o) {
+  DT_INPUT_CHECK(o.momentum >= 0.f && o.weight_decay >= 0.f, "sgd: momentum and weight decay must be >= 0");
+  DT_INPUT_CHECK(!o.nesterov || (o.momentum > 0.f && o.dampening == 0.f),
+                 "sgd: Nesterov momentum needs momentum > 0 and zero dampening");
+  for (nn::Parameter* p : params_) buf_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+}
+
+void SGD::step(float lr) {
+  // PyTorch initialises the momentum buffer with the first gradient (no dampening on step 1);
+  // a zero buffer with dampening 0 gives exactly that.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    nn::Parameter* p = params_[i];
+    float damp = steps_ == 0 ? 0.f : o_.dampening;
+    engine_for(p->value.device())
+        .sgd_update(p->value, p->grad, buf_[i], lr, o_.momentum, damp, o_.weight_decay, o_.nesterov);
+  }
+  ++steps_;
+}
+
+std::vector<StateTensor> SGD::state() {
+  std::vector<StateTensor> s;
+  for (size_t i = 0; i < params_.size(); ++i) s.push_back({params_[i]->name + ".momentum", &buf_[i]});
+  return s;
+}
+
+Adam::Adam(std::vector<nn::Parameter*> params, AdamOptions o) : Optimizer(std::move(params)), o_(o) {
+  DT_INPUT_CHECK(o.beta1 >= 0.f && o.beta1 < 1.f && o.beta2 >= 0.f && o.beta2 < 1.f,
+                 "adam: betas must be in [0, 1), got " << o.beta1 << ", " << o.beta2);
+  DT_INPUT_CHECK(o.eps > 0.f, "adam: eps must be > 0");
+  for (nn::Parameter* p : params_) {
+    m_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+    v_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+  }
+}
+
+void Adam::step(float lr) {
+  ++steps_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    nn::Parameter* p = params_[i];
+    engine_for(p->value.device())
+        .adam_update(p->value, p->grad, m_[i], v_[i], lr, o_.beta1, o_.beta2, o_.eps, o_.weight_decay, o_.decoupled,
+                     steps_);
+  }
+}
+
+std::vector<StateTensor> Adam::state() {
+  std::vector<StateTensor> s;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    s.push_back({params_[i]->name + ".exp_avg", &m_[i]});
+    s.push_back({params_[i]->name + ".exp_avg_sq", &v_[i]});
+  }
+  return s;
+}
+
+double grad_norm(const std::vector<nn::Parameter*>& params) {
+  double ss = 0;
+  for (nn::Parameter* p : params) ss += engine_for(p->grad.device()).sum_squares(p->grad);
+  return std::sqrt(ss);
+}
+
+double clip_grad_norm(const std::vector<nn::Parameter*>& params, double max_norm) {
+  double norm = grad_norm(params);
+  if (max_norm > 0 && norm > max_norm) {
+    float k = static_cast<float>(max_norm / (norm + 1e-6));
+    for (nn::Parameter* p : params) engine_for(p->grad.device()).scale(p->grad, k);
+  }
+  return norm;
+}
+
+}  // namespace dtrain::optim

@@ -1,0 +1,176 @@
+#include <gtest/gtest.h>
+
+#include "dtrain/nn/models.h"
+#include "gradcheck.h"
+
+using namespace dtrain;
+using dtrain::test::gradcheck;
+using dtrain::test::random_tensor;
+
+TEST(Gradients, Linear) {
+  Rng rng(1);
+  nn::Linear l(7, 5, true, rng);
+  gradcheck(l, random_tensor({4, 7}, rng));
+}
+
+TEST(Gradients, LinearOnThreeDimensionalInput) {
+  Rng rng(2);
+  nn::Linear l(6, 3, false, rng);
+  gradcheck(l, random_tensor({2, 3, 6}, rng));
+}
+
+TEST(Gradients, Conv2dStrideAndPadding) {
+  for (auto [k, s, p] : {std::tuple{3, 1, 1}, {3, 2, 1}, {1, 1, 0}, {5, 2, 2}}) {
+    Rng rng(3);
+    nn::Conv2d c(3, 4, k, s, p, true, rng);
+    gradcheck(c, random_tensor({2, 3, 9, 9}, rng));
+  }
+}
+
+TEST(Gradients, Conv2dSingleInputChannel) {
+  Rng rng(31);
+  nn::Conv2d c(1, 16, 3, 1, 1, true, rng);
+  gradcheck(c, random_tensor({2, 1, 8, 8}, rng));
+}
+
+TEST(Gradients, MaxPool) {
+  Rng rng(4);
+  nn::Pool2d pool(PoolKind::Max, 2, 2);
+  // Well-separated values so a nudge of eps never changes which element is the max.
+  Tensor x = Tensor::empty({2, 3, 6, 6});
+  std::vector<int64_t> perm(x.numel());
+  for (int64_t i = 0; i < x.numel(); ++i) perm[i] = i;
+  for (int64_t i = x.numel() - 1; i > 0; --i) std::swap(perm[i], perm[rng.below(i + 1)]);
+  for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = 0.1f * static_cast<float>(perm[i]);
+  gradcheck(pool, x);
+}
+
+TEST(Gradients, AvgPoolAndGlobalAvgPool) {
+  Rng rng(5);
+  nn::Pool2d pool(PoolKind::Avg, 3, 2, 1);
+  gradcheck(pool, random_tensor({2, 2, 7, 7}, rng));
+  nn::GlobalAvgPool gap;
+  gradcheck(gap, random_tensor({2, 3, 4, 5}, rng));
+}
+
+TEST(Gradients, ReluAndGelu) {
+  Rng rng(6);
+  nn::Activation relu(Unary::Relu), gelu(Unary::Gelu);
+  Tensor x = random_tensor({3, 17}, rng);
+  for (int64_t i = 0; i < x.numel(); ++i)  // keep away from the kink at 0
+    if (std::abs(x.f32()[i]) < 0.05f) x.f32()[i] = 0.3f;
+  gradcheck(relu, x);
+  gradcheck(gelu, random_tensor({3, 17}, rng));
+}
+
+TEST(Gradients, BatchNorm2dTraining) {
+  Rng rng(7);
+  nn::BatchNorm2d bn(3);
+  for (nn::Parameter* p : bn.parameters())  // non-trivial gamma and beta
+    for (int64_t i = 0; i < p->value.numel(); ++i) p->value.f32()[i] = 0.5f + rng.uniform();
+  gradcheck(bn, random_tensor({4, 3, 3, 3}, rng), 7, 1e-2f, 3e-2);
+}
+
+TEST(Gradients, LayerNorm) {
+  Rng rng(8);
+  nn::LayerNorm ln(10);
+  for (nn::Parameter* p : ln.parameters())
+    for (int64_t i = 0; i < p->value.numel(); ++i) p->value.f32()[i] = 0.5f + rng.uniform();
+  gradcheck(ln, random_tensor({5, 10}, rng), 7, 1e-2f, 3e-2);
+}
+
+TEST(Gradients, ResidualWithShortcut) {
+  Rng rng(9);
+  auto body = std::make_unique<nn::Sequential>();
+  body->add(std::make_unique<nn::Conv2d>(2, 4, 3, 1, 1, true, rng));
+  body->add(nn::GELU());
+  nn::Residual res(std::move(body), std::make_unique<nn::Conv2d>(2, 4, 1, 1, 0, false, rng));
+  gradcheck(res, random_tensor({2, 2, 5, 5}, rng));
+  nn::Residual identity(std::make_unique<nn::Linear>(6, 6, true, rng));
+  gradcheck(identity, random_tensor({3, 6}, rng));
+}
+
+TEST(Gradients, DropoutUsesTheSameMaskInBackward) {
+  Rng rng(10);
+  nn::Dropout d(0.5f, 11);
+  Tensor x = random_tensor({4, 50}, rng);
+  Tensor y = d.forward(x).clone();
+  Tensor ones = Tensor::full({4, 50}, 1.f);
+  Tensor dx = d.backward(ones);
+  int zeros = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    float m = dx.f32()[i];
+    EXPECT_TRUE(m == 0.f || m == 2.f) << m;
+    EXPECT_FLOAT_EQ(y.f32()[i], x.f32()[i] * m);
+    zeros += (m == 0.f);
+  }
+  EXPECT_GT(zeros, 60);
+  EXPECT_LT(zeros, 140);
+  d.eval();
+  Tensor z = d.forward(x);
+  EXPECT_EQ(z.f32()[3], x.f32()[3]);
+}
+
+TEST(Gradients, SoftmaxCrossEntropy) {
+  Rng rng(12);
+  Tensor logits = random_tensor({5, 7}, rng);
+  Tensor labels = Tensor::empty({5}, DType::I32);
+  for (int i = 0; i < 5; ++i) labels.data<int32_t>()[i] = (i * 3) % 7;
+  nn::SoftmaxCrossEntropy ce;
+  ce.forward(logits, labels);
+  Tensor g = ce.backward().clone();
+  const float eps = 1e-2f;
+  for (int64_t i = 0; i < logits.numel(); ++i) {
+    float keep = logits.f32()[i];
+    logits.f32()[i] = keep + eps;
+    double up = ce.forward(logits, labels);
+    logits.f32()[i] = keep - eps;
+    double down = ce.forward(logits, labels);
+    logits.f32()[i] = keep;
+    EXPECT_NEAR((up - down) / (2 * eps), g.f32()[i], 2e-3) << i;
+  }
+}
+
+TEST(Gradients, CrossEntropyValueAndAccuracy) {
+  // Uniform logits: loss = log(C); argmax ties resolve to class 0.
+  Tensor logits = Tensor::zeros({2, 4});
+  Tensor labels = Tensor::empty({2}, DType::I32);
+  labels.data<int32_t>()[0] = 0;
+  labels.data<int32_t>()[1] = 3;
+  nn::SoftmaxCrossEntropy ce;
+  int64_t correct = -1;
+  EXPECT_NEAR(ce.forward(logits, labels, &correct), std::log(4.0), 1e-6);
+  EXPECT_EQ(correct, 1);
+}
+
+TEST(Models, SimpleCnnGradientsEndToEnd) {
+  nn::ModelSpec spec{"simple_cnn", {1, 8, 8}, 3};
+  auto m = nn::make_model(spec);
+  Rng rng(13);
+  gradcheck(*m, random_tensor({2, 1, 8, 8}, rng), 7, 1e-3f, 3e-2, 12);
+}
+
+TEST(Models, ShapesAndParameterCounts) {
+  auto cnn = nn::make_model({"simple_cnn", {1, 28, 28}, 10});
+  // conv1 16*1*9+16, conv2 32*16*9+32, linear 1568*10+10
+  EXPECT_EQ(cnn->parameter_count(), 160 + 4640 + 15690);
+  Tensor y = cnn->forward(Tensor::zeros({3, 1, 28, 28}));
+  EXPECT_EQ(y.shape(), (Shape{3, 10}));
+  auto resnet = nn::make_model({"resnet20", {3, 32, 32}, 10});
+  EXPECT_NEAR(static_cast<double>(resnet->parameter_count()), 0.27e6, 0.01e6);  // ResNet-20 has ~0.27 M
+  EXPECT_EQ(resnet->forward(Tensor::zeros({2, 3, 32, 32})).shape(), (Shape{2, 10}));
+  EXPECT_THROW(nn::make_model({"nosuch", {1, 28, 28}, 10}), InputError);
+  EXPECT_THROW(cnn->forward(Tensor::zeros({3, 3, 28, 28})), Error);  // wrong channel count
+}
+
+TEST(Models, GradReadyHookFiresOncePerParameterInReverseOrder) {
+  auto m = nn::make_model({"simple_cnn", {1, 8, 8}, 3});
+  std::vector<std::string> fired;
+  m->set_grad_ready_hook([&](nn::Parameter& p) { fired.push_back(p.name); });
+  auto params = m->parameters();
+  m->forward(Tensor::zeros({2, 1, 8, 8}));
+  m->backward(Tensor::full({2, 3}, 1.f));
+  ASSERT_EQ(fired.size(), params.size());
+  EXPECT_EQ(fired.front(), "7.weight");  // the classifier finishes first
+  EXPECT_EQ(fired.back(), "0.bias");
+}
