@@ -1,0 +1,58 @@
+#pragma once
+// The training job's configuration: an INI file (`key = value`, same names as the long options)
+// plus command-line overrides, parsed by Boost.Program_options.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dtrain/data/augment.h"
+
+namespace dtrain::train {
+
+struct TrainConfig {
+  std::string config_file;
+  // data
+  std::string data, test_data;
+  bool synthetic = false;
+  std::vector<int64_t> synthetic_shape{1, 28, 28};
+  int64_t synthetic_classes = 10;
+  bool normalize = true;
+  data::AugmentOptions augment;
+  int loader_threads = -1, prefetch = -1;
+  // model
+  std::string model = "simple_cnn";
+  std::vector<int64_t> hidden{256, 128};
+  float dropout = 0.f;
+  // schedule
+  int64_t epochs = 1;
+  int64_t steps = 0;  // > 0: stop after this many steps (overrides epochs when smaller)
+  int64_t batch_size = 64;         // per rank
+  int64_t global_batch_size = 0;   // > 0: per-rank batch = global / ranks
+  bool drop_last = false;
+  // optimizer
+  std::string optimizer = "sgd";
+  float lr = 0.05f, momentum = 0.9f, weight_decay = 0.f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  bool nesterov = false;
+  std::string lr_schedule = "cosine";
+  int64_t warmup_steps = 0, lr_step_size = 1000;
+  float lr_gamma = 0.1f, min_lr = 0.f;
+  float clip_grad_norm = 0.f;
+  // runtime
+  int threads = 0;  // 0: the node's cores / ranks on the node
+  uint64_t seed = 42;
+  int64_t log_every = 50;
+  std::string progress = "auto";
+  std::string metrics;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;  // steps; 0: at the end of each epoch only
+  int keep_checkpoints = 2;
+  std::string resume;
+  bool eval_each_epoch = true;
+  int64_t bucket_mb = 25;  // data-parallel gradient bucket size in MiB
+};
+
+// Parses `dtrain train` arguments (argv[0] is "train"). Returns false after printing --help.
+// Throws InputError naming the option (or the config file and line) for anything wrong.
+bool parse_train_config(int argc, char** argv, TrainConfig& cfg);
+
+}  // namespace dtrain::train

@@ -1,0 +1,72 @@
+#pragma once
+// The training loop: data (sharded HDF5 or synthetic) -> model forward/backward -> data-parallel
+// gradient exchange -> optimizer, with evaluation, metrics, progress and checkpoints.
+#include <memory>
+#include <string>
+
+#include "dtrain/comm/runtime.h"
+#include "dtrain/data/loader.h"
+#include "dtrain/nn/models.h"
+#include "dtrain/optim/optimizer.h"
+#include "dtrain/optim/schedule.h"
+#include "dtrain/parallel/data_parallel.h"
+#include "dtrain/train/checkpoint.h"
+#include "dtrain/train/config.h"
+#include "dtrain/train/metrics.h"
+
+namespace dtrain::train {
+
+struct EvalResult {
+  double loss = 0, accuracy = 0;
+  int64_t samples = 0;
+};
+
+struct TrainResult {
+  int64_t steps = 0;
+  double final_loss = 0;
+  EvalResult last_eval;
+  double samples_per_s = 0;     // global, over the run's steady state (after the first step)
+  double first_step_at_s = 0;   // seconds from process start to the end of the first step
+};
+
+class Trainer {
+ public:
+  Trainer(const TrainConfig& cfg, comm::Runtime& rt);
+  ~Trainer();
+  TrainResult run();
+  EvalResult evaluate(const data::ShardedHdf5Dataset& ds);
+
+  nn::Module& model() { return *model_; }
+  int64_t per_rank_batch() const { return batch_; }
+
+ private:
+  void build_optimizer();
+  void save(int64_t epoch, int64_t batch_in_epoch);
+  void restore(const std::string& path, int64_t& epoch, int64_t& skip);
+  void say(const std::string& s);
+
+  TrainConfig cfg_;
+  comm::Runtime& rt_;
+  int rank_ = 0, world_ = 1;
+  int64_t batch_ = 0;
+  std::shared_ptr<data::ShardedHdf5Dataset> train_ds_, test_ds_;
+  std::unique_ptr<data::DataLoader> loader_;
+  nn::ModelSpec spec_;
+  nn::ModulePtr model_;
+  std::unique_ptr<optim::Optimizer> opt_;
+  std::unique_ptr<optim::LrSchedule> sched_;
+  std::unique_ptr<parallel::DataParallel> dp_;
+  std::unique_ptr<MetricsWriter> metrics_;
+  std::unique_ptr<Progress> progress_;
+  int64_t step_ = 0, steps_per_epoch_ = 0, total_steps_ = 0, epochs_ = 0;
+};
+
+// Loss and accuracy of `model` over all of `ds`, its samples split over the ranks of `comm` (null:
+// one rank), normalised with the dataset's own statistics.
+EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::ShardedHdf5Dataset> ds, int64_t batch,
+                          bool normalize, comm::Communicator* comm);
+
+// Seconds since this process started (from /proc), for the time-to-first-step figure.
+double process_age_s();
+
+}  // namespace dtrain::train

@@ -1,0 +1,151 @@
+// dtrain convert idx|cifar10|fashion-mnist: classic image files to a directory of HDF5 shards.
+#include <boost/program_options.hpp>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "dtrain/core/error.h"
+#include "dtrain/core/timer.h"
+#include "dtrain/data/convert.h"
+
+namespace dtrain::cli {
+
+namespace po = boost::program_options;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+
+struct ConvertArgs {
+  std::string images, labels, out, source = kFashionMnistDir;
+  std::vector<std::string> inputs;
+  int num_classes = 0;
+  data::ShardWriterOptions writer;
+};
+
+void add_writer_options(po::options_description& d, ConvertArgs& a) {
+  d.add_options()                                                                                 //
+      ("out", po::value(&a.out)->required(), "output directory for the shards (created if missing)")  //
+      ("shard-size", po::value(&a.writer.shard_size)->default_value(a.writer.shard_size), "samples per shard")  //
+      ("chunk", po::value(&a.writer.chunk_rows)->default_value(a.writer.chunk_rows),
+       "HDF5 chunk size along the sample dimension, in samples")  //
+      ("compress", po::value(&a.writer.compress_level)->default_value(a.writer.compress_level),
+       "deflate level 0..9 for the chunks (0: uncompressed, fastest to read)")  //
+      ("help,h", "show this help");
+}
+
+po::options_description idx_options(ConvertArgs& a) {
+  po::options_description d("dtrain convert idx (MNIST / Fashion-MNIST idx files, gzip or raw)");
+  d.add_options()                                                                             //
+      ("images", po::value(&a.images)->required(), "idx3 image file (e.g. train-images-idx3-ubyte.gz)")  //
+      ("labels", po::value(&a.labels)->required(), "idx1 label file (e.g. train-labels-idx1-ubyte.gz)")  //
+      ("num-classes", po::value(&a.num_classes)->default_value(0), "class count (0: largest label + 1)");
+  add_writer_options(d, a);
+  return d;
+}
+
+po::options_description cifar10_options(ConvertArgs& a) {
+  po::options_description d("dtrain convert cifar10 (CIFAR-10 binary batches)");
+  d.add_options()  //
+      ("inputs", po::value(&a.inputs)->multitoken()->required(),
+       "batch files in order (data_batch_1.bin ... or test_batch.bin)");
+  add_writer_options(d, a);
+  return d;
+}
+
+po::options_description fashion_options(ConvertArgs& a) {
+  po::options_description d("dtrain convert fashion-mnist (both splits into OUT/train and OUT/test)");
+  d.add_options()  //
+      ("source", po::value(&a.source)->default_value(a.source),
+       "directory holding {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]");
+  add_writer_options(d, a);
+  return d;
+}
+
+// Parses argv (argv[0] is the kind); false when --help was given (and printed).
+bool parse(int argc, char** argv, const po::options_description& d, const std::string& kind) {
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(d).run(), vm);
+    if (vm.count("help")) {
+      std::cout << d << "\n";
+      return false;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw InputError("dtrain convert " + kind + ": " + e.what() + " (see dtrain convert " + kind + " --help)");
+  }
+  return true;
+}
+
+std::string idx_file(const std::string& dir, const std::string& stem) {
+  fs::path gz = fs::path(dir) / (stem + ".gz");
+  if (fs::exists(gz)) return gz.string();
+  fs::path raw = fs::path(dir) / stem;
+  DT_INPUT_CHECK(fs::exists(raw), "fashion-mnist: neither '" << gz.string() << "' nor '" << raw.string()
+                                                             << "' exists (set --source)");
+  return raw.string();
+}
+
+void print_help(std::ostream& os) {
+  ConvertArgs a;
+  os << "usage: dtrain convert KIND [options]\n"
+        "  KIND is idx, cifar10 or fashion-mnist. Writes OUT/shard-00000.h5, ... (format: docs/data.md).\n\n"
+     << idx_options(a) << "\n"
+     << cifar10_options(a) << "\n"
+     << fashion_options(a) << "\n";
+}
+
+}  // namespace
+
+int cmd_convert(int argc, char** argv) {
+  DT_INPUT_CHECK(argc >= 2, "dtrain convert: missing KIND (idx, cifar10 or fashion-mnist); see dtrain convert --help");
+  if (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
+    print_help(std::cout);
+    return 0;
+  }
+  const std::string kind = argv[1];
+  ConvertArgs a;
+  std::vector<data::ConvertSummary> done;
+  double t0 = now_s();
+  // Each summary's time covers reading the source too, not only writing the shards.
+  auto finish = [&](data::ConvertSummary s) {
+    s.seconds = now_s() - t0;
+    t0 = now_s();
+    done.push_back(std::move(s));
+  };
+  if (kind == "idx") {
+    if (!parse(argc - 1, argv + 1, idx_options(a), kind)) return 0;
+    data::ImageSet set = data::read_idx(a.images, a.labels);
+    set.num_classes = a.num_classes;
+    finish(data::write_shards(set, a.out, a.writer));
+  } else if (kind == "cifar10") {
+    if (!parse(argc - 1, argv + 1, cifar10_options(a), kind)) return 0;
+    finish(data::write_shards(data::read_cifar10(a.inputs), a.out, a.writer));
+  } else if (kind == "fashion-mnist") {
+    if (!parse(argc - 1, argv + 1, fashion_options(a), kind)) return 0;
+    DT_INPUT_CHECK(fs::is_directory(a.source), "fashion-mnist: source directory '" << a.source
+                                                                                   << "' does not exist (set --source)");
+    const struct {
+      const char* split;
+      const char* prefix;
+    } splits[] = {{"train", "train"}, {"test", "t10k"}};
+    for (const auto& s : splits) {
+      std::string prefix = s.prefix;
+      data::ImageSet set = data::read_idx(idx_file(a.source, prefix + "-images-idx3-ubyte"),
+                                          idx_file(a.source, prefix + "-labels-idx1-ubyte"));
+      set.num_classes = 10;
+      set.source = std::string("fashion-mnist/") + s.split + " " + set.source;
+      finish(data::write_shards(set, (fs::path(a.out) / s.split).string(), a.writer));
+    }
+  } else {
+    DT_INPUT_CHECK(false, "dtrain convert: unknown kind '" << kind << "' (expected idx, cifar10 or fashion-mnist)");
+  }
+  for (const data::ConvertSummary& s : done) std::cout << s.str() << "\n";
+  return 0;
+}
+
+}  // namespace dtrain::cli

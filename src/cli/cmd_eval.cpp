@@ -1,0 +1,82 @@
+// dtrain eval --checkpoint FILE --data DIR: rebuilds the model the checkpoint describes and
+// reports loss and accuracy on the dataset (samples split over the ranks, counts summed).
+#include <boost/program_options.hpp>
+#include <iostream>
+
+#include "commands.h"
+#include "dtrain/comm/communicator.h"
+#include "dtrain/comm/runtime.h"
+#include "dtrain/data/loader.h"
+#include "dtrain/nn/models.h"
+#include "dtrain/train/checkpoint.h"
+#include "dtrain/train/trainer.h"
+
+namespace po = boost::program_options;
+
+namespace dtrain::cli {
+
+int cmd_eval(int argc, char** argv) {
+  std::string ckpt, data_dir;
+  int64_t batch = 256;
+  int threads = 0;
+  po::options_description opts("usage: dtrain eval --checkpoint FILE --data DIR [options]");
+  opts.add_options()("help,h", "print this help")("checkpoint", po::value<std::string>(&ckpt),
+                                                  "checkpoint file, or a directory (its newest)")(
+      "data", po::value<std::string>(&data_dir), "directory of HDF5 shards to evaluate on")(
+      "batch-size", po::value<int64_t>(&batch)->default_value(256), "samples per batch per rank")(
+      "threads", po::value<int>(&threads)->default_value(0), "compute threads per rank (0: cores / ranks on node)");
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(opts).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw InputError(e.what());
+  }
+  if (vm.count("help")) {
+    std::cout << opts << "\n";
+    return 0;
+  }
+  DT_INPUT_CHECK(!ckpt.empty(), "option --checkpoint is required");
+  DT_INPUT_CHECK(!data_dir.empty(), "option --data is required");
+  DT_INPUT_CHECK(batch > 0, "option --batch-size must be > 0");
+  comm::Runtime& rt = comm::Runtime::get();
+  const comm::Topology& topo = rt.topology();
+  cpu_engine().set_threads(threads > 0 ? threads : std::max(1, topo.threads_per_rank));
+
+  std::string path = train::resolve_checkpoint(ckpt);
+  train::CheckpointState s = train::load_checkpoint(path);
+  auto ds = std::make_shared<data::ShardedHdf5Dataset>(data_dir);
+  nn::ModelSpec spec;
+  spec.name = s.strings["model"];
+  spec.input = Shape(s.int_lists["input_shape"].begin(), s.int_lists["input_shape"].end());
+  spec.classes = s.ints["classes"];
+  spec.hidden = s.int_lists["hidden"];
+  DT_INPUT_CHECK(ds->info().sample_shape == spec.input,
+                 "dataset '" << data_dir << "' has samples of shape " << shape_str(ds->info().sample_shape)
+                             << " but checkpoint '" << path << "' holds a " << spec.name << " for inputs "
+                             << shape_str(spec.input));
+  DT_INPUT_CHECK(ds->info().num_classes <= spec.classes, "dataset '" << data_dir << "' has " << ds->info().num_classes
+                                                                   << " classes, the model only " << spec.classes);
+  nn::ModulePtr model = nn::make_model(spec);
+  for (nn::Parameter* p : model->parameters()) {
+    auto it = s.tensors.find("param/" + p->name);
+    DT_INPUT_CHECK(it != s.tensors.end() && it->second.shape() == p->value.shape(),
+                   "checkpoint '" << path << "' does not hold parameter " << p->name << " of shape "
+                                  << shape_str(p->value.shape()));
+    p->value.copy_from(it->second);
+  }
+  for (nn::Buffer* b : model->buffers()) {
+    auto it = s.tensors.find("buffer/" + b->name);
+    DT_INPUT_CHECK(it != s.tensors.end(), "checkpoint '" << path << "' does not hold buffer " << b->name);
+    b->value.copy_from(it->second);
+  }
+  model->eval();
+
+  train::EvalResult r = train::evaluate_model(*model, ds, batch, true, topo.size > 1 ? &rt.world() : nullptr);
+  if (topo.rank == 0)
+    std::printf("eval %s on %s: %lld samples, loss %.4f, accuracy %.2f%%\n", path.c_str(), data_dir.c_str(),
+                static_cast<long long>(r.samples), r.loss, 100.0 * r.accuracy);
+  return 0;
+}
+
+}  // namespace dtrain::cli

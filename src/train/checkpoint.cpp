@@ -1,0 +1,170 @@
+#include "dtrain/train/checkpoint.h"
+
+#include <hdf5.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <mutex>
+
+#include "../data/hdf5_util.h"
+#include "dtrain/core/error.h"
+
+namespace fs = std::filesystem;
+
+namespace dtrain::train {
+
+namespace {
+
+hid_t h5_type(DType t) {
+  switch (t) {
+    case DType::F32: return H5T_NATIVE_FLOAT;
+    case DType::I32: return H5T_NATIVE_INT32;
+    case DType::I64: return H5T_NATIVE_INT64;
+    case DType::U8: return H5T_NATIVE_UINT8;
+    case DType::BF16:
+    case DType::F16: return H5T_NATIVE_UINT16;  // raw 16-bit words; the dtype is kept in an attribute
+  }
+  return H5T_NATIVE_FLOAT;
+}
+
+std::string attr_string(hid_t obj, const char* name) {
+  std::string v;
+  return data::h5::read_attr_string(obj, name, v) ? v : std::string();
+}
+
+std::vector<int64_t> attr_i64s(hid_t obj, const char* name) {
+  std::vector<int64_t> v;
+  return data::h5::read_attr_i64(obj, name, v) ? v : std::vector<int64_t>();
+}
+
+uint32_t crc_of(const std::map<std::string, Tensor>& tensors) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  for (const auto& [name, t] : tensors) {  // std::map: sorted, so the order is the same on load
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(name.data()), static_cast<uInt>(name.size()));
+    if (t.nbytes()) crc = crc32(crc, static_cast<const Bytef*>(t.raw()), static_cast<uInt>(t.nbytes()));
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, const CheckpointState& s) {
+  using data::h5::Handle;
+  auto lock = data::h5::lock();  // HDF5 is not thread-safe and loader threads read shards
+  fs::path final_path(path);
+  if (final_path.has_parent_path()) fs::create_directories(final_path.parent_path());
+  std::string tmp = path + ".tmp";
+  {
+    Handle file(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+    DT_INPUT_CHECK(file.valid(), "cannot create checkpoint file '" << tmp << "'");
+    Handle lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
+    H5Pset_create_intermediate_group(lcpl.get(), 1);
+    for (const auto& [name, t] : s.tensors) {
+      DT_CHECK(t.device().is_cpu(), "checkpoint tensors must be on the host, " << name << " is " << t.str());
+      std::vector<hsize_t> dims;
+      for (int64_t d : t.shape()) dims.push_back(static_cast<hsize_t>(d));
+      if (dims.empty()) dims.push_back(1);
+      Handle space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
+      Handle ds(H5Dcreate2(file.get(), name.c_str(), h5_type(t.dtype()), space.get(), lcpl.get(), H5P_DEFAULT,
+                           H5P_DEFAULT),
+                H5Dclose);
+      DT_CHECK(ds.valid(), "creating dataset " << name << " in " << tmp);
+      DT_CHECK(t.nbytes() == 0 || H5Dwrite(ds.get(), h5_type(t.dtype()), H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()) >= 0,
+               "writing dataset " << name << " to " << tmp);
+      data::h5::write_attr_string(ds.get(), "dtype", dtype_name(t.dtype()));
+    }
+    for (const auto& [k, v] : s.strings) data::h5::write_attr_string(file.get(), k.c_str(), v);
+    for (const auto& [k, v] : s.ints) data::h5::write_attr_i64(file.get(), k.c_str(), {v});
+    for (const auto& [k, v] : s.int_lists)
+      data::h5::write_attr_i64(file.get(), ("list:" + k).c_str(), v.empty() ? std::vector<int64_t>{} : v);
+    std::vector<int64_t> rng(s.rng_state.begin(), s.rng_state.end());
+    data::h5::write_attr_i64(file.get(), "rng_state", rng);
+    data::h5::write_attr_i64(file.get(), "checksum", {static_cast<int64_t>(crc_of(s.tensors))});
+    data::h5::write_attr_string(file.get(), "format", "dtrain-checkpoint-1");
+    DT_CHECK(H5Fflush(file.get(), H5F_SCOPE_GLOBAL) >= 0, "flushing " << tmp);
+  }
+  fs::rename(tmp, final_path);  // atomic on one file system: the old checkpoint stays until this
+}
+
+CheckpointState load_checkpoint(const std::string& path) {
+  auto lock = data::h5::lock();  // HDF5 is not thread-safe; loader threads read shards
+  DT_INPUT_CHECK(fs::exists(path), "checkpoint '" << path << "' does not exist");
+  DT_INPUT_CHECK(H5Fis_hdf5(path.c_str()) > 0,
+                 "checkpoint '" << path << "' is not a readable HDF5 file (truncated or corrupt?)");
+  data::h5::Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  DT_INPUT_CHECK(file.get() >= 0, "checkpoint '" << path << "' cannot be opened");
+  DT_INPUT_CHECK(attr_string(file.get(), "format") == "dtrain-checkpoint-1",
+                 "'" << path << "' is not a dtrain checkpoint (no format attribute)");
+  CheckpointState s;
+  // Walk every dataset.
+  struct Walk {
+    std::vector<std::string> names;
+  } walk;
+  H5Ovisit2(
+      file.get(), H5_INDEX_NAME, H5_ITER_NATIVE,
+      [](hid_t, const char* name, const H5O_info_t* info, void* data) -> herr_t {
+        if (info->type == H5O_TYPE_DATASET) static_cast<Walk*>(data)->names.push_back(name);
+        return 0;
+      },
+      &walk, H5O_INFO_BASIC);
+  for (const std::string& name : walk.names) {
+    data::h5::Handle ds(H5Dopen2(file.get(), name.c_str(), H5P_DEFAULT), H5Dclose);
+    data::h5::Handle space(H5Dget_space(ds.get()), H5Sclose);
+    int rank = H5Sget_simple_extent_ndims(space.get());
+    std::vector<hsize_t> dims(static_cast<size_t>(std::max(rank, 0)));
+    H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+    Shape shape(dims.begin(), dims.end());
+    std::string dt = attr_string(ds.get(), "dtype");
+    DType dtype = dt.empty() ? DType::F32 : dtype_from_name(dt);
+    Tensor t = Tensor::empty(shape, dtype);
+    DT_INPUT_CHECK(t.nbytes() == 0 || H5Dread(ds.get(), h5_type(dtype), H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()) >= 0,
+                   "checkpoint '" << path << "': dataset " << name << " cannot be read (corrupt file?)");
+    s.tensors["/" == name.substr(0, 1) ? name.substr(1) : name] = t;
+  }
+  auto crc = attr_i64s(file.get(), "checksum");
+  DT_INPUT_CHECK(crc.size() == 1 && static_cast<uint32_t>(crc[0]) == crc_of(s.tensors),
+                 "checkpoint '" << path << "' fails its checksum: the file is corrupt");
+  // Attributes: strings, ints, lists.
+  struct Attrs {
+    hid_t file;
+    CheckpointState* s;
+  } attrs{file.get(), &s};
+  H5Aiterate2(
+      file.get(), H5_INDEX_NAME, H5_ITER_NATIVE, nullptr,
+      [](hid_t loc, const char* name, const H5A_info_t*, void* data) -> herr_t {
+        auto* a = static_cast<Attrs*>(data);
+        data::h5::Handle attr(H5Aopen(loc, name, H5P_DEFAULT), H5Aclose);
+        data::h5::Handle type(H5Aget_type(attr.get()), H5Tclose);
+        std::string n = name;
+        if (H5Tget_class(type.get()) == H5T_STRING) {
+          a->s->strings[n] = attr_string(loc, name);
+        } else if (n == "rng_state") {
+          auto v = attr_i64s(loc, name);
+          for (size_t i = 0; i < 4 && i < v.size(); ++i) a->s->rng_state[i] = static_cast<uint64_t>(v[i]);
+        } else if (n.rfind("list:", 0) == 0) {
+          a->s->int_lists[n.substr(5)] = attr_i64s(loc, name);
+        } else if (n != "checksum") {
+          auto v = attr_i64s(loc, name);
+          if (!v.empty()) a->s->ints[n] = v[0];
+        }
+        return 0;
+      },
+      &attrs);
+  return s;
+}
+
+std::string resolve_checkpoint(const std::string& p) {
+  DT_INPUT_CHECK(fs::exists(p), "option --resume: '" << p << "' does not exist");
+  if (!fs::is_directory(p)) return p;
+  std::vector<std::string> found;
+  for (const auto& e : fs::directory_iterator(p)) {
+    std::string n = e.path().filename().string();
+    if (n.rfind("ckpt-", 0) == 0 && e.path().extension() == ".h5") found.push_back(e.path().string());
+  }
+  DT_INPUT_CHECK(!found.empty(), "option --resume: no ckpt-*.h5 checkpoint in directory '" << p << "'");
+  std::sort(found.begin(), found.end());  // names carry zero-padded step numbers
+  return found.back();
+}
+
+}  // namespace dtrain::train

@@ -1,0 +1,440 @@
+#include "dtrain/train/trainer.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "dtrain/comm/communicator.h"
+#include "dtrain/core/timer.h"
+
+namespace fs = std::filesystem;
+
+namespace dtrain::train {
+
+double process_age_s() {
+  std::ifstream stat("/proc/self/stat"), up("/proc/uptime");
+  std::string s((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  double uptime = 0;
+  up >> uptime;
+  size_t close = s.rfind(')');  // the command name may hold spaces
+  if (close == std::string::npos) return 0;
+  std::istringstream rest(s.substr(close + 2));
+  std::string field;
+  for (int i = 3; i <= 22 && rest >> field; ++i)
+    if (i == 22) return uptime - std::stod(field) / static_cast<double>(sysconf(_SC_CLK_TCK));
+  return 0;
+}
+
+static std::string fixed(double v, int digits) {
+  std::ostringstream o;
+  o.setf(std::ios::fixed);
+  o.precision(digits);
+  o << v;
+  return o.str();
+}
+
+Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt) : cfg_(cfg), rt_(rt) {
+  const comm::Topology& topo = rt.topology();
+  rank_ = topo.rank;
+  world_ = topo.size;
+  progress_ = std::make_unique<Progress>(cfg_.progress, rank_ == 0);
+
+  // Threads: by default the node's cores shared among the ranks on it.
+  int threads = cfg_.threads > 0 ? cfg_.threads : std::max(1, topo.threads_per_rank);
+  cpu_engine().set_threads(threads);
+  std::string warn = topo.binding_warning(threads);
+  if (!warn.empty() && topo.local_rank == 0) std::fprintf(stderr, "dtrain: warning (rank %d): %s\n", rank_, warn.c_str());
+
+  // Batch: per rank, or the global batch split evenly.
+  batch_ = cfg_.batch_size;
+  if (cfg_.global_batch_size > 0) {
+    DT_INPUT_CHECK(cfg_.global_batch_size % world_ == 0, "option --global-batch-size " << cfg_.global_batch_size
+                                                             << " does not divide evenly over " << world_ << " ranks");
+    batch_ = cfg_.global_batch_size / world_;
+  }
+
+  // Data.
+  Shape input;
+  int64_t classes;
+  if (cfg_.synthetic) {
+    input = Shape(cfg_.synthetic_shape.begin(), cfg_.synthetic_shape.end());
+    classes = cfg_.synthetic_classes;
+    DT_INPUT_CHECK(classes >= 2, "option --synthetic-classes must be >= 2");
+  } else {
+    train_ds_ = std::make_shared<data::ShardedHdf5Dataset>(cfg_.data);
+    input = train_ds_->info().sample_shape;
+    classes = train_ds_->info().num_classes;
+    if (!cfg_.test_data.empty()) {
+      test_ds_ = std::make_shared<data::ShardedHdf5Dataset>(cfg_.test_data);
+      DT_INPUT_CHECK(test_ds_->info().sample_shape == input,
+                     "test data '" << cfg_.test_data << "' has samples of shape "
+                                   << shape_str(test_ds_->info().sample_shape) << " but training data '" << cfg_.data
+                                   << "' has " << shape_str(input));
+    }
+    data::LoaderOptions lo;
+    lo.batch_size = batch_;
+    lo.shuffle = true;
+    lo.drop_last = cfg_.drop_last;
+    lo.seed = cfg_.seed;
+    lo.threads = cfg_.loader_threads;
+    lo.prefetch = cfg_.prefetch;
+    lo.normalize = cfg_.normalize;
+    lo.augment = cfg_.augment;
+    lo.rank = rank_;
+    lo.world = world_;
+    loader_ = std::make_unique<data::DataLoader>(train_ds_, lo);
+  }
+
+  spec_ = nn::ModelSpec{cfg_.model, input, classes, cfg_.hidden, cfg_.dropout, cfg_.seed};
+  model_ = nn::make_model(spec_);
+  build_optimizer();
+
+  steps_per_epoch_ = loader_ ? loader_->batches_per_epoch() : std::max<int64_t>(cfg_.steps, 100);
+  epochs_ = cfg_.epochs;
+  total_steps_ = steps_per_epoch_ * epochs_;
+  if (cfg_.steps > 0 && (cfg_.steps < total_steps_ || cfg_.synthetic)) {
+    total_steps_ = cfg_.steps;
+    epochs_ = (total_steps_ + steps_per_epoch_ - 1) / steps_per_epoch_;
+  }
+  optim::ScheduleOptions so;
+  so.kind = cfg_.lr_schedule;
+  so.base_lr = cfg_.lr;
+  so.total_steps = total_steps_;
+  so.step_size = cfg_.lr_step_size;
+  so.gamma = cfg_.lr_gamma;
+  so.min_lr = cfg_.min_lr;
+  so.warmup_steps = cfg_.warmup_steps;
+  sched_ = std::make_unique<optim::LrSchedule>(so);
+
+  if (world_ > 1) {
+    parallel::DataParallelOptions dpo;
+    dpo.bucket_bytes = cfg_.bucket_mb << 20;
+    dp_ = std::make_unique<parallel::DataParallel>(*model_, rt_.world(), dpo);
+  }
+  if (rank_ == 0 && !cfg_.metrics.empty()) metrics_ = std::make_unique<MetricsWriter>(cfg_.metrics, !cfg_.resume.empty());
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::build_optimizer() {
+  auto params = model_->parameters();
+  if (cfg_.optimizer == "sgd") {
+    optim::SgdOptions o;
+    o.momentum = cfg_.momentum;
+    o.weight_decay = cfg_.weight_decay;
+    o.nesterov = cfg_.nesterov;
+    opt_ = std::make_unique<optim::SGD>(params, o);
+  } else {
+    optim::AdamOptions o;
+    o.beta1 = cfg_.beta1;
+    o.beta2 = cfg_.beta2;
+    o.eps = cfg_.eps;
+    o.weight_decay = cfg_.weight_decay;
+    o.decoupled = cfg_.optimizer == "adamw";
+    opt_ = std::make_unique<optim::Adam>(params, o);
+  }
+}
+
+void Trainer::say(const std::string& s) { progress_->line(s); }
+
+// ------------------------------------------------------------------ checkpoints
+void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
+  if (cfg_.checkpoint_dir.empty()) return;
+  if (rank_ == 0) {  // data parallel: every rank holds the same state
+    CheckpointState s;
+    for (nn::Parameter* p : model_->parameters()) s.tensors["param/" + p->name] = p->value;
+    for (nn::Buffer* b : model_->buffers()) s.tensors["buffer/" + b->name] = b->value;
+    for (const optim::StateTensor& st : opt_->state()) s.tensors["optim/" + st.name] = *st.value;
+    s.strings["model"] = spec_.name;
+    s.strings["optimizer"] = opt_->kind();
+    s.ints["step"] = step_;
+    s.ints["optimizer_steps"] = opt_->steps();
+    s.ints["epoch"] = epoch;
+    s.ints["batch_in_epoch"] = batch_in_epoch;
+    s.ints["world_size"] = world_;
+    s.ints["per_rank_batch"] = batch_;
+    s.ints["classes"] = spec_.classes;
+    s.ints["seed"] = static_cast<int64_t>(cfg_.seed);
+    s.int_lists["input_shape"] = std::vector<int64_t>(spec_.input.begin(), spec_.input.end());
+    s.int_lists["hidden"] = spec_.hidden;
+    char name[64];
+    std::snprintf(name, sizeof name, "ckpt-step%09lld.h5", static_cast<long long>(step_));
+    fs::path path = fs::path(cfg_.checkpoint_dir) / name;
+    save_checkpoint(path.string(), s);
+    // Keep the newest few.
+    std::vector<fs::path> all;
+    for (const auto& e : fs::directory_iterator(cfg_.checkpoint_dir)) {
+      std::string n = e.path().filename().string();
+      if (n.rfind("ckpt-step", 0) == 0 && e.path().extension() == ".h5") all.push_back(e.path());
+    }
+    std::sort(all.begin(), all.end());
+    for (size_t i = 0; i + static_cast<size_t>(cfg_.keep_checkpoints) < all.size(); ++i) fs::remove(all[i]);
+    if (!progress_->bar()) say("checkpoint " + path.string());
+  }
+  if (world_ > 1) rt_.world().barrier();  // nobody runs ahead of a checkpoint that may fail
+}
+
+void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
+  std::string path = resolve_checkpoint(where);
+  CheckpointState s = load_checkpoint(path);
+  auto need = [&](const std::string& key) -> int64_t {
+    auto it = s.ints.find(key);
+    DT_INPUT_CHECK(it != s.ints.end(), "checkpoint '" << path << "' has no '" << key << "'");
+    return it->second;
+  };
+  DT_INPUT_CHECK(s.strings["model"] == spec_.name,
+                 "checkpoint '" << path << "' holds model '" << s.strings["model"] << "', not --model " << spec_.name);
+  std::vector<int64_t> shape = s.int_lists["input_shape"];
+  DT_INPUT_CHECK(Shape(shape.begin(), shape.end()) == spec_.input,
+                 "checkpoint '" << path << "' was trained on inputs " << shape_str(Shape(shape.begin(), shape.end()))
+                                << " but the data has " << shape_str(spec_.input));
+  DT_INPUT_CHECK(s.strings["optimizer"] == opt_->kind(),
+                 "checkpoint '" << path << "' used optimizer " << s.strings["optimizer"] << ", not --optimizer "
+                                << opt_->kind());
+  auto load = [&](const std::string& key, Tensor& dst) {
+    auto it = s.tensors.find(key);
+    DT_INPUT_CHECK(it != s.tensors.end(), "checkpoint '" << path << "' has no tensor " << key);
+    DT_INPUT_CHECK(it->second.shape() == dst.shape(), "checkpoint '" << path << "': " << key << " has shape "
+                                                                      << shape_str(it->second.shape())
+                                                                      << ", the model needs " << shape_str(dst.shape()));
+    dst.copy_from(it->second);
+  };
+  for (nn::Parameter* p : model_->parameters()) load("param/" + p->name, p->value);
+  for (nn::Buffer* b : model_->buffers()) load("buffer/" + b->name, b->value);
+  for (const optim::StateTensor& st : opt_->state()) load("optim/" + st.name, *st.value);
+  step_ = need("step");
+  opt_->set_steps(need("optimizer_steps"));
+  epoch = need("epoch");
+  skip = need("batch_in_epoch");
+  // The loader's position is in per-rank batches; a different layout restarts the epoch.
+  if (need("world_size") != world_ || need("per_rank_batch") != batch_) {
+    if (skip > 0) say("resume: rank count or batch changed since the checkpoint; restarting its epoch");
+    skip = 0;
+  }
+  if (skip >= steps_per_epoch_) {
+    ++epoch;
+    skip = 0;
+  }
+  say("resumed from " + path + " at step " + std::to_string(step_) + " (epoch " + std::to_string(epoch + 1) + ")");
+}
+
+// ------------------------------------------------------------------ evaluation
+EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::ShardedHdf5Dataset> ds, int64_t batch,
+                          bool normalize, comm::Communicator* comm) {
+  int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
+  model.eval();
+  data::LoaderOptions lo;
+  lo.batch_size = batch;
+  lo.shuffle = false;
+  lo.normalize = normalize;
+  lo.rank = rank;
+  lo.world = world;
+  data::DataLoader loader(ds, lo);
+  // The sampler deals rank r the global positions r, r + world, ...; positions past the end are
+  // padding and are not counted.
+  int64_t mine = (ds->size() - rank + world - 1) / world;
+  nn::SoftmaxCrossEntropy ce;
+  double loss_sum = 0;
+  int64_t correct = 0, seen = 0;
+  loader.start_epoch(0);
+  data::Batch b;
+  while (seen < mine && loader.next(b)) {
+    int64_t rows = std::min<int64_t>(b.inputs.size(0), mine - seen);
+    int64_t hits = 0;
+    ce.forward(model.forward(b.inputs.slice0(0, rows)), b.labels.slice0(0, rows), &hits);
+    loss_sum += ce.last_loss_sum();
+    correct += hits;
+    seen += rows;
+  }
+  model.train();
+  // Sums in f64 words carried as two f32 tensors would lose counts past 2^24; use i64 + f32.
+  Tensor counts = Tensor::empty({2}, DType::I64);
+  counts.data<int64_t>()[0] = correct;
+  counts.data<int64_t>()[1] = seen;
+  Tensor loss = Tensor::from({1}, {static_cast<float>(loss_sum)});
+  if (world > 1) {
+    comm->allreduce(counts, comm::ReduceOp::Sum)->wait();
+    comm->allreduce(loss, comm::ReduceOp::Sum)->wait();
+  }
+  EvalResult r;
+  r.samples = counts.data<int64_t>()[1];
+  r.loss = loss.f32()[0] / static_cast<double>(std::max<int64_t>(r.samples, 1));
+  r.accuracy = static_cast<double>(counts.data<int64_t>()[0]) / static_cast<double>(std::max<int64_t>(r.samples, 1));
+  return r;
+}
+
+EvalResult Trainer::evaluate(const data::ShardedHdf5Dataset& ds) {
+  auto view = std::shared_ptr<const data::ShardedHdf5Dataset>(&ds, [](const data::ShardedHdf5Dataset*) {});
+  return evaluate_model(*model_, view, std::max<int64_t>(batch_, 256), cfg_.normalize,
+                        world_ > 1 ? &rt_.world() : nullptr);
+}
+
+// ------------------------------------------------------------------ the loop
+TrainResult Trainer::run() {
+  TrainResult result;
+  int64_t start_epoch = 0, skip = 0;
+  if (!cfg_.resume.empty()) restore(cfg_.resume, start_epoch, skip);
+  if (dp_) dp_->broadcast_state(0);
+
+  if (rank_ == 0) {
+    std::ostringstream o;
+    o << "dtrain: model " << spec_.name << " (" << model_->parameter_count() << " parameters), "
+      << (cfg_.synthetic ? std::string("synthetic data") : "data " + cfg_.data) << ", " << world_ << " rank"
+      << (world_ > 1 ? "s" : "") << " x " << cpu_engine().threads() << " thread(s), batch " << batch_ << "/rank ("
+      << batch_ * world_ << " global), " << steps_per_epoch_ << " steps/epoch, " << total_steps_ << " steps, "
+      << opt_->kind() << " lr " << cfg_.lr << " " << cfg_.lr_schedule;
+    say(o.str());
+  }
+
+  // Synthetic batches: a few fixed random batches, cycled (no data path at all).
+  std::vector<data::Batch> synthetic;
+  if (cfg_.synthetic) {
+    Rng rng(derive_seed(cfg_.seed, 1000 + static_cast<uint64_t>(rank_)));
+    Shape xs = spec_.input;
+    xs.insert(xs.begin(), batch_);
+    for (int i = 0; i < 4; ++i) {
+      data::Batch b;
+      b.inputs = Tensor::empty(xs);
+      for (int64_t j = 0; j < b.inputs.numel(); ++j) b.inputs.f32()[j] = rng.normal();
+      b.labels = Tensor::empty({batch_}, DType::I32);
+      for (int64_t j = 0; j < batch_; ++j) b.labels.data<int32_t>()[j] = static_cast<int32_t>(rng.below(spec_.classes));
+      synthetic.push_back(std::move(b));
+    }
+  }
+
+  nn::SoftmaxCrossEntropy ce;
+  model_->train();
+  double run_t0 = 0;
+  int64_t run_samples = 0;
+  // Interval statistics for log lines.
+  double iv_loss = 0, iv_wait = 0, iv_comm = 0, iv_t0 = now_s();
+  int64_t iv_steps = 0, iv_correct = 0, iv_seen = 0;
+  double ema_step_s = 0;
+
+  for (int64_t epoch = start_epoch; epoch < epochs_ && step_ < total_steps_; ++epoch) {
+    if (loader_) loader_->start_epoch(epoch, skip);
+    int64_t batch_in_epoch = skip;
+    skip = 0;
+    double epoch_t0 = now_s();
+    while (step_ < total_steps_) {
+      data::Batch b;
+      if (loader_) {
+        if (!loader_->next(b)) break;
+      } else {
+        if (batch_in_epoch >= steps_per_epoch_) break;
+        b = synthetic[static_cast<size_t>(step_ % 4)];
+      }
+      double t0 = now_s();
+      float lr = sched_->lr(step_);
+      opt_->zero_grad();
+      Tensor logits = model_->forward(b.inputs);
+      int64_t hits = 0;
+      float loss = ce.forward(logits, b.labels, &hits);
+      if (dp_) dp_->begin_backward(true);
+      model_->backward(ce.backward());
+      if (dp_) {
+        double c0 = dp_->stats().comm_wait_s;
+        dp_->finish();
+        iv_comm += dp_->stats().comm_wait_s - c0;
+      }
+      if (cfg_.clip_grad_norm > 0.f) optim::clip_grad_norm(model_->parameters(), cfg_.clip_grad_norm);
+      opt_->step(lr);
+      ++step_;
+      ++batch_in_epoch;
+      double t1 = now_s();
+      if (step_ == 1 || result.first_step_at_s == 0) {
+        result.first_step_at_s = process_age_s();
+        run_t0 = t1;
+      } else {
+        run_samples += b.inputs.size(0) * world_;
+      }
+      ema_step_s = ema_step_s == 0 ? (t1 - t0 + b.wait_s) : 0.9 * ema_step_s + 0.1 * (t1 - t0 + b.wait_s);
+      iv_loss += loss;
+      iv_wait += b.wait_s;
+      iv_correct += hits;
+      iv_seen += b.inputs.size(0);
+      ++iv_steps;
+      result.final_loss = loss;
+      if (!std::isfinite(loss)) {
+        throw InputError("loss became " + std::to_string(loss) + " at step " + std::to_string(step_) +
+                         ": lower --lr or enable --clip-grad-norm");
+      }
+
+      bool log_now = step_ % cfg_.log_every == 0 || step_ == total_steps_ || batch_in_epoch == steps_per_epoch_;
+      if (log_now) {
+        // Loss and accuracy averaged over ranks; throughput over the interval, globally.
+        Tensor agg = Tensor::from({4}, {static_cast<float>(iv_loss), static_cast<float>(iv_correct),
+                                        static_cast<float>(iv_seen), static_cast<float>(iv_wait)});
+        if (world_ > 1) rt_.world().allreduce(agg, comm::ReduceOp::Sum)->wait();
+        double now = now_s();
+        double mean_loss = agg.f32()[0] / (iv_steps * world_);
+        double acc = agg.f32()[1] / std::max(1.f, agg.f32()[2]);
+        double sps = agg.f32()[2] / std::max(now - iv_t0, 1e-9);
+        double wait = agg.f32()[3] / (iv_steps * world_);
+        if (metrics_)
+          metrics_->write({{"epoch", epoch + 1},
+                           {"step", step_},
+                           {"loss", mean_loss},
+                           {"train_accuracy", acc},
+                           {"lr", static_cast<double>(lr)},
+                           {"samples_per_s", sps},
+                           {"data_wait_s", wait},
+                           {"comm_wait_s", iv_comm / iv_steps},
+                           {"step_time_s", (now - iv_t0) / iv_steps}});
+        std::string stats = "loss " + fixed(mean_loss, 4) + " acc " + fixed(100 * acc, 1) + "% " +
+                            fixed(sps, 0) + " samples/s wait " + fixed(1e3 * wait, 2) + " ms";
+        if (progress_->bar()) {
+          double eta = ema_step_s * static_cast<double>(total_steps_ - step_);
+          progress_->update(epoch + 1, epochs_, batch_in_epoch, steps_per_epoch_, stats, eta);
+        } else {
+          say("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs_) + " step " +
+              std::to_string(step_) + "/" + std::to_string(total_steps_) + " " + stats + " lr " + fixed(lr, 5));
+        }
+        iv_loss = iv_wait = iv_comm = 0;
+        iv_steps = iv_correct = iv_seen = 0;
+        iv_t0 = now_s();
+      }
+      if (cfg_.checkpoint_every > 0 && step_ % cfg_.checkpoint_every == 0) save(epoch, batch_in_epoch);
+    }
+    bool epoch_done = batch_in_epoch >= steps_per_epoch_;
+    if (epoch_done || step_ >= total_steps_) {
+      std::string line = "epoch " + std::to_string(epoch + 1) + " done in " + fixed(now_s() - epoch_t0, 1) + " s";
+      if (test_ds_ && cfg_.eval_each_epoch) {
+        EvalResult ev = evaluate(*test_ds_);
+        result.last_eval = ev;
+        line += ": test loss " + fixed(ev.loss, 4) + ", test accuracy " + fixed(100 * ev.accuracy, 2) + "% (" +
+                std::to_string(ev.samples) + " samples)";
+        if (metrics_)
+          metrics_->write({{"epoch", epoch + 1},
+                           {"step", step_},
+                           {"test_loss", ev.loss},
+                           {"test_accuracy", ev.accuracy},
+                           {"test_samples", ev.samples}});
+      }
+      say(line);
+      if (cfg_.checkpoint_every == 0 || step_ % cfg_.checkpoint_every != 0)
+        save(epoch_done ? epoch + 1 : epoch, epoch_done ? 0 : batch_in_epoch);
+    }
+  }
+  result.steps = step_;
+  double elapsed = now_s() - run_t0;
+  result.samples_per_s = elapsed > 0 ? static_cast<double>(run_samples) / elapsed : 0;
+  if (rank_ == 0) {
+    say("done: " + std::to_string(step_) + " steps, " + fixed(result.samples_per_s, 0) +
+        " samples/s, first step " + fixed(result.first_step_at_s, 3) + " s after process start");
+    if (metrics_)
+      metrics_->write({{"summary", std::string("run")},
+                       {"steps", step_},
+                       {"samples_per_s", result.samples_per_s},
+                       {"first_step_at_s", result.first_step_at_s},
+                       {"final_loss", result.final_loss},
+                       {"test_accuracy", result.last_eval.accuracy}});
+  }
+  return result;
+}
+
+}  // namespace dtrain::train
