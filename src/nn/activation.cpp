@@ -1,3 +1,5 @@
+#include <cstring>
+
 #include "dtrain/nn/layers.h"
 
 namespace dtrain::nn {
@@ -15,8 +17,12 @@ Tensor Activation::backward(const Tensor& dy) {
   return dx;
 }
 
-Dropout::Dropout(float p, uint64_t seed) : p_(p), rng_(seed) {
+Dropout::Dropout(float p, uint64_t seed) : p_(p) {
   DT_INPUT_CHECK(p >= 0.f && p < 1.f, "dropout probability must be in [0, 1), got " << p);
+  Tensor state = Tensor::empty({4}, DType::I64);
+  auto words = Rng(seed).state();
+  std::memcpy(state.raw(), words.data(), sizeof words);
+  rng_state_ = &add_buffer("rng_state", state);
 }
 
 Tensor Dropout::forward(const Tensor& x) {
@@ -26,7 +32,14 @@ Tensor Dropout::forward(const Tensor& x) {
   }
   ensure(mask_, x.shape(), x.device());
   Tensor& y = ensure(y_, x.shape(), x.device());
-  engine(x).dropout_forward(x, p_, rng_.next(), mask_, y);
+  std::array<uint64_t, 4> words;
+  std::memcpy(words.data(), rng_state_->value.raw(), sizeof words);
+  Rng rng;
+  rng.set_state(words);
+  uint64_t seed = rng.next();
+  words = rng.state();
+  std::memcpy(rng_state_->value.raw(), words.data(), sizeof words);
+  engine(x).dropout_forward(x, p_, seed, mask_, y);
   return y;
 }
 

@@ -78,8 +78,6 @@ void save_checkpoint(const std::string& path, const CheckpointState& s) {
     for (const auto& [k, v] : s.ints) data::h5::write_attr_i64(file.get(), k.c_str(), {v});
     for (const auto& [k, v] : s.int_lists)
       data::h5::write_attr_i64(file.get(), ("list:" + k).c_str(), v.empty() ? std::vector<int64_t>{} : v);
-    std::vector<int64_t> rng(s.rng_state.begin(), s.rng_state.end());
-    data::h5::write_attr_i64(file.get(), "rng_state", rng);
     data::h5::write_attr_i64(file.get(), "checksum", {static_cast<int64_t>(crc_of(s.tensors))});
     data::h5::write_attr_string(file.get(), "format", "dtrain-checkpoint-1");
     DT_CHECK(H5Fflush(file.get(), H5F_SCOPE_GLOBAL) >= 0, "flushing " << tmp);
@@ -139,9 +137,6 @@ CheckpointState load_checkpoint(const std::string& path) {
         std::string n = name;
         if (H5Tget_class(type.get()) == H5T_STRING) {
           a->s->strings[n] = attr_string(loc, name);
-        } else if (n == "rng_state") {
-          auto v = attr_i64s(loc, name);
-          for (size_t i = 0; i < 4 && i < v.size(); ++i) a->s->rng_state[i] = static_cast<uint64_t>(v[i]);
         } else if (n.rfind("list:", 0) == 0) {
           a->s->int_lists[n.substr(5)] = attr_i64s(loc, name);
         } else if (n != "checksum") {

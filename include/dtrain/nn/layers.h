@@ -84,11 +84,10 @@ class Dropout : public Module {
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override { return "Dropout(" + std::to_string(p_) + ")"; }
-  Rng& rng() { return rng_; }
 
  private:
   float p_;
-  Rng rng_;
+  Buffer* rng_state_;  // i64[4]: the xoshiro state, a buffer so checkpoints resume the same masks
   Tensor mask_, y_, dx_;
 };
 

@@ -1,7 +1,6 @@
 #pragma once
 // Checkpoints: one HDF5 file, data only. Written to "<name>.tmp" and renamed, so a crash never
 // leaves a broken file under the final name; a CRC-32 over every tensor is checked on load.
-#include <array>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -12,11 +11,11 @@
 namespace dtrain::train {
 
 struct CheckpointState {
-  std::map<std::string, Tensor> tensors;        // "param/<name>", "buffer/<name>", "optim/<name>"
+  // "param/<name>", "buffer/<name>" (BatchNorm statistics, dropout RNG states), "optim/<name>"
+  std::map<std::string, Tensor> tensors;
   std::map<std::string, std::string> strings;   // model name, optimizer kind, ...
   std::map<std::string, int64_t> ints;          // step, epoch, batch_in_epoch, world size, ...
   std::map<std::string, std::vector<int64_t>> int_lists;  // input shape, hidden widths
-  std::array<uint64_t, 4> rng_state{};
 };
 
 void save_checkpoint(const std::string& path, const CheckpointState& s);

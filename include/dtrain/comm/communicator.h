@@ -1,0 +1,136 @@
+#pragma once
+// Communicator: the collectives and point-to-point calls a rank makes, all asynchronous. Each call
+// returns a Work handle; the tensor must stay untouched until the Work completes. Backends: MPI
+// (host buffers, device buffers when MPI is CUDA-aware) and NCCL (device buffers, nccl.h).
+//
+// Every wait has a timeout (DTRAIN_COMM_TIMEOUT, default 300 s, 0 = none). On expiry the waiting
+// rank asks its peers, on a side channel, which collective each one last entered, and reports the
+// collective, its sequence number and the ranks that did not arrive; then the job aborts (or, with
+// TimeoutAction::Throw, a CommTimeoutError is thrown).
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/core/error.h"
+#include "dtrain/core/tensor.h"
+
+namespace dtrain::comm {
+
+enum class ReduceOp { Sum, Avg, Max, Min };
+const char* reduce_op_name(ReduceOp op);        // "sum"
+ReduceOp reduce_op_from_name(const std::string& name);  // throws InputError naming the value
+
+enum class TimeoutAction { Abort, Throw };
+
+// What a peer answered when a wait timed out.
+struct PeerStatus {
+  int rank = -1;
+  bool responded = false;
+  int64_t entered = 0;    // sequence number of the last collective it entered (0: none yet)
+  int64_t completed = 0;  // ... and of the last one it finished
+  std::string current;    // e.g. "allreduce #17 f32[1024] sum"
+};
+
+class CommTimeoutError : public Error {
+ public:
+  CommTimeoutError(const std::string& message, std::vector<int> missing_ranks, const char* file, int line);
+  // The ranks that did not arrive (for point-to-point: the peer).
+  const std::vector<int>& missing_ranks() const { return missing_; }
+
+ private:
+  std::vector<int> missing_;
+};
+
+// An operation in flight. Not thread-safe: one thread waits on a given Work.
+class Work {
+ public:
+  virtual ~Work();
+  // Non-blocking: true once complete. Throws the operation's error if it failed.
+  virtual bool test() = 0;
+  // Blocks until complete; timeout_s < 0 takes the communicator's timeout, 0 waits without limit.
+  // Throws the operation's error if it failed; on timeout, see the file comment.
+  virtual void wait(double timeout_s = -1) = 0;
+  virtual bool completed() const = 0;
+  virtual std::string error() const = 0;        // "" while pending or when it succeeded
+  virtual std::string description() const = 0;  // "allreduce #17 f32[1024] sum on 'world'"
+  virtual int64_t sequence() const { return 0; }  // collective sequence number; 0 for others
+};
+
+// A Work that is already complete (nothing to communicate).
+std::shared_ptr<Work> make_completed_work(std::string description);
+
+class Communicator {
+ public:
+  static constexpr int kNoColor = -1;  // split(): this rank joins no new communicator
+
+  virtual ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& name() const { return name_; }
+  virtual const char* backend() const = 0;  // "mpi", "nccl"
+  // Whether buffers on `device` may be passed to this backend.
+  virtual bool supports(Device device) const = 0;
+
+  // In place: every rank ends with op over all ranks' t. Avg divides the sum by size() (integer
+  // types truncate). bf16/f16 are summed pairwise in fp32 and rounded once per step.
+  std::shared_ptr<Work> allreduce(Tensor& t, ReduceOp op = ReduceOp::Sum);
+  std::shared_ptr<Work> broadcast(Tensor& t, int root);
+  // out holds size() blocks of in.numel() elements, block r from rank r.
+  std::shared_ptr<Work> allgather(const Tensor& in, Tensor& out);
+  // in holds size() blocks of out.numel() elements; rank r gets op over all ranks' block r.
+  std::shared_ptr<Work> reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op = ReduceOp::Sum);
+  std::shared_ptr<Work> send(const Tensor& t, int peer, int tag);
+  std::shared_ptr<Work> recv(Tensor& t, int peer, int tag);  // t.nbytes() must match the send
+  void barrier();  // with the timeout, like every wait
+  // Collective: ranks with the same color form a new communicator, ordered by key then rank.
+  // Returns nullptr on ranks passing kNoColor.
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& name = "");
+
+  void set_timeout(double seconds) { timeout_s_ = seconds; }  // 0: no timeout
+  double timeout() const { return timeout_s_; }
+  void set_timeout_action(TimeoutAction a) { timeout_action_ = a; }
+  TimeoutAction timeout_action() const { return timeout_action_; }
+  int64_t collectives_issued() const { return collectives_issued_; }
+
+ protected:
+  Communicator(int rank, int size, std::string name);
+
+  virtual std::shared_ptr<Work> do_allreduce(Tensor& t, ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> do_broadcast(Tensor& t, int root) = 0;
+  virtual std::shared_ptr<Work> do_allgather(const Tensor& in, Tensor& out) = 0;
+  virtual std::shared_ptr<Work> do_reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> do_send(const Tensor& t, int peer, int tag) = 0;
+  virtual std::shared_ptr<Work> do_recv(Tensor& t, int peer, int tag) = 0;
+  virtual std::shared_ptr<Work> do_barrier() = 0;
+  virtual std::unique_ptr<Communicator> do_split(int color, int key, const std::string& name) = 0;
+
+  int64_t next_sequence() { return ++collectives_issued_; }
+  double timeout_s_;
+  TimeoutAction timeout_action_ = TimeoutAction::Abort;
+
+ private:
+  void check_buffer(const Tensor& t, const char* what, const char* call) const;
+
+  int rank_, size_;
+  std::string name_;
+  int64_t collectives_issued_ = 0;
+};
+
+// MPI backend over a duplicate of `comm` (collective over comm). Requires Runtime::init().
+std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, const std::string& name = "");
+// The MPI communicator behind an MPI-backend Communicator; MPI_COMM_NULL for other backends.
+MPI_Comm mpi_comm_of(const Communicator& c);
+
+// nccl-tests' bandwidths for one collective of `bytes` per rank that took `seconds`:
+// algBw = bytes / time; busBw = algBw * factor, factor 2(n-1)/n for allreduce,
+// (n-1)/n for allgather and reduce_scatter (bytes = the full gathered size), 1 for broadcast.
+double alg_bandwidth(double bytes, double seconds);  // bytes/s
+double bus_bandwidth_factor(const std::string& collective, int ranks);
+
+}  // namespace dtrain::comm

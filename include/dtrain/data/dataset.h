@@ -1,0 +1,81 @@
+#pragma once
+// ShardedHdf5Dataset: a read-only view of a directory of HDF5 shards written by `dtrain convert`
+// (format in docs/data.md), addressed by global sample index 0..num_samples-1 across the shards
+// taken in sorted file-name order.
+//
+// Reading: the whole `labels` column is loaded at open (4 bytes a sample; it is needed to validate
+// the label range anyway). Inputs are read on demand. A shard is cached whole in memory the first
+// time any of its rows is read, as long as the cache stays under `cache_bytes`; a shard that does not
+// fit is read per request: the requested rows are sorted, de-duplicated and coalesced into runs of
+// consecutive rows, each read as one hyperslab. So a rank reads only the shards its samples fall in; under the default budget small
+// datasets (Fashion-MNIST: 47 MB) end up read once, sequentially, and served from memory after that.
+//
+// Thread safety: read() may be called from several loader threads at once. HDF5 itself is serialised
+// by one process-wide mutex (the installed parallel HDF5 is not thread-safe).
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dtrain/core/tensor.h"
+
+namespace dtrain::data {
+
+struct DatasetInfo {
+  std::string path;                 // the directory or file opened
+  std::vector<std::string> shards;  // the shard files, in global index order
+  std::vector<int64_t> shard_rows;  // samples in each shard
+  Shape sample_shape;               // e.g. [1, 28, 28]
+  int64_t num_samples = 0;          // over all shards
+  int num_classes = 0;
+  std::vector<float> mean;  // per channel, pixel/255 units; 0 when the shards carry no `mean`
+  std::vector<float> std;   // per channel; 1 when the shards carry no `std`
+  bool has_normalization = false;  // the shards carried `mean` and `std`
+
+  int64_t sample_bytes() const { return shape_numel(sample_shape); }
+  // Channels for per-channel normalisation: C of a [C, H, W] sample, else 1.
+  int64_t channels() const { return sample_shape.size() == 3 ? sample_shape[0] : 1; }
+};
+
+struct DatasetOptions {
+  int64_t cache_bytes = int64_t(2) << 30;  // memory for whole-shard caching; 0 disables the cache
+};
+
+class ShardedHdf5Dataset {
+ public:
+  // Opens and validates every shard: `path` is a directory (all *.h5 files in it, sorted) or one .h5
+  // file. Throws InputError naming the file and dataset on anything unreadable or inconsistent.
+  explicit ShardedHdf5Dataset(const std::string& path, DatasetOptions opt = {});
+  ~ShardedHdf5Dataset();
+  ShardedHdf5Dataset(const ShardedHdf5Dataset&) = delete;
+  ShardedHdf5Dataset& operator=(const ShardedHdf5Dataset&) = delete;
+
+  const DatasetInfo& info() const { return info_; }
+  int64_t size() const { return info_.num_samples; }
+
+  // Reads the samples `indices` (global, any order, repeats allowed) into `inputs`
+  // (indices.size() * sample_bytes() bytes, sample-major) and `labels` (indices.size() values).
+  void read(std::span<const int64_t> indices, uint8_t* inputs, int32_t* labels) const;
+
+  // The same into new tensors: u8 [n, C, H, W] and i32 [n].
+  void read(std::span<const int64_t> indices, Tensor& inputs, Tensor& labels) const;
+
+  int32_t label(int64_t index) const;
+  int64_t cached_bytes() const;  // inputs held by the whole-shard cache now
+
+ private:
+  struct Shard;
+  void read_shard(Shard& shard, std::span<const std::pair<int64_t, int64_t>> rows_and_slots, uint8_t* inputs) const;
+
+  DatasetInfo info_;
+  DatasetOptions opt_;
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::vector<int64_t> shard_begin_;  // global index of each shard's first row, plus the total at the end
+  std::vector<int32_t> labels_;       // all labels, global order
+  mutable std::mutex cache_mu_;
+  mutable int64_t cached_bytes_ = 0;  // guarded by cache_mu_
+};
+
+}  // namespace dtrain::data

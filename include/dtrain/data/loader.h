@@ -1,0 +1,124 @@
+#pragma once
+// DistributedSampler and DataLoader: each rank's share of an epoch, read and augmented on background
+// threads, delivered in a deterministic order.
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "dtrain/core/tensor.h"
+#include "dtrain/data/augment.h"
+#include "dtrain/data/dataset.h"
+
+namespace dtrain::data {
+
+// One epoch's order, identical on every rank: a permutation of 0..N-1 drawn from (seed, epoch) (the
+// identity when shuffle is off), made divisible by `world` either by dropping its tail (drop_last) or
+// by repeating its head (padding), then dealt round-robin: rank r takes positions r, r + world,
+// r + 2*world, ... So every rank gets the same count, and without padding every sample is seen
+// exactly once per epoch over all ranks; with padding the first (total - N) samples of the epoch's
+// order are seen twice.
+class DistributedSampler {
+ public:
+  DistributedSampler(int64_t dataset_size, int rank, int world, bool shuffle, uint64_t seed, bool drop_last);
+
+  int64_t samples_per_rank() const { return per_rank_; }
+  int64_t total_size() const { return per_rank_ * world_; }  // after dropping or padding
+  std::vector<int64_t> epoch_order(int64_t epoch) const;     // all ranks' samples, length total_size()
+  std::vector<int64_t> rank_indices(int64_t epoch) const;    // this rank's, length samples_per_rank()
+
+ private:
+  int64_t size_;
+  int rank_, world_;
+  bool shuffle_;
+  uint64_t seed_;
+  int64_t per_rank_;
+};
+
+struct LoaderOptions {
+  int64_t batch_size = 64;  // per rank
+  bool shuffle = true;
+  bool drop_last = false;  // drop the sampler's tail and the last partial batch, instead of padding
+  uint64_t seed = 0;
+  int threads = -1;   // background threads; < 0: DTRAIN_LOADER_THREADS; 0: build on the caller's thread
+  int prefetch = -1;  // batches in flight or ready ahead of the consumer; < 0: DTRAIN_PREFETCH
+  bool normalize = true;  // (x/255 - mean[c]) / std[c] with the dataset's statistics; else x/255
+  AugmentOptions augment;
+  int rank = 0;
+  int world = 1;
+};
+
+struct Batch {
+  Tensor inputs;                 // f32 [B, C, H, W]
+  Tensor labels;                 // i32 [B]
+  std::vector<int64_t> indices;  // the global sample indices, in batch order
+  int64_t epoch = 0;
+  int64_t index = 0;   // batch number within the epoch
+  double wait_s = 0;   // seconds next() blocked waiting for this batch
+};
+
+// Batch i of an epoch is a pure function of (dataset, options, epoch, i): workers take batch numbers
+// in order, build them concurrently, and next() hands them out strictly in number order. At most
+// `prefetch` batches are taken but not yet handed out. An exception thrown while building batch i
+// is rethrown by the next() that would have returned batch i.
+class DataLoader {
+ public:
+  DataLoader(std::shared_ptr<const ShardedHdf5Dataset> dataset, const LoaderOptions& opt);
+  ~DataLoader();  // stops and joins the workers
+  DataLoader(const DataLoader&) = delete;
+  DataLoader& operator=(const DataLoader&) = delete;
+
+  int64_t batches_per_epoch() const { return batches_per_epoch_; }
+  int64_t samples_per_epoch() const { return sampler_.samples_per_rank(); }  // this rank's, before drop_last
+
+  // Begins `epoch` at batch `skip_batches` (to resume exactly where a checkpoint left off). Work
+  // in flight for a previous epoch is discarded.
+  void start_epoch(int64_t epoch, int64_t skip_batches = 0);
+  // The next batch of the current epoch (starting epoch 0 if none was started); false at its end.
+  bool next(Batch& out);
+
+  int64_t epoch() const { return epoch_; }
+  int64_t position() const;  // the number of the batch next() returns next, for checkpoints
+  int threads() const { return static_cast<int>(workers_.size()); }
+  int prefetch() const { return prefetch_; }
+  const LoaderOptions& options() const { return opt_; }
+  const DatasetInfo& info() const { return dataset_->info(); }
+
+  // Builds batch `index` of `epoch` directly on the caller's thread (what the workers run).
+  Batch build_batch(int64_t epoch, const std::vector<int64_t>& rank_order, int64_t index) const;
+
+ private:
+  struct Plan {
+    int64_t epoch = 0;
+    std::vector<int64_t> order;  // this rank's sample order for the epoch
+  };
+  struct Slot {
+    Batch batch;
+    std::exception_ptr error;
+  };
+  void worker_loop();
+
+  std::shared_ptr<const ShardedHdf5Dataset> dataset_;
+  LoaderOptions opt_;
+  DistributedSampler sampler_;
+  int64_t batches_per_epoch_ = 0;
+  int prefetch_ = 1;
+  std::vector<float> scale_, shift_;  // per channel: normalised = x * scale + shift, x in pixel/255 units
+
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;   // workers wait for a batch number to take
+  std::condition_variable ready_cv_;  // the consumer waits for the batch it needs
+  std::shared_ptr<const Plan> plan_;  // current epoch; workers keep their own reference
+  int64_t epoch_ = -1;
+  int64_t next_take_ = 0;     // next batch number a worker takes
+  int64_t next_deliver_ = 0;  // next batch number next() returns
+  std::map<int64_t, Slot> ready_;
+  bool stop_ = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace dtrain::data

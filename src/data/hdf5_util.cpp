@@ -1,0 +1,104 @@
+#include "hdf5_util.h"
+
+namespace dtrain::data::h5 {
+
+std::mutex& mutex() {
+  static std::mutex m;
+  return m;
+}
+
+std::unique_lock<std::mutex> lock() {
+  std::unique_lock<std::mutex> l(mutex());
+  static bool quiet = false;  // guarded by the mutex
+  if (!quiet) {
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    quiet = true;
+  }
+  return l;
+}
+
+namespace {
+herr_t innermost_error(unsigned n, const H5E_error2_t* err, void* client) {
+  // Walking upward starts at the innermost (most specific) entry: keep only that one.
+  if (n == 0 && err->desc) *static_cast<std::string*>(client) = err->desc;
+  return 0;
+}
+}  // namespace
+
+std::string last_error() {
+  std::string desc;
+  H5Ewalk2(H5E_DEFAULT, H5E_WALK_UPWARD, innermost_error, &desc);
+  return desc;
+}
+
+static bool write_attr(hid_t obj, const char* name, hid_t file_type, hid_t mem_type, hsize_t n, const void* data) {
+  if (H5Aexists(obj, name) > 0) H5Adelete(obj, name);
+  Handle sp = space(H5Screate_simple(1, &n, nullptr));
+  if (!sp.valid()) return false;
+  Handle a = attr(H5Acreate2(obj, name, file_type, sp.get(), H5P_DEFAULT, H5P_DEFAULT));
+  return a.valid() && H5Awrite(a.get(), mem_type, data) >= 0;
+}
+
+bool write_attr_string(hid_t obj, const char* name, const std::string& value) {
+  if (H5Aexists(obj, name) > 0) H5Adelete(obj, name);
+  // A fixed-length, NUL-terminated scalar string: h5py returns it as bytes/str.
+  Handle t = type(H5Tcopy(H5T_C_S1));
+  H5Tset_size(t.get(), value.size() + 1);
+  H5Tset_strpad(t.get(), H5T_STR_NULLTERM);
+  Handle sp = space(H5Screate(H5S_SCALAR));
+  Handle a = attr(H5Acreate2(obj, name, t.get(), sp.get(), H5P_DEFAULT, H5P_DEFAULT));
+  return a.valid() && H5Awrite(a.get(), t.get(), value.c_str()) >= 0;
+}
+
+bool write_attr_i64(hid_t obj, const char* name, const std::vector<int64_t>& values) {
+  return write_attr(obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, values.size(), values.data());
+}
+
+bool write_attr_f64(hid_t obj, const char* name, const std::vector<double>& values) {
+  return write_attr(obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, values.size(), values.data());
+}
+
+bool write_attr_scalar_i64(hid_t obj, const char* name, int64_t value) {
+  if (H5Aexists(obj, name) > 0) H5Adelete(obj, name);
+  Handle sp = space(H5Screate(H5S_SCALAR));
+  Handle a = attr(H5Acreate2(obj, name, H5T_STD_I64LE, sp.get(), H5P_DEFAULT, H5P_DEFAULT));
+  return a.valid() && H5Awrite(a.get(), H5T_NATIVE_INT64, &value) >= 0;
+}
+
+template <typename T>
+static bool read_attr_numeric(hid_t obj, const char* name, hid_t mem_type, std::vector<T>& out) {
+  if (H5Aexists(obj, name) <= 0) return false;
+  Handle a = attr(H5Aopen(obj, name, H5P_DEFAULT));
+  if (!a.valid()) return false;
+  Handle sp = space(H5Aget_space(a.get()));
+  hssize_t n = H5Sget_simple_extent_npoints(sp.get());
+  if (n < 0) return false;
+  Handle t = type(H5Aget_type(a.get()));
+  H5T_class_t cls = H5Tget_class(t.get());
+  if (cls != H5T_INTEGER && cls != H5T_FLOAT) return false;
+  out.assign(static_cast<size_t>(n), T{});
+  return H5Aread(a.get(), mem_type, out.data()) >= 0;
+}
+
+bool read_attr_i64(hid_t obj, const char* name, std::vector<int64_t>& out) {
+  return read_attr_numeric(obj, name, H5T_NATIVE_INT64, out);
+}
+
+bool read_attr_f64(hid_t obj, const char* name, std::vector<double>& out) {
+  return read_attr_numeric(obj, name, H5T_NATIVE_DOUBLE, out);
+}
+
+bool read_attr_string(hid_t obj, const char* name, std::string& out) {
+  if (H5Aexists(obj, name) <= 0) return false;
+  Handle a = attr(H5Aopen(obj, name, H5P_DEFAULT));
+  if (!a.valid()) return false;
+  Handle t = type(H5Aget_type(a.get()));
+  if (H5Tget_class(t.get()) != H5T_STRING || H5Tis_variable_str(t.get()) > 0) return false;
+  size_t size = H5Tget_size(t.get());
+  std::string buf(size, '\0');
+  if (H5Aread(a.get(), t.get(), buf.data()) < 0) return false;
+  out = buf.substr(0, buf.find('\0'));
+  return true;
+}
+
+}  // namespace dtrain::data::h5

@@ -1,0 +1,72 @@
+#pragma once
+// Internal helpers around the HDF5 C API. The installed HDF5 is the parallel build, which is not
+// thread-safe: every HDF5 call in the process must hold hdf5_mutex().
+#include <hdf5.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain::data::h5 {
+
+// The one process-wide lock for HDF5. Taking it through lock() also switches HDF5's automatic
+// error-stack printing off (once), so users see dtrain's message instead of HDF5's trace.
+std::mutex& mutex();
+std::unique_lock<std::mutex> lock();
+
+// The most specific description on HDF5's current error stack ("truncated file: eof = ..."), or "".
+std::string last_error();
+
+// An owned hid_t closed with the matching H5*close. Move-only.
+class Handle {
+ public:
+  using Closer = herr_t (*)(hid_t);
+  Handle() = default;
+  Handle(hid_t id, Closer closer) : id_(id), closer_(closer) {}
+  ~Handle() { reset(); }
+  Handle(Handle&& o) noexcept : id_(std::exchange(o.id_, H5I_INVALID_HID)), closer_(o.closer_) {}
+  Handle& operator=(Handle&& o) noexcept {
+    if (this != &o) {
+      reset();
+      id_ = std::exchange(o.id_, H5I_INVALID_HID);
+      closer_ = o.closer_;
+    }
+    return *this;
+  }
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+
+  hid_t get() const { return id_; }
+  bool valid() const { return id_ >= 0; }
+  hid_t release() { return std::exchange(id_, H5I_INVALID_HID); }  // the caller closes it
+  void reset() {
+    if (id_ >= 0 && closer_) closer_(id_);
+    id_ = H5I_INVALID_HID;
+  }
+
+ private:
+  hid_t id_ = H5I_INVALID_HID;
+  Closer closer_ = nullptr;
+};
+
+inline Handle file(hid_t id) { return Handle(id, H5Fclose); }
+inline Handle dataset(hid_t id) { return Handle(id, H5Dclose); }
+inline Handle space(hid_t id) { return Handle(id, H5Sclose); }
+inline Handle type(hid_t id) { return Handle(id, H5Tclose); }
+inline Handle plist(hid_t id) { return Handle(id, H5Pclose); }
+inline Handle attr(hid_t id) { return Handle(id, H5Aclose); }
+
+// Attribute writers on an object (the file's root group here). Caller holds the lock.
+bool write_attr_string(hid_t obj, const char* name, const std::string& value);
+bool write_attr_i64(hid_t obj, const char* name, const std::vector<int64_t>& values);
+bool write_attr_f64(hid_t obj, const char* name, const std::vector<double>& values);
+bool write_attr_scalar_i64(hid_t obj, const char* name, int64_t value);  // a scalar dataspace
+
+// Attribute readers: false when the attribute is missing or of an unreadable type. Caller holds the lock.
+bool read_attr_i64(hid_t obj, const char* name, std::vector<int64_t>& out);
+bool read_attr_f64(hid_t obj, const char* name, std::vector<double>& out);
+bool read_attr_string(hid_t obj, const char* name, std::string& out);
+
+}  // namespace dtrain::data::h5

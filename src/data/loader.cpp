@@ -1,0 +1,214 @@
+#include "dtrain/data/loader.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "dtrain/core/env.h"
+#include "dtrain/core/error.h"
+#include "dtrain/core/rng.h"
+#include "dtrain/core/timer.h"
+
+namespace dtrain::data {
+
+namespace {
+constexpr uint64_t kSamplerStream = 0x5a3;
+}
+
+// ---- DistributedSampler ----
+
+DistributedSampler::DistributedSampler(int64_t dataset_size, int rank, int world, bool shuffle, uint64_t seed,
+                                       bool drop_last)
+    : size_(dataset_size), rank_(rank), world_(world), shuffle_(shuffle), seed_(seed) {
+  DT_INPUT_CHECK(world >= 1 && rank >= 0 && rank < world, "sampler: rank " << rank << " outside world " << world);
+  DT_INPUT_CHECK(dataset_size > 0, "sampler: the dataset is empty");
+  per_rank_ = drop_last ? dataset_size / world : (dataset_size + world - 1) / world;
+}
+
+std::vector<int64_t> DistributedSampler::epoch_order(int64_t epoch) const {
+  std::vector<int64_t> order(static_cast<size_t>(size_));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  if (shuffle_) {
+    Rng rng(derive_seed(derive_seed(seed_, kSamplerStream), static_cast<uint64_t>(epoch)));
+    for (int64_t i = size_ - 1; i > 0; --i) std::swap(order[i], order[rng.below(static_cast<uint64_t>(i) + 1)]);
+  }
+  const int64_t total = total_size();
+  if (total <= size_) {
+    order.resize(static_cast<size_t>(total));
+  } else {
+    for (int64_t i = size_; i < total; ++i) order.push_back(order[(i - size_) % size_]);
+  }
+  return order;
+}
+
+std::vector<int64_t> DistributedSampler::rank_indices(int64_t epoch) const {
+  std::vector<int64_t> order = epoch_order(epoch);
+  std::vector<int64_t> mine;
+  mine.reserve(static_cast<size_t>(per_rank_));
+  for (int64_t k = 0; k < per_rank_; ++k) mine.push_back(order[k * world_ + rank_]);
+  return mine;
+}
+
+// ---- DataLoader ----
+
+DataLoader::DataLoader(std::shared_ptr<const ShardedHdf5Dataset> dataset, const LoaderOptions& opt)
+    : dataset_(std::move(dataset)),
+      opt_(opt),
+      sampler_(dataset_ ? dataset_->size() : 1, opt.rank, opt.world, opt.shuffle, opt.seed, opt.drop_last) {
+  DT_CHECK(dataset_ != nullptr, "DataLoader needs a dataset");
+  const DatasetInfo& info = dataset_->info();
+  DT_INPUT_CHECK(opt_.batch_size > 0, "batch size must be positive, got " << opt_.batch_size);
+  const int64_t n = sampler_.samples_per_rank();
+  batches_per_epoch_ = opt_.drop_last ? n / opt_.batch_size : (n + opt_.batch_size - 1) / opt_.batch_size;
+  DT_INPUT_CHECK(batches_per_epoch_ > 0, "dataset '" << info.path << "' (" << info.num_samples << " samples) gives "
+                                                     << n << " samples per rank over " << opt_.world
+                                                     << " ranks: not one batch of " << opt_.batch_size
+                                                     << " with drop_last");
+  if (opt_.augment.enabled())
+    DT_INPUT_CHECK(info.sample_shape.size() == 3, "augmentation needs [C, H, W] samples; dataset '"
+                                                      << info.path << "' has " << shape_str(info.sample_shape));
+  DT_INPUT_CHECK(opt_.augment.crop_padding >= 0 && opt_.augment.rotate_deg >= 0,
+                 "augmentation: crop padding and rotation must be >= 0");
+
+  for (int64_t c = 0; c < info.channels(); ++c) {
+    const float mean = opt_.normalize ? info.mean[c] : 0.0f;
+    const float sd = opt_.normalize ? info.std[c] : 1.0f;
+    scale_.push_back(1.0f / sd);
+    shift_.push_back(-mean / sd);
+  }
+
+  int threads = opt_.threads >= 0 ? opt_.threads : static_cast<int>(env::get_long("DTRAIN_LOADER_THREADS"));
+  prefetch_ = opt_.prefetch >= 0 ? opt_.prefetch : static_cast<int>(env::get_long("DTRAIN_PREFETCH"));
+  DT_INPUT_CHECK(threads >= 0 && threads <= 256, "loader threads must be in 0..256, got " << threads);
+  prefetch_ = std::max(prefetch_, 1);
+  for (int t = 0; t < threads; ++t) workers_.emplace_back([this] { worker_loop(); });
+}
+
+DataLoader::~DataLoader() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  for (std::thread& t : workers_) t.join();
+}
+
+int64_t DataLoader::position() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return next_deliver_;
+}
+
+void DataLoader::start_epoch(int64_t epoch, int64_t skip_batches) {
+  DT_INPUT_CHECK(epoch >= 0, "epoch must be >= 0, got " << epoch);
+  DT_INPUT_CHECK(skip_batches >= 0 && skip_batches <= batches_per_epoch_,
+                 "cannot skip " << skip_batches << " batches of an epoch of " << batches_per_epoch_);
+  auto plan = std::make_shared<Plan>();
+  plan->epoch = epoch;
+  plan->order = sampler_.rank_indices(epoch);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    plan_ = std::move(plan);
+    epoch_ = epoch;
+    next_take_ = next_deliver_ = skip_batches;
+    ready_.clear();
+  }
+  work_cv_.notify_all();
+}
+
+Batch DataLoader::build_batch(int64_t epoch, const std::vector<int64_t>& rank_order, int64_t index) const {
+  const DatasetInfo& info = dataset_->info();
+  const int64_t begin = index * opt_.batch_size;
+  const int64_t count = std::min<int64_t>(opt_.batch_size, static_cast<int64_t>(rank_order.size()) - begin);
+  DT_CHECK(count > 0, "batch " << index << " is past the epoch's end");
+  const int64_t sample = info.sample_bytes();
+  const int64_t channels = info.channels();
+  const int64_t plane = sample / channels;
+
+  Batch b;
+  b.epoch = epoch;
+  b.index = index;
+  b.indices.assign(rank_order.begin() + begin, rank_order.begin() + begin + count);
+  std::vector<uint8_t> raw(static_cast<size_t>(count * sample));
+  b.labels = Tensor::empty({count}, DType::I32);
+  dataset_->read(b.indices, raw.data(), b.labels.data<int32_t>());
+
+  Shape shape = {count};
+  shape.insert(shape.end(), info.sample_shape.begin(), info.sample_shape.end());
+  b.inputs = Tensor::empty(shape, DType::F32);
+  float* out = b.inputs.f32();
+  const bool augment = opt_.augment.enabled();
+  std::vector<float> scratch;
+  for (int64_t i = 0; i < count; ++i) {
+    const uint8_t* src = raw.data() + i * sample;
+    float* dst = out + i * sample;
+    if (augment) {
+      for (int64_t k = 0; k < sample; ++k) dst[k] = static_cast<float>(src[k]) * (1.0f / 255.0f);
+      AugmentDraw d = draw_augment(opt_.augment, opt_.seed, epoch, b.indices[i]);
+      apply_augment(d, dst, channels, info.sample_shape[1], info.sample_shape[2], scratch);
+      for (int64_t c = 0; c < channels; ++c)
+        for (int64_t k = c * plane; k < (c + 1) * plane; ++k) dst[k] = dst[k] * scale_[c] + shift_[c];
+    } else {
+      for (int64_t c = 0; c < channels; ++c) {
+        const float a = scale_[c] * (1.0f / 255.0f), s = shift_[c];
+        for (int64_t k = c * plane; k < (c + 1) * plane; ++k) dst[k] = static_cast<float>(src[k]) * a + s;
+      }
+    }
+  }
+  return b;
+}
+
+void DataLoader::worker_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    work_cv_.wait(lock, [&] {
+      return stop_ || (plan_ && next_take_ < batches_per_epoch_ && next_take_ < next_deliver_ + prefetch_);
+    });
+    if (stop_) return;
+    std::shared_ptr<const Plan> plan = plan_;
+    const int64_t index = next_take_++;
+    lock.unlock();
+
+    Slot slot;
+    try {
+      slot.batch = build_batch(plan->epoch, plan->order, index);
+    } catch (...) {
+      slot.error = std::current_exception();
+    }
+
+    lock.lock();
+    if (plan != plan_) continue;  // the epoch was restarted meanwhile: drop the stale batch
+    ready_.emplace(index, std::move(slot));
+    ready_cv_.notify_all();
+  }
+}
+
+bool DataLoader::next(Batch& out) {
+  if (epoch_ < 0) start_epoch(0);
+  const double t0 = now_s();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (next_deliver_ >= batches_per_epoch_) return false;
+
+  if (workers_.empty()) {  // synchronous: the consumer builds its own batch
+    std::shared_ptr<const Plan> plan = plan_;
+    const int64_t index = next_deliver_;
+    lock.unlock();
+    out = build_batch(plan->epoch, plan->order, index);
+    lock.lock();
+    ++next_deliver_;
+    out.wait_s = now_s() - t0;
+    return true;
+  }
+
+  ready_cv_.wait(lock, [&] { return ready_.count(next_deliver_) > 0; });
+  auto it = ready_.find(next_deliver_);
+  // A failed batch stays in place, so calling next() again reports the same error.
+  if (it->second.error) std::rethrow_exception(it->second.error);
+  out = std::move(it->second.batch);
+  ready_.erase(it);
+  ++next_deliver_;
+  lock.unlock();
+  work_cv_.notify_all();  // one more batch may now be taken
+  out.wait_s = now_s() - t0;
+  return true;
+}
+
+}  // namespace dtrain::data

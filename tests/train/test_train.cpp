@@ -1,0 +1,195 @@
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "dtrain/comm/runtime.h"
+#include "dtrain/train/trainer.h"
+#include "train_test_util.h"
+
+using namespace dtrain;
+namespace fs = std::filesystem;
+
+namespace {
+
+// MPI once per test process (gtest_discover_tests runs each test in its own process).
+comm::Runtime& runtime() {
+  static comm::Runtime& rt = comm::Runtime::init(nullptr, nullptr);
+  return rt;
+}
+
+train::TrainConfig parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "train");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  train::TrainConfig c;
+  EXPECT_TRUE(train::parse_train_config(static_cast<int>(argv.size()), argv.data(), c));
+  return c;
+}
+
+std::string input_error(std::vector<std::string> args) {
+  try {
+    parse(std::move(args));
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+std::map<std::string, Tensor> params_of(nn::Module& m) {
+  std::map<std::string, Tensor> out;
+  for (nn::Parameter* p : m.parameters()) out[p->name] = p->value.clone();
+  return out;
+}
+
+}  // namespace
+
+TEST(Config, FileThenCommandLineOverrides) {
+  std::string dir = test::temp_dir("cfg");
+  std::ofstream(dir + "/job.ini") << "# comment\nsynthetic = true\nbatch-size = 32\nlr = 0.2\nmodel = mlp\n";
+  train::TrainConfig c = parse({"--config", dir + "/job.ini", "--lr", "0.5"});
+  EXPECT_TRUE(c.synthetic);
+  EXPECT_EQ(c.batch_size, 32);
+  EXPECT_FLOAT_EQ(c.lr, 0.5f);  // the command line wins
+  EXPECT_EQ(c.model, "mlp");
+}
+
+TEST(Config, EveryBadInputNamesTheOptionOrFile) {
+  EXPECT_NE(input_error({"--synthetic", "--batch-size", "0"}).find("--batch-size"), std::string::npos);
+  EXPECT_NE(input_error({"--synthetic", "--lr", "-1"}).find("--lr"), std::string::npos);
+  EXPECT_NE(input_error({"--synthetic", "--threads", "5000"}).find("--threads"), std::string::npos);
+  EXPECT_NE(input_error({"--synthetic", "--optimizer", "rmsprop"}).find("--optimizer"), std::string::npos);
+  EXPECT_NE(input_error({"--synthetic", "--no-such-option"}).find("no-such-option"), std::string::npos);
+  EXPECT_NE(input_error({"--synthetic", "--epochs", "many"}).find("epochs"), std::string::npos);
+  EXPECT_NE(input_error({"--config", "/nonexistent/job.ini"}).find("/nonexistent/job.ini"), std::string::npos);
+  EXPECT_NE(input_error({}).find("--data"), std::string::npos);
+  std::string dir = test::temp_dir("cfgbad");
+  std::ofstream(dir + "/bad.ini") << "synthetic = true\nlearning-rate = 3\n";
+  std::string e = input_error({"--config", dir + "/bad.ini"});
+  EXPECT_NE(e.find("bad.ini"), std::string::npos) << e;
+  EXPECT_NE(e.find("learning-rate"), std::string::npos) << e;
+}
+
+TEST(Checkpoint, RoundTripIsExactAndCorruptionIsCaught) {
+  std::string dir = test::temp_dir("ckpt");
+  train::CheckpointState s;
+  s.tensors["param/0.weight"] = Tensor::from({2, 3}, {1, 2, 3, 4, 5, 6.5f});
+  Tensor big = Tensor::empty({4096});
+  for (int i = 0; i < 4096; ++i) big.f32()[i] = static_cast<float>(i) * 0.25f;
+  s.tensors["optim/0.weight.momentum"] = big;
+  Tensor i64 = Tensor::empty({4}, DType::I64);
+  for (int i = 0; i < 4; ++i) i64.data<int64_t>()[i] = (int64_t{1} << 62) + i;
+  s.tensors["buffer/3.rng_state"] = i64;
+  s.strings["model"] = "simple_cnn";
+  s.ints["step"] = 1234;
+  s.int_lists["input_shape"] = {1, 28, 28};
+  std::string path = dir + "/ckpt-step000001234.h5";
+  train::save_checkpoint(path, s);
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  train::CheckpointState r = train::load_checkpoint(path);
+  ASSERT_EQ(r.tensors.size(), 3u);
+  EXPECT_EQ(r.tensors["param/0.weight"].shape(), (Shape{2, 3}));
+  EXPECT_EQ(r.tensors["param/0.weight"].f32()[5], 6.5f);
+  EXPECT_EQ(r.tensors["optim/0.weight.momentum"].f32()[4095], 4095 * 0.25f);
+  EXPECT_EQ(r.tensors["buffer/3.rng_state"].data<int64_t>()[3], (int64_t{1} << 62) + 3);
+  EXPECT_EQ(r.strings["model"], "simple_cnn");
+  EXPECT_EQ(r.ints["step"], 1234);
+  EXPECT_EQ(r.int_lists["input_shape"], (std::vector<int64_t>{1, 28, 28}));
+  EXPECT_EQ(train::resolve_checkpoint(dir), path);
+
+  // Flip bytes inside the big tensor's data: the checksum must catch it.
+  std::string bad = dir + "/corrupt.h5";
+  fs::copy_file(path, bad);
+  {
+    std::fstream f(bad, std::ios::in | std::ios::out | std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    // Find the float 1000.25 (4001 * 0.25) in the file and change it.
+    float needle = 4001 * 0.25f;
+    auto pos = bytes.find(std::string(reinterpret_cast<char*>(&needle), 4));
+    ASSERT_NE(pos, std::string::npos);
+    f.seekp(static_cast<std::streamoff>(pos));
+    float other = -1.f;
+    f.write(reinterpret_cast<char*>(&other), 4);
+  }
+  try {
+    train::load_checkpoint(bad);
+    FAIL() << "a corrupt checkpoint loaded";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("corrupt.h5"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("checksum"), std::string::npos) << e.what();
+  }
+  // Truncated and missing files.
+  std::string trunc = dir + "/trunc.h5";
+  fs::copy_file(path, trunc);
+  fs::resize_file(trunc, 1000);
+  EXPECT_THROW(train::load_checkpoint(trunc), InputError);
+  EXPECT_THROW(train::load_checkpoint(dir + "/missing.h5"), InputError);
+  fs::remove_all(dir);
+}
+
+TEST(Trainer, LearnsTheBandDataset) {
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("learn");
+  test::make_band_dataset(dir + "/train", 512);
+  test::make_band_dataset(dir + "/test", 200, 8, 4, 100, 99);
+  auto c = parse({"--data", dir + "/train", "--test-data", dir + "/test", "--model", "simple_cnn", "--epochs", "3",
+                  "--batch-size", "16", "--lr", "0.05", "--threads", "1", "--progress", "off"});
+  train::Trainer t(c, rt);
+  train::TrainResult r = t.run();
+  EXPECT_EQ(r.steps, 3 * 32);
+  EXPECT_GT(r.last_eval.accuracy, 0.95);
+  EXPECT_EQ(r.last_eval.samples, 200);
+  fs::remove_all(dir);
+}
+
+TEST(Trainer, ResumeContinuesExactly) {
+  // Train 2 epochs straight; train again with checkpoints and resume from the mid-epoch one at
+  // step 20: the final parameters must be bitwise equal (loader position, optimizer state, step).
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("resume");
+  test::make_band_dataset(dir + "/train", 256);
+  std::vector<std::string> base = {"--data", dir + "/train", "--model", "mlp", "--hidden", "32", "--dropout", "0.2",
+                                   "--epochs", "2", "--batch-size", "16", "--threads", "1", "--progress", "off",
+                                   "--optimizer", "adamw", "--weight-decay", "0.01", "--lr", "0.01",
+                                   "--loader-threads", "2"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return parse(a);
+  };
+  std::map<std::string, Tensor> straight;
+  {
+    train::Trainer t(with({"--checkpoint-dir", dir + "/a", "--checkpoint-every", "10", "--keep-checkpoints", "10"}), rt);
+    EXPECT_EQ(t.run().steps, 32);
+    straight = params_of(t.model());
+  }
+  ASSERT_TRUE(fs::exists(dir + "/a/ckpt-step000000020.h5"));
+  train::Trainer resumed(with({"--resume", dir + "/a/ckpt-step000000020.h5"}), rt);
+  EXPECT_EQ(resumed.run().steps, 32);
+  auto after = params_of(resumed.model());
+  ASSERT_EQ(after.size(), straight.size());
+  for (auto& [name, t] : straight) {
+    const Tensor& u = after[name];
+    for (int64_t i = 0; i < t.numel(); ++i) ASSERT_EQ(t.f32()[i], u.f32()[i]) << name << "[" << i << "]";
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Trainer, ResumeRejectsACheckpointOfAnotherModel) {
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("mismatch");
+  test::make_band_dataset(dir + "/train", 64);
+  auto c = parse({"--data", dir + "/train", "--model", "mlp", "--steps", "2", "--batch-size", "16", "--threads", "1",
+                  "--progress", "off", "--checkpoint-dir", dir + "/ck"});
+  train::Trainer(c, rt).run();
+  auto d = parse({"--data", dir + "/train", "--model", "simple_cnn", "--steps", "4", "--threads", "1", "--progress",
+                  "off", "--resume", dir + "/ck"});
+  try {
+    train::Trainer(d, rt).run();
+    FAIL() << "resumed a mlp checkpoint into simple_cnn";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("mlp"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
