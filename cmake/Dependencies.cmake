@@ -2,6 +2,7 @@
 # dtrainConfig.cmake, so that a consumer's find_package(dtrain) finds the same imported targets.
 find_package(MPI REQUIRED COMPONENTS CXX C)
 find_package(OpenMP REQUIRED COMPONENTS CXX)
+find_package(Threads REQUIRED)
 set(HDF5_PREFER_PARALLEL ON)
 find_package(HDF5 REQUIRED COMPONENTS C)
 if(NOT HDF5_IS_PARALLEL)

@@ -27,8 +27,8 @@ struct ConvertArgs {
 };
 
 void add_writer_options(po::options_description& d, ConvertArgs& a) {
-  d.add_options()                                                                                 //
-      ("out", po::value(&a.out)->required(), "output directory for the shards (created if missing)")  //
+  d.add_options()                                                                                               //
+      ("out", po::value(&a.out)->required(), "output directory for the shards (created if missing)")            //
       ("shard-size", po::value(&a.writer.shard_size)->default_value(a.writer.shard_size), "samples per shard")  //
       ("chunk", po::value(&a.writer.chunk_rows)->default_value(a.writer.chunk_rows),
        "HDF5 chunk size along the sample dimension, in samples")  //
@@ -39,7 +39,7 @@ void add_writer_options(po::options_description& d, ConvertArgs& a) {
 
 po::options_description idx_options(ConvertArgs& a) {
   po::options_description d("dtrain convert idx (MNIST / Fashion-MNIST idx files, gzip or raw)");
-  d.add_options()                                                                             //
+  d.add_options()                                                                                        //
       ("images", po::value(&a.images)->required(), "idx3 image file (e.g. train-images-idx3-ubyte.gz)")  //
       ("labels", po::value(&a.labels)->required(), "idx1 label file (e.g. train-labels-idx1-ubyte.gz)")  //
       ("num-classes", po::value(&a.num_classes)->default_value(0), "class count (0: largest label + 1)");
@@ -85,8 +85,8 @@ std::string idx_file(const std::string& dir, const std::string& stem) {
   fs::path gz = fs::path(dir) / (stem + ".gz");
   if (fs::exists(gz)) return gz.string();
   fs::path raw = fs::path(dir) / stem;
-  DT_INPUT_CHECK(fs::exists(raw), "fashion-mnist: neither '" << gz.string() << "' nor '" << raw.string()
-                                                             << "' exists (set --source)");
+  DT_INPUT_CHECK(fs::exists(raw),
+                 "fashion-mnist: neither '" << gz.string() << "' nor '" << raw.string() << "' exists (set --source)");
   return raw.string();
 }
 
@@ -127,8 +127,8 @@ int cmd_convert(int argc, char** argv) {
     finish(data::write_shards(data::read_cifar10(a.inputs), a.out, a.writer));
   } else if (kind == "fashion-mnist") {
     if (!parse(argc - 1, argv + 1, fashion_options(a), kind)) return 0;
-    DT_INPUT_CHECK(fs::is_directory(a.source), "fashion-mnist: source directory '" << a.source
-                                                                                   << "' does not exist (set --source)");
+    DT_INPUT_CHECK(fs::is_directory(a.source),
+                   "fashion-mnist: source directory '" << a.source << "' does not exist (set --source)");
     const struct {
       const char* split;
       const char* prefix;

@@ -72,7 +72,15 @@ int cmd_eval(int argc, char** argv) {
   }
   model->eval();
 
-  train::EvalResult r = train::evaluate_model(*model, ds, batch, true, topo.size > 1 ? &rt.world() : nullptr);
+  std::vector<float> mean, std;  // the training set's normalisation, when the checkpoint has it
+  if (s.tensors.count("meta/norm_mean") && s.tensors.count("meta/norm_std")) {
+    const Tensor& m = s.tensors["meta/norm_mean"];
+    const Tensor& d = s.tensors["meta/norm_std"];
+    mean.assign(m.f32(), m.f32() + m.numel());
+    std.assign(d.f32(), d.f32() + d.numel());
+  }
+  train::EvalResult r =
+      train::evaluate_model(*model, ds, batch, true, topo.size > 1 ? &rt.world() : nullptr, mean, std);
   if (topo.rank == 0)
     std::printf("eval %s on %s: %lld samples, loss %.4f, accuracy %.2f%%\n", path.c_str(), data_dir.c_str(),
                 static_cast<long long>(r.samples), r.loss, 100.0 * r.accuracy);

@@ -40,7 +40,10 @@ int main(int argc, char** argv) {
     comm::Runtime::init(&argc, &argv);
     if (cmd == "train") code = cli::cmd_train(sub_argc, sub_argv);
     else if (cmd == "eval") code = cli::cmd_eval(sub_argc, sub_argv);
-    else if (cmd == "convert") code = cli::cmd_convert(sub_argc, sub_argv);
+    else if (cmd == "convert") {
+      // Conversion is serial: under mpirun only rank 0 writes, the others have nothing to do.
+      if (comm::Runtime::get().topology().rank == 0) code = cli::cmd_convert(sub_argc, sub_argv);
+    }
     else if (cmd == "bench") code = cli::cmd_bench(sub_argc, sub_argv);
     else if (cmd == "info") code = cli::cmd_info(sub_argc, sub_argv);
     else throw InputError("unknown command '" + cmd + "' (commands: train, eval, convert, bench, info)");

@@ -9,7 +9,10 @@ namespace dtrain {
 
 std::string shape_str(const Shape& s) {
   std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(s[i]);
+  }
   return out + "]";
 }
 

@@ -13,7 +13,7 @@
 
 #include "dtrain/core/error.h"
 #include "dtrain/core/timer.h"
-#include "hdf5_util.h"
+#include "dtrain/data/hdf5_util.h"
 
 namespace fs = std::filesystem;
 
@@ -55,8 +55,8 @@ std::vector<int64_t> parse_idx(const std::vector<uint8_t>& bytes, const std::str
   uint32_t magic = be32(bytes.data());
   uint32_t expect_magic = 0x0800u | static_cast<uint32_t>(expect_rank);
   DT_INPUT_CHECK(magic == expect_magic, "'" << path << "' is not an idx " << what << " file: magic number 0x"
-                                            << std::hex << std::setw(8) << std::setfill('0') << magic
-                                            << ", expected 0x" << std::setw(8) << expect_magic);
+                                            << std::hex << std::setw(8) << std::setfill('0') << magic << ", expected 0x"
+                                            << std::setw(8) << expect_magic);
   size_t header = 4 + 4 * static_cast<size_t>(expect_rank);
   DT_INPUT_CHECK(bytes.size() >= header, "'" << path << "' is truncated inside its idx header");
   std::vector<int64_t> dims;
@@ -68,8 +68,8 @@ std::vector<int64_t> parse_idx(const std::vector<uint8_t>& bytes, const std::str
   DT_INPUT_CHECK(payload > 0, "'" << path << "' has an empty dimension in its idx header");
   size_t have = bytes.size() - header;
   DT_INPUT_CHECK(have == static_cast<size_t>(payload), "'" << path << "' holds " << have
-                                                            << " data bytes but its idx header declares "
-                                                            << payload << " (truncated or wrong file?)");
+                                                           << " data bytes but its idx header declares " << payload
+                                                           << " (truncated or wrong file?)");
   return dims;
 }
 
@@ -106,8 +106,8 @@ void write_one_shard(const ImageSet& set, int64_t begin, int64_t end, const std:
       H5Pset_deflate(dcpl.get(), static_cast<unsigned>(opt.compress_level));
     }
     h5::Handle sp = h5::space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr));
-    h5::Handle ds = h5::dataset(
-        H5Dcreate2(file.get(), "inputs", H5T_STD_U8LE, sp.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT));
+    h5::Handle ds =
+        h5::dataset(H5Dcreate2(file.get(), "inputs", H5T_STD_U8LE, sp.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT));
     if (!ds.valid()) fail("dataset 'inputs'");
     const uint8_t* src = set.inputs.data() + begin * set.sample_bytes();
     if (H5Dwrite(ds.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, src) < 0) fail("dataset 'inputs'");
@@ -118,8 +118,8 @@ void write_one_shard(const ImageSet& set, int64_t begin, int64_t end, const std:
     if (opt.compress_level > 0) H5Pset_deflate(dcpl.get(), static_cast<unsigned>(opt.compress_level));
     hsize_t n = static_cast<hsize_t>(rows);
     h5::Handle sp = h5::space(H5Screate_simple(1, &n, nullptr));
-    h5::Handle ds = h5::dataset(
-        H5Dcreate2(file.get(), "labels", H5T_STD_I32LE, sp.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT));
+    h5::Handle ds =
+        h5::dataset(H5Dcreate2(file.get(), "labels", H5T_STD_I32LE, sp.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT));
     if (!ds.valid()) fail("dataset 'labels'");
     if (H5Dwrite(ds.get(), H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, set.labels.data() + begin) < 0)
       fail("dataset 'labels'");
@@ -127,8 +127,8 @@ void write_one_shard(const ImageSet& set, int64_t begin, int64_t end, const std:
 
   hid_t root = file.get();  // attributes on the file id land on the root group "/"
   bool ok = h5::write_attr_string(root, "format", "dtrain-shards-1") &&
-            h5::write_attr_i64(root, "sample_shape", set.sample_shape) &&
-            h5::write_attr_string(root, "dtype", "u8") && h5::write_attr_string(root, "label_dtype", "i32") &&
+            h5::write_attr_i64(root, "sample_shape", set.sample_shape) && h5::write_attr_string(root, "dtype", "u8") &&
+            h5::write_attr_string(root, "label_dtype", "i32") &&
             h5::write_attr_scalar_i64(root, "num_classes", num_classes) && h5::write_attr_f64(root, "mean", mean) &&
             h5::write_attr_f64(root, "std", stdev) && h5::write_attr_scalar_i64(root, "num_samples", rows) &&
             h5::write_attr_scalar_i64(root, "first_sample", begin) &&
@@ -149,8 +149,8 @@ ImageSet read_idx(const std::string& images_path, const std::string& labels_path
   std::vector<uint8_t> lab = read_maybe_gz(labels_path);
   std::vector<int64_t> ldims = parse_idx(lab, labels_path, 1, "label");
   DT_INPUT_CHECK(idims[0] == ldims[0], "image/label count mismatch: '" << images_path << "' holds " << idims[0]
-                                                                       << " images but '" << labels_path
-                                                                       << "' holds " << ldims[0] << " labels");
+                                                                       << " images but '" << labels_path << "' holds "
+                                                                       << ldims[0] << " labels");
   ImageSet set;
   set.sample_shape = {1, idims[1], idims[2]};
   set.inputs.assign(img.begin() + 16, img.end());
@@ -247,8 +247,8 @@ ConvertSummary write_shards(const ImageSet& set, const std::string& out_dir, con
 
   std::error_code ec;
   fs::create_directories(out_dir, ec);
-  DT_INPUT_CHECK(!ec && fs::is_directory(out_dir), "cannot create output directory '" << out_dir << "': "
-                                                                                       << ec.message());
+  DT_INPUT_CHECK(!ec && fs::is_directory(out_dir),
+                 "cannot create output directory '" << out_dir << "': " << ec.message());
 
   ConvertSummary sum;
   sum.out_dir = out_dir;

@@ -6,7 +6,7 @@
 #include <filesystem>
 
 #include "dtrain/core/error.h"
-#include "hdf5_util.h"
+#include "dtrain/data/hdf5_util.h"
 
 namespace fs = std::filesystem;
 
@@ -35,8 +35,8 @@ std::vector<std::string> list_shards(const std::string& path) {
     // Hidden names are the converter's temporaries; they are never part of a dataset.
     if (e.is_regular_file() && e.path().extension() == ".h5" && !name.starts_with(".")) files.push_back(e.path());
   }
-  DT_INPUT_CHECK(!files.empty(), "dataset directory '" << path
-                                                       << "' holds no .h5 shards (convert data with `dtrain convert`)");
+  DT_INPUT_CHECK(!files.empty(),
+                 "dataset directory '" << path << "' holds no .h5 shards (convert data with `dtrain convert`)");
   std::sort(files.begin(), files.end());
   return files;
 }
@@ -52,10 +52,12 @@ std::vector<hsize_t> dims_of(hid_t dset) {
 std::string with_detail(const std::string& detail) { return detail.empty() ? "" : " (HDF5: " + detail + ")"; }
 
 h5::Handle open_dataset(hid_t file, const char* name, const std::string& path) {
-  DT_INPUT_CHECK(H5Lexists(file, name, H5P_DEFAULT) > 0,
-                 "'" << path << "' has no dataset '" << name << "' (not a dtrain shard? write one with `dtrain convert`)");
+  DT_INPUT_CHECK(
+      H5Lexists(file, name, H5P_DEFAULT) > 0,
+      "'" << path << "' has no dataset '" << name << "' (not a dtrain shard? write one with `dtrain convert`)");
   h5::Handle d = h5::dataset(H5Dopen2(file, name, H5P_DEFAULT));
-  DT_INPUT_CHECK(d.valid(), "cannot open dataset '" << name << "' in '" << path << "'" << with_detail(h5::last_error()));
+  DT_INPUT_CHECK(d.valid(),
+                 "cannot open dataset '" << name << "' in '" << path << "'" << with_detail(h5::last_error()));
   return d;
 }
 
@@ -70,90 +72,92 @@ ShardedHdf5Dataset::ShardedHdf5Dataset(const std::string& path, DatasetOptions o
 
   auto lock = h5::lock();
   try {
-  for (const std::string& file : info_.shards) {
-    auto shard = std::make_unique<Shard>();
-    shard->path = file;
-    DT_INPUT_CHECK(H5Fis_hdf5(file.c_str()) > 0, "'" << file << "' is not an HDF5 file (corrupt or truncated?)");
-    shard->file = h5::file(H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
-    DT_INPUT_CHECK(shard->file.valid(), "cannot open '" << file << "' as HDF5 (corrupt or truncated?)"
-                                                        << with_detail(h5::last_error()));
-    hid_t f = shard->file.get();
+    for (const std::string& file : info_.shards) {
+      auto shard = std::make_unique<Shard>();
+      shard->path = file;
+      DT_INPUT_CHECK(H5Fis_hdf5(file.c_str()) > 0, "'" << file << "' is not an HDF5 file (corrupt or truncated?)");
+      shard->file = h5::file(H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
+      DT_INPUT_CHECK(shard->file.valid(),
+                     "cannot open '" << file << "' as HDF5 (corrupt or truncated?)" << with_detail(h5::last_error()));
+      hid_t f = shard->file.get();
 
-    // inputs: u8 [N, sample...]
-    shard->inputs = open_dataset(f, "inputs", file);
-    {
-      h5::Handle t = h5::type(H5Dget_type(shard->inputs.get()));
-      DT_INPUT_CHECK(H5Tget_class(t.get()) == H5T_INTEGER && H5Tget_size(t.get()) == 1 &&
-                         H5Tget_sign(t.get()) == H5T_SGN_NONE,
-                     "dataset 'inputs' in '" << file << "' is not of type u8 (unsigned 8-bit integers)");
-    }
-    std::vector<hsize_t> idims = dims_of(shard->inputs.get());
-    DT_INPUT_CHECK(idims.size() >= 2, "dataset 'inputs' in '" << file << "' has rank " << idims.size()
-                                                              << "; expected [N, C, H, W] (or at least [N, F])");
-    shard->rows = static_cast<int64_t>(idims[0]);
-    Shape sample(idims.begin() + 1, idims.end());
-    if (first.empty()) {
-      info_.sample_shape = sample;
-      first = file;
-    } else {
-      DT_INPUT_CHECK(sample == info_.sample_shape, "dataset 'inputs' in '" << file << "' has sample shape "
-                                                                           << shape_str(sample) << " but '" << first
-                                                                           << "' has " << shape_str(info_.sample_shape)
-                                                                           << ": the shards do not agree");
-    }
-    std::vector<int64_t> attr_shape;
-    if (h5::read_attr_i64(f, "sample_shape", attr_shape))
-      DT_INPUT_CHECK(Shape(attr_shape) == sample, "'" << file << "' attribute sample_shape " << shape_str(attr_shape)
-                                                      << " disagrees with dataset 'inputs' " << shape_str(sample));
-    std::string dtype;
-    if (h5::read_attr_string(f, "dtype", dtype))
-      DT_INPUT_CHECK(dtype == "u8", "'" << file << "' attribute dtype is '" << dtype << "'; only u8 is supported");
-
-    // labels: integer [N], read whole and kept
-    {
-      h5::Handle labels = open_dataset(f, "labels", file);
-      h5::Handle t = h5::type(H5Dget_type(labels.get()));
-      DT_INPUT_CHECK(H5Tget_class(t.get()) == H5T_INTEGER, "dataset 'labels' in '" << file << "' is not integer");
-      std::vector<hsize_t> ldims = dims_of(labels.get());
-      DT_INPUT_CHECK(ldims.size() == 1 && static_cast<int64_t>(ldims[0]) == shard->rows,
-                     "dataset 'labels' in '" << file << "' has shape " << shape_str(Shape(ldims.begin(), ldims.end()))
-                                             << " but dataset 'inputs' holds " << shard->rows << " samples");
-      size_t at = labels_.size();
-      labels_.resize(at + shard->rows);
-      if (shard->rows > 0)
-        DT_INPUT_CHECK(H5Dread(labels.get(), H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, labels_.data() + at) >= 0,
-                       "cannot read dataset 'labels' in '" << file << "' (corrupt or truncated?)"
-                                                           << with_detail(h5::last_error()));
-    }
-
-    std::vector<int64_t> classes;
-    if (h5::read_attr_i64(f, "num_classes", classes) && !classes.empty()) {
-      DT_INPUT_CHECK(classes[0] > 0, "'" << file << "' attribute num_classes is " << classes[0]);
-      if (!have_classes) {
-        info_.num_classes = static_cast<int>(classes[0]);
-        have_classes = true;
+      // inputs: u8 [N, sample...]
+      shard->inputs = open_dataset(f, "inputs", file);
+      {
+        h5::Handle t = h5::type(H5Dget_type(shard->inputs.get()));
+        DT_INPUT_CHECK(
+            H5Tget_class(t.get()) == H5T_INTEGER && H5Tget_size(t.get()) == 1 && H5Tget_sign(t.get()) == H5T_SGN_NONE,
+            "dataset 'inputs' in '" << file << "' is not of type u8 (unsigned 8-bit integers)");
+      }
+      std::vector<hsize_t> idims = dims_of(shard->inputs.get());
+      DT_INPUT_CHECK(idims.size() >= 2, "dataset 'inputs' in '" << file << "' has rank " << idims.size()
+                                                                << "; expected [N, C, H, W] (or at least [N, F])");
+      shard->rows = static_cast<int64_t>(idims[0]);
+      Shape sample(idims.begin() + 1, idims.end());
+      if (first.empty()) {
+        info_.sample_shape = sample;
+        first = file;
       } else {
-        DT_INPUT_CHECK(classes[0] == info_.num_classes, "'" << file << "' attribute num_classes is " << classes[0]
-                                                            << " but earlier shards say " << info_.num_classes);
+        DT_INPUT_CHECK(sample == info_.sample_shape,
+                       "dataset 'inputs' in '" << file << "' has sample shape " << shape_str(sample) << " but '"
+                                               << first << "' has " << shape_str(info_.sample_shape)
+                                               << ": the shards do not agree");
       }
-    }
-    if (!info_.has_normalization) {
-      std::vector<double> mean, stdev;
-      if (h5::read_attr_f64(f, "mean", mean) && h5::read_attr_f64(f, "std", stdev)) {
-        const size_t c = static_cast<size_t>(info_.channels());
-        DT_INPUT_CHECK(mean.size() == c && stdev.size() == c, "'" << file << "' attributes mean/std have "
-                                                                  << mean.size() << "/" << stdev.size()
-                                                                  << " values for " << c << " channel(s)");
-        for (double s : stdev) DT_INPUT_CHECK(s > 0, "'" << file << "' attribute std holds " << s << " (must be > 0)");
-        info_.mean.assign(mean.begin(), mean.end());
-        info_.std.assign(stdev.begin(), stdev.end());
-        info_.has_normalization = true;
+      std::vector<int64_t> attr_shape;
+      if (h5::read_attr_i64(f, "sample_shape", attr_shape))
+        DT_INPUT_CHECK(Shape(attr_shape) == sample, "'" << file << "' attribute sample_shape " << shape_str(attr_shape)
+                                                        << " disagrees with dataset 'inputs' " << shape_str(sample));
+      std::string dtype;
+      if (h5::read_attr_string(f, "dtype", dtype))
+        DT_INPUT_CHECK(dtype == "u8", "'" << file << "' attribute dtype is '" << dtype << "'; only u8 is supported");
+
+      // labels: integer [N], read whole and kept
+      {
+        h5::Handle labels = open_dataset(f, "labels", file);
+        h5::Handle t = h5::type(H5Dget_type(labels.get()));
+        DT_INPUT_CHECK(H5Tget_class(t.get()) == H5T_INTEGER, "dataset 'labels' in '" << file << "' is not integer");
+        std::vector<hsize_t> ldims = dims_of(labels.get());
+        DT_INPUT_CHECK(ldims.size() == 1 && static_cast<int64_t>(ldims[0]) == shard->rows,
+                       "dataset 'labels' in '" << file << "' has shape " << shape_str(Shape(ldims.begin(), ldims.end()))
+                                               << " but dataset 'inputs' holds " << shard->rows << " samples");
+        size_t at = labels_.size();
+        labels_.resize(at + shard->rows);
+        if (shard->rows > 0)
+          DT_INPUT_CHECK(
+              H5Dread(labels.get(), H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, labels_.data() + at) >= 0,
+              "cannot read dataset 'labels' in '" << file << "' (corrupt or truncated?)"
+                                                  << with_detail(h5::last_error()));
       }
+
+      std::vector<int64_t> classes;
+      if (h5::read_attr_i64(f, "num_classes", classes) && !classes.empty()) {
+        DT_INPUT_CHECK(classes[0] > 0, "'" << file << "' attribute num_classes is " << classes[0]);
+        if (!have_classes) {
+          info_.num_classes = static_cast<int>(classes[0]);
+          have_classes = true;
+        } else {
+          DT_INPUT_CHECK(classes[0] == info_.num_classes, "'" << file << "' attribute num_classes is " << classes[0]
+                                                              << " but earlier shards say " << info_.num_classes);
+        }
+      }
+      if (!info_.has_normalization) {
+        std::vector<double> mean, stdev;
+        if (h5::read_attr_f64(f, "mean", mean) && h5::read_attr_f64(f, "std", stdev)) {
+          const size_t c = static_cast<size_t>(info_.channels());
+          DT_INPUT_CHECK(mean.size() == c && stdev.size() == c, "'" << file << "' attributes mean/std have "
+                                                                    << mean.size() << "/" << stdev.size()
+                                                                    << " values for " << c << " channel(s)");
+          for (double s : stdev)
+            DT_INPUT_CHECK(s > 0, "'" << file << "' attribute std holds " << s << " (must be > 0)");
+          info_.mean.assign(mean.begin(), mean.end());
+          info_.std.assign(stdev.begin(), stdev.end());
+          info_.has_normalization = true;
+        }
+      }
+      info_.shard_rows.push_back(shard->rows);
+      shard_begin_.push_back(shard_begin_.back() + shard->rows);
+      shards_.push_back(std::move(shard));
     }
-    info_.shard_rows.push_back(shard->rows);
-    shard_begin_.push_back(shard_begin_.back() + shard->rows);
-    shards_.push_back(std::move(shard));
-  }
   } catch (...) {
     shards_.clear();  // close what was opened while the HDF5 lock is still held
     throw;

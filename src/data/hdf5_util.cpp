@@ -1,4 +1,4 @@
-#include "hdf5_util.h"
+#include "dtrain/data/hdf5_util.h"
 
 namespace dtrain::data::h5 {
 

@@ -69,9 +69,14 @@ DataLoader::DataLoader(std::shared_ptr<const ShardedHdf5Dataset> dataset, const 
   DT_INPUT_CHECK(opt_.augment.crop_padding >= 0 && opt_.augment.rotate_deg >= 0,
                  "augmentation: crop padding and rotation must be >= 0");
 
+  const std::vector<float>& means = opt_.mean.empty() ? info.mean : opt_.mean;
+  const std::vector<float>& stds = opt_.std.empty() ? info.std : opt_.std;
+  DT_INPUT_CHECK(static_cast<int64_t>(means.size()) == info.channels() && static_cast<int64_t>(stds.size()) == info.channels(),
+                 "normalisation statistics for " << means.size() << " channel(s) do not fit dataset '" << info.path
+                                                 << "' with " << info.channels());
   for (int64_t c = 0; c < info.channels(); ++c) {
-    const float mean = opt_.normalize ? info.mean[c] : 0.0f;
-    const float sd = opt_.normalize ? info.std[c] : 1.0f;
+    const float mean = opt_.normalize ? means[c] : 0.0f;
+    const float sd = opt_.normalize ? stds[c] : 1.0f;
     scale_.push_back(1.0f / sd);
     shift_.push_back(-mean / sd);
   }

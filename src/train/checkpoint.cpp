@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <mutex>
 
-#include "../data/hdf5_util.h"
+#include "dtrain/data/hdf5_util.h"
 #include "dtrain/core/error.h"
 
 namespace fs = std::filesystem;

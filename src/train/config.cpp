@@ -37,7 +37,10 @@ std::vector<int64_t> parse_dims(const std::string& s, const char* option) {
 
 std::string join_dims(const std::vector<int64_t>& d) {
   std::string s;
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? "," : "") + std::to_string(d[i]);
+  for (size_t i = 0; i < d.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(d[i]);
+  }
   return s;
 }
 

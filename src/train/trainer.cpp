@@ -161,6 +161,11 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
     s.ints["seed"] = static_cast<int64_t>(cfg_.seed);
     s.int_lists["input_shape"] = std::vector<int64_t>(spec_.input.begin(), spec_.input.end());
     s.int_lists["hidden"] = spec_.hidden;
+    if (train_ds_) {  // the input normalisation, so `dtrain eval` transforms inputs the same way
+      const auto& info = train_ds_->info();
+      s.tensors["meta/norm_mean"] = Tensor::from({static_cast<int64_t>(info.mean.size())}, info.mean);
+      s.tensors["meta/norm_std"] = Tensor::from({static_cast<int64_t>(info.std.size())}, info.std);
+    }
     char name[64];
     std::snprintf(name, sizeof name, "ckpt-step%09lld.h5", static_cast<long long>(step_));
     fs::path path = fs::path(cfg_.checkpoint_dir) / name;
@@ -224,13 +229,16 @@ void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
 
 // ------------------------------------------------------------------ evaluation
 EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::ShardedHdf5Dataset> ds, int64_t batch,
-                          bool normalize, comm::Communicator* comm) {
+                          bool normalize, comm::Communicator* comm, const std::vector<float>& mean,
+                          const std::vector<float>& std) {
   int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
   model.eval();
   data::LoaderOptions lo;
   lo.batch_size = batch;
   lo.shuffle = false;
   lo.normalize = normalize;
+  lo.mean = mean;
+  lo.std = std;
   lo.rank = rank;
   lo.world = world;
   data::DataLoader loader(ds, lo);
@@ -270,7 +278,7 @@ EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::Sharded
 EvalResult Trainer::evaluate(const data::ShardedHdf5Dataset& ds) {
   auto view = std::shared_ptr<const data::ShardedHdf5Dataset>(&ds, [](const data::ShardedHdf5Dataset*) {});
   return evaluate_model(*model_, view, std::max<int64_t>(batch_, 256), cfg_.normalize,
-                        world_ > 1 ? &rt_.world() : nullptr);
+                        world_ > 1 ? &rt_.world() : nullptr, train_ds_->info().mean, train_ds_->info().std);
 }
 
 // ------------------------------------------------------------------ the loop

@@ -9,9 +9,9 @@
 namespace dtrain::data {
 
 struct AugmentOptions {
-  int crop_padding = 0;   // random crop of the image zero-padded by this many pixels per side; 0: off
-  bool hflip = false;     // horizontal flip with probability 0.5
-  float rotate_deg = 0;   // rotation by a uniform angle in [-rotate_deg, rotate_deg], bilinear; 0: off
+  int crop_padding = 0;  // random crop of the image zero-padded by this many pixels per side; 0: off
+  bool hflip = false;    // horizontal flip with probability 0.5
+  float rotate_deg = 0;  // rotation by a uniform angle in [-rotate_deg, rotate_deg], bilinear; 0: off
 
   bool enabled() const { return crop_padding > 0 || hflip || rotate_deg > 0; }
 };

@@ -11,11 +11,11 @@ namespace dtrain::data {
 
 // A labelled image set held in memory while it is converted.
 struct ImageSet {
-  Shape sample_shape;            // [C, H, W]
-  std::vector<uint8_t> inputs;   // size() * C*H*W bytes, sample-major, each sample CHW
-  std::vector<int32_t> labels;   // size() labels
-  int num_classes = 0;           // 0: infer as max(label) + 1 when writing
-  std::string source;            // where it came from, stored in the `source` attribute
+  Shape sample_shape;           // [C, H, W]
+  std::vector<uint8_t> inputs;  // size() * C*H*W bytes, sample-major, each sample CHW
+  std::vector<int32_t> labels;  // size() labels
+  int num_classes = 0;          // 0: infer as max(label) + 1 when writing
+  std::string source;           // where it came from, stored in the `source` attribute
 
   int64_t size() const { return static_cast<int64_t>(labels.size()); }
   int64_t sample_bytes() const { return shape_numel(sample_shape); }
@@ -35,7 +35,7 @@ struct ShardWriterOptions {
   // HDF5 chunk along the sample dimension (clamped to the shard size). Small chunks keep random
   // reads of single rows cheap (a read pulls whole chunks): 64 Fashion-MNIST rows are 50 KB.
   int64_t chunk_rows = 64;
-  int compress_level = 0;      // deflate level 0..9; 0 stores the chunks uncompressed
+  int compress_level = 0;  // deflate level 0..9; 0 stores the chunks uncompressed
 };
 
 struct ConvertSummary {
@@ -44,8 +44,8 @@ struct ConvertSummary {
   int64_t num_shards = 0;
   int num_classes = 0;
   Shape sample_shape;
-  std::vector<double> mean;  // per channel, pixel/255 units
-  std::vector<double> std;   // per channel, population standard deviation, pixel/255 units
+  std::vector<double> mean;        // per channel, pixel/255 units
+  std::vector<double> std;         // per channel, population standard deviation, pixel/255 units
   std::vector<std::string> files;  // the shards written, in order
   double seconds = 0;
 

@@ -7,8 +7,8 @@
 // the label range anyway). Inputs are read on demand. A shard is cached whole in memory the first
 // time any of its rows is read, as long as the cache stays under `cache_bytes`; a shard that does not
 // fit is read per request: the requested rows are sorted, de-duplicated and coalesced into runs of
-// consecutive rows, each read as one hyperslab. So a rank reads only the shards its samples fall in; under the default budget small
-// datasets (Fashion-MNIST: 47 MB) end up read once, sequentially, and served from memory after that.
+// consecutive rows, each read as one hyperslab. So a rank reads only the shards its samples fall in; under the default
+// budget small datasets (Fashion-MNIST: 47 MB) end up read once, sequentially, and served from memory after that.
 //
 // Thread safety: read() may be called from several loader threads at once. HDF5 itself is serialised
 // by one process-wide mutex (the installed parallel HDF5 is not thread-safe).
@@ -30,8 +30,8 @@ struct DatasetInfo {
   Shape sample_shape;               // e.g. [1, 28, 28]
   int64_t num_samples = 0;          // over all shards
   int num_classes = 0;
-  std::vector<float> mean;  // per channel, pixel/255 units; 0 when the shards carry no `mean`
-  std::vector<float> std;   // per channel; 1 when the shards carry no `std`
+  std::vector<float> mean;         // per channel, pixel/255 units; 0 when the shards carry no `mean`
+  std::vector<float> std;          // per channel; 1 when the shards carry no `std`
   bool has_normalization = false;  // the shards carried `mean` and `std`
 
   int64_t sample_bytes() const { return shape_numel(sample_shape); }

@@ -44,9 +44,12 @@ struct LoaderOptions {
   bool shuffle = true;
   bool drop_last = false;  // drop the sampler's tail and the last partial batch, instead of padding
   uint64_t seed = 0;
-  int threads = -1;   // background threads; < 0: DTRAIN_LOADER_THREADS; 0: build on the caller's thread
-  int prefetch = -1;  // batches in flight or ready ahead of the consumer; < 0: DTRAIN_PREFETCH
-  bool normalize = true;  // (x/255 - mean[c]) / std[c] with the dataset's statistics; else x/255
+  int threads = -1;       // background threads; < 0: DTRAIN_LOADER_THREADS; 0: build on the caller's thread
+  int prefetch = -1;      // batches in flight or ready ahead of the consumer; < 0: DTRAIN_PREFETCH
+  bool normalize = true;
+  // Per-channel statistics to normalise with (pixel/255 units); empty: the dataset's own. Evaluation
+  // passes the training set's, so test inputs are transformed exactly as training inputs were.
+  std::vector<float> mean, std;  // (x/255 - mean[c]) / std[c] with the dataset's statistics; else x/255
   AugmentOptions augment;
   int rank = 0;
   int world = 1;
@@ -57,8 +60,8 @@ struct Batch {
   Tensor labels;                 // i32 [B]
   std::vector<int64_t> indices;  // the global sample indices, in batch order
   int64_t epoch = 0;
-  int64_t index = 0;   // batch number within the epoch
-  double wait_s = 0;   // seconds next() blocked waiting for this batch
+  int64_t index = 0;  // batch number within the epoch
+  double wait_s = 0;  // seconds next() blocked waiting for this batch
 };
 
 // Batch i of an epoch is a pure function of (dataset, options, epoch, i): workers take batch numbers
@@ -73,7 +76,8 @@ class DataLoader {
   DataLoader& operator=(const DataLoader&) = delete;
 
   int64_t batches_per_epoch() const { return batches_per_epoch_; }
-  int64_t samples_per_epoch() const { return sampler_.samples_per_rank(); }  // this rank's, before drop_last
+  // This rank's share of an epoch (with drop_last a last partial batch of it is also skipped).
+  int64_t samples_per_epoch() const { return sampler_.samples_per_rank(); }
 
   // Begins `epoch` at batch `skip_batches` (to resume exactly where a checkpoint left off). Work
   // in flight for a previous epoch is discarded.

@@ -62,9 +62,10 @@ class Trainer {
 };
 
 // Loss and accuracy of `model` over all of `ds`, its samples split over the ranks of `comm` (null:
-// one rank), normalised with the dataset's own statistics.
+// one rank). Inputs are normalised with `mean`/`std` (the training set's; empty: ds's own).
 EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::ShardedHdf5Dataset> ds, int64_t batch,
-                          bool normalize, comm::Communicator* comm);
+                          bool normalize, comm::Communicator* comm, const std::vector<float>& mean = {},
+                          const std::vector<float>& std = {});
 
 // Seconds since this process started (from /proc), for the time-to-first-step figure.
 double process_age_s();

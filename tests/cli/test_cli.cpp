@@ -1,0 +1,133 @@
+// The dtrain executable on bad input: one clear message naming the file or option, non-zero exit.
+// Runs the real binary (single process, and under a real mpiexec -n 2 for the multi-rank cases).
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <filesystem>
+#include <fstream>
+
+#include "../train/train_test_util.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int code;
+  std::string out;  // stdout and stderr together
+};
+
+Result shell(const std::string& cmd) {
+  FILE* p = popen(cmd.c_str(), "r");
+  Result r{-1, ""};
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  int st = pclose(p);
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+Result run(const std::string& args) { return shell(std::string(DTRAIN_BINARY_DIR) + "/dtrain " + args + " 2>&1"); }
+
+Result mpirun(int np, const std::string& args) {
+  return shell("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n " + std::to_string(np) +
+               " --oversubscribe --bind-to none " + std::string(DTRAIN_BINARY_DIR) + "/dtrain " + args + " 2>&1");
+}
+
+size_t count(const std::string& hay, const std::string& needle) {
+  size_t c = 0;
+  for (size_t pos = hay.find(needle); pos != std::string::npos; pos = hay.find(needle, pos + 1)) ++c;
+  return c;
+}
+
+#define EXPECT_FAILS_NAMING(r, what)                               \
+  do {                                                             \
+    EXPECT_NE((r).code, 0) << (r).out;                             \
+    EXPECT_NE((r).out.find(what), std::string::npos) << (r).out;   \
+  } while (0)
+
+}  // namespace
+
+TEST(Cli, UnknownCommandAndOptions) {
+  EXPECT_FAILS_NAMING(run("frobnicate"), "frobnicate");
+  EXPECT_FAILS_NAMING(run("train --synthetic --no-such-flag"), "no-such-flag");
+  EXPECT_FAILS_NAMING(run("train --synthetic --batch-size -3"), "--batch-size");
+  EXPECT_FAILS_NAMING(run("train --synthetic --model nosuch"), "nosuch");
+  EXPECT_FAILS_NAMING(run("bench nosuch"), "nosuch");
+  Result help = run("train --help");
+  EXPECT_EQ(help.code, 0);
+  for (const char* opt : {"--data", "--test-data", "--model", "--epochs", "--steps", "--batch-size", "--lr",
+                          "--threads", "--synthetic", "--metrics", "--checkpoint-dir", "--resume"})
+    EXPECT_NE(help.out.find(opt), std::string::npos) << opt;
+  EXPECT_NE(help.out.find("(=64)"), std::string::npos) << "defaults are shown";
+}
+
+TEST(Cli, MissingEmptyAndCorruptData) {
+  std::string dir = dtrain::test::temp_dir("cli-data");
+  EXPECT_FAILS_NAMING(run("train --data /nonexistent/shards"), "/nonexistent/shards");
+  fs::create_directories(dir + "/empty");
+  EXPECT_FAILS_NAMING(run("train --data " + dir + "/empty"), dir + "/empty");
+  fs::create_directories(dir + "/garbage");
+  std::ofstream(dir + "/garbage/shard-00000.h5") << "this is not an HDF5 file at all";
+  EXPECT_FAILS_NAMING(run("train --data " + dir + "/garbage"), "shard-00000.h5");
+  EXPECT_FAILS_NAMING(run("eval --checkpoint " + dir + "/none.h5 --data " + dir + "/garbage"), "none.h5");
+  fs::remove_all(dir);
+}
+
+TEST(Cli, ShapeThatDoesNotFitTheModel) {
+  // A model trained on 8x8 images, evaluated on (and resumed with) 12x12 images.
+  std::string dir = dtrain::test::temp_dir("cli-shape");
+  dtrain::test::make_band_dataset(dir + "/small", 64, 8);
+  dtrain::test::make_band_dataset(dir + "/large", 64, 12);
+  Result ok = run("train --data " + dir + "/small --steps 2 --batch-size 16 --threads 1 --checkpoint-dir " + dir +
+               "/ck --progress off");
+  ASSERT_EQ(ok.code, 0) << ok.out;
+  Result ev = run("eval --checkpoint " + dir + "/ck --data " + dir + "/large");
+  EXPECT_FAILS_NAMING(ev, dir + "/large");
+  EXPECT_NE(ev.out.find("[1, 8, 8]"), std::string::npos) << ev.out;
+  Result rs = run("train --data " + dir + "/large --steps 4 --threads 1 --resume " + dir + "/ck --progress off");
+  EXPECT_FAILS_NAMING(rs, "ckpt-step");
+  Result good = run("eval --checkpoint " + dir + "/ck --data " + dir + "/small");
+  EXPECT_EQ(good.code, 0) << good.out;
+  EXPECT_NE(good.out.find("64 samples"), std::string::npos) << good.out;
+  fs::remove_all(dir);
+}
+
+TEST(CliMpi, BadOptionFailsEveryRankWithOneMessage) {
+  Result r = mpirun(2, "train --synthetic --lr -1 --progress off");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_EQ(count(r.out, "--lr must be > 0"), 1u) << r.out;  // said once, by rank 0
+}
+
+TEST(CliMpi, MissingDataOnTwoRanks) {
+  Result r = mpirun(2, "train --data /nonexistent/dir --progress off");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_EQ(count(r.out, "/nonexistent/dir"), 1u) << r.out;
+}
+
+TEST(CliMpi, TrainsOnTwoRanksAndMatchesOneRank) {
+  std::string dir = dtrain::test::temp_dir("cli-dp");
+  dtrain::test::make_band_dataset(dir + "/train", 256);
+  std::string common = "train --data " + dir + "/train --model mlp --hidden 16 --epochs 1 --global-batch-size 32 " +
+                       "--threads 1 --progress off --lr 0.05 --metrics ";
+  Result one = mpirun(1, common + dir + "/one.jsonl");
+  Result two = mpirun(2, common + dir + "/two.jsonl");
+  ASSERT_EQ(one.code, 0) << one.out;
+  ASSERT_EQ(two.code, 0) << two.out;
+  // The final loss line of both runs: same global batch, same data order, same model.
+  auto last_loss = [](const std::string& file) {
+    std::ifstream in(file);
+    std::string line, last;
+    while (std::getline(in, line))
+      if (line.find("\"loss\"") != std::string::npos) last = line;
+    auto p = last.find("\"loss\": ");
+    return p == std::string::npos ? -1.0 : std::stod(last.substr(p + 8));
+  };
+  double l1 = last_loss(dir + "/one.jsonl"), l2 = last_loss(dir + "/two.jsonl");
+  EXPECT_GT(l1, 0);
+  EXPECT_NEAR(l1, l2, 1e-4 * std::max(1.0, l1)) << one.out << two.out;
+  fs::remove_all(dir);
+}

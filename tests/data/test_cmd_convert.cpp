@@ -1,0 +1,83 @@
+// The `dtrain convert` subcommand, run in-process.
+#include <iostream>
+#include <sstream>
+
+#include "commands.h"
+#include "data_test_util.h"
+#include "dtrain/data/dataset.h"
+
+namespace dtrain::data {
+namespace {
+
+using testing::TempDir;
+
+// Runs cmd_convert with `args` (after "convert"), capturing stdout.
+int run(std::vector<std::string> args, std::string* out = nullptr) {
+  args.insert(args.begin(), "convert");
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  std::ostringstream captured;
+  std::streambuf* old = std::cout.rdbuf(captured.rdbuf());
+  int rc = -1;
+  try {
+    rc = cli::cmd_convert(static_cast<int>(argv.size()), argv.data());
+  } catch (...) {
+    std::cout.rdbuf(old);
+    throw;
+  }
+  std::cout.rdbuf(old);
+  if (out) *out = captured.str();
+  return rc;
+}
+
+void write_pair(const TempDir& tmp, const std::string& prefix, int n) {
+  ImageSet s = testing::synthetic_set(n, 1, 4, 4, 10);
+  testing::write_idx(tmp / (prefix + "-images-idx3-ubyte.gz"), {uint32_t(n), 4, 4}, s.inputs, true);
+  testing::write_idx(tmp / (prefix + "-labels-idx1-ubyte.gz"), {uint32_t(n)},
+                     std::vector<uint8_t>(s.labels.begin(), s.labels.end()), true);
+}
+
+TEST(CmdConvert, HelpListsEveryOptionWithItsDefault) {
+  std::string out;
+  EXPECT_EQ(run({"--help"}, &out), 0);
+  for (const char* opt : {"--images", "--labels", "--inputs", "--out", "--shard-size", "--chunk", "--compress",
+                          "--source", "--num-classes", "idx", "cifar10", "fashion-mnist"})
+    EXPECT_NE(out.find(opt), std::string::npos) << opt;
+  EXPECT_NE(out.find("(=10000)"), std::string::npos) << out;
+  EXPECT_EQ(run({"idx", "--help"}, &out), 0);
+  EXPECT_NE(out.find("--shard-size"), std::string::npos);
+}
+
+TEST(CmdConvert, UnknownKindOrOptionAndMissingRequired) {
+  testing::expect_input_error([] { run({"mnist-ish"}); }, {"mnist-ish"});
+  testing::expect_input_error([] { run({"idx", "--bogus", "1"}); }, {"bogus"});
+  testing::expect_input_error([] { run({"idx", "--images", "a"}); }, {"labels"});
+  testing::expect_input_error([] { run({}); }, {"KIND"});
+}
+
+TEST(CmdConvert, IdxAndFashionMnistKinds) {
+  TempDir tmp;
+  write_pair(tmp, "train", 30);
+  write_pair(tmp, "t10k", 12);
+  std::string out;
+  EXPECT_EQ(run({"idx", "--images", tmp / "train-images-idx3-ubyte.gz", "--labels", tmp / "train-labels-idx1-ubyte.gz",
+                 "--out", tmp / "idx", "--shard-size", "8", "--compress", "4"},
+                &out),
+            0);
+  EXPECT_NE(out.find("30 samples"), std::string::npos) << out;
+  EXPECT_NE(out.find("4 shard(s)"), std::string::npos) << out;
+  EXPECT_EQ(ShardedHdf5Dataset(tmp / "idx").size(), 30);
+
+  EXPECT_EQ(run({"fashion-mnist", "--source", tmp.path().string(), "--out", tmp / "fm"}, &out), 0);
+  EXPECT_EQ(ShardedHdf5Dataset(tmp / "fm/train").size(), 30);
+  EXPECT_EQ(ShardedHdf5Dataset(tmp / "fm/test").size(), 12);
+  EXPECT_EQ(ShardedHdf5Dataset(tmp / "fm/test").info().num_classes, 10);
+  testing::expect_input_error(
+      [&] {
+        run({"fashion-mnist", "--source", tmp / "nowhere", "--out", tmp / "x"});
+      },
+      {"nowhere"});
+}
+
+}  // namespace
+}  // namespace dtrain::data

@@ -1,0 +1,342 @@
+// DistributedSampler coverage, DataLoader determinism and resume, augmentation.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <numeric>
+#include <set>
+
+#include "data_test_util.h"
+#include "dtrain/data/loader.h"
+
+namespace dtrain::data {
+namespace {
+
+using testing::TempDir;
+
+TEST(Sampler, ExactCoverageEveryWorld) {
+  for (int64_t n : {1, 2, 10, 11, 13, 100}) {
+    for (int world : {1, 2, 3}) {
+      for (bool drop_last : {false, true}) {
+        std::map<int64_t, int> seen;
+        int64_t per_rank = -1;
+        std::vector<int64_t> order;
+        for (int rank = 0; rank < world; ++rank) {
+          DistributedSampler s(n, rank, world, /*shuffle=*/true, /*seed=*/7, drop_last);
+          if (rank == 0) order = s.epoch_order(3);
+          EXPECT_EQ(s.epoch_order(3), order) << "ranks must agree on the epoch's order";
+          std::vector<int64_t> mine = s.rank_indices(3);
+          if (per_rank < 0) per_rank = static_cast<int64_t>(mine.size());
+          EXPECT_EQ(static_cast<int64_t>(mine.size()), per_rank) << "every rank gets the same count";
+          for (int64_t i : mine) ++seen[i];
+        }
+        const std::string where =
+            "n=" + std::to_string(n) + " world=" + std::to_string(world) + " drop_last=" + std::to_string(drop_last);
+        if (drop_last) {
+          EXPECT_EQ(per_rank, n / world) << where;
+          for (auto [i, count] : seen) EXPECT_EQ(count, 1) << where << " index " << i;
+          EXPECT_EQ(static_cast<int64_t>(seen.size()), n / world * world) << where;
+        } else {
+          const int64_t total = (n + world - 1) / world * world;
+          EXPECT_EQ(per_rank * world, total) << where;
+          EXPECT_EQ(static_cast<int64_t>(seen.size()), n) << where << ": every sample at least once";
+          // The padding repeats the epoch's order from its start (cyclically when total - n > n).
+          for (int64_t k = n; k < total; ++k) EXPECT_EQ(order[k], order[(k - n) % n]) << where;
+          for (auto [i, count] : seen) EXPECT_EQ(count, std::count(order.begin(), order.end(), i)) << where;
+        }
+      }
+    }
+  }
+}
+
+TEST(Sampler, ShuffleDependsOnSeedAndEpoch) {
+  DistributedSampler a(50, 0, 1, true, 1, false), b(50, 0, 1, true, 2, false), plain(50, 0, 1, false, 1, false);
+  EXPECT_EQ(a.epoch_order(0), a.epoch_order(0));
+  EXPECT_NE(a.epoch_order(0), a.epoch_order(1));
+  EXPECT_NE(a.epoch_order(0), b.epoch_order(0));
+  std::vector<int64_t> identity(50);
+  std::iota(identity.begin(), identity.end(), 0);
+  EXPECT_EQ(plain.epoch_order(5), identity);
+  DistributedSampler r1(10, 1, 3, false, 0, false);
+  EXPECT_EQ(r1.rank_indices(0), (std::vector<int64_t>{1, 4, 7, 0}));  // round robin, padded with index 0
+}
+
+class LoaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    set_ = testing::synthetic_set(kN, 3, 8, 6, 4);
+    ShardWriterOptions opt;
+    opt.shard_size = 40;
+    write_shards(set_, tmp_ / "d", opt);
+    DatasetOptions dopt;
+    dopt.cache_bytes = 0;  // exercise hyperslab reads from the workers
+    ds_ = std::make_shared<ShardedHdf5Dataset>(tmp_ / "d", dopt);
+  }
+
+  std::vector<Batch> epoch(LoaderOptions opt, int64_t e, int64_t skip = 0) {
+    DataLoader loader(ds_, opt);
+    loader.start_epoch(e, skip);
+    std::vector<Batch> out;
+    Batch b;
+    while (loader.next(b)) out.push_back(b);
+    EXPECT_FALSE(loader.next(b));
+    return out;
+  }
+
+  static void expect_same(const std::vector<Batch>& x, const std::vector<Batch>& y) {
+    ASSERT_EQ(x.size(), y.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      EXPECT_EQ(x[i].index, y[i].index);
+      EXPECT_EQ(x[i].indices, y[i].indices);
+      ASSERT_EQ(x[i].inputs.shape(), y[i].inputs.shape());
+      EXPECT_EQ(0, std::memcmp(x[i].inputs.raw(), y[i].inputs.raw(), x[i].inputs.nbytes())) << "batch " << i;
+      EXPECT_EQ(0, std::memcmp(x[i].labels.raw(), y[i].labels.raw(), x[i].labels.nbytes())) << "batch " << i;
+    }
+  }
+
+  static constexpr int64_t kN = 103;
+  static constexpr int64_t kSample = 3 * 8 * 6;
+  TempDir tmp_;
+  ImageSet set_;
+  std::shared_ptr<ShardedHdf5Dataset> ds_;
+};
+
+TEST_F(LoaderTest, SameBatchesWithAnyThreadCount) {
+  LoaderOptions opt;
+  opt.batch_size = 10;
+  opt.seed = 42;
+  opt.prefetch = 2;
+  opt.augment.crop_padding = 2;
+  opt.augment.hflip = true;
+  opt.augment.rotate_deg = 10;
+  opt.threads = 1;
+  std::vector<Batch> one = epoch(opt, 1);
+  opt.threads = 3;
+  std::vector<Batch> three = epoch(opt, 1);
+  opt.threads = 0;
+  std::vector<Batch> sync = epoch(opt, 1);
+  ASSERT_EQ(one.size(), 11u);
+  EXPECT_EQ(one.back().inputs.shape(), (Shape{3, 3, 8, 6}));
+  expect_same(one, three);
+  expect_same(one, sync);
+  opt.threads = 2;
+  std::vector<Batch> other = epoch(opt, 2);
+  EXPECT_NE(one[0].indices, other[0].indices) << "a new epoch must reshuffle";
+}
+
+TEST_F(LoaderTest, NormalisedValuesLabelsAndShapes) {
+  LoaderOptions opt;
+  opt.batch_size = 16;
+  opt.shuffle = false;
+  opt.threads = 2;
+  std::vector<Batch> batches = epoch(opt, 0);
+  ASSERT_EQ(batches.size(), 7u);
+  const DatasetInfo& info = ds_->info();
+  for (const Batch& b : batches) {
+    ASSERT_EQ(b.inputs.dtype(), DType::F32);
+    ASSERT_EQ(b.labels.dtype(), DType::I32);
+    EXPECT_GE(b.wait_s, 0.0);
+    for (size_t k = 0; k < b.indices.size(); ++k) {
+      const int64_t g = b.indices[k];
+      EXPECT_EQ(g, b.index * 16 + static_cast<int64_t>(k));
+      EXPECT_EQ(b.labels.data<int32_t>()[k], set_.labels[g]);
+      for (int64_t j = 0; j < kSample; j += 17) {
+        const int64_t c = j / 48;
+        const float want = (set_.inputs[g * kSample + j] / 255.0f - info.mean[c]) / info.std[c];
+        EXPECT_NEAR(b.inputs.f32()[k * kSample + j], want, 1e-5);
+      }
+    }
+  }
+  opt.normalize = false;
+  std::vector<Batch> raw = epoch(opt, 0);
+  EXPECT_NEAR(raw[2].inputs.f32()[5], set_.inputs[32 * kSample + 5] / 255.0f, 1e-6);
+}
+
+TEST_F(LoaderTest, RanksSplitTheEpochAndAgreeOnBatchCount) {
+  for (bool drop_last : {false, true}) {
+    std::map<int64_t, int> seen;
+    int64_t batches = -1;
+    for (int rank = 0; rank < 3; ++rank) {
+      LoaderOptions opt;
+      opt.batch_size = 8;
+      opt.rank = rank;
+      opt.world = 3;
+      opt.drop_last = drop_last;
+      opt.threads = 2;
+      DataLoader loader(ds_, opt);
+      if (batches < 0) batches = loader.batches_per_epoch();
+      EXPECT_EQ(loader.batches_per_epoch(), batches);
+      loader.start_epoch(4);
+      Batch b;
+      int64_t got = 0;
+      while (loader.next(b)) {
+        ++got;
+        for (int64_t g : b.indices) ++seen[g];
+        if (drop_last) {
+          EXPECT_EQ(b.inputs.size(0), 8);
+        }
+      }
+      EXPECT_EQ(got, batches);
+    }
+    // 103 samples over 3 ranks: 35 each padded (5 batches of 8), or 34 each dropped (4 full batches).
+    EXPECT_EQ(batches, drop_last ? 4 : 5);
+    if (!drop_last) {
+      EXPECT_EQ(static_cast<int64_t>(seen.size()), kN);
+    } else {
+      for (auto [g, count] : seen) EXPECT_EQ(count, 1) << g;
+    }
+  }
+}
+
+TEST_F(LoaderTest, ResumeWithSkipMatchesTheUninterruptedEpoch) {
+  LoaderOptions opt;
+  opt.batch_size = 9;
+  opt.threads = 3;
+  opt.augment.hflip = true;
+  std::vector<Batch> full = epoch(opt, 3);
+  std::vector<Batch> resumed = epoch(opt, 3, 4);
+  std::vector<Batch> tail(full.begin() + 4, full.end());
+  expect_same(tail, resumed);
+}
+
+TEST_F(LoaderTest, RestartMidEpochAndEarlyDestruction) {
+  LoaderOptions opt;
+  opt.batch_size = 5;
+  opt.threads = 3;
+  opt.prefetch = 4;
+  DataLoader loader(ds_, opt);
+  Batch b;
+  ASSERT_TRUE(loader.next(b));  // implicitly starts epoch 0
+  EXPECT_EQ(loader.epoch(), 0);
+  ASSERT_TRUE(loader.next(b));
+  EXPECT_EQ(loader.position(), 2);
+  loader.start_epoch(1);
+  ASSERT_TRUE(loader.next(b));
+  EXPECT_EQ(b.epoch, 1);
+  EXPECT_EQ(b.index, 0);
+  const std::vector<int64_t> order = DistributedSampler(kN, 0, 1, true, 0, false).rank_indices(1);
+  EXPECT_EQ(b.indices, std::vector<int64_t>(order.begin(), order.begin() + 5));
+  // The destructor runs with batches in flight and must not hang.
+}
+
+TEST_F(LoaderTest, WorkerErrorIsRethrownAtNext) {
+  // A compressed shard truncated after the (uncached) dataset opened it: inflating the missing
+  // chunks fails inside the workers' reads.
+  ShardWriterOptions wopt;
+  wopt.shard_size = 40;
+  wopt.chunk_rows = 5;
+  wopt.compress_level = 1;
+  write_shards(set_, tmp_ / "z", wopt);
+  DatasetOptions dopt;
+  dopt.cache_bytes = 0;
+  auto ds = std::make_shared<ShardedHdf5Dataset>(tmp_ / "z", dopt);
+  LoaderOptions opt;
+  opt.batch_size = 10;
+  opt.shuffle = false;
+  opt.threads = 2;
+  DataLoader loader(ds, opt);
+  const std::string victim = tmp_ / "z/shard-00001.h5";
+  fs::resize_file(victim, 4096);
+  Batch b;
+  ASSERT_TRUE(loader.next(b));  // samples 0..9 come from shard 0
+  testing::expect_input_error(
+      [&] {
+        while (loader.next(b)) {
+        }
+      },
+      {"shard-00001.h5"});
+}
+
+TEST(Augment, FlipMirrorsEachRow) {
+  std::vector<float> img = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};  // [2, 2, 3]
+  std::vector<float> scratch;
+  AugmentDraw d;
+  d.flip = true;
+  apply_augment(d, img.data(), 2, 2, 3, scratch);
+  EXPECT_EQ(img, (std::vector<float>{3, 2, 1, 6, 5, 4, 9, 8, 7, 12, 11, 10}));
+}
+
+TEST(Augment, CropShiftsWithZeroPadding) {
+  std::vector<float> img = {1, 2, 3, 4, 5, 6, 7, 8, 9};  // [1, 3, 3]
+  std::vector<float> scratch;
+  AugmentDraw d;
+  d.dy = 1;
+  d.dx = -1;
+  apply_augment(d, img.data(), 1, 3, 3, scratch);
+  EXPECT_EQ(img, (std::vector<float>{0, 4, 5, 0, 7, 8, 0, 0, 0}));
+}
+
+TEST(Augment, RotationByZeroIsIdentityAndByNinetyTurnsTheImage) {
+  std::vector<float> img(16);
+  std::iota(img.begin(), img.end(), 1.0f);
+  std::vector<float> scratch, same = img;
+  AugmentDraw d;
+  d.angle_deg = 0;
+  apply_augment(d, same.data(), 1, 4, 4, scratch);
+  EXPECT_EQ(same, img);
+  std::vector<float> turned = img;
+  d.angle_deg = 90;
+  apply_augment(d, turned.data(), 1, 4, 4, scratch);
+  for (int y = 0; y < 4; ++y)
+    for (int x = 0; x < 4; ++x) {
+      // The source of out(y, x) is (cy - (x - cx), cx + (y - cy)) = (3 - x, y) with the centre at (1.5, 1.5).
+      EXPECT_NEAR(turned[y * 4 + x], img[(3 - x) * 4 + y], 1e-4) << y << "," << x;
+    }
+}
+
+TEST(Augment, DrawsDependOnlyOnSeedEpochAndSample) {
+  AugmentOptions opt;
+  opt.crop_padding = 4;
+  opt.hflip = true;
+  opt.rotate_deg = 15;
+  int flips = 0, moved = 0;
+  for (int64_t i = 0; i < 200; ++i) {
+    AugmentDraw a = draw_augment(opt, 9, 1, i), b = draw_augment(opt, 9, 1, i);
+    EXPECT_EQ(a.dy, b.dy);
+    EXPECT_EQ(a.dx, b.dx);
+    EXPECT_EQ(a.flip, b.flip);
+    EXPECT_EQ(a.angle_deg, b.angle_deg);
+    EXPECT_LE(std::abs(a.dy), 4);
+    EXPECT_LE(std::abs(a.angle_deg), 15.0f);
+    flips += a.flip;
+    moved += (a.dy != 0 || a.dx != 0);
+  }
+  EXPECT_GT(flips, 60);
+  EXPECT_LT(flips, 140);
+  EXPECT_GT(moved, 150);
+  AugmentOptions off;
+  AugmentDraw z = draw_augment(off, 9, 1, 3);
+  EXPECT_FALSE(z.flip || z.dy || z.dx || z.angle_deg != 0.0f);
+}
+
+TEST_F(LoaderTest, LoaderFlipMirrorsExactlyTheDrawnSamples) {
+  LoaderOptions plain;
+  plain.batch_size = 20;
+  plain.threads = 2;
+  plain.seed = 5;
+  LoaderOptions flip = plain;
+  flip.augment.hflip = true;
+  std::vector<Batch> a = epoch(plain, 0), b = epoch(flip, 0);
+  ASSERT_EQ(a.size(), b.size());
+  int flipped = 0, kept = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].indices, b[i].indices);
+    for (size_t k = 0; k < a[i].indices.size(); ++k) {
+      const bool f = draw_augment(flip.augment, 5, 0, a[i].indices[k]).flip;
+      (f ? flipped : kept)++;
+      const float* x = a[i].inputs.f32() + k * kSample;
+      const float* y = b[i].inputs.f32() + k * kSample;
+      for (int64_t c = 0; c < 3; ++c)
+        for (int64_t r = 0; r < 8; ++r)
+          for (int64_t col = 0; col < 6; ++col) {
+            const int64_t src = f ? 5 - col : col;
+            ASSERT_NEAR(y[(c * 8 + r) * 6 + col], x[(c * 8 + r) * 6 + src], 1e-5);
+          }
+    }
+  }
+  EXPECT_GT(flipped, 20);
+  EXPECT_GT(kept, 20);
+}
+
+}  // namespace
+}  // namespace dtrain::data
