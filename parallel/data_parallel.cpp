@@ -1,6 +1,6 @@
 #include "dtrain/parallel/data_parallel.h"
 
-#include <cstring>
+#include <cmath>
 
 #include "dtrain/core/timer.h"
 
@@ -9,41 +9,66 @@ namespace dtrain::parallel {
 DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt)
     : model_(model), comm_(comm), opt_(opt) {
   DT_INPUT_CHECK(opt.bucket_bytes > 0, "data parallel: bucket size must be positive");
-  // Backward makes gradients ready roughly in reverse parameter order, so buckets are filled from
-  // the last parameter backwards: the first bucket completes first and goes out first.
   std::vector<nn::Parameter*> params = model.parameters();
+  DT_CHECK(!params.empty(), "data parallel needs a model with parameters");
+  Device dev = params.front()->value.device();
+  int64_t total = 0;
+  for (nn::Parameter* p : params) {
+    DT_CHECK(p->value.dtype() == DType::F32 && p->value.device() == dev,
+             "data parallel keeps f32 parameters on one device; " << p->name << " is " << p->value.str());
+    total += p->value.numel();
+  }
+  const int64_t world = comm.size();
+  const int64_t padded = (total + world - 1) / world * world;
+  flat_param_ = Tensor::zeros({padded}, DType::F32, dev);
+  flat_grad_ = Tensor::zeros({padded}, DType::F32, dev);
+
+  // Lay parameters out last-first: backward finishes them roughly in this order, so the first
+  // bucket fills first and goes out first.
+  int64_t off = 0;
   Bucket cur;
-  int64_t cur_bytes = 0;
-  auto close = [&]() {
-    if (cur.params.empty()) return;
-    int64_t n = cur.offsets.back() + cur.params.back()->grad.numel();
-    cur.flat = Tensor::zeros({n}, DType::F32, cur.params.front()->grad.device());
-    buckets_.push_back(std::move(cur));
-    cur = Bucket{};
-    cur_bytes = 0;
-  };
+  const int64_t bucket_elems = std::max<int64_t>(1, opt_.bucket_bytes / 4);
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
     nn::Parameter* p = *it;
-    DT_CHECK(p->grad.dtype() == DType::F32, "data parallel reduces f32 gradients, " << p->name << " is "
-                                                                                    << p->grad.str());
-    int64_t off = cur.params.empty() ? 0 : cur.offsets.back() + cur.params.back()->grad.numel();
-    where_[p] = {buckets_.size(), cur.params.size()};
-    cur.params.push_back(p);
-    cur.offsets.push_back(off);
-    cur_bytes += static_cast<int64_t>(p->grad.nbytes());
-    if (cur_bytes >= opt_.bucket_bytes) close();
+    int64_t n = p->value.numel();
+    Tensor v = flat_param_.slice0(off, off + n).reshape(p->value.shape());
+    Tensor g = flat_grad_.slice0(off, off + n).reshape(p->grad.shape());
+    v.copy_from(p->value);
+    g.copy_from(p->grad);
+    p->value = v;
+    p->grad = g;
+    bucket_of_[p] = buckets_.size();
+    offset_[p] = off;
+    ++cur.params;
+    off += n;
+    cur.end = off;
+    if (cur.end - cur.begin >= bucket_elems) {
+      buckets_.push_back(cur);
+      cur = Bucket{off, off, 0, 0, nullptr};
+    }
   }
-  close();
+  if (cur.params) buckets_.push_back(cur);
+  buckets_.back().end = padded;  // the padding travels with the last bucket
+
+  if (opt_.zero1) {
+    int64_t shard = padded / world, r = comm.rank();
+    shard_.name = "zero1_shard";
+    shard_.value = flat_param_.slice0(r * shard, (r + 1) * shard).clone();
+    shard_.grad = Tensor::zeros({shard}, DType::F32, dev);
+  }
   model_.set_grad_ready_hook([this](nn::Parameter& p) { on_grad_ready(p); });
 }
 
 DataParallel::~DataParallel() { model_.set_grad_ready_hook(nullptr); }
 
 void DataParallel::broadcast_state(int root) {
-  std::vector<std::shared_ptr<comm::Work>> works;
-  for (nn::Parameter* p : model_.parameters()) works.push_back(comm_.broadcast(p->value, root));
+  std::vector<std::shared_ptr<comm::Work>> works{comm_.broadcast(flat_param_, root)};
   for (nn::Buffer* b : model_.buffers()) works.push_back(comm_.broadcast(b->value, root));
   for (auto& w : works) w->wait();
+  if (opt_.zero1) {
+    int64_t shard = shard_.value.numel(), r = comm_.rank();
+    shard_.value.copy_from(flat_param_.slice0(r * shard, (r + 1) * shard));
+  }
 }
 
 void DataParallel::begin_backward(bool sync) {
@@ -55,40 +80,77 @@ void DataParallel::begin_backward(bool sync) {
 }
 
 void DataParallel::on_grad_ready(nn::Parameter& p) {
-  if (!syncing_) return;
-  auto it = where_.find(&p);
-  DT_CHECK(it != where_.end(), "gradient of " << p.name << " is not in any data-parallel bucket");
-  Bucket& b = buckets_[it->second.first];
-  size_t slot = it->second.second;
-  std::memcpy(b.flat.f32() + b.offsets[slot], p.grad.raw(), p.grad.nbytes());
-  if (++b.ready == static_cast<int64_t>(b.params.size())) launch(b);
+  if (!syncing_ || opt_.zero1) return;  // ZeRO-1 reduce-scatters the whole flat gradient in finish()
+  auto it = bucket_of_.find(&p);
+  DT_CHECK(it != bucket_of_.end(), "gradient of " << p.name << " is not in any data-parallel bucket");
+  Bucket& b = buckets_[it->second];
+  if (++b.ready == b.params) launch(b);
 }
 
 void DataParallel::launch(Bucket& b) {
-  b.work = comm_.allreduce(b.flat, comm::ReduceOp::Avg);
-  stats_.bytes_reduced += static_cast<int64_t>(b.flat.nbytes());
-  ++stats_.buckets;
+  Tensor view = flat_grad_.slice0(b.begin, b.end);
+  b.work = comm_.allreduce(view, comm::ReduceOp::Avg);
+  stats_.bytes_reduced += static_cast<int64_t>(view.nbytes());
+  ++stats_.collectives;
 }
 
 void DataParallel::finish() {
-  if (!syncing_) return;
-  double t0 = now_s();
-  for (Bucket& b : buckets_) {
-    if (!b.work) {
-      // A parameter this step's graph did not touch never fired its hook: send what we have
-      // (its gradient as it stands), so every rank runs the same collectives.
-      for (size_t i = 0; i < b.params.size(); ++i)
-        std::memcpy(b.flat.f32() + b.offsets[i], b.params[i]->grad.raw(), b.params[i]->grad.nbytes());
-      launch(b);
-    }
+  if (!syncing_) {
+    if (opt_.zero1 && comm_.size() == 1) shard_.grad.copy_from(flat_grad_);
+    return;
   }
-  for (Bucket& b : buckets_) {
-    b.work->wait();
-    for (size_t i = 0; i < b.params.size(); ++i)
-      std::memcpy(b.params[i]->grad.raw(), b.flat.f32() + b.offsets[i], b.params[i]->grad.nbytes());
+  double t0 = now_s();
+  if (opt_.zero1) {
+    comm_.reduce_scatter(flat_grad_, shard_.grad, comm::ReduceOp::Avg)->wait();
+    stats_.bytes_reduced += static_cast<int64_t>(flat_grad_.nbytes());
+    ++stats_.collectives;
+  } else {
+    // A bucket whose parameters this step's graph did not all touch never completed: send it now,
+    // so every rank runs the same collectives in the same order.
+    for (Bucket& b : buckets_)
+      if (!b.work) launch(b);
+    for (Bucket& b : buckets_) b.work->wait();
   }
   stats_.comm_wait_s += now_s() - t0;
   syncing_ = false;
+}
+
+std::vector<nn::Parameter*> DataParallel::optimizer_params() {
+  if (opt_.zero1) return {&shard_};
+  return model_.parameters();
+}
+
+void DataParallel::after_step() {
+  if (!opt_.zero1) return;
+  double t0 = now_s();
+  if (comm_.size() > 1) {
+    comm_.allgather(shard_.value, flat_param_)->wait();
+    stats_.bytes_reduced += static_cast<int64_t>(flat_param_.nbytes());
+    ++stats_.collectives;
+  } else {
+    flat_param_.copy_from(shard_.value);
+  }
+  stats_.comm_wait_s += now_s() - t0;
+}
+
+Tensor DataParallel::gather_flat(const Tensor& shard) {
+  Tensor full = Tensor::zeros(flat_param_.shape(), DType::F32, flat_param_.device());
+  if (comm_.size() > 1) comm_.allgather(shard, full)->wait();
+  else full.copy_from(shard);
+  return full;
+}
+
+Tensor DataParallel::own_slice(const Tensor& flat) const {
+  int64_t shard = flat_param_.numel() / comm_.size(), r = comm_.rank();
+  return flat.slice0(r * shard, (r + 1) * shard);
+}
+
+double DataParallel::grad_norm() {
+  Engine& e = engine_for(flat_grad_.device());
+  if (!opt_.zero1) return std::sqrt(e.sum_squares(flat_grad_));
+  Tensor ss = Tensor::from({1}, {static_cast<float>(e.sum_squares(shard_.grad))});
+  if (comm_.size() > 1) comm_.allreduce(ss, comm::ReduceOp::Sum)->wait();
+  return std::sqrt(static_cast<double>(ss.f32()[0]));
 }
 
 }  // namespace dtrain::parallel

@@ -7,6 +7,12 @@ Sequential& Sequential::add(ModulePtr m) {
   return *this;
 }
 
+ModulePtr Sequential::replace(size_t i, ModulePtr m) {
+  DT_CHECK(i < layers_.size(), "Sequential::replace(" << i << ") of " << layers_.size() << " layers");
+  std::swap(layers_[i], m);
+  return m;
+}
+
 Tensor Sequential::forward(const Tensor& x) {
   Tensor h = x;
   for (auto& l : layers_) h = l->forward(h);

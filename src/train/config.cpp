@@ -71,10 +71,13 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     ("dropout", po::value<float>(&c.dropout)->default_value(def.dropout), "MLP dropout probability")
     ("epochs", po::value<int64_t>(&c.epochs)->default_value(def.epochs), "passes over the training data")
     ("steps", po::value<int64_t>(&c.steps)->default_value(def.steps), "stop after this many steps (0: run all epochs)")
-    ("batch-size", po::value<int64_t>(&c.batch_size)->default_value(def.batch_size), "samples per step per rank")
-    ("global-batch-size", po::value<int64_t>(&c.global_batch_size)->default_value(0), "samples per step over all ranks (0: batch-size x ranks); must divide by the ranks")
+    ("batch-size", po::value<int64_t>(&c.batch_size)->default_value(def.batch_size), "samples per step (micro-step with --accumulate) per rank")
+    ("global-batch-size", po::value<int64_t>(&c.global_batch_size)->default_value(0), "samples per optimizer step over all ranks and micro-steps (0: batch-size x ranks x accumulate); must divide evenly")
     ("drop-last", po::value<bool>(&c.drop_last)->default_value(def.drop_last), "drop the last partial batch of each epoch")
-    ("optimizer", po::value<std::string>(&c.optimizer)->default_value(def.optimizer), "sgd, adam or adamw")
+    ("optimizer", po::value<std::string>(&c.optimizer)->default_value(def.optimizer), "sgd, adam, adamw, lars or lamb")
+    ("lars-eta", po::value<float>(&c.lars_eta)->default_value(def.lars_eta), "LARS trust coefficient")
+    ("lr-scaling", po::value<std::string>(&c.lr_scaling)->default_value(def.lr_scaling), "none, or linear: lr x global batch / --base-batch-size")
+    ("base-batch-size", po::value<int64_t>(&c.base_batch_size)->default_value(def.base_batch_size), "the global batch --lr is given for (with --lr-scaling linear)")
     ("lr", po::value<float>(&c.lr)->default_value(def.lr), "base learning rate")
     ("momentum", po::value<float>(&c.momentum)->default_value(def.momentum), "SGD momentum")
     ("nesterov", po::value<bool>(&c.nesterov)->default_value(def.nesterov), "Nesterov momentum")
@@ -98,7 +101,10 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     ("keep-checkpoints", po::value<int>(&c.keep_checkpoints)->default_value(def.keep_checkpoints), "checkpoints kept in --checkpoint-dir")
     ("resume", po::value<std::string>(&c.resume), "resume from this checkpoint file (or the newest in this directory)")
     ("eval", po::value<bool>(&c.eval_each_epoch)->default_value(true), "evaluate on --test-data after each epoch")
-    ("bucket-mb", po::value<int64_t>(&c.bucket_mb)->default_value(def.bucket_mb), "data-parallel gradient bucket size (MiB)");
+    ("bucket-mb", po::value<int64_t>(&c.bucket_mb)->default_value(def.bucket_mb), "data-parallel gradient bucket size (MiB)")
+    ("accumulate", po::value<int64_t>(&c.accumulate)->default_value(1), "micro-batches per optimizer step (gradient accumulation)")
+    ("zero1", po::value<bool>(&c.zero1)->default_value(false), "ZeRO stage 1: shard optimizer state over the data-parallel ranks")
+    ("sync-batchnorm", po::value<bool>(&c.sync_batchnorm)->default_value(false), "batch statistics over all data-parallel ranks");
   // clang-format on
   po::options_description all;
   all.add(general).add(opts);
@@ -139,8 +145,16 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   DT_INPUT_CHECK(c.dropout >= 0.f && c.dropout < 1.f, "option --dropout must be in [0, 1)");
   DT_INPUT_CHECK(c.progress == "auto" || c.progress == "on" || c.progress == "off",
                  "option --progress must be auto, on or off, got '" << c.progress << "'");
-  DT_INPUT_CHECK(c.optimizer == "sgd" || c.optimizer == "adam" || c.optimizer == "adamw",
-                 "option --optimizer must be sgd, adam or adamw, got '" << c.optimizer << "'");
+  DT_INPUT_CHECK(c.optimizer == "sgd" || c.optimizer == "adam" || c.optimizer == "adamw" || c.optimizer == "lars" ||
+                     c.optimizer == "lamb",
+                 "option --optimizer must be sgd, adam, adamw, lars or lamb, got '" << c.optimizer << "'");
+  DT_INPUT_CHECK(c.lr_scaling == "none" || c.lr_scaling == "linear",
+                 "option --lr-scaling must be none or linear, got '" << c.lr_scaling << "'");
+  DT_INPUT_CHECK(c.base_batch_size > 0, "option --base-batch-size must be > 0");
+  DT_INPUT_CHECK(c.accumulate >= 1, "option --accumulate must be >= 1, got " << c.accumulate);
+  DT_INPUT_CHECK(!c.zero1 || (c.optimizer != "lars" && c.optimizer != "lamb"),
+                 "option --zero1 does not combine with --optimizer " << c.optimizer
+                                                                     << " (its per-layer trust ratios need whole tensors)");
   DT_INPUT_CHECK(c.clip_grad_norm >= 0.f, "option --clip-grad-norm must be >= 0");
   DT_INPUT_CHECK(c.augment.crop_padding >= 0 && c.augment.crop_padding <= 64, "option --augment-crop must be in [0, 64]");
   DT_INPUT_CHECK(c.augment.rotate_deg >= 0.f && c.augment.rotate_deg <= 180.f, "option --augment-rotate must be in [0, 180]");

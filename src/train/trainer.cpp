@@ -10,6 +10,8 @@
 
 #include "dtrain/comm/communicator.h"
 #include "dtrain/core/timer.h"
+#include "dtrain/optim/large_batch.h"
+#include "dtrain/parallel/sync_batchnorm.h"
 
 namespace fs = std::filesystem;
 
@@ -37,10 +39,11 @@ static std::string fixed(double v, int digits) {
   return o.str();
 }
 
-Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt) : cfg_(cfg), rt_(rt) {
+Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* dp)
+    : cfg_(cfg), rt_(rt), comm_(dp ? *dp : rt.world()) {
   const comm::Topology& topo = rt.topology();
-  rank_ = topo.rank;
-  world_ = topo.size;
+  rank_ = comm_.rank();
+  world_ = comm_.size();
   progress_ = std::make_unique<Progress>(cfg_.progress, rank_ == 0);
 
   // Threads: by default the node's cores shared among the ranks on it.
@@ -50,11 +53,15 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt) : cfg_(cfg), rt_(rt)
   if (!warn.empty() && topo.local_rank == 0) std::fprintf(stderr, "dtrain: warning (rank %d): %s\n", rank_, warn.c_str());
 
   // Batch: per rank, or the global batch split evenly.
+  // Batch: --batch-size is each rank's micro-batch; --global-batch-size is the samples of one
+  // optimizer step over all ranks and accumulation micro-steps, and must split evenly.
   batch_ = cfg_.batch_size;
   if (cfg_.global_batch_size > 0) {
-    DT_INPUT_CHECK(cfg_.global_batch_size % world_ == 0, "option --global-batch-size " << cfg_.global_batch_size
-                                                             << " does not divide evenly over " << world_ << " ranks");
-    batch_ = cfg_.global_batch_size / world_;
+    int64_t parts = world_ * cfg_.accumulate;
+    DT_INPUT_CHECK(cfg_.global_batch_size % parts == 0,
+                   "option --global-batch-size " << cfg_.global_batch_size << " does not divide evenly over "
+                                                 << world_ << " ranks x " << cfg_.accumulate << " micro-steps");
+    batch_ = cfg_.global_batch_size / parts;
   }
 
   // Data.
@@ -91,9 +98,20 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt) : cfg_(cfg), rt_(rt)
 
   spec_ = nn::ModelSpec{cfg_.model, input, classes, cfg_.hidden, cfg_.dropout, cfg_.seed};
   model_ = nn::make_model(spec_);
+  if (cfg_.sync_batchnorm) parallel::convert_sync_batchnorm(*model_, comm_);
+  if (world_ > 1 || cfg_.zero1) {
+    parallel::DataParallelOptions dpo;
+    dpo.bucket_bytes = cfg_.bucket_mb << 20;
+    dpo.zero1 = cfg_.zero1;
+    dp_ = std::make_unique<parallel::DataParallel>(*model_, comm_, dpo);
+  }
   build_optimizer();
 
-  steps_per_epoch_ = loader_ ? loader_->batches_per_epoch() : std::max<int64_t>(cfg_.steps, 100);
+  // An optimizer step takes `accumulate` micro-batches; a partial group at an epoch's end is dropped.
+  int64_t batches = loader_ ? loader_->batches_per_epoch() : std::max<int64_t>(cfg_.steps, 100) * cfg_.accumulate;
+  steps_per_epoch_ = batches / cfg_.accumulate;
+  DT_INPUT_CHECK(steps_per_epoch_ > 0, "option --accumulate " << cfg_.accumulate << " exceeds the " << batches
+                                                              << " batches of an epoch");
   epochs_ = cfg_.epochs;
   total_steps_ = steps_per_epoch_ * epochs_;
   if (cfg_.steps > 0 && (cfg_.steps < total_steps_ || cfg_.synthetic)) {
@@ -103,26 +121,27 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt) : cfg_(cfg), rt_(rt)
   optim::ScheduleOptions so;
   so.kind = cfg_.lr_schedule;
   so.base_lr = cfg_.lr;
+  if (cfg_.lr_scaling == "linear")  // Goyal et al.: lr grows with the global batch (pair with warm-up)
+    so.base_lr = cfg_.lr * static_cast<float>(batch_ * world_ * cfg_.accumulate) /
+                 static_cast<float>(cfg_.base_batch_size);
   so.total_steps = total_steps_;
   so.step_size = cfg_.lr_step_size;
   so.gamma = cfg_.lr_gamma;
   so.min_lr = cfg_.min_lr;
   so.warmup_steps = cfg_.warmup_steps;
   sched_ = std::make_unique<optim::LrSchedule>(so);
-
-  if (world_ > 1) {
-    parallel::DataParallelOptions dpo;
-    dpo.bucket_bytes = cfg_.bucket_mb << 20;
-    dp_ = std::make_unique<parallel::DataParallel>(*model_, rt_.world(), dpo);
-  }
   if (rank_ == 0 && !cfg_.metrics.empty()) metrics_ = std::make_unique<MetricsWriter>(cfg_.metrics, !cfg_.resume.empty());
 }
 
 Trainer::~Trainer() = default;
 
 void Trainer::build_optimizer() {
-  auto params = model_->parameters();
-  if (cfg_.optimizer == "sgd") {
+  auto params = dp_ ? dp_->optimizer_params() : model_->parameters();
+  if (cfg_.optimizer == "lars") {
+    opt_ = std::make_unique<optim::LARS>(params, optim::LarsOptions{cfg_.momentum, cfg_.weight_decay, cfg_.lars_eta});
+  } else if (cfg_.optimizer == "lamb") {
+    opt_ = std::make_unique<optim::LAMB>(params, optim::LambOptions{cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay});
+  } else if (cfg_.optimizer == "sgd") {
     optim::SgdOptions o;
     o.momentum = cfg_.momentum;
     o.weight_decay = cfg_.weight_decay;
@@ -144,11 +163,26 @@ void Trainer::say(const std::string& s) { progress_->line(s); }
 // ------------------------------------------------------------------ checkpoints
 void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
   if (cfg_.checkpoint_dir.empty()) return;
-  if (rank_ == 0) {  // data parallel: every rank holds the same state
+  // Optimizer state is saved per parameter ("optim/<param>.<state>") whatever the layout; under
+  // ZeRO-1 each state is a flat slice per rank, gathered here (a collective) and cut per parameter.
+  std::map<std::string, Tensor> optim_state;
+  for (const optim::StateTensor& st : opt_->state()) {
+    if (dp_ && dp_->zero1()) {
+      Tensor full = dp_->gather_flat(*st.value);
+      std::string suffix = st.name.substr(st.name.find('.'));  // ".momentum", ".exp_avg", ...
+      for (nn::Parameter* p : model_->parameters()) {
+        int64_t off = dp_->offset_of(p);
+        optim_state[p->name + suffix] = full.slice0(off, off + p->value.numel()).reshape(p->value.shape()).clone();
+      }
+    } else {
+      optim_state[st.name] = *st.value;
+    }
+  }
+  if (rank_ == 0) {  // data parallel: every rank holds the same parameters
     CheckpointState s;
     for (nn::Parameter* p : model_->parameters()) s.tensors["param/" + p->name] = p->value;
     for (nn::Buffer* b : model_->buffers()) s.tensors["buffer/" + b->name] = b->value;
-    for (const optim::StateTensor& st : opt_->state()) s.tensors["optim/" + st.name] = *st.value;
+    for (auto& [name, t] : optim_state) s.tensors["optim/" + name] = t;
     s.strings["model"] = spec_.name;
     s.strings["optimizer"] = opt_->kind();
     s.ints["step"] = step_;
@@ -157,6 +191,7 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
     s.ints["batch_in_epoch"] = batch_in_epoch;
     s.ints["world_size"] = world_;
     s.ints["per_rank_batch"] = batch_;
+    s.ints["accumulate"] = cfg_.accumulate;
     s.ints["classes"] = spec_.classes;
     s.ints["seed"] = static_cast<int64_t>(cfg_.seed);
     s.int_lists["input_shape"] = std::vector<int64_t>(spec_.input.begin(), spec_.input.end());
@@ -180,7 +215,7 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
     for (size_t i = 0; i + static_cast<size_t>(cfg_.keep_checkpoints) < all.size(); ++i) fs::remove(all[i]);
     if (!progress_->bar()) say("checkpoint " + path.string());
   }
-  if (world_ > 1) rt_.world().barrier();  // nobody runs ahead of a checkpoint that may fail
+  if (world_ > 1) comm_.barrier();  // nobody runs ahead of a checkpoint that may fail
 }
 
 void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
@@ -210,13 +245,26 @@ void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
   };
   for (nn::Parameter* p : model_->parameters()) load("param/" + p->name, p->value);
   for (nn::Buffer* b : model_->buffers()) load("buffer/" + b->name, b->value);
-  for (const optim::StateTensor& st : opt_->state()) load("optim/" + st.name, *st.value);
+  for (const optim::StateTensor& st : opt_->state()) {
+    if (dp_ && dp_->zero1()) {  // rebuild the flat vector from the per-parameter tensors, keep our slice
+      Tensor full = Tensor::zeros({dp_->flat_numel()});
+      std::string suffix = st.name.substr(st.name.find('.'));
+      for (nn::Parameter* p : model_->parameters()) {
+        int64_t off = dp_->offset_of(p);
+        Tensor view = full.slice0(off, off + p->value.numel()).reshape(p->value.shape());
+        load("optim/" + p->name + suffix, view);
+      }
+      st.value->copy_from(dp_->own_slice(full));
+    } else {
+      load("optim/" + st.name, *st.value);
+    }
+  }
   step_ = need("step");
   opt_->set_steps(need("optimizer_steps"));
   epoch = need("epoch");
   skip = need("batch_in_epoch");
-  // The loader's position is in per-rank batches; a different layout restarts the epoch.
-  if (need("world_size") != world_ || need("per_rank_batch") != batch_) {
+  // The loader's position is in per-rank steps; a different layout restarts the epoch.
+  if (need("world_size") != world_ || need("per_rank_batch") != batch_ || need("accumulate") != cfg_.accumulate) {
     if (skip > 0) say("resume: rank count or batch changed since the checkpoint; restarting its epoch");
     skip = 0;
   }
@@ -278,7 +326,7 @@ EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::Sharded
 EvalResult Trainer::evaluate(const data::ShardedHdf5Dataset& ds) {
   auto view = std::shared_ptr<const data::ShardedHdf5Dataset>(&ds, [](const data::ShardedHdf5Dataset*) {});
   return evaluate_model(*model_, view, std::max<int64_t>(batch_, 256), cfg_.normalize,
-                        world_ > 1 ? &rt_.world() : nullptr, train_ds_->info().mean, train_ds_->info().std);
+                        world_ > 1 ? &comm_ : nullptr, train_ds_->info().mean, train_ds_->info().std);
 }
 
 // ------------------------------------------------------------------ the loop
@@ -292,8 +340,9 @@ TrainResult Trainer::run() {
     std::ostringstream o;
     o << "dtrain: model " << spec_.name << " (" << model_->parameter_count() << " parameters), "
       << (cfg_.synthetic ? std::string("synthetic data") : "data " + cfg_.data) << ", " << world_ << " rank"
-      << (world_ > 1 ? "s" : "") << " x " << cpu_engine().threads() << " thread(s), batch " << batch_ << "/rank ("
-      << batch_ * world_ << " global), " << steps_per_epoch_ << " steps/epoch, " << total_steps_ << " steps, "
+      << (world_ > 1 ? "s" : "") << " x " << cpu_engine().threads() << " thread(s), batch " << batch_ << "/rank"
+      << (cfg_.accumulate > 1 ? " x " + std::to_string(cfg_.accumulate) + " micro-steps" : std::string()) << " ("
+      << batch_ * world_ * cfg_.accumulate << " global), " << steps_per_epoch_ << " steps/epoch, " << total_steps_ << " steps, "
       << opt_->kind() << " lr " << cfg_.lr << " " << cfg_.lr_schedule;
     say(o.str());
   }
@@ -324,33 +373,60 @@ TrainResult Trainer::run() {
   double ema_step_s = 0;
 
   for (int64_t epoch = start_epoch; epoch < epochs_ && step_ < total_steps_; ++epoch) {
-    if (loader_) loader_->start_epoch(epoch, skip);
+    if (loader_) loader_->start_epoch(epoch, skip * cfg_.accumulate);
     int64_t batch_in_epoch = skip;
     skip = 0;
     double epoch_t0 = now_s();
     while (step_ < total_steps_) {
-      data::Batch b;
-      if (loader_) {
-        if (!loader_->next(b)) break;
-      } else {
-        if (batch_in_epoch >= steps_per_epoch_) break;
-        b = synthetic[static_cast<size_t>(step_ % 4)];
-      }
-      double t0 = now_s();
+      // One optimizer step: `accumulate` micro-batches, gradients exchanged on the last one only.
+      double t0 = now_s(), wait = 0;
       float lr = sched_->lr(step_);
-      opt_->zero_grad();
-      Tensor logits = model_->forward(b.inputs);
-      int64_t hits = 0;
-      float loss = ce.forward(logits, b.labels, &hits);
-      if (dp_) dp_->begin_backward(true);
-      model_->backward(ce.backward());
+      for (nn::Parameter* p : model_->parameters()) engine_for(p->grad.device()).fill(p->grad, 0.f);
+      float loss = 0;
+      int64_t hits_step = 0, seen_step = 0;
+      bool ended = false;
+      for (int64_t micro = 0; micro < cfg_.accumulate; ++micro) {
+        data::Batch b;
+        if (loader_) {
+          if (!loader_->next(b)) {
+            ended = true;
+            break;
+          }
+        } else {
+          if (batch_in_epoch >= steps_per_epoch_) {
+            ended = true;
+            break;
+          }
+          b = synthetic[static_cast<size_t>((step_ * cfg_.accumulate + micro) % 4)];
+        }
+        wait += b.wait_s;
+        Tensor logits = model_->forward(b.inputs);
+        int64_t hits = 0;
+        loss += ce.forward(logits, b.labels, &hits) / static_cast<float>(cfg_.accumulate);
+        hits_step += hits;
+        seen_step += b.inputs.size(0);
+        if (dp_) dp_->begin_backward(micro + 1 == cfg_.accumulate);
+        model_->backward(ce.backward(1.f / static_cast<float>(cfg_.accumulate)));
+      }
+      if (ended) break;
       if (dp_) {
         double c0 = dp_->stats().comm_wait_s;
         dp_->finish();
         iv_comm += dp_->stats().comm_wait_s - c0;
       }
-      if (cfg_.clip_grad_norm > 0.f) optim::clip_grad_norm(model_->parameters(), cfg_.clip_grad_norm);
+      if (cfg_.clip_grad_norm > 0.f) {
+        double norm = dp_ ? dp_->grad_norm() : optim::grad_norm(model_->parameters());
+        if (norm > cfg_.clip_grad_norm) {
+          float k = static_cast<float>(cfg_.clip_grad_norm / (norm + 1e-6));
+          for (nn::Parameter* p : opt_->params()) engine_for(p->grad.device()).scale(p->grad, k);
+        }
+      }
       opt_->step(lr);
+      if (dp_) {
+        double c0 = dp_->stats().comm_wait_s;
+        dp_->after_step();
+        iv_comm += dp_->stats().comm_wait_s - c0;
+      }
       ++step_;
       ++batch_in_epoch;
       double t1 = now_s();
@@ -358,13 +434,13 @@ TrainResult Trainer::run() {
         result.first_step_at_s = process_age_s();
         run_t0 = t1;
       } else {
-        run_samples += b.inputs.size(0) * world_;
+        run_samples += seen_step * world_;
       }
-      ema_step_s = ema_step_s == 0 ? (t1 - t0 + b.wait_s) : 0.9 * ema_step_s + 0.1 * (t1 - t0 + b.wait_s);
+      ema_step_s = ema_step_s == 0 ? (t1 - t0 + wait) : 0.9 * ema_step_s + 0.1 * (t1 - t0 + wait);
       iv_loss += loss;
-      iv_wait += b.wait_s;
-      iv_correct += hits;
-      iv_seen += b.inputs.size(0);
+      iv_wait += wait;
+      iv_correct += hits_step;
+      iv_seen += seen_step;
       ++iv_steps;
       result.final_loss = loss;
       if (!std::isfinite(loss)) {
@@ -377,7 +453,7 @@ TrainResult Trainer::run() {
         // Loss and accuracy averaged over ranks; throughput over the interval, globally.
         Tensor agg = Tensor::from({4}, {static_cast<float>(iv_loss), static_cast<float>(iv_correct),
                                         static_cast<float>(iv_seen), static_cast<float>(iv_wait)});
-        if (world_ > 1) rt_.world().allreduce(agg, comm::ReduceOp::Sum)->wait();
+        if (world_ > 1) comm_.allreduce(agg, comm::ReduceOp::Sum)->wait();
         double now = now_s();
         double mean_loss = agg.f32()[0] / (iv_steps * world_);
         double acc = agg.f32()[1] / std::max(1.f, agg.f32()[2]);

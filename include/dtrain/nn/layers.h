@@ -108,6 +108,9 @@ class BatchNorm2d : public Module {
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override { return "BatchNorm2d(" + std::to_string(c_) + ")"; }
+  int64_t channels() const { return c_; }
+  float eps() const { return eps_; }
+  float momentum() const { return momentum_; }
 
  private:
   int64_t c_;
@@ -141,6 +144,8 @@ class Sequential : public Module {
   std::vector<std::pair<std::string, Module*>> children() override;
   size_t size() const { return layers_.size(); }
   Module& operator[](size_t i) { return *layers_[i]; }
+  // Swaps layer i for another (SyncBatchNorm conversion); returns the old one.
+  ModulePtr replace(size_t i, ModulePtr m);
 
  private:
   std::vector<ModulePtr> layers_;

@@ -1,8 +1,16 @@
 #pragma once
 // DataParallel: every rank holds the whole model; gradients are averaged over the data-parallel
-// communicator. Gradients are packed into buckets (in the order backward produces them) and a
-// bucket's allreduce starts as soon as its last gradient is ready, so communication overlaps the
-// rest of backward; finish() waits only for what is still in flight.
+// communicator.
+//
+// All parameters and gradients are moved into two flat buffers, laid out in the order backward
+// produces gradients (last layer first), and each parameter's value and grad become views into
+// them. A bucket is a contiguous slice of the flat gradient, so its allreduce runs in place, and it
+// starts the moment the bucket's last gradient is ready (the grad-ready hook): communication
+// overlaps the rest of backward, and finish() waits only for what is still in flight.
+//
+// ZeRO stage 1 (zero1): optimizer state is sharded. finish() reduce-scatters the flat gradient so
+// each rank holds the averaged gradient of its 1/world slice; the optimizer updates only that slice
+// (optimizer_params()), and after_step() all-gathers the updated slices into every rank's parameters.
 #include <memory>
 #include <unordered_map>
 #include <vector>
@@ -14,37 +22,53 @@ namespace dtrain::parallel {
 
 struct DataParallelOptions {
   int64_t bucket_bytes = 25ll << 20;  // as PyTorch DDP's default 25 MiB
+  bool zero1 = false;
 };
 
 struct DataParallelStats {
-  double comm_wait_s = 0;     // time finish() blocked on allreduces (not hidden behind backward)
-  int64_t bytes_reduced = 0;  // payload bytes passed to allreduce
-  int64_t buckets = 0;
+  double comm_wait_s = 0;      // time finish()/after_step() blocked on communication (not hidden)
+  int64_t bytes_reduced = 0;   // payload bytes handed to collectives
+  int64_t collectives = 0;
 };
 
 class DataParallel {
  public:
   DataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt = {});
   ~DataParallel();
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
 
   // Copies rank `root`'s parameters and buffers to every rank (call once before training).
   void broadcast_state(int root = 0);
-  // Arms the grad-ready hooks for the backward that follows. With sync == false (an accumulation
-  // micro-step) nothing is sent and gradients keep accumulating locally.
+  // Arms the grad-ready hooks for the backward that follows. With sync == false (a gradient
+  // accumulation micro-step) nothing is sent and gradients keep accumulating locally.
   void begin_backward(bool sync = true);
-  // Waits for every bucket and writes the averaged gradients back into the parameters.
+  // Waits for the gradient exchange: plain DP leaves the averaged gradients in every parameter's
+  // grad; ZeRO-1 leaves this rank's averaged slice in optimizer_params()' grad.
   void finish();
+  // What the optimizer should update: the model's parameters, or (ZeRO-1) one flat slice.
+  std::vector<nn::Parameter*> optimizer_params();
+  // ZeRO-1: gathers the updated slices into every rank's parameters. Plain DP: nothing.
+  void after_step();
+  // L2 norm of the averaged gradient over the whole model (a collective under ZeRO-1).
+  double grad_norm();
+
+  // ZeRO-1 checkpoints: the whole flat vector from every rank's slice (a collective), and where
+  // each parameter lies in it, so sharded optimizer state is saved per parameter.
+  Tensor gather_flat(const Tensor& shard);
+  Tensor own_slice(const Tensor& flat) const;  // this rank's slice of a flat (padded) vector
+  int64_t offset_of(const nn::Parameter* p) const { return offset_.at(p); }
 
   int world() const { return comm_.size(); }
+  bool zero1() const { return opt_.zero1; }
   size_t bucket_count() const { return buckets_.size(); }
+  int64_t flat_numel() const { return flat_param_.numel(); }
   DataParallelStats& stats() { return stats_; }
 
  private:
   struct Bucket {
-    Tensor flat;                         // f32, all its gradients back to back
-    std::vector<nn::Parameter*> params;  // in the order their gradients become ready
-    std::vector<int64_t> offsets;
-    int64_t ready = 0;
+    int64_t begin = 0, end = 0;  // element range in the flat gradient
+    int64_t params = 0, ready = 0;
     std::shared_ptr<comm::Work> work;
   };
   void on_grad_ready(nn::Parameter& p);
@@ -53,9 +77,13 @@ class DataParallel {
   nn::Module& model_;
   comm::Communicator& comm_;
   DataParallelOptions opt_;
+  Tensor flat_param_, flat_grad_;  // padded to a multiple of world for reduce-scatter
   std::vector<Bucket> buckets_;
-  std::unordered_map<nn::Parameter*, std::pair<size_t, size_t>> where_;  // param -> (bucket, slot)
+  std::unordered_map<nn::Parameter*, size_t> bucket_of_;
+  std::unordered_map<const nn::Parameter*, int64_t> offset_;
   bool syncing_ = false;
+  // ZeRO-1 shard of this rank: master copy of its parameters and its averaged gradient.
+  nn::Parameter shard_;
   DataParallelStats stats_;
 };
 

@@ -33,6 +33,9 @@ struct TrainConfig {
   std::string optimizer = "sgd";
   float lr = 0.05f, momentum = 0.9f, weight_decay = 0.f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
   bool nesterov = false;
+  float lars_eta = 0.001f;
+  std::string lr_scaling = "none";  // none | linear: lr * global batch / base_batch_size
+  int64_t base_batch_size = 64;
   std::string lr_schedule = "cosine";
   int64_t warmup_steps = 0, lr_step_size = 1000;
   float lr_gamma = 0.1f, min_lr = 0.f;
@@ -49,6 +52,9 @@ struct TrainConfig {
   std::string resume;
   bool eval_each_epoch = true;
   int64_t bucket_mb = 25;  // data-parallel gradient bucket size in MiB
+  int64_t accumulate = 1;  // micro-batches per optimizer step (gradients communicated on the last)
+  bool zero1 = false;      // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
+  bool sync_batchnorm = false;
 };
 
 // Parses `dtrain train` arguments (argv[0] is "train"). Returns false after printing --help.

@@ -31,7 +31,8 @@ struct TrainResult {
 
 class Trainer {
  public:
-  Trainer(const TrainConfig& cfg, comm::Runtime& rt);
+  // `dp` is the data-parallel communicator (default: the runtime's world).
+  Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* dp = nullptr);
   ~Trainer();
   TrainResult run();
   EvalResult evaluate(const data::ShardedHdf5Dataset& ds);
@@ -47,6 +48,7 @@ class Trainer {
 
   TrainConfig cfg_;
   comm::Runtime& rt_;
+  comm::Communicator& comm_;
   int rank_ = 0, world_ = 1;
   int64_t batch_ = 0;
   std::shared_ptr<data::ShardedHdf5Dataset> train_ds_, test_ds_;

@@ -1,0 +1,31 @@
+#pragma once
+// SyncBatchNorm: BatchNorm2d whose batch statistics (and their gradients) are taken over the whole
+// data-parallel batch, all ranks together, instead of each rank's share.
+#include "dtrain/comm/communicator.h"
+#include "dtrain/nn/layers.h"
+
+namespace dtrain::parallel {
+
+class SyncBatchNorm : public nn::Module {
+ public:
+  SyncBatchNorm(int64_t channels, comm::Communicator& comm, float eps = 1e-5f, float momentum = 0.1f);
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return "SyncBatchNorm(" + std::to_string(c_) + ")"; }
+
+ private:
+  int64_t c_;
+  comm::Communicator& comm_;
+  float eps_, momentum_;
+  nn::Parameter *gamma_, *beta_;
+  nn::Buffer *running_mean_, *running_var_;
+  Tensor x_, y_, dx_, tmp_;
+  Tensor mean_, invstd_, scale_, shift_, stats_;  // [C] each; stats_ [2C+1] for the allreduce
+  double count_ = 0;                               // samples per channel over all ranks
+};
+
+// Replaces every BatchNorm2d below `root` (inside Sequential containers) by a SyncBatchNorm with the
+// same parameters and statistics, under the same names. Returns how many were replaced.
+int convert_sync_batchnorm(nn::Module& root, comm::Communicator& comm);
+
+}  // namespace dtrain::parallel
