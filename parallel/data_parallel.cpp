@@ -9,6 +9,15 @@ namespace dtrain::parallel {
 DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt)
     : model_(model), comm_(comm), opt_(opt) {
   DT_INPUT_CHECK(opt.bucket_bytes > 0, "data parallel: bucket size must be positive");
+  if (opt.compression != "none") {
+    DT_INPUT_CHECK(!opt.zero1, "option --compression " << opt.compression
+                                                       << " does not combine with --zero1 (which reduce-scatters)");
+    try {
+      compressor_ = comm::make_compressor(opt.compression, opt.seed);
+    } catch (const InputError& e) {
+      throw InputError(std::string("option --compression: ") + e.what());
+    }
+  }
   std::vector<nn::Parameter*> params = model.parameters();
   DT_CHECK(!params.empty(), "data parallel needs a model with parameters");
   Device dev = params.front()->value.device();
@@ -80,7 +89,8 @@ void DataParallel::begin_backward(bool sync) {
 }
 
 void DataParallel::on_grad_ready(nn::Parameter& p) {
-  if (!syncing_ || opt_.zero1) return;  // ZeRO-1 reduce-scatters the whole flat gradient in finish()
+  // ZeRO-1 reduce-scatters the whole flat gradient in finish(); without overlap, so does plain DP.
+  if (!syncing_ || opt_.zero1 || !opt_.overlap) return;
   auto it = bucket_of_.find(&p);
   DT_CHECK(it != bucket_of_.end(), "gradient of " << p.name << " is not in any data-parallel bucket");
   Bucket& b = buckets_[it->second];
@@ -89,7 +99,14 @@ void DataParallel::on_grad_ready(nn::Parameter& p) {
 
 void DataParallel::launch(Bucket& b) {
   Tensor view = flat_grad_.slice0(b.begin, b.end);
-  b.work = comm_.allreduce(view, comm::ReduceOp::Avg);
+  if (compressor_) {
+    int64_t before = compressor_->stats().bytes_sent;
+    b.work = compressor_->reduce(view, comm_, comm::ReduceOp::Avg, static_cast<int>(&b - buckets_.data()));
+    stats_.bytes_sent += compressor_->stats().bytes_sent - before;
+  } else {
+    b.work = comm_.allreduce(view, comm::ReduceOp::Avg);
+    stats_.bytes_sent += static_cast<int64_t>(view.nbytes());
+  }
   stats_.bytes_reduced += static_cast<int64_t>(view.nbytes());
   ++stats_.collectives;
 }
@@ -103,6 +120,7 @@ void DataParallel::finish() {
   if (opt_.zero1) {
     comm_.reduce_scatter(flat_grad_, shard_.grad, comm::ReduceOp::Avg)->wait();
     stats_.bytes_reduced += static_cast<int64_t>(flat_grad_.nbytes());
+    stats_.bytes_sent += static_cast<int64_t>(flat_grad_.nbytes());
     ++stats_.collectives;
   } else {
     // A bucket whose parameters this step's graph did not all touch never completed: send it now,
@@ -125,7 +143,7 @@ void DataParallel::after_step() {
   double t0 = now_s();
   if (comm_.size() > 1) {
     comm_.allgather(shard_.value, flat_param_)->wait();
-    stats_.bytes_reduced += static_cast<int64_t>(flat_param_.nbytes());
+    stats_.bytes_sent += static_cast<int64_t>(shard_.value.nbytes());
     ++stats_.collectives;
   } else {
     flat_param_.copy_from(shard_.value);

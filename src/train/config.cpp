@@ -101,7 +101,9 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     ("keep-checkpoints", po::value<int>(&c.keep_checkpoints)->default_value(def.keep_checkpoints), "checkpoints kept in --checkpoint-dir")
     ("resume", po::value<std::string>(&c.resume), "resume from this checkpoint file (or the newest in this directory)")
     ("eval", po::value<bool>(&c.eval_each_epoch)->default_value(true), "evaluate on --test-data after each epoch")
-    ("bucket-mb", po::value<int64_t>(&c.bucket_mb)->default_value(def.bucket_mb), "data-parallel gradient bucket size (MiB)")
+    ("bucket-mb", po::value<double>(&c.bucket_mb)->default_value(def.bucket_mb), "data-parallel gradient bucket size (MiB)")
+    ("overlap", po::value<bool>(&c.overlap)->default_value(true), "start each bucket's allreduce while backward runs")
+    ("compression", po::value<std::string>(&c.compression)->default_value(def.compression), "gradient compression: none, fp16, bf16, topk:RATIO, powersgd:RANK, onebit, qsgd:LEVELS")
     ("accumulate", po::value<int64_t>(&c.accumulate)->default_value(1), "micro-batches per optimizer step (gradient accumulation)")
     ("zero1", po::value<bool>(&c.zero1)->default_value(false), "ZeRO stage 1: shard optimizer state over the data-parallel ranks")
     ("sync-batchnorm", po::value<bool>(&c.sync_batchnorm)->default_value(false), "batch statistics over all data-parallel ranks");
@@ -159,7 +161,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   DT_INPUT_CHECK(c.augment.crop_padding >= 0 && c.augment.crop_padding <= 64, "option --augment-crop must be in [0, 64]");
   DT_INPUT_CHECK(c.augment.rotate_deg >= 0.f && c.augment.rotate_deg <= 180.f, "option --augment-rotate must be in [0, 180]");
   DT_INPUT_CHECK(c.keep_checkpoints >= 1, "option --keep-checkpoints must be >= 1");
-  DT_INPUT_CHECK(c.bucket_mb >= 1, "option --bucket-mb must be >= 1");
+  DT_INPUT_CHECK(c.bucket_mb > 0, "option --bucket-mb must be > 0");
   DT_INPUT_CHECK(c.synthetic || !c.data.empty(), "no training data: give --data DIR (or --synthetic)");
   DT_INPUT_CHECK(c.synthetic_shape.size() == 3 || c.synthetic_shape.size() == 1,
                  "option --synthetic-shape needs C,H,W (or one size for flat inputs)");

@@ -99,10 +99,13 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
   spec_ = nn::ModelSpec{cfg_.model, input, classes, cfg_.hidden, cfg_.dropout, cfg_.seed};
   model_ = nn::make_model(spec_);
   if (cfg_.sync_batchnorm) parallel::convert_sync_batchnorm(*model_, comm_);
-  if (world_ > 1 || cfg_.zero1) {
+  if (world_ > 1 || cfg_.zero1 || cfg_.compression != "none") {
     parallel::DataParallelOptions dpo;
-    dpo.bucket_bytes = cfg_.bucket_mb << 20;
+    dpo.bucket_bytes = static_cast<int64_t>(cfg_.bucket_mb * 1048576.0);
     dpo.zero1 = cfg_.zero1;
+    dpo.overlap = cfg_.overlap;
+    dpo.compression = cfg_.compression;
+    dpo.seed = derive_seed(cfg_.seed, 77);
     dp_ = std::make_unique<parallel::DataParallel>(*model_, comm_, dpo);
   }
   build_optimizer();
@@ -345,6 +348,19 @@ TrainResult Trainer::run() {
       << batch_ * world_ * cfg_.accumulate << " global), " << steps_per_epoch_ << " steps/epoch, " << total_steps_ << " steps, "
       << opt_->kind() << " lr " << cfg_.lr << " " << cfg_.lr_schedule;
     say(o.str());
+    // Training state per rank: parameters and gradients whole, optimizer state sharded by ZeRO-1.
+    double mib = 1.0 / 1048576.0, state = 0;
+    for (const optim::StateTensor& st : opt_->state()) state += static_cast<double>(st.value->nbytes());
+    double params = static_cast<double>(model_->parameter_count()) * 4;
+    std::ostringstream m;
+    m.setf(std::ios::fixed);
+    m.precision(2);
+    m << "memory per rank: parameters " << params * mib << " MiB, gradients " << params * mib
+      << " MiB, optimizer state " << state * mib << " MiB"
+      << (cfg_.zero1 ? " (ZeRO-1: 1/" + std::to_string(world_) + " of it)" : std::string())
+      << (dp_ ? ", " + std::to_string(dp_->bucket_count()) + " gradient bucket(s), compression " + cfg_.compression
+              : std::string());
+    say(m.str());
   }
 
   // Synthetic batches: a few fixed random batches, cycled (no data path at all).
@@ -369,6 +385,7 @@ TrainResult Trainer::run() {
   int64_t run_samples = 0;
   // Interval statistics for log lines.
   double iv_loss = 0, iv_wait = 0, iv_comm = 0, iv_t0 = now_s();
+  int64_t iv_bytes0 = dp_ ? dp_->stats().bytes_sent : 0;
   int64_t iv_steps = 0, iv_correct = 0, iv_seen = 0;
   double ema_step_s = 0;
 
@@ -468,6 +485,7 @@ TrainResult Trainer::run() {
                            {"samples_per_s", sps},
                            {"data_wait_s", wait},
                            {"comm_wait_s", iv_comm / iv_steps},
+                           {"bytes_sent_per_step", dp_ ? (dp_->stats().bytes_sent - iv_bytes0) / iv_steps : int64_t{0}},
                            {"step_time_s", (now - iv_t0) / iv_steps}});
         std::string stats = "loss " + fixed(mean_loss, 4) + " acc " + fixed(100 * acc, 1) + "% " +
                             fixed(sps, 0) + " samples/s wait " + fixed(1e3 * wait, 2) + " ms";
@@ -479,6 +497,7 @@ TrainResult Trainer::run() {
               std::to_string(step_) + "/" + std::to_string(total_steps_) + " " + stats + " lr " + fixed(lr, 5));
         }
         iv_loss = iv_wait = iv_comm = 0;
+        iv_bytes0 = dp_ ? dp_->stats().bytes_sent : 0;
         iv_steps = iv_correct = iv_seen = 0;
         iv_t0 = now_s();
       }

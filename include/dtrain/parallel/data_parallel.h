@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "dtrain/comm/communicator.h"
+#include "dtrain/comm/compression.h"
 #include "dtrain/nn/module.h"
 
 namespace dtrain::parallel {
@@ -23,11 +24,17 @@ namespace dtrain::parallel {
 struct DataParallelOptions {
   int64_t bucket_bytes = 25ll << 20;  // as PyTorch DDP's default 25 MiB
   bool zero1 = false;
+  bool overlap = true;  // false: every bucket goes out after backward (to measure what overlap hides)
+  // Gradient compression per bucket ("none", "fp16", "bf16", "topk:0.01", "powersgd:2", "onebit",
+  // "qsgd:16"; see comm/compression.h). Not with zero1.
+  std::string compression = "none";
+  uint64_t seed = 0x5eed;
 };
 
 struct DataParallelStats {
   double comm_wait_s = 0;      // time finish()/after_step() blocked on communication (not hidden)
-  int64_t bytes_reduced = 0;   // payload bytes handed to collectives
+  int64_t bytes_reduced = 0;   // f32 gradient bytes handed to the exchange
+  int64_t bytes_sent = 0;      // bytes this rank put on the wire (after compression)
   int64_t collectives = 0;
 };
 
@@ -61,6 +68,7 @@ class DataParallel {
 
   int world() const { return comm_.size(); }
   bool zero1() const { return opt_.zero1; }
+  const comm::Compressor* compressor() const { return compressor_.get(); }
   size_t bucket_count() const { return buckets_.size(); }
   int64_t flat_numel() const { return flat_param_.numel(); }
   DataParallelStats& stats() { return stats_; }
@@ -84,6 +92,7 @@ class DataParallel {
   bool syncing_ = false;
   // ZeRO-1 shard of this rank: master copy of its parameters and its averaged gradient.
   nn::Parameter shard_;
+  std::unique_ptr<comm::Compressor> compressor_;  // null: plain allreduce
   DataParallelStats stats_;
 };
 

@@ -51,7 +51,9 @@ struct TrainConfig {
   int keep_checkpoints = 2;
   std::string resume;
   bool eval_each_epoch = true;
-  int64_t bucket_mb = 25;  // data-parallel gradient bucket size in MiB
+  double bucket_mb = 25;   // data-parallel gradient bucket size in MiB
+  bool overlap = true;     // start each bucket's allreduce during backward
+  std::string compression = "none";
   int64_t accumulate = 1;  // micro-batches per optimizer step (gradients communicated on the last)
   bool zero1 = false;      // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
   bool sync_batchnorm = false;
