@@ -13,7 +13,6 @@ const std::vector<Knob>& knobs() {
       {"DTRAIN_LOADER_THREADS", "2", "background threads per rank that read and augment batches"},
       {"DTRAIN_PREFETCH", "4", "batches the loader keeps ready ahead of the step"},
       {"DTRAIN_PROGRESS", "auto", "progress bar on rank 0: auto (when stdout is a terminal), on, off"},
-      {"DTRAIN_CONV_IMPL", "auto", "convolution on the CPU: auto (by shape), onednn, im2col"},
   };
   return k;
 }

@@ -13,6 +13,16 @@ ModulePtr Sequential::replace(size_t i, ModulePtr m) {
   return m;
 }
 
+// Without an input gradient, no layer up to and including the first one with parameters needs
+// one either (Flatten then Linear: the Linear's d(input) would be thrown away).
+void Sequential::set_needs_input_grad(bool needed) {
+  needs_input_grad_ = needed;
+  for (auto& l : layers_) {
+    l->set_needs_input_grad(needed);
+    if (needed || !l->parameters().empty()) break;
+  }
+}
+
 Tensor Sequential::forward(const Tensor& x) {
   Tensor h = x;
   for (auto& l : layers_) h = l->forward(h);
@@ -21,8 +31,8 @@ Tensor Sequential::forward(const Tensor& x) {
 
 Tensor Sequential::backward(const Tensor& dy) {
   Tensor g = dy;
-  for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) g = (*it)->backward(g);
-  return g;
+  for (auto it = layers_.rbegin(); it != layers_.rend() && g.defined(); ++it) g = (*it)->backward(g);
+  return g;  // undefined when the input gradient was not asked for
 }
 
 std::vector<std::pair<std::string, Module*>> Sequential::children() {

@@ -45,6 +45,7 @@ Tensor Conv2d::backward(const Tensor& dy) {
   e.conv2d_backward_weights(g, x_, dy, w_->grad, b_ ? b_->grad : no_bias_);
   grad_ready(*w_);
   if (b_) grad_ready(*b_);
+  if (!needs_input_grad_) return Tensor();
   Tensor& dx = ensure(dx_, x_.shape(), dy.device());
   e.conv2d_backward_data(g, dy, w_->value, dx);
   return dx;

@@ -45,6 +45,7 @@ Tensor Linear::backward(const Tensor& dy) {
     e.row_bias_grad(dy, b_->grad);
     grad_ready(*b_);
   }
+  if (!needs_input_grad_) return Tensor();
   Tensor& dx = ensure(dx_, x_.shape(), dy.device());
   e.gemm(false, false, m, in_, out_, 1.f, dy, w_->value, 0.f, dx);
   return dx;

@@ -98,6 +98,7 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
 
   spec_ = nn::ModelSpec{cfg_.model, input, classes, cfg_.hidden, cfg_.dropout, cfg_.seed};
   model_ = nn::make_model(spec_);
+  model_->set_needs_input_grad(false);  // nothing consumes d(input data)
   if (cfg_.sync_batchnorm) parallel::convert_sync_batchnorm(*model_, comm_);
   if (world_ > 1 || cfg_.zero1 || cfg_.compression != "none") {
     parallel::DataParallelOptions dpo;

@@ -141,6 +141,7 @@ class Sequential : public Module {
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override { return "Sequential"; }
+  void set_needs_input_grad(bool needed) override;
   std::vector<std::pair<std::string, Module*>> children() override;
   size_t size() const { return layers_.size(); }
   Module& operator[](size_t i) { return *layers_[i]; }

@@ -46,6 +46,9 @@ class Module {
   void eval() { train(false); }
   bool training() const { return training_; }
   void set_grad_ready_hook(GradReadyHook hook);  // on this module and all below it
+  // Whether backward must produce d(input). The model's first layer need not (its input is the
+  // data): for a first convolution that is a whole backward-data pass saved.
+  virtual void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
 
   // Children, for traversal (containers override).
   virtual std::vector<std::pair<std::string, Module*>> children() { return {}; }
@@ -62,6 +65,7 @@ class Module {
   static Tensor& ensure(Tensor& buf, const Shape& s, Device device = Device::cpu());
 
   bool training_ = true;
+  bool needs_input_grad_ = true;
 
  private:
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* bufs);
