@@ -4,6 +4,7 @@
 // about as much as running it.
 #include <cstring>
 #include <sstream>
+#include <vector>
 
 #include "cpu_engine.h"
 
@@ -11,16 +12,19 @@ namespace dtrain::cpu {
 
 
 
-static std::string conv_key(const Conv2dGeom& g) {
+static std::string conv_key(const Conv2dGeom& g, bool bf16) {
   std::ostringstream k;
-  k << g.n << ',' << g.c << ',' << g.h << ',' << g.w << ',' << g.k << ',' << g.r << ',' << g.s << ',' << g.stride
+  k << bf16 << ':' << g.n << ',' << g.c << ',' << g.h << ',' << g.w << ',' << g.k << ',' << g.r << ',' << g.s << ',' << g.stride
     << ',' << g.pad;
   return k.str();
 }
 
 ConvPrims& CpuEngine::conv_prims(const Conv2dGeom& g) {
   std::lock_guard<std::mutex> lock(cache_mu_);
-  auto& slot = conv_cache_[conv_key(g)];
+  // Under MathPrecision::BF16 the primitives read bf16 inputs (the reorders at the edges round the
+  // f32 tensors) and write f32 outputs and gradients, so only the multiply is low precision.
+  const bool bf16 = math_ == MathPrecision::BF16;
+  auto& slot = conv_cache_[conv_key(g, bf16)];
   if (slot) return *slot;
   auto p = std::make_unique<ConvPrims>();
   memory::dims xd{g.n, g.c, g.h, g.w}, wd{g.k, g.c, g.r, g.s}, bd{g.k}, yd{g.n, g.k, g.out_h(), g.out_w()};
@@ -29,25 +33,26 @@ ConvPrims& CpuEngine::conv_prims(const Conv2dGeom& g) {
   p->w_md = plain(wd, tag::oihw);
   p->b_md = plain(bd, tag::x);
   p->y_md = plain(yd, tag::nchw);
-  auto any = [](const memory::dims& d) { return memory::desc(d, dt::f32, tag::any); };
-  dnnl::convolution_forward::desc fd(dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, any(xd),
-                                     any(wd), p->b_md, any(yd), st, pad, pad);
+  const dt in = bf16 ? dt::bf16 : dt::f32;
+  auto any = [](const memory::dims& d, dt t) { return memory::desc(d, t, tag::any); };
+  dnnl::convolution_forward::desc fd(dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
+                                     any(xd, in), any(wd, in), p->b_md, any(yd, dt::f32), st, pad, pad);
   p->fwd_pd = dnnl::convolution_forward::primitive_desc(fd, eng_);
   p->fwd = dnnl::convolution_forward(p->fwd_pd);
   p->fx.init(eng_, p->x_md, p->fwd_pd.src_desc(), true, false);
   p->fw.init(eng_, p->w_md, p->fwd_pd.weights_desc(), true, false);
   p->fy.init(eng_, p->y_md, p->fwd_pd.dst_desc(), false, true);
 
-  dnnl::convolution_backward_data::desc bdd(dnnl::algorithm::convolution_direct, any(xd), any(wd), any(yd), st, pad,
-                                            pad);
+  dnnl::convolution_backward_data::desc bdd(dnnl::algorithm::convolution_direct, any(xd, dt::f32), any(wd, in),
+                                            any(yd, in), st, pad, pad);
   p->bwd_d_pd = dnnl::convolution_backward_data::primitive_desc(bdd, eng_, p->fwd_pd);
   p->bwd_d = dnnl::convolution_backward_data(p->bwd_d_pd);
   p->dy_d.init(eng_, p->y_md, p->bwd_d_pd.diff_dst_desc(), true, false);
   p->w_d.init(eng_, p->w_md, p->bwd_d_pd.weights_desc(), true, false);
   p->dx_d.init(eng_, p->x_md, p->bwd_d_pd.diff_src_desc(), false, true);
 
-  dnnl::convolution_backward_weights::desc bwd(dnnl::algorithm::convolution_direct, any(xd), any(wd), p->b_md,
-                                               any(yd), st, pad, pad);
+  dnnl::convolution_backward_weights::desc bwd(dnnl::algorithm::convolution_direct, any(xd, in), any(wd, dt::f32),
+                                               p->b_md, any(yd, in), st, pad, pad);
   p->bwd_w_pd = dnnl::convolution_backward_weights::primitive_desc(bwd, eng_, p->fwd_pd);
   p->bwd_w = dnnl::convolution_backward_weights(p->bwd_w_pd);
   p->x_w.init(eng_, p->x_md, p->bwd_w_pd.src_desc(), true, false);

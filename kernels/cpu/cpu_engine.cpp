@@ -2,12 +2,16 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include <cblas.h>
 
 #include "dtrain/kernels/functors.h"
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+#include "../cuda/cuda_install.h"
+#endif
 
 namespace dtrain {
 
@@ -37,6 +41,37 @@ Engine& engine_for(Device device) {
   EngineFactory f = g_factories[static_cast<int>(DeviceType::CUDA)];
   DT_CHECK(f, "no engine for " << device.str() << ": dtrain was built without CUDA");
   return *(m[device.index] = f(device.index));
+}
+
+const char* math_precision_name(MathPrecision p) {
+  switch (p) {
+    case MathPrecision::F32: return "fp32";
+    case MathPrecision::TF32: return "tf32";
+    case MathPrecision::BF16: return "bf16";
+    case MathPrecision::F16: return "fp16";
+  }
+  return "?";
+}
+
+MathPrecision math_precision_from_name(const std::string& name) {
+  for (MathPrecision p : {MathPrecision::F32, MathPrecision::TF32, MathPrecision::BF16, MathPrecision::F16})
+    if (name == math_precision_name(p)) return p;
+  throw InputError("unknown precision '" + name + "' (expected fp32, tf32, bf16 or fp16)");
+}
+
+// The CUDA engine lives in dtrain_kernels_cuda, which dtrain_kernels links when CUDA is found; the
+// registry is here, so the dependency points one way (kernels -> kernels_cuda -> core).
+int enable_cuda() {
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+  static const int count = [] {
+    int n = cuda::detail::install();  // registers the caching allocator
+    if (n > 0) register_engine(DeviceType::CUDA, &cuda::detail::make_engine);
+    return n;
+  }();
+  return count;
+#else
+  return 0;
+#endif
 }
 
 std::string onednn_version() {
@@ -75,6 +110,11 @@ static void check_f32(const Tensor& t, const char* what) {
 // ------------------------------------------------------------------ GEMM
 void CpuEngine::gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a, const Tensor& b,
                      float beta, Tensor& c) {
+  // A bf16 precision permits bf16, it does not demand it: a GEMM with fewer than 16 rows or columns
+  // (the 10-class classifier) runs faster in fp32 than with the bf16 rounding and matmul set-up.
+  const bool lowp_math = math_ == MathPrecision::F16 || (math_ == MathPrecision::BF16 && std::min(m, n) >= 16);
+  if (a.dtype() != DType::F32 || lowp_math)
+    return gemm_batched(1, ta, tb, m, n, k, alpha, a, m * k, b, k * n, beta, c, m * n);
   check_f32(a, "gemm A");
   check_f32(b, "gemm B");
   check_f32(c, "gemm C");
@@ -89,6 +129,8 @@ void CpuEngine::gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float al
 void CpuEngine::gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                              const Tensor& a, int64_t sa, const Tensor& b, int64_t sb, float beta, Tensor& c,
                              int64_t sc) {
+  if (a.dtype() != DType::F32 || math_ == MathPrecision::F16 || (math_ == MathPrecision::BF16 && std::min(m, n) >= 16))
+    return gemm_lowp(batch, ta, tb, m, n, k, alpha, a, sa, b, sb, beta, c, sc);
   check_f32(a, "gemm_batched A");
   check_f32(b, "gemm_batched B");
   check_f32(c, "gemm_batched C");
@@ -140,38 +182,23 @@ void CpuEngine::unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tens
   else map2(x, dy, dx, fn::GeluGrad{});
 }
 
-// A stateless hash of (seed, index) so the mask does not depend on thread scheduling.
-static inline float hash_uniform(uint64_t seed, uint64_t i) {
-  uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
-}
-
 void CpuEngine::dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor& mask, Tensor& y) {
   check_f32(x, "dropout input");
   DT_CHECK(p >= 0.f && p < 1.f, "dropout probability must be in [0, 1), got " << p);
-  float keep_scale = 1.f / (1.f - p);
+  check_f32(mask, "dropout mask");
+  DT_CHECK(mask.numel() == x.numel(), "dropout mask " << mask.str() << " for input " << x.str());
+  fn::DropoutMask f{p, 1.f / (1.f - p), seed};
   float* pm = mask.f32();
   int64_t n = x.numel();
 #pragma omp parallel for schedule(static) if (n > kParallelGrain)
-  for (int64_t i = 0; i < n; ++i) pm[i] = hash_uniform(seed, static_cast<uint64_t>(i)) >= p ? keep_scale : 0.f;
+  for (int64_t i = 0; i < n; ++i) pm[i] = f(static_cast<uint64_t>(i));
   mul(x, mask, y);
 }
 
-void CpuEngine::mul(const Tensor& a, const Tensor& b, Tensor& y) {
-  map2(a, b, y, [](float u, float v) { return u * v; });
-}
-void CpuEngine::add(const Tensor& a, const Tensor& b, Tensor& y) {
-  map2(a, b, y, [](float u, float v) { return u + v; });
-}
-void CpuEngine::axpy(float alpha, const Tensor& x, Tensor& y) {
-  map2(x, y, y, [alpha](float u, float v) { return v + alpha * u; });
-}
-void CpuEngine::scale(Tensor& y, float alpha) {
-  map1(y, y, [alpha](float u) { return u * alpha; });
-}
+void CpuEngine::mul(const Tensor& a, const Tensor& b, Tensor& y) { map2(a, b, y, fn::Mul{}); }
+void CpuEngine::add(const Tensor& a, const Tensor& b, Tensor& y) { map2(a, b, y, fn::Add{}); }
+void CpuEngine::axpy(float alpha, const Tensor& x, Tensor& y) { map2(x, y, y, fn::Axpy{alpha}); }
+void CpuEngine::scale(Tensor& y, float alpha) { map1(y, y, fn::Scale{alpha}); }
 void CpuEngine::fill(Tensor& y, float value) {
   if (y.dtype() != DType::F32) {
     DT_CHECK(value == 0.f, "fill of " << y.str() << " with a non-zero value");
@@ -254,6 +281,21 @@ bool CpuEngine::all_finite(const Tensor& x) {
 #pragma omp parallel for reduction(| : bad) if (n > kParallelGrain)
   for (int64_t i = 0; i < n; ++i) bad |= !std::isfinite(p[i]);
   return !bad;
+}
+
+void CpuEngine::unscale_and_check(Tensor& x, float inv_scale, Tensor& found_inf) {
+  check_f32(x, "unscale_and_check input");
+  check_f32(found_inf, "found_inf");
+  fn::Unscale f{inv_scale};
+  float* p = x.f32();
+  int64_t n = x.numel();
+  int bad = 0;
+#pragma omp parallel for reduction(| : bad) if (n > kParallelGrain)
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = f(p[i]);
+    bad |= !fn::is_finite(p[i]);
+  }
+  if (bad) found_inf.f32()[0] = 1.f;
 }
 
 // ------------------------------------------------------------------ softmax cross-entropy

@@ -17,6 +17,10 @@ using dt = memory::data_type;
 
 inline dnnl::memory::desc plain(const memory::dims& d, tag t) { return memory::desc(d, dt::f32, t); }
 
+// f32 -> bf16 (round to nearest even) for n elements; AVX512-BF16 instructions when the processor
+// has them. Defined in gemm_lowp.cpp.
+void f32_to_bf16(const float* src, uint16_t* dst, int64_t n);
+
 // A memory in the layout a primitive wants, reordering from/to the user's plain buffer when the
 // layouts differ. The scratch buffer lives in the cache entry so a step allocates nothing.
 struct Staged {
@@ -64,6 +68,12 @@ struct ConvPrims {
   memory dw_tmp, db_tmp;  // backward-weights results, added into the accumulating gradients
 };
 
+// A oneDNN matmul for one low-precision GEMM shape (bf16 operands, f32 accumulation and output).
+struct MatmulPrims {
+  memory::desc a_md, b_md, c_md;
+  dnnl::matmul prim;
+};
+
 struct PoolPrims {
   memory::desc x_md, y_md;
   dnnl::pooling_forward::primitive_desc fwd_pd;
@@ -107,6 +117,11 @@ class CpuEngine final : public Engine {
   void layernorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
                           const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override;
 
+  void channel_sums(const Tensor& x, int64_t channels, Tensor& sum, Tensor& sumsq) override;
+  void channel_dot(const Tensor& a, const Tensor& b, int64_t channels, Tensor& out) override;
+  void channel_affine(const Tensor& x, int64_t channels, const Tensor& scale, const Tensor& shift,
+                      Tensor& y) override;
+
   void unary_forward(Unary op, const Tensor& x, Tensor& y) override;
   void unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) override;
   void dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor& mask, Tensor& y) override;
@@ -121,6 +136,7 @@ class CpuEngine final : public Engine {
   void row_bias_grad(const Tensor& dy, Tensor& dbias) override;
   double sum_squares(const Tensor& x) override;
   bool all_finite(const Tensor& x) override;
+  void unscale_and_check(Tensor& x, float inv_scale, Tensor& found_inf) override;
 
   double softmax_xent_forward(const Tensor& logits, const Tensor& labels, Tensor& probs, int64_t* correct) override;
   void softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) override;
@@ -131,6 +147,10 @@ class CpuEngine final : public Engine {
                    float eps, float weight_decay, bool decoupled, int64_t step) override;
 
  private:
+  // gemm_batched with bf16/f16 operands or a bf16/f16 math precision (kernels/cpu/gemm_lowp.cpp).
+  void gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a,
+                 int64_t sa, const Tensor& b, int64_t sb, float beta, Tensor& c, int64_t sc);
+  MatmulPrims& matmul_prims(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, float beta);
   ConvPrims& conv_prims(const Conv2dGeom& g);
   PoolPrims& pool_prims(const Pool2dGeom& g, PoolKind kind);
 
@@ -140,6 +160,7 @@ class CpuEngine final : public Engine {
   std::mutex cache_mu_;
   std::unordered_map<std::string, std::unique_ptr<ConvPrims>> conv_cache_;
   std::unordered_map<std::string, std::unique_ptr<PoolPrims>> pool_cache_;
+  std::unordered_map<std::string, std::unique_ptr<MatmulPrims>> matmul_cache_;
 };
 
 }  // namespace dtrain::cpu

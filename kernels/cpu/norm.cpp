@@ -127,6 +127,55 @@ void CpuEngine::batchnorm_backward(const Tensor& x, const Tensor& dy, int64_t ch
   }
 }
 
+void CpuEngine::channel_sums(const Tensor& x, int64_t channels, Tensor& sum, Tensor& sumsq) {
+  NchwView v = nchw(x, channels);
+  const float* px = x.f32();
+  float* ps = sum.f32();
+  float* pq = sumsq.f32();
+#pragma omp parallel for if (x.numel() > (1 << 15))
+  for (int64_t c = 0; c < v.c; ++c) {
+    double s = 0, q = 0;
+    for (int64_t i = 0; i < v.n; ++i) {
+      const float* row = px + (i * v.c + c) * v.hw;
+      for (int64_t j = 0; j < v.hw; ++j) s += row[j], q += static_cast<double>(row[j]) * row[j];
+    }
+    ps[c] = static_cast<float>(s);
+    pq[c] = static_cast<float>(q);
+  }
+}
+
+void CpuEngine::channel_dot(const Tensor& a, const Tensor& b, int64_t channels, Tensor& out) {
+  NchwView v = nchw(a, channels);
+  DT_CHECK(a.numel() == b.numel(), "channel_dot of " << a.str() << " and " << b.str());
+  const float* pa = a.f32();
+  const float* pb = b.f32();
+  float* po = out.f32();
+#pragma omp parallel for if (a.numel() > (1 << 15))
+  for (int64_t c = 0; c < v.c; ++c) {
+    double s = 0;
+    for (int64_t i = 0; i < v.n; ++i) {
+      int64_t base = (i * v.c + c) * v.hw;
+      for (int64_t j = 0; j < v.hw; ++j) s += static_cast<double>(pa[base + j]) * pb[base + j];
+    }
+    po[c] = static_cast<float>(s);
+  }
+}
+
+void CpuEngine::channel_affine(const Tensor& x, int64_t channels, const Tensor& scale, const Tensor& shift,
+                               Tensor& y) {
+  NchwView v = nchw(x, channels);
+  const float* px = x.f32();
+  const float* a = scale.f32();
+  const float* b = shift.f32();
+  float* py = y.f32();
+#pragma omp parallel for if (x.numel() > (1 << 15))
+  for (int64_t c = 0; c < v.c; ++c)
+    for (int64_t i = 0; i < v.n; ++i) {
+      int64_t base = (i * v.c + c) * v.hw;
+      for (int64_t j = 0; j < v.hw; ++j) py[base + j] = px[base + j] * a[c] + b[c];
+    }
+}
+
 void CpuEngine::layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& mean,
                                   Tensor& rstd, Tensor& y) {
   int64_t d = gamma.numel();

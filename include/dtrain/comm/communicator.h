@@ -20,7 +20,7 @@
 namespace dtrain::comm {
 
 enum class ReduceOp { Sum, Avg, Max, Min };
-const char* reduce_op_name(ReduceOp op);        // "sum"
+const char* reduce_op_name(ReduceOp op);                // "sum"
 ReduceOp reduce_op_from_name(const std::string& name);  // throws InputError naming the value
 
 enum class TimeoutAction { Abort, Throw };
@@ -54,14 +54,16 @@ class Work {
   // Throws the operation's error if it failed; on timeout, see the file comment.
   virtual void wait(double timeout_s = -1) = 0;
   virtual bool completed() const = 0;
-  virtual std::string error() const = 0;        // "" while pending or when it succeeded
-  virtual std::string description() const = 0;  // "allreduce #17 f32[1024] sum on 'world'"
+  virtual std::string error() const = 0;          // "" while pending or when it succeeded
+  virtual std::string description() const = 0;    // "allreduce #17 f32[1024] sum on 'world'"
   virtual int64_t sequence() const { return 0; }  // collective sequence number; 0 for others
 };
 
 // A Work that is already complete (nothing to communicate).
 std::shared_ptr<Work> make_completed_work(std::string description);
 
+// Calls on one communicator come from one thread at a time, in the same order on every rank (as
+// with MPI collectives); use split() for a second stream of collectives.
 class Communicator {
  public:
   static constexpr int kNoColor = -1;  // split(): this rank joins no new communicator
@@ -87,7 +89,7 @@ class Communicator {
   std::shared_ptr<Work> reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op = ReduceOp::Sum);
   std::shared_ptr<Work> send(const Tensor& t, int peer, int tag);
   std::shared_ptr<Work> recv(Tensor& t, int peer, int tag);  // t.nbytes() must match the send
-  void barrier();  // with the timeout, like every wait
+  void barrier();                                            // with the timeout, like every wait
   // Collective: ranks with the same color form a new communicator, ordered by key then rank.
   // Returns nullptr on ranks passing kNoColor.
   std::unique_ptr<Communicator> split(int color, int key, const std::string& name = "");
@@ -126,6 +128,12 @@ class Communicator {
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, const std::string& name = "");
 // The MPI communicator behind an MPI-backend Communicator; MPI_COMM_NULL for other backends.
 MPI_Comm mpi_comm_of(const Communicator& c);
+
+// The MPI datatype and op the MPI backend uses for a dtype (bf16/f16 travel as 16-bit words and
+// reduce with dtrain's user-defined fp32-accumulating ops; Avg maps to the sum op). For code that
+// calls MPI directly on the same buffers, e.g. a baseline. Requires Runtime::init().
+MPI_Datatype mpi_datatype_of(DType t);
+MPI_Op mpi_op_of(ReduceOp op, DType t);
 
 // nccl-tests' bandwidths for one collective of `bytes` per rank that took `seconds`:
 // algBw = bytes / time; busBw = algBw * factor, factor 2(n-1)/n for allreduce,

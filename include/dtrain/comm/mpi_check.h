@@ -18,9 +18,8 @@ namespace detail {
 }  // namespace detail
 }  // namespace dtrain::comm
 
-#define DT_MPI_CHECK(call)                                                               \
-  do {                                                                                   \
-    int dt_mpi_rc_ = (call);                                                             \
-    if (dt_mpi_rc_ != MPI_SUCCESS)                                                       \
-      ::dtrain::comm::detail::throw_mpi_error(#call, dt_mpi_rc_, __FILE__, __LINE__);   \
+#define DT_MPI_CHECK(call)                                                                                         \
+  do {                                                                                                             \
+    int dt_mpi_rc_ = (call);                                                                                       \
+    if (dt_mpi_rc_ != MPI_SUCCESS) ::dtrain::comm::detail::throw_mpi_error(#call, dt_mpi_rc_, __FILE__, __LINE__); \
   } while (0)

@@ -9,20 +9,20 @@
 namespace dtrain::comm {
 
 struct Topology {
-  int rank = 0, size = 1;               // MPI_COMM_WORLD
-  int local_rank = 0, local_size = 1;   // ranks sharing this node (MPI_COMM_TYPE_SHARED)
-  int node_count = 1, node_index = 0;   // nodes are numbered by their lowest world rank
-  std::string host;                     // MPI_Get_processor_name
-  std::string launcher;                 // "Open MPI (mpirun)", "SLURM (srun)", ... for logging only
-  int threads_per_rank = 1;             // node cores / ranks on the node, at least 1
-  int cuda_device = -1;                 // local_rank % device count; -1 without CUDA or GPU
+  int rank = 0, size = 1;                    // MPI_COMM_WORLD
+  int local_rank = 0, local_size = 1;        // ranks sharing this node (MPI_COMM_TYPE_SHARED)
+  int node_count = 1, node_index = 0;        // nodes are numbered by their lowest world rank
+  std::string host;                          // MPI_Get_processor_name
+  std::string launcher;                      // "Open MPI (mpirun)", "SLURM (srun)", ... for logging only
+  int threads_per_rank = 1;                  // node cores / ranks on the node, at least 1
+  int cuda_device = -1;                      // local_rank % device count; -1 without CUDA or GPU
   int mpi_thread_level = MPI_THREAD_SINGLE;  // as granted by MPI_Init_thread
 
-  int node_cores = 1;                   // online CPUs of the node
-  int bound_cores = 1;                  // CPUs in this rank's affinity mask
+  int node_cores = 1;   // online CPUs of the node
+  int bound_cores = 1;  // CPUs in this rank's affinity mask
   int cuda_device_count = 0;
-  bool cuda_aware_mpi = false;          // MPI accepts device pointers
-  std::string mpi_library;              // first line of MPI_Get_library_version
+  bool cuda_aware_mpi = false;  // MPI accepts device pointers
+  std::string mpi_library;      // first line of MPI_Get_library_version
 
   // "rank 3/4 node 0 (local 3/4) host node07 cuda -1 threads 1 bound 2 cores"
   std::string describe() const;

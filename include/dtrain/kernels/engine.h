@@ -29,6 +29,21 @@ struct Pool2dGeom {
 
 enum class Unary { Relu, Gelu };
 
+// Precision of the multiplications inside gemm, gemm_batched and conv2d_* when their operands are
+// f32 tensors (mixed precision). Products are always accumulated in f32 and results written in f32;
+// master weights, activations and gradients keep their f32 storage.
+//   F32   exact fp32 (the default).
+//   TF32  CUDA tensor cores with 10-bit mantissas; the CPU engine computes exact fp32.
+//   BF16  operands rounded to bfloat16 (CPU: oneDNN AVX512-BF16 kernels; CUDA: cuBLASLt/cuDNN).
+//         A permission, not a demand: the CPU keeps fp32 for GEMMs with under 16 rows or columns,
+//         where the rounding costs more than the bf16 kernel saves.
+//   F16   operands rounded to IEEE half (CUDA tensor cores). The CPU has no fast fp16: its GEMM
+//         rounds the operands to half and multiplies in fp32 (fp16 numerics without the speed,
+//         enough to exercise loss scaling); its convolutions stay fp32.
+enum class MathPrecision { F32, TF32, BF16, F16 };
+const char* math_precision_name(MathPrecision p);                 // "fp32", "tf32", "bf16", "fp16"
+MathPrecision math_precision_from_name(const std::string& name);  // throws InputError naming the value
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -37,7 +52,15 @@ class Engine {
   virtual void set_threads(int threads) = 0;
   virtual int threads() const = 0;
 
-  // ---- GEMM: C[M,N] = alpha * op(A) op(B) + beta * C, row-major, f32 (bf16 inputs where supported).
+  // Mixed precision: see MathPrecision. Applies to later gemm/gemm_batched/conv2d_* calls.
+  virtual void set_math_precision(MathPrecision p) { math_ = p; }
+  MathPrecision math_precision() const { return math_; }
+  // Waits for all work queued on this engine (a no-op on the CPU, whose calls are synchronous).
+  virtual void synchronize() {}
+
+  // ---- GEMM: C[M,N] = alpha * op(A) op(B) + beta * C, row-major, C f32. A and B are f32 (then
+  // math_precision() decides the multiply) or both bf16 or both f16 (multiplied in that type,
+  // accumulated in f32).
   virtual void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a,
                     const Tensor& b, float beta, Tensor& c) = 0;
   // batch GEMMs over equally strided slices (attention): A_i = a + i*stride_a elements, etc.
@@ -76,6 +99,15 @@ class Engine {
   virtual void layernorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
                                   const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) = 0;
 
+  // ---- Per-channel reductions and maps over x viewed as [N, C, HW] (SyncBatchNorm builds on them).
+  // sum[c] = sum x, sumsq[c] = sum x^2 (overwritten), f64 accumulation.
+  virtual void channel_sums(const Tensor& x, int64_t channels, Tensor& sum, Tensor& sumsq) = 0;
+  // out[c] = sum a*b over N and HW (overwritten).
+  virtual void channel_dot(const Tensor& a, const Tensor& b, int64_t channels, Tensor& out) = 0;
+  // y = x * scale[c] + shift[c]
+  virtual void channel_affine(const Tensor& x, int64_t channels, const Tensor& scale, const Tensor& shift,
+                              Tensor& y) = 0;
+
   // ---- Element-wise.
   virtual void unary_forward(Unary op, const Tensor& x, Tensor& y) = 0;
   virtual void unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
@@ -86,13 +118,19 @@ class Engine {
   virtual void axpy(float alpha, const Tensor& x, Tensor& y) = 0;          // y += alpha * x
   virtual void scale(Tensor& y, float alpha) = 0;                          // y *= alpha
   virtual void fill(Tensor& y, float value) = 0;
-  virtual void copy(const Tensor& src, Tensor& dst) = 0;                   // same device
+  // Same device; the CUDA engine also copies between the host and its device (asynchronously on its
+  // compute stream when the host buffer is pinned, otherwise synchronously).
+  virtual void copy(const Tensor& src, Tensor& dst) = 0;
   virtual void cast(const Tensor& src, Tensor& dst) = 0;                   // f32 <-> bf16/f16
   // Rows: y[M,N] += bias[N]; dbias[N] += sum over rows of dy[M,N].
   virtual void add_row_bias(Tensor& y, const Tensor& bias) = 0;
   virtual void row_bias_grad(const Tensor& dy, Tensor& dbias) = 0;
   virtual double sum_squares(const Tensor& x) = 0;                         // f64 accumulation
   virtual bool all_finite(const Tensor& x) = 0;
+  // Loss scaling: x *= inv_scale; found_inf (f32 [1], same device) is set to 1 when any element of
+  // x is inf or NaN and is left unchanged otherwise, so one flag can cover many tensors and be read
+  // once per step (one device sync instead of one per tensor).
+  virtual void unscale_and_check(Tensor& x, float inv_scale, Tensor& found_inf) = 0;
 
   // ---- Softmax cross-entropy over logits [M,C] with i32 labels [M]. Writes the probabilities,
   // returns the summed loss and (through `correct`) the count of argmax hits.
@@ -106,6 +144,9 @@ class Engine {
                           float dampening, float weight_decay, bool nesterov) = 0;
   virtual void adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1,
                            float beta2, float eps, float weight_decay, bool decoupled, int64_t step) = 0;
+
+ protected:
+  MathPrecision math_ = MathPrecision::F32;
 };
 
 // The engine of a device: the CPU engine always exists; the CUDA engine registers itself.
@@ -113,6 +154,11 @@ Engine& engine_for(Device device);
 inline Engine& cpu_engine() { return engine_for(Device::cpu()); }
 using EngineFactory = std::unique_ptr<Engine> (*)(int device_index);
 void register_engine(DeviceType type, EngineFactory factory);
+
+// Makes CUDA devices usable (registers the CUDA engine and its caching allocator). Returns the
+// number of visible GPUs, 0 when dtrain was built without CUDA or no GPU is visible. Idempotent;
+// call it once before creating tensors on Device::cuda(i).
+int enable_cuda();
 
 // Library versions compiled in, for `dtrain info`.
 std::string onednn_version();

@@ -2,6 +2,7 @@
 // Element-wise math written once, as __host__ __device__ functors: the CPU engine loops over them
 // with OpenMP and the CUDA engine launches them in kernels, so CPU tests cover the GPU's arithmetic.
 #include <cmath>
+#include <cstdint>
 
 #include "dtrain/core/dtype.h"
 
@@ -32,6 +33,45 @@ struct GeluGrad {
     return dy * (0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * du);
   }
 };
+
+struct Mul {
+  DT_HD float operator()(float a, float b) const { return a * b; }
+};
+struct Add {
+  DT_HD float operator()(float a, float b) const { return a + b; }
+};
+struct Axpy {  // y + alpha * x, called as (x, y)
+  float alpha;
+  DT_HD float operator()(float x, float y) const { return y + alpha * x; }
+};
+struct Scale {
+  float alpha;
+  DT_HD float operator()(float x) const { return x * alpha; }
+};
+
+// A stateless hash of (seed, index) to [0, 1) with 24 random bits, so a dropout mask depends on
+// neither thread scheduling nor the device.
+DT_HD inline float hash_uniform(uint64_t seed, uint64_t i) {
+  uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+}
+// Inverted dropout: element i keeps with probability 1-p and is then scaled by 1/(1-p).
+struct DropoutMask {
+  float p, keep_scale;
+  uint64_t seed;
+  DT_HD float operator()(uint64_t i) const { return hash_uniform(seed, i) >= p ? keep_scale : 0.f; }
+};
+
+// Loss scaling: the unscaled value, and whether the value is finite (inf and NaN both fail
+// x - x == 0, which needs no <cmath> on the device).
+struct Unscale {
+  float inv_scale;
+  DT_HD float operator()(float x) const { return x * inv_scale; }
+};
+DT_HD inline bool is_finite(float x) { return x - x == 0.f; }
 
 // SGD with momentum (PyTorch's formulation): g = grad + wd*p; buf = mu*buf + (1-dampening)*g;
 // step = nesterov ? g + mu*buf : buf; p -= lr*step. With mu == 0 the buffer is unused.

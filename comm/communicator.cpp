@@ -1,0 +1,150 @@
+#include "dtrain/comm/communicator.h"
+
+#include <climits>
+
+#include "dtrain/comm/mpi_check.h"
+#include "dtrain/core/env.h"
+
+namespace dtrain::comm {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Avg:
+      return "avg";
+    case ReduceOp::Max:
+      return "max";
+    case ReduceOp::Min:
+      return "min";
+  }
+  return "?";
+}
+
+ReduceOp reduce_op_from_name(const std::string& name) {
+  for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min})
+    if (name == reduce_op_name(op)) return op;
+  DT_INPUT_CHECK(false, "unknown reduce op '" << name << "' (expected sum, avg, max or min)");
+  __builtin_unreachable();
+}
+
+std::string mpi_error_string(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return "MPI error code " + std::to_string(code);
+  return std::string(text, static_cast<size_t>(len));
+}
+
+namespace detail {
+void throw_mpi_error(const char* call, int code, const char* file, int line) {
+  // Name the function, not the whole argument list: "MPI_Bcast: MPI_ERR_ROOT: invalid root".
+  std::string name(call);
+  if (auto p = name.find('('); p != std::string::npos) name.resize(p);
+  throw Error("mpi", name + " failed: " + mpi_error_string(code), file, line);
+}
+}  // namespace detail
+
+CommTimeoutError::CommTimeoutError(const std::string& message, std::vector<int> missing_ranks, const char* file,
+                                   int line)
+    : Error("comm timeout", message, file, line), missing_(std::move(missing_ranks)) {}
+
+Work::~Work() = default;
+
+namespace {
+class CompletedWork final : public Work {
+ public:
+  explicit CompletedWork(std::string d) : desc_(std::move(d)) {}
+  bool test() override { return true; }
+  void wait(double) override {}
+  bool completed() const override { return true; }
+  std::string error() const override { return ""; }
+  std::string description() const override { return desc_; }
+
+ private:
+  std::string desc_;
+};
+}  // namespace
+
+std::shared_ptr<Work> make_completed_work(std::string description) {
+  return std::make_shared<CompletedWork>(std::move(description));
+}
+
+Communicator::Communicator(int rank, int size, std::string name)
+    : timeout_s_(env::get_double("DTRAIN_COMM_TIMEOUT")), rank_(rank), size_(size), name_(std::move(name)) {}
+
+Communicator::~Communicator() = default;
+
+void Communicator::check_buffer(const Tensor& t, const char* what, const char* call) const {
+  DT_CHECK(t.defined(), call << ": " << what << " is an undefined tensor");
+  DT_CHECK(supports(t.device()), call << ": the " << backend() << " backend on '" << name_ << "' cannot use " << what
+                                      << " " << t.str() << " (device " << t.device().str() << ")");
+  DT_CHECK(t.numel() <= INT_MAX, call << ": " << what << " " << t.str() << " has more than INT_MAX elements; "
+                                      << "split it into buckets");
+}
+
+std::shared_ptr<Work> Communicator::allreduce(Tensor& t, ReduceOp op) {
+  check_buffer(t, "t", "allreduce");
+  return do_allreduce(t, op);
+}
+
+std::shared_ptr<Work> Communicator::broadcast(Tensor& t, int root) {
+  check_buffer(t, "t", "broadcast");
+  DT_CHECK(root >= 0 && root < size_,
+           "broadcast: root " << root << " is not a rank of '" << name_ << "' (size " << size_ << ")");
+  return do_broadcast(t, root);
+}
+
+std::shared_ptr<Work> Communicator::allgather(const Tensor& in, Tensor& out) {
+  check_buffer(in, "in", "allgather");
+  check_buffer(out, "out", "allgather");
+  DT_CHECK(in.dtype() == out.dtype(), "allgather: in " << in.str() << " and out " << out.str() << " differ in dtype");
+  DT_CHECK(out.numel() == in.numel() * size_, "allgather: out " << out.str() << " must hold size() * in.numel() = "
+                                                                << size_ << " * " << in.numel() << " elements");
+  return do_allgather(in, out);
+}
+
+std::shared_ptr<Work> Communicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
+  check_buffer(in, "in", "reduce_scatter");
+  check_buffer(out, "out", "reduce_scatter");
+  DT_CHECK(in.dtype() == out.dtype(),
+           "reduce_scatter: in " << in.str() << " and out " << out.str() << " differ in dtype");
+  DT_CHECK(in.numel() == out.numel() * size_, "reduce_scatter: in " << in.str() << " must hold size() * out.numel() = "
+                                                                    << size_ << " * " << out.numel() << " elements");
+  return do_reduce_scatter(in, out, op);
+}
+
+std::shared_ptr<Work> Communicator::send(const Tensor& t, int peer, int tag) {
+  check_buffer(t, "t", "send");
+  DT_CHECK(peer >= 0 && peer < size_ && peer != rank_,
+           "send: peer " << peer << " is not another rank of '" << name_ << "' (size " << size_ << ")");
+  DT_CHECK(tag >= 0 && tag < 32768, "send: tag " << tag << " is outside [0, 32767]");
+  return do_send(t, peer, tag);
+}
+
+std::shared_ptr<Work> Communicator::recv(Tensor& t, int peer, int tag) {
+  check_buffer(t, "t", "recv");
+  DT_CHECK(peer >= 0 && peer < size_ && peer != rank_,
+           "recv: peer " << peer << " is not another rank of '" << name_ << "' (size " << size_ << ")");
+  DT_CHECK(tag >= 0 && tag < 32768, "recv: tag " << tag << " is outside [0, 32767]");
+  return do_recv(t, peer, tag);
+}
+
+void Communicator::barrier() { do_barrier()->wait(); }
+
+std::unique_ptr<Communicator> Communicator::split(int color, int key, const std::string& name) {
+  DT_CHECK(color >= 0 || color == kNoColor, "split: color " << color << " must be >= 0 or kNoColor");
+  std::string n = name.empty() ? name_ + "/" + (color == kNoColor ? std::string("none") : std::to_string(color)) : name;
+  return do_split(color, key, n);
+}
+
+double alg_bandwidth(double bytes, double seconds) { return seconds > 0 ? bytes / seconds : 0.0; }
+
+double bus_bandwidth_factor(const std::string& collective, int ranks) {
+  double n = ranks;
+  if (ranks <= 1) return 1.0;
+  if (collective == "allreduce") return 2.0 * (n - 1) / n;
+  if (collective == "allgather" || collective == "reduce_scatter") return (n - 1) / n;
+  return 1.0;  // broadcast, reduce, send/recv
+}
+
+}  // namespace dtrain::comm

@@ -1,0 +1,126 @@
+// The Compressor hook, the factory, and the two compressors without state (none, fp16/bf16).
+#include <cmath>
+#include <cstdlib>
+
+#include "compression/staged_work.h"
+#include "dtrain/comm/compression.h"
+
+namespace dtrain::comm {
+
+Compressor::~Compressor() = default;
+
+std::shared_ptr<Work> Compressor::reduce(Tensor& bucket, Communicator& comm, ReduceOp op, int bucket_id) {
+  DT_CHECK(bucket.defined() && bucket.dtype() == DType::F32 && bucket.device().is_cpu(),
+           name() << ": a gradient bucket must be a defined f32 host tensor, got "
+                  << (bucket.defined() ? bucket.str() : std::string("an undefined tensor")));
+  DT_CHECK(op == ReduceOp::Avg || op == ReduceOp::Sum,
+           name() << ": compressed reduction supports avg and sum, not " << reduce_op_name(op));
+  auto [it, fresh] = states_.try_emplace(bucket_id);
+  if (fresh) it->second.id = bucket_id;
+  BucketState& st = it->second;
+  DT_CHECK(!st.residual.defined() || st.residual.numel() == bucket.numel(),
+           name() << ": bucket " << bucket_id << " changed size from " << st.residual.numel() << " to "
+                  << bucket.numel() << " elements");
+  int64_t before = stats_.bytes_sent;
+  ++stats_.calls;
+  stats_.bytes_in += static_cast<int64_t>(bucket.nbytes());
+  auto w = do_reduce(bucket, comm, op, st);
+  stats_.last_bytes_sent = stats_.bytes_sent - before;
+  return w;
+}
+
+Tensor Compressor::residual(int bucket_id) const {
+  auto it = states_.find(bucket_id);
+  return it == states_.end() ? Tensor() : it->second.residual;
+}
+
+void Compressor::reset() { states_.clear(); }
+
+// ---- none ------------------------------------------------------------------------------------
+
+std::shared_ptr<Work> NoCompressor::do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState&) {
+  stats_.bytes_sent += static_cast<int64_t>(bucket.nbytes());
+  return comm.allreduce(bucket, op);
+}
+
+// ---- fp16 / bf16 -----------------------------------------------------------------------------
+
+HalfCastCompressor::HalfCastCompressor(DType half) : half_(half) {
+  DT_CHECK(half == DType::F16 || half == DType::BF16, "HalfCastCompressor takes f16 or bf16, not " << dtype_name(half));
+}
+
+std::shared_ptr<Work> HalfCastCompressor::do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState&) {
+  const int64_t n = bucket.numel();
+  Tensor half = Tensor::empty({n}, half_);
+  {
+    detail::ScopedSeconds t(stats_.compress_s);
+    const float* x = bucket.f32();
+    auto* h = half.data<uint16_t>();
+    float d = op == ReduceOp::Avg ? static_cast<float>(comm.size()) : 1.0f;
+    if (half_ == DType::F16)
+      for (int64_t i = 0; i < n; ++i) h[i] = float_to_f16(x[i] / d);
+    else
+      for (int64_t i = 0; i < n; ++i) h[i] = float_to_bf16(x[i] / d);
+  }
+  stats_.bytes_sent += static_cast<int64_t>(half.nbytes());
+  auto w = comm.allreduce(half, ReduceOp::Sum);
+  bool f16 = half_ == DType::F16;
+  double* dec = &stats_.decompress_s;
+  auto finish = [bucket, half, n, f16, dec] {
+    detail::ScopedSeconds t(*dec);
+    float* x = bucket.f32();
+    const auto* h = half.data<uint16_t>();
+    for (int64_t i = 0; i < n; ++i) x[i] = f16 ? f16_to_float(h[i]) : bf16_to_float(h[i]);
+  };
+  return std::make_shared<detail::StagedWork>(name() + " " + shape_str(bucket.shape()), w,
+                                              std::vector<detail::StagedWork::Stage>{}, finish);
+}
+
+// ---- factory ---------------------------------------------------------------------------------
+
+const std::vector<std::string>& compressor_kinds() {
+  static const std::vector<std::string> k = {"none", "fp16", "bf16", "topk", "powersgd", "sign", "qsgd"};
+  return k;
+}
+
+std::unique_ptr<Compressor> make_compressor(const std::string& spec, uint64_t seed) {
+  std::string kind = spec, arg;
+  if (auto p = spec.find(':'); p != std::string::npos) {
+    kind = spec.substr(0, p);
+    arg = spec.substr(p + 1);
+  }
+  auto number = [&](double fallback) {
+    if (arg.empty()) return fallback;
+    char* end = nullptr;
+    double v = std::strtod(arg.c_str(), &end);
+    DT_INPUT_CHECK(end && *end == '\0', "compressor '" << spec << "': '" << arg << "' is not a number");
+    return v;
+  };
+  if (kind == "none" && arg.empty()) return std::make_unique<NoCompressor>();
+  if (kind == "fp16" && arg.empty()) return std::make_unique<HalfCastCompressor>(DType::F16);
+  if (kind == "bf16" && arg.empty()) return std::make_unique<HalfCastCompressor>(DType::BF16);
+  if (kind == "sign" && arg.empty()) return std::make_unique<SignCompressor>();
+  if (kind == "topk") {
+    double r = number(0.01);
+    DT_INPUT_CHECK(r > 0 && r <= 1, "compressor '" << spec << "': the top-k ratio must be in (0, 1]");
+    return std::make_unique<TopKCompressor>(r);
+  }
+  if (kind == "powersgd") {
+    double r = number(4);
+    DT_INPUT_CHECK(r >= 1 && r == std::floor(r),
+                   "compressor '" << spec << "': the PowerSGD rank must be an integer >= 1");
+    return std::make_unique<PowerSgdCompressor>(static_cast<int>(r), seed);
+  }
+  if (kind == "qsgd") {
+    double s = number(16);
+    DT_INPUT_CHECK(s >= 1 && s <= 127 && s == std::floor(s),
+                   "compressor '" << spec << "': QSGD levels must be an integer in [1, 127]");
+    return std::make_unique<QsgdCompressor>(static_cast<int>(s), seed);
+  }
+  DT_INPUT_CHECK(false, "unknown compressor '" << spec
+                                               << "' (expected none, fp16, bf16, topk[:ratio], powersgd[:rank], sign, "
+                                                  "qsgd[:levels])");
+  __builtin_unreachable();
+}
+
+}  // namespace dtrain::comm

@@ -1,0 +1,166 @@
+#pragma once
+// Gradient compression as a hook on a flat f32 gradient bucket (as c10d's communication hooks):
+// the compressor encodes the bucket, runs the collective its encoding needs through a
+// Communicator, and decodes the reduced result back into the bucket. Every rank ends with the
+// same bits. Compressors with error feedback keep, per bucket, what they did not send (the
+// residual) and add it to the next step's gradient, so that over steps
+//   sum of transmitted results + mean residual over ranks == sum of mean gradients.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/communicator.h"
+#include "dtrain/core/rng.h"
+#include "dtrain/core/tensor.h"
+
+namespace dtrain::comm {
+
+struct CompressionStats {
+  int64_t calls = 0;
+  int64_t bytes_in = 0;    // f32 bytes of the buckets given to reduce()
+  int64_t bytes_sent = 0;  // bytes this rank contributed to the collectives
+  int64_t last_bytes_sent = 0;
+  double compress_s = 0;    // encoding, error feedback and the compute between collectives
+  double decompress_s = 0;  // decoding into the bucket
+};
+
+class Compressor {
+ public:
+  virtual ~Compressor();
+  virtual std::string name() const = 0;  // e.g. "topk(0.01)"
+  virtual bool has_error_feedback() const { return false; }
+
+  // Reduces `bucket` (flat, f32, host) across `comm` through this encoding: op Avg (the mean
+  // gradient) or Sum. Asynchronous: the bucket holds the result once the Work completes. The
+  // compressor must outlive the Work. `bucket_id` keys the per-bucket state (residual, factors,
+  // random stream); a bucket must keep its size.
+  std::shared_ptr<Work> reduce(Tensor& bucket, Communicator& comm, ReduceOp op = ReduceOp::Avg, int bucket_id = 0);
+
+  const CompressionStats& stats() const { return stats_; }
+  // The error-feedback residual of a bucket; an undefined Tensor before the first call or when
+  // the compressor has none.
+  Tensor residual(int bucket_id = 0) const;
+  void reset();  // forgets every bucket's state
+
+ protected:
+  struct BucketState {
+    int id = 0;
+    Tensor residual;           // f32, bucket size
+    Tensor factor;             // PowerSGD: Q, warm start
+    std::unique_ptr<Rng> rng;  // QSGD: this rank's stream
+  };
+  virtual std::shared_ptr<Work> do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& state) = 0;
+  BucketState& state(int bucket_id) { return states_[bucket_id]; }
+
+  CompressionStats stats_;
+
+ private:
+  std::map<int, BucketState> states_;
+};
+
+// The uncompressed baseline: a plain allreduce.
+class NoCompressor final : public Compressor {
+ public:
+  std::string name() const override { return "none"; }
+
+ protected:
+  std::shared_ptr<Work> do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& state) override;
+};
+
+// Cast to fp16 or bf16, allreduce (fp32 accumulation), cast back. For Avg the values are divided
+// by the rank count before the cast, so the sum cannot overflow fp16.
+class HalfCastCompressor final : public Compressor {
+ public:
+  explicit HalfCastCompressor(DType half);  // DType::F16 or DType::BF16
+  std::string name() const override { return half_ == DType::F16 ? "fp16" : "bf16"; }
+
+ protected:
+  std::shared_ptr<Work> do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& state) override;
+
+ private:
+  DType half_;
+};
+
+// Top-k by magnitude (k = ceil(ratio * n)) with error feedback. Each rank sends k (index, value)
+// pairs with one allgather; the result is scattered and summed in rank order.
+class TopKCompressor final : public Compressor {
+ public:
+  explicit TopKCompressor(double ratio);
+  std::string name() const override;
+  bool has_error_feedback() const override { return true; }
+
+ protected:
+  std::shared_ptr<Work> do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& state) override;
+
+ private:
+  double ratio_;
+};
+
+// PowerSGD (Vogels et al. 2019): the bucket as a rows x cols matrix M (plus residual) is
+// approximated by P Q^T of rank r: P = M Q, allreduce P, orthonormalise, Q = M^T P, allreduce Q.
+// Q is kept as the next step's warm start. Error feedback against the averaged approximation.
+// Buckets too small for rank r to save anything ((rows + cols) r >= n) are allreduced as they are.
+class PowerSgdCompressor final : public Compressor {
+ public:
+  explicit PowerSgdCompressor(int rank, uint64_t seed = 0x5eed);
+  std::string name() const override;
+  bool has_error_feedback() const override { return true; }
+  // The matrix shape used for a bucket of n elements: cols = ceil(sqrt(n)), rows = ceil(n / cols).
+  static std::pair<int64_t, int64_t> matrix_shape(int64_t n);
+
+ protected:
+  std::shared_ptr<Work> do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& state) override;
+
+ private:
+  int rank_;
+  uint64_t seed_;
+};
+
+// 1-bit (sign) with error feedback and a scale: each rank sends sign(x) as bits and
+// scale = mean |x|, so that scale * sign(x) keeps x's L1 norm (Karimireddy et al. 2019, EF-SignSGD).
+class SignCompressor final : public Compressor {
+ public:
+  std::string name() const override { return "sign"; }
+  bool has_error_feedback() const override { return true; }
+
+ protected:
+  std::shared_ptr<Work> do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& state) override;
+};
+
+// QSGD (Alistarh et al. 2017): x_i = ||x|| * sign(x_i) * l_i / s, with l_i the integer level
+// below |x_i| s / ||x|| rounded up with probability equal to the remainder (unbiased). Levels
+// travel as int8 (s <= 127). The random stream is seeded from (seed, rank, bucket).
+class QsgdCompressor final : public Compressor {
+ public:
+  explicit QsgdCompressor(int levels, uint64_t seed = 0x5eed);
+  std::string name() const override;
+
+ protected:
+  std::shared_ptr<Work> do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& state) override;
+
+ private:
+  int levels_;
+  uint64_t seed_;
+};
+
+// "none", "fp16", "bf16", "topk[:ratio]" (0.01), "powersgd[:rank]" (4), "sign", "qsgd[:levels]" (16).
+// Throws InputError naming the spec when it is not one of these.
+std::unique_ptr<Compressor> make_compressor(const std::string& spec, uint64_t seed = 0x5eed);
+const std::vector<std::string>& compressor_kinds();  // the names above, without parameters
+
+// The encodings as plain functions (tested without MPI).
+namespace codec {
+// Indices of the k largest |x[i]|, ties to the lower index, returned in increasing index order.
+std::vector<int32_t> topk_indices(const float* x, int64_t n, int64_t k);
+// Bit i of `bits` (LSB first) set when x[i] >= 0; bits holds (n + 7) / 8 bytes.
+void pack_signs(const float* x, int64_t n, uint8_t* bits);
+inline float signed_unit(const uint8_t* bits, int64_t i) { return (bits[i >> 3] >> (i & 7)) & 1 ? 1.0f : -1.0f; }
+// QSGD levels q[i] in [-s, s] and the norm they scale; returns the norm.
+float qsgd_encode(const float* x, int64_t n, int levels, Rng& rng, int8_t* q);
+// Gram-Schmidt on the columns of a row-major rows x cols matrix; columns of norm ~0 become 0.
+void orthonormalize_columns(float* m, int64_t rows, int64_t cols);
+}  // namespace codec
+
+}  // namespace dtrain::comm

@@ -1,0 +1,146 @@
+// Low-precision GEMM on the CPU: bf16 operands through a oneDNN matmul primitive (AVX512-BF16
+// brgemm kernels on these processors, about twice the fp32 rate), f32 accumulation and output.
+// f32 operands under MathPrecision::BF16 are rounded to bf16 into per-thread scratch first; the
+// rounding costs O(MK + KN) against the O(MNK) multiply.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "cpu_engine.h"
+
+namespace dtrain::cpu {
+
+namespace {
+
+void f32_to_bf16_scalar(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
+// VCVTNE2PS2BF16 rounds to nearest even like float_to_bf16 (it flushes f32 subnormals to zero,
+// values below 1.2e-38 that do not matter for training).
+__attribute__((target("avx512f,avx512bf16"))) void f32_to_bf16_avx512(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m512 lo = _mm512_loadu_ps(src + i);
+    __m512 hi = _mm512_loadu_ps(src + i + 16);
+    __m512bh r = _mm512_cvtne2ps_pbh(hi, lo);  // lo fills the lower 16 lanes
+    _mm512_storeu_si512(reinterpret_cast<void*>(dst + i), reinterpret_cast<__m512i&>(r));
+  }
+  f32_to_bf16_scalar(src + i, dst + i, n - i);
+}
+
+bool has_avx512_bf16() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// Reused scratch, one per thread: a steady-state step allocates nothing here.
+template <typename T>
+T* scratch(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
+}  // namespace
+
+void f32_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  constexpr int64_t kChunk = 1 << 16;
+  auto convert = has_avx512_bf16() ? f32_to_bf16_avx512 : f32_to_bf16_scalar;
+  int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    int64_t b = c * kChunk;
+    convert(src + b, dst + b, std::min(kChunk, n - b));
+  }
+}
+
+MatmulPrims& CpuEngine::matmul_prims(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, float beta) {
+  std::ostringstream key;
+  key << ta << tb << ',' << m << ',' << n << ',' << k << ',' << alpha << ',' << beta;
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  auto& slot = matmul_cache_[key.str()];
+  if (slot) return *slot;
+  auto p = std::make_unique<MatmulPrims>();
+  // Row-major operands; a transposed operand is the same buffer read with swapped strides.
+  p->a_md = memory::desc({m, k}, dt::bf16, ta ? memory::dims{1, m} : memory::dims{k, 1});
+  p->b_md = memory::desc({k, n}, dt::bf16, tb ? memory::dims{1, k} : memory::dims{n, 1});
+  p->c_md = memory::desc({m, n}, dt::f32, memory::dims{n, 1});
+  dnnl::primitive_attr attr;
+  if (alpha != 1.f) attr.set_output_scales(0, {alpha});
+  if (beta != 0.f) {
+    dnnl::post_ops po;
+    po.append_sum(beta);
+    attr.set_post_ops(po);
+  }
+  dnnl::matmul::desc d(p->a_md, p->b_md, p->c_md);
+  p->prim = dnnl::matmul(dnnl::matmul::primitive_desc(d, attr, eng_));
+  slot = std::move(p);
+  return *slot;
+}
+
+void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                          const Tensor& a, int64_t sa, const Tensor& b, int64_t sb, float beta, Tensor& c, int64_t sc) {
+  DT_CHECK(a.device().is_cpu() && b.device().is_cpu() && c.device().is_cpu() && c.dtype() == DType::F32,
+           "gemm: C must be an f32 CPU tensor, got " << c.str());
+  DT_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::F32 || a.dtype() == DType::BF16 || a.dtype() == DType::F16),
+           "gemm: A and B must both be f32, bf16 or f16, got " << a.str() << " and " << b.str());
+  const int64_t span_a = (batch - 1) * sa + m * k, span_b = (batch - 1) * sb + k * n;
+  DT_CHECK(batch >= 1 && a.numel() >= span_a && b.numel() >= span_b && c.numel() >= (batch - 1) * sc + m * n,
+           "gemm " << batch << "x(" << m << "x" << n << "x" << k << "): operands too small (" << a.str() << ", "
+                   << b.str() << ", " << c.str() << ")");
+  thread_local std::vector<uint16_t> a16, b16;
+  thread_local std::vector<float> a32, b32;
+
+  // f16 operands, or fp16 math: no fast fp16 on this CPU, so round to half and multiply in fp32.
+  const bool half = a.dtype() == DType::F16 || (a.dtype() == DType::F32 && math_ == MathPrecision::F16);
+  if (half) {
+    auto widen = [](const Tensor& t, int64_t span, std::vector<float>& out) {
+      float* o = scratch(out, span);
+      if (t.dtype() == DType::F16) {
+        const uint16_t* s = t.data<uint16_t>();
+#pragma omp parallel for if (span > (1 << 15))
+        for (int64_t i = 0; i < span; ++i) o[i] = f16_to_float(s[i]);
+      } else {
+        const float* s = t.f32();
+#pragma omp parallel for if (span > (1 << 15))
+        for (int64_t i = 0; i < span; ++i) o[i] = f16_to_float(float_to_f16(s[i]));
+      }
+      return o;
+    };
+    const float* pa = widen(a, span_a, a32);
+    const float* pb = widen(b, span_b, b32);
+    for (int64_t i = 0; i < batch; ++i) {
+      dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, pa + i * sa, ta ? m : k,
+                                    pb + i * sb, tb ? k : n, beta, c.f32() + i * sc, n);
+      DT_CHECK(st == dnnl_success, "dnnl_sgemm failed with status " << static_cast<int>(st));
+    }
+    return;
+  }
+
+  const uint16_t* pa;
+  const uint16_t* pb;
+  if (a.dtype() == DType::BF16) {
+    pa = a.data<uint16_t>();
+    pb = b.data<uint16_t>();
+  } else {
+    uint16_t* wa = scratch(a16, span_a);
+    uint16_t* wb = scratch(b16, span_b);
+    f32_to_bf16(a.f32(), wa, span_a);
+    f32_to_bf16(b.f32(), wb, span_b);
+    pa = wa;
+    pb = wb;
+  }
+  MatmulPrims& p = matmul_prims(ta, tb, m, n, k, alpha, beta);
+  for (int64_t i = 0; i < batch; ++i) {
+    memory ma(p.a_md, eng_, const_cast<uint16_t*>(pa + i * sa));
+    memory mb(p.b_md, eng_, const_cast<uint16_t*>(pb + i * sb));
+    memory mc(p.c_md, eng_, c.f32() + i * sc);
+    p.prim.execute(strm_, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  }
+  strm_.wait();
+}
+
+}  // namespace dtrain::cpu

@@ -1,0 +1,456 @@
+// CudaEngine: construction, streams, the registry entry points, and the contract's element-wise,
+// reduction, row-wise and optimizer operations (each a checked call into a kernels.h launcher).
+#include "cuda_engine.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "caching_allocator.h"
+#include "cuda_common.h"
+#include "cuda_install.h"
+#include "kernels.h"
+#include "plans.h"
+
+namespace dtrain::cuda {
+
+namespace {
+
+void check_dev(const Tensor& t, const char* what, int index, DType dtype = DType::F32) {
+  DT_CHECK(t.defined() && t.dtype() == dtype && t.device() == Device::cuda(index),
+           what << " must be a " << dtype_name(dtype) << " tensor on cuda:" << index << ", got "
+                << (t.defined() ? t.str() : "undefined"));
+}
+
+void check_same_numel(const Tensor& a, const Tensor& b, const char* op) {
+  DT_CHECK(a.numel() == b.numel(), op << ": " << a.str() << " and " << b.str() << " differ in size");
+}
+
+// Offsets of the reduction results inside the engine's 64-byte scalar area.
+constexpr size_t kOffDouble = 0;  // f64 sum
+constexpr size_t kOffCount = 8;   // u64 count
+constexpr size_t kOffFlag = 16;   // i32 flag
+constexpr size_t kOffFlagF = 20;  // f32 flag
+
+}  // namespace
+
+// ------------------------------------------------------------------ registry entry points
+namespace detail {
+
+int install() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no device: CUDA stays unavailable
+    return 0;
+  }
+  if (n > 0)
+    register_allocator(DeviceType::CUDA, [](size_t bytes, Device d) {
+      CachingAllocator& a = allocator_for(d.index);
+      void* p = a.allocate(bytes);
+      return std::make_shared<Storage>(p, bytes, d, [&a](void* q) { a.release(q); });
+    });
+  return n;
+}
+
+std::unique_ptr<Engine> make_engine(int device_index) { return std::make_unique<CudaEngine>(device_index); }
+
+}  // namespace detail
+
+CudaEngine& cuda_engine(int index) {
+  DT_CHECK(enable_cuda() > index, "cuda:" << index << " is not available (" << enable_cuda() << " GPUs visible)");
+  auto* e = dynamic_cast<CudaEngine*>(&engine_for(Device::cuda(index)));
+  DT_CHECK(e, "the engine of cuda:" << index << " is not dtrain's CUDA engine");
+  return *e;
+}
+
+void* compute_stream(int device) { return cuda_engine(device).compute(); }
+void* comm_stream(int device) { return cuda_engine(device).comm(); }
+void comm_waits_for_compute(int device) { cuda_engine(device).comm_waits_for_compute(); }
+void compute_waits_for_comm(int device) { cuda_engine(device).compute_waits_for_comm(); }
+
+DeviceInfo device_info(int device) {
+  cudaDeviceProp p{};
+  DT_CUDA_CHECK(cudaGetDeviceProperties(&p, device));
+  int clock_khz = 0;
+  DT_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
+  DeviceInfo info;
+  info.name = p.name;
+  info.compute_capability = p.major * 10 + p.minor;
+  info.sms = p.multiProcessorCount;
+  info.clock_ghz = clock_khz * 1e-6;
+  info.memory_gib = static_cast<double>(p.totalGlobalMem) / (1u << 30);
+  // Dense FLOP per SM per clock (an FMA counts 2), from the architecture whitepapers:
+  // A100 (8.0): 128 fp32, 1024 tf32, 2048 bf16; H100 (9.0): 256 fp32, 2048 tf32, 4096 bf16.
+  double fp32 = 0, tf32 = 0, bf16 = 0;
+  if (info.compute_capability == 80)
+    fp32 = 128, tf32 = 1024, bf16 = 2048;
+  else if (info.compute_capability >= 90 && info.compute_capability < 100)
+    fp32 = 256, tf32 = 2048, bf16 = 4096;
+  else if (info.compute_capability >= 86 && info.compute_capability < 90)
+    fp32 = 256, tf32 = 512, bf16 = 1024;
+  double sm_ghz = info.sms * info.clock_ghz * 1e-3;  // TFLOP/s per FLOP/clk/SM
+  info.peak_fp32 = fp32 * sm_ghz;
+  info.peak_tf32 = tf32 * sm_ghz;
+  info.peak_bf16 = bf16 * sm_ghz;
+  return info;
+}
+
+// ------------------------------------------------------------------ engine lifetime and streams
+CudaEngine::CudaEngine(int device_index) : index_(device_index) {
+  bind();
+  // Non-blocking streams: no implicit ordering with the legacy default stream either.
+  DT_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
+  DT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+  DT_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
+  DT_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
+  DT_CUBLAS_CHECK(cublasLtCreate(&lt_));
+  DT_CUDNN_CHECK(cudnnCreate(&dnn_));
+  DT_CUDNN_CHECK(cudnnSetStream(dnn_, compute_));
+  scalars_ = Tensor::empty({64}, DType::U8, device());
+  DT_CUDA_CHECK(cudaHostAlloc(&host_scalars_, 64, cudaHostAllocDefault));
+}
+
+CudaEngine::~CudaEngine() {
+  // Runs at exit; errors cannot be reported any more, so they are ignored.
+  cudaSetDevice(index_);
+  cudaStreamSynchronize(compute_);
+  cudaStreamSynchronize(comm_);
+  gemm_plans_.clear();
+  conv_plans_.clear();
+  pool_plans_.clear();
+  bn_plans_.clear();
+  if (dnn_) cudnnDestroy(dnn_);
+  if (lt_) cublasLtDestroy(lt_);
+  cudaEventDestroy(compute_done_);
+  cudaEventDestroy(comm_done_);
+  cudaStreamDestroy(compute_);
+  cudaStreamDestroy(comm_);
+  if (host_scalars_) cudaFreeHost(host_scalars_);
+}
+
+std::string CudaEngine::describe() const {
+  DeviceInfo d = device_info(index_);
+  return "cuda:" + std::to_string(index_) + " (" + d.name + ", sm_" + std::to_string(d.compute_capability) + ", " +
+         std::to_string(d.sms) + " SMs, cuDNN " + std::to_string(cudnnGetVersion()) + ", math " +
+         math_precision_name(math_) + ")";
+}
+
+void CudaEngine::bind() const { DT_CUDA_CHECK(cudaSetDevice(index_)); }
+
+void CudaEngine::synchronize() { DT_CUDA_CHECK(cudaStreamSynchronize(compute_)); }
+
+// Why events and not a host sync: the host keeps queueing backward kernels while the comm stream
+// waits on the device for exactly the work recorded so far.
+void CudaEngine::comm_waits_for_compute() {
+  DT_CUDA_CHECK(cudaEventRecord(compute_done_, compute_));
+  DT_CUDA_CHECK(cudaStreamWaitEvent(comm_, compute_done_, 0));
+}
+
+void CudaEngine::compute_waits_for_comm() {
+  DT_CUDA_CHECK(cudaEventRecord(comm_done_, comm_));
+  DT_CUDA_CHECK(cudaStreamWaitEvent(compute_, comm_done_, 0));
+}
+
+void* CudaEngine::workspace(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  if (!workspace_.defined() || workspace_.nbytes() < bytes) {
+    // The old buffer may still be used by queued work: the allocator reuses it only in stream order.
+    workspace_ = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, device());
+  }
+  return workspace_.raw();
+}
+
+Tensor CudaEngine::lowp_copy(const Tensor& src, DType dtype) {
+  Tensor t = Tensor::empty({src.numel()}, dtype, device());
+  k::cast(src.raw(), src.dtype(), t.raw(), dtype, src.numel(), compute_);
+  return t;
+}
+
+void CudaEngine::read_back(const void* dev, void* host, size_t bytes) {
+  DT_CUDA_CHECK(cudaMemcpyAsync(host_scalars_, dev, bytes, cudaMemcpyDeviceToHost, compute_));
+  DT_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  std::memcpy(host, host_scalars_, bytes);
+}
+
+// ------------------------------------------------------------------ element-wise
+void CudaEngine::unary_forward(Unary op, const Tensor& x, Tensor& y) {
+  check_dev(x, "unary input", index_);
+  check_dev(y, "unary output", index_);
+  check_same_numel(x, y, "unary_forward");
+  bind();
+  k::unary_forward(op, x.f32(), y.f32(), x.numel(), compute_);
+}
+
+void CudaEngine::unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) {
+  check_dev(x, "x", index_);
+  check_dev(dy, "dy", index_);
+  check_dev(dx, "dx", index_);
+  check_same_numel(x, dy, "unary_backward");
+  check_same_numel(x, dx, "unary_backward");
+  bind();
+  k::unary_backward(op, x.f32(), dy.f32(), dx.f32(), x.numel(), compute_);
+}
+
+void CudaEngine::dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor& mask, Tensor& y) {
+  check_dev(x, "dropout input", index_);
+  check_dev(mask, "dropout mask", index_);
+  DT_CHECK(p >= 0.f && p < 1.f, "dropout probability must be in [0, 1), got " << p);
+  check_same_numel(x, mask, "dropout_forward");
+  bind();
+  k::dropout_mask(mask.f32(), p, seed, mask.numel(), compute_);
+  mul(x, mask, y);
+}
+
+void CudaEngine::mul(const Tensor& a, const Tensor& b, Tensor& y) {
+  check_dev(a, "a", index_);
+  check_dev(b, "b", index_);
+  check_dev(y, "y", index_);
+  check_same_numel(a, y, "mul");
+  check_same_numel(b, y, "mul");
+  bind();
+  k::mul(a.f32(), b.f32(), y.f32(), y.numel(), compute_);
+}
+
+void CudaEngine::add(const Tensor& a, const Tensor& b, Tensor& y) {
+  check_dev(a, "a", index_);
+  check_dev(b, "b", index_);
+  check_dev(y, "y", index_);
+  check_same_numel(a, y, "add");
+  check_same_numel(b, y, "add");
+  bind();
+  k::add(a.f32(), b.f32(), y.f32(), y.numel(), compute_);
+}
+
+void CudaEngine::axpy(float alpha, const Tensor& x, Tensor& y) {
+  check_dev(x, "x", index_);
+  check_dev(y, "y", index_);
+  check_same_numel(x, y, "axpy");
+  bind();
+  k::axpy(alpha, x.f32(), y.f32(), y.numel(), compute_);
+}
+
+void CudaEngine::scale(Tensor& y, float alpha) {
+  check_dev(y, "y", index_);
+  bind();
+  k::scale(y.f32(), alpha, y.numel(), compute_);
+}
+
+void CudaEngine::fill(Tensor& y, float value) {
+  DT_CHECK(y.defined() && y.device() == device(),
+           "fill: " << (y.defined() ? y.str() : "undefined") << " is not on " << device().str());
+  bind();
+  if (value == 0.f) {
+    DT_CUDA_CHECK(cudaMemsetAsync(y.raw(), 0, y.nbytes(), compute_));
+    return;
+  }
+  check_dev(y, "fill of a non-zero value: y", index_);
+  k::fill(y.f32(), value, y.numel(), compute_);
+}
+
+void CudaEngine::copy(const Tensor& src, Tensor& dst) {
+  DT_CHECK(src.numel() == dst.numel() && src.dtype() == dst.dtype(), "copy " << src.str() << " into " << dst.str());
+  DT_CHECK(src.device() == device() || dst.device() == device(),
+           "copy " << src.str() << " -> " << dst.str() << " on the engine of " << device().str());
+  DT_CHECK((src.device().is_cpu() || src.device() == device()) && (dst.device().is_cpu() || dst.device() == device()),
+           "copy between two GPUs (" << src.str() << " -> " << dst.str() << ") is not a single engine's job");
+  if (src.nbytes() == 0) return;
+  bind();
+  DT_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.nbytes(), cudaMemcpyDefault, compute_));
+  // A pageable host buffer may be reused as soon as copy returns, so a copy involving one waits;
+  // pinned buffers (cudaHostAlloc) stay asynchronous, which lets the next batch's upload overlap.
+  const void* host = src.device().is_cpu() ? src.raw() : (dst.device().is_cpu() ? dst.raw() : nullptr);
+  if (host) {
+    cudaPointerAttributes attr{};
+    bool pinned = cudaPointerGetAttributes(&attr, host) == cudaSuccess && attr.type == cudaMemoryTypeHost;
+    (void)cudaGetLastError();
+    if (!pinned || dst.device().is_cpu()) DT_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  }
+}
+
+void CudaEngine::cast(const Tensor& src, Tensor& dst) {
+  DT_CHECK(src.device() == device() && dst.device() == device(), "cast " << src.str() << " -> " << dst.str());
+  check_same_numel(src, dst, "cast");
+  if (src.dtype() == dst.dtype()) return copy(src, dst);
+  auto lowp = [](DType t) { return t == DType::BF16 || t == DType::F16; };
+  DT_CHECK((src.dtype() == DType::F32 && lowp(dst.dtype())) || (lowp(src.dtype()) && dst.dtype() == DType::F32),
+           "cast from " << dtype_name(src.dtype()) << " to " << dtype_name(dst.dtype()) << " is not defined");
+  bind();
+  k::cast(src.raw(), src.dtype(), dst.raw(), dst.dtype(), src.numel(), compute_);
+}
+
+void CudaEngine::add_row_bias(Tensor& y, const Tensor& bias) {
+  check_dev(y, "y", index_);
+  check_dev(bias, "bias", index_);
+  int64_t n = bias.numel();
+  DT_CHECK(n > 0 && y.numel() % n == 0, "add_row_bias " << y.str() << " + " << bias.str());
+  bind();
+  k::add_row_bias(y.f32(), bias.f32(), y.numel() / n, n, compute_);
+}
+
+void CudaEngine::row_bias_grad(const Tensor& dy, Tensor& dbias) {
+  check_dev(dy, "dy", index_);
+  check_dev(dbias, "dbias", index_);
+  int64_t n = dbias.numel();
+  DT_CHECK(n > 0 && dy.numel() % n == 0, "row_bias_grad " << dy.str() << " -> " << dbias.str());
+  bind();
+  k::row_bias_grad(dy.f32(), dbias.f32(), dy.numel() / n, n, compute_);
+}
+
+double CudaEngine::sum_squares(const Tensor& x) {
+  check_dev(x, "sum_squares input", index_);
+  bind();
+  auto* acc = reinterpret_cast<double*>(static_cast<char*>(scalars_.raw()) + kOffDouble);
+  DT_CUDA_CHECK(cudaMemsetAsync(acc, 0, sizeof(double), compute_));
+  k::sum_squares(x.f32(), x.numel(), acc, compute_);
+  double s = 0;
+  read_back(acc, &s, sizeof s);
+  return s;
+}
+
+bool CudaEngine::all_finite(const Tensor& x) {
+  check_dev(x, "all_finite input", index_);
+  bind();
+  auto* flag = reinterpret_cast<float*>(static_cast<char*>(scalars_.raw()) + kOffFlagF);
+  DT_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(float), compute_));
+  // Multiplying by 1 leaves x bitwise as it is (NaN stays NaN, inf stays inf).
+  k::unscale_and_check(const_cast<float*>(x.f32()), 1.f, x.numel(), flag, compute_);
+  float f = 0;
+  read_back(flag, &f, sizeof f);
+  return f == 0.f;
+}
+
+void CudaEngine::unscale_and_check(Tensor& x, float inv_scale, Tensor& found_inf) {
+  check_dev(x, "unscale_and_check input", index_);
+  check_dev(found_inf, "found_inf", index_);
+  bind();
+  k::unscale_and_check(x.f32(), inv_scale, x.numel(), found_inf.f32(), compute_);
+}
+
+// ------------------------------------------------------------------ softmax cross-entropy, LayerNorm
+double CudaEngine::softmax_xent_forward(const Tensor& logits, const Tensor& labels, Tensor& probs, int64_t* correct) {
+  check_dev(logits, "logits", index_);
+  check_dev(labels, "labels", index_, DType::I32);
+  check_dev(probs, "probs", index_);
+  DT_CHECK(logits.dim() == 2 && labels.numel() == logits.size(0) && probs.numel() == logits.numel(),
+           "softmax_xent: logits " << logits.str() << ", labels " << labels.str() << ", probs " << probs.str());
+  bind();
+  char* sc = static_cast<char*>(scalars_.raw());
+  DT_CUDA_CHECK(cudaMemsetAsync(sc, 0, 24, compute_));
+  k::softmax_xent_forward(logits.f32(), labels.data<int32_t>(), probs.f32(), logits.size(0), logits.size(1),
+                          reinterpret_cast<double*>(sc + kOffDouble),
+                          reinterpret_cast<unsigned long long*>(sc + kOffCount), reinterpret_cast<int*>(sc + kOffFlag),
+                          compute_);
+  char host[24];
+  read_back(sc, host, sizeof host);
+  int bad = 0;
+  std::memcpy(&bad, host + kOffFlag, sizeof bad);
+  DT_CHECK(!bad, "a label is out of range [0, " << logits.size(1) << ")");
+  double loss = 0;
+  unsigned long long hits = 0;
+  std::memcpy(&loss, host + kOffDouble, sizeof loss);
+  std::memcpy(&hits, host + kOffCount, sizeof hits);
+  if (correct) *correct = static_cast<int64_t>(hits);
+  return loss;
+}
+
+void CudaEngine::softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) {
+  check_dev(probs, "probs", index_);
+  check_dev(labels, "labels", index_, DType::I32);
+  check_dev(dlogits, "dlogits", index_);
+  DT_CHECK(probs.dim() == 2 && labels.numel() == probs.size(0), "softmax_xent_backward: probs " << probs.str());
+  check_same_numel(probs, dlogits, "softmax_xent_backward");
+  bind();
+  k::softmax_xent_backward(probs.f32(), labels.data<int32_t>(), scale, dlogits.f32(), probs.size(0), probs.size(1),
+                           compute_);
+}
+
+void CudaEngine::layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& mean,
+                                   Tensor& rstd, Tensor& y) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &gamma, &beta, &mean, &rstd, &y})
+    check_dev(*t, "layernorm tensor", index_);
+  int64_t d = gamma.numel();
+  DT_CHECK(d > 0 && x.size(-1) == d && y.numel() == x.numel() && mean.numel() == x.numel() / d,
+           "layernorm over " << d << " features of " << x.str());
+  bind();
+  k::layernorm_forward(x.f32(), gamma.f32(), beta.f32(), eps, mean.f32(), rstd.f32(), y.f32(), x.numel() / d, d,
+                       compute_);
+}
+
+void CudaEngine::layernorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
+                                    const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta})
+    check_dev(*t, "layernorm tensor", index_);
+  int64_t d = gamma.numel();
+  DT_CHECK(d > 0 && x.size(-1) == d && dy.numel() == x.numel() && dx.numel() == x.numel(),
+           "layernorm_backward over " << d << " features of " << x.str());
+  bind();
+  k::layernorm_backward(x.f32(), dy.f32(), gamma.f32(), mean.f32(), rstd.f32(), dx.f32(), dgamma.f32(), dbeta.f32(),
+                        x.numel() / d, d, compute_);
+}
+
+// ------------------------------------------------------------------ per-channel reductions (SyncBatchNorm)
+namespace {
+struct NchwView {
+  int64_t n, c, hw;
+};
+NchwView nchw(const Tensor& x, int64_t channels) {
+  DT_CHECK(x.dim() >= 2 && x.size(1) == channels, "per-channel op over " << channels << " channels of " << x.str());
+  return {x.size(0), channels, x.numel() / (x.size(0) * channels)};
+}
+}  // namespace
+
+void CudaEngine::channel_sums(const Tensor& x, int64_t channels, Tensor& sum, Tensor& sumsq) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &sum, &sumsq}) check_dev(*t, "channel_sums", index_);
+  NchwView v = nchw(x, channels);
+  bind();
+  k::channel_reduce(x.f32(), nullptr, sum.f32(), sumsq.f32(), v.n, v.c, v.hw, compute_);
+}
+
+void CudaEngine::channel_dot(const Tensor& a, const Tensor& b, int64_t channels, Tensor& out) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&a, &b, &out}) check_dev(*t, "channel_dot", index_);
+  check_same_numel(a, b, "channel_dot");
+  NchwView v = nchw(a, channels);
+  bind();
+  k::channel_reduce(a.f32(), b.f32(), out.f32(), nullptr, v.n, v.c, v.hw, compute_);
+}
+
+void CudaEngine::channel_affine(const Tensor& x, int64_t channels, const Tensor& scale, const Tensor& shift,
+                                Tensor& y) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &scale, &shift, &y})
+    check_dev(*t, "channel_affine", index_);
+  check_same_numel(x, y, "channel_affine");
+  NchwView v = nchw(x, channels);
+  bind();
+  k::channel_affine(x.f32(), scale.f32(), shift.f32(), y.f32(), v.n, v.c, v.hw, compute_);
+}
+
+// ------------------------------------------------------------------ optimizer updates
+void CudaEngine::sgd_update(Tensor& param, const Tensor& grad, Tensor& buf, float lr, float momentum, float dampening,
+                            float weight_decay, bool nesterov) {
+  check_dev(param, "param", index_);
+  check_dev(grad, "grad", index_);
+  check_same_numel(param, grad, "sgd_update");
+  float* b = nullptr;
+  if (momentum != 0.f) {
+    check_dev(buf, "momentum buffer", index_);
+    check_same_numel(param, buf, "sgd_update");
+    b = buf.f32();
+  }
+  bind();
+  k::sgd_update(param.f32(), grad.f32(), b, param.numel(), lr, momentum, dampening, weight_decay, nesterov, compute_);
+}
+
+void CudaEngine::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1,
+                             float beta2, float eps, float weight_decay, bool decoupled, int64_t step) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v})
+    check_dev(*t, "adam tensor", index_);
+  check_same_numel(param, grad, "adam_update");
+  DT_CHECK(step >= 1, "adam step counts from 1");
+  // The bias corrections as the CPU engine computes them, so both engines step identically.
+  float bias1 = 1.f - std::pow(beta1, static_cast<float>(step));
+  float bias2 = 1.f - std::pow(beta2, static_cast<float>(step));
+  bind();
+  k::adam_update(param.f32(), grad.f32(), m.f32(), v.f32(), param.numel(), lr, beta1, beta2, eps, weight_decay,
+                 decoupled, bias1, bias2, compute_);
+}
+
+}  // namespace dtrain::cuda

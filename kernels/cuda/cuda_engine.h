@@ -1,0 +1,131 @@
+#pragma once
+// CudaEngine: the Engine contract on one GPU. GEMMs through cuBLASLt (cuda_gemm.cpp), convolution,
+// pooling and BatchNorm through cuDNN's legacy API (cuda_dnn.cpp), everything else through the .cu
+// kernels of kernels.h. All work is queued on one compute stream; methods that return a value to
+// the host (losses, norms, finiteness) synchronise that stream, the others return at once.
+// Private to kernels/cuda/.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "dtrain/kernels/engine.h"
+
+namespace dtrain::cuda {
+
+struct GemmPlan;  // cuda_gemm.cpp
+struct ConvPlan;  // cuda_dnn.cpp
+struct PoolPlan;
+struct BnPlan;
+
+class CudaEngine final : public Engine {
+ public:
+  explicit CudaEngine(int device_index);
+  ~CudaEngine() override;
+  CudaEngine(const CudaEngine&) = delete;
+  CudaEngine& operator=(const CudaEngine&) = delete;
+
+  Device device() const override { return Device::cuda(index_); }
+  std::string describe() const override;
+  void set_threads(int threads) override { threads_ = threads; }  // host threads do not matter here
+  int threads() const override { return threads_; }
+  void synchronize() override;
+
+  void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a, const Tensor& b,
+            float beta, Tensor& c) override;
+  void gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a,
+                    int64_t sa, const Tensor& b, int64_t sb, float beta, Tensor& c, int64_t sc) override;
+
+  void conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) override;
+  void conv2d_backward_data(const Conv2dGeom& g, const Tensor& dy, const Tensor& w, Tensor& dx) override;
+  void conv2d_backward_weights(const Conv2dGeom& g, const Tensor& x, const Tensor& dy, Tensor& dw,
+                               Tensor& dbias) override;
+  void pool2d_forward(const Pool2dGeom& g, PoolKind kind, const Tensor& x, Tensor& y, Tensor* state) override;
+  void pool2d_backward(const Pool2dGeom& g, PoolKind kind, const Tensor& dy, const Tensor& state, Tensor& dx) override;
+
+  void batchnorm_forward_train(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta, float eps,
+                               float momentum, Tensor& running_mean, Tensor& running_var, Tensor& save_mean,
+                               Tensor& save_invstd, Tensor& y) override;
+  void batchnorm_forward_infer(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta, float eps,
+                               const Tensor& running_mean, const Tensor& running_var, Tensor& y) override;
+  void batchnorm_backward(const Tensor& x, const Tensor& dy, int64_t channels, const Tensor& gamma,
+                          const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx, Tensor& dgamma,
+                          Tensor& dbeta) override;
+  void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& mean,
+                         Tensor& rstd, Tensor& y) override;
+  void layernorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
+                          const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override;
+
+  void channel_sums(const Tensor& x, int64_t channels, Tensor& sum, Tensor& sumsq) override;
+  void channel_dot(const Tensor& a, const Tensor& b, int64_t channels, Tensor& out) override;
+  void channel_affine(const Tensor& x, int64_t channels, const Tensor& scale, const Tensor& shift, Tensor& y) override;
+
+  void unary_forward(Unary op, const Tensor& x, Tensor& y) override;
+  void unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) override;
+  void dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor& mask, Tensor& y) override;
+  void mul(const Tensor& a, const Tensor& b, Tensor& y) override;
+  void add(const Tensor& a, const Tensor& b, Tensor& y) override;
+  void axpy(float alpha, const Tensor& x, Tensor& y) override;
+  void scale(Tensor& y, float alpha) override;
+  void fill(Tensor& y, float value) override;
+  void copy(const Tensor& src, Tensor& dst) override;
+  void cast(const Tensor& src, Tensor& dst) override;
+  void add_row_bias(Tensor& y, const Tensor& bias) override;
+  void row_bias_grad(const Tensor& dy, Tensor& dbias) override;
+  double sum_squares(const Tensor& x) override;
+  bool all_finite(const Tensor& x) override;
+  void unscale_and_check(Tensor& x, float inv_scale, Tensor& found_inf) override;
+
+  double softmax_xent_forward(const Tensor& logits, const Tensor& labels, Tensor& probs, int64_t* correct) override;
+  void softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) override;
+
+  void sgd_update(Tensor& param, const Tensor& grad, Tensor& buf, float lr, float momentum, float dampening,
+                  float weight_decay, bool nesterov) override;
+  void adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1, float beta2,
+                   float eps, float weight_decay, bool decoupled, int64_t step) override;
+
+  cudaStream_t compute() const { return compute_; }
+  cudaStream_t comm() const { return comm_; }
+  void comm_waits_for_compute();
+  void compute_waits_for_comm();
+
+ private:
+  // Makes this engine's device current for the calling thread (engines of several GPUs may share one).
+  void bind() const;
+  // Device scratch of at least `bytes` for cuBLASLt / cuDNN workspaces, grown (rarely) and kept.
+  void* workspace(size_t bytes);
+  // A device tensor of `like`'s element count in `dtype`, holding `like` cast (the low-precision
+  // operand copies of mixed precision); memory from the caching allocator.
+  Tensor lowp_copy(const Tensor& like, DType dtype);
+  GemmPlan& gemm_plan(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t sa, int64_t sb,
+                      int64_t sc, DType in, bool tf32, const void* pa, const void* pb, const void* pc);
+  ConvPlan& conv_plan(const Conv2dGeom& g, DType dtype);
+  PoolPlan& pool_plan(const Pool2dGeom& g, PoolKind kind);
+  BnPlan& bn_plan(const Tensor& x, int64_t channels);
+  // Copies `count` values from the device scratch area to the host after a stream sync.
+  void read_back(const void* dev, void* host, size_t bytes);
+
+  int index_;
+  int threads_ = 1;
+  cudaStream_t compute_ = nullptr, comm_ = nullptr;
+  cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  cudnnHandle_t dnn_ = nullptr;
+  Tensor workspace_;              // u8, grows to the largest workspace asked for
+  Tensor scalars_;                // u8 [64]: device-side results of reductions
+  void* host_scalars_ = nullptr;  // pinned [64], where they are read back
+  std::mutex mu_;
+  std::unordered_map<std::string, std::unique_ptr<GemmPlan>> gemm_plans_;
+  std::unordered_map<std::string, std::unique_ptr<ConvPlan>> conv_plans_;
+  std::unordered_map<std::string, std::unique_ptr<PoolPlan>> pool_plans_;
+  std::unordered_map<std::string, std::unique_ptr<BnPlan>> bn_plans_;
+};
+
+// The engine of cuda:`index` (through engine_for), checked to be a CudaEngine.
+CudaEngine& cuda_engine(int index);
+
+}  // namespace dtrain::cuda

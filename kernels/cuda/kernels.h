@@ -1,0 +1,59 @@
+#pragma once
+// Launchers of the engine's own CUDA kernels (elementwise.cu, rowwise.cu, optim_kernels.cu). Plain
+// pointers and a stream: the .cpp host code calls these, only the .cu files see kernel syntax.
+// All launches are asynchronous on `s`; scalar results land in device memory.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dtrain/kernels/engine.h"
+
+namespace dtrain::cuda::k {
+
+// ---- elementwise.cu (n elements each)
+void unary_forward(Unary op, const float* x, float* y, int64_t n, cudaStream_t s);
+void unary_backward(Unary op, const float* x, const float* dy, float* dx, int64_t n, cudaStream_t s);
+void mul(const float* a, const float* b, float* y, int64_t n, cudaStream_t s);
+void add(const float* a, const float* b, float* y, int64_t n, cudaStream_t s);
+void axpy(float alpha, const float* x, float* y, int64_t n, cudaStream_t s);
+void scale(float* y, float alpha, int64_t n, cudaStream_t s);
+void fill(float* y, float value, int64_t n, cudaStream_t s);
+void dropout_mask(float* mask, float p, uint64_t seed, int64_t n, cudaStream_t s);
+// f32 <-> bf16/f16 (the 16-bit types as raw uint16_t, round to nearest even).
+void cast(const void* src, DType from, void* dst, DType to, int64_t n, cudaStream_t s);
+// y[M,N] += bias[N]; dbias[N] += column sums of dy[M,N].
+void add_row_bias(float* y, const float* bias, int64_t m, int64_t n, cudaStream_t s);
+void row_bias_grad(const float* dy, float* dbias, int64_t m, int64_t n, cudaStream_t s);
+// *out (zeroed by the caller) += sum of x^2 in f64.
+void sum_squares(const float* x, int64_t n, double* out, cudaStream_t s);
+// x *= inv_scale; *found_inf = 1 when an element is inf or NaN after scaling.
+void unscale_and_check(float* x, float inv_scale, int64_t n, float* found_inf, cudaStream_t s);
+
+// ---- rowwise.cu: softmax cross-entropy over logits [M,C], LayerNorm over x [M,D]
+// loss_sum (f64, zeroed by the caller) += per-row losses; correct (zeroed) += argmax hits;
+// bad_label (zeroed) = 1 when a label is outside [0, C).
+void softmax_xent_forward(const float* logits, const int32_t* labels, float* probs, int64_t m, int64_t c,
+                          double* loss_sum, unsigned long long* correct, int* bad_label, cudaStream_t s);
+void softmax_xent_backward(const float* probs, const int32_t* labels, float scale, float* dlogits, int64_t m, int64_t c,
+                           cudaStream_t s);
+void layernorm_forward(const float* x, const float* gamma, const float* beta, float eps, float* mean, float* rstd,
+                       float* y, int64_t m, int64_t d, cudaStream_t s);
+// dx overwritten; dgamma, dbeta accumulated.
+void layernorm_backward(const float* x, const float* dy, const float* gamma, const float* mean, const float* rstd,
+                        float* dx, float* dgamma, float* dbeta, int64_t m, int64_t d, cudaStream_t s);
+
+// Per channel c of x [N,C,HW]: with b == nullptr, out1[c] = sum x and (out2 != nullptr) out2[c] =
+// sum x^2; with b, out1[c] = sum x*b. f64 accumulation, outputs overwritten.
+void channel_reduce(const float* x, const float* b, float* out1, float* out2, int64_t n, int64_t c, int64_t hw,
+                    cudaStream_t s);
+// y [N,C,HW] = x * scale[c] + shift[c]
+void channel_affine(const float* x, const float* scale, const float* shift, float* y, int64_t n, int64_t c, int64_t hw,
+                    cudaStream_t s);
+
+// ---- optim_kernels.cu (the functors of dtrain/kernels/functors.h)
+void sgd_update(float* p, const float* g, float* buf, int64_t n, float lr, float momentum, float dampening,
+                float weight_decay, bool nesterov, cudaStream_t s);
+void adam_update(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2, float eps,
+                 float weight_decay, bool decoupled, float bias1, float bias2, cudaStream_t s);
+
+}  // namespace dtrain::cuda::k

@@ -1,0 +1,369 @@
+// The CUDA engine against the CPU engine (the reference) on the same inputs: every operation of
+// the Engine contract, mixed-precision GEMM/conv, the caching allocator and the stream events.
+// Without a GPU every test skips and says so.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include "dtrain/core/rng.h"
+#include "dtrain/kernels/engine.h"
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+#include <cuda_runtime.h>
+
+#include "dtrain/kernels/cuda.h"
+#endif
+
+using namespace dtrain;
+
+namespace {
+
+Tensor random(const Shape& s, uint64_t seed, float lo = -1.f, float hi = 1.f) {
+  Rng rng(seed);
+  Tensor t = Tensor::empty(s);
+  for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = rng.uniform(lo, hi);
+  return t;
+}
+
+class CudaEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+#if !defined(DTRAIN_WITH_CUDA_ENGINE)
+    GTEST_SKIP() << "dtrain was built without CUDA (DTRAIN_CUDA=OFF or no toolkit): CUDA engine tests skipped";
+#else
+    if (enable_cuda() == 0)
+      GTEST_SKIP() << "no GPU visible (cudaGetDeviceCount found none): CUDA engine tests skipped, they run where a "
+                      "GPU is present";
+    gpu = &engine_for(Device::cuda(0));
+    gpu->set_math_precision(MathPrecision::F32);
+#endif
+  }
+  void TearDown() override {
+    if (gpu) gpu->set_math_precision(MathPrecision::F32);
+  }
+  Tensor dev(const Tensor& host) {
+    Tensor d = Tensor::empty(host.shape(), host.dtype(), Device::cuda(0));
+    gpu->copy(host, d);
+    return d;
+  }
+  Tensor host(const Tensor& d) {
+    Tensor h = Tensor::empty(d.shape(), d.dtype());
+    gpu->copy(d, h);
+    return h;
+  }
+  // max |gpu - cpu| / max(1, max |cpu|)
+  static double rel_diff(const Tensor& got, const Tensor& want) {
+    EXPECT_EQ(got.numel(), want.numel());
+    double d = 0, m = 1;
+    for (int64_t i = 0; i < want.numel(); ++i) {
+      d = std::max(d, static_cast<double>(std::abs(got.f32()[i] - want.f32()[i])));
+      m = std::max(m, static_cast<double>(std::abs(want.f32()[i])));
+    }
+    return d / m;
+  }
+  void expect_close(const Tensor& gpu_result, const Tensor& cpu_result, double tol, const char* what) {
+    EXPECT_LT(rel_diff(host(gpu_result), cpu_result), tol) << what;
+  }
+  Engine& cpu = cpu_engine();
+  Engine* gpu = nullptr;
+};
+
+}  // namespace
+
+TEST_F(CudaEngineTest, GemmF32AllTransposesAndBatched) {
+  const int64_t m = 33, n = 65, k = 47;
+  for (int t = 0; t < 4; ++t) {
+    bool ta = t & 1, tb = t & 2;
+    Tensor a = random({m * k}, 1), b = random({k * n}, 2), c = random({m * n}, 3);
+    Tensor gc = dev(c);
+    cpu.gemm(ta, tb, m, n, k, 0.5f, a, b, 1.f, c);
+    gpu->gemm(ta, tb, m, n, k, 0.5f, dev(a), dev(b), 1.f, gc);
+    expect_close(gc, c, 1e-5, "fp32 gemm");
+  }
+  const int64_t batch = 4;
+  Tensor a = random({batch * m * k}, 4), b = random({batch * k * n}, 5), c = Tensor::zeros({batch * m * n});
+  Tensor gc = dev(c);
+  cpu.gemm_batched(batch, false, true, m, n, k, 1.f, a, m * k, b, k * n, 0.f, c, m * n);
+  gpu->gemm_batched(batch, false, true, m, n, k, 1.f, dev(a), m * k, dev(b), k * n, 0.f, gc, m * n);
+  expect_close(gc, c, 1e-5, "batched gemm");
+}
+
+TEST_F(CudaEngineTest, GemmMixedPrecisionMatchesCpuRounding) {
+  const int64_t m = 64, n = 96, k = 128;
+  Tensor a = random({m * k}, 6), b = random({k * n}, 7);
+  for (MathPrecision p : {MathPrecision::TF32, MathPrecision::BF16, MathPrecision::F16}) {
+    Tensor c = Tensor::zeros({m * n});
+    Tensor gc = dev(c);
+    // The CPU reference computes TF32 exactly, BF16/F16 with the same operand rounding.
+    cpu.set_math_precision(p == MathPrecision::TF32 ? MathPrecision::F32 : p);
+    cpu.gemm(false, true, m, n, k, 1.f, a, b, 0.f, c);
+    cpu.set_math_precision(MathPrecision::F32);
+    gpu->set_math_precision(p);
+    gpu->gemm(false, true, m, n, k, 1.f, dev(a), dev(b), 0.f, gc);
+    expect_close(gc, c, p == MathPrecision::TF32 ? 1e-2 : 1e-4, math_precision_name(p));
+  }
+  // bf16 tensors directly.
+  Tensor a16 = Tensor::empty(a.shape(), DType::BF16), b16 = Tensor::empty(b.shape(), DType::BF16);
+  cpu.cast(a, a16);
+  cpu.cast(b, b16);
+  Tensor c = Tensor::zeros({m * n});
+  Tensor gc = dev(c);
+  cpu.gemm(false, true, m, n, k, 1.f, a16, b16, 0.f, c);
+  gpu->gemm(false, true, m, n, k, 1.f, dev(a16), dev(b16), 0.f, gc);
+  expect_close(gc, c, 1e-4, "bf16 tensors");
+}
+
+TEST_F(CudaEngineTest, ConvolutionForwardBackward) {
+  Conv2dGeom g{4, 3, 14, 14, 8, 3, 3, 2, 1};
+  Tensor x = random({g.n, g.c, g.h, g.w}, 8), w = random({g.k, g.c, g.r, g.s}, 9), bias = random({g.k}, 10);
+  Tensor dy = random({g.n, g.k, g.out_h(), g.out_w()}, 11);
+  for (MathPrecision p : {MathPrecision::F32, MathPrecision::BF16}) {
+    cpu.set_math_precision(p);
+    gpu->set_math_precision(p);
+    Tensor y = Tensor::zeros(dy.shape()), dx = Tensor::zeros(x.shape());
+    Tensor dw = random(w.shape(), 12), db = random({g.k}, 13);  // accumulated into
+    Tensor gy = dev(y), gdx = dev(dx), gdw = dev(dw), gdb = dev(db);
+    cpu.conv2d_forward(g, x, w, bias, y);
+    cpu.conv2d_backward_data(g, dy, w, dx);
+    cpu.conv2d_backward_weights(g, x, dy, dw, db);
+    gpu->conv2d_forward(g, dev(x), dev(w), dev(bias), gy);
+    gpu->conv2d_backward_data(g, dev(dy), dev(w), gdx);
+    gpu->conv2d_backward_weights(g, dev(x), dev(dy), gdw, gdb);
+    double tol = p == MathPrecision::F32 ? 1e-4 : 2e-2;  // bf16 on both sides, rounded at different points
+    expect_close(gy, y, tol, "conv forward");
+    expect_close(gdx, dx, tol, "conv backward data");
+    expect_close(gdw, dw, tol, "conv backward weights (accumulated)");
+    expect_close(gdb, db, 1e-4, "conv bias gradient");
+  }
+  cpu.set_math_precision(MathPrecision::F32);
+}
+
+TEST_F(CudaEngineTest, Pooling) {
+  Pool2dGeom g{2, 3, 8, 8, 2, 2, 0};
+  for (PoolKind kind : {PoolKind::Max, PoolKind::Avg}) {
+    Tensor x = random({g.n, g.c, g.h, g.w}, 14), dy = random({g.n, g.c, g.out_h(), g.out_w()}, 15);
+    Tensor y = Tensor::zeros(dy.shape()), dx = Tensor::zeros(x.shape()), state;
+    Tensor gy = dev(y), gdx = dev(dx), gstate;
+    cpu.pool2d_forward(g, kind, x, y, &state);
+    cpu.pool2d_backward(g, kind, dy, state, dx);
+    gpu->pool2d_forward(g, kind, dev(x), gy, &gstate);
+    gpu->pool2d_backward(g, kind, dev(dy), gstate, gdx);
+    expect_close(gy, y, 1e-6, "pool forward");
+    expect_close(gdx, dx, 1e-6, "pool backward");
+  }
+}
+
+TEST_F(CudaEngineTest, BatchNormTrainInferBackward) {
+  const int64_t n = 8, c = 4, hw = 25;
+  Tensor x = random({n, c, 5, 5}, 16), dy = random({n, c, 5, 5}, 17);
+  Tensor gamma = random({c}, 18, 0.5f, 1.5f), beta = random({c}, 19);
+  Tensor rm = Tensor::zeros({c}), rv = Tensor::full({c}, 1.f), sm = Tensor::zeros({c}), si = Tensor::zeros({c});
+  Tensor y = Tensor::zeros(x.shape()), dx = Tensor::zeros(x.shape()), dg = Tensor::zeros({c}), db = Tensor::zeros({c});
+  Tensor grm = dev(rm), grv = dev(rv), gsm = dev(sm), gsi = dev(si), gy = dev(y), gdx = dev(dx), gdg = dev(dg),
+         gdb = dev(db);
+  cpu.batchnorm_forward_train(x, c, gamma, beta, 1e-5f, 0.1f, rm, rv, sm, si, y);
+  gpu->batchnorm_forward_train(dev(x), c, dev(gamma), dev(beta), 1e-5f, 0.1f, grm, grv, gsm, gsi, gy);
+  expect_close(gy, y, 1e-5, "bn forward");
+  expect_close(grm, rm, 1e-6, "running mean");
+  expect_close(grv, rv, 1e-5, "running variance (unbiased)");
+  expect_close(gsi, si, 1e-5, "saved inverse std");
+  cpu.batchnorm_backward(x, dy, c, gamma, sm, si, dx, dg, db);
+  gpu->batchnorm_backward(dev(x), dev(dy), c, dev(gamma), gsm, gsi, gdx, gdg, gdb);
+  expect_close(gdx, dx, 1e-4, "bn dx");
+  expect_close(gdg, dg, 1e-4, "bn dgamma");
+  expect_close(gdb, db, 1e-4, "bn dbeta");
+  cpu.batchnorm_forward_infer(x, c, gamma, beta, 1e-5f, rm, rv, y);
+  gpu->batchnorm_forward_infer(dev(x), c, dev(gamma), dev(beta), 1e-5f, grm, grv, gy);
+  expect_close(gy, y, 1e-5, "bn inference");
+  (void)hw;
+}
+
+TEST_F(CudaEngineTest, ChannelReductionsAndAffine) {
+  const int64_t n = 3, c = 5;
+  Tensor x = random({n, c, 4, 6}, 40), b = random({n, c, 4, 6}, 41);
+  Tensor s = Tensor::zeros({c}), q = Tensor::zeros({c}), d = Tensor::zeros({c}), y = Tensor::zeros(x.shape());
+  Tensor gs = dev(s), gq = dev(q), gd = dev(d), gy = dev(y);
+  Tensor sc = random({c}, 42), sh = random({c}, 43);
+  cpu.channel_sums(x, c, s, q);
+  cpu.channel_dot(x, b, c, d);
+  cpu.channel_affine(x, c, sc, sh, y);
+  gpu->channel_sums(dev(x), c, gs, gq);
+  gpu->channel_dot(dev(x), dev(b), c, gd);
+  gpu->channel_affine(dev(x), c, dev(sc), dev(sh), gy);
+  expect_close(gs, s, 1e-6, "channel sums");
+  expect_close(gq, q, 1e-6, "channel sums of squares");
+  expect_close(gd, d, 1e-6, "channel dot");
+  expect_close(gy, y, 1e-6, "channel affine");
+}
+
+TEST_F(CudaEngineTest, LayerNorm) {
+  const int64_t m = 10, d = 300;
+  Tensor x = random({m, d}, 20), dy = random({m, d}, 21), g = random({d}, 22), bt = random({d}, 23);
+  Tensor mean = Tensor::zeros({m}), rstd = Tensor::zeros({m}), y = Tensor::zeros({m, d});
+  Tensor dx = Tensor::zeros({m, d}), dg = random({d}, 24), db = random({d}, 25);
+  Tensor gmean = dev(mean), grstd = dev(rstd), gy = dev(y), gdx = dev(dx), gdg = dev(dg), gdb = dev(db);
+  cpu.layernorm_forward(x, g, bt, 1e-5f, mean, rstd, y);
+  gpu->layernorm_forward(dev(x), dev(g), dev(bt), 1e-5f, gmean, grstd, gy);
+  expect_close(gy, y, 1e-5, "layernorm forward");
+  expect_close(grstd, rstd, 1e-5, "layernorm rstd");
+  cpu.layernorm_backward(x, dy, g, mean, rstd, dx, dg, db);
+  gpu->layernorm_backward(dev(x), dev(dy), dev(g), gmean, grstd, gdx, gdg, gdb);
+  expect_close(gdx, dx, 1e-5, "layernorm dx");
+  expect_close(gdg, dg, 1e-5, "layernorm dgamma (accumulated)");
+  expect_close(gdb, db, 1e-5, "layernorm dbeta (accumulated)");
+}
+
+TEST_F(CudaEngineTest, ElementwiseOps) {
+  const int64_t n = 100003;  // not a multiple of the block size
+  Tensor a = random({n}, 26, -3.f, 3.f), b = random({n}, 27);
+  Tensor ga = dev(a), gb = dev(b);
+  for (Unary op : {Unary::Relu, Unary::Gelu}) {
+    Tensor y = Tensor::zeros({n}), dx = Tensor::zeros({n});
+    Tensor gy = dev(y), gdx = dev(dx);
+    cpu.unary_forward(op, a, y);
+    cpu.unary_backward(op, a, b, dx);
+    gpu->unary_forward(op, ga, gy);
+    gpu->unary_backward(op, ga, gb, gdx);
+    expect_close(gy, y, 1e-6, "unary forward");
+    expect_close(gdx, dx, 1e-6, "unary backward");
+  }
+  Tensor y = Tensor::zeros({n}), gy = dev(y);
+  cpu.mul(a, b, y);
+  gpu->mul(ga, gb, gy);
+  expect_close(gy, y, 0, "mul");
+  cpu.add(a, b, y);
+  gpu->add(ga, gb, gy);
+  expect_close(gy, y, 0, "add");
+  cpu.axpy(0.25f, a, y);
+  gpu->axpy(0.25f, ga, gy);
+  expect_close(gy, y, 1e-7, "axpy");
+  cpu.scale(y, -3.f);
+  gpu->scale(gy, -3.f);
+  expect_close(gy, y, 1e-7, "scale");
+  cpu.fill(y, 2.5f);
+  gpu->fill(gy, 2.5f);
+  expect_close(gy, y, 0, "fill");
+  Tensor mask = Tensor::zeros({n}), gmask = dev(mask);
+  cpu.dropout_forward(a, 0.3f, 99, mask, y);
+  gpu->dropout_forward(ga, 0.3f, 99, gmask, gy);
+  expect_close(gmask, mask, 0, "dropout mask (same hash on both devices)");
+  expect_close(gy, y, 0, "dropout output");
+  EXPECT_NEAR(gpu->sum_squares(ga), cpu.sum_squares(a), 1e-9 * cpu.sum_squares(a));
+  EXPECT_TRUE(gpu->all_finite(ga));
+}
+
+TEST_F(CudaEngineTest, CastsRowBiasAndCopies) {
+  const int64_t m = 37, n = 129;
+  Tensor x = random({m, n}, 28, -100.f, 100.f), bias = random({n}, 29);
+  for (DType t : {DType::BF16, DType::F16}) {
+    Tensor lo = Tensor::empty({m, n}, t), back = Tensor::zeros({m, n});
+    cpu.cast(x, lo);
+    cpu.cast(lo, back);
+    Tensor glo = Tensor::empty({m, n}, t, Device::cuda(0)), gback = dev(Tensor::zeros({m, n}));
+    gpu->cast(dev(x), glo);
+    gpu->cast(glo, gback);
+    expect_close(gback, back, 0, dtype_name(t));  // identical rounding to nearest even
+  }
+  Tensor y = x.clone(), gy = dev(x), db = Tensor::zeros({n}), gdb = dev(db);
+  cpu.add_row_bias(y, bias);
+  gpu->add_row_bias(gy, dev(bias));
+  expect_close(gy, y, 1e-6, "add_row_bias");
+  cpu.row_bias_grad(x, db);
+  gpu->row_bias_grad(dev(x), gdb);
+  expect_close(gdb, db, 1e-5, "row_bias_grad");
+  Tensor g2 = Tensor::empty({m, n}, DType::F32, Device::cuda(0));
+  gpu->copy(gy, g2);
+  expect_close(g2, y, 0, "device-to-device copy");
+}
+
+TEST_F(CudaEngineTest, SoftmaxCrossEntropy) {
+  const int64_t m = 50, c = 1000;
+  Tensor logits = random({m, c}, 30, -5.f, 5.f), probs = Tensor::zeros({m, c}), d = Tensor::zeros({m, c});
+  Tensor labels = Tensor::empty({m}, DType::I32);
+  for (int64_t i = 0; i < m; ++i) labels.data<int32_t>()[i] = static_cast<int32_t>((i * 37) % c);
+  int64_t hits = 0, ghits = 0;
+  double loss = cpu.softmax_xent_forward(logits, labels, probs, &hits);
+  Tensor glabels = dev(labels), gprobs = dev(probs), gd = dev(d);
+  double gloss = gpu->softmax_xent_forward(dev(logits), glabels, gprobs, &ghits);
+  EXPECT_NEAR(gloss, loss, 1e-5 * std::abs(loss));
+  EXPECT_EQ(ghits, hits);
+  expect_close(gprobs, probs, 1e-6, "probabilities");
+  cpu.softmax_xent_backward(probs, labels, 1.f / m, d);
+  gpu->softmax_xent_backward(gprobs, glabels, 1.f / m, gd);
+  expect_close(gd, d, 1e-7, "dlogits");
+  labels.data<int32_t>()[3] = static_cast<int32_t>(c);
+  EXPECT_THROW(gpu->softmax_xent_forward(dev(logits), dev(labels), gprobs, nullptr), Error);
+}
+
+TEST_F(CudaEngineTest, OptimizerUpdatesAndLossScaleCheck) {
+  const int64_t n = 4097;
+  Tensor p = random({n}, 31), g = random({n}, 32), buf = Tensor::zeros({n}), m = Tensor::zeros({n}),
+         v = Tensor::zeros({n});
+  Tensor gp = dev(p), gg = dev(g), gbuf = dev(buf), gm = dev(m), gv = dev(v);
+  for (int step = 1; step <= 3; ++step) {
+    cpu.sgd_update(p, g, buf, 0.1f, 0.9f, 0.f, 1e-4f, true);
+    gpu->sgd_update(gp, gg, gbuf, 0.1f, 0.9f, 0.f, 1e-4f, true);
+  }
+  expect_close(gp, p, 1e-6, "sgd");
+  for (int step = 1; step <= 3; ++step) {
+    cpu.adam_update(p, g, m, v, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, true, step);
+    gpu->adam_update(gp, gg, gm, gv, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, true, step);
+  }
+  expect_close(gp, p, 1e-6, "adamw");
+  Tensor flag = dev(Tensor::zeros({1}));
+  gpu->unscale_and_check(gg, 0.5f, flag);
+  Tensor cpu_flag = Tensor::zeros({1});
+  cpu.unscale_and_check(g, 0.5f, cpu_flag);
+  expect_close(gg, g, 0, "unscaled");
+  EXPECT_EQ(host(flag).f32()[0], 0.f);
+  g.f32()[77] = std::numeric_limits<float>::quiet_NaN();
+  Tensor gbad = dev(g);
+  EXPECT_FALSE(gpu->all_finite(gbad));
+  gpu->unscale_and_check(gbad, 1.f, flag);
+  EXPECT_EQ(host(flag).f32()[0], 1.f);
+}
+
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+TEST_F(CudaEngineTest, CachingAllocatorNoMallocAfterWarmup) {
+  const int64_t m = 256, n = 256, k = 256;
+  Tensor a = dev(random({m * k}, 33)), b = dev(random({k * n}, 34));
+  auto step = [&] {
+    // A "step": temporaries of several sizes created and freed, GEMMs in two precisions.
+    Tensor c = Tensor::empty({m * n}, DType::F32, Device::cuda(0));
+    Tensor t = Tensor::empty({m * n}, DType::F32, Device::cuda(0));
+    for (MathPrecision p : {MathPrecision::F32, MathPrecision::BF16}) {
+      gpu->set_math_precision(p);
+      gpu->gemm(false, false, m, n, k, 1.f, a, b, 0.f, c);
+    }
+    gpu->unary_forward(Unary::Gelu, c, t);
+    gpu->synchronize();
+  };
+  step();
+  cuda::AllocatorStats warm = cuda::allocator_stats(0);
+  for (int i = 0; i < 5; ++i) step();
+  cuda::AllocatorStats after = cuda::allocator_stats(0);
+  EXPECT_EQ(after.device_mallocs, warm.device_mallocs) << cuda::format_stats(after);
+  EXPECT_GT(after.cache_hits, warm.cache_hits);
+  EXPECT_GE(after.peak_allocated, after.allocated);
+  EXPECT_GE(after.reserved, after.allocated);
+}
+
+TEST_F(CudaEngineTest, StreamsOrderedByEvents) {
+  // Work queued on compute, then a copy on the comm stream after an event wait, then compute waits
+  // for comm: the result must be the computed value without any host sync in between.
+  const int64_t n = 1 << 20;
+  Tensor x = dev(Tensor::full({n}, 1.f)), y = Tensor::empty({n}, DType::F32, Device::cuda(0));
+  gpu->scale(x, 3.f);
+  cuda::comm_waits_for_compute(0);
+  auto comm = static_cast<cudaStream_t>(cuda::comm_stream(0));
+  ASSERT_EQ(cudaMemcpyAsync(y.raw(), x.raw(), x.nbytes(), cudaMemcpyDeviceToDevice, comm), cudaSuccess);
+  cuda::compute_waits_for_comm(0);
+  gpu->scale(y, 2.f);
+  Tensor h = host(y);
+  EXPECT_EQ(h.f32()[0], 6.f);
+  EXPECT_EQ(h.f32()[n - 1], 6.f);
+  cuda::DeviceInfo info = cuda::device_info(0);
+  EXPECT_GT(info.sms, 0);
+}
+#endif
