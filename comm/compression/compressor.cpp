@@ -9,7 +9,8 @@ namespace dtrain::comm {
 
 Compressor::~Compressor() = default;
 
-std::shared_ptr<Work> Compressor::reduce(Tensor& bucket, Communicator& comm, ReduceOp op, int bucket_id) {
+std::shared_ptr<Work> Compressor::reduce(Tensor& bucket, Communicator& comm, ReduceOp op, int bucket_id,
+                                         int64_t rows) {
   DT_CHECK(bucket.defined() && bucket.dtype() == DType::F32 && bucket.device().is_cpu(),
            name() << ": a gradient bucket must be a defined f32 host tensor, got "
                   << (bucket.defined() ? bucket.str() : std::string("an undefined tensor")));
@@ -18,6 +19,9 @@ std::shared_ptr<Work> Compressor::reduce(Tensor& bucket, Communicator& comm, Red
   auto [it, fresh] = states_.try_emplace(bucket_id);
   if (fresh) it->second.id = bucket_id;
   BucketState& st = it->second;
+  DT_CHECK(rows >= 0 && (rows == 0 || bucket.numel() % rows == 0),
+           name() << ": " << rows << " rows do not divide a bucket of " << bucket.numel());
+  st.rows = rows;
   DT_CHECK(!st.residual.defined() || st.residual.numel() == bucket.numel(),
            name() << ": bucket " << bucket_id << " changed size from " << st.residual.numel() << " to "
                   << bucket.numel() << " elements");
@@ -79,7 +83,7 @@ std::shared_ptr<Work> HalfCastCompressor::do_reduce(Tensor& bucket, Communicator
 // ---- factory ---------------------------------------------------------------------------------
 
 const std::vector<std::string>& compressor_kinds() {
-  static const std::vector<std::string> k = {"none", "fp16", "bf16", "topk", "powersgd", "sign", "qsgd"};
+  static const std::vector<std::string> k = {"none", "fp16", "bf16", "topk", "powersgd", "sign", "onebit", "qsgd"};
   return k;
 }
 
@@ -99,7 +103,8 @@ std::unique_ptr<Compressor> make_compressor(const std::string& spec, uint64_t se
   if (kind == "none" && arg.empty()) return std::make_unique<NoCompressor>();
   if (kind == "fp16" && arg.empty()) return std::make_unique<HalfCastCompressor>(DType::F16);
   if (kind == "bf16" && arg.empty()) return std::make_unique<HalfCastCompressor>(DType::BF16);
-  if (kind == "sign" && arg.empty()) return std::make_unique<SignCompressor>();
+  // 1-bit SGD is the sign compressor (sign bits plus one scale, with error feedback).
+  if ((kind == "sign" || kind == "onebit") && arg.empty()) return std::make_unique<SignCompressor>();
   if (kind == "topk") {
     double r = number(0.01);
     DT_INPUT_CHECK(r > 0 && r <= 1, "compressor '" << spec << "': the top-k ratio must be in (0, 1]");

@@ -13,7 +13,8 @@ PowerSgdCompressor::PowerSgdCompressor(int rank, uint64_t seed) : rank_(rank), s
 
 std::string PowerSgdCompressor::name() const { return "powersgd(" + std::to_string(rank_) + ")"; }
 
-std::pair<int64_t, int64_t> PowerSgdCompressor::matrix_shape(int64_t n) {
+std::pair<int64_t, int64_t> PowerSgdCompressor::matrix_shape(int64_t n, int64_t rows_hint) {
+  if (rows_hint > 0) return {rows_hint, n / rows_hint};
   int64_t cols = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(n)))));
   int64_t rows = std::max<int64_t>(1, (n + cols - 1) / cols);
   return {rows, cols};
@@ -55,7 +56,7 @@ void multiply_mt_p(const PowerSgdStep& s) {
 
 std::shared_ptr<Work> PowerSgdCompressor::do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& st) {
   const int64_t n = bucket.numel();
-  auto [rows, cols] = matrix_shape(n);
+  auto [rows, cols] = matrix_shape(n, st.rows);
   if (rank_ >= std::min(rows, cols) || (rows + cols) * rank_ >= n) {
     // A rank-r factorisation would send as much as the bucket itself.
     stats_.bytes_sent += static_cast<int64_t>(bucket.nbytes());

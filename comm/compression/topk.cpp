@@ -11,6 +11,11 @@ TopKCompressor::TopKCompressor(double ratio) : ratio_(ratio) {
   DT_CHECK(ratio > 0 && ratio <= 1, "top-k ratio " << ratio << " must be in (0, 1]");
 }
 
+void TopKCompressor::set_ratio(double ratio) {
+  DT_CHECK(ratio > 0 && ratio <= 1, "top-k ratio " << ratio << " must be in (0, 1]");
+  ratio_ = ratio;
+}
+
 std::string TopKCompressor::name() const {
   char b[32];
   std::snprintf(b, sizeof b, "topk(%g)", ratio_);

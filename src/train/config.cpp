@@ -91,6 +91,8 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     ("lr-gamma", po::value<float>(&c.lr_gamma)->default_value(def.lr_gamma), "step schedule: decay factor")
     ("min-lr", po::value<float>(&c.min_lr)->default_value(0.f), "cosine schedule: final learning rate")
     ("clip-grad-norm", po::value<float>(&c.clip_grad_norm)->default_value(0.f), "clip the global gradient norm to this (0: off)")
+    ("precision", po::value<std::string>(&c.precision)->default_value(def.precision), "fp32, bf16 or fp16 (GEMM/conv inputs; fp32 accumulation and master weights; fp16 with dynamic loss scaling)")
+    ("loss-scale-interval", po::value<int64_t>(&c.loss_scale_interval)->default_value(def.loss_scale_interval), "fp16: finite steps in a row before the loss scale doubles")
     ("threads", po::value<int>(&c.threads)->default_value(0), "compute threads per rank (0: node cores / ranks on the node)")
     ("seed", po::value<uint64_t>(&c.seed)->default_value(def.seed), "seed for initialisation, shuffling, augmentation, dropout")
     ("log-every", po::value<int64_t>(&c.log_every)->default_value(def.log_every), "steps between metrics lines")
@@ -104,6 +106,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     ("bucket-mb", po::value<double>(&c.bucket_mb)->default_value(def.bucket_mb), "data-parallel gradient bucket size (MiB)")
     ("overlap", po::value<bool>(&c.overlap)->default_value(true), "start each bucket's allreduce while backward runs")
     ("compression", po::value<std::string>(&c.compression)->default_value(def.compression), "gradient compression: none, fp16, bf16, topk:RATIO, powersgd:RANK, onebit, qsgd:LEVELS")
+    ("compression-warmup", po::value<int64_t>(&c.compression_warmup)->default_value(-1), "top-k: steps over which the kept fraction falls from 25 % to the target (-1: one epoch, 0: none)")
     ("accumulate", po::value<int64_t>(&c.accumulate)->default_value(1), "micro-batches per optimizer step (gradient accumulation)")
     ("zero1", po::value<bool>(&c.zero1)->default_value(false), "ZeRO stage 1: shard optimizer state over the data-parallel ranks")
     ("sync-batchnorm", po::value<bool>(&c.sync_batchnorm)->default_value(false), "batch statistics over all data-parallel ranks");
@@ -153,6 +156,9 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   DT_INPUT_CHECK(c.lr_scaling == "none" || c.lr_scaling == "linear",
                  "option --lr-scaling must be none or linear, got '" << c.lr_scaling << "'");
   DT_INPUT_CHECK(c.base_batch_size > 0, "option --base-batch-size must be > 0");
+  DT_INPUT_CHECK(c.precision == "fp32" || c.precision == "bf16" || c.precision == "fp16",
+                 "option --precision must be fp32, bf16 or fp16, got '" << c.precision << "'");
+  DT_INPUT_CHECK(c.loss_scale_interval >= 1, "option --loss-scale-interval must be >= 1");
   DT_INPUT_CHECK(c.accumulate >= 1, "option --accumulate must be >= 1, got " << c.accumulate);
   DT_INPUT_CHECK(!c.zero1 || (c.optimizer != "lars" && c.optimizer != "lamb"),
                  "option --zero1 does not combine with --optimizer " << c.optimizer

@@ -49,6 +49,12 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
   // Threads: by default the node's cores shared among the ranks on it.
   int threads = cfg_.threads > 0 ? cfg_.threads : std::max(1, topo.threads_per_rank);
   cpu_engine().set_threads(threads);
+  cpu_engine().set_math_precision(math_precision_from_name(cfg_.precision));
+  if (cfg_.precision == "fp16") {
+    optim::LossScalerOptions lso;
+    lso.growth_interval = cfg_.loss_scale_interval;
+    scaler_ = std::make_unique<optim::LossScaler>(lso);
+  }
   std::string warn = topo.binding_warning(threads);
   if (!warn.empty() && topo.local_rank == 0) std::fprintf(stderr, "dtrain: warning (rank %d): %s\n", rank_, warn.c_str());
 
@@ -114,6 +120,10 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
   // An optimizer step takes `accumulate` micro-batches; a partial group at an epoch's end is dropped.
   int64_t batches = loader_ ? loader_->batches_per_epoch() : std::max<int64_t>(cfg_.steps, 100) * cfg_.accumulate;
   steps_per_epoch_ = batches / cfg_.accumulate;
+  if (dp_) {
+    int64_t warmup = cfg_.compression_warmup >= 0 ? cfg_.compression_warmup : batches / cfg_.accumulate;
+    dp_->set_topk_warmup(warmup);
+  }
   DT_INPUT_CHECK(steps_per_epoch_ > 0, "option --accumulate " << cfg_.accumulate << " exceeds the " << batches
                                                               << " batches of an epoch");
   epochs_ = cfg_.epochs;
@@ -196,6 +206,11 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
     s.ints["world_size"] = world_;
     s.ints["per_rank_batch"] = batch_;
     s.ints["accumulate"] = cfg_.accumulate;
+    if (scaler_) {
+      s.tensors["meta/loss_scale"] = Tensor::from({1}, {scaler_->scale()});
+      s.ints["loss_scale_good_steps"] = scaler_->good_steps();
+      s.ints["loss_scale_skipped_steps"] = scaler_->skipped_steps();
+    }
     s.ints["classes"] = spec_.classes;
     s.ints["seed"] = static_cast<int64_t>(cfg_.seed);
     s.int_lists["input_shape"] = std::vector<int64_t>(spec_.input.begin(), spec_.input.end());
@@ -263,6 +278,9 @@ void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
       load("optim/" + st.name, *st.value);
     }
   }
+  if (scaler_ && s.tensors.count("meta/loss_scale"))
+    scaler_->set_state(s.tensors["meta/loss_scale"].f32()[0], s.ints["loss_scale_good_steps"],
+                       s.ints["loss_scale_skipped_steps"]);
   step_ = need("step");
   opt_->set_steps(need("optimizer_steps"));
   epoch = need("epoch");
@@ -347,7 +365,7 @@ TrainResult Trainer::run() {
       << (world_ > 1 ? "s" : "") << " x " << cpu_engine().threads() << " thread(s), batch " << batch_ << "/rank"
       << (cfg_.accumulate > 1 ? " x " + std::to_string(cfg_.accumulate) + " micro-steps" : std::string()) << " ("
       << batch_ * world_ * cfg_.accumulate << " global), " << steps_per_epoch_ << " steps/epoch, " << total_steps_ << " steps, "
-      << opt_->kind() << " lr " << cfg_.lr << " " << cfg_.lr_schedule;
+      << opt_->kind() << " lr " << cfg_.lr << " " << cfg_.lr_schedule << ", precision " << cfg_.precision;
     say(o.str());
     // Training state per rank: parameters and gradients whole, optimizer state sharded by ZeRO-1.
     double mib = 1.0 / 1048576.0, state = 0;
@@ -423,8 +441,12 @@ TrainResult Trainer::run() {
         loss += ce.forward(logits, b.labels, &hits) / static_cast<float>(cfg_.accumulate);
         hits_step += hits;
         seen_step += b.inputs.size(0);
-        if (dp_) dp_->begin_backward(micro + 1 == cfg_.accumulate);
-        model_->backward(ce.backward(1.f / static_cast<float>(cfg_.accumulate)));
+        if (dp_) {
+          dp_->set_step(step_);
+          dp_->begin_backward(micro + 1 == cfg_.accumulate);
+        }
+        float loss_scale = scaler_ ? scaler_->scale() : 1.f;
+        model_->backward(ce.backward(loss_scale / static_cast<float>(cfg_.accumulate)));
       }
       if (ended) break;
       if (dp_) {
@@ -432,15 +454,27 @@ TrainResult Trainer::run() {
         dp_->finish();
         iv_comm += dp_->stats().comm_wait_s - c0;
       }
-      if (cfg_.clip_grad_norm > 0.f) {
+      // fp16: unscale and check for inf/NaN after the exchange, so every rank decides alike (under
+      // ZeRO-1 each rank holds a different slice, so the verdict is agreed on explicitly).
+      bool take_step = true;
+      if (scaler_) {
+        take_step = scaler_->unscale(opt_->params());
+        if (dp_ && dp_->zero1() && world_ > 1) {
+          Tensor bad = Tensor::from({1}, {take_step ? 0.f : 1.f});
+          comm_.allreduce(bad, comm::ReduceOp::Max)->wait();
+          take_step = bad.f32()[0] == 0.f;
+        }
+        scaler_->update(take_step);
+      }
+      if (take_step && cfg_.clip_grad_norm > 0.f) {
         double norm = dp_ ? dp_->grad_norm() : optim::grad_norm(model_->parameters());
         if (norm > cfg_.clip_grad_norm) {
           float k = static_cast<float>(cfg_.clip_grad_norm / (norm + 1e-6));
           for (nn::Parameter* p : opt_->params()) engine_for(p->grad.device()).scale(p->grad, k);
         }
       }
-      opt_->step(lr);
-      if (dp_) {
+      if (take_step) opt_->step(lr);
+      if (dp_ && take_step) {
         double c0 = dp_->stats().comm_wait_s;
         dp_->after_step();
         iv_comm += dp_->stats().comm_wait_s - c0;
@@ -487,7 +521,9 @@ TrainResult Trainer::run() {
                            {"data_wait_s", wait},
                            {"comm_wait_s", iv_comm / iv_steps},
                            {"bytes_sent_per_step", dp_ ? (dp_->stats().bytes_sent - iv_bytes0) / iv_steps : int64_t{0}},
-                           {"step_time_s", (now - iv_t0) / iv_steps}});
+                           {"step_time_s", (now - iv_t0) / iv_steps},
+                           {"loss_scale", static_cast<double>(scaler_ ? scaler_->scale() : 1.f)},
+                           {"skipped_steps", scaler_ ? scaler_->skipped_steps() : int64_t{0}}});
         std::string stats = "loss " + fixed(mean_loss, 4) + " acc " + fixed(100 * acc, 1) + "% " +
                             fixed(sps, 0) + " samples/s wait " + fixed(1e3 * wait, 2) + " ms";
         if (progress_->bar()) {

@@ -193,3 +193,17 @@ TEST(Trainer, ResumeRejectsACheckpointOfAnotherModel) {
   }
   fs::remove_all(dir);
 }
+
+TEST(Trainer, MixedPrecisionTrains) {
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("amp");
+  test::make_band_dataset(dir + "/train", 256);
+  for (const char* precision : {"bf16", "fp16"}) {
+    auto c = parse({"--data", dir + "/train", "--test-data", dir + "/train", "--model", "simple_cnn", "--epochs", "2",
+                    "--batch-size", "16", "--threads", "1", "--progress", "off", "--precision", precision});
+    train::Trainer t(c, rt);
+    EXPECT_GT(t.run().last_eval.accuracy, 0.95) << precision;
+  }
+  cpu_engine().set_math_precision(MathPrecision::F32);
+  fs::remove_all(dir);
+}

@@ -36,7 +36,10 @@ class Compressor {
   // gradient) or Sum. Asynchronous: the bucket holds the result once the Work completes. The
   // compressor must outlive the Work. `bucket_id` keys the per-bucket state (residual, factors,
   // random stream); a bucket must keep its size.
-  std::shared_ptr<Work> reduce(Tensor& bucket, Communicator& comm, ReduceOp op = ReduceOp::Avg, int bucket_id = 0);
+  // `rows` > 0 says the bucket is one tensor whose natural matrix view is rows x (numel / rows)
+  // (a layer's weight as [out, in*kh*kw], as PyTorch's PowerSGD hook reshapes it); 0: a flat bucket.
+  std::shared_ptr<Work> reduce(Tensor& bucket, Communicator& comm, ReduceOp op = ReduceOp::Avg, int bucket_id = 0,
+                               int64_t rows = 0);
 
   const CompressionStats& stats() const { return stats_; }
   // The error-feedback residual of a bucket; an undefined Tensor before the first call or when
@@ -47,6 +50,7 @@ class Compressor {
  protected:
   struct BucketState {
     int id = 0;
+    int64_t rows = 0;          // the matrix view's rows when the bucket is one tensor (see reduce)
     Tensor residual;           // f32, bucket size
     Tensor factor;             // PowerSGD: Q, warm start
     std::unique_ptr<Rng> rng;  // QSGD: this rank's stream
@@ -89,6 +93,8 @@ class TopKCompressor final : public Compressor {
  public:
   explicit TopKCompressor(double ratio);
   std::string name() const override;
+  double ratio() const { return ratio_; }
+  void set_ratio(double ratio);  // for a sparsity warm-up (DGC): start dense, reach the target
   bool has_error_feedback() const override { return true; }
 
  protected:
@@ -108,7 +114,9 @@ class PowerSgdCompressor final : public Compressor {
   std::string name() const override;
   bool has_error_feedback() const override { return true; }
   // The matrix shape used for a bucket of n elements: cols = ceil(sqrt(n)), rows = ceil(n / cols).
-  static std::pair<int64_t, int64_t> matrix_shape(int64_t n);
+  // The matrix a bucket of n elements is factorised as: rows x n/rows when the caller gave the
+  // tensor's rows, otherwise close to square.
+  static std::pair<int64_t, int64_t> matrix_shape(int64_t n, int64_t rows = 0);
 
  protected:
   std::shared_ptr<Work> do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& state) override;

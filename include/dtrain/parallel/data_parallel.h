@@ -28,6 +28,9 @@ struct DataParallelOptions {
   // Gradient compression per bucket ("none", "fp16", "bf16", "topk:0.01", "powersgd:2", "onebit",
   // "qsgd:16"; see comm/compression.h). Not with zero1.
   std::string compression = "none";
+  // Top-k sparsity warm-up (Lin et al., Deep Gradient Compression): the kept fraction falls
+  // exponentially from 25 % to the target over these many steps; 0: the target from the start.
+  int64_t topk_warmup_steps = 0;
   uint64_t seed = 0x5eed;
 };
 
@@ -65,6 +68,9 @@ class DataParallel {
   Tensor gather_flat(const Tensor& shard);
   Tensor own_slice(const Tensor& flat) const;  // this rank's slice of a flat (padded) vector
   int64_t offset_of(const nn::Parameter* p) const { return offset_.at(p); }
+  // Tells the exchange which optimizer step the next backward belongs to (top-k warm-up).
+  void set_step(int64_t step);
+  void set_topk_warmup(int64_t steps) { opt_.topk_warmup_steps = steps; }
 
   int world() const { return comm_.size(); }
   bool zero1() const { return opt_.zero1; }
@@ -77,6 +83,7 @@ class DataParallel {
   struct Bucket {
     int64_t begin = 0, end = 0;  // element range in the flat gradient
     int64_t params = 0, ready = 0;
+    int64_t rows = 0;            // one-tensor buckets: the tensor's rows (its matrix view), for compression
     std::shared_ptr<comm::Work> work;
   };
   void on_grad_ready(nn::Parameter& p);
@@ -93,6 +100,7 @@ class DataParallel {
   // ZeRO-1 shard of this rank: master copy of its parameters and its averaged gradient.
   nn::Parameter shard_;
   std::unique_ptr<comm::Compressor> compressor_;  // null: plain allreduce
+  double topk_target_ = 0;                        // the top-k ratio asked for (warm-up ends there)
   DataParallelStats stats_;
 };
 

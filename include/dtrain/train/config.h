@@ -40,6 +40,10 @@ struct TrainConfig {
   int64_t warmup_steps = 0, lr_step_size = 1000;
   float lr_gamma = 0.1f, min_lr = 0.f;
   float clip_grad_norm = 0.f;
+  // precision: fp32, or bf16/fp16 GEMM and convolution inputs with fp32 accumulation and fp32
+  // master weights; fp16 adds dynamic loss scaling
+  std::string precision = "fp32";
+  int64_t loss_scale_interval = 2000;
   // runtime
   int threads = 0;  // 0: the node's cores / ranks on the node
   uint64_t seed = 42;
@@ -54,6 +58,7 @@ struct TrainConfig {
   double bucket_mb = 25;   // data-parallel gradient bucket size in MiB
   bool overlap = true;     // start each bucket's allreduce during backward
   std::string compression = "none";
+  int64_t compression_warmup = -1;  // top-k sparsity warm-up steps; -1: one epoch
   int64_t accumulate = 1;  // micro-batches per optimizer step (gradients communicated on the last)
   bool zero1 = false;      // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
   bool sync_batchnorm = false;

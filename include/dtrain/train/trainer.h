@@ -7,6 +7,7 @@
 #include "dtrain/comm/runtime.h"
 #include "dtrain/data/loader.h"
 #include "dtrain/nn/models.h"
+#include "dtrain/optim/loss_scaler.h"
 #include "dtrain/optim/optimizer.h"
 #include "dtrain/optim/schedule.h"
 #include "dtrain/parallel/data_parallel.h"
@@ -58,6 +59,7 @@ class Trainer {
   std::unique_ptr<optim::Optimizer> opt_;
   std::unique_ptr<optim::LrSchedule> sched_;
   std::unique_ptr<parallel::DataParallel> dp_;
+  std::unique_ptr<optim::LossScaler> scaler_;  // fp16 only
   std::unique_ptr<MetricsWriter> metrics_;
   std::unique_ptr<Progress> progress_;
   int64_t step_ = 0, steps_per_epoch_ = 0, total_steps_ = 0, epochs_ = 0;
