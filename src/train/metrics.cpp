@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 
 #include "dtrain/core/error.h"
 
@@ -45,6 +46,9 @@ std::string to_json(const JsonFields& fields) {
 }
 
 MetricsWriter::MetricsWriter(const std::string& path, bool append) {
+  std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  std::error_code ec;
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);  // fopen names what failed
   f_ = std::fopen(path.c_str(), append ? "a" : "w");
   DT_INPUT_CHECK(f_, "option --metrics: cannot open '" << path << "' for writing: " << std::strerror(errno));
 }

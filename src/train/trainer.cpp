@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
+#include <functional>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +14,7 @@
 #include "dtrain/core/timer.h"
 #include "dtrain/optim/large_batch.h"
 #include "dtrain/parallel/sync_batchnorm.h"
+#include "dtrain/train/signals.h"
 
 namespace fs = std::filesystem;
 
@@ -39,12 +42,45 @@ static std::string fixed(double v, int digits) {
   return o.str();
 }
 
+// Runs `setup` on every rank and makes the ranks agree on its outcome: a bad input seen by some
+// ranks only (a metrics file only rank 0 opens, a shard one node cannot read) becomes the same
+// InputError on every rank, carrying the message of the lowest failing rank, instead of a rank
+// that returns while the others wait for it in their first collective.
+static void agree_on_setup(comm::Communicator& comm, const std::function<void()>& setup) {
+  std::string error;
+  try {
+    setup();
+  } catch (const InputError& e) {
+    error = e.what();
+  }
+  if (comm.size() == 1) {
+    if (!error.empty()) throw InputError(error);
+    return;
+  }
+  Tensor first = Tensor::empty({1}, DType::I32);
+  first.data<int32_t>()[0] = error.empty() ? comm.size() : comm.rank();
+  comm.allreduce(first, comm::ReduceOp::Min)->wait();
+  int root = first.data<int32_t>()[0];
+  if (root == comm.size()) return;
+  Tensor len = Tensor::empty({1}, DType::I64);
+  len.data<int64_t>()[0] = static_cast<int64_t>(error.size());
+  comm.broadcast(len, root)->wait();
+  Tensor text = Tensor::zeros({std::max<int64_t>(len.data<int64_t>()[0], 1)}, DType::U8);
+  if (comm.rank() == root) std::memcpy(text.raw(), error.data(), error.size());
+  comm.broadcast(text, root)->wait();
+  throw InputError(std::string(static_cast<const char*>(text.raw()), static_cast<size_t>(len.data<int64_t>()[0])));
+}
+
 Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* dp)
     : cfg_(cfg), rt_(rt), comm_(dp ? *dp : rt.world()) {
-  const comm::Topology& topo = rt.topology();
   rank_ = comm_.rank();
   world_ = comm_.size();
   progress_ = std::make_unique<Progress>(cfg_.progress, rank_ == 0);
+  agree_on_setup(comm_, [this] { setup(); });
+}
+
+void Trainer::setup() {
+  const comm::Topology& topo = rt_.topology();
 
   // Threads: by default the node's cores shared among the ranks on it.
   int threads = cfg_.threads > 0 ? cfg_.threads : std::max(1, topo.threads_per_rank);
@@ -173,6 +209,13 @@ void Trainer::build_optimizer() {
 }
 
 void Trainer::say(const std::string& s) { progress_->line(s); }
+
+// The largest signal number any rank received (0: none); one 4-byte allreduce.
+int Trainer::agree_on_preemption() {
+  Tensor flag = Tensor::from({1}, {static_cast<float>(PreemptionGuard::received())});
+  if (world_ > 1) comm_.allreduce(flag, comm::ReduceOp::Max)->wait();
+  return static_cast<int>(flag.f32()[0]);
+}
 
 // ------------------------------------------------------------------ checkpoints
 void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
@@ -357,6 +400,7 @@ TrainResult Trainer::run() {
   int64_t start_epoch = 0, skip = 0;
   if (!cfg_.resume.empty()) restore(cfg_.resume, start_epoch, skip);
   if (dp_) dp_->broadcast_state(0);
+  PreemptionGuard preemption(parse_signal_list(cfg_.preempt_signals, "preempt-signals"));
 
   if (rank_ == 0) {
     std::ostringstream o;
@@ -538,8 +582,21 @@ TrainResult Trainer::run() {
         iv_steps = iv_correct = iv_seen = 0;
         iv_t0 = now_s();
       }
-      if (cfg_.checkpoint_every > 0 && step_ % cfg_.checkpoint_every == 0) save(epoch, batch_in_epoch);
+      bool saved = cfg_.checkpoint_every > 0 && step_ % cfg_.checkpoint_every == 0;
+      if (saved) save(epoch, batch_in_epoch);
+      // Preemption: a signal seen by any rank stops every rank after this same step. Not on an
+      // epoch's last step, so that its evaluation and checkpoint happen first.
+      if (step_ % cfg_.preempt_check_every == 0 && step_ < total_steps_ && batch_in_epoch < steps_per_epoch_ &&
+          (result.preempted_by = agree_on_preemption()) != 0) {
+        if (!saved) save(epoch, batch_in_epoch);
+        say("preempted by " + signal_name(result.preempted_by) + " at step " + std::to_string(step_) +
+            (cfg_.checkpoint_dir.empty() ? std::string(": no --checkpoint-dir, nothing saved")
+                                         : ": checkpoint written to " + cfg_.checkpoint_dir));
+        if (metrics_) metrics_->write({{"event", std::string("preempted")}, {"step", step_}, {"signal", signal_name(result.preempted_by)}});
+        break;
+      }
     }
+    if (result.preempted_by != 0) break;
     bool epoch_done = batch_in_epoch >= steps_per_epoch_;
     if (epoch_done || step_ >= total_steps_) {
       std::string line = "epoch " + std::to_string(epoch + 1) + " done in " + fixed(now_s() - epoch_t0, 1) + " s";

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 
@@ -106,6 +107,16 @@ TEST(CliMpi, MissingDataOnTwoRanks) {
   Result r = mpirun(2, "train --data /nonexistent/dir --progress off");
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_EQ(count(r.out, "/nonexistent/dir"), 1u) << r.out;
+}
+
+TEST(CliMpi, AnErrorOnRankZeroOnlyEndsEveryRankAtOnce) {
+  // Only rank 0 opens the metrics file: the other rank must not wait for it in a collective.
+  auto t0 = std::chrono::steady_clock::now();
+  Result r = mpirun(2, "train --synthetic --steps 5 --threads 1 --progress off --metrics /proc/no/such/m.jsonl");
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_EQ(count(r.out, "/proc/no/such/m.jsonl"), 1u) << r.out;
+  EXPECT_LT(s, 30.0) << "a rank waited for the failed one";
 }
 
 TEST(CliMpi, TrainsOnTwoRanksAndMatchesOneRank) {

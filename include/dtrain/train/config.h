@@ -54,6 +54,10 @@ struct TrainConfig {
   int64_t checkpoint_every = 0;  // steps; 0: at the end of each epoch only
   int keep_checkpoints = 2;
   std::string resume;
+  // Preemption: these signals make every rank stop at a common step boundary, checkpoint and exit
+  // with kPreemptedExitCode (42); ranks agree by an allreduce every `preempt_check_every` steps.
+  std::string preempt_signals = "TERM,USR1";
+  int64_t preempt_check_every = 1;
   bool eval_each_epoch = true;
   double bucket_mb = 25;   // data-parallel gradient bucket size in MiB
   bool overlap = true;     // start each bucket's allreduce during backward

@@ -28,6 +28,7 @@ struct TrainResult {
   EvalResult last_eval;
   double samples_per_s = 0;     // global, over the run's steady state (after the first step)
   double first_step_at_s = 0;   // seconds from process start to the end of the first step
+  int preempted_by = 0;         // the signal that stopped the run early after a checkpoint, or 0
 };
 
 class Trainer {
@@ -42,10 +43,12 @@ class Trainer {
   int64_t per_rank_batch() const { return batch_; }
 
  private:
+  void setup();  // everything the constructor does; the ranks agree on its outcome
   void build_optimizer();
   void save(int64_t epoch, int64_t batch_in_epoch);
   void restore(const std::string& path, int64_t& epoch, int64_t& skip);
   void say(const std::string& s);
+  int agree_on_preemption();
 
   TrainConfig cfg_;
   comm::Runtime& rt_;

@@ -1,0 +1,58 @@
+#pragma once
+// Language-model training of the GPT on byte-token streams (dtrain convert text): AdamW, cosine
+// schedule with warm-up, global-norm clipping, periodic validation loss and bits per byte, data
+// parallel over the given communicator, HDF5 checkpoints that `dtrain generate` reads.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "dtrain/comm/communicator.h"
+#include "dtrain/nn/gpt.h"
+#include "dtrain/train/checkpoint.h"
+
+namespace dtrain::train {
+
+struct LmConfig {
+  std::string data;  // directory holding train.h5 and val.h5
+  nn::GptConfig model;
+  int64_t batch_size = 8;  // sequences per rank per step
+  int64_t seq_len = 0;     // 0: the model's context
+  int64_t steps = 1000;
+  float lr = 1e-3f, min_lr = 1e-4f, weight_decay = 0.1f, clip_grad_norm = 1.f;
+  int64_t warmup_steps = 100;
+  int64_t eval_every = 200;    // steps between validation passes (0: only at the end)
+  int64_t eval_batches = 16;   // validation batches per pass (0: the whole validation stream)
+  int64_t log_every = 20;
+  int tp = 1;                  // tensor-parallel ranks (dp is the rest of the world)
+  int threads = 0;             // 0: leave the engine's setting
+  uint64_t seed = 1;
+  std::string metrics;         // JSON-lines file (rank 0)
+  std::string checkpoint_dir;  // ckpt-<step>.h5 at the end when set
+  bool quiet = false;
+};
+
+struct LmResult {
+  int64_t steps = 0;
+  double train_loss = 0;  // mean over the last log interval, nats per token
+  double val_loss = 0;    // nats per token
+  double val_bpb = 0;     // bits per byte (= val_loss / ln 2 for byte tokens)
+  double tokens_per_s = 0;
+  std::string checkpoint;  // the file written, when any
+};
+
+// `world` may be null (one rank). Every rank of `world` must call it: the ranks form a dp x tp grid
+// (parallel::ProcessGrid); each dp group draws its own windows, the tp ranks of a group the same.
+LmResult train_lm(const LmConfig& cfg, comm::Communicator* world);
+
+// Mean cross-entropy (nats per token) of `model` over up to `max_batches` (0: all) consecutive
+// non-overlapping windows of `tokens`.
+double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, int64_t seq_len, int64_t max_batches);
+
+// Checkpoint <-> GPT: parameters under "param/" in the one-rank layout (tensor-parallel shards
+// are gathered first, parallel::gather_full_parameters), the config as an int list.
+CheckpointState gpt_checkpoint_state(const nn::GptConfig& cfg, const std::map<std::string, Tensor>& full_params,
+                                     int64_t step);
+std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s);
+
+}  // namespace dtrain::train

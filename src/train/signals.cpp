@@ -1,0 +1,76 @@
+#include "dtrain/train/signals.h"
+
+#include <csignal>
+#include <cstring>
+#include <sstream>
+
+#include "dtrain/core/error.h"
+
+namespace dtrain::train {
+
+namespace {
+
+// Written by the handler, read by the step loop: sig_atomic_t is the only type a handler may store.
+volatile std::sig_atomic_t g_received = 0;
+
+extern "C" void on_preemption_signal(int sig) {
+  if (g_received == 0) g_received = sig;
+}
+
+struct NamedSignal {
+  const char* name;
+  int number;
+};
+constexpr NamedSignal kSignals[] = {{"TERM", SIGTERM}, {"USR1", SIGUSR1}, {"USR2", SIGUSR2},
+                                    {"INT", SIGINT},   {"HUP", SIGHUP},   {"CONT", SIGCONT}};
+
+}  // namespace
+
+PreemptionGuard::PreemptionGuard(const std::vector<int>& signals) : signals_(signals) {
+  g_received = 0;
+  for (int sig : signals_) {
+    struct sigaction act {};
+    act.sa_handler = on_preemption_signal;
+    sigemptyset(&act.sa_mask);
+    act.sa_flags = SA_RESTART;  // MPI and file calls in flight carry on; the loop checks between steps
+    auto* old = new struct sigaction();
+    sigaction(sig, &act, old);
+    previous_.push_back(old);
+  }
+}
+
+PreemptionGuard::~PreemptionGuard() {
+  for (size_t i = 0; i < signals_.size(); ++i) {
+    auto* old = static_cast<struct sigaction*>(previous_[i]);
+    sigaction(signals_[i], old, nullptr);
+    delete old;
+  }
+}
+
+int PreemptionGuard::received() { return g_received; }
+void PreemptionGuard::clear() { g_received = 0; }
+
+std::vector<int> parse_signal_list(const std::string& list, const std::string& option) {
+  std::vector<int> out;
+  if (list.empty() || list == "none") return out;
+  std::stringstream ss(list);
+  std::string tok;
+  while (std::getline(ss, tok, ',')) {
+    std::string name = tok.rfind("SIG", 0) == 0 ? tok.substr(3) : tok;
+    int found = 0;
+    for (const NamedSignal& s : kSignals)
+      if (name == s.name) found = s.number;
+    DT_INPUT_CHECK(found != 0, "option --" << option << ": '" << tok
+                                           << "' is not one of TERM, USR1, USR2, INT, HUP, CONT (or none)");
+    out.push_back(found);
+  }
+  return out;
+}
+
+std::string signal_name(int sig) {
+  for (const NamedSignal& s : kSignals)
+    if (s.number == sig) return std::string("SIG") + s.name;
+  return "signal " + std::to_string(sig);
+}
+
+}  // namespace dtrain::train
