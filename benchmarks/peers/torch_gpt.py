@@ -1,0 +1,109 @@
+#!/usr/bin/python3
+"""The dtrain GPT in PyTorch 1.13: byte vocabulary, token + position embedding N(0, 0.02), pre-LN
+blocks (causal self-attention with a fused qkv projection, GELU MLP 4x), final LayerNorm, tied
+unembedding; nn.Linear keeps PyTorch's default init, as dtrain's. Trains on windows of a byte
+stream (an HDF5 token file from `dtrain convert text`, or random bytes) with AdamW (beta2 0.95)
+and prints one JSON line: tokens per second over the timed steps (after warm-up steps).
+
+usage: torch_gpt.py [--layers 6] [--width 256] [--heads 8] [--context 128] [--batch 8]
+                    [--steps 20] [--warmup 3] [--threads 1] [--tokens FILE.h5]
+"""
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, c, h):
+        super().__init__()
+        self.h = h
+        self.qkv = nn.Linear(c, 3 * c)
+        self.proj = nn.Linear(c, c)
+
+    def forward(self, x):  # x (B, T, C)
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))  # (B, H, T, hd)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.h)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, c, h):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(c), Attention(c, h)
+        self.ln2, self.fc, self.fc2 = nn.LayerNorm(c), nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))  # as dtrain and GPT-2
+
+
+class Gpt(nn.Module):
+    def __init__(self, vocab, context, layers, heads, width):
+        super().__init__()
+        self.wte = nn.Parameter(torch.randn(vocab, width) * 0.02)
+        self.wpe = nn.Parameter(torch.randn(context, width) * 0.02)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+
+    def forward(self, ids):  # ids (B, T) -> logits (B*T, V)
+        x = self.wte[ids] + self.wpe[: ids.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.ln_f(x).reshape(-1, x.shape[-1]) @ self.wte.t()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", help="HDF5 token file (dtrain convert text); random bytes otherwise")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(1)
+    if a.tokens:
+        import h5py
+        with h5py.File(a.tokens, "r") as f:
+            stream = torch.from_numpy(f["tokens"][:].astype("int64"))
+    else:
+        stream = torch.randint(0, 256, (1 << 20,))
+    model = Gpt(256, a.context, a.layers, a.heads, a.width)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "wpe"]
+    plain = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "wpe")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95))
+    t = a.context
+    losses = []
+    for step in range(a.warmup + a.steps):
+        if step == a.warmup:
+            t0 = time.perf_counter()
+        off = torch.randint(0, stream.numel() - t - 1, (a.batch,))
+        win = torch.stack([stream[o: o + t + 1] for o in off.tolist()])
+        loss = F.cross_entropy(model(win[:, :-1]), win[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    dt = time.perf_counter() - t0
+    print(json.dumps({"framework": "pytorch " + torch.__version__, "tokens_per_s": a.steps * a.batch * t / dt,
+                      "parameters": sum(p.numel() for p in model.parameters()), "first_loss": losses[0],
+                      "last_loss": losses[-1]}))
+
+
+if __name__ == "__main__":
+    main()
