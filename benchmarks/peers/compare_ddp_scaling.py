@@ -87,7 +87,8 @@ def main():
     print("|---|---|---|")
     base = None
     for c in ("none", "fp16", "bf16", "topk:0.01", "powersgd:2", "sign", "qsgd:16"):
-        b = dtrain(args, 2, cnn + ["--compression", c], steps=20)[-2]["bytes_sent_per_step"]
+        # --compression-warmup 0: the steady state (top-k starts dense otherwise)
+        b = dtrain(args, 2, cnn + ["--compression", c, "--compression-warmup", "0"], steps=20)[-2]["bytes_sent_per_step"]
         base = base or b
         print(f"| {c} | {b} | {b / base:.3f} |")
 
