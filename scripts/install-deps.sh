@@ -12,26 +12,50 @@ PACKAGES=(
   zlib1g-dev
   libgtest-dev libbenchmark-dev
   dataset-fashion-mnist
+  fortunes  # English text for the GPT example (examples/gpt_fortunes.ini)
 )
 # The side-by-side peer benchmarks need PyTorch; the tests do not.
 if [[ "${DTRAIN_WITH_PEERS:-0}" == "1" ]]; then
   PACKAGES+=(python3-torch python3-h5py python3-numpy time)
 fi
 
+# A real one-node SLURM for the `slurm` tests (cluster/slurm/local/start.sh). Only as root by
+# default: the daemons need it, and the tests skip themselves elsewhere. DTRAIN_WITH_SLURM=0|1 decides.
+# Installed on its own so that a machine where they cannot be installed still gets the rest.
+OPTIONAL=()
+if [[ "${DTRAIN_WITH_SLURM:-$([[ $(id -u) -eq 0 ]] && echo 1 || echo 0)}" == "1" ]]; then
+  OPTIONAL+=(slurmctld slurmd slurm-client munge)
+fi
+# The scaling harness (benchmarks/scaling/) and its test: numpy, and matplotlib for the plots.
+if [[ "${DTRAIN_WITH_PLOTS:-1}" == "1" ]]; then OPTIONAL+=(python3-numpy python3-matplotlib); fi
+
 missing=()
+missing_optional=()
+for p in "${OPTIONAL[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing_optional+=("$p")
+  fi
+done
 for p in "${PACKAGES[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
     missing+=("$p")
   fi
 done
 
-if ((${#missing[@]} == 0)); then
-  echo "install-deps: all ${#PACKAGES[@]} packages present"
+if ((${#missing[@]} == 0 && ${#missing_optional[@]} == 0)); then
+  echo "install-deps: all $((${#PACKAGES[@]} + ${#OPTIONAL[@]})) packages present"
   exit 0
 fi
 
 SUDO=""
 if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
-echo "install-deps: installing ${missing[*]}"
 $SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if ((${#missing[@]} > 0)); then
+  echo "install-deps: installing ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+if ((${#missing_optional[@]} > 0)); then
+  echo "install-deps: installing ${missing_optional[*]} (optional: the slurm and scaling tests skip without them)"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing_optional[@]}" ||
+    echo "install-deps: warning: could not install ${missing_optional[*]}; the slurm and scaling tests will be skipped"
+fi

@@ -141,6 +141,13 @@ class CpuEngine final : public Engine {
   double softmax_xent_forward(const Tensor& logits, const Tensor& labels, Tensor& probs, int64_t* correct) override;
   void softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) override;
 
+  void permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, int64_t d, Tensor& y) override;
+  void causal_softmax_forward(const Tensor& scores, int64_t t, float scale, Tensor& probs) override;
+  void causal_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
+                               Tensor& dscores) override;
+  void embedding_forward(const Tensor& ids, const Tensor& table, int64_t offset, Tensor& y) override;
+  void embedding_backward(const Tensor& ids, const Tensor& dy, int64_t offset, Tensor& dtable) override;
+
   void sgd_update(Tensor& param, const Tensor& grad, Tensor& buf, float lr, float momentum, float dampening,
                   float weight_decay, bool nesterov) override;
   void adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1, float beta2,

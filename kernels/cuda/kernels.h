@@ -50,6 +50,19 @@ void channel_reduce(const float* x, const float* b, float* out1, float* out2, in
 void channel_affine(const float* x, const float* scale, const float* shift, float* y, int64_t n, int64_t c, int64_t hw,
                     cudaStream_t s);
 
+// ---- transformer.cu: attention and embedding pieces (shapes as in the Engine contract)
+// y[i,k,j,:] = x[i,j,k,:] for x [a,b,c,d].
+void permute_0213(const float* x, float* y, int64_t a, int64_t b, int64_t c, int64_t d, cudaStream_t s);
+// probs/scores [rows = N*T, T]; row r is query position r % T.
+void causal_softmax_forward(const float* scores, float* probs, int64_t rows, int64_t t, float scale, cudaStream_t s);
+void causal_softmax_backward(const float* probs, const float* dprobs, float* dscores, int64_t rows, int64_t t,
+                             float scale, cudaStream_t s);
+// table [v,c] holds vocabulary rows [offset, offset+v); ids [n]; y/dy [n,c].
+void embedding_forward(const int32_t* ids, const float* table, float* y, int64_t n, int64_t v, int64_t c,
+                       int64_t offset, cudaStream_t s);
+void embedding_backward(const int32_t* ids, const float* dy, float* dtable, int64_t n, int64_t v, int64_t c,
+                        int64_t offset, cudaStream_t s);
+
 // ---- optim_kernels.cu (the functors of dtrain/kernels/functors.h)
 void sgd_update(float* p, const float* g, float* buf, int64_t n, float lr, float momentum, float dampening,
                 float weight_decay, bool nesterov, cudaStream_t s);

@@ -1,4 +1,5 @@
-// dtrain convert idx|cifar10|fashion-mnist: classic image files to a directory of HDF5 shards.
+// dtrain convert idx|cifar10|fashion-mnist: classic image files to a directory of HDF5 shards;
+// dtrain convert text: text files to byte-token files for language models.
 #include <boost/program_options.hpp>
 #include <filesystem>
 #include <iostream>
@@ -9,6 +10,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/core/timer.h"
 #include "dtrain/data/convert.h"
+#include "dtrain/data/text.h"
 
 namespace dtrain::cli {
 
@@ -93,7 +95,8 @@ std::string idx_file(const std::string& dir, const std::string& stem) {
 void print_help(std::ostream& os) {
   ConvertArgs a;
   os << "usage: dtrain convert KIND [options]\n"
-        "  KIND is idx, cifar10 or fashion-mnist. Writes OUT/shard-00000.h5, ... (format: docs/data.md).\n\n"
+        "  KIND is idx, cifar10 or fashion-mnist (writes OUT/shard-00000.h5, ..., format: docs/data.md),\n"
+        "  or text (writes OUT/train.h5 and OUT/val.h5 of byte tokens; see dtrain convert text --help).\n\n"
      << idx_options(a) << "\n"
      << cifar10_options(a) << "\n"
      << fashion_options(a) << "\n";
@@ -101,8 +104,42 @@ void print_help(std::ostream& os) {
 
 }  // namespace
 
+// dtrain convert text: byte tokens (vocabulary 256) in <out>/train.h5 and <out>/val.h5.
+int cmd_convert_text(int argc, char** argv) {
+  std::vector<std::string> inputs;
+  std::string out;
+  data::TextConvertOptions opt;
+  po::options_description o("dtrain convert text (any text files; byte tokens, vocabulary 256)");
+  // clang-format off
+  o.add_options()
+    ("help,h", "show this help")
+    ("inputs", po::value(&inputs)->multitoken()->required(), "text files or directories (walked recursively)")
+    ("out", po::value(&out)->required(), "output directory: train.h5 and val.h5")
+    ("val-fraction", po::value(&opt.val_fraction)->default_value(opt.val_fraction), "share of text held out for validation")
+    ("block-bytes", po::value(&opt.block_bytes)->default_value(opt.block_bytes), "the held-out split is by blocks of this size")
+    ("seed", po::value(&opt.seed)->default_value(opt.seed), "seed of the split");
+  // clang-format on
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(o).run(), vm);
+    if (vm.count("help")) {
+      std::cout << o << "\n";
+      return 0;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw InputError("dtrain convert text: " + std::string(e.what()) + " (see dtrain convert text --help)");
+  }
+  data::TextConvertSummary s = data::convert_text(inputs, out, opt);
+  std::printf("%lld file(s): %lld train tokens, %lld validation tokens -> %s/{train,val}.h5\n",
+              static_cast<long long>(s.files), static_cast<long long>(s.train_tokens),
+              static_cast<long long>(s.val_tokens), out.c_str());
+  return 0;
+}
+
 int cmd_convert(int argc, char** argv) {
-  DT_INPUT_CHECK(argc >= 2, "dtrain convert: missing KIND (idx, cifar10 or fashion-mnist); see dtrain convert --help");
+  DT_INPUT_CHECK(argc >= 2,
+                 "dtrain convert: missing KIND (idx, cifar10, fashion-mnist or text); see dtrain convert --help");
   if (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
     print_help(std::cout);
     return 0;
@@ -117,6 +154,7 @@ int cmd_convert(int argc, char** argv) {
     t0 = now_s();
     done.push_back(std::move(s));
   };
+  if (kind == "text") return cmd_convert_text(argc - 1, argv + 1);
   if (kind == "idx") {
     if (!parse(argc - 1, argv + 1, idx_options(a), kind)) return 0;
     data::ImageSet set = data::read_idx(a.images, a.labels);
@@ -142,7 +180,8 @@ int cmd_convert(int argc, char** argv) {
       finish(data::write_shards(set, (fs::path(a.out) / s.split).string(), a.writer));
     }
   } else {
-    DT_INPUT_CHECK(false, "dtrain convert: unknown kind '" << kind << "' (expected idx, cifar10 or fashion-mnist)");
+    DT_INPUT_CHECK(false,
+                   "dtrain convert: unknown kind '" << kind << "' (expected idx, cifar10, fashion-mnist or text)");
   }
   for (const data::ConvertSummary& s : done) std::cout << s.str() << "\n";
   return 0;

@@ -18,7 +18,8 @@ void usage() {
       "commands:\n"
       "  train     train a model (data from HDF5 shards, or --synthetic)\n"
       "  eval      evaluate a checkpoint on a dataset\n"
-      "  convert   convert idx (MNIST/Fashion-MNIST) or CIFAR-10 files into HDF5 shards\n"
+      "  convert   convert idx (MNIST/Fashion-MNIST) or CIFAR-10 files into HDF5 shards, or text into tokens\n"
+      "  generate  sample text from a GPT checkpoint\n"
       "  bench     micro-benchmarks: gemm, allreduce\n"
       "  info      what was compiled in, library versions, devices\n\n"
       "launch on several ranks with mpirun -n N dtrain train ... or srun dtrain train ...\n");
@@ -46,7 +47,8 @@ int main(int argc, char** argv) {
     }
     else if (cmd == "bench") code = cli::cmd_bench(sub_argc, sub_argv);
     else if (cmd == "info") code = cli::cmd_info(sub_argc, sub_argv);
-    else throw InputError("unknown command '" + cmd + "' (commands: train, eval, convert, bench, info)");
+    else if (cmd == "generate") code = cli::cmd_generate(sub_argc, sub_argv);
+    else throw InputError("unknown command '" + cmd + "' (commands: train, eval, convert, generate, bench, info)");
   } catch (const InputError& e) {
     // Input errors are found the same way on every rank (same options, same files), so rank 0
     // speaks for all and every rank exits without tearing MPI down.

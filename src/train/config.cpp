@@ -105,6 +105,8 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     ("resume", po::value<std::string>(&c.resume), "resume from this checkpoint file (or the newest in this directory)")
     ("preempt-signals", po::value<std::string>(&c.preempt_signals)->default_value(def.preempt_signals), "signals that checkpoint at the next step and exit with code 42: comma list of TERM, USR1, USR2, INT, HUP, CONT, or none")
     ("preempt-check-every", po::value<int64_t>(&c.preempt_check_every)->default_value(def.preempt_check_every), "steps between the ranks' agreement on a received preemption signal")
+    ("trace", po::value<std::string>(&c.trace), "write a Chrome trace (Perfetto) of each rank's data wait, compute, communication wait and optimizer to this JSON file")
+    ("trace-steps", po::value<int64_t>(&c.trace_steps)->default_value(def.trace_steps), "steps recorded by --trace, from the first")
     ("eval", po::value<bool>(&c.eval_each_epoch)->default_value(true), "evaluate on --test-data after each epoch")
     ("bucket-mb", po::value<double>(&c.bucket_mb)->default_value(def.bucket_mb), "data-parallel gradient bucket size (MiB)")
     ("overlap", po::value<bool>(&c.overlap)->default_value(true), "start each bucket's allreduce while backward runs")
@@ -153,6 +155,8 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   DT_INPUT_CHECK(c.preempt_check_every >= 1 && c.preempt_check_every <= 1000000,
                  "option --preempt-check-every must be in [1, 1000000], got " << c.preempt_check_every);
   parse_signal_list(c.preempt_signals, "preempt-signals");
+  DT_INPUT_CHECK(c.trace_steps >= 1 && c.trace_steps <= 10000000,
+                 "option --trace-steps must be in [1, 10000000], got " << c.trace_steps);
   DT_INPUT_CHECK(c.dropout >= 0.f && c.dropout < 1.f, "option --dropout must be in [0, 1)");
   DT_INPUT_CHECK(c.progress == "auto" || c.progress == "on" || c.progress == "off",
                  "option --progress must be auto, on or off, got '" << c.progress << "'");

@@ -103,9 +103,9 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
 
   // Same seed on every rank: every tp layer draws the full weights and keeps its shard, so the
   // model equals the one-rank model in any layout.
-  nn::Gpt model(cfg.model, tp_size > 1 ? parallel::tensor_parallel_gpt_blocks(cfg.model.width, cfg.model.heads,
-                                                                               grid->tp())
-                                       : nn::GptBlockFactory());
+  nn::Gpt model(cfg.model, tp_size > 1
+                               ? parallel::tensor_parallel_gpt_blocks(cfg.model.width, cfg.model.heads, grid->tp())
+                               : nn::GptBlockFactory());
   model.train();
   std::unique_ptr<parallel::DataParallel> ddp;
   if (dp_size > 1) {
@@ -134,11 +134,12 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   std::unique_ptr<MetricsWriter> metrics;
   if (rank == 0 && !cfg.metrics.empty()) metrics = std::make_unique<MetricsWriter>(cfg.metrics, false);
   if (speak)
-    std::printf("%s, %lld parameters on rank 0, dp %d x tp %d, batch %lld x %lld tokens per dp rank, %lld train / "
-                "%lld val tokens\n",
-                model.kind().c_str(), static_cast<long long>(model.parameter_count()), dp_size, tp_size,
-                static_cast<long long>(cfg.batch_size), static_cast<long long>(cfg.seq_len),
-                static_cast<long long>(train.tokens.size()), static_cast<long long>(val.tokens.size()));
+    std::printf(
+        "%s, %lld parameters on rank 0, dp %d x tp %d, batch %lld x %lld tokens per dp rank, %lld train / "
+        "%lld val tokens\n",
+        model.kind().c_str(), static_cast<long long>(model.parameter_count()), dp_size, tp_size,
+        static_cast<long long>(cfg.batch_size), static_cast<long long>(cfg.seq_len),
+        static_cast<long long>(train.tokens.size()), static_cast<long long>(val.tokens.size()));
 
   Rng rng(derive_seed(cfg.seed, static_cast<uint64_t>(dp_rank)));  // each dp group its own windows
   nn::SoftmaxCrossEntropy xent;
@@ -153,8 +154,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       std::printf("step %lld  val_loss %.4f  val_bpb %.4f\n", static_cast<long long>(step), res.val_loss, res.val_bpb);
       std::fflush(stdout);
     }
-    if (metrics)
-      metrics->write({{"step", step}, {"val_loss", res.val_loss}, {"val_bpb", res.val_bpb}});
+    if (metrics) metrics->write({{"step", step}, {"val_loss", res.val_loss}, {"val_bpb", res.val_bpb}});
   };
   for (int64_t step = 0; step < cfg.steps; ++step) {
     data::TokenBatch b = data::random_windows(train, cfg.batch_size, cfg.seq_len, rng);
@@ -165,8 +165,10 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     model.backward(xent.backward());
     if (ddp) ddp->finish();
     if (cfg.clip_grad_norm > 0) {
-      if (grid) parallel::clip_grad_norm_tp(model, grid->tp(), cfg.clip_grad_norm);
-      else optim::clip_grad_norm(model.parameters(), cfg.clip_grad_norm);
+      if (grid)
+        parallel::clip_grad_norm_tp(model, grid->tp(), cfg.clip_grad_norm);
+      else
+        optim::clip_grad_norm(model.parameters(), cfg.clip_grad_norm);
     }
     float lr = sched.lr(step);
     opt_decay.step(lr);
@@ -183,7 +185,8 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
         std::fflush(stdout);
       }
       if (metrics)
-        metrics->write({{"step", step + 1}, {"loss", res.train_loss}, {"lr", static_cast<double>(lr)}, {"tokens_per_s", tps}});
+        metrics->write(
+            {{"step", step + 1}, {"loss", res.train_loss}, {"lr", static_cast<double>(lr)}, {"tokens_per_s", tps}});
       interval_loss = 0;
       interval_steps = 0;
       t_interval = now_s();
@@ -202,8 +205,11 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     }
   }
   if (metrics)
-    metrics->write({{"summary", std::string("gpt")}, {"steps", res.steps}, {"val_loss", res.val_loss},
-                   {"val_bpb", res.val_bpb}, {"tokens_per_s", res.tokens_per_s}});
+    metrics->write({{"summary", std::string("gpt")},
+                    {"steps", res.steps},
+                    {"val_loss", res.val_loss},
+                    {"val_bpb", res.val_bpb},
+                    {"tokens_per_s", res.tokens_per_s}});
   return res;
 }
 

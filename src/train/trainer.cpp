@@ -15,6 +15,7 @@
 #include "dtrain/optim/large_batch.h"
 #include "dtrain/parallel/sync_batchnorm.h"
 #include "dtrain/train/signals.h"
+#include "dtrain/train/trace.h"
 
 namespace fs = std::filesystem;
 
@@ -401,6 +402,7 @@ TrainResult Trainer::run() {
   if (!cfg_.resume.empty()) restore(cfg_.resume, start_epoch, skip);
   if (dp_) dp_->broadcast_state(0);
   PreemptionGuard preemption(parse_signal_list(cfg_.preempt_signals, "preempt-signals"));
+  ChromeTrace trace(cfg_.trace, rank_, cfg_.trace_steps);
 
   if (rank_ == 0) {
     std::ostringstream o;
@@ -444,7 +446,7 @@ TrainResult Trainer::run() {
 
   nn::SoftmaxCrossEntropy ce;
   model_->train();
-  double run_t0 = 0;
+  double run_t0 = 0, run_cpu0 = 0;
   int64_t run_samples = 0;
   // Interval statistics for log lines.
   double iv_loss = 0, iv_wait = 0, iv_comm = 0, iv_t0 = now_s();
@@ -467,6 +469,7 @@ TrainResult Trainer::run() {
       bool ended = false;
       for (int64_t micro = 0; micro < cfg_.accumulate; ++micro) {
         data::Batch b;
+        double td = now_s();
         if (loader_) {
           if (!loader_->next(b)) {
             ended = true;
@@ -480,6 +483,8 @@ TrainResult Trainer::run() {
           b = synthetic[static_cast<size_t>((step_ * cfg_.accumulate + micro) % 4)];
         }
         wait += b.wait_s;
+        double tc = now_s();
+        trace.span("data wait", td, tc, step_);
         Tensor logits = model_->forward(b.inputs);
         int64_t hits = 0;
         loss += ce.forward(logits, b.labels, &hits) / static_cast<float>(cfg_.accumulate);
@@ -491,13 +496,17 @@ TrainResult Trainer::run() {
         }
         float loss_scale = scaler_ ? scaler_->scale() : 1.f;
         model_->backward(ce.backward(loss_scale / static_cast<float>(cfg_.accumulate)));
+        trace.span("forward+backward", tc, now_s(), step_);
       }
       if (ended) break;
+      double tw = now_s();
       if (dp_) {
         double c0 = dp_->stats().comm_wait_s;
         dp_->finish();
         iv_comm += dp_->stats().comm_wait_s - c0;
       }
+      double to = now_s();
+      trace.span("communication wait", tw, to, step_);
       // fp16: unscale and check for inf/NaN after the exchange, so every rank decides alike (under
       // ZeRO-1 each rank holds a different slice, so the verdict is agreed on explicitly).
       bool take_step = true;
@@ -523,12 +532,15 @@ TrainResult Trainer::run() {
         dp_->after_step();
         iv_comm += dp_->stats().comm_wait_s - c0;
       }
+      double t1 = now_s();
+      trace.span("optimizer", to, t1, step_);
+      trace.end_step();
       ++step_;
       ++batch_in_epoch;
-      double t1 = now_s();
       if (step_ == 1 || result.first_step_at_s == 0) {
         result.first_step_at_s = process_age_s();
         run_t0 = t1;
+        run_cpu0 = process_cpu_s();
       } else {
         run_samples += seen_step * world_;
       }
@@ -592,7 +604,9 @@ TrainResult Trainer::run() {
         say("preempted by " + signal_name(result.preempted_by) + " at step " + std::to_string(step_) +
             (cfg_.checkpoint_dir.empty() ? std::string(": no --checkpoint-dir, nothing saved")
                                          : ": checkpoint written to " + cfg_.checkpoint_dir));
-        if (metrics_) metrics_->write({{"event", std::string("preempted")}, {"step", step_}, {"signal", signal_name(result.preempted_by)}});
+        if (metrics_)
+          metrics_->write(
+              {{"event", std::string("preempted")}, {"step", step_}, {"signal", signal_name(result.preempted_by)}});
         break;
       }
     }
@@ -617,8 +631,11 @@ TrainResult Trainer::run() {
         save(epoch_done ? epoch + 1 : epoch, epoch_done ? 0 : batch_in_epoch);
     }
   }
+  trace.write(comm_);
+  if (!cfg_.trace.empty()) say("trace of " + std::to_string(world_) + " rank(s) written to " + cfg_.trace);
   result.steps = step_;
   double elapsed = now_s() - run_t0;
+  double cpu = process_cpu_s() - run_cpu0;
   result.samples_per_s = elapsed > 0 ? static_cast<double>(run_samples) / elapsed : 0;
   if (rank_ == 0) {
     say("done: " + std::to_string(step_) + " steps, " + fixed(result.samples_per_s, 0) +
@@ -628,6 +645,7 @@ TrainResult Trainer::run() {
                        {"steps", step_},
                        {"samples_per_s", result.samples_per_s},
                        {"first_step_at_s", result.first_step_at_s},
+                       {"samples_per_cpu_s", cpu > 0 ? static_cast<double>(run_samples) / world_ / cpu : 0.0},
                        {"final_loss", result.final_loss},
                        {"test_accuracy", result.last_eval.accuracy}});
   }

@@ -142,3 +142,45 @@ TEST(CliMpi, TrainsOnTwoRanksAndMatchesOneRank) {
   EXPECT_NEAR(l1, l2, 1e-4 * std::max(1.0, l1)) << one.out << two.out;
   fs::remove_all(dir);
 }
+
+// The GPT path end to end through the executable: text -> tokens, `dtrain train` with model = gpt
+// in an INI file, the same run with --tp 2 on two ranks (same losses), then `dtrain generate`.
+TEST(CliMpi, GptConvertTrainTensorParallelAndGenerate) {
+  std::string dir = dtrain::test::temp_dir("cli-gpt");
+  fs::create_directories(dir + "/text");
+  {
+    std::ofstream out(dir + "/text/a.txt");
+    for (int i = 0; i < 800; ++i) out << "a small text, " << i % 10 << " times over. ";
+  }
+  Result conv = run("convert text --inputs " + dir + "/text --out " + dir + "/tok");
+  ASSERT_EQ(conv.code, 0) << conv.out;
+  EXPECT_NE(conv.out.find("train tokens"), std::string::npos) << conv.out;
+  {
+    std::ofstream ini(dir + "/gpt.ini");
+    ini << "model = gpt\ndata = " << dir << "/tok\nlayers = 1\nheads = 2\nwidth = 16\ncontext = 16\n"
+        << "batch-size = 4\nsteps = 12\nlog-every = 6\neval-batches = 2\nthreads = 1\nwarmup-steps = 2\n";
+  }
+  Result one = mpirun(1, "train --config " + dir + "/gpt.ini --metrics " + dir + "/one.jsonl --checkpoint-dir " + dir +
+                             "/ckpt");
+  Result two = mpirun(2, "train --config " + dir + "/gpt.ini --tp 2 --metrics " + dir + "/two.jsonl");
+  ASSERT_EQ(one.code, 0) << one.out;
+  ASSERT_EQ(two.code, 0) << two.out;
+  EXPECT_NE(one.out.find("val_bpb"), std::string::npos) << one.out;
+  auto val_loss = [](const std::string& file) {
+    std::ifstream in(file);
+    std::string line, last;
+    while (std::getline(in, line))
+      if (line.find("\"val_loss\"") != std::string::npos) last = line;
+    auto p = last.find("\"val_loss\": ");
+    return p == std::string::npos ? -1.0 : std::stod(last.substr(p + 12));
+  };
+  double l1 = val_loss(dir + "/one.jsonl"), l2 = val_loss(dir + "/two.jsonl");
+  EXPECT_GT(l1, 0);
+  EXPECT_NEAR(l1, l2, 1e-4 * l1) << one.out << two.out;
+  Result gen = run("generate --checkpoint " + dir + "/ckpt --prompt 'a small' --tokens 20");
+  ASSERT_EQ(gen.code, 0) << gen.out;
+  EXPECT_EQ(gen.out.rfind("a small", 0), 0u) << gen.out;
+  EXPECT_GE(gen.out.size(), 27u) << gen.out;
+  EXPECT_FAILS_NAMING(run("train --model gpt --data " + dir + "/none"), "none");
+  fs::remove_all(dir);
+}

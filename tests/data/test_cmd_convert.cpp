@@ -1,4 +1,6 @@
 // The `dtrain convert` subcommand, run in-process.
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 
@@ -53,6 +55,19 @@ TEST(CmdConvert, UnknownKindOrOptionAndMissingRequired) {
   testing::expect_input_error([] { run({"idx", "--bogus", "1"}); }, {"bogus"});
   testing::expect_input_error([] { run({"idx", "--images", "a"}); }, {"labels"});
   testing::expect_input_error([] { run({}); }, {"KIND"});
+}
+
+TEST(CmdConvert, TextKind) {
+  TempDir tmp;
+  std::filesystem::create_directories(tmp / "txt");
+  std::ofstream(tmp / "txt/a.txt") << std::string(20000, 'q');
+  std::string out;
+  EXPECT_EQ(run({"text", "--inputs", tmp / "txt", "--out", tmp / "tok", "--val-fraction", "0.25"}, &out), 0);
+  EXPECT_TRUE(std::filesystem::exists(tmp / "tok/train.h5"));
+  EXPECT_TRUE(std::filesystem::exists(tmp / "tok/val.h5"));
+  EXPECT_EQ(run({"text", "--help"}, &out), 0);
+  EXPECT_NE(out.find("--val-fraction"), std::string::npos);
+  testing::expect_input_error([] { run({"text", "--out", "x"}); }, {"inputs"});
 }
 
 TEST(CmdConvert, IdxAndFashionMnistKinds) {

@@ -296,6 +296,35 @@ TEST_F(CudaEngineTest, SoftmaxCrossEntropy) {
   EXPECT_THROW(gpu->softmax_xent_forward(dev(logits), dev(labels), gprobs, nullptr), Error);
 }
 
+TEST_F(CudaEngineTest, TransformerPieces) {
+  // Attention head permutation [2,5,6,4] -> [2,6,5,4], causal softmax over [3, 70, 70] (rows longer
+  // than a warp), embedding gather/scatter-add with an offset (ids outside the table give zeros).
+  Tensor x = random({2, 5, 6, 4}, 40), y = Tensor::zeros({2, 6, 5, 4}), gy = dev(y);
+  cpu.permute_0213(x, 2, 5, 6, 4, y);
+  gpu->permute_0213(dev(x), 2, 5, 6, 4, gy);
+  expect_close(gy, y, 0, "permute_0213");
+  const int64_t t = 70;
+  Tensor s = random({3, t, t}, 41, -4.f, 4.f), dp = random({3, t, t}, 42);
+  Tensor p = Tensor::zeros({3, t, t}), ds = Tensor::zeros({3, t, t}), gp = dev(p), gds = dev(ds);
+  cpu.causal_softmax_forward(s, t, 0.5f, p);
+  gpu->causal_softmax_forward(dev(s), t, 0.5f, gp);
+  expect_close(gp, p, 1e-6, "causal softmax");
+  cpu.causal_softmax_backward(p, dp, t, 0.5f, ds);
+  gpu->causal_softmax_backward(gp, dev(dp), t, 0.5f, gds);
+  expect_close(gds, ds, 1e-5, "causal softmax backward");
+  Tensor ids = Tensor::empty({9}, DType::I32);
+  for (int64_t i = 0; i < 9; ++i) ids.data<int32_t>()[i] = static_cast<int32_t>((i * 5) % 12);
+  Tensor table = random({6, 8}, 43), e = Tensor::zeros({9, 8}), ge = dev(e);
+  cpu.embedding_forward(ids, table, 3, e);
+  Tensor gids = dev(ids);
+  gpu->embedding_forward(gids, dev(table), 3, ge);
+  expect_close(ge, e, 0, "embedding forward");
+  Tensor dy = random({9, 8}, 44), dt = random({6, 8}, 45), gdt = dev(dt);
+  cpu.embedding_backward(ids, dy, 3, dt);
+  gpu->embedding_backward(gids, dev(dy), 3, gdt);
+  expect_close(gdt, dt, 1e-6, "embedding backward (accumulated)");
+}
+
 TEST_F(CudaEngineTest, OptimizerUpdatesAndLossScaleCheck) {
   const int64_t n = 4097;
   Tensor p = random({n}, 31), g = random({n}, 32), buf = Tensor::zeros({n}), m = Tensor::zeros({n}),

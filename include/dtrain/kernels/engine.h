@@ -139,6 +139,24 @@ class Engine {
   // dlogits = (probs - onehot(labels)) * scale
   virtual void softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) = 0;
 
+  // ---- Transformer pieces (GPT).
+  // y[a,c,b,d] = x[a,b,c,d] for x viewed as [A,B,C,D]: swaps the two middle axes, e.g. attention's
+  // [batch, T, heads, head_dim] <-> [batch, heads, T, head_dim]. Swapping B and C inverts it.
+  virtual void permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, int64_t d, Tensor& y) = 0;
+  // Causal softmax over scores viewed as [N, T, T] (N = batch * heads), the attention scale fused:
+  // probs[n,i,j] = exp(scale*s[n,i,j]) / sum_{k<=i} exp(scale*s[n,i,k]) for j <= i, and 0 for j > i.
+  virtual void causal_softmax_forward(const Tensor& scores, int64_t t, float scale, Tensor& probs) = 0;
+  // dscores[n,i,j] = scale * p[n,i,j] * (dp[n,i,j] - sum_k p[n,i,k] dp[n,i,k]) (overwritten; 0 above
+  // the diagonal).
+  virtual void causal_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
+                                       Tensor& dscores) = 0;
+  // Embedding lookup of a table that holds rows [offset, offset + V) of a (maybe larger) vocabulary:
+  // ids i32 [N], table [V, C], y [N, C]; y[n] = table[ids[n] - offset], or zeros when ids[n] falls
+  // outside this table (so the rows of a vocabulary split over ranks add up by an allreduce).
+  virtual void embedding_forward(const Tensor& ids, const Tensor& table, int64_t offset, Tensor& y) = 0;
+  // dtable[ids[n] - offset] += dy[n] (accumulated) for the ids inside this table.
+  virtual void embedding_backward(const Tensor& ids, const Tensor& dy, int64_t offset, Tensor& dtable) = 0;
+
   // ---- Optimizer updates over flat parameter / gradient / state tensors.
   virtual void sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buf, float lr, float momentum,
                           float dampening, float weight_decay, bool nesterov) = 0;

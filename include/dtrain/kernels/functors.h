@@ -15,12 +15,21 @@ struct ReluGrad {  // dx = dy * [x > 0]
   DT_HD float operator()(float x, float dy) const { return x > 0.f ? dy : 0.f; }
 };
 
+// tanh through one expf. glibc's tanhf (scalar, through expm1f) was 35 % of a GPT training step on
+// the CPU; this is several times cheaper. Its absolute error (a few 1e-8) is what GELU's
+// 0.5 x (1 + tanh) sees; only the relative error near 0 is larger, and GELU never divides by tanh.
+DT_HD inline float tanh_via_exp(float u) {
+  float e = expf(-2.f * fabsf(u));
+  float t = (1.f - e) / (1.f + e);
+  return u < 0.f ? -t : t;
+}
+
 // GELU, tanh approximation (as GPT-2 uses): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 struct Gelu {
   DT_HD float operator()(float x) const {
     const float k = 0.7978845608028654f;
     float u = k * (x + 0.044715f * x * x * x);
-    return 0.5f * x * (1.f + tanhf(u));
+    return 0.5f * x * (1.f + tanh_via_exp(u));
   }
 };
 struct GeluGrad {
@@ -28,7 +37,7 @@ struct GeluGrad {
     const float k = 0.7978845608028654f;
     float x2 = x * x;
     float u = k * (x + 0.044715f * x2 * x);
-    float t = tanhf(u);
+    float t = tanh_via_exp(u);
     float du = k * (1.f + 3.f * 0.044715f * x2);
     return dy * (0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * du);
   }

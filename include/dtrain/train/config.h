@@ -58,6 +58,8 @@ struct TrainConfig {
   // with kPreemptedExitCode (42); ranks agree by an allreduce every `preempt_check_every` steps.
   std::string preempt_signals = "TERM,USR1";
   int64_t preempt_check_every = 1;
+  std::string trace;         // Chrome trace JSON of each rank's steps (empty: none)
+  int64_t trace_steps = 1000;  // steps recorded in the trace
   bool eval_each_epoch = true;
   double bucket_mb = 25;   // data-parallel gradient bucket size in MiB
   bool overlap = true;     // start each bucket's allreduce during backward

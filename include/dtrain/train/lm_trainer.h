@@ -21,11 +21,11 @@ struct LmConfig {
   int64_t steps = 1000;
   float lr = 1e-3f, min_lr = 1e-4f, weight_decay = 0.1f, clip_grad_norm = 1.f;
   int64_t warmup_steps = 100;
-  int64_t eval_every = 200;    // steps between validation passes (0: only at the end)
-  int64_t eval_batches = 16;   // validation batches per pass (0: the whole validation stream)
+  int64_t eval_every = 200;   // steps between validation passes (0: only at the end)
+  int64_t eval_batches = 16;  // validation batches per pass (0: the whole validation stream)
   int64_t log_every = 20;
-  int tp = 1;                  // tensor-parallel ranks (dp is the rest of the world)
-  int threads = 0;             // 0: leave the engine's setting
+  int tp = 1;       // tensor-parallel ranks (dp is the rest of the world)
+  int threads = 0;  // 0: leave the engine's setting
   uint64_t seed = 1;
   std::string metrics;         // JSON-lines file (rank 0)
   std::string checkpoint_dir;  // ckpt-<step>.h5 at the end when set

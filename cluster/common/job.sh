@@ -1,0 +1,72 @@
+# Shared by the SLURM, PBS and mpirun job scripts (sourced, not run). It finds the dtrain binary,
+# adds checkpoint/metrics/resume options, runs the launcher in the background so that the shell can
+# forward a preemption signal to it, and reports whether the run was preempted.
+#
+# Environment (every one optional):
+#   DTRAIN_HOME        the dtrain source tree (default: the folder above cluster/)
+#   DTRAIN_BIN         the dtrain executable (default: dtrain on PATH, else $DTRAIN_HOME/build/dtrain)
+#   DTRAIN_RUN_DIR     where this job writes checkpoints and metrics (default: set by each script)
+#   DTRAIN_CKPT_DIR    checkpoints (default: $DTRAIN_RUN_DIR/ckpt); a job restarted with the same
+#                      folder resumes from its newest checkpoint
+#   DTRAIN_METRICS     JSON-lines metrics (default: $DTRAIN_RUN_DIR/metrics.jsonl)
+#   DTRAIN_ARGS        extra `dtrain train` options, split on spaces (script arguments are added too)
+#   DTRAIN_PREEMPTED_EXIT  the exit status dtrain uses after a preemption checkpoint (default 42)
+
+DTRAIN_PREEMPTED_EXIT=${DTRAIN_PREEMPTED_EXIT:-42}
+
+dtrain_log() { echo "dtrain-job: $*" >&2; }
+
+# dtrain_find_bin: sets DTRAIN_BIN.
+dtrain_find_bin() {
+  if [[ -z "${DTRAIN_BIN:-}" ]]; then
+    if command -v dtrain >/dev/null 2>&1; then DTRAIN_BIN=$(command -v dtrain)
+    else DTRAIN_BIN="${DTRAIN_HOME}/build/dtrain"; fi
+  fi
+  if [[ ! -x "$DTRAIN_BIN" ]]; then
+    dtrain_log "no dtrain executable at '$DTRAIN_BIN' (set DTRAIN_BIN or DTRAIN_HOME)"
+    return 1
+  fi
+}
+
+# dtrain_train_args ARGS...: fills the array DTRAIN_TRAIN_ARGS with `train`, the user's options,
+# and --checkpoint-dir / --metrics / --resume unless the user gave them.
+dtrain_train_args() {
+  local user=("$@")
+  if [[ -n "${DTRAIN_ARGS:-}" ]]; then
+    local extra
+    read -r -a extra <<<"$DTRAIN_ARGS"
+    user=("${extra[@]}" "${user[@]}")
+  fi
+  DTRAIN_CKPT_DIR=${DTRAIN_CKPT_DIR:-$DTRAIN_RUN_DIR/ckpt}
+  DTRAIN_METRICS=${DTRAIN_METRICS:-$DTRAIN_RUN_DIR/metrics.jsonl}
+  DTRAIN_TRAIN_ARGS=(train "${user[@]}")
+  local joined=" ${user[*]} "
+  if [[ "$joined" != *" --checkpoint-dir"* ]]; then
+    mkdir -p "$DTRAIN_CKPT_DIR"
+    DTRAIN_TRAIN_ARGS+=(--checkpoint-dir "$DTRAIN_CKPT_DIR")
+  fi
+  [[ "$joined" == *" --metrics"* ]] || DTRAIN_TRAIN_ARGS+=(--metrics "$DTRAIN_METRICS")
+  if [[ "$joined" != *" --resume"* ]] && compgen -G "$DTRAIN_CKPT_DIR/ckpt-step*.h5" >/dev/null; then
+    dtrain_log "resuming from the newest checkpoint in $DTRAIN_CKPT_DIR"
+    DTRAIN_TRAIN_ARGS+=(--resume "$DTRAIN_CKPT_DIR")
+  fi
+}
+
+# dtrain_run_forwarding CMD...: runs CMD in the background; SIGTERM, SIGUSR1 or SIGINT reaching this
+# shell is passed on to CMD as SIGUSR1 (srun and mpirun both forward SIGUSR1 to every rank, while
+# mpirun would answer SIGTERM by killing the ranks before they checkpoint). Returns CMD's status.
+dtrain_run_forwarding() {
+  "$@" &
+  local pid=$!
+  # shellcheck disable=SC2064
+  trap "dtrain_log 'signal received: asking the ranks to checkpoint'; kill -USR1 $pid 2>/dev/null" TERM USR1 INT
+  local rc=0
+  while true; do
+    wait "$pid"
+    rc=$?
+    # wait returns early (status > 128) when a trapped signal arrives; go on waiting while CMD lives.
+    kill -0 "$pid" 2>/dev/null || break
+  done
+  trap - TERM USR1 INT
+  return "$rc"
+}

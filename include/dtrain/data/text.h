@@ -1,0 +1,56 @@
+#pragma once
+// Text as token streams for language models. `dtrain convert text` writes <out>/train.h5 and
+// <out>/val.h5, each one HDF5 file with a 1-D dataset `tokens` and root attributes `tokenizer`
+// ("bytes": token = byte, vocabulary 256; a BPE tokenizer would name itself and store its
+// vocabulary next to the tokens), `vocab` and `sources` (file count). The stream is small enough to
+// be held in memory (fortunes: ~3 MB); batches are windows of T+1 tokens at random offsets.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dtrain/core/rng.h"
+#include "dtrain/core/tensor.h"
+
+namespace dtrain::data {
+
+struct TextConvertOptions {
+  double val_fraction = 0.1;   // share of blocks held out for validation
+  int64_t block_bytes = 4096;  // the split is by whole blocks, so validation text is unseen text
+  uint64_t seed = 1;
+};
+
+struct TextConvertSummary {
+  int64_t files = 0, train_tokens = 0, val_tokens = 0;
+};
+
+// Reads every regular file in `inputs` (files, or directories walked recursively in sorted order,
+// skipping symbolic links and binary files, i.e. those with a NUL byte) and writes <out_dir>/train.h5 and
+// <out_dir>/val.h5. Throws InputError naming a missing input or an empty result.
+TextConvertSummary convert_text(const std::vector<std::string>& inputs, const std::string& out_dir,
+                                const TextConvertOptions& opt = {});
+
+struct TokenStream {
+  std::vector<int32_t> tokens;
+  int64_t vocab = 256;
+  std::string tokenizer = "bytes";
+};
+
+// Loads <path> (a file written by convert_text). Throws InputError naming the file when it is
+// missing or not a token file.
+TokenStream load_tokens(const std::string& path);
+
+// A batch of B windows: ids [B, T] and targets [B, T] (the next token), both i32.
+struct TokenBatch {
+  Tensor ids, targets;
+};
+
+// Windows at offsets drawn from `rng` (training).
+TokenBatch random_windows(const TokenStream& s, int64_t batch, int64_t t, Rng& rng);
+// Window k of the evaluation pass: windows at offsets k*T, k*T + T, ... (consecutive, not
+// overlapping) so an evaluation over all k covers the stream once. Returns the number of windows
+// in the stream through `count` when not null.
+TokenBatch sequential_windows(const TokenStream& s, int64_t batch, int64_t t, int64_t first_window,
+                              int64_t* count = nullptr);
+int64_t window_count(const TokenStream& s, int64_t t);
+
+}  // namespace dtrain::data

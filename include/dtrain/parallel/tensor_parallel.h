@@ -1,0 +1,78 @@
+#pragma once
+// Tensor (model) parallelism in the style of Megatron-LM: a linear layer's weight is split over
+// the ranks of the tp communicator. Column-parallel splits the outputs (its input is replicated;
+// backward allreduces d(input): the conjugate "f" operator, identity forward / allreduce backward);
+// row-parallel splits the inputs (its input is the column-parallel output; forward allreduces the
+// partial products: the "g" operator, allreduce forward / identity backward). A column-parallel
+// layer followed by a row-parallel one (the MLP; attention with heads split) needs one allreduce
+// forward and one backward. Every layer initialises the FULL weight from the given RNG exactly as
+// nn::Linear does and keeps its shard, so any tp size builds the same model as one rank.
+#include <map>
+#include <string>
+
+#include "dtrain/comm/communicator.h"
+#include "dtrain/core/rng.h"
+#include "dtrain/nn/gpt.h"
+
+namespace dtrain::parallel {
+
+class ColumnParallelLinear : public nn::Module {
+ public:
+  // Full layer in -> out. The outputs are `chunks` equal blocks (3 for a fused q/k/v projection);
+  // this rank holds its 1/tp of every block, so it gets its own heads of q, of k and of v.
+  ColumnParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp, int64_t chunks = 1);
+  Tensor forward(const Tensor& x) override;  // (..., in) -> (..., out / tp)
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override;
+  // The rows of a full [out, ...] tensor (weight or bias) that this rank holds, as a new tensor.
+  Tensor shard_of(const Tensor& full) const;
+  // The inverse: the full tensor from every tp rank's shard `local` (collective over tp).
+  Tensor gather_full(const Tensor& local) const;
+
+ private:
+  int64_t in_, out_, chunks_, local_;
+  comm::Communicator& tp_;
+  nn::Parameter* w_;  // [out / tp, in]
+  nn::Parameter* b_ = nullptr;
+  Tensor x_, y_, dx_;
+};
+
+class RowParallelLinear : public nn::Module {
+ public:
+  // Full layer in -> out; this rank holds input columns [r * in/tp, (r+1) * in/tp) and the whole
+  // bias (added once, after the allreduce, so its gradient is the same on every tp rank).
+  RowParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp);
+  Tensor forward(const Tensor& x) override;  // (..., in / tp) -> (..., out), summed over tp
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override;
+  // The columns of a full [out, in] weight this rank holds (the bias is whole).
+  Tensor shard_of(const Tensor& full) const;
+  Tensor gather_full(const Tensor& local) const;  // collective over tp
+
+ private:
+  int64_t in_, out_, local_;
+  comm::Communicator& tp_;
+  nn::Parameter* w_;  // [out, in / tp]
+  nn::Parameter* b_ = nullptr;
+  Tensor x_, y_, dx_;
+};
+
+// GPT blocks split over `tp`: attention with heads/tp heads per rank (column-parallel fused qkv,
+// row-parallel output projection) and the MLP as column-parallel C->4C, GELU, row-parallel 4C->C.
+// LayerNorms are replicated. Pass to nn::Gpt; embeddings, final LayerNorm and the tied unembedding
+// stay replicated (their inputs and gradients are equal on every tp rank).
+nn::GptBlockFactory tensor_parallel_gpt_blocks(int64_t width, int64_t heads, comm::Communicator& tp);
+
+// Layout changes for any model holding these layers (checkpoints are written in the one-rank
+// layout, so they load into any tp size): every parameter as its full one-rank tensor (collective
+// over the tp communicator of the layers), and the inverse, which keeps this rank's shards.
+std::map<std::string, Tensor> gather_full_parameters(nn::Module& model);
+void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>& full);
+// Whether parameter `name` of `model` is split over tp ranks (its gradient norm adds over them).
+bool is_tensor_parallel_shard(nn::Module& model, const std::string& name);
+
+// Global-norm clipping that counts every weight once: the split parameters' squares are summed
+// over `tp`, the replicated ones (equal on every tp rank) taken once. Returns the norm.
+double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm);
+
+}  // namespace dtrain::parallel

@@ -1,0 +1,130 @@
+// CpuEngine: the transformer pieces of the contract (axis permutation for attention heads, the
+// causal softmax with its scale fused, embedding gather and scatter-add). OpenMP loops; these are
+// also the reference the CUDA kernels of kernels/cuda/transformer.cu are tested against.
+#include <cmath>
+#include <cstring>
+
+#include "cpu_engine.h"
+
+namespace dtrain::cpu {
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 14;
+
+void check_f32_numel(const Tensor& t, int64_t numel, const char* what) {
+  DT_CHECK(
+      t.defined() && t.dtype() == DType::F32 && t.device().is_cpu() && t.numel() == numel,
+      what << " must be an f32 CPU tensor of " << numel << " elements, got " << (t.defined() ? t.str() : "undefined"));
+}
+
+void check_ids(const Tensor& ids, const char* op) {
+  DT_CHECK(ids.defined() && ids.dtype() == DType::I32 && ids.device().is_cpu(),
+           op << ": ids must be an i32 CPU tensor, got " << (ids.defined() ? ids.str() : "undefined"));
+}
+
+}  // namespace
+
+void CpuEngine::permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, int64_t d, Tensor& y) {
+  int64_t n = a * b * c * d;
+  check_f32_numel(x, n, "permute_0213 input");
+  check_f32_numel(y, n, "permute_0213 output");
+  const float* px = x.f32();
+  float* py = y.f32();
+  // One contiguous run of d floats per (i, j, k): x[i,j,k,:] -> y[i,k,j,:].
+#pragma omp parallel for collapse(2) if (n > kGrain)
+  for (int64_t i = 0; i < a; ++i)
+    for (int64_t j = 0; j < b; ++j)
+      for (int64_t k = 0; k < c; ++k)
+        std::memcpy(py + ((i * c + k) * b + j) * d, px + ((i * b + j) * c + k) * d, sizeof(float) * d);
+}
+
+void CpuEngine::causal_softmax_forward(const Tensor& scores, int64_t t, float scale, Tensor& probs) {
+  DT_CHECK(t > 0 && scores.numel() % (t * t) == 0,
+           "causal_softmax: " << scores.str() << " is not [N, " << t << ", " << t << "]");
+  check_f32_numel(probs, scores.numel(), "causal_softmax probs");
+  check_f32_numel(scores, scores.numel(), "causal_softmax scores");
+  int64_t rows = scores.numel() / t;
+  const float* ps = scores.f32();
+  float* pp = probs.f32();
+#pragma omp parallel for if (rows * t > kGrain)
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t i = r % t;  // query position: keys 0..i are visible
+    const float* s = ps + r * t;
+    float* p = pp + r * t;
+    float mx = s[0] * scale;
+    for (int64_t j = 1; j <= i; ++j) mx = std::max(mx, s[j] * scale);
+    double sum = 0;
+    for (int64_t j = 0; j <= i; ++j) {
+      p[j] = std::exp(s[j] * scale - mx);
+      sum += p[j];
+    }
+    float inv = static_cast<float>(1.0 / sum);
+    for (int64_t j = 0; j <= i; ++j) p[j] *= inv;
+    for (int64_t j = i + 1; j < t; ++j) p[j] = 0.f;
+  }
+}
+
+void CpuEngine::causal_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
+                                        Tensor& dscores) {
+  DT_CHECK(t > 0 && probs.numel() % (t * t) == 0,
+           "causal_softmax_backward: " << probs.str() << " is not [N, " << t << ", " << t << "]");
+  check_f32_numel(probs, probs.numel(), "causal_softmax_backward probs");
+  check_f32_numel(dprobs, probs.numel(), "causal_softmax_backward dprobs");
+  check_f32_numel(dscores, probs.numel(), "causal_softmax_backward dscores");
+  int64_t rows = probs.numel() / t;
+  const float* pp = probs.f32();
+  const float* pd = dprobs.f32();
+  float* pg = dscores.f32();
+#pragma omp parallel for if (rows * t > kGrain)
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t i = r % t;
+    const float* p = pp + r * t;
+    const float* dp = pd + r * t;
+    float* g = pg + r * t;
+    double dot = 0;
+    for (int64_t j = 0; j <= i; ++j) dot += static_cast<double>(p[j]) * dp[j];
+    float fdot = static_cast<float>(dot);
+    for (int64_t j = 0; j <= i; ++j) g[j] = scale * p[j] * (dp[j] - fdot);
+    for (int64_t j = i + 1; j < t; ++j) g[j] = 0.f;
+  }
+}
+
+void CpuEngine::embedding_forward(const Tensor& ids, const Tensor& table, int64_t offset, Tensor& y) {
+  check_ids(ids, "embedding_forward");
+  DT_CHECK(table.dim() == 2, "embedding table must be [V, C], got " << table.str());
+  int64_t n = ids.numel(), v = table.size(0), c = table.size(1);
+  check_f32_numel(table, v * c, "embedding table");
+  check_f32_numel(y, n * c, "embedding output");
+  const int32_t* pi = ids.data<int32_t>();
+  const float* pt = table.f32();
+  float* py = y.f32();
+#pragma omp parallel for if (n * c > kGrain)
+  for (int64_t r = 0; r < n; ++r) {
+    int64_t row = pi[r] - offset;
+    if (row >= 0 && row < v)
+      std::memcpy(py + r * c, pt + row * c, sizeof(float) * c);
+    else
+      std::memset(py + r * c, 0, sizeof(float) * c);
+  }
+}
+
+void CpuEngine::embedding_backward(const Tensor& ids, const Tensor& dy, int64_t offset, Tensor& dtable) {
+  check_ids(ids, "embedding_backward");
+  DT_CHECK(dtable.dim() == 2, "embedding gradient must be [V, C], got " << dtable.str());
+  int64_t n = ids.numel(), v = dtable.size(0), c = dtable.size(1);
+  check_f32_numel(dtable, v * c, "embedding gradient");
+  check_f32_numel(dy, n * c, "embedding dy");
+  const int32_t* pi = ids.data<int32_t>();
+  const float* pd = dy.f32();
+  float* pt = dtable.f32();
+  // Threads own columns, so rows that repeat an id never race (and the sum order is fixed).
+#pragma omp parallel for if (n * c > kGrain)
+  for (int64_t col = 0; col < c; ++col)
+    for (int64_t r = 0; r < n; ++r) {
+      int64_t row = pi[r] - offset;
+      if (row >= 0 && row < v) pt[row * c + col] += pd[r * c + col];
+    }
+}
+
+}  // namespace dtrain::cpu

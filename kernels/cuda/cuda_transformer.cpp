@@ -1,0 +1,66 @@
+// CudaEngine: the contract's transformer pieces, each a checked call into a transformer.cu launcher.
+#include "cuda_engine.h"
+#include "kernels.h"
+
+namespace dtrain::cuda {
+
+namespace {
+
+void check_dev_numel(const Tensor& t, int64_t numel, const char* what, int index, DType dtype = DType::F32) {
+  DT_CHECK(t.defined() && t.dtype() == dtype && t.device() == Device::cuda(index) && (numel < 0 || t.numel() == numel),
+           what << " must be a " << dtype_name(dtype) << " tensor on cuda:" << index
+                << (numel >= 0 ? " of " + std::to_string(numel) + " elements" : std::string()) << ", got "
+                << (t.defined() ? t.str() : "undefined"));
+}
+
+}  // namespace
+
+void CudaEngine::permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, int64_t d, Tensor& y) {
+  int64_t n = a * b * c * d;
+  check_dev_numel(x, n, "permute_0213 input", index_);
+  check_dev_numel(y, n, "permute_0213 output", index_);
+  bind();
+  k::permute_0213(x.f32(), y.f32(), a, b, c, d, compute_);
+}
+
+void CudaEngine::causal_softmax_forward(const Tensor& scores, int64_t t, float scale, Tensor& probs) {
+  DT_CHECK(t > 0 && scores.numel() % (t * t) == 0,
+           "causal_softmax: " << scores.str() << " is not [N, " << t << ", " << t << "]");
+  check_dev_numel(scores, scores.numel(), "causal_softmax scores", index_);
+  check_dev_numel(probs, scores.numel(), "causal_softmax probs", index_);
+  bind();
+  k::causal_softmax_forward(scores.f32(), probs.f32(), scores.numel() / t, t, scale, compute_);
+}
+
+void CudaEngine::causal_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
+                                         Tensor& dscores) {
+  DT_CHECK(t > 0 && probs.numel() % (t * t) == 0,
+           "causal_softmax_backward: " << probs.str() << " is not [N, " << t << ", " << t << "]");
+  check_dev_numel(probs, probs.numel(), "causal_softmax_backward probs", index_);
+  check_dev_numel(dprobs, probs.numel(), "causal_softmax_backward dprobs", index_);
+  check_dev_numel(dscores, probs.numel(), "causal_softmax_backward dscores", index_);
+  bind();
+  k::causal_softmax_backward(probs.f32(), dprobs.f32(), dscores.f32(), probs.numel() / t, t, scale, compute_);
+}
+
+void CudaEngine::embedding_forward(const Tensor& ids, const Tensor& table, int64_t offset, Tensor& y) {
+  check_dev_numel(ids, -1, "embedding ids", index_, DType::I32);
+  DT_CHECK(table.dim() == 2, "embedding table must be [V, C], got " << table.str());
+  check_dev_numel(table, -1, "embedding table", index_);
+  check_dev_numel(y, ids.numel() * table.size(1), "embedding output", index_);
+  bind();
+  k::embedding_forward(ids.data<int32_t>(), table.f32(), y.f32(), ids.numel(), table.size(0), table.size(1), offset,
+                       compute_);
+}
+
+void CudaEngine::embedding_backward(const Tensor& ids, const Tensor& dy, int64_t offset, Tensor& dtable) {
+  check_dev_numel(ids, -1, "embedding ids", index_, DType::I32);
+  DT_CHECK(dtable.dim() == 2, "embedding gradient must be [V, C], got " << dtable.str());
+  check_dev_numel(dtable, -1, "embedding gradient", index_);
+  check_dev_numel(dy, ids.numel() * dtable.size(1), "embedding dy", index_);
+  bind();
+  k::embedding_backward(ids.data<int32_t>(), dy.f32(), dtable.f32(), ids.numel(), dtable.size(0), dtable.size(1),
+                        offset, compute_);
+}
+
+}  // namespace dtrain::cuda

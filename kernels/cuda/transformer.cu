@@ -1,0 +1,110 @@
+// Transformer kernels: head permutation, causal softmax (scale fused), embedding gather and
+// scatter-add. The CPU loops of kernels/cpu/transformer.cpp are their reference in the tests.
+#include <cfloat>
+
+#include "kernels.h"
+
+namespace dtrain::cuda::k {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+int blocks_for(int64_t n) { return static_cast<int>((n + kThreads - 1) / kThreads); }
+
+// One thread per element of y [a,c,b,d].
+__global__ void permute_0213_kernel(const float* x, float* y, int64_t a, int64_t b, int64_t c, int64_t d) {
+  int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= a * b * c * d) return;
+  int64_t e = idx % d, r = idx / d;
+  int64_t j = r % b;  // y is [i, k, j, e]
+  r /= b;
+  int64_t k = r % c, i = r / c;
+  y[idx] = x[((i * b + j) * c + k) * d + e];
+}
+
+// One warp per row of T scores; row r is query position r % t, so keys 0..i are visible.
+__global__ void causal_softmax_forward_kernel(const float* scores, float* probs, int64_t rows, int64_t t, float scale) {
+  int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+  int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  int64_t i = row % t;
+  const float* s = scores + row * t;
+  float* p = probs + row * t;
+  float mx = -FLT_MAX;
+  for (int64_t j = lane; j <= i; j += 32) mx = fmaxf(mx, s[j] * scale);
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+  for (int64_t j = lane; j <= i; j += 32) sum += expf(s[j] * scale - mx);
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  float inv = 1.f / sum;
+  for (int64_t j = lane; j < t; j += 32) p[j] = j <= i ? expf(s[j] * scale - mx) * inv : 0.f;
+}
+
+__global__ void causal_softmax_backward_kernel(const float* probs, const float* dprobs, float* dscores, int64_t rows,
+                                               int64_t t, float scale) {
+  int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+  int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  int64_t i = row % t;
+  const float* p = probs + row * t;
+  const float* dp = dprobs + row * t;
+  float* g = dscores + row * t;
+  float dot = 0.f;
+  for (int64_t j = lane; j <= i; j += 32) dot += p[j] * dp[j];
+  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+  for (int64_t j = lane; j < t; j += 32) g[j] = j <= i ? scale * p[j] * (dp[j] - dot) : 0.f;
+}
+
+// One thread per element of y [n,c].
+__global__ void embedding_forward_kernel(const int32_t* ids, const float* table, float* y, int64_t n, int64_t v,
+                                         int64_t c, int64_t offset) {
+  int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= n * c) return;
+  int64_t r = idx / c, col = idx % c;
+  int64_t row = ids[r] - offset;
+  y[idx] = (row >= 0 && row < v) ? table[row * c + col] : 0.f;
+}
+
+// Repeated ids add into the same row: atomics (the order, unlike the CPU's, is not fixed).
+__global__ void embedding_backward_kernel(const int32_t* ids, const float* dy, float* dtable, int64_t n, int64_t v,
+                                          int64_t c, int64_t offset) {
+  int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= n * c) return;
+  int64_t r = idx / c, col = idx % c;
+  int64_t row = ids[r] - offset;
+  if (row >= 0 && row < v) atomicAdd(dtable + row * c + col, dy[idx]);
+}
+
+}  // namespace
+
+void permute_0213(const float* x, float* y, int64_t a, int64_t b, int64_t c, int64_t d, cudaStream_t s) {
+  int64_t n = a * b * c * d;
+  if (n == 0) return;
+  permute_0213_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, y, a, b, c, d);
+}
+
+void causal_softmax_forward(const float* scores, float* probs, int64_t rows, int64_t t, float scale, cudaStream_t s) {
+  if (rows == 0) return;
+  causal_softmax_forward_kernel<<<blocks_for(rows * 32), kThreads, 0, s>>>(scores, probs, rows, t, scale);
+}
+
+void causal_softmax_backward(const float* probs, const float* dprobs, float* dscores, int64_t rows, int64_t t,
+                             float scale, cudaStream_t s) {
+  if (rows == 0) return;
+  causal_softmax_backward_kernel<<<blocks_for(rows * 32), kThreads, 0, s>>>(probs, dprobs, dscores, rows, t, scale);
+}
+
+void embedding_forward(const int32_t* ids, const float* table, float* y, int64_t n, int64_t v, int64_t c,
+                       int64_t offset, cudaStream_t s) {
+  if (n * c == 0) return;
+  embedding_forward_kernel<<<blocks_for(n * c), kThreads, 0, s>>>(ids, table, y, n, v, c, offset);
+}
+
+void embedding_backward(const int32_t* ids, const float* dy, float* dtable, int64_t n, int64_t v, int64_t c,
+                        int64_t offset, cudaStream_t s) {
+  if (n * c == 0) return;
+  embedding_backward_kernel<<<blocks_for(n * c), kThreads, 0, s>>>(ids, dy, dtable, n, v, c, offset);
+}
+
+}  // namespace dtrain::cuda::k

@@ -1,0 +1,303 @@
+// Column- and row-parallel linear layers and the tensor-parallel GPT block.
+#include "dtrain/parallel/tensor_parallel.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "dtrain/core/error.h"
+
+namespace dtrain::parallel {
+
+namespace {
+
+// nn::Linear's initialisation, element for element: U(-1/sqrt(in), 1/sqrt(in)), weight then bias.
+Tensor uniform(const Shape& s, float bound, Rng& rng) {
+  Tensor t = Tensor::empty(s);
+  float* p = t.f32();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = rng.uniform(-bound, bound);
+  return t;
+}
+
+// In place: the sum over the tp ranks (a no-op on one rank).
+void allreduce_sum(comm::Communicator& c, Tensor& t) {
+  if (c.size() > 1) c.allreduce(t, comm::ReduceOp::Sum)->wait();
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ ColumnParallelLinear
+ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp,
+                                           int64_t chunks)
+    : in_(in), out_(out), chunks_(chunks), local_(0), tp_(tp) {
+  DT_INPUT_CHECK(in > 0 && chunks > 0 && out % (chunks * tp.size()) == 0,
+                 "ColumnParallelLinear(" << in << ", " << out << "): " << chunks
+                                         << " block(s) of outputs must split over " << tp.size() << " tp ranks");
+  local_ = out / tp.size();
+  float bound = 1.f / std::sqrt(static_cast<float>(in));
+  Tensor w = uniform({out, in}, bound, rng);
+  Tensor b = bias ? uniform({out}, bound, rng) : Tensor();
+  w_ = &add_parameter("weight", shard_of(w));
+  if (bias) b_ = &add_parameter("bias", shard_of(b));
+}
+
+std::string ColumnParallelLinear::kind() const {
+  return "ColumnParallelLinear(" + std::to_string(in_) + ", " + std::to_string(out_) +
+         ", tp=" + std::to_string(tp_.size()) + ")";
+}
+
+Tensor ColumnParallelLinear::shard_of(const Tensor& full) const {
+  DT_CHECK(full.dim() >= 1 && full.size(0) == out_, kind() << ": cannot shard " << full.str());
+  const int64_t row = full.numel() / out_;  // elements per output row
+  const int64_t block = out_ / chunks_, mine = block / tp_.size();
+  Shape s = full.shape();
+  s[0] = local_;
+  Tensor t = Tensor::empty(s, full.dtype());
+  const size_t bytes = static_cast<size_t>(mine * row) * dtype_size(full.dtype());
+  for (int64_t k = 0; k < chunks_; ++k)  // rows [k*block + r*mine, k*block + (r+1)*mine) of every block
+    std::memcpy(static_cast<char*>(t.raw()) + k * bytes,
+                static_cast<const char*>(full.raw()) +
+                    static_cast<size_t>((k * block + tp_.rank() * mine) * row) * dtype_size(full.dtype()),
+                bytes);
+  return t;
+}
+
+Tensor ColumnParallelLinear::gather_full(const Tensor& local) const {
+  const int64_t n = local.numel(), tp = tp_.size();
+  Tensor all = Tensor::empty({tp * n}, local.dtype());
+  if (tp > 1)
+    tp_.allgather(local, all)->wait();
+  else
+    all.copy_from(local.reshape({n}));
+  const int64_t row = n / local_, block = out_ / chunks_, mine = block / tp;
+  Shape s = local.shape();
+  s[0] = out_;
+  Tensor full = Tensor::empty(s, local.dtype());
+  const size_t es = dtype_size(local.dtype()), bytes = static_cast<size_t>(mine * row) * es;
+  for (int64_t r = 0; r < tp; ++r)  // rank r's block k holds full rows [k*block + r*mine, +mine)
+    for (int64_t k = 0; k < chunks_; ++k)
+      std::memcpy(static_cast<char*>(full.raw()) + static_cast<size_t>((k * block + r * mine) * row) * es,
+                  static_cast<const char*>(all.raw()) + static_cast<size_t>(r * n) * es + k * bytes, bytes);
+  return full;
+}
+
+// y (M, local) = x (M, in) . W_local^T + b_local
+Tensor ColumnParallelLinear::forward(const Tensor& x) {
+  DT_CHECK(x.dim() >= 1 && x.size(-1) == in_, kind() << " got input " << x.str());
+  x_ = x;
+  const int64_t m = x.numel() / in_;
+  Shape ys = x.shape();
+  ys.back() = local_;
+  Tensor& y = ensure(y_, ys, x.device());
+  Engine& e = engine(x);
+  e.gemm(false, true, m, local_, in_, 1.f, x, w_->value, 0.f, y);
+  if (b_) e.add_row_bias(y, b_->value);
+  return y;
+}
+
+// dW_local += dy^T x; db_local += sum dy; dx = allreduce_tp(dy W_local): each rank's outputs
+// depend on all of x, so d(x) is the sum of every rank's part.
+Tensor ColumnParallelLinear::backward(const Tensor& dy) {
+  const int64_t m = x_.numel() / in_;
+  DT_CHECK(dy.numel() == m * local_, kind() << " backward got " << dy.str());
+  Engine& e = engine(dy);
+  e.gemm(true, false, local_, in_, m, 1.f, dy, x_, 1.f, w_->grad);
+  grad_ready(*w_);
+  if (b_) {
+    e.row_bias_grad(dy, b_->grad);
+    grad_ready(*b_);
+  }
+  if (!needs_input_grad_) return Tensor();
+  Tensor& dx = ensure(dx_, x_.shape(), dy.device());
+  e.gemm(false, false, m, in_, local_, 1.f, dy, w_->value, 0.f, dx);
+  e.synchronize();  // the allreduce reads dx from the host side of the engine's queue
+  allreduce_sum(tp_, dx);
+  return dx;
+}
+
+// ------------------------------------------------------------------ RowParallelLinear
+RowParallelLinear::RowParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp)
+    : in_(in), out_(out), local_(0), tp_(tp) {
+  DT_INPUT_CHECK(out > 0 && in % tp.size() == 0,
+                 "RowParallelLinear(" << in << ", " << out << "): inputs must split over " << tp.size() << " tp ranks");
+  local_ = in / tp.size();
+  float bound = 1.f / std::sqrt(static_cast<float>(in));
+  Tensor w = uniform({out, in}, bound, rng);
+  Tensor b = bias ? uniform({out}, bound, rng) : Tensor();
+  w_ = &add_parameter("weight", shard_of(w));
+  if (bias) b_ = &add_parameter("bias", b);
+}
+
+std::string RowParallelLinear::kind() const {
+  return "RowParallelLinear(" + std::to_string(in_) + ", " + std::to_string(out_) +
+         ", tp=" + std::to_string(tp_.size()) + ")";
+}
+
+Tensor RowParallelLinear::shard_of(const Tensor& full) const {
+  DT_CHECK(full.dim() == 2 && full.size(0) == out_ && full.size(1) == in_, kind() << ": cannot shard " << full.str());
+  Tensor t = Tensor::empty({out_, local_}, full.dtype());
+  const size_t es = dtype_size(full.dtype());
+  for (int64_t o = 0; o < out_; ++o)
+    std::memcpy(static_cast<char*>(t.raw()) + static_cast<size_t>(o * local_) * es,
+                static_cast<const char*>(full.raw()) + static_cast<size_t>(o * in_ + tp_.rank() * local_) * es,
+                static_cast<size_t>(local_) * es);
+  return t;
+}
+
+Tensor RowParallelLinear::gather_full(const Tensor& local) const {
+  if (local.numel() != out_ * local_) return local.clone();  // the bias is whole on every rank
+  const int64_t n = local.numel(), tp = tp_.size();
+  Tensor all = Tensor::empty({tp * n}, local.dtype());
+  if (tp > 1)
+    tp_.allgather(local, all)->wait();
+  else
+    all.copy_from(local.reshape({n}));
+  Tensor full = Tensor::empty({out_, in_}, local.dtype());
+  const size_t es = dtype_size(local.dtype());
+  for (int64_t r = 0; r < tp; ++r)
+    for (int64_t o = 0; o < out_; ++o)
+      std::memcpy(static_cast<char*>(full.raw()) + static_cast<size_t>(o * in_ + r * local_) * es,
+                  static_cast<const char*>(all.raw()) + static_cast<size_t>(r * n + o * local_) * es,
+                  static_cast<size_t>(local_) * es);
+  return full;
+}
+
+// y (M, out) = allreduce_tp(x_local (M, in/tp) . W_local^T) + b
+Tensor RowParallelLinear::forward(const Tensor& x) {
+  DT_CHECK(x.dim() >= 1 && x.size(-1) == local_,
+           kind() << " got input " << x.str() << " (last dim must be " << local_ << ")");
+  x_ = x;
+  const int64_t m = x.numel() / local_;
+  Shape ys = x.shape();
+  ys.back() = out_;
+  Tensor& y = ensure(y_, ys, x.device());
+  Engine& e = engine(x);
+  e.gemm(false, true, m, out_, local_, 1.f, x, w_->value, 0.f, y);
+  e.synchronize();
+  allreduce_sum(tp_, y);
+  if (b_) e.add_row_bias(y, b_->value);
+  return y;
+}
+
+// dy is the same on every tp rank (the output is replicated): no communication backward.
+Tensor RowParallelLinear::backward(const Tensor& dy) {
+  const int64_t m = x_.numel() / local_;
+  DT_CHECK(dy.numel() == m * out_, kind() << " backward got " << dy.str());
+  Engine& e = engine(dy);
+  e.gemm(true, false, out_, local_, m, 1.f, dy, x_, 1.f, w_->grad);
+  grad_ready(*w_);
+  if (b_) {
+    e.row_bias_grad(dy, b_->grad);
+    grad_ready(*b_);
+  }
+  if (!needs_input_grad_) return Tensor();
+  Tensor& dx = ensure(dx_, x_.shape(), dy.device());
+  e.gemm(false, false, m, local_, out_, 1.f, dy, w_->value, 0.f, dx);
+  return dx;
+}
+
+// ------------------------------------------------------------------ GPT blocks
+nn::GptBlockFactory tensor_parallel_gpt_blocks(int64_t width, int64_t heads, comm::Communicator& tp) {
+  DT_INPUT_CHECK(heads % tp.size() == 0 && width % heads == 0,
+                 "tensor parallel GPT: " << heads << " heads must split over " << tp.size()
+                                         << " tp ranks and divide the width " << width);
+  return [width, heads, &tp](int64_t, Rng& rng) -> nn::ModulePtr {
+    // The same draws, in the same order, as nn::make_gpt_block: qkv, proj, fc, fc2.
+    const int64_t hd = width / heads;
+    auto qkv = std::make_unique<ColumnParallelLinear>(width, 3 * width, true, rng, tp, 3);
+    auto proj = std::make_unique<RowParallelLinear>(width, width, true, rng, tp);
+    auto attn = std::make_unique<nn::Sequential>();
+    attn->add(std::make_unique<nn::LayerNorm>(width));
+    attn->add(std::make_unique<nn::CausalSelfAttention>(std::move(qkv), std::move(proj), width, heads / tp.size(), hd));
+    auto mlp = std::make_unique<nn::Sequential>();
+    mlp->add(std::make_unique<nn::LayerNorm>(width));
+    mlp->add(std::make_unique<ColumnParallelLinear>(width, 4 * width, true, rng, tp));
+    mlp->add(nn::GELU());
+    mlp->add(std::make_unique<RowParallelLinear>(4 * width, width, true, rng, tp));
+    auto block = std::make_unique<nn::Sequential>();
+    block->add(std::make_unique<nn::Residual>(std::move(attn)));
+    block->add(std::make_unique<nn::Residual>(std::move(mlp)));
+    return block;
+  };
+}
+
+// ------------------------------------------------------------------ layouts and norms
+namespace {
+
+// Parameter name -> the innermost module holding it (children are visited after their parent).
+void owners(nn::Module& m, const std::string& prefix, std::map<std::string, nn::Module*>& out) {
+  for (nn::Parameter* p : m.parameters()) out[prefix + p->name] = &m;
+  for (auto& [name, child] : m.children()) owners(*child, prefix + name + ".", out);
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+}  // namespace
+
+bool is_tensor_parallel_shard(nn::Module& model, const std::string& name) {
+  std::map<std::string, nn::Module*> own;
+  owners(model, "", own);
+  nn::Module* m = own.at(name);
+  if (dynamic_cast<ColumnParallelLinear*>(m)) return true;
+  return dynamic_cast<RowParallelLinear*>(m) && ends_with(name, "weight");
+}
+
+std::map<std::string, Tensor> gather_full_parameters(nn::Module& model) {
+  std::map<std::string, nn::Module*> own;
+  owners(model, "", own);
+  std::map<std::string, Tensor> full;
+  for (nn::Parameter* p : model.parameters()) {  // the same order on every rank: the collectives match
+    nn::Module* m = own.at(p->name);
+    if (auto* c = dynamic_cast<ColumnParallelLinear*>(m))
+      full[p->name] = c->gather_full(p->value);
+    else if (auto* r = dynamic_cast<RowParallelLinear*>(m))
+      full[p->name] = r->gather_full(p->value);
+    else
+      full[p->name] = p->value.clone();
+  }
+  return full;
+}
+
+void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>& full) {
+  std::map<std::string, nn::Module*> own;
+  owners(model, "", own);
+  for (nn::Parameter* p : model.parameters()) {
+    auto it = full.find(p->name);
+    DT_INPUT_CHECK(it != full.end(), "no tensor for parameter " << p->name);
+    nn::Module* m = own.at(p->name);
+    Tensor shard = it->second;
+    if (auto* c = dynamic_cast<ColumnParallelLinear*>(m))
+      shard = c->shard_of(it->second);
+    else if (auto* r = dynamic_cast<RowParallelLinear*>(m); r && ends_with(p->name, "weight"))
+      shard = r->shard_of(it->second);
+    DT_INPUT_CHECK(shard.numel() == p->value.numel(),
+                   "parameter " << p->name << ": " << it->second.str() << " does not fit " << p->value.str());
+    p->value.copy_from(shard.reshape(p->value.shape()));
+  }
+}
+
+double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm) {
+  std::map<std::string, nn::Module*> own;
+  owners(model, "", own);
+  double split = 0, replicated = 0;
+  for (nn::Parameter* p : model.parameters()) {
+    nn::Module* m = own.at(p->name);
+    bool sharded =
+        dynamic_cast<ColumnParallelLinear*>(m) || (dynamic_cast<RowParallelLinear*>(m) && ends_with(p->name, "weight"));
+    (sharded ? split : replicated) += engine_for(p->grad.device()).sum_squares(p->grad);
+  }
+  if (tp.size() > 1) {
+    Tensor s = Tensor::full({1}, static_cast<float>(split));
+    tp.allreduce(s)->wait();
+    split = s.f32()[0];
+  }
+  double norm = std::sqrt(split + replicated);
+  if (max_norm > 0 && norm > max_norm) {
+    float k = static_cast<float>(max_norm / (norm + 1e-6));
+    for (nn::Parameter* p : model.parameters()) engine_for(p->grad.device()).scale(p->grad, k);
+  }
+  return norm;
+}
+
+}  // namespace dtrain::parallel

@@ -1,0 +1,201 @@
+// GPT pieces: causal self-attention and the GPT model (embeddings, blocks, tied unembedding). All
+// compute goes through the Engine, so the same code runs on the CPU and CUDA engines.
+#include "dtrain/nn/gpt.h"
+
+#include <cmath>
+
+namespace dtrain::nn {
+
+// ------------------------------------------------------------------ CausalSelfAttention
+CausalSelfAttention::CausalSelfAttention(int64_t width, int64_t heads, Rng& rng)
+    : c_(width), h_(heads), hd_(heads > 0 ? width / heads : 0) {
+  DT_INPUT_CHECK(width > 0 && heads > 0 && width % heads == 0,
+                 "attention width " << width << " must be a positive multiple of the head count " << heads);
+  qkv_ = std::make_unique<Linear>(c_, 3 * c_, true, rng);
+  proj_ = std::make_unique<Linear>(c_, c_, true, rng);
+}
+
+CausalSelfAttention::CausalSelfAttention(ModulePtr qkv, ModulePtr proj, int64_t width, int64_t local_heads,
+                                         int64_t head_dim)
+    : c_(width), h_(local_heads), hd_(head_dim), qkv_(std::move(qkv)), proj_(std::move(proj)) {
+  DT_INPUT_CHECK(width > 0 && local_heads > 0 && head_dim > 0,
+                 "attention width " << width << ", " << local_heads << " heads of " << head_dim);
+}
+
+std::string CausalSelfAttention::kind() const {
+  return "CausalSelfAttention(" + std::to_string(c_) + ", heads=" + std::to_string(h_) + ")";
+}
+
+std::vector<std::pair<std::string, Module*>> CausalSelfAttention::children() {
+  return {{"qkv", qkv_.get()}, {"proj", proj_.get()}};
+}
+
+void CausalSelfAttention::set_needs_input_grad(bool needed) {
+  Module::set_needs_input_grad(needed);
+  qkv_->set_needs_input_grad(needed);
+}
+
+Tensor CausalSelfAttention::forward(const Tensor& x) {
+  DT_CHECK(x.dim() == 3 && x.size(2) == c_, kind() << " needs input [B, T, " << c_ << "], got " << x.str());
+  b_ = x.size(0);
+  t_ = x.size(1);
+  Device dev = x.device();
+  Engine& e = engine(x);
+  Tensor qkv = qkv_->forward(x);  // [B, T, 3*H*hd] = [B, T, 3H, hd]
+  DT_CHECK(qkv.numel() == b_ * t_ * 3 * h_ * hd_, kind() << ": qkv gave " << qkv.str());
+  ensure(qkvh_, {b_, 3 * h_, t_, hd_}, dev);
+  e.permute_0213(qkv, b_, t_, 3 * h_, hd_, qkvh_);  // -> [B, 3H, T, hd]: q heads, k heads, v heads
+  ensure(scores_, {b_, h_, t_, t_}, dev);
+  ensure(att_, {b_, h_, t_, t_}, dev);
+  ensure(yh_, {b_, h_, t_, hd_}, dev);
+  Tensor heads = qkvh_.reshape({b_ * 3 * h_, t_ * hd_});  // one row per (batch, q/k/v head)
+  Tensor sc = scores_.reshape({b_ * h_, t_ * t_});
+  Tensor yh = yh_.reshape({b_ * h_, t_ * hd_});
+  const int64_t qs = t_ * hd_, ss = t_ * t_;
+  for (int64_t b = 0; b < b_; ++b) {
+    Tensor q = heads.slice0(b * 3 * h_, b * 3 * h_ + h_);
+    Tensor k = heads.slice0(b * 3 * h_ + h_, b * 3 * h_ + 2 * h_);
+    Tensor s = sc.slice0(b * h_, (b + 1) * h_);
+    e.gemm_batched(h_, false, true, t_, t_, hd_, 1.f, q, qs, k, qs, 0.f, s, ss);  // s = q k^T [T, T]
+  }
+  e.causal_softmax_forward(scores_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), att_);
+  Tensor att = att_.reshape({b_ * h_, t_ * t_});
+  for (int64_t b = 0; b < b_; ++b) {
+    Tensor a = att.slice0(b * h_, (b + 1) * h_);
+    Tensor v = heads.slice0(b * 3 * h_ + 2 * h_, (b + 1) * 3 * h_);
+    Tensor y = yh.slice0(b * h_, (b + 1) * h_);
+    e.gemm_batched(h_, false, false, t_, hd_, t_, 1.f, a, ss, v, qs, 0.f, y, qs);  // y = att v [T, hd]
+  }
+  ensure(y_, {b_, t_, h_ * hd_}, dev);
+  e.permute_0213(yh_, b_, h_, t_, hd_, y_);  // [B, H, T, hd] -> [B, T, H*hd]
+  return proj_->forward(y_);
+}
+
+Tensor CausalSelfAttention::backward(const Tensor& dout) {
+  DT_CHECK(dout.numel() == b_ * t_ * c_, kind() << " backward got " << dout.str());
+  Device dev = dout.device();
+  Engine& e = engine(dout);
+  Tensor dy = proj_->backward(dout);  // [B, T, H*hd]
+  ensure(dyh_, {b_, h_, t_, hd_}, dev);
+  e.permute_0213(dy, b_, t_, h_, hd_, dyh_);
+  ensure(datt_, {b_, h_, t_, t_}, dev);
+  // The raw scores are dead once softmax has run: their buffer takes d(scores), so each layer keeps
+  // three [B, H, T, T] tensors instead of four.
+  dscores_ = scores_;
+  ensure(dqkvh_, {b_, 3 * h_, t_, hd_}, dev);
+  Tensor heads = qkvh_.reshape({b_ * 3 * h_, t_ * hd_});
+  Tensor dheads = dqkvh_.reshape({b_ * 3 * h_, t_ * hd_});
+  Tensor att = att_.reshape({b_ * h_, t_ * t_});
+  Tensor datt = datt_.reshape({b_ * h_, t_ * t_});
+  Tensor dyh = dyh_.reshape({b_ * h_, t_ * hd_});
+  const int64_t qs = t_ * hd_, ss = t_ * t_;
+  for (int64_t b = 0; b < b_; ++b) {
+    Tensor v = heads.slice0(b * 3 * h_ + 2 * h_, (b + 1) * 3 * h_);
+    Tensor dv = dheads.slice0(b * 3 * h_ + 2 * h_, (b + 1) * 3 * h_);
+    Tensor a = att.slice0(b * h_, (b + 1) * h_);
+    Tensor da = datt.slice0(b * h_, (b + 1) * h_);
+    Tensor g = dyh.slice0(b * h_, (b + 1) * h_);
+    e.gemm_batched(h_, false, true, t_, t_, hd_, 1.f, g, qs, v, qs, 0.f, da, ss);  // datt = dy v^T
+    e.gemm_batched(h_, true, false, t_, hd_, t_, 1.f, a, ss, g, qs, 0.f, dv, qs);  // dv = att^T dy
+  }
+  e.causal_softmax_backward(att_, datt_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), dscores_);
+  Tensor ds = dscores_.reshape({b_ * h_, t_ * t_});
+  for (int64_t b = 0; b < b_; ++b) {
+    Tensor q = heads.slice0(b * 3 * h_, b * 3 * h_ + h_);
+    Tensor k = heads.slice0(b * 3 * h_ + h_, b * 3 * h_ + 2 * h_);
+    Tensor dq = dheads.slice0(b * 3 * h_, b * 3 * h_ + h_);
+    Tensor dk = dheads.slice0(b * 3 * h_ + h_, b * 3 * h_ + 2 * h_);
+    Tensor s = ds.slice0(b * h_, (b + 1) * h_);
+    e.gemm_batched(h_, false, false, t_, hd_, t_, 1.f, s, ss, k, qs, 0.f, dq, qs);  // dq = ds k (scale in ds)
+    e.gemm_batched(h_, true, false, t_, hd_, t_, 1.f, s, ss, q, qs, 0.f, dk, qs);   // dk = ds^T q
+  }
+  ensure(dqkv_, {b_, t_, 3 * h_ * hd_}, dev);
+  e.permute_0213(dqkvh_, b_, 3 * h_, t_, hd_, dqkv_);  // back to [B, T, 3H, hd]
+  return qkv_->backward(dqkv_);
+}
+
+// ------------------------------------------------------------------ blocks
+ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng) {
+  auto attn = std::make_unique<Sequential>();
+  attn->add(std::make_unique<LayerNorm>(width));
+  attn->add(std::make_unique<CausalSelfAttention>(width, heads, rng));
+  auto mlp = std::make_unique<Sequential>();
+  mlp->add(std::make_unique<LayerNorm>(width));
+  mlp->add(std::make_unique<Linear>(width, 4 * width, true, rng));
+  mlp->add(GELU());
+  mlp->add(std::make_unique<Linear>(4 * width, width, true, rng));
+  auto block = std::make_unique<Sequential>();
+  block->add(std::make_unique<Residual>(std::move(attn)));
+  block->add(std::make_unique<Residual>(std::move(mlp)));
+  return block;
+}
+
+// ------------------------------------------------------------------ Gpt
+Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks) : cfg_(cfg) {
+  DT_INPUT_CHECK(cfg.vocab > 0 && cfg.context > 0 && cfg.layers > 0 && cfg.width > 0,
+                 "gpt needs positive vocab, context, layers and width");
+  Rng rng(cfg.seed);
+  // Embeddings N(0, 0.02) as GPT-2; the Linear layers keep PyTorch's default init (as the peer).
+  auto normal = [&](const Shape& s) {
+    Tensor t = Tensor::empty(s);
+    for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = 0.02f * rng.normal();
+    return t;
+  };
+  wte_ = &add_parameter("wte", normal({cfg.vocab, cfg.width}));
+  wpe_ = &add_parameter("wpe", normal({cfg.context, cfg.width}));
+  blocks_ = std::make_unique<Sequential>();
+  for (int64_t l = 0; l < cfg.layers; ++l)
+    blocks_->add(blocks ? blocks(l, rng) : make_gpt_block(cfg.width, cfg.heads, rng));
+  ln_f_ = std::make_unique<LayerNorm>(cfg.width);
+}
+
+std::string Gpt::kind() const {
+  return "Gpt(layers=" + std::to_string(cfg_.layers) + ", width=" + std::to_string(cfg_.width) +
+         ", heads=" + std::to_string(cfg_.heads) + ", context=" + std::to_string(cfg_.context) +
+         ", vocab=" + std::to_string(cfg_.vocab) + ")";
+}
+
+std::vector<std::pair<std::string, Module*>> Gpt::children() {
+  return {{"blocks", blocks_.get()}, {"ln_f", ln_f_.get()}};
+}
+
+Tensor Gpt::forward(const Tensor& ids) {
+  DT_CHECK(ids.dim() == 2 && ids.dtype() == DType::I32, "gpt needs i32 token ids [B, T], got " << ids.str());
+  b_ = ids.size(0);
+  t_ = ids.size(1);
+  DT_INPUT_CHECK(t_ >= 1 && t_ <= cfg_.context, "sequence length " << t_ << " exceeds the context " << cfg_.context);
+  const int64_t c = cfg_.width, v = cfg_.vocab;
+  Device dev = ids.device();
+  Engine& e = engine(ids);
+  ids_ = ids;
+  ensure(emb_, {b_, t_, c}, dev);
+  e.embedding_forward(ids, wte_->value, 0, emb_);
+  // Position embedding: rows of wpe[0:T] flattened, added to every sequence ([B, T*C] + [T*C]).
+  Tensor emb_rows = emb_.reshape({b_, t_ * c});
+  e.add_row_bias(emb_rows, wpe_->value.slice0(0, t_).reshape({t_ * c}));
+  Tensor h = blocks_->forward(emb_);
+  hf_ = ln_f_->forward(h);  // [B, T, C]
+  ensure(logits_, {b_ * t_, v}, dev);
+  e.gemm(false, true, b_ * t_, v, c, 1.f, hf_, wte_->value, 0.f, logits_);  // hf wte^T
+  return logits_;
+}
+
+Tensor Gpt::backward(const Tensor& dlogits) {
+  const int64_t c = cfg_.width, v = cfg_.vocab, m = b_ * t_;
+  DT_CHECK(dlogits.numel() == m * v, kind() << " backward got " << dlogits.str());
+  Engine& e = engine(dlogits);
+  ensure(dhf_, {b_, t_, c}, dlogits.device());
+  e.gemm(false, false, m, c, v, 1.f, dlogits, wte_->value, 0.f, dhf_);  // dhf = dlogits wte
+  e.gemm(true, false, v, c, m, 1.f, dlogits, hf_, 1.f, wte_->grad);     // dwte += dlogits^T hf
+  Tensor dh = ln_f_->backward(dhf_);
+  Tensor demb = blocks_->backward(dh);
+  e.embedding_backward(ids_, demb, 0, wte_->grad);
+  Tensor dpos = wpe_->grad.slice0(0, t_).reshape({t_ * c});
+  e.row_bias_grad(demb.reshape({b_, t_ * c}), dpos);
+  // Both embeddings are final only now (wte also collects the unembedding's gradient).
+  grad_ready(*wpe_);
+  grad_ready(*wte_);
+  return Tensor();
+}
+
+}  // namespace dtrain::nn

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Integration tests on a real one-node SLURM started for the test (cluster/slurm/local/start.sh)
+# and stopped at its end. Exit 77 (skipped) where SLURM cannot run: not root, or not installed.
+#   slurm_test.sh train   DTRAIN_BIN DATA_DIR WORK_DIR   sbatch -n 2 with srun (PMIx) on Fashion-MNIST,
+#                                                        then with mpirun inside the allocation
+#   slurm_test.sh preempt DTRAIN_BIN WORK_DIR            signal the job, requeue, resume, finish
+set -euo pipefail
+mode=$1
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+fail() { echo "FAIL: $*"; exit 1; }
+
+slurm_dir=$(mktemp -d /tmp/dtrain-slurm-test.XXXXXX)
+export DTRAIN_SLURM_PORT=${DTRAIN_SLURM_PORT:-16827}
+# A machine where the daemons cannot start (no root, a container without the needed privileges,
+# ports taken) skips the test; DTRAIN_REQUIRE_SLURM=1 makes that a failure instead.
+rc=0; "$root/cluster/slurm/local/start.sh" "$slurm_dir" || rc=$?
+if [[ $rc -ne 0 ]]; then
+  rm -rf "$slurm_dir"
+  [[ "${DTRAIN_REQUIRE_SLURM:-0}" == "1" ]] && fail "the local SLURM did not start (status $rc)"
+  echo "SKIP: the local SLURM cannot run here (status $rc)"
+  exit 77
+fi
+trap '"$root/cluster/slurm/local/stop.sh" "$slurm_dir"' EXIT
+source "$slurm_dir/env.sh"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 DTRAIN_HOME=$root
+
+# job_state ID: COMPLETED, FAILED, PENDING, ...
+job_state() { scontrol show job "$1" | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
+# wait_job ID SECONDS: waits for the job to end; a requeued job waiting out SLURM's requeue delay
+# is let start at once.
+wait_job() {
+  local s
+  for ((i = 0; i < $2; ++i)); do
+    s=$(job_state "$1")
+    case "$s" in
+      COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) echo "$s"; return 0 ;;
+      PENDING) scontrol update jobid="$1" StartTime=now 2>/dev/null || true ;;
+    esac
+    sleep 1
+  done
+  echo "TIMEOUT_WAITING"
+}
+
+case "$mode" in
+  train)
+    bin=$2 data=$3 work=$4
+    rm -rf "$work" && mkdir -p "$work" && cd "$work"
+    export DTRAIN_BIN=$bin
+    for launcher in srun mpirun; do
+      id=$(DTRAIN_LAUNCHER=$launcher sbatch --parsable -n 2 --job-name="dtrain-$launcher" \
+        "$root/cluster/slurm/train.sbatch" --config "$root/examples/fashion_cnn.ini" --data "$data/train" \
+        --test-data "$data/test" --epochs 1 --steps 200 --threads 1 --progress off)
+      state=$(wait_job "$id" 600)
+      out="$work/dtrain-$id.out"
+      cat "$out"
+      [[ "$state" == COMPLETED ]] || fail "$launcher: job $id ended $state"
+      grep -q "dtrain: 2 ranks on 1 node; launcher SLURM" "$out" || fail "$launcher: training did not run on 2 ranks"
+      acc=$(grep -o 'test accuracy [0-9.]*%' "$out" | tail -1 | grep -o '[0-9.]*')
+      [[ -n "$acc" ]] || fail "$launcher: no test accuracy reported"
+      awk -v a="$acc" 'BEGIN { exit !(a > 60) }' || fail "$launcher: test accuracy $acc% after 200 steps, expected > 60%"
+      grep -q '"summary": "run", "steps": 200,' "$work/runs/dtrain-$launcher-$id/metrics.jsonl" || fail "$launcher: no summary"
+      echo "PASS ($launcher): job $id on 2 ranks, test accuracy $acc%"
+    done
+    ;;
+  preempt)
+    bin=$2 work=$3
+    rm -rf "$work" && mkdir -p "$work" && cd "$work"
+    export DTRAIN_BIN=$bin
+    steps=6000
+    id=$(sbatch --parsable -n 2 "$root/cluster/slurm/train.sbatch" --synthetic --model mlp --steps $steps \
+      --threads 1 --progress off --log-every 50)
+    metrics="$work/runs/dtrain-$id/metrics.jsonl"
+    for ((i = 0; i < 600; ++i)); do grep -q '"step"' "$metrics" 2>/dev/null && break; sleep 0.2; done
+    # What --signal=B:USR1@T does before the time limit: USR1 to the batch script.
+    scancel --batch --signal=USR1 "$id"
+    state=$(wait_job "$id" 600)
+    out="$work/dtrain-$id.out"
+    cat "$out"
+    [[ "$state" == COMPLETED ]] || fail "job $id ended $state"
+    grep -q 'requeueing job' "$out" || fail "the job was not requeued"
+    step=$(grep -o '"event": "preempted", "step": [0-9]*' "$metrics" | head -1 | grep -o '[0-9]*$')
+    [[ -n "$step" ]] || fail "no preemption recorded"
+    grep -q "resumed from .* at step $step " "$out" || fail "the requeued job did not resume at step $step"
+    [[ $(scontrol show job "$id" | grep -o 'Restarts=[0-9]*') == Restarts=1 ]] || fail "expected one restart"
+    grep -q "\"summary\": \"run\", \"steps\": $steps," "$metrics" || fail "the run did not finish at step $steps"
+    echo "PASS: preempted at step $step, requeued, resumed, finished at step $steps"
+    ;;
+  *) fail "mode must be train or preempt" ;;
+esac

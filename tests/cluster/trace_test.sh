@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# `dtrain train --trace FILE` on 2 ranks: one valid Chrome trace JSON holding both ranks' data wait,
+# forward+backward, communication wait and optimizer spans for exactly --trace-steps steps.
+# usage: trace_test.sh DTRAIN_BIN WORK_DIR   (skipped, 77, without /usr/bin/python3 to read the JSON)
+set -euo pipefail
+bin=$1 work=$2
+[[ -x /usr/bin/python3 ]] || { echo "SKIP: no /usr/bin/python3"; exit 77; }
+rm -rf "$work" && mkdir -p "$work"
+mpiexec -n 2 --oversubscribe --bind-to none "$bin" train --synthetic --model mlp --steps 40 --trace-steps 25 \
+  --threads 1 --progress off --trace "$work/trace.json"
+ls "$work"/trace.json.rank* 2>/dev/null && { echo "FAIL: per-rank parts left behind"; exit 1; }
+/usr/bin/python3 - "$work/trace.json" <<'PY'
+import collections, json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+spans = [e for e in events if e["ph"] == "X"]
+count = collections.Counter((e["pid"], e["name"]) for e in spans)
+for rank in (0, 1):
+    for name in ("data wait", "forward+backward", "communication wait", "optimizer"):
+        assert count[(rank, name)] == 25, (rank, name, count[(rank, name)])
+assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"rank 0", "rank 1"}
+print("PASS:", len(spans), "spans")
+PY

@@ -1,0 +1,142 @@
+// GPT pieces against finite differences, the engine's transformer ops against direct formulas,
+// and causality (no position sees a later one).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "dtrain/nn/gpt.h"
+#include "gradcheck.h"
+
+using namespace dtrain;
+using dtrain::test::dot;
+using dtrain::test::gradcheck;
+using dtrain::test::random_tensor;
+
+TEST(TransformerOps, PermuteAndCausalSoftmaxByDefinition) {
+  Rng rng(3);
+  Engine& e = cpu_engine();
+  Tensor x = random_tensor({2, 3, 4, 5}, rng), y = Tensor::zeros({2, 4, 3, 5}), back = Tensor::zeros({2, 3, 4, 5});
+  e.permute_0213(x, 2, 3, 4, 5, y);
+  EXPECT_EQ(y.f32()[((1 * 4 + 2) * 3 + 1) * 5 + 3], x.f32()[((1 * 3 + 1) * 4 + 2) * 5 + 3]);
+  e.permute_0213(y, 2, 4, 3, 5, back);
+  for (int64_t i = 0; i < x.numel(); ++i) ASSERT_EQ(back.f32()[i], x.f32()[i]);
+
+  const int64_t t = 4;
+  Tensor s = random_tensor({2, t, t}, rng), p = Tensor::zeros({2, t, t});
+  e.causal_softmax_forward(s, t, 0.5f, p);
+  for (int64_t n = 0; n < 2; ++n)
+    for (int64_t i = 0; i < t; ++i) {
+      const float* srow = s.f32() + (n * t + i) * t;
+      const float* prow = p.f32() + (n * t + i) * t;
+      double z = 0;
+      for (int64_t j = 0; j <= i; ++j) z += std::exp(0.5 * srow[j]);
+      for (int64_t j = 0; j < t; ++j) EXPECT_NEAR(prow[j], j <= i ? std::exp(0.5 * srow[j]) / z : 0.0, 1e-6);
+    }
+}
+
+TEST(TransformerOps, EmbeddingWithOffsetSkipsOtherRows) {
+  Engine& e = cpu_engine();
+  Tensor table = Tensor::from({2, 3}, {1, 2, 3, 4, 5, 6});  // vocabulary rows 10 and 11
+  Tensor ids = Tensor::empty({3}, DType::I32);
+  ids.data<int32_t>()[0] = 11;
+  ids.data<int32_t>()[1] = 3;
+  ids.data<int32_t>()[2] = 11;
+  Tensor y = Tensor::full({3, 3}, 9.f);
+  e.embedding_forward(ids, table, 10, y);
+  std::vector<float> want{4, 5, 6, 0, 0, 0, 4, 5, 6};
+  for (int i = 0; i < 9; ++i) EXPECT_EQ(y.f32()[i], want[i]);
+  Tensor dt = Tensor::zeros({2, 3});
+  e.embedding_backward(ids, Tensor::full({3, 3}, 1.f), 10, dt);
+  std::vector<float> dwant{0, 0, 0, 2, 2, 2};
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(dt.f32()[i], dwant[i]);
+}
+
+TEST(Gradients, CausalSelfAttention) {
+  Rng rng(21);
+  nn::CausalSelfAttention attn(8, 2, rng);
+  gradcheck(attn, random_tensor({2, 5, 8}, rng), 7, 1e-2f, 3e-2, 32);
+}
+
+TEST(Gradients, CausalSelfAttentionIsCausal) {
+  Rng rng(22);
+  nn::CausalSelfAttention attn(8, 2, rng);
+  Tensor x = random_tensor({1, 6, 8}, rng);
+  Tensor y0 = attn.forward(x).clone();
+  x.f32()[4 * 8 + 3] += 1.f;  // change position 4
+  Tensor y1 = attn.forward(x);
+  for (int64_t i = 0; i < 4 * 8; ++i) EXPECT_EQ(y1.f32()[i], y0.f32()[i]) << "position " << i / 8;
+  double moved = 0;
+  for (int64_t i = 4 * 8; i < 6 * 8; ++i) moved += std::abs(y1.f32()[i] - y0.f32()[i]);
+  EXPECT_GT(moved, 1e-4);
+}
+
+TEST(Gradients, GptBlock) {
+  Rng rng(23);
+  nn::ModulePtr block = nn::make_gpt_block(8, 2, rng);
+  gradcheck(*block, random_tensor({2, 4, 8}, rng), 7, 1e-2f, 3e-2, 16);
+}
+
+// The whole GPT: L = sum(logits * r), every parameter (tied wte included) against central
+// differences, and the grad-ready hook fires once per parameter.
+TEST(Gradients, GptEndToEndWithTiedEmbedding) {
+  nn::GptConfig cfg;
+  cfg.vocab = 11;
+  cfg.context = 6;
+  cfg.layers = 2;
+  cfg.heads = 2;
+  cfg.width = 8;
+  cfg.seed = 5;
+  nn::Gpt gpt(cfg);
+  Rng rng(24);
+  // GPT-2's N(0, 0.02) embeddings put the first LayerNorm where a finite-difference step of 1e-2 is
+  // far from linear; unit-scale embeddings keep the check meaningful.
+  for (nn::Parameter* p : gpt.parameters())
+    if (p->name == "wte" || p->name == "wpe")
+      for (int64_t i = 0; i < p->value.numel(); ++i) p->value.f32()[i] = rng.normal();
+  const int64_t b = 2, t = 5;
+  Tensor ids = Tensor::empty({b, t}, DType::I32);
+  for (int64_t i = 0; i < b * t; ++i) ids.data<int32_t>()[i] = static_cast<int32_t>(rng.below(11));
+  Tensor r = random_tensor({b * t, cfg.vocab}, rng);
+  std::map<std::string, int> fired;
+  gpt.set_grad_ready_hook([&](nn::Parameter& p) { ++fired[p.name]; });
+  for (nn::Parameter* p : gpt.parameters()) p->grad.zero_();
+  gpt.forward(ids);
+  gpt.backward(r);
+  auto loss = [&]() { return dot(gpt.forward(ids), r); };
+  const float eps = 1e-2f;
+  for (nn::Parameter* p : gpt.parameters()) {
+    EXPECT_EQ(fired[p->name], 1) << p->name;
+    double scale = 1e-3;
+    for (int64_t i = 0; i < p->grad.numel(); ++i) scale = std::max(scale, std::abs((double)p->grad.f32()[i]));
+    for (int s = 0; s < 6; ++s) {
+      int64_t i = static_cast<int64_t>(rng.below(static_cast<uint64_t>(p->value.numel())));
+      float keep = p->value.f32()[i];
+      p->value.f32()[i] = keep + eps;
+      double up = loss();
+      p->value.f32()[i] = keep - eps;
+      double down = loss();
+      p->value.f32()[i] = keep;
+      EXPECT_NEAR((up - down) / (2.0 * eps), p->grad.f32()[i], 3e-2 * scale) << p->name << " at " << i;
+    }
+  }
+  // Positions past T get no gradient; tied wte gets both the embedding and the unembedding parts.
+  nn::Parameter* wpe = gpt.parameters()[1];
+  ASSERT_EQ(wpe->name, "wpe");
+  for (int64_t i = t * cfg.width; i < wpe->grad.numel(); ++i) EXPECT_EQ(wpe->grad.f32()[i], 0.f);
+}
+
+// GELU's tanh goes through one expf (fn::tanh_via_exp): against std::tanh in double precision.
+TEST(TransformerOps, GeluMatchesTheTanhFormula) {
+  Tensor x = Tensor::empty({4001}), y = Tensor::zeros({4001}), dx = Tensor::zeros({4001});
+  for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = -10.f + 0.005f * static_cast<float>(i);
+  cpu_engine().unary_forward(Unary::Gelu, x, y);
+  cpu_engine().unary_backward(Unary::Gelu, x, Tensor::full({4001}, 1.f), dx);
+  const double k = std::sqrt(2.0 / M_PI);
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    double v = x.f32()[i], u = k * (v + 0.044715 * v * v * v), t = std::tanh(u);
+    double dt = k * (1 + 3 * 0.044715 * v * v);
+    EXPECT_NEAR(y.f32()[i], 0.5 * v * (1 + t), 2e-6 * std::max(1.0, std::abs(v))) << "x = " << v;
+    EXPECT_NEAR(dx.f32()[i], 0.5 * (1 + t) + 0.5 * v * (1 - t * t) * dt, 2e-6 * std::max(1.0, std::abs(v))) << v;
+  }
+}
