@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "dtrain/train/options.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/rng.h"
 #include "dtrain/core/timer.h"
@@ -164,22 +165,13 @@ int bench_cuda(int reps) {
 int cmd_bench_gemm(int argc, char** argv) {
   int threads = 1, reps = 5;
   std::string device = "cpu";
-  po::options_description opts("usage: dtrain bench gemm [options]");
-  opts.add_options()("help,h", "print this help")("threads", po::value<int>(&threads)->default_value(1),
+  po::options_description opts("Options");
+  opts.add_options()("threads", po::value<int>(&threads)->default_value(1),
                                                   "threads for all three libraries")(
       "reps", po::value<int>(&reps)->default_value(5), "timed repetitions (best is reported)")(
       "device", po::value<std::string>(&device)->default_value("cpu"), "cpu or cuda (GPU 0 of this rank)");
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(opts).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw InputError(e.what());
-  }
-  if (vm.count("help")) {
-    std::cout << opts << "\n";
-    return 0;
-  }
+  if (!train::parse_options(argc, argv, opts, "usage: dtrain bench gemm [options]", vm)) return 0;
   DT_INPUT_CHECK(threads >= 1, "option --threads must be >= 1");
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
   DT_INPUT_CHECK(device == "cpu" || device == "cuda", "option --device: '" << device << "' (expected cpu or cuda)");

@@ -4,6 +4,7 @@
 #include <iostream>
 
 #include "commands.h"
+#include "dtrain/train/options.h"
 #include "dtrain/comm/communicator.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/data/loader.h"
@@ -19,23 +20,14 @@ int cmd_eval(int argc, char** argv) {
   std::string ckpt, data_dir;
   int64_t batch = 256;
   int threads = 0;
-  po::options_description opts("usage: dtrain eval --checkpoint FILE --data DIR [options]");
-  opts.add_options()("help,h", "print this help")("checkpoint", po::value<std::string>(&ckpt),
+  po::options_description opts("Options");
+  opts.add_options()("checkpoint", po::value<std::string>(&ckpt),
                                                   "checkpoint file, or a directory (its newest)")(
       "data", po::value<std::string>(&data_dir), "directory of HDF5 shards to evaluate on")(
       "batch-size", po::value<int64_t>(&batch)->default_value(256), "samples per batch per rank")(
       "threads", po::value<int>(&threads)->default_value(0), "compute threads per rank (0: cores / ranks on node)");
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(opts).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw InputError(e.what());
-  }
-  if (vm.count("help")) {
-    std::cout << opts << "\n";
-    return 0;
-  }
+  if (!train::parse_options(argc, argv, opts, "usage: dtrain eval --checkpoint FILE --data DIR [options]", vm)) return 0;
   DT_INPUT_CHECK(!ckpt.empty(), "option --checkpoint is required");
   DT_INPUT_CHECK(!data_dir.empty(), "option --data is required");
   DT_INPUT_CHECK(batch > 0, "option --batch-size must be > 0");

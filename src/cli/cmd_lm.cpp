@@ -15,6 +15,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/lm_trainer.h"
+#include "dtrain/train/options.h"
 
 namespace dtrain::cli {
 
@@ -24,33 +25,8 @@ namespace {
 
 // Parses command line, then --config INI (the command line wins); false after --help.
 bool parse_with_config(int argc, char** argv, const po::options_description& opts, const std::string& usage) {
-  po::options_description general("general");
-  general.add_options()("help,h", "show this help")("config", po::value<std::string>(),
-                                                    "INI file of key = value lines");
-  po::options_description all;
-  all.add(general).add(opts);
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(all).run(), vm);
-    if (vm.count("help")) {
-      std::cout << usage << "\n\n" << all << "\n";
-      return false;
-    }
-    if (vm.count("config")) {
-      std::string file = vm["config"].as<std::string>();
-      std::ifstream in(file);
-      DT_INPUT_CHECK(in, "config file '" << file << "' cannot be opened");
-      try {
-        po::store(po::parse_config_file(in, opts, false), vm);
-      } catch (const po::error& e) {
-        throw InputError("config file '" + file + "': " + e.what());
-      }
-    }
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw InputError(e.what());
-  }
-  return true;
+  return train::parse_options(argc, argv, opts, usage, vm, true);
 }
 
 }  // namespace

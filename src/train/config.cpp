@@ -2,11 +2,10 @@
 
 #include <boost/program_options.hpp>
 #include <filesystem>
-#include <fstream>
-#include <iostream>
 #include <sstream>
 
 #include "dtrain/core/error.h"
+#include "dtrain/train/options.h"
 #include "dtrain/train/signals.h"
 
 namespace po = boost::program_options;
@@ -50,9 +49,6 @@ std::string join_dims(const std::vector<int64_t>& d) {
 bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   TrainConfig def;
   std::string synthetic_shape = join_dims(def.synthetic_shape), hidden = join_dims(def.hidden);
-  po::options_description general("General");
-  general.add_options()("help,h", "print this help and exit")(
-      "config", po::value<std::string>(&c.config_file), "INI file of options (key = value); command-line options win");
   po::options_description opts("Job options (also valid as keys in the config file)");
   // clang-format off
   opts.add_options()
@@ -116,29 +112,9 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     ("zero1", po::value<bool>(&c.zero1)->default_value(false), "ZeRO stage 1: shard optimizer state over the data-parallel ranks")
     ("sync-batchnorm", po::value<bool>(&c.sync_batchnorm)->default_value(false), "batch statistics over all data-parallel ranks");
   // clang-format on
-  po::options_description all;
-  all.add(general).add(opts);
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(all).run(), vm);
-    if (vm.count("help")) {
-      std::cout << "usage: dtrain train --config FILE [options]\n\n" << all << "\n";
-      return false;
-    }
-    if (vm.count("config")) {
-      std::string file = vm["config"].as<std::string>();
-      std::ifstream in(file);
-      DT_INPUT_CHECK(in, "config file '" << file << "' cannot be opened");
-      try {
-        po::store(po::parse_config_file(in, opts, false), vm);
-      } catch (const po::error& e) {
-        throw InputError("config file '" + file + "': " + e.what());
-      }
-    }
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw InputError(e.what());
-  }
+  if (!parse_options(argc, argv, opts, "usage: dtrain train --config FILE [options]", vm, true)) return false;
+  if (vm.count("config")) c.config_file = vm["config"].as<std::string>();
   c.synthetic_shape = parse_dims(synthetic_shape, "synthetic-shape");
   c.hidden = parse_dims(hidden, "hidden");
 
