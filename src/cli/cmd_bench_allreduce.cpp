@@ -66,49 +66,8 @@ double pattern(DType dt, int rank, int64_t i) {
   return static_cast<double>((i * 7 + rank * 3) % 13) - 6;
 }
 
-void store(Tensor& t, int64_t i, double v) {
-  switch (t.dtype()) {
-    case DType::F32:
-      t.data<float>()[i] = static_cast<float>(v);
-      break;
-    case DType::BF16:
-      t.data<uint16_t>()[i] = float_to_bf16(static_cast<float>(v));
-      break;
-    case DType::F16:
-      t.data<uint16_t>()[i] = float_to_f16(static_cast<float>(v));
-      break;
-    case DType::I32:
-      t.data<int32_t>()[i] = static_cast<int32_t>(v);
-      break;
-    case DType::I64:
-      t.data<int64_t>()[i] = static_cast<int64_t>(v);
-      break;
-    case DType::U8:
-      t.data<uint8_t>()[i] = static_cast<uint8_t>(v);
-      break;
-  }
-}
-
-double load(const Tensor& t, int64_t i) {
-  switch (t.dtype()) {
-    case DType::F32:
-      return t.data<float>()[i];
-    case DType::BF16:
-      return bf16_to_float(t.data<uint16_t>()[i]);
-    case DType::F16:
-      return f16_to_float(t.data<uint16_t>()[i]);
-    case DType::I32:
-      return t.data<int32_t>()[i];
-    case DType::I64:
-      return static_cast<double>(t.data<int64_t>()[i]);
-    case DType::U8:
-      return t.data<uint8_t>()[i];
-  }
-  return 0;
-}
-
 void fill(Tensor& host, int rank) {
-  for (int64_t i = 0; i < host.numel(); ++i) store(host, i, pattern(host.dtype(), rank, i));
+  for (int64_t i = 0; i < host.numel(); ++i) host.set_item(i, pattern(host.dtype(), rank, i));
 }
 
 int64_t count_wrong(const Tensor& host, int ranks) {
@@ -116,7 +75,7 @@ int64_t count_wrong(const Tensor& host, int ranks) {
   for (int64_t i = 0; i < host.numel(); ++i) {
     double want = 0;
     for (int r = 0; r < ranks; ++r) want += pattern(host.dtype(), r, i);
-    if (load(host, i) != want) ++wrong;
+    if (host.item(i) != want) ++wrong;
   }
   return wrong;
 }

@@ -157,6 +157,31 @@ void Tensor::fill_(float v) {
   for (int64_t i = 0; i < numel_; ++i) p[i] = v;
 }
 
+double Tensor::item(int64_t i) const {
+  DT_CHECK(device().is_cpu() && i >= 0 && i < numel_, "item(" << i << ") of " << str());
+  switch (dtype_) {
+    case DType::F32: return data<float>()[i];
+    case DType::BF16: return bf16_to_float(data<uint16_t>()[i]);
+    case DType::F16: return f16_to_float(data<uint16_t>()[i]);
+    case DType::I32: return data<int32_t>()[i];
+    case DType::I64: return static_cast<double>(data<int64_t>()[i]);
+    case DType::U8: return data<uint8_t>()[i];
+  }
+  return 0;
+}
+
+void Tensor::set_item(int64_t i, double v) {
+  DT_CHECK(device().is_cpu() && i >= 0 && i < numel_, "set_item(" << i << ") of " << str());
+  switch (dtype_) {
+    case DType::F32: data<float>()[i] = static_cast<float>(v); break;
+    case DType::BF16: data<uint16_t>()[i] = float_to_bf16(static_cast<float>(v)); break;
+    case DType::F16: data<uint16_t>()[i] = float_to_f16(static_cast<float>(v)); break;
+    case DType::I32: data<int32_t>()[i] = static_cast<int32_t>(v); break;
+    case DType::I64: data<int64_t>()[i] = static_cast<int64_t>(v); break;
+    case DType::U8: data<uint8_t>()[i] = static_cast<uint8_t>(v); break;
+  }
+}
+
 std::string Tensor::str() const {
   return std::string(dtype_name(dtype_)) + shape_str(shape_) + " on " + device().str();
 }

@@ -10,46 +10,8 @@
 
 namespace dtrain::comm::testing {
 
-inline void set_value(Tensor& t, int64_t i, double v) {
-  switch (t.dtype()) {
-    case DType::F32:
-      t.data<float>()[i] = static_cast<float>(v);
-      break;
-    case DType::BF16:
-      t.data<uint16_t>()[i] = float_to_bf16(static_cast<float>(v));
-      break;
-    case DType::F16:
-      t.data<uint16_t>()[i] = float_to_f16(static_cast<float>(v));
-      break;
-    case DType::I32:
-      t.data<int32_t>()[i] = static_cast<int32_t>(v);
-      break;
-    case DType::I64:
-      t.data<int64_t>()[i] = static_cast<int64_t>(v);
-      break;
-    case DType::U8:
-      t.data<uint8_t>()[i] = static_cast<uint8_t>(v);
-      break;
-  }
-}
-
-inline double get_value(const Tensor& t, int64_t i) {
-  switch (t.dtype()) {
-    case DType::F32:
-      return t.data<float>()[i];
-    case DType::BF16:
-      return bf16_to_float(t.data<uint16_t>()[i]);
-    case DType::F16:
-      return f16_to_float(t.data<uint16_t>()[i]);
-    case DType::I32:
-      return t.data<int32_t>()[i];
-    case DType::I64:
-      return static_cast<double>(t.data<int64_t>()[i]);
-    case DType::U8:
-      return t.data<uint8_t>()[i];
-  }
-  return 0;
-}
+inline void set_value(Tensor& t, int64_t i, double v) { t.set_item(i, v); }
+inline double get_value(const Tensor& t, int64_t i) { return t.item(i); }
 
 inline Tensor make_filled(int64_t n, DType dt, const std::function<double(int64_t)>& f) {
   Tensor t = Tensor::empty({n}, dt);

@@ -75,6 +75,10 @@ class Tensor {
   void copy_from(const Tensor& src);  // same numel and dtype; host copies only here
   void zero_();
   void fill_(float v);  // f32
+  // Element i of a host tensor of any dtype, as a double (half types converted); for tests and
+  // benchmarks that fill or check tensors of every dtype, not for hot loops.
+  double item(int64_t i) const;
+  void set_item(int64_t i, double v);
 
   std::string str() const;  // "f32[64, 1, 28, 28] on cpu"
 
