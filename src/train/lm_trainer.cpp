@@ -96,6 +96,9 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   const int tp_size = grid ? grid->tp_size() : 1;
   const bool speak = rank == 0 && !cfg.quiet;
   if (cfg.threads > 0) cpu_engine().set_threads(cfg.threads);
+  DT_INPUT_CHECK(cfg.precision == "fp32" || cfg.precision == "bf16",
+                 "--precision " << cfg.precision << " is not one of fp32, bf16 for the language model");
+  cpu_engine().set_math_precision(math_precision_from_name(cfg.precision));
 
   data::TokenStream train = data::load_tokens((fs::path(cfg.data) / "train.h5").string());
   data::TokenStream val = data::load_tokens((fs::path(cfg.data) / "val.h5").string());
