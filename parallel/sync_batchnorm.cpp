@@ -18,7 +18,7 @@ SyncBatchNorm::SyncBatchNorm(int64_t channels, comm::Communicator& comm, float e
 // count, give the global mean and (biased) variance; then y = x * gamma*invstd + (beta - mean*gamma*invstd).
 Tensor SyncBatchNorm::forward(const Tensor& x) {
   DT_CHECK(x.dim() == 4 && x.size(1) == c_, kind() << " needs (N, " << c_ << ", H, W), got " << x.str());
-  x_ = x;
+  keep(x_, x);
   Engine& e = engine(x);
   Tensor& y = ensure(y_, x.shape(), x.device());
   const float* g = gamma_->value.f32();

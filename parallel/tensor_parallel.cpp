@@ -83,7 +83,7 @@ Tensor ColumnParallelLinear::gather_full(const Tensor& local) const {
 // y (M, local) = x (M, in) . W_local^T + b_local
 Tensor ColumnParallelLinear::forward(const Tensor& x) {
   DT_CHECK(x.dim() >= 1 && x.size(-1) == in_, kind() << " got input " << x.str());
-  x_ = x;
+  keep(x_, x);
   const int64_t m = x.numel() / in_;
   Shape ys = x.shape();
   ys.back() = local_;
@@ -165,7 +165,7 @@ Tensor RowParallelLinear::gather_full(const Tensor& local) const {
 Tensor RowParallelLinear::forward(const Tensor& x) {
   DT_CHECK(x.dim() >= 1 && x.size(-1) == local_,
            kind() << " got input " << x.str() << " (last dim must be " << local_ << ")");
-  x_ = x;
+  keep(x_, x);
   const int64_t m = x.numel() / local_;
   Shape ys = x.shape();
   ys.back() = out_;
@@ -226,7 +226,7 @@ namespace {
 // Parameter name -> the innermost module holding it (children are visited after their parent).
 void owners(nn::Module& m, const std::string& prefix, std::map<std::string, nn::Module*>& out) {
   for (nn::Parameter* p : m.parameters()) out[prefix + p->name] = &m;
-  for (auto& [name, child] : m.children()) owners(*child, prefix + name + ".", out);
+  for (auto& [name, child] : m.children()) owners(*child, nn::Module::child_prefix(prefix, name), out);
 }
 
 bool ends_with(const std::string& s, const std::string& tail) {

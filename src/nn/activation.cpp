@@ -5,7 +5,7 @@
 namespace dtrain::nn {
 
 Tensor Activation::forward(const Tensor& x) {
-  x_ = x;
+  keep(x_, x);
   Tensor& y = ensure(y_, x.shape(), x.device());
   engine(x).unary_forward(op_, x, y);
   return y;

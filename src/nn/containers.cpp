@@ -70,4 +70,33 @@ std::vector<std::pair<std::string, Module*>> Residual::children() {
   return out;
 }
 
+Checkpointed::Checkpointed(ModulePtr body) : body_(std::move(body)) {}
+
+void Checkpointed::set_needs_input_grad(bool needed) {
+  needs_input_grad_ = needed;
+  body_->set_needs_input_grad(needed);
+}
+
+Tensor Checkpointed::forward(const Tensor& x) {
+  keep(x_, x);
+  Tensor y = body_->forward(x);
+  keep(y_, y);                  // the body's output buffer lives on through this handle
+  if (training_) body_->release_activations();
+  return y_;
+}
+
+Tensor Checkpointed::backward(const Tensor& dy) {
+  {
+    PhaseScope fwd(Phase::Forward);
+    body_->forward(x_);  // the same input and weights: the same activations
+  }
+  Tensor dx;
+  {
+    PhaseScope bwd(Phase::Backward);
+    dx = body_->backward(dy);
+  }
+  body_->release_activations();
+  return dx;
+}
+
 }  // namespace dtrain::nn

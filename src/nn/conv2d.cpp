@@ -32,7 +32,7 @@ Tensor Conv2d::forward(const Tensor& x) {
   DT_CHECK(x.dim() == 4 && x.size(1) == in_, kind() << " needs input (N, " << in_ << ", H, W), got " << x.str());
   DT_CHECK(x.size(2) + 2 * pad_ >= kernel_ && x.size(3) + 2 * pad_ >= kernel_,
            kind() << ": input " << x.str() << " is smaller than the kernel");
-  x_ = x;
+  keep(x_, x);
   Conv2dGeom g = geom(x);
   Tensor& y = ensure(y_, {g.n, g.k, g.out_h(), g.out_w()}, x.device());
   engine(x).conv2d_forward(g, x, w_->value, b_ ? b_->value : no_bias_, y);

@@ -81,7 +81,7 @@ Tensor CausalSelfAttention::backward(const Tensor& dout) {
   ensure(datt_, {b_, h_, t_, t_}, dev);
   // The raw scores are dead once softmax has run: their buffer takes d(scores), so each layer keeps
   // three [B, H, T, T] tensors instead of four.
-  dscores_ = scores_;
+  keep(dscores_, scores_);
   ensure(dqkvh_, {b_, 3 * h_, t_, hd_}, dev);
   Tensor heads = qkvh_.reshape({b_ * 3 * h_, t_ * hd_});
   Tensor dheads = dqkvh_.reshape({b_ * 3 * h_, t_ * hd_});
@@ -130,10 +130,78 @@ ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng) {
   return block;
 }
 
+// ------------------------------------------------------------------ GptEmbedding
+GptEmbedding::GptEmbedding(Tensor wte, Tensor wpe) {
+  wte_ = &add_parameter("wte", std::move(wte));
+  wpe_ = &add_parameter("wpe", std::move(wpe));
+}
+
+Tensor GptEmbedding::forward(const Tensor& ids) {
+  DT_CHECK(ids.dim() == 2 && ids.dtype() == DType::I32, "gpt needs i32 token ids [B, T], got " << ids.str());
+  b_ = ids.size(0);
+  t_ = ids.size(1);
+  const int64_t c = wte_->value.size(1);
+  DT_INPUT_CHECK(t_ >= 1 && t_ <= wpe_->value.size(0),
+                 "sequence length " << t_ << " exceeds the context " << wpe_->value.size(0));
+  Engine& e = engine(ids);
+  keep(ids_, ids);
+  ensure(emb_, {b_, t_, c}, ids.device());
+  e.embedding_forward(ids, wte_->value, 0, emb_);
+  // Position embedding: rows of wpe[0:T] flattened, added to every sequence ([B, T*C] + [T*C]).
+  Tensor emb_rows = emb_.reshape({b_, t_ * c});
+  e.add_row_bias(emb_rows, wpe_->value.slice0(0, t_).reshape({t_ * c}));
+  return emb_;
+}
+
+Tensor GptEmbedding::backward(const Tensor& demb) {
+  const int64_t c = wte_->value.size(1);
+  Engine& e = engine(demb);
+  e.embedding_backward(ids_, demb, 0, wte_->grad);
+  Tensor dpos = wpe_->grad.slice0(0, t_).reshape({t_ * c});
+  e.row_bias_grad(demb.reshape({b_, t_ * c}), dpos);
+  // wte is final only now when the head is tied to it (it collects the unembedding's gradient too).
+  grad_ready(*wpe_);
+  grad_ready(*wte_);
+  return Tensor();
+}
+
+// ------------------------------------------------------------------ GptHead
+GptHead::GptHead(int64_t width, Parameter* tied, Tensor own_wte) : owns_(tied == nullptr), c_(width) {
+  wte_ = tied ? tied : &add_parameter("wte", std::move(own_wte));
+  ln_f_ = std::make_unique<LayerNorm>(width);
+}
+
+std::vector<std::pair<std::string, Module*>> GptHead::children() { return {{"ln_f", ln_f_.get()}}; }
+
+Tensor GptHead::forward(const Tensor& h) {
+  DT_CHECK(h.dim() == 3 && h.size(2) == c_, "gpt head needs [B, T, " << c_ << "], got " << h.str());
+  const int64_t v = wte_->value.size(0);
+  m_ = h.size(0) * h.size(1);
+  keep(hf_, ln_f_->forward(h));  // [B, T, C]
+  ensure(logits_, {m_, v}, h.device());
+  engine(h).gemm(false, true, m_, v, c_, 1.f, hf_, wte_->value, 0.f, logits_);  // hf wte^T
+  return logits_;
+}
+
+Tensor GptHead::backward(const Tensor& dlogits) {
+  const int64_t v = wte_->value.size(0);
+  DT_CHECK(dlogits.numel() == m_ * v, "gpt head backward got " << dlogits.str());
+  Engine& e = engine(dlogits);
+  ensure(dhf_, hf_.shape(), dlogits.device());
+  e.gemm(false, false, m_, c_, v, 1.f, dlogits, wte_->value, 0.f, dhf_);  // dhf = dlogits wte
+  e.gemm(true, false, v, c_, m_, 1.f, dlogits, hf_, 1.f, wte_->grad);     // dwte += dlogits^T hf
+  if (owns_) grad_ready(*wte_);
+  return ln_f_->backward(dhf_);
+}
+
 // ------------------------------------------------------------------ Gpt
-Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks) : cfg_(cfg) {
+Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks, GptPart part, bool checkpoint_blocks)
+    : cfg_(cfg), part_(part) {
   DT_INPUT_CHECK(cfg.vocab > 0 && cfg.context > 0 && cfg.layers > 0 && cfg.width > 0,
                  "gpt needs positive vocab, context, layers and width");
+  if (part_.end_block < 0) part_.end_block = cfg.layers;
+  DT_INPUT_CHECK(part_.first_block >= 0 && part_.first_block <= part_.end_block && part_.end_block <= cfg.layers,
+                 "gpt part: blocks [" << part_.first_block << ", " << part_.end_block << ") of " << cfg.layers);
   Rng rng(cfg.seed);
   // Embeddings N(0, 0.02) as GPT-2; the Linear layers keep PyTorch's default init (as the peer).
   auto normal = [&](const Shape& s) {
@@ -141,61 +209,60 @@ Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks) : cfg_(cfg) {
     for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = 0.02f * rng.normal();
     return t;
   };
-  wte_ = &add_parameter("wte", normal({cfg.vocab, cfg.width}));
-  wpe_ = &add_parameter("wpe", normal({cfg.context, cfg.width}));
-  blocks_ = std::make_unique<Sequential>();
-  for (int64_t l = 0; l < cfg.layers; ++l)
-    blocks_->add(blocks ? blocks(l, rng) : make_gpt_block(cfg.width, cfg.heads, rng));
-  ln_f_ = std::make_unique<LayerNorm>(cfg.width);
+  Tensor wte = normal({cfg.vocab, cfg.width});
+  Tensor wpe = normal({cfg.context, cfg.width});
+  if (part_.embed) embed_ = std::make_unique<GptEmbedding>(wte, wpe);
+  // Every block is drawn (the RNG stream must not depend on the cut); the part keeps its own.
+  for (int64_t l = 0; l < cfg.layers; ++l) {
+    ModulePtr b = blocks ? blocks(l, rng) : make_gpt_block(cfg.width, cfg.heads, rng);
+    if (l < part_.first_block || l >= part_.end_block) continue;
+    if (checkpoint_blocks) b = std::make_unique<Checkpointed>(std::move(b));
+    blocks_.emplace_back("blocks." + std::to_string(l), std::move(b));
+  }
+  if (part_.head) head_ = std::make_unique<GptHead>(cfg.width, embed_ ? &embed_->wte() : nullptr, wte.clone());
 }
 
 std::string Gpt::kind() const {
-  return "Gpt(layers=" + std::to_string(cfg_.layers) + ", width=" + std::to_string(cfg_.width) +
-         ", heads=" + std::to_string(cfg_.heads) + ", context=" + std::to_string(cfg_.context) +
-         ", vocab=" + std::to_string(cfg_.vocab) + ")";
+  std::string k = "Gpt(layers=" + std::to_string(cfg_.layers) + ", width=" + std::to_string(cfg_.width) +
+                  ", heads=" + std::to_string(cfg_.heads) + ", context=" + std::to_string(cfg_.context) +
+                  ", vocab=" + std::to_string(cfg_.vocab) + ")";
+  if (!part_.embed || !part_.head || part_.first_block > 0 || part_.end_block < cfg_.layers)
+    k += " blocks [" + std::to_string(part_.first_block) + ", " + std::to_string(part_.end_block) + ")" +
+         (part_.embed ? " + embedding" : "") + (part_.head ? " + head" : "");
+  return k;
 }
 
 std::vector<std::pair<std::string, Module*>> Gpt::children() {
-  return {{"blocks", blocks_.get()}, {"ln_f", ln_f_.get()}};
+  std::vector<std::pair<std::string, Module*>> out;
+  if (embed_) out.emplace_back("", embed_.get());
+  for (auto& [name, b] : blocks_) out.emplace_back(name, b.get());
+  if (head_) out.emplace_back("", head_.get());
+  return out;
 }
 
-Tensor Gpt::forward(const Tensor& ids) {
-  DT_CHECK(ids.dim() == 2 && ids.dtype() == DType::I32, "gpt needs i32 token ids [B, T], got " << ids.str());
-  b_ = ids.size(0);
-  t_ = ids.size(1);
-  DT_INPUT_CHECK(t_ >= 1 && t_ <= cfg_.context, "sequence length " << t_ << " exceeds the context " << cfg_.context);
-  const int64_t c = cfg_.width, v = cfg_.vocab;
-  Device dev = ids.device();
-  Engine& e = engine(ids);
-  ids_ = ids;
-  ensure(emb_, {b_, t_, c}, dev);
-  e.embedding_forward(ids, wte_->value, 0, emb_);
-  // Position embedding: rows of wpe[0:T] flattened, added to every sequence ([B, T*C] + [T*C]).
-  Tensor emb_rows = emb_.reshape({b_, t_ * c});
-  e.add_row_bias(emb_rows, wpe_->value.slice0(0, t_).reshape({t_ * c}));
-  Tensor h = blocks_->forward(emb_);
-  hf_ = ln_f_->forward(h);  // [B, T, C]
-  ensure(logits_, {b_ * t_, v}, dev);
-  e.gemm(false, true, b_ * t_, v, c, 1.f, hf_, wte_->value, 0.f, logits_);  // hf wte^T
-  return logits_;
+Tensor Gpt::forward(const Tensor& x) {
+  Tensor h = embed_ ? embed_->forward(x) : x;
+  if (!embed_)
+    DT_CHECK(h.dim() == 3 && h.size(2) == cfg_.width, kind() << " needs activations [B, T, C], got " << h.str());
+  for (auto& [name, b] : blocks_) h = b->forward(h);
+  return head_ ? head_->forward(h) : h;
 }
 
-Tensor Gpt::backward(const Tensor& dlogits) {
-  const int64_t c = cfg_.width, v = cfg_.vocab, m = b_ * t_;
-  DT_CHECK(dlogits.numel() == m * v, kind() << " backward got " << dlogits.str());
-  Engine& e = engine(dlogits);
-  ensure(dhf_, {b_, t_, c}, dlogits.device());
-  e.gemm(false, false, m, c, v, 1.f, dlogits, wte_->value, 0.f, dhf_);  // dhf = dlogits wte
-  e.gemm(true, false, v, c, m, 1.f, dlogits, hf_, 1.f, wte_->grad);     // dwte += dlogits^T hf
-  Tensor dh = ln_f_->backward(dhf_);
-  Tensor demb = blocks_->backward(dh);
-  e.embedding_backward(ids_, demb, 0, wte_->grad);
-  Tensor dpos = wpe_->grad.slice0(0, t_).reshape({t_ * c});
-  e.row_bias_grad(demb.reshape({b_, t_ * c}), dpos);
-  // Both embeddings are final only now (wte also collects the unembedding's gradient).
-  grad_ready(*wpe_);
-  grad_ready(*wte_);
-  return Tensor();
+Tensor Gpt::backward(const Tensor& dy) {
+  Tensor g = head_ ? head_->backward(dy) : dy;
+  for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) g = it->second->backward(g);
+  return embed_ ? embed_->backward(g) : g;
+}
+
+// Multiply-adds per token, forward; backward is about twice that. Attention: q k^T and att v over
+// the T positions (half of them masked, but computed).
+GptCosts gpt_costs(const GptConfig& c, int64_t seq_len) {
+  const double w = static_cast<double>(c.width), t = static_cast<double>(seq_len);
+  GptCosts k;
+  k.block = 12.0 * w * w + 2.0 * t * w;
+  k.head = static_cast<double>(c.vocab) * w + 10.0 * w;
+  k.embed = 2.0 * w;
+  return k;
 }
 
 }  // namespace dtrain::nn

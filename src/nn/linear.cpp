@@ -23,7 +23,7 @@ Linear::Linear(int64_t in, int64_t out, bool bias, Rng& rng) : in_(in), out_(out
 // y (M, out) = x (M, in) . W^T (in, out) + b
 Tensor Linear::forward(const Tensor& x) {
   DT_CHECK(x.dim() >= 1 && x.size(-1) == in_, kind() << " got input " << x.str() << " (last dim must be " << in_ << ")");
-  x_ = x;
+  keep(x_, x);
   int64_t m = x.numel() / in_;
   Shape ys = x.shape();
   ys.back() = out_;

@@ -1,6 +1,17 @@
 #include "dtrain/nn/module.h"
 
+#include <algorithm>
+#include <map>
+
 namespace dtrain::nn {
+
+namespace {
+thread_local Phase g_phase = Phase::Forward;
+}
+
+PhaseScope::PhaseScope(Phase p) : prev_(g_phase) { g_phase = p; }
+PhaseScope::~PhaseScope() { g_phase = prev_; }
+Phase PhaseScope::current() { return g_phase; }
 
 Parameter& Module::add_parameter(const std::string& name, Tensor value) {
   auto p = std::make_unique<Parameter>();
@@ -28,7 +39,7 @@ void Module::collect(const std::string& prefix, std::vector<Parameter*>* params,
     buffers_[i]->name = prefix + buffer_names_[i];
     bufs->push_back(buffers_[i].get());
   }
-  for (auto& [name, child] : children()) child->collect(prefix + name + ".", params, bufs);
+  for (auto& [name, child] : children()) child->collect(child_prefix(prefix, name), params, bufs);
 }
 
 std::vector<Parameter*> Module::parameters() {
@@ -59,7 +70,69 @@ void Module::set_grad_ready_hook(GradReadyHook hook) {
   for (auto& [name, child] : children()) child->set_grad_ready_hook(hook);
 }
 
+void Module::track(Tensor& slot) {
+  Tensor* p = &slot;
+  if (std::find(activation_slots_.begin(), activation_slots_.end(), p) != activation_slots_.end() ||
+      std::find(scratch_slots_.begin(), scratch_slots_.end(), p) != scratch_slots_.end())
+    return;
+  (g_phase == Phase::Forward ? activation_slots_ : scratch_slots_).push_back(p);
+}
+
+void Module::activation_slots(std::vector<Tensor*>& out) {
+  out.insert(out.end(), activation_slots_.begin(), activation_slots_.end());
+  for (auto& [name, child] : children()) child->activation_slots(out);
+}
+
+ActivationStash Module::stash_activations() {
+  std::vector<Tensor*> slots;
+  activation_slots(slots);
+  ActivationStash stash;
+  stash.reserve(slots.size());
+  for (Tensor* t : slots) stash.emplace_back(t, std::move(*t));
+  for (Tensor* t : slots) *t = Tensor();
+  return stash;
+}
+
+void Module::restore_activations(ActivationStash&& stash) {
+  for (auto& [slot, t] : stash) *slot = std::move(t);
+  stash.clear();
+}
+
+void Module::release_activations() {
+  std::vector<Tensor*> slots;
+  activation_slots(slots);
+  for (Tensor* t : slots) *t = Tensor();
+}
+
+namespace {
+// Distinct storage: views of one buffer count once, at the largest extent seen.
+size_t distinct_bytes(const std::vector<const Tensor*>& ts) {
+  std::map<const void*, size_t> seen;
+  for (const Tensor* t : ts)
+    if (t->defined()) {
+      size_t& b = seen[t->storage_id()];
+      b = std::max(b, t->storage_bytes());
+    }
+  size_t total = 0;
+  for (auto& [id, b] : seen) total += b;
+  return total;
+}
+}  // namespace
+
+size_t Module::activation_bytes() {
+  std::vector<Tensor*> slots;
+  activation_slots(slots);
+  return distinct_bytes(std::vector<const Tensor*>(slots.begin(), slots.end()));
+}
+
+size_t Module::stash_bytes(const ActivationStash& stash) {
+  std::vector<const Tensor*> ts;
+  for (auto& [slot, t] : stash) ts.push_back(&t);
+  return distinct_bytes(ts);
+}
+
 Tensor& Module::ensure(Tensor& buf, const Shape& s, Device device) {
+  track(buf);
   if (!buf.defined() || buf.shape() != s || buf.device() != device) buf = Tensor::empty(s, DType::F32, device);
   return buf;
 }

@@ -11,7 +11,7 @@ BatchNorm2d::BatchNorm2d(int64_t channels, float eps, float momentum) : c_(chann
 
 Tensor BatchNorm2d::forward(const Tensor& x) {
   DT_CHECK(x.dim() == 4 && x.size(1) == c_, kind() << " needs (N, " << c_ << ", H, W), got " << x.str());
-  x_ = x;
+  keep(x_, x);
   Tensor& y = ensure(y_, x.shape(), x.device());
   Engine& e = engine(x);
   if (training_) {
@@ -41,7 +41,7 @@ LayerNorm::LayerNorm(int64_t features, float eps) : d_(features), eps_(eps) {
 
 Tensor LayerNorm::forward(const Tensor& x) {
   DT_CHECK(x.dim() >= 1 && x.size(-1) == d_, kind() << " got " << x.str());
-  x_ = x;
+  keep(x_, x);
   int64_t rows = x.numel() / d_;
   ensure(mean_, {rows}, x.device());
   ensure(rstd_, {rows}, x.device());

@@ -31,7 +31,7 @@ comm::Communicator& world() { return comm::Runtime::get().world(); }
 void owners(nn::Module& m, const std::string& prefix, std::map<std::string, nn::Module*>& out) {
   for (nn::Parameter* p : m.parameters())
     out[prefix + p->name] = &m;  // children, visited later, overwrite: the innermost owner wins
-  for (auto& [name, child] : m.children()) owners(*child, prefix + name + ".", out);
+  for (auto& [name, child] : m.children()) owners(*child, nn::Module::child_prefix(prefix, name), out);
 }
 
 // The part of a one-rank tensor that a tp rank holds for parameter `name` owned by `owner`.

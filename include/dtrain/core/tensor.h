@@ -61,6 +61,9 @@ class Tensor {
   Device device() const { return storage_ ? storage_->device() : Device::cpu(); }
 
   void* raw() const { return static_cast<char*>(storage_->data()) + offset_; }
+  // The storage this tensor views (shared by its views) and its whole size in bytes.
+  const void* storage_id() const { return storage_.get(); }
+  size_t storage_bytes() const { return storage_ ? storage_->bytes() : 0; }
   template <typename T>
   T* data() const {
     return static_cast<T*>(raw());

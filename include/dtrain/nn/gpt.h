@@ -48,25 +48,85 @@ ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng);
 // Makes block `layer` drawing its initial weights from `rng` (tensor parallel passes its own).
 using GptBlockFactory = std::function<ModulePtr(int64_t layer, Rng& rng)>;
 
-// ids i32 [B, T] -> logits [B*T, V]. backward(dlogits [B*T, V]) returns an undefined tensor (the
-// input is token ids).
+// Token and position embeddings: ids i32 [B, T] -> [B, T, C]. Parameters "wte" [V, C], "wpe"
+// [context, C]. backward returns an undefined tensor (the input is token ids).
+class GptEmbedding : public Module {
+ public:
+  GptEmbedding(Tensor wte, Tensor wpe);
+  Tensor forward(const Tensor& ids) override;
+  Tensor backward(const Tensor& demb) override;
+  std::string kind() const override { return "GptEmbedding"; }
+  Parameter& wte() { return *wte_; }
+
+ private:
+  Parameter* wte_;
+  Parameter* wpe_;
+  int64_t b_ = 0, t_ = 0;
+  Tensor ids_, emb_;
+};
+
+// Final LayerNorm and the unembedding: [B, T, C] -> logits [B*T, V] = ln_f(h) wte^T. The weight is
+// tied to the token embedding: `tied` is the embedding's own parameter (whole model on one stage),
+// or null when this module holds a copy of its own, also named "wte" (the last pipeline stage;
+// the two copies' gradients are summed across the stages).
+class GptHead : public Module {
+ public:
+  GptHead(int64_t width, Parameter* tied, Tensor own_wte = Tensor());
+  Tensor forward(const Tensor& h) override;
+  Tensor backward(const Tensor& dlogits) override;
+  std::string kind() const override { return "GptHead"; }
+  std::vector<std::pair<std::string, Module*>> children() override;
+  Parameter& wte() { return *wte_; }
+  bool owns_wte() const { return owns_; }
+
+ private:
+  Parameter* wte_;
+  bool owns_;
+  std::unique_ptr<LayerNorm> ln_f_;
+  int64_t m_ = 0, c_;
+  Tensor hf_, logits_, dhf_;
+};
+
+// Which part of the model a Gpt holds: blocks [first_block, end_block) (end -1: to the last),
+// with the embedding in front when `embed` and the head behind when `head`. The default is the
+// whole model; a pipeline stage holds a part. Every part draws the whole model's initial weights
+// from the seed in the same order and keeps its own, so any cut gives the one-rank model.
+struct GptPart {
+  int64_t first_block = 0, end_block = -1;
+  bool embed = true, head = true;
+};
+
+// The model, or a pipeline stage of it. Input: ids i32 [B, T] when it holds the embedding, else
+// activations [B, T, C]; output: logits [B*T, V] when it holds the head, else [B, T, C].
+// backward(d output) returns d(input) (undefined for token ids). Parameter names are those of the
+// whole model ("wte", "wpe", "blocks.<l>....", "ln_f.weight"), whatever the part.
 class Gpt : public Module {
  public:
-  explicit Gpt(const GptConfig& cfg, const GptBlockFactory& blocks = nullptr);
-  Tensor forward(const Tensor& ids) override;
-  Tensor backward(const Tensor& dlogits) override;
+  explicit Gpt(const GptConfig& cfg, const GptBlockFactory& blocks = nullptr, GptPart part = {},
+               bool checkpoint_blocks = false);
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
   std::string kind() const override;
   std::vector<std::pair<std::string, Module*>> children() override;
   const GptConfig& config() const { return cfg_; }
+  const GptPart& part() const { return part_; }
+  // The head's own copy of the tied weight (a last pipeline stage without the embedding), else null.
+  Parameter* head_wte_copy() { return head_ && head_->owns_wte() ? &head_->wte() : nullptr; }
+  Parameter* embedding_wte() { return embed_ ? &embed_->wte() : nullptr; }
 
  private:
   GptConfig cfg_;
-  Parameter* wte_;  // [V, C], also the unembedding
-  Parameter* wpe_;  // [context, C]
-  std::unique_ptr<Sequential> blocks_;
-  std::unique_ptr<LayerNorm> ln_f_;
-  int64_t b_ = 0, t_ = 0;
-  Tensor ids_, emb_, hf_, logits_, dhf_;
+  GptPart part_;
+  std::unique_ptr<GptEmbedding> embed_;
+  std::vector<std::pair<std::string, ModulePtr>> blocks_;  // ("blocks.<l>", block)
+  std::unique_ptr<GptHead> head_;
 };
+
+// Relative compute cost of the embedding, one block and the head (forward + backward FLOPs per
+// token), for cutting the model into balanced pipeline stages.
+struct GptCosts {
+  double embed, block, head;
+};
+GptCosts gpt_costs(const GptConfig& cfg, int64_t seq_len);
 
 }  // namespace dtrain::nn

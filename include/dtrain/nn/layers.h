@@ -166,6 +166,24 @@ class Residual : public Module {
   Tensor y_, dx_;
 };
 
+// Activation checkpointing: forward keeps only the body's input and output and frees the body's
+// activations; backward runs the body's forward again, then its backward, then frees them again.
+// Less memory for one more forward per step. The body's forward must be deterministic (no dropout).
+// Transparent in parameter names.
+class Checkpointed : public Module {
+ public:
+  explicit Checkpointed(ModulePtr body);
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return "Checkpointed(" + body_->kind() + ")"; }
+  std::vector<std::pair<std::string, Module*>> children() override { return {{"", body_.get()}}; }
+  void set_needs_input_grad(bool needed) override;
+
+ private:
+  ModulePtr body_;
+  Tensor x_, y_;
+};
+
 // Mean softmax cross-entropy over a batch of logits (N, C) with i32 labels (N).
 class SoftmaxCrossEntropy {
  public:

@@ -26,6 +26,25 @@ struct Buffer {
 
 using GradReadyHook = std::function<void(Parameter&)>;
 
+// Which pass is running on this thread. Buffers a module first makes inside a backward pass are
+// scratch (every micro-batch reuses them); those made in forward hold activations, which a
+// pipeline stashes per micro-batch and activation checkpointing frees. The default is forward.
+enum class Phase { Forward, Backward };
+class PhaseScope {
+ public:
+  explicit PhaseScope(Phase p);
+  ~PhaseScope();
+  PhaseScope(const PhaseScope&) = delete;
+  PhaseScope& operator=(const PhaseScope&) = delete;
+  static Phase current();
+
+ private:
+  Phase prev_;
+};
+
+// The activations of one forward pass, moved out of the modules that made them.
+using ActivationStash = std::vector<std::pair<Tensor*, Tensor>>;
+
 class Module {
  public:
   virtual ~Module() = default;
@@ -50,8 +69,23 @@ class Module {
   // data): for a first convolution that is a whole backward-data pass saved.
   virtual void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
 
-  // Children, for traversal (containers override).
+  // Children, for traversal (containers override). A child named "" is transparent: its
+  // parameters take the parent's prefix (wrappers that must not change parameter names).
   virtual std::vector<std::pair<std::string, Module*>> children() { return {}; }
+  // The name prefix of child `name` under `prefix` ("blocks." + "3" -> "blocks.3.").
+  static std::string child_prefix(const std::string& prefix, const std::string& name) {
+    return name.empty() ? prefix : prefix + name + ".";
+  }
+
+  // Activation slots (this module and all below it). stash moves every activation tensor out,
+  // leaving the slots empty, so the next forward makes (or, after restore of a spent stash,
+  // reuses) other buffers; restore puts a stash back for the backward of its micro-batch.
+  ActivationStash stash_activations();
+  void restore_activations(ActivationStash&& stash);
+  void release_activations();  // empties the activation slots (their memory goes when unshared)
+  // Bytes of distinct storage held by activation slots (below this module) or by a stash.
+  size_t activation_bytes();
+  static size_t stash_bytes(const ActivationStash& stash);
 
  protected:
   // Leaf modules register their own tensors once, in the constructor.
@@ -61,14 +95,24 @@ class Module {
     if (hook_) hook_(p);
   }
   Engine& engine(const Tensor& t) { return engine_for(t.device()); }
-  // Reuses `buf` when it already has shape `s`, so steady-state steps allocate nothing.
-  static Tensor& ensure(Tensor& buf, const Shape& s, Device device = Device::cpu());
+  // Reuses `buf` when it already has shape `s`, so steady-state steps allocate nothing. `buf` must
+  // be a member: it becomes one of this module's slots (activation or scratch, by the phase).
+  Tensor& ensure(Tensor& buf, const Shape& s, Device device = Device::cpu());
+  // Keeps `t` (an input backward needs) in member slot `slot`.
+  void keep(Tensor& slot, const Tensor& t) {
+    track(slot);
+    slot = t;
+  }
 
   bool training_ = true;
   bool needs_input_grad_ = true;
 
  private:
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* bufs);
+  void track(Tensor& slot);
+  void activation_slots(std::vector<Tensor*>& out);
+  std::vector<Tensor*> activation_slots_;  // made in forward
+  std::vector<Tensor*> scratch_slots_;     // made in backward
   std::vector<std::unique_ptr<Parameter>> params_;
   std::vector<std::unique_ptr<Buffer>> buffers_;
   std::vector<std::string> param_names_, buffer_names_;  // local names ("weight")
