@@ -277,11 +277,13 @@ void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>
   }
 }
 
-double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm) {
+double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp,
+                         const nn::Parameter* skip) {
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
   double split = 0, replicated = 0;
   for (nn::Parameter* p : model.parameters()) {
+    if (p == skip) continue;
     nn::Module* m = own.at(p->name);
     bool sharded =
         dynamic_cast<ColumnParallelLinear*>(m) || (dynamic_cast<RowParallelLinear*>(m) && ends_with(p->name, "weight"));
@@ -292,7 +294,13 @@ double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_n
     tp.allreduce(s)->wait();
     split = s.f32()[0];
   }
-  double norm = std::sqrt(split + replicated);
+  double total = split + replicated;
+  if (pp && pp->size() > 1) {
+    Tensor s = Tensor::full({1}, static_cast<float>(total));
+    pp->allreduce(s)->wait();
+    total = s.f32()[0];
+  }
+  double norm = std::sqrt(total);
   if (max_norm > 0 && norm > max_norm) {
     float k = static_cast<float>(max_norm / (norm + 1e-6));
     for (nn::Parameter* p : model.parameters()) engine_for(p->grad.device()).scale(p->grad, k);

@@ -83,6 +83,7 @@ int cmd_train_lm(int argc, char** argv) {
     ("log-every", po::value(&c.log_every)->default_value(c.log_every), "steps between log lines")
     ("tp", po::value(&c.tp)->default_value(c.tp), "tensor-parallel ranks (heads and MLP split; dp is the rest)")
     ("pp", po::value(&c.pp)->default_value(c.pp), "pipeline stages (blocks split by cost)")
+    ("pp-split", po::value(&c.pp_split), "blocks per pipeline stage, e.g. 2,4 (default: balanced by cost)")
     ("micro-batches", po::value(&c.micro_batches)->default_value(c.micro_batches), "pipeline micro-batches per step (0: 2 x --pp; divides --batch-size)")
     ("schedule", po::value(&c.schedule)->default_value(c.schedule), "pipeline schedule: 1f1b or gpipe")
     ("checkpoint-activations", po::bool_switch(&c.checkpoint_activations), "recompute each block's activations in backward (less memory)")
@@ -117,7 +118,7 @@ int cmd_generate(int argc, char** argv) {
   // clang-format on
   if (!parse_with_config(argc, argv, o, "usage: dtrain generate --checkpoint FILE|DIR [--prompt TEXT]")) return 0;
   if (comm::Runtime::get().world().rank() != 0) return 0;
-  auto model = train::gpt_from_checkpoint(train::load_checkpoint(train::resolve_checkpoint(ckpt)));
+  auto model = train::gpt_from_checkpoint(train::load_gpt_checkpoint(train::resolve_checkpoint(ckpt)));
   model->eval();
   const int64_t ctx = model->config().context, v = model->config().vocab;
   std::vector<int32_t> seq;

@@ -155,7 +155,9 @@ std::string resolve_checkpoint(const std::string& p) {
   std::vector<std::string> found;
   for (const auto& e : fs::directory_iterator(p)) {
     std::string n = e.path().filename().string();
-    if (n.rfind("ckpt-", 0) == 0 && e.path().extension() == ".h5") found.push_back(e.path().string());
+    // (ckpt-N.stageS.h5 files are the other pipeline stages' parts of ckpt-N.h5.)
+    if (n.rfind("ckpt-", 0) == 0 && e.path().extension() == ".h5" && n.find(".stage") == std::string::npos)
+      found.push_back(e.path().string());
   }
   DT_INPUT_CHECK(!found.empty(), "option --resume: no ckpt-*.h5 checkpoint in directory '" << p << "'");
   std::sort(found.begin(), found.end());  // names carry zero-padded step numbers

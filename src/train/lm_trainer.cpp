@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <sstream>
 
 #include "dtrain/core/error.h"
 #include "dtrain/core/timer.h"
@@ -14,6 +15,7 @@
 #include "dtrain/optim/optimizer.h"
 #include "dtrain/optim/schedule.h"
 #include "dtrain/parallel/data_parallel.h"
+#include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/process_grid.h"
 #include "dtrain/parallel/tensor_parallel.h"
 #include "dtrain/train/metrics.h"
@@ -61,6 +63,29 @@ CheckpointState gpt_checkpoint_state(const nn::GptConfig& c, const std::map<std:
   return s;
 }
 
+namespace {
+std::string stage_file(const std::string& main_file, int64_t stage) {
+  fs::path p(main_file);
+  return (p.parent_path() / (p.stem().string() + ".stage" + std::to_string(stage) + ".h5")).string();
+}
+}  // namespace
+
+CheckpointState load_gpt_checkpoint(const std::string& file) {
+  CheckpointState s = load_checkpoint(file);
+  auto it = s.ints.find("pp_stages");
+  const int64_t stages = it == s.ints.end() ? 1 : it->second;
+  for (int64_t st = 1; st < stages; ++st) {
+    std::string f = stage_file(file, st);
+    DT_INPUT_CHECK(fs::exists(f), "checkpoint " << file << " is stage 0 of " << stages << " pipeline stages, but " << f
+                                                << " (stage " << st << ") is missing");
+    CheckpointState part = load_checkpoint(f);
+    DT_INPUT_CHECK(part.ints["step"] == s.ints["step"], f << " is from step " << part.ints["step"] << ", " << file
+                                                          << " from step " << s.ints["step"]);
+    for (auto& [name, t] : part.tensors) s.tensors.emplace(name, t);  // the tied "wte" copy: stage 0's
+  }
+  return s;
+}
+
 std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s) {
   auto it = s.strings.find("model");
   DT_INPUT_CHECK(it != s.strings.end() && it->second == "gpt", "the checkpoint does not hold a gpt model");
@@ -82,18 +107,59 @@ std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s) {
   return model;
 }
 
+namespace {
+
+// Which blocks each pipeline stage holds: given ("2,4"), or cut by cost (the embedding counts
+// with the first block, the head with the last).
+std::vector<int> stage_starts(const LmConfig& cfg) {
+  const int layers = static_cast<int>(cfg.model.layers);
+  if (!cfg.pp_split.empty()) {
+    std::vector<int> starts{0};
+    std::stringstream ss(cfg.pp_split);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      int n = 0;
+      try {
+        n = std::stoi(item);
+      } catch (const std::exception&) {
+        DT_INPUT_CHECK(false, "--pp-split " << cfg.pp_split << ": '" << item << "' is not a block count");
+      }
+      DT_INPUT_CHECK(n >= 1, "--pp-split " << cfg.pp_split << ": every stage needs at least one block");
+      starts.push_back(starts.back() + n);
+    }
+    DT_INPUT_CHECK(static_cast<int>(starts.size()) == cfg.pp + 1 && starts.back() == layers,
+                   "--pp-split " << cfg.pp_split << " must give " << cfg.pp << " block counts adding up to the "
+                                 << layers << " layers");
+    return starts;
+  }
+  nn::GptCosts k = nn::gpt_costs(cfg.model, cfg.seq_len);
+  std::vector<double> costs(layers, k.block);
+  costs.front() += k.embed;
+  costs.back() += k.head;
+  return parallel::balance_stages(costs, cfg.pp);
+}
+
+}  // namespace
+
 LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   LmConfig cfg = cfg_in;
   if (cfg.seq_len <= 0) cfg.seq_len = cfg.model.context;
   DT_INPUT_CHECK(cfg.seq_len <= cfg.model.context,
                  "--seq-len " << cfg.seq_len << " exceeds the context " << cfg.model.context);
   DT_INPUT_CHECK(cfg.batch_size > 0 && cfg.steps > 0, "--batch-size and --steps must be positive");
-  DT_INPUT_CHECK(world_comm || cfg.tp == 1, "--tp " << cfg.tp << " needs that many ranks");
+  DT_INPUT_CHECK(world_comm || (cfg.tp == 1 && cfg.pp == 1), "--tp " << cfg.tp << " --pp " << cfg.pp << " need ranks");
+  DT_INPUT_CHECK(cfg.pp >= 1 && cfg.pp <= cfg.model.layers,
+                 "--pp " << cfg.pp << " must be between 1 and the " << cfg.model.layers << " layers");
+  const int micro = cfg.pp == 1 ? 1 : static_cast<int>(cfg.micro_batches > 0 ? cfg.micro_batches : 2 * cfg.pp);
+  DT_INPUT_CHECK(cfg.batch_size % micro == 0,
+                 "--micro-batches " << micro << " must divide --batch-size " << cfg.batch_size);
+  const parallel::PipelineSchedule schedule = parallel::pipeline_schedule_from_name(cfg.schedule);
   std::unique_ptr<parallel::ProcessGrid> grid;
-  if (world_comm) grid = std::make_unique<parallel::ProcessGrid>(*world_comm, cfg.tp, 1);
+  if (world_comm) grid = std::make_unique<parallel::ProcessGrid>(*world_comm, cfg.tp, cfg.pp);
   const int rank = world_comm ? world_comm->rank() : 0;
   const int dp_rank = grid ? grid->dp_rank() : 0, dp_size = grid ? grid->dp_size() : 1;
-  const int tp_size = grid ? grid->tp_size() : 1;
+  const int tp_size = grid ? grid->tp_size() : 1, tp_rank = grid ? grid->tp_rank() : 0;
+  const int pp_size = cfg.pp, stage = grid ? grid->pp_rank() : 0;
   const bool speak = rank == 0 && !cfg.quiet;
   if (cfg.threads > 0) cpu_engine().set_threads(cfg.threads);
   DT_INPUT_CHECK(cfg.precision == "fp32" || cfg.precision == "bf16",
@@ -104,17 +170,29 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   data::TokenStream val = data::load_tokens((fs::path(cfg.data) / "val.h5").string());
   DT_INPUT_CHECK(train.vocab <= cfg.model.vocab, "the tokens need a vocabulary of " << train.vocab);
 
-  // Same seed on every rank: every tp layer draws the full weights and keeps its shard, so the
-  // model equals the one-rank model in any layout.
-  nn::Gpt model(cfg.model, tp_size > 1
-                               ? parallel::tensor_parallel_gpt_blocks(cfg.model.width, cfg.model.heads, grid->tp())
-                               : nn::GptBlockFactory());
+  // Same seed on every rank: every tp layer draws the full weights and keeps its shard, every
+  // stage draws the whole model and keeps its blocks, so the model equals the one-rank model.
+  const std::vector<int> starts = pp_size > 1 ? stage_starts(cfg) : std::vector<int>{0, int(cfg.model.layers)};
+  nn::GptPart part{starts[stage], starts[stage + 1], stage == 0, stage == pp_size - 1};
+  nn::Gpt model(cfg.model,
+                tp_size > 1 ? parallel::tensor_parallel_gpt_blocks(cfg.model.width, cfg.model.heads, grid->tp())
+                            : nn::GptBlockFactory(),
+                part, cfg.checkpoint_activations);
   model.train();
+  // The tied embedding lives on the first and the last stage: their gradients are summed.
+  std::unique_ptr<comm::Communicator> tied;
+  if (grid && pp_size > 1)
+    tied = grid->world().split(stage == 0 || stage == pp_size - 1 ? dp_rank * tp_size + tp_rank
+                                                                  : comm::Communicator::kNoColor,
+                               stage, "tied-embedding");
+  nn::Parameter* tied_wte = model.embedding_wte() ? model.embedding_wte() : model.head_wte_copy();
   std::unique_ptr<parallel::DataParallel> ddp;
   if (dp_size > 1) {
     ddp = std::make_unique<parallel::DataParallel>(model, grid->dp());
     ddp->broadcast_state(0);
   }
+  std::unique_ptr<parallel::PipelineStage> pipe;
+  if (pp_size > 1) pipe = std::make_unique<parallel::PipelineStage>(model, grid->pp(), schedule, micro);
   // AdamW; as GPT-2 and nanoGPT, no weight decay on biases, LayerNorm gains and position table.
   std::vector<nn::Parameter*> decayed, plain;
   for (nn::Parameter* p : model.parameters()) (p->value.dim() >= 2 && p->name != "wpe" ? decayed : plain).push_back(p);
@@ -136,22 +214,59 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
 
   std::unique_ptr<MetricsWriter> metrics;
   if (rank == 0 && !cfg.metrics.empty()) metrics = std::make_unique<MetricsWriter>(cfg.metrics, false);
-  if (speak)
+  if (speak) {
     std::printf(
-        "%s, %lld parameters on rank 0, dp %d x tp %d, batch %lld x %lld tokens per dp rank, %lld train / "
+        "%s, %lld parameters on rank 0, dp %d x tp %d x pp %d, batch %lld x %lld tokens per dp rank, %lld train / "
         "%lld val tokens\n",
-        model.kind().c_str(), static_cast<long long>(model.parameter_count()), dp_size, tp_size,
+        model.kind().c_str(), static_cast<long long>(model.parameter_count()), dp_size, tp_size, pp_size,
         static_cast<long long>(cfg.batch_size), static_cast<long long>(cfg.seq_len),
         static_cast<long long>(train.tokens.size()), static_cast<long long>(val.tokens.size()));
+    if (pp_size > 1) {
+      std::printf("pipeline: %d stages, blocks per stage", pp_size);
+      for (int s = 0; s < pp_size; ++s) std::printf("%s%d", s ? "," : " ", starts[s + 1] - starts[s]);
+      std::printf(", %d micro-batches of %lld, %s schedule, ideal bubble %.1f %%\n", micro,
+                  static_cast<long long>(cfg.batch_size / micro), parallel::pipeline_schedule_name(schedule),
+                  100 * parallel::pipeline_ideal_bubble(pp_size, micro));
+    }
+  }
 
   Rng rng(derive_seed(cfg.seed, static_cast<uint64_t>(dp_rank)));  // each dp group its own windows
   nn::SoftmaxCrossEntropy xent;
   LmResult res;
-  double interval_loss = 0, t_interval = now_s(), t_start = now_s();
+  double interval_loss = 0, t_interval = now_s(), t_start = now_s(), bubble_sum = 0;
   int64_t interval_steps = 0;
-  const int64_t m = cfg.batch_size * cfg.seq_len;
+  const int64_t m = cfg.batch_size * cfg.seq_len, mbs = cfg.batch_size / micro;
+  // Shares the last stage's number with every stage (a pipeline's loss is known there only).
+  auto from_last_stage = [&](double v) {
+    if (pp_size == 1) return v;
+    Tensor t = Tensor::full({1}, stage == pp_size - 1 ? static_cast<float>(v) : 0.f);
+    grid->pp().allreduce(t)->wait();
+    return static_cast<double>(t.f32()[0]);
+  };
   auto validate = [&](int64_t step) {
-    res.val_loss = eval_stream(model, val, cfg.batch_size, cfg.seq_len, cfg.eval_batches);
+    if (pp_size == 1) {
+      res.val_loss = eval_stream(model, val, cfg.batch_size, cfg.seq_len, cfg.eval_batches);
+    } else {
+      int64_t batches = data::window_count(val, cfg.seq_len) / cfg.batch_size;
+      if (cfg.eval_batches > 0) batches = std::min(batches, cfg.eval_batches);
+      DT_INPUT_CHECK(batches > 0, "the validation stream holds no batch of " << cfg.batch_size << " windows");
+      model.eval();
+      double sum = 0;
+      std::vector<data::TokenBatch> vb(batches);
+      pipe->forward_only(
+          [&](int k) {
+            vb[k] = data::sequential_windows(val, cfg.batch_size, cfg.seq_len, k * cfg.batch_size);
+            return vb[k].ids;
+          },
+          [&](const Tensor& out, int k) {
+            vb[k] = data::sequential_windows(val, cfg.batch_size, cfg.seq_len, k * cfg.batch_size);
+            xent.forward(out, vb[k].targets.reshape({m}));
+            sum += xent.last_loss_sum();
+          },
+          {cfg.batch_size, cfg.seq_len, cfg.model.width}, static_cast<int>(batches));
+      model.train();
+      res.val_loss = from_last_stage(sum / static_cast<double>(batches * m));
+    }
     res.val_bpb = res.val_loss / std::log(2.0);
     if (speak) {
       std::printf("step %lld  val_loss %.4f  val_bpb %.4f\n", static_cast<long long>(step), res.val_loss, res.val_bpb);
@@ -163,19 +278,41 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     data::TokenBatch b = data::random_windows(train, cfg.batch_size, cfg.seq_len, rng);
     opt_decay.zero_grad();
     opt_plain.zero_grad();
-    if (ddp) ddp->begin_backward(true);
-    interval_loss += xent.forward(model.forward(b.ids), b.targets.reshape({m}));
-    model.backward(xent.backward());
+    double step_loss = 0;
+    if (!pipe) {
+      if (ddp) ddp->begin_backward(true);
+      step_loss = xent.forward(model.forward(b.ids), b.targets.reshape({m}));
+      model.backward(xent.backward());
+    } else {
+      // Micro-batch k: rows [k*mbs, (k+1)*mbs) of the batch; each loss is a mean over its tokens, so
+      // its gradient is scaled by 1/micro and the sum over micro-batches is the batch's gradient.
+      double loss_sum = 0;
+      pipe->train_step([&](int k) { return b.ids.slice0(k * mbs, (k + 1) * mbs); },
+                       [&](const Tensor& out, int k) {
+                         loss_sum += xent.forward(out, b.targets.slice0(k * mbs, (k + 1) * mbs).reshape({mbs * cfg.seq_len}));
+                         return xent.backward(1.f / static_cast<float>(micro));
+                       },
+                       {mbs, cfg.seq_len, cfg.model.width},
+                       [&](int, bool last) {
+                         if (ddp) ddp->begin_backward(last);
+                       });
+      step_loss = from_last_stage(loss_sum / micro);
+      bubble_sum += pipe->stats().bubble;
+    }
     if (ddp) ddp->finish();
+    if (tied) tied->allreduce(tied_wte->grad)->wait();  // the embedding's and the head's parts
     if (cfg.clip_grad_norm > 0) {
       if (grid)
-        parallel::clip_grad_norm_tp(model, grid->tp(), cfg.clip_grad_norm);
+        parallel::clip_grad_norm_tp(model, grid->tp(), cfg.clip_grad_norm, pp_size > 1 ? &grid->pp() : nullptr,
+                                    model.head_wte_copy());
       else
         optim::clip_grad_norm(model.parameters(), cfg.clip_grad_norm);
     }
     float lr = sched.lr(step);
     opt_decay.step(lr);
     opt_plain.step(lr);
+    interval_loss += step_loss;
+    if (rank == 0) res.step_losses.push_back(step_loss);
     ++interval_steps;
     bool last = step + 1 == cfg.steps;
     if ((cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || last) {
@@ -198,14 +335,48 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   }
   res.steps = cfg.steps;
   res.tokens_per_s = static_cast<double>(cfg.steps * m * dp_size) / (now_s() - t_start);
+  if (pipe) {
+    res.pp_bubble = bubble_sum / static_cast<double>(cfg.steps);
+    res.pp_ideal_bubble = parallel::pipeline_ideal_bubble(pp_size, micro);
+    res.pp_peak_activation_bytes = pipe->stats().peak_activation_bytes;
+    // Every stage's figures, printed by rank 0 (world order is stage-major under one dp x tp).
+    Tensor all = Tensor::zeros({3 * pp_size});
+    if (dp_rank == 0 && tp_rank == 0) {
+      all.f32()[3 * stage] = static_cast<float>(res.pp_bubble);
+      all.f32()[3 * stage + 1] = static_cast<float>(res.pp_peak_activation_bytes / 1048576.0);
+      all.f32()[3 * stage + 2] = static_cast<float>(model.parameter_count());
+    }
+    grid->world().allreduce(all)->wait();
+    for (int s = 0; s < pp_size; ++s) {
+      if (speak)
+        std::printf("stage %d: blocks [%d, %d), %.0f parameters, measured bubble %.1f %% (ideal %.1f %%), peak "
+                    "activations %.1f MiB\n",
+                    s, starts[s], starts[s + 1], all.f32()[3 * s + 2], 100 * all.f32()[3 * s],
+                    100 * res.pp_ideal_bubble, all.f32()[3 * s + 1]);
+      if (metrics)
+        metrics->write({{"pp_stage", s},
+                        {"bubble", static_cast<double>(all.f32()[3 * s])},
+                        {"ideal_bubble", res.pp_ideal_bubble},
+                        {"peak_activation_mib", static_cast<double>(all.f32()[3 * s + 1])}});
+    }
+  }
   if (!cfg.checkpoint_dir.empty()) {
     // Collective over tp: the shards are gathered into the one-rank layout, which loads anywhere.
     std::map<std::string, Tensor> full = parallel::gather_full_parameters(model);
-    if (rank == 0) {
-      res.checkpoint = (fs::path(cfg.checkpoint_dir) / ("ckpt-" + std::to_string(cfg.steps) + ".h5")).string();
-      save_checkpoint(res.checkpoint, gpt_checkpoint_state(cfg.model, full, cfg.steps));
-      if (speak) std::printf("checkpoint %s\n", res.checkpoint.c_str());
-    }
+    res.checkpoint = (fs::path(cfg.checkpoint_dir) / ("ckpt-" + std::to_string(cfg.steps) + ".h5")).string();
+    CheckpointState st = gpt_checkpoint_state(cfg.model, full, cfg.steps);
+    st.ints["pp_stage"] = stage;
+    st.ints["pp_stages"] = pp_size;
+    st.ints["first_block"] = starts[stage];
+    st.ints["end_block"] = starts[stage + 1];
+    st.ints["tp"] = tp_size;
+    const bool writer = dp_rank == 0 && tp_rank == 0;
+    // The other stages first: stage 0's file, written last, says the whole set is there.
+    if (writer && stage > 0) save_checkpoint(stage_file(res.checkpoint, stage), st);
+    if (grid && pp_size > 1) grid->world().barrier();
+    if (writer && stage == 0) save_checkpoint(res.checkpoint, st);
+    if (grid) grid->world().barrier();
+    if (speak) std::printf("checkpoint %s\n", res.checkpoint.c_str());
   }
   if (metrics)
     metrics->write({{"summary", std::string("gpt")},

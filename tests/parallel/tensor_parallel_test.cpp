@@ -17,6 +17,7 @@
 #include "dtrain/nn/gpt.h"
 #include "dtrain/optim/optimizer.h"
 #include "dtrain/parallel/data_parallel.h"
+#include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/process_grid.h"
 #include "dtrain/parallel/tensor_parallel.h"
 #include "dtrain/train/lm_trainer.h"
@@ -58,38 +59,54 @@ nn::GptConfig small_gpt() {
   nn::GptConfig c;
   c.vocab = 40;
   c.context = 8;
-  c.layers = 2;
+  c.layers = 4;
   c.heads = 4;
   c.width = 16;
   c.seed = 9;
   return c;
 }
 
-// Trains `steps` SGD (momentum) steps of the GPT on a fixed sequence of batches, tp x dp over the
-// world, against the one-rank model on the whole batch; compares losses, gradients and parameters.
+// Trains `steps` SGD (momentum) steps of the GPT on a fixed sequence of batches, dp x tp x pp
+// over the world (pp > 1: a pipeline of `micro` micro-batches under `schedule`), against the
+// one-rank model on the whole batch; compares losses, gradients and parameters.
 // (Not Adam: the key bias has an exactly zero gradient, softmax being shift-invariant, and Adam
 // turns its rounding noise into full-size steps that differ between any two summation orders.)
-void expect_tp_matches_one_rank(int tp, int steps) {
-  parallel::ProcessGrid grid(world(), tp, 1);
-  auto solo = world().split(world().rank(), 0, "solo");
+void expect_grid_matches_one_rank(int tp, int pp, int steps,
+                                  parallel::PipelineSchedule schedule = parallel::PipelineSchedule::OneFOneB,
+                                  int micro = 1) {
+  parallel::ProcessGrid grid(world(), tp, pp);
   nn::GptConfig cfg = small_gpt();
   nn::Gpt ref(cfg);
-  nn::Gpt model(cfg, parallel::tensor_parallel_gpt_blocks(cfg.width, cfg.heads, grid.tp()));
+  const int stage = grid.pp_rank();
+  std::vector<int> starts = parallel::balance_stages(std::vector<double>(cfg.layers, 1.0), pp);
+  nn::GptPart part{starts[stage], starts[stage + 1], stage == 0, stage == pp - 1};
+  nn::Gpt model(cfg, tp > 1 ? parallel::tensor_parallel_gpt_blocks(cfg.width, cfg.heads, grid.tp()) : nullptr, part);
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
   std::map<std::string, nn::Parameter*> ref_params;
   for (nn::Parameter* p : ref.parameters()) ref_params[p->name] = p;
-  ASSERT_EQ(ref_params.size(), model.parameters().size());
-  for (nn::Parameter* p : model.parameters())
+  if (pp == 1) ASSERT_EQ(ref_params.size(), model.parameters().size());
+  for (nn::Parameter* p : model.parameters()) {
+    ASSERT_TRUE(ref_params.count(p->name)) << p->name;
     expect_rel_close(p->value, expected_shard(own[p->name], p->name, ref_params[p->name]->value), 0, "init " + p->name);
+  }
+  // The tied embedding: the first stage's and the last stage's copies add their gradients.
+  std::unique_ptr<comm::Communicator> tied;
+  if (pp > 1)
+    tied = world().split(stage == 0 || stage == pp - 1 ? grid.dp_rank() * tp + grid.tp_rank()
+                                                       : comm::Communicator::kNoColor,
+                         stage, "tied");
+  nn::Parameter* wte = model.embedding_wte() ? model.embedding_wte() : model.head_wte_copy();
 
   std::unique_ptr<parallel::DataParallel> ddp;
   if (grid.dp_size() > 1) ddp = std::make_unique<parallel::DataParallel>(model, grid.dp());
+  std::unique_ptr<parallel::PipelineStage> pipe;
+  if (pp > 1) pipe = std::make_unique<parallel::PipelineStage>(model, grid.pp(), schedule, micro);
   optim::SgdOptions so;
   so.momentum = 0.9f;
   so.weight_decay = 1e-4f;
   optim::SGD opt_ref(ref.parameters(), so), opt(model.parameters(), so);
-  const int64_t per_rank = 2, t = 6, total = per_rank * grid.dp_size();
+  const int64_t per_rank = 4, t = 6, total = per_rank * grid.dp_size(), mbs = per_rank / micro;
   Rng data_rng(77);
   nn::SoftmaxCrossEntropy xent_ref, xent;
   for (int step = 0; step < steps; ++step) {
@@ -99,16 +116,40 @@ void expect_tp_matches_one_rank(int tp, int steps) {
       tg.data<int32_t>()[i] = static_cast<int32_t>(data_rng.below(40));
     }
     opt_ref.zero_grad();
-    float loss_ref = xent_ref.forward(ref.forward(ids), tg);
-    ref.backward(xent_ref.backward());
+    // The reference sums the same micro-batches' gradients (one rank with gradient accumulation):
+    // a pipeline changes where they are computed, not the arithmetic.
+    float loss_ref = 0;
+    const int64_t chunks = total / mbs;
+    for (int64_t k = 0; k < chunks; ++k) {
+      loss_ref += xent_ref.forward(ref.forward(ids.slice0(k * mbs, (k + 1) * mbs)), tg.slice0(k * mbs * t, (k + 1) * mbs * t));
+      ref.backward(xent_ref.backward(1.f / static_cast<float>(chunks)));
+    }
+    loss_ref /= static_cast<float>(chunks);
     // This dp rank's rows of the batch.
     Tensor my_ids = ids.slice0(grid.dp_rank() * per_rank, (grid.dp_rank() + 1) * per_rank).clone();
     Tensor my_tg = tg.slice0(grid.dp_rank() * per_rank * t, (grid.dp_rank() + 1) * per_rank * t).clone();
     opt.zero_grad();
-    if (ddp) ddp->begin_backward(true);
-    Tensor loss = Tensor::full({1}, xent.forward(model.forward(my_ids), my_tg));
-    model.backward(xent.backward());
+    Tensor loss = Tensor::zeros({1});
+    if (!pipe) {
+      if (ddp) ddp->begin_backward(true);
+      loss.f32()[0] = xent.forward(model.forward(my_ids), my_tg);
+      model.backward(xent.backward());
+    } else {
+      float sum = 0;
+      pipe->train_step([&](int k) { return my_ids.slice0(k * mbs, (k + 1) * mbs); },
+                       [&](const Tensor& out, int k) {
+                         sum += xent.forward(out, my_tg.slice0(k * mbs * t, (k + 1) * mbs * t));
+                         return xent.backward(1.f / static_cast<float>(micro));
+                       },
+                       {mbs, t, cfg.width},
+                       [&](int, bool last) {
+                         if (ddp) ddp->begin_backward(last);
+                       });
+      if (pipe->last()) loss.f32()[0] = sum / static_cast<float>(micro);
+      grid.pp().allreduce(loss)->wait();  // from the last stage to all
+    }
     if (ddp) ddp->finish();
+    if (tied) tied->allreduce(wte->grad)->wait();
     if (grid.dp_size() > 1) grid.dp().allreduce(loss, comm::ReduceOp::Avg)->wait();
     EXPECT_NEAR(loss.f32()[0], loss_ref, 1e-5 * std::abs(loss_ref)) << "step " << step;
     for (nn::Parameter* p : model.parameters())
@@ -121,6 +162,8 @@ void expect_tp_matches_one_rank(int tp, int steps) {
     expect_rel_close(p->value, expected_shard(own[p->name], p->name, ref_params[p->name]->value), 1e-5,
                      "after training " + p->name);
 }
+
+void expect_tp_matches_one_rank(int tp, int steps) { expect_grid_matches_one_rank(tp, 1, steps); }
 
 }  // namespace
 
@@ -202,4 +245,157 @@ TEST(TensorParallel, LmTrainerTp2MatchesOneRankAndCheckpointReloads) {
   }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// ------------------------------------------------------------------ pipeline parallel
+
+TEST(Pipeline, SchedulesRunEveryMicroBatchOnceForwardBeforeBackward) {
+  for (auto sched : {parallel::PipelineSchedule::GPipe, parallel::PipelineSchedule::OneFOneB})
+    for (int stages : {1, 2, 4})
+      for (int m : {1, 3, 8})
+        for (int s = 0; s < stages; ++s) {
+          auto ops = parallel::pipeline_ops(sched, s, stages, m);
+          ASSERT_EQ(ops.size(), static_cast<size_t>(2 * m));
+          std::vector<int> fwd(m, 0), bwd(m, 0);
+          int in_flight = 0, most = 0, next_b = 0;
+          for (auto& op : ops) {
+            if (op.forward) {
+              EXPECT_EQ(bwd[op.micro_batch], 0);
+              ++fwd[op.micro_batch];
+              most = std::max(most, ++in_flight);
+            } else {
+              EXPECT_EQ(fwd[op.micro_batch], 1);
+              EXPECT_EQ(op.micro_batch, next_b++);  // backwards in order: data parallel syncs on the last
+              ++bwd[op.micro_batch];
+              --in_flight;
+            }
+          }
+          for (int i = 0; i < m; ++i) EXPECT_TRUE(fwd[i] == 1 && bwd[i] == 1);
+          // GPipe holds every micro-batch; 1F1B at most stages - stage of them.
+          EXPECT_EQ(most, sched == parallel::PipelineSchedule::GPipe ? m : std::min(m, stages - s));
+        }
+  EXPECT_NEAR(parallel::pipeline_ideal_bubble(4, 8), 3.0 / 11.0, 1e-12);
+}
+
+TEST(Pipeline, BalanceStagesMinimisesTheLargestStage) {
+  EXPECT_EQ(parallel::balance_stages({1, 1, 1, 1}, 2), (std::vector<int>{0, 2, 4}));
+  EXPECT_EQ(parallel::balance_stages({5, 1, 1, 1, 1, 1}, 2), (std::vector<int>{0, 1, 6}));
+  EXPECT_EQ(parallel::balance_stages({1, 2, 3, 4, 5}, 3), (std::vector<int>{0, 3, 4, 5}));
+  EXPECT_EQ(parallel::balance_stages({1, 1, 1}, 3), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_THROW(parallel::balance_stages({1, 1}, 3), InputError);
+}
+
+TEST(Pipeline, GptPp2GPipeMatchesOneRank) {
+  expect_grid_matches_one_rank(1, 2, 10, parallel::PipelineSchedule::GPipe, 4);
+}
+
+TEST(Pipeline, GptPp2OneFOneBMatchesOneRank) {
+  expect_grid_matches_one_rank(1, 2, 10, parallel::PipelineSchedule::OneFOneB, 4);
+}
+
+TEST(Pipeline, GptPpOverAllRanksOneFOneBMatchesOneRank) {
+  if (world().size() > 4) GTEST_SKIP() << "4 layers";
+  expect_grid_matches_one_rank(1, world().size(), 10, parallel::PipelineSchedule::OneFOneB, 4);
+}
+
+TEST(Pipeline, GptTp2Pp2MatchesOneRank) {
+  if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
+  expect_grid_matches_one_rank(2, 2, 10, parallel::PipelineSchedule::OneFOneB, 2);
+}
+
+// 1F1B keeps at most (stages - stage) micro-batches' activations; GPipe all of them.
+TEST(Pipeline, OneFOneBHoldsFewerActivationsThanGPipe) {
+  const int pp = world().size() >= 4 ? 4 : 2, m = 8;
+  if (world().size() % pp) GTEST_SKIP();
+  parallel::ProcessGrid grid(world(), 1, pp);
+  nn::GptConfig cfg = small_gpt();
+  std::vector<int> starts = parallel::balance_stages(std::vector<double>(cfg.layers, 1.0), pp);
+  const int s = grid.pp_rank();
+  size_t peak[2];
+  int i = 0;
+  for (auto sched : {parallel::PipelineSchedule::GPipe, parallel::PipelineSchedule::OneFOneB}) {
+    nn::Gpt model(cfg, nullptr, {starts[s], starts[s + 1], s == 0, s == pp - 1});
+    parallel::PipelineStage pipe(model, grid.pp(), sched, m);
+    Tensor ids = Tensor::zeros({m, 6}, DType::I32), tg = Tensor::zeros({m * 6}, DType::I32);
+    nn::SoftmaxCrossEntropy xent;
+    pipe.train_step([&](int k) { return ids.slice0(k, k + 1); },
+                    [&](const Tensor& out, int k) {
+                      xent.forward(out, tg.slice0(6 * k, 6 * k + 6));
+                      return xent.backward();
+                    },
+                    {1, 6, cfg.width});
+    peak[i++] = pipe.stats().peak_activation_bytes;
+  }
+  ASSERT_GT(peak[1], 0u);
+  // Equal micro-batches hold equal bytes: GPipe m of them, 1F1B pp - s.
+  EXPECT_EQ(peak[0] * static_cast<size_t>(pp - s), peak[1] * static_cast<size_t>(m)) << "stage " << s;
+}
+
+namespace {
+// A small text corpus converted to token shards in a fresh directory (rank 0 writes it).
+std::filesystem::path make_corpus(const std::string& tag) {
+  int pid = static_cast<int>(::getpid());
+  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  std::filesystem::path dir = "/tmp/dtrain-" + tag + "-" + std::to_string(pid);
+  if (world().rank() == 0) {
+    std::filesystem::create_directories(dir / "text");
+    std::ofstream out(dir / "text" / "a.txt");
+    for (int i = 0; i < 600; ++i) out << "the quick brown fox " << i % 7 << ". ";
+    out.close();
+    data::convert_text({(dir / "text").string()}, (dir / "tok").string());
+  }
+  world().barrier();
+  return dir;
+}
+
+// The LM trainer in layout (tp, pp) over the whole world (dp 1) against one rank: every step's
+// loss and the validation loss within 1e-5; the checkpoint, one part per stage, reloads on one
+// rank to the same validation loss.
+void expect_lm_layout_matches_one_rank(int tp, int pp, const std::string& schedule, bool recompute) {
+  std::filesystem::path dir = make_corpus("lm-" + std::to_string(tp) + "x" + std::to_string(pp));
+  train::LmConfig c;
+  c.data = (dir / "tok").string();
+  c.model = small_gpt();
+  c.model.vocab = 256;
+  c.batch_size = 4;
+  c.steps = 10;
+  c.lr = 3e-3f;
+  c.warmup_steps = 2;
+  c.eval_every = 0;
+  c.eval_batches = 4;
+  c.log_every = 5;
+  c.quiet = true;
+  auto solo = world().split(world().rank(), 0, "solo");
+  train::LmResult ref = train::train_lm(c, solo.get());
+  c.tp = tp;
+  c.pp = pp;
+  c.schedule = schedule;
+  c.checkpoint_activations = recompute;
+  c.checkpoint_dir = (dir / "ckpt").string();
+  train::LmResult got = train::train_lm(c, &world());
+  if (world().rank() == 0) {
+    ASSERT_EQ(got.step_losses.size(), ref.step_losses.size());
+    for (size_t i = 0; i < ref.step_losses.size(); ++i)
+      EXPECT_NEAR(got.step_losses[i], ref.step_losses[i], 1e-5 * ref.step_losses[i]) << "step " << i;
+  }
+  EXPECT_NEAR(got.val_loss, ref.val_loss, 1e-5 * ref.val_loss);
+  if (world().rank() == 0) {
+    auto one = train::gpt_from_checkpoint(train::load_gpt_checkpoint(got.checkpoint));
+    double reloaded =
+        train::evaluate_lm(*one, (dir / "tok" / "val.h5").string(), c.batch_size, c.model.context, c.eval_batches);
+    EXPECT_NEAR(reloaded, got.val_loss, 1e-5 * got.val_loss);
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+}  // namespace
+
+TEST(Pipeline, LmTrainerPp2MatchesOneRankAndCheckpointReloads) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2, dp 1)";
+  expect_lm_layout_matches_one_rank(1, 2, "gpipe", false);
+}
+
+TEST(Pipeline, LmTrainerTp2Pp2WithRecomputeMatchesOneRankAndCheckpointReloads) {
+  if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks (tp 2 x pp 2)";
+  expect_lm_layout_matches_one_rank(2, 2, "1f1b", true);
 }

@@ -72,7 +72,9 @@ void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>
 bool is_tensor_parallel_shard(nn::Module& model, const std::string& name);
 
 // Global-norm clipping that counts every weight once: the split parameters' squares are summed
-// over `tp`, the replicated ones (equal on every tp rank) taken once. Returns the norm.
-double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm);
+// over `tp`, the replicated ones (equal on every tp rank) taken once; with `pp`, the stages' sums
+// are added, leaving out `skip` (the last stage's copy of the tied embedding). Returns the norm.
+double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp = nullptr,
+                         const nn::Parameter* skip = nullptr);
 
 }  // namespace dtrain::parallel

@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dtrain/comm/communicator.h"
 #include "dtrain/nn/gpt.h"
@@ -26,6 +27,7 @@ struct LmConfig {
   int64_t log_every = 20;
   int tp = 1;       // tensor-parallel ranks (dp is the rest of the world)
   int pp = 1;       // pipeline stages
+  std::string pp_split;            // blocks per stage, e.g. "2,4" (empty: balanced by cost)
   int64_t micro_batches = 0;       // pipeline micro-batches per step (0: 2 * pp); must divide batch_size
   std::string schedule = "1f1b";   // pipeline schedule: "1f1b" or "gpipe"
   bool checkpoint_activations = false;  // recompute each block's activations in backward
@@ -44,6 +46,11 @@ struct LmResult {
   double val_bpb = 0;     // bits per byte (= val_loss / ln 2 for byte tokens)
   double tokens_per_s = 0;
   std::string checkpoint;  // the file written, when any
+  // Pipeline (pp > 1), this rank's stage: measured bubble (time waiting for other stages over step
+  // time, mean over steps), the ideal one, and the most activation bytes held at once.
+  double pp_bubble = 0, pp_ideal_bubble = 0;
+  size_t pp_peak_activation_bytes = 0;
+  std::vector<double> step_losses;  // every step's training loss (rank 0), for comparisons
 };
 
 // `world` may be null (one rank). Every rank of `world` must call it: the ranks form a dp x tp grid
@@ -55,7 +62,11 @@ LmResult train_lm(const LmConfig& cfg, comm::Communicator* world);
 double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, int64_t seq_len, int64_t max_batches);
 
 // Checkpoint <-> GPT: parameters under "param/" in the one-rank layout (tensor-parallel shards
-// are gathered first, parallel::gather_full_parameters), the config as an int list.
+// are gathered first, parallel::gather_full_parameters), the config as an int list. Under a
+// pipeline each stage writes its own part, with its place in the grid (pp_stage, pp_stages,
+// first_block, end_block, tp): stage 0 ckpt-N.h5, stage s ckpt-N.stage<s>.h5 beside it.
+// load_gpt_checkpoint reads ckpt-N.h5 and merges the other stages' parts into one state.
+CheckpointState load_gpt_checkpoint(const std::string& file);
 CheckpointState gpt_checkpoint_state(const nn::GptConfig& cfg, const std::map<std::string, Tensor>& full_params,
                                      int64_t step);
 std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s);
