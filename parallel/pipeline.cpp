@@ -119,6 +119,7 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
         ensure_shape(act_in_[mb], act_shape);
         x = recv_from(stage_ - 1, act_in_[mb], 2 * mb);
       }
+      wait(grad_send_);       // scratch buffers (the d(input) sent) may be rewritten by a forward too
       if (!spent_.empty()) {  // buffers of a finished micro-batch: the forward reuses them
         module_.restore_activations(std::move(spent_.back()));
         spent_.pop_back();

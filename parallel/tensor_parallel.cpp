@@ -87,7 +87,7 @@ Tensor ColumnParallelLinear::forward(const Tensor& x) {
   const int64_t m = x.numel() / in_;
   Shape ys = x.shape();
   ys.back() = local_;
-  Tensor& y = ensure(y_, ys, x.device());
+  Tensor& y = ensure_output(y_, ys, x.device());
   Engine& e = engine(x);
   e.gemm(false, true, m, local_, in_, 1.f, x, w_->value, 0.f, y);
   if (b_) e.add_row_bias(y, b_->value);
@@ -169,7 +169,7 @@ Tensor RowParallelLinear::forward(const Tensor& x) {
   const int64_t m = x.numel() / local_;
   Shape ys = x.shape();
   ys.back() = out_;
-  Tensor& y = ensure(y_, ys, x.device());
+  Tensor& y = ensure_output(y_, ys, x.device());
   Engine& e = engine(x);
   e.gemm(false, true, m, out_, local_, 1.f, x, w_->value, 0.f, y);
   e.synchronize();
@@ -212,7 +212,9 @@ nn::GptBlockFactory tensor_parallel_gpt_blocks(int64_t width, int64_t heads, com
     mlp->add(std::make_unique<nn::LayerNorm>(width));
     mlp->add(std::make_unique<ColumnParallelLinear>(width, 4 * width, true, rng, tp));
     mlp->add(nn::GELU());
-    mlp->add(std::make_unique<RowParallelLinear>(4 * width, width, true, rng, tp));
+    auto fc2 = std::make_unique<RowParallelLinear>(4 * width, width, true, rng, tp);
+    fc2->set_output_temporary(true);  // used up by the residual add
+    mlp->add(std::move(fc2));
     auto block = std::make_unique<nn::Sequential>();
     block->add(std::make_unique<nn::Residual>(std::move(attn)));
     block->add(std::make_unique<nn::Residual>(std::move(mlp)));

@@ -70,7 +70,8 @@ std::vector<std::pair<std::string, Module*>> Residual::children() {
   return out;
 }
 
-Checkpointed::Checkpointed(ModulePtr body) : body_(std::move(body)) {}
+Checkpointed::Checkpointed(ModulePtr body, std::shared_ptr<std::vector<Tensor>> pool)
+    : body_(std::move(body)), pool_(pool ? std::move(pool) : std::make_shared<std::vector<Tensor>>()) {}
 
 void Checkpointed::set_needs_input_grad(bool needed) {
   needs_input_grad_ = needed;
@@ -79,15 +80,20 @@ void Checkpointed::set_needs_input_grad(bool needed) {
 
 Tensor Checkpointed::forward(const Tensor& x) {
   keep(x_, x);
+  PhaseScope fwd(Phase::Forward);
+  body_->give_buffers(std::move(*pool_), false);
   Tensor y = body_->forward(x);
-  keep(y_, y);                  // the body's output buffer lives on through this handle
-  if (training_) body_->release_activations();
+  // The body's buffers go on to the next block, so its output is copied out first.
+  ensure(y_, y.shape(), y.device());
+  engine(y).copy(y, y_);
+  *pool_ = body_->take_buffers(false);
   return y_;
 }
 
 Tensor Checkpointed::backward(const Tensor& dy) {
   {
     PhaseScope fwd(Phase::Forward);
+    body_->give_buffers(std::move(*pool_), false);
     body_->forward(x_);  // the same input and weights: the same activations
   }
   Tensor dx;
@@ -95,7 +101,7 @@ Tensor Checkpointed::backward(const Tensor& dy) {
     PhaseScope bwd(Phase::Backward);
     dx = body_->backward(dy);
   }
-  body_->release_activations();
+  *pool_ = body_->take_buffers(false);
   return dx;
 }
 

@@ -13,6 +13,8 @@ CausalSelfAttention::CausalSelfAttention(int64_t width, int64_t heads, Rng& rng)
                  "attention width " << width << " must be a positive multiple of the head count " << heads);
   qkv_ = std::make_unique<Linear>(c_, 3 * c_, true, rng);
   proj_ = std::make_unique<Linear>(c_, c_, true, rng);
+  qkv_->set_output_temporary(true);  // permuted into qkvh_ at once
+  proj_->set_output_temporary(true);  // used up by the residual add
 }
 
 CausalSelfAttention::CausalSelfAttention(ModulePtr qkv, ModulePtr proj, int64_t width, int64_t local_heads,
@@ -20,6 +22,8 @@ CausalSelfAttention::CausalSelfAttention(ModulePtr qkv, ModulePtr proj, int64_t 
     : c_(width), h_(local_heads), hd_(head_dim), qkv_(std::move(qkv)), proj_(std::move(proj)) {
   DT_INPUT_CHECK(width > 0 && local_heads > 0 && head_dim > 0,
                  "attention width " << width << ", " << local_heads << " heads of " << head_dim);
+  qkv_->set_output_temporary(true);
+  proj_->set_output_temporary(true);
 }
 
 std::string CausalSelfAttention::kind() const {
@@ -45,9 +49,9 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   DT_CHECK(qkv.numel() == b_ * t_ * 3 * h_ * hd_, kind() << ": qkv gave " << qkv.str());
   ensure(qkvh_, {b_, 3 * h_, t_, hd_}, dev);
   e.permute_0213(qkv, b_, t_, 3 * h_, hd_, qkvh_);  // -> [B, 3H, T, hd]: q heads, k heads, v heads
-  ensure(scores_, {b_, h_, t_, t_}, dev);
+  ensure_temp(scores_, {b_, h_, t_, t_}, dev);  // dead once softmax has run
   ensure(att_, {b_, h_, t_, t_}, dev);
-  ensure(yh_, {b_, h_, t_, hd_}, dev);
+  ensure_temp(yh_, {b_, h_, t_, hd_}, dev);  // permuted into y_ at once
   Tensor heads = qkvh_.reshape({b_ * 3 * h_, t_ * hd_});  // one row per (batch, q/k/v head)
   Tensor sc = scores_.reshape({b_ * h_, t_ * t_});
   Tensor yh = yh_.reshape({b_ * h_, t_ * hd_});
@@ -79,9 +83,8 @@ Tensor CausalSelfAttention::backward(const Tensor& dout) {
   ensure(dyh_, {b_, h_, t_, hd_}, dev);
   e.permute_0213(dy, b_, t_, h_, hd_, dyh_);
   ensure(datt_, {b_, h_, t_, t_}, dev);
-  // The raw scores are dead once softmax has run: their buffer takes d(scores), so each layer keeps
-  // three [B, H, T, T] tensors instead of four.
-  keep(dscores_, scores_);
+  // The raw scores are dead once softmax has run: their (scratch) buffer takes d(scores).
+  keep(dscores_, ensure_temp(scores_, {b_, h_, t_, t_}, dev));
   ensure(dqkvh_, {b_, 3 * h_, t_, hd_}, dev);
   Tensor heads = qkvh_.reshape({b_ * 3 * h_, t_ * hd_});
   Tensor dheads = dqkvh_.reshape({b_ * 3 * h_, t_ * hd_});
@@ -123,7 +126,9 @@ ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng) {
   mlp->add(std::make_unique<LayerNorm>(width));
   mlp->add(std::make_unique<Linear>(width, 4 * width, true, rng));
   mlp->add(GELU());
-  mlp->add(std::make_unique<Linear>(4 * width, width, true, rng));
+  auto fc2 = std::make_unique<Linear>(4 * width, width, true, rng);
+  fc2->set_output_temporary(true);  // used up by the residual add
+  mlp->add(std::move(fc2));
   auto block = std::make_unique<Sequential>();
   block->add(std::make_unique<Residual>(std::move(attn)));
   block->add(std::make_unique<Residual>(std::move(mlp)));
@@ -213,10 +218,11 @@ Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks, GptPart part, bool
   Tensor wpe = normal({cfg.context, cfg.width});
   if (part_.embed) embed_ = std::make_unique<GptEmbedding>(wte, wpe);
   // Every block is drawn (the RNG stream must not depend on the cut); the part keeps its own.
+  auto pool = std::make_shared<std::vector<Tensor>>();  // recomputation buffers, shared by the blocks
   for (int64_t l = 0; l < cfg.layers; ++l) {
     ModulePtr b = blocks ? blocks(l, rng) : make_gpt_block(cfg.width, cfg.heads, rng);
     if (l < part_.first_block || l >= part_.end_block) continue;
-    if (checkpoint_blocks) b = std::make_unique<Checkpointed>(std::move(b));
+    if (checkpoint_blocks) b = std::make_unique<Checkpointed>(std::move(b), pool);
     blocks_.emplace_back("blocks." + std::to_string(l), std::move(b));
   }
   if (part_.head) head_ = std::make_unique<GptHead>(cfg.width, embed_ ? &embed_->wte() : nullptr, wte.clone());
@@ -244,13 +250,27 @@ Tensor Gpt::forward(const Tensor& x) {
   Tensor h = embed_ ? embed_->forward(x) : x;
   if (!embed_)
     DT_CHECK(h.dim() == 3 && h.size(2) == cfg_.width, kind() << " needs activations [B, T, C], got " << h.str());
-  for (auto& [name, b] : blocks_) h = b->forward(h);
+  // The blocks' temporaries are scratch: one set shared by all blocks, as in backward.
+  for (auto& [name, b] : blocks_) {
+    b->give_buffers(std::move(scratch_), true);
+    h = b->forward(h);
+    scratch_ = b->take_buffers(true);
+  }
   return head_ ? head_->forward(h) : h;
 }
 
 Tensor Gpt::backward(const Tensor& dy) {
+  PhaseScope phase(Phase::Backward);
   Tensor g = head_ ? head_->backward(dy) : dy;
-  for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) g = it->second->backward(g);
+  // The blocks share one set of scratch buffers, taken in turn. Block l's d(input), which block
+  // l-1 reads, lies in the slot of the attention residual's d(input), which block l-1 writes last,
+  // after the last read of its d(output); no other slot holds it.
+  for (size_t i = blocks_.size(); i-- > 0;) {
+    Module& b = *blocks_[i].second;
+    b.give_buffers(std::move(scratch_), true);
+    g = b.backward(g);
+    scratch_ = b.take_buffers(true);
+  }
   return embed_ ? embed_->backward(g) : g;
 }
 

@@ -27,7 +27,7 @@ Tensor Linear::forward(const Tensor& x) {
   int64_t m = x.numel() / in_;
   Shape ys = x.shape();
   ys.back() = out_;
-  Tensor& y = ensure(y_, ys, x.device());
+  Tensor& y = ensure_output(y_, ys, x.device());
   Engine& e = engine(x);
   e.gemm(false, true, m, out_, in_, 1.f, x, w_->value, 0.f, y);
   if (b_) e.add_row_bias(y, b_->value);

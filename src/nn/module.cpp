@@ -70,17 +70,42 @@ void Module::set_grad_ready_hook(GradReadyHook hook) {
   for (auto& [name, child] : children()) child->set_grad_ready_hook(hook);
 }
 
-void Module::track(Tensor& slot) {
+void Module::track(Tensor& slot, bool scratch) {
   Tensor* p = &slot;
   if (std::find(activation_slots_.begin(), activation_slots_.end(), p) != activation_slots_.end() ||
       std::find(scratch_slots_.begin(), scratch_slots_.end(), p) != scratch_slots_.end())
     return;
-  (g_phase == Phase::Forward ? activation_slots_ : scratch_slots_).push_back(p);
+  (g_phase == Phase::Forward && !scratch ? activation_slots_ : scratch_slots_).push_back(p);
 }
 
 void Module::activation_slots(std::vector<Tensor*>& out) {
   out.insert(out.end(), activation_slots_.begin(), activation_slots_.end());
   for (auto& [name, child] : children()) child->activation_slots(out);
+}
+
+void Module::slots_of(bool scratch, std::vector<Tensor*>& out) {
+  const auto& mine = scratch ? scratch_slots_ : activation_slots_;
+  out.insert(out.end(), mine.begin(), mine.end());
+  for (auto& [name, child] : children()) child->slots_of(scratch, out);
+}
+
+std::vector<Tensor> Module::take_buffers(bool scratch) {
+  std::vector<Tensor*> slots;
+  slots_of(scratch, slots);
+  std::vector<Tensor> out;
+  out.reserve(slots.size());
+  for (Tensor* t : slots) {
+    out.push_back(std::move(*t));
+    *t = Tensor();
+  }
+  return out;
+}
+
+void Module::give_buffers(std::vector<Tensor>&& buffers, bool scratch) {
+  std::vector<Tensor*> slots;
+  slots_of(scratch, slots);
+  for (size_t i = 0; i < slots.size() && i < buffers.size(); ++i) *slots[i] = std::move(buffers[i]);
+  buffers.clear();
 }
 
 ActivationStash Module::stash_activations() {
@@ -129,6 +154,12 @@ size_t Module::stash_bytes(const ActivationStash& stash) {
   std::vector<const Tensor*> ts;
   for (auto& [slot, t] : stash) ts.push_back(&t);
   return distinct_bytes(ts);
+}
+
+Tensor& Module::ensure_temp(Tensor& buf, const Shape& s, Device device) {
+  track(buf, true);
+  if (!buf.defined() || buf.shape() != s || buf.device() != device) buf = Tensor::empty(s, DType::F32, device);
+  return buf;
 }
 
 Tensor& Module::ensure(Tensor& buf, const Shape& s, Device device) {

@@ -340,24 +340,28 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     res.pp_ideal_bubble = parallel::pipeline_ideal_bubble(pp_size, micro);
     res.pp_peak_activation_bytes = pipe->stats().peak_activation_bytes;
     // Every stage's figures, printed by rank 0 (world order is stage-major under one dp x tp).
-    Tensor all = Tensor::zeros({3 * pp_size});
+    constexpr int kF = 4;
+    Tensor all = Tensor::zeros({kF * pp_size});
     if (dp_rank == 0 && tp_rank == 0) {
-      all.f32()[3 * stage] = static_cast<float>(res.pp_bubble);
-      all.f32()[3 * stage + 1] = static_cast<float>(res.pp_peak_activation_bytes / 1048576.0);
-      all.f32()[3 * stage + 2] = static_cast<float>(model.parameter_count());
+      float* f = all.f32() + kF * stage;
+      f[0] = static_cast<float>(res.pp_bubble);
+      f[1] = static_cast<float>(res.pp_peak_activation_bytes / 1048576.0);
+      f[2] = static_cast<float>(model.parameter_count());
+      f[3] = static_cast<float>(peak_rss_mib());
     }
     grid->world().allreduce(all)->wait();
     for (int s = 0; s < pp_size; ++s) {
+      const float* f = all.f32() + kF * s;
       if (speak)
         std::printf("stage %d: blocks [%d, %d), %.0f parameters, measured bubble %.1f %% (ideal %.1f %%), peak "
-                    "activations %.1f MiB\n",
-                    s, starts[s], starts[s + 1], all.f32()[3 * s + 2], 100 * all.f32()[3 * s],
-                    100 * res.pp_ideal_bubble, all.f32()[3 * s + 1]);
+                    "activations %.1f MiB, peak RSS %.1f MiB\n",
+                    s, starts[s], starts[s + 1], f[2], 100 * f[0], 100 * res.pp_ideal_bubble, f[1], f[3]);
       if (metrics)
         metrics->write({{"pp_stage", s},
-                        {"bubble", static_cast<double>(all.f32()[3 * s])},
+                        {"bubble", static_cast<double>(f[0])},
                         {"ideal_bubble", res.pp_ideal_bubble},
-                        {"peak_activation_mib", static_cast<double>(all.f32()[3 * s + 1])}});
+                        {"peak_activation_mib", static_cast<double>(f[1])},
+                        {"peak_rss_mib", static_cast<double>(f[3])}});
     }
   }
   if (!cfg.checkpoint_dir.empty()) {
@@ -383,7 +387,9 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
                     {"steps", res.steps},
                     {"val_loss", res.val_loss},
                     {"val_bpb", res.val_bpb},
-                    {"tokens_per_s", res.tokens_per_s}});
+                    {"tokens_per_s", res.tokens_per_s},
+                    {"peak_rss_mib", peak_rss_mib()}});
+  if (speak) std::printf("%.0f tokens/s, peak RSS %.1f MiB (rank 0)\n", res.tokens_per_s, peak_rss_mib());
   return res;
 }
 

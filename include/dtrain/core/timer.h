@@ -1,4 +1,5 @@
 #pragma once
+#include <sys/resource.h>
 #include <time.h>
 
 #include <chrono>
@@ -16,6 +17,13 @@ inline double process_cpu_s() {
   timespec ts{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// The most resident memory this process has held so far, in MiB (getrusage's ru_maxrss).
+inline double peak_rss_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
 }  // namespace dtrain

@@ -119,6 +119,7 @@ class Gpt : public Module {
   GptPart part_;
   std::unique_ptr<GptEmbedding> embed_;
   std::vector<std::pair<std::string, ModulePtr>> blocks_;  // ("blocks.<l>", block)
+  std::vector<Tensor> scratch_;                             // scratch buffers shared by the blocks
   std::unique_ptr<GptHead> head_;
 };
 

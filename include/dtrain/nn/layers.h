@@ -172,7 +172,9 @@ class Residual : public Module {
 // Transparent in parameter names.
 class Checkpointed : public Module {
  public:
-  explicit Checkpointed(ModulePtr body);
+  // Blocks of one structure may share `pool`: the activations of whichever block ran last, handed
+  // to the next one, so recomputation allocates nothing in steady state.
+  explicit Checkpointed(ModulePtr body, std::shared_ptr<std::vector<Tensor>> pool = nullptr);
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override { return "Checkpointed(" + body_->kind() + ")"; }
@@ -181,6 +183,7 @@ class Checkpointed : public Module {
 
  private:
   ModulePtr body_;
+  std::shared_ptr<std::vector<Tensor>> pool_;
   Tensor x_, y_;
 };
 

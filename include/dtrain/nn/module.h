@@ -69,6 +69,10 @@ class Module {
   // data): for a first convolution that is a whole backward-data pass saved.
   virtual void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
 
+  // Marks the output buffer as a temporary: the consumer uses it up within the same pass (a
+  // residual add, a permute), so it is scratch, shared between blocks, not a kept activation.
+  void set_output_temporary(bool temporary) { output_temporary_ = temporary; }
+
   // Children, for traversal (containers override). A child named "" is transparent: its
   // parameters take the parent's prefix (wrappers that must not change parameter names).
   virtual std::vector<std::pair<std::string, Module*>> children() { return {}; }
@@ -83,6 +87,11 @@ class Module {
   ActivationStash stash_activations();
   void restore_activations(ActivationStash&& stash);
   void release_activations();  // empties the activation slots (their memory goes when unshared)
+  // By position instead of by slot: the activation (or, scratch = true, the backward scratch)
+  // tensors in slot order, moved out; and given to a module of the same structure (another block
+  // of a model), which then reuses them instead of allocating. Extra or missing tensors are fine.
+  std::vector<Tensor> take_buffers(bool scratch);
+  void give_buffers(std::vector<Tensor>&& buffers, bool scratch);
   // Bytes of distinct storage held by activation slots (below this module) or by a stash.
   size_t activation_bytes();
   static size_t stash_bytes(const ActivationStash& stash);
@@ -98,6 +107,12 @@ class Module {
   // Reuses `buf` when it already has shape `s`, so steady-state steps allocate nothing. `buf` must
   // be a member: it becomes one of this module's slots (activation or scratch, by the phase).
   Tensor& ensure(Tensor& buf, const Shape& s, Device device = Device::cpu());
+  // A buffer used only within the current pass (scratch even when made in forward).
+  Tensor& ensure_temp(Tensor& buf, const Shape& s, Device device = Device::cpu());
+  // The module's output buffer: an activation, or scratch after set_output_temporary(true).
+  Tensor& ensure_output(Tensor& buf, const Shape& s, Device device) {
+    return output_temporary_ ? ensure_temp(buf, s, device) : ensure(buf, s, device);
+  }
   // Keeps `t` (an input backward needs) in member slot `slot`.
   void keep(Tensor& slot, const Tensor& t) {
     track(slot);
@@ -106,11 +121,13 @@ class Module {
 
   bool training_ = true;
   bool needs_input_grad_ = true;
+  bool output_temporary_ = false;
 
  private:
   void collect(const std::string& prefix, std::vector<Parameter*>* params, std::vector<Buffer*>* bufs);
-  void track(Tensor& slot);
+  void track(Tensor& slot, bool scratch = false);
   void activation_slots(std::vector<Tensor*>& out);
+  void slots_of(bool scratch, std::vector<Tensor*>& out);
   std::vector<Tensor*> activation_slots_;  // made in forward
   std::vector<Tensor*> scratch_slots_;     // made in backward
   std::vector<std::unique_ptr<Parameter>> params_;
