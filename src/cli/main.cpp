@@ -2,6 +2,8 @@
 // Errors end here: one clear message (printed once when every rank hit it, otherwise by the rank
 // that failed, naming it), and a non-zero exit on every rank.
 #include <cstdio>
+#include <malloc.h>
+
 #include <cstring>
 #include <string>
 
@@ -28,6 +30,11 @@ void usage() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // glibc raises its mmap threshold each time a large block is freed, after which large tensors
+  // come from the heap and freed ones stay resident (measured: GPT peak RSS 329 MiB against 289
+  // MiB with this set). A fixed trim threshold keeps the default 128 KiB mmap threshold, so large
+  // buffers go back to the system when freed.
+  mallopt(M_TRIM_THRESHOLD, 1 << 20);
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "help")) {
     usage();
     return argc < 2 ? 2 : 0;
