@@ -1,9 +1,9 @@
 // dtrain: one executable, subcommands. Every rank runs the same command line.
 // Errors end here: one clear message (printed once when every rank hit it, otherwise by the rank
 // that failed, naming it), and a non-zero exit on every rank.
-#include <cstdio>
 #include <malloc.h>
 
+#include <cstdio>
 #include <cstring>
 #include <string>
 
