@@ -184,3 +184,45 @@ TEST(CliMpi, GptConvertTrainTensorParallelAndGenerate) {
   EXPECT_FAILS_NAMING(run("train --model gpt --data " + dir + "/none"), "none");
   fs::remove_all(dir);
 }
+
+// --pp 2 from the command line: the same validation loss as one rank, a checkpoint in two parts
+// (one per stage) that generate reads as one model, and clear errors for a bad pipeline layout.
+TEST(CliMpi, GptPipelineTrainAndGenerateFromStageCheckpoints) {
+  std::string dir = dtrain::test::temp_dir("cli-gpt-pp");
+  fs::create_directories(dir + "/text");
+  {
+    std::ofstream out(dir + "/text/a.txt");
+    for (int i = 0; i < 800; ++i) out << "a small text, " << i % 10 << " times over. ";
+  }
+  ASSERT_EQ(run("convert text --inputs " + dir + "/text --out " + dir + "/tok").code, 0);
+  {
+    std::ofstream ini(dir + "/gpt.ini");
+    ini << "model = gpt\ndata = " << dir << "/tok\nlayers = 3\nheads = 2\nwidth = 16\ncontext = 16\n"
+        << "batch-size = 4\nsteps = 8\nlog-every = 4\neval-batches = 2\nthreads = 1\nwarmup-steps = 2\n";
+  }
+  Result one = mpirun(1, "train --config " + dir + "/gpt.ini");
+  Result two = mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --schedule gpipe --micro-batches 2 "
+                         "--checkpoint-dir " + dir + "/ckpt");
+  ASSERT_EQ(one.code, 0) << one.out;
+  ASSERT_EQ(two.code, 0) << two.out;
+  EXPECT_NE(two.out.find("stage 1: blocks [2, 3)"), std::string::npos) << two.out;  // the head weighs in
+  EXPECT_NE(two.out.find("measured bubble"), std::string::npos) << two.out;
+  auto val_loss = [](const std::string& out) {
+    auto p = out.rfind("val_loss ");
+    return p == std::string::npos ? -1.0 : std::stod(out.substr(p + 9));
+  };
+  EXPECT_GT(val_loss(one.out), 0);
+  EXPECT_NEAR(val_loss(one.out), val_loss(two.out), 1e-4) << one.out << two.out;
+  EXPECT_TRUE(fs::exists(dir + "/ckpt/ckpt-8.h5"));
+  EXPECT_TRUE(fs::exists(dir + "/ckpt/ckpt-8.stage1.h5"));
+  Result gen = run("generate --checkpoint " + dir + "/ckpt --prompt 'a small' --tokens 20");
+  ASSERT_EQ(gen.code, 0) << gen.out;
+  EXPECT_EQ(gen.out.rfind("a small", 0), 0u) << gen.out;
+  // A missing stage part is named.
+  fs::remove(dir + "/ckpt/ckpt-8.stage1.h5");
+  EXPECT_FAILS_NAMING(run("generate --checkpoint " + dir + "/ckpt"), "ckpt-8.stage1.h5");
+  EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --micro-batches 3"), "--micro-batches");
+  EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --pp-split 1,1"), "--pp-split");
+  EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --schedule zigzag"), "--schedule");
+  fs::remove_all(dir);
+}
