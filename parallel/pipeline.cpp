@@ -134,7 +134,8 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
         ensure_shape(dout_[mb], d.shape());
         dout_[mb].copy_from(d);
       } else {
-        DT_CHECK(y.shape() == act_shape, "pipeline stage " << stage_ << " made " << y.str() << ", the next stage expects "
+        DT_CHECK(y.shape() == act_shape, "pipeline stage " << stage_ << " made " << y.str()
+                                                           << ", the next stage expects "
                                                            << Tensor::empty(act_shape).str());
         send_to(y, stage_ + 1, 2 * mb, act_sends_[mb]);
       }
@@ -161,8 +162,9 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
         dx = module_.backward(dy);
       }
       if (!first()) {
-        DT_CHECK(dx.defined() && dx.shape() == act_shape,
-                 "pipeline stage " << stage_ << " gave d(input) " << dx.str() << " for " << Tensor::empty(act_shape).str());
+        DT_CHECK(dx.defined() && dx.shape() == act_shape, "pipeline stage " << stage_ << " gave d(input) " << dx.str()
+                                                                            << " for "
+                                                                            << Tensor::empty(act_shape).str());
         send_to(dx, stage_ - 1, 2 * mb + 1, grad_send_);
       }
       spent_.push_back(module_.stash_activations());

@@ -222,6 +222,55 @@ nn::GptBlockFactory tensor_parallel_gpt_blocks(int64_t width, int64_t heads, com
   };
 }
 
+nn::GptVocabShard vocab_parallel_shard(int64_t vocab, comm::Communicator& tp) {
+  DT_INPUT_CHECK(vocab % tp.size() == 0, "vocabulary-parallel embedding: the vocabulary "
+                                             << vocab << " must split over " << tp.size() << " tp ranks");
+  nn::GptVocabShard s;
+  s.rows = vocab / tp.size();
+  s.offset = tp.rank() * s.rows;
+  s.sum = [&tp](Tensor& t) { tp.allreduce(t)->wait(); };
+  return s;
+}
+
+// ------------------------------------------------------------------ vocabulary-parallel loss
+VocabParallelCrossEntropy::VocabParallelCrossEntropy(comm::Communicator& tp, int64_t vocab_offset)
+    : tp_(tp), offset_(vocab_offset) {}
+
+float VocabParallelCrossEntropy::forward(const Tensor& logits, const Tensor& labels, int64_t* correct) {
+  DT_CHECK(logits.dim() == 2 && labels.numel() == logits.size(0),
+           "cross-entropy needs logits (N, V/tp) and N labels, got " << logits.str() << " and " << labels.str());
+  DT_CHECK(correct == nullptr, "vocabulary-parallel cross-entropy does not count argmax hits");
+  DT_CHECK(logits.device().is_cpu(), "vocabulary-parallel cross-entropy sums its loss on the host");
+  const int64_t m = logits.size(0);
+  logits_ = logits;
+  labels_ = labels;
+  Engine& e = engine_for(logits.device());
+  if (!rowmax_.defined() || rowmax_.numel() != m) {
+    rowmax_ = Tensor::empty({m}, DType::F32, logits.device());
+    partial_ = Tensor::empty({2, m}, DType::F32, logits.device());
+  }
+  e.row_max(logits, rowmax_);
+  tp_.allreduce(rowmax_, comm::ReduceOp::Max)->wait();
+  Tensor sumexp = partial_.slice0(0, 1).reshape({m}), target = partial_.slice0(1, 2).reshape({m});
+  e.vocab_xent_partials(logits, labels, offset_, rowmax_, sumexp, target);
+  tp_.allreduce(partial_)->wait();  // sums of exp and the target logit over the vocabulary slices
+  double loss = 0;
+  const float *pm = rowmax_.f32(), *ps = sumexp.f32(), *pt = target.f32();
+  for (int64_t i = 0; i < m; ++i) loss += std::log(static_cast<double>(ps[i])) + pm[i] - pt[i];
+  loss_sum_ = loss;
+  return static_cast<float>(loss / static_cast<double>(m));
+}
+
+Tensor VocabParallelCrossEntropy::backward(float scale) {
+  const int64_t m = logits_.size(0);
+  if (!dlogits_.defined() || dlogits_.shape() != logits_.shape())
+    dlogits_ = Tensor::empty(logits_.shape(), DType::F32, logits_.device());
+  engine_for(logits_.device())
+      .vocab_xent_backward(logits_, labels_, offset_, rowmax_, partial_.slice0(0, 1).reshape({m}),
+                           scale / static_cast<float>(m), dlogits_);
+  return dlogits_;
+}
+
 // ------------------------------------------------------------------ layouts and norms
 namespace {
 
@@ -235,23 +284,38 @@ bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
+// The vocabulary shard when `name` (owned by `m`) is a token embedding split over tp ranks.
+const nn::GptVocabShard* vocab_shard_of(nn::Module* m, const std::string& name) {
+  if (!ends_with(name, "wte")) return nullptr;
+  const nn::GptVocabShard* s = nullptr;
+  if (auto* e = dynamic_cast<nn::GptEmbedding*>(m)) s = &e->shard();
+  if (auto* h = dynamic_cast<nn::GptHead*>(m)) s = &h->shard();
+  return s && s->sharded() ? s : nullptr;
+}
+
 }  // namespace
 
 bool is_tensor_parallel_shard(nn::Module& model, const std::string& name) {
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
   nn::Module* m = own.at(name);
+  if (vocab_shard_of(m, name)) return true;
   if (dynamic_cast<ColumnParallelLinear*>(m)) return true;
   return dynamic_cast<RowParallelLinear*>(m) && ends_with(name, "weight");
 }
 
-std::map<std::string, Tensor> gather_full_parameters(nn::Module& model) {
+std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Communicator* tp) {
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
   std::map<std::string, Tensor> full;
   for (nn::Parameter* p : model.parameters()) {  // the same order on every rank: the collectives match
     nn::Module* m = own.at(p->name);
-    if (auto* c = dynamic_cast<ColumnParallelLinear*>(m))
+    if (vocab_shard_of(m, p->name)) {
+      DT_CHECK(tp, "gather_full_parameters: " << p->name << " is split over tp ranks; pass the tp communicator");
+      Tensor all = Tensor::empty({p->value.size(0) * tp->size(), p->value.size(1)});
+      tp->allgather(p->value, all)->wait();  // rank order is row order
+      full[p->name] = all;
+    } else if (auto* c = dynamic_cast<ColumnParallelLinear*>(m))
       full[p->name] = c->gather_full(p->value);
     else if (auto* r = dynamic_cast<RowParallelLinear*>(m))
       full[p->name] = r->gather_full(p->value);
@@ -269,7 +333,9 @@ void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>
     DT_INPUT_CHECK(it != full.end(), "no tensor for parameter " << p->name);
     nn::Module* m = own.at(p->name);
     Tensor shard = it->second;
-    if (auto* c = dynamic_cast<ColumnParallelLinear*>(m))
+    if (const nn::GptVocabShard* v = vocab_shard_of(m, p->name))
+      shard = it->second.slice0(v->offset, v->offset + v->rows);
+    else if (auto* c = dynamic_cast<ColumnParallelLinear*>(m))
       shard = c->shard_of(it->second);
     else if (auto* r = dynamic_cast<RowParallelLinear*>(m); r && ends_with(p->name, "weight"))
       shard = r->shard_of(it->second);
@@ -287,8 +353,8 @@ double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_n
   for (nn::Parameter* p : model.parameters()) {
     if (p == skip) continue;
     nn::Module* m = own.at(p->name);
-    bool sharded =
-        dynamic_cast<ColumnParallelLinear*>(m) || (dynamic_cast<RowParallelLinear*>(m) && ends_with(p->name, "weight"));
+    bool sharded = dynamic_cast<ColumnParallelLinear*>(m) ||
+                   (dynamic_cast<RowParallelLinear*>(m) && ends_with(p->name, "weight")) || vocab_shard_of(m, p->name);
     (sharded ? split : replicated) += engine_for(p->grad.device()).sum_squares(p->grad);
   }
   if (tp.size() > 1) {

@@ -53,7 +53,6 @@ struct Staged {
   }
 };
 
-
 struct ConvPrims {
   memory::desc x_md, w_md, b_md, y_md;
   dnnl::convolution_forward::primitive_desc fwd_pd;
@@ -101,8 +100,7 @@ class CpuEngine final : public Engine {
   void conv2d_backward_weights(const Conv2dGeom& g, const Tensor& x, const Tensor& dy, Tensor& dw,
                                Tensor& dbias) override;
   void pool2d_forward(const Pool2dGeom& g, PoolKind kind, const Tensor& x, Tensor& y, Tensor* state) override;
-  void pool2d_backward(const Pool2dGeom& g, PoolKind kind, const Tensor& dy, const Tensor& state,
-                       Tensor& dx) override;
+  void pool2d_backward(const Pool2dGeom& g, PoolKind kind, const Tensor& dy, const Tensor& state, Tensor& dx) override;
 
   void batchnorm_forward_train(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta, float eps,
                                float momentum, Tensor& running_mean, Tensor& running_var, Tensor& save_mean,
@@ -119,8 +117,7 @@ class CpuEngine final : public Engine {
 
   void channel_sums(const Tensor& x, int64_t channels, Tensor& sum, Tensor& sumsq) override;
   void channel_dot(const Tensor& a, const Tensor& b, int64_t channels, Tensor& out) override;
-  void channel_affine(const Tensor& x, int64_t channels, const Tensor& scale, const Tensor& shift,
-                      Tensor& y) override;
+  void channel_affine(const Tensor& x, int64_t channels, const Tensor& scale, const Tensor& shift, Tensor& y) override;
 
   void unary_forward(Unary op, const Tensor& x, Tensor& y) override;
   void unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) override;
@@ -145,6 +142,11 @@ class CpuEngine final : public Engine {
   void causal_softmax_forward(const Tensor& scores, int64_t t, float scale, Tensor& probs) override;
   void causal_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
                                Tensor& dscores) override;
+  void row_max(const Tensor& x, Tensor& out) override;
+  void vocab_xent_partials(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
+                           Tensor& sumexp, Tensor& target) override;
+  void vocab_xent_backward(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
+                           const Tensor& sumexp, float scale, Tensor& dlogits) override;
   void embedding_forward(const Tensor& ids, const Tensor& table, int64_t offset, Tensor& y) override;
   void embedding_backward(const Tensor& ids, const Tensor& dy, int64_t offset, Tensor& dtable) override;
 

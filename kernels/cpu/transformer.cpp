@@ -1,8 +1,11 @@
 // CpuEngine: the transformer pieces of the contract (axis permutation for attention heads, the
-// causal softmax with its scale fused, embedding gather and scatter-add). OpenMP loops; these are
+// causal softmax with its scale fused, embedding gather and scatter-add, vocabulary-parallel
+// cross-entropy pieces). OpenMP loops; these are
 // also the reference the CUDA kernels of kernels/cuda/transformer.cu are tested against.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "cpu_engine.h"
 
@@ -87,6 +90,65 @@ void CpuEngine::causal_softmax_backward(const Tensor& probs, const Tensor& dprob
     float fdot = static_cast<float>(dot);
     for (int64_t j = 0; j <= i; ++j) g[j] = scale * p[j] * (dp[j] - fdot);
     for (int64_t j = i + 1; j < t; ++j) g[j] = 0.f;
+  }
+}
+
+void CpuEngine::row_max(const Tensor& x, Tensor& out) {
+  DT_CHECK(x.dim() == 2, "row_max needs [M, N], got " << x.str());
+  const int64_t m = x.size(0), n = x.size(1);
+  check_f32_numel(x, m * n, "row_max input");
+  check_f32_numel(out, m, "row_max output");
+  const float* px = x.f32();
+  float* po = out.f32();
+#pragma omp parallel for if (m * n > kGrain)
+  for (int64_t i = 0; i < m; ++i) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, px[i * n + j]);
+    po[i] = mx;
+  }
+}
+
+void CpuEngine::vocab_xent_partials(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
+                                    Tensor& sumexp, Tensor& target) {
+  DT_CHECK(logits.dim() == 2, "vocab_xent_partials needs logits [M, Vs], got " << logits.str());
+  const int64_t m = logits.size(0), n = logits.size(1);
+  check_ids(labels, "vocab_xent_partials");
+  DT_CHECK(labels.numel() == m, "vocab_xent_partials: " << labels.str() << " labels for " << logits.str());
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&rowmax, &sumexp, &target})
+    check_f32_numel(*t, m, "vocab_xent_partials row vector");
+  const float* px = logits.f32();
+  const int32_t* py = labels.data<int32_t>();
+  const float* pm = rowmax.f32();
+  float* ps = sumexp.f32();
+  float* pt = target.f32();
+#pragma omp parallel for if (m * n > kGrain)
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = px + i * n;
+    double sum = 0;
+    for (int64_t j = 0; j < n; ++j) sum += std::exp(row[j] - pm[i]);
+    ps[i] = static_cast<float>(sum);
+    int64_t col = py[i] - offset;
+    pt[i] = col >= 0 && col < n ? row[col] : 0.f;
+  }
+}
+
+void CpuEngine::vocab_xent_backward(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
+                                    const Tensor& sumexp, float scale, Tensor& dlogits) {
+  DT_CHECK(logits.dim() == 2, "vocab_xent_backward needs logits [M, Vs], got " << logits.str());
+  const int64_t m = logits.size(0), n = logits.size(1);
+  check_ids(labels, "vocab_xent_backward");
+  check_f32_numel(dlogits, m * n, "vocab_xent_backward output");
+  const float* px = logits.f32();
+  const int32_t* py = labels.data<int32_t>();
+  const float* pm = rowmax.f32();
+  const float* ps = sumexp.f32();
+  float* pd = dlogits.f32();
+#pragma omp parallel for if (m * n > kGrain)
+  for (int64_t i = 0; i < m; ++i) {
+    const float inv = 1.f / ps[i];
+    const int64_t col = py[i] - offset;
+    for (int64_t j = 0; j < n; ++j)
+      pd[i * n + j] = scale * (std::exp(px[i * n + j] - pm[i]) * inv - (j == col ? 1.f : 0.f));
   }
 }
 

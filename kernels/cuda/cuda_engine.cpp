@@ -363,6 +363,41 @@ void CudaEngine::softmax_xent_backward(const Tensor& probs, const Tensor& labels
                            compute_);
 }
 
+void CudaEngine::row_max(const Tensor& x, Tensor& out) {
+  check_dev(x, "row_max input", index_);
+  check_dev(out, "row_max output", index_);
+  DT_CHECK(x.dim() == 2 && out.numel() == x.size(0), "row_max of " << x.str() << " into " << out.str());
+  bind();
+  k::row_max(x.f32(), out.f32(), x.size(0), x.size(1), compute_);
+}
+
+void CudaEngine::vocab_xent_partials(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
+                                     Tensor& sumexp, Tensor& target) {
+  check_dev(logits, "logits", index_);
+  check_dev(labels, "labels", index_, DType::I32);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&rowmax, &sumexp, &target})
+    check_dev(*t, "vocab_xent row vector", index_);
+  const int64_t m = logits.size(0);
+  DT_CHECK(
+      logits.dim() == 2 && labels.numel() == m && rowmax.numel() == m && sumexp.numel() == m && target.numel() == m,
+      "vocab_xent_partials: logits " << logits.str() << ", labels " << labels.str());
+  bind();
+  k::vocab_xent_partials(logits.f32(), labels.data<int32_t>(), offset, rowmax.f32(), sumexp.f32(), target.f32(), m,
+                         logits.size(1), compute_);
+}
+
+void CudaEngine::vocab_xent_backward(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
+                                     const Tensor& sumexp, float scale, Tensor& dlogits) {
+  check_dev(logits, "logits", index_);
+  check_dev(labels, "labels", index_, DType::I32);
+  check_dev(dlogits, "dlogits", index_);
+  DT_CHECK(logits.dim() == 2 && labels.numel() == logits.size(0), "vocab_xent_backward: logits " << logits.str());
+  check_same_numel(logits, dlogits, "vocab_xent_backward");
+  bind();
+  k::vocab_xent_backward(logits.f32(), labels.data<int32_t>(), offset, rowmax.f32(), sumexp.f32(), scale, dlogits.f32(),
+                         logits.size(0), logits.size(1), compute_);
+}
+
 void CudaEngine::layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& mean,
                                    Tensor& rstd, Tensor& y) {
   for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &gamma, &beta, &mean, &rstd, &y})

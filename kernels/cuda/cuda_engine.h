@@ -87,6 +87,11 @@ class CudaEngine final : public Engine {
   void causal_softmax_forward(const Tensor& scores, int64_t t, float scale, Tensor& probs) override;
   void causal_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
                                Tensor& dscores) override;
+  void row_max(const Tensor& x, Tensor& out) override;
+  void vocab_xent_partials(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
+                           Tensor& sumexp, Tensor& target) override;
+  void vocab_xent_backward(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
+                           const Tensor& sumexp, float scale, Tensor& dlogits) override;
   void embedding_forward(const Tensor& ids, const Tensor& table, int64_t offset, Tensor& y) override;
   void embedding_backward(const Tensor& ids, const Tensor& dy, int64_t offset, Tensor& dtable) override;
 

@@ -36,6 +36,12 @@ void softmax_xent_forward(const float* logits, const int32_t* labels, float* pro
                           double* loss_sum, unsigned long long* correct, int* bad_label, cudaStream_t s);
 void softmax_xent_backward(const float* probs, const int32_t* labels, float scale, float* dlogits, int64_t m, int64_t c,
                            cudaStream_t s);
+// Vocabulary-parallel cross-entropy pieces over a slice [M, N] of the logits (see Engine).
+void row_max(const float* x, float* out, int64_t m, int64_t n, cudaStream_t s);
+void vocab_xent_partials(const float* logits, const int32_t* labels, int64_t offset, const float* rowmax, float* sumexp,
+                         float* target, int64_t m, int64_t n, cudaStream_t s);
+void vocab_xent_backward(const float* logits, const int32_t* labels, int64_t offset, const float* rowmax,
+                         const float* sumexp, float scale, float* dlogits, int64_t m, int64_t n, cudaStream_t s);
 void layernorm_forward(const float* x, const float* gamma, const float* beta, float eps, float* mean, float* rstd,
                        float* y, int64_t m, int64_t d, cudaStream_t s);
 // dx overwritten; dgamma, dbeta accumulated.

@@ -81,6 +81,41 @@ __global__ void softmax_xent_backward_kernel(const float* probs, const int32_t* 
   }
 }
 
+// Vocabulary-parallel cross-entropy over a slice [M, N]: one block per row for the reductions.
+__global__ void row_max_kernel(const float* x, float* out, int64_t n) {
+  __shared__ float fsh[32];
+  const float* row = x + blockIdx.x * n;
+  float mx = -FLT_MAX;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, row[j]);
+  mx = block_reduce(mx, Max{}, fsh);
+  if (threadIdx.x == 0) out[blockIdx.x] = mx;
+}
+
+__global__ void vocab_xent_partials_kernel(const float* logits, const int32_t* labels, int64_t offset,
+                                           const float* rowmax, float* sumexp, float* target, int64_t n) {
+  __shared__ double dsh[32];
+  const float* row = logits + blockIdx.x * n;
+  const float mx = rowmax[blockIdx.x];
+  double sum = 0;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sum += expf(row[j] - mx);
+  sum = block_reduce(sum, Sum{}, dsh);
+  if (threadIdx.x == 0) {
+    sumexp[blockIdx.x] = static_cast<float>(sum);
+    int64_t col = labels[blockIdx.x] - offset;
+    target[blockIdx.x] = col >= 0 && col < n ? row[col] : 0.f;
+  }
+}
+
+__global__ void vocab_xent_backward_kernel(const float* logits, const int32_t* labels, int64_t offset,
+                                           const float* rowmax, const float* sumexp, float scale, float* d, int64_t m,
+                                           int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < m * n;
+       i += gridDim.x * static_cast<int64_t>(blockDim.x)) {
+    int64_t r = i / n, j = i % n;
+    d[i] = scale * (expf(logits[i] - rowmax[r]) / sumexp[r] - (j == labels[r] - offset ? 1.f : 0.f));
+  }
+}
+
 // x, y: [M,D]; mean, rstd: [M]. Two passes over the row (mean, then centred squares) as the CPU does.
 __global__ void layernorm_forward_kernel(const float* x, const float* gamma, const float* beta, float eps, float* mean,
                                          float* rstd, float* y, int64_t d) {
@@ -212,6 +247,25 @@ void softmax_xent_backward(const float* probs, const int32_t* labels, float scal
   if (n <= 0) return;
   unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535));
   softmax_xent_backward_kernel<<<blocks, 256, 0, s>>>(probs, labels, scale, dlogits, m, c);
+}
+
+void row_max(const float* x, float* out, int64_t m, int64_t n, cudaStream_t s) {
+  if (m > 0) row_max_kernel<<<static_cast<unsigned>(m), kRowThreads, 0, s>>>(x, out, n);
+}
+
+void vocab_xent_partials(const float* logits, const int32_t* labels, int64_t offset, const float* rowmax, float* sumexp,
+                         float* target, int64_t m, int64_t n, cudaStream_t s) {
+  if (m > 0)
+    vocab_xent_partials_kernel<<<static_cast<unsigned>(m), kRowThreads, 0, s>>>(logits, labels, offset, rowmax, sumexp,
+                                                                                target, n);
+}
+
+void vocab_xent_backward(const float* logits, const int32_t* labels, int64_t offset, const float* rowmax,
+                         const float* sumexp, float scale, float* dlogits, int64_t m, int64_t n, cudaStream_t s) {
+  int64_t total = m * n;
+  if (total <= 0) return;
+  unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 65535));
+  vocab_xent_backward_kernel<<<blocks, 256, 0, s>>>(logits, labels, offset, rowmax, sumexp, scale, dlogits, m, n);
 }
 
 void layernorm_forward(const float* x, const float* gamma, const float* beta, float eps, float* mean, float* rstd,

@@ -46,16 +46,21 @@ int main(int argc, char** argv) {
   int code = 0;
   try {
     comm::Runtime::init(&argc, &argv);
-    if (cmd == "train") code = cli::cmd_train(sub_argc, sub_argv);
-    else if (cmd == "eval") code = cli::cmd_eval(sub_argc, sub_argv);
+    if (cmd == "train")
+      code = cli::cmd_train(sub_argc, sub_argv);
+    else if (cmd == "eval")
+      code = cli::cmd_eval(sub_argc, sub_argv);
     else if (cmd == "convert") {
       // Conversion is serial: under mpirun only rank 0 writes, the others have nothing to do.
       if (comm::Runtime::get().topology().rank == 0) code = cli::cmd_convert(sub_argc, sub_argv);
-    }
-    else if (cmd == "bench") code = cli::cmd_bench(sub_argc, sub_argv);
-    else if (cmd == "info") code = cli::cmd_info(sub_argc, sub_argv);
-    else if (cmd == "generate") code = cli::cmd_generate(sub_argc, sub_argv);
-    else throw InputError("unknown command '" + cmd + "' (commands: train, eval, convert, generate, bench, info)");
+    } else if (cmd == "bench")
+      code = cli::cmd_bench(sub_argc, sub_argv);
+    else if (cmd == "info")
+      code = cli::cmd_info(sub_argc, sub_argv);
+    else if (cmd == "generate")
+      code = cli::cmd_generate(sub_argc, sub_argv);
+    else
+      throw InputError("unknown command '" + cmd + "' (commands: train, eval, convert, generate, bench, info)");
   } catch (const InputError& e) {
     // Input errors are found the same way on every rank (same options, same files), so rank 0
     // speaks for all and every rank exits without tearing MPI down.

@@ -13,7 +13,7 @@ CausalSelfAttention::CausalSelfAttention(int64_t width, int64_t heads, Rng& rng)
                  "attention width " << width << " must be a positive multiple of the head count " << heads);
   qkv_ = std::make_unique<Linear>(c_, 3 * c_, true, rng);
   proj_ = std::make_unique<Linear>(c_, c_, true, rng);
-  qkv_->set_output_temporary(true);  // permuted into qkvh_ at once
+  qkv_->set_output_temporary(true);   // permuted into qkvh_ at once
   proj_->set_output_temporary(true);  // used up by the residual add
 }
 
@@ -49,9 +49,9 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   DT_CHECK(qkv.numel() == b_ * t_ * 3 * h_ * hd_, kind() << ": qkv gave " << qkv.str());
   ensure(qkvh_, {b_, 3 * h_, t_, hd_}, dev);
   e.permute_0213(qkv, b_, t_, 3 * h_, hd_, qkvh_);  // -> [B, 3H, T, hd]: q heads, k heads, v heads
-  ensure_temp(scores_, {b_, h_, t_, t_}, dev);  // dead once softmax has run
+  ensure_temp(scores_, {b_, h_, t_, t_}, dev);      // dead once softmax has run
   ensure(att_, {b_, h_, t_, t_}, dev);
-  ensure_temp(yh_, {b_, h_, t_, hd_}, dev);  // permuted into y_ at once
+  ensure_temp(yh_, {b_, h_, t_, hd_}, dev);               // permuted into y_ at once
   Tensor heads = qkvh_.reshape({b_ * 3 * h_, t_ * hd_});  // one row per (batch, q/k/v head)
   Tensor sc = scores_.reshape({b_ * h_, t_ * t_});
   Tensor yh = yh_.reshape({b_ * h_, t_ * hd_});
@@ -136,7 +136,8 @@ ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng) {
 }
 
 // ------------------------------------------------------------------ GptEmbedding
-GptEmbedding::GptEmbedding(Tensor wte, Tensor wpe) {
+GptEmbedding::GptEmbedding(Tensor wte, Tensor wpe, GptVocabShard shard) : shard_(std::move(shard)) {
+  DT_CHECK(!shard_.sharded() || (shard_.rows == wte.size(0) && shard_.sum), "vocabulary shard of " << wte.str());
   wte_ = &add_parameter("wte", std::move(wte));
   wpe_ = &add_parameter("wpe", std::move(wpe));
 }
@@ -151,7 +152,8 @@ Tensor GptEmbedding::forward(const Tensor& ids) {
   Engine& e = engine(ids);
   keep(ids_, ids);
   ensure(emb_, {b_, t_, c}, ids.device());
-  e.embedding_forward(ids, wte_->value, 0, emb_);
+  e.embedding_forward(ids, wte_->value, shard_.offset, emb_);
+  if (shard_.sharded()) shard_.sum(emb_);  // each row came from the one rank holding its token
   // Position embedding: rows of wpe[0:T] flattened, added to every sequence ([B, T*C] + [T*C]).
   Tensor emb_rows = emb_.reshape({b_, t_ * c});
   e.add_row_bias(emb_rows, wpe_->value.slice0(0, t_).reshape({t_ * c}));
@@ -161,7 +163,7 @@ Tensor GptEmbedding::forward(const Tensor& ids) {
 Tensor GptEmbedding::backward(const Tensor& demb) {
   const int64_t c = wte_->value.size(1);
   Engine& e = engine(demb);
-  e.embedding_backward(ids_, demb, 0, wte_->grad);
+  e.embedding_backward(ids_, demb, shard_.offset, wte_->grad);
   Tensor dpos = wpe_->grad.slice0(0, t_).reshape({t_ * c});
   e.row_bias_grad(demb.reshape({b_, t_ * c}), dpos);
   // wte is final only now when the head is tied to it (it collects the unembedding's gradient too).
@@ -171,7 +173,8 @@ Tensor GptEmbedding::backward(const Tensor& demb) {
 }
 
 // ------------------------------------------------------------------ GptHead
-GptHead::GptHead(int64_t width, Parameter* tied, Tensor own_wte) : owns_(tied == nullptr), c_(width) {
+GptHead::GptHead(int64_t width, Parameter* tied, Tensor own_wte, GptVocabShard shard)
+    : owns_(tied == nullptr), shard_(std::move(shard)), c_(width) {
   wte_ = tied ? tied : &add_parameter("wte", std::move(own_wte));
   ln_f_ = std::make_unique<LayerNorm>(width);
 }
@@ -195,12 +198,13 @@ Tensor GptHead::backward(const Tensor& dlogits) {
   ensure(dhf_, hf_.shape(), dlogits.device());
   e.gemm(false, false, m_, c_, v, 1.f, dlogits, wte_->value, 0.f, dhf_);  // dhf = dlogits wte
   e.gemm(true, false, v, c_, m_, 1.f, dlogits, hf_, 1.f, wte_->grad);     // dwte += dlogits^T hf
+  if (shard_.sharded()) shard_.sum(dhf_);                                 // every rank's vocabulary columns contribute
   if (owns_) grad_ready(*wte_);
   return ln_f_->backward(dhf_);
 }
 
 // ------------------------------------------------------------------ Gpt
-Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks, GptPart part, bool checkpoint_blocks)
+Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks, GptPart part, bool checkpoint_blocks, GptVocabShard vocab)
     : cfg_(cfg), part_(part) {
   DT_INPUT_CHECK(cfg.vocab > 0 && cfg.context > 0 && cfg.layers > 0 && cfg.width > 0,
                  "gpt needs positive vocab, context, layers and width");
@@ -216,7 +220,12 @@ Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks, GptPart part, bool
   };
   Tensor wte = normal({cfg.vocab, cfg.width});
   Tensor wpe = normal({cfg.context, cfg.width});
-  if (part_.embed) embed_ = std::make_unique<GptEmbedding>(wte, wpe);
+  if (vocab.sharded()) {
+    DT_INPUT_CHECK(vocab.offset >= 0 && vocab.offset + vocab.rows <= cfg.vocab,
+                   "vocabulary shard [" << vocab.offset << ", " << vocab.offset + vocab.rows << ") of " << cfg.vocab);
+    wte = wte.slice0(vocab.offset, vocab.offset + vocab.rows).clone();
+  }
+  if (part_.embed) embed_ = std::make_unique<GptEmbedding>(wte, wpe, vocab);
   // Every block is drawn (the RNG stream must not depend on the cut); the part keeps its own.
   auto pool = std::make_shared<std::vector<Tensor>>();  // recomputation buffers, shared by the blocks
   for (int64_t l = 0; l < cfg.layers; ++l) {
@@ -225,7 +234,7 @@ Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks, GptPart part, bool
     if (checkpoint_blocks) b = std::make_unique<Checkpointed>(std::move(b), pool);
     blocks_.emplace_back("blocks." + std::to_string(l), std::move(b));
   }
-  if (part_.head) head_ = std::make_unique<GptHead>(cfg.width, embed_ ? &embed_->wte() : nullptr, wte.clone());
+  if (part_.head) head_ = std::make_unique<GptHead>(cfg.width, embed_ ? &embed_->wte() : nullptr, wte.clone(), vocab);
 }
 
 std::string Gpt::kind() const {

@@ -7,8 +7,8 @@
 #include <filesystem>
 #include <mutex>
 
-#include "dtrain/data/hdf5_util.h"
 #include "dtrain/core/error.h"
+#include "dtrain/data/hdf5_util.h"
 
 namespace fs = std::filesystem;
 
@@ -18,12 +18,17 @@ namespace {
 
 hid_t h5_type(DType t) {
   switch (t) {
-    case DType::F32: return H5T_NATIVE_FLOAT;
-    case DType::I32: return H5T_NATIVE_INT32;
-    case DType::I64: return H5T_NATIVE_INT64;
-    case DType::U8: return H5T_NATIVE_UINT8;
+    case DType::F32:
+      return H5T_NATIVE_FLOAT;
+    case DType::I32:
+      return H5T_NATIVE_INT32;
+    case DType::I64:
+      return H5T_NATIVE_INT64;
+    case DType::U8:
+      return H5T_NATIVE_UINT8;
     case DType::BF16:
-    case DType::F16: return H5T_NATIVE_UINT16;  // raw 16-bit words; the dtype is kept in an attribute
+    case DType::F16:
+      return H5T_NATIVE_UINT16;  // raw 16-bit words; the dtype is kept in an attribute
   }
   return H5T_NATIVE_FLOAT;
 }
@@ -66,9 +71,9 @@ void save_checkpoint(const std::string& path, const CheckpointState& s) {
       for (int64_t d : t.shape()) dims.push_back(static_cast<hsize_t>(d));
       if (dims.empty()) dims.push_back(1);
       Handle space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
-      Handle ds(H5Dcreate2(file.get(), name.c_str(), h5_type(t.dtype()), space.get(), lcpl.get(), H5P_DEFAULT,
-                           H5P_DEFAULT),
-                H5Dclose);
+      Handle ds(
+          H5Dcreate2(file.get(), name.c_str(), h5_type(t.dtype()), space.get(), lcpl.get(), H5P_DEFAULT, H5P_DEFAULT),
+          H5Dclose);
       DT_CHECK(ds.valid(), "creating dataset " << name << " in " << tmp);
       DT_CHECK(t.nbytes() == 0 || H5Dwrite(ds.get(), h5_type(t.dtype()), H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()) >= 0,
                "writing dataset " << name << " to " << tmp);

@@ -26,7 +26,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, int64_t max_batches) {
+double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, int64_t max_batches,
+                   nn::SoftmaxCrossEntropy& xent) {
   int64_t windows = data::window_count(s, t);
   int64_t batches = windows / batch;
   if (max_batches > 0) batches = std::min(batches, max_batches);
@@ -34,7 +35,6 @@ double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, in
                                                         << " windows of " << t + 1 << " tokens");
   bool was_training = model.training();
   model.eval();
-  nn::SoftmaxCrossEntropy xent;
   double sum = 0;
   for (int64_t k = 0; k < batches; ++k) {
     data::TokenBatch b = data::sequential_windows(s, batch, t, k * batch);
@@ -49,7 +49,8 @@ double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, in
 
 double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, int64_t seq_len, int64_t max_batches) {
   data::TokenStream s = data::load_tokens(val_file);
-  return eval_stream(model, s, batch, seq_len, max_batches);
+  nn::SoftmaxCrossEntropy xent;
+  return eval_stream(model, s, batch, seq_len, max_batches, xent);
 }
 
 CheckpointState gpt_checkpoint_state(const nn::GptConfig& c, const std::map<std::string, Tensor>& full_params,
@@ -79,8 +80,8 @@ CheckpointState load_gpt_checkpoint(const std::string& file) {
     DT_INPUT_CHECK(fs::exists(f), "checkpoint " << file << " is stage 0 of " << stages << " pipeline stages, but " << f
                                                 << " (stage " << st << ") is missing");
     CheckpointState part = load_checkpoint(f);
-    DT_INPUT_CHECK(part.ints["step"] == s.ints["step"], f << " is from step " << part.ints["step"] << ", " << file
-                                                          << " from step " << s.ints["step"]);
+    DT_INPUT_CHECK(part.ints["step"] == s.ints["step"],
+                   f << " is from step " << part.ints["step"] << ", " << file << " from step " << s.ints["step"]);
     for (auto& [name, t] : part.tensors) s.tensors.emplace(name, t);  // the tied "wte" copy: stage 0's
   }
   return s;
@@ -174,17 +175,21 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   // stage draws the whole model and keeps its blocks, so the model equals the one-rank model.
   const std::vector<int> starts = pp_size > 1 ? stage_starts(cfg) : std::vector<int>{0, int(cfg.model.layers)};
   nn::GptPart part{starts[stage], starts[stage + 1], stage == 0, stage == pp_size - 1};
+  // Under tensor parallelism the vocabulary is split too: embedding rows, logit columns, and the
+  // cross-entropy over them.
+  const nn::GptVocabShard vocab =
+      tp_size > 1 ? parallel::vocab_parallel_shard(cfg.model.vocab, grid->tp()) : nn::GptVocabShard();
   nn::Gpt model(cfg.model,
                 tp_size > 1 ? parallel::tensor_parallel_gpt_blocks(cfg.model.width, cfg.model.heads, grid->tp())
                             : nn::GptBlockFactory(),
-                part, cfg.checkpoint_activations);
+                part, cfg.checkpoint_activations, vocab);
   model.train();
   // The tied embedding lives on the first and the last stage: their gradients are summed.
   std::unique_ptr<comm::Communicator> tied;
   if (grid && pp_size > 1)
-    tied = grid->world().split(stage == 0 || stage == pp_size - 1 ? dp_rank * tp_size + tp_rank
-                                                                  : comm::Communicator::kNoColor,
-                               stage, "tied-embedding");
+    tied = grid->world().split(
+        stage == 0 || stage == pp_size - 1 ? dp_rank * tp_size + tp_rank : comm::Communicator::kNoColor, stage,
+        "tied-embedding");
   nn::Parameter* tied_wte = model.embedding_wte() ? model.embedding_wte() : model.head_wte_copy();
   std::unique_ptr<parallel::DataParallel> ddp;
   if (dp_size > 1) {
@@ -231,7 +236,10 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   }
 
   Rng rng(derive_seed(cfg.seed, static_cast<uint64_t>(dp_rank)));  // each dp group its own windows
-  nn::SoftmaxCrossEntropy xent;
+  std::unique_ptr<nn::SoftmaxCrossEntropy> xent_owner =
+      tp_size > 1 ? std::make_unique<parallel::VocabParallelCrossEntropy>(grid->tp(), vocab.offset)
+                  : std::make_unique<nn::SoftmaxCrossEntropy>();
+  nn::SoftmaxCrossEntropy& xent = *xent_owner;
   LmResult res;
   double interval_loss = 0, t_interval = now_s(), t_start = now_s(), bubble_sum = 0;
   int64_t interval_steps = 0;
@@ -245,7 +253,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   };
   auto validate = [&](int64_t step) {
     if (pp_size == 1) {
-      res.val_loss = eval_stream(model, val, cfg.batch_size, cfg.seq_len, cfg.eval_batches);
+      res.val_loss = eval_stream(model, val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, xent);
     } else {
       int64_t batches = data::window_count(val, cfg.seq_len) / cfg.batch_size;
       if (cfg.eval_batches > 0) batches = std::min(batches, cfg.eval_batches);
@@ -289,7 +297,8 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       double loss_sum = 0;
       pipe->train_step([&](int k) { return b.ids.slice0(k * mbs, (k + 1) * mbs); },
                        [&](const Tensor& out, int k) {
-                         loss_sum += xent.forward(out, b.targets.slice0(k * mbs, (k + 1) * mbs).reshape({mbs * cfg.seq_len}));
+                         loss_sum +=
+                             xent.forward(out, b.targets.slice0(k * mbs, (k + 1) * mbs).reshape({mbs * cfg.seq_len}));
                          return xent.backward(1.f / static_cast<float>(micro));
                        },
                        {mbs, cfg.seq_len, cfg.model.width},
@@ -353,9 +362,10 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     for (int s = 0; s < pp_size; ++s) {
       const float* f = all.f32() + kF * s;
       if (speak)
-        std::printf("stage %d: blocks [%d, %d), %.0f parameters, measured bubble %.1f %% (ideal %.1f %%), peak "
-                    "activations %.1f MiB, peak RSS %.1f MiB\n",
-                    s, starts[s], starts[s + 1], f[2], 100 * f[0], 100 * res.pp_ideal_bubble, f[1], f[3]);
+        std::printf(
+            "stage %d: blocks [%d, %d), %.0f parameters, measured bubble %.1f %% (ideal %.1f %%), peak "
+            "activations %.1f MiB, peak RSS %.1f MiB\n",
+            s, starts[s], starts[s + 1], f[2], 100 * f[0], 100 * res.pp_ideal_bubble, f[1], f[3]);
       if (metrics)
         metrics->write({{"pp_stage", s},
                         {"bubble", static_cast<double>(f[0])},
@@ -366,7 +376,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   }
   if (!cfg.checkpoint_dir.empty()) {
     // Collective over tp: the shards are gathered into the one-rank layout, which loads anywhere.
-    std::map<std::string, Tensor> full = parallel::gather_full_parameters(model);
+    std::map<std::string, Tensor> full = parallel::gather_full_parameters(model, grid ? &grid->tp() : nullptr);
     res.checkpoint = (fs::path(cfg.checkpoint_dir) / ("ckpt-" + std::to_string(cfg.steps) + ".h5")).string();
     CheckpointState st = gpt_checkpoint_state(cfg.model, full, cfg.steps);
     st.ints["pp_stage"] = stage;

@@ -34,8 +34,9 @@ Result shell(const std::string& cmd) {
 Result run(const std::string& args) { return shell(std::string(DTRAIN_BINARY_DIR) + "/dtrain " + args + " 2>&1"); }
 
 Result mpirun(int np, const std::string& args) {
-  return shell("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n " + std::to_string(np) +
-               " --oversubscribe --bind-to none " + std::string(DTRAIN_BINARY_DIR) + "/dtrain " + args + " 2>&1");
+  return shell("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n " +
+               std::to_string(np) + " --oversubscribe --bind-to none " + std::string(DTRAIN_BINARY_DIR) + "/dtrain " +
+               args + " 2>&1");
 }
 
 size_t count(const std::string& hay, const std::string& needle) {
@@ -44,10 +45,10 @@ size_t count(const std::string& hay, const std::string& needle) {
   return c;
 }
 
-#define EXPECT_FAILS_NAMING(r, what)                               \
-  do {                                                             \
-    EXPECT_NE((r).code, 0) << (r).out;                             \
-    EXPECT_NE((r).out.find(what), std::string::npos) << (r).out;   \
+#define EXPECT_FAILS_NAMING(r, what)                             \
+  do {                                                           \
+    EXPECT_NE((r).code, 0) << (r).out;                           \
+    EXPECT_NE((r).out.find(what), std::string::npos) << (r).out; \
   } while (0)
 
 }  // namespace
@@ -84,7 +85,7 @@ TEST(Cli, ShapeThatDoesNotFitTheModel) {
   dtrain::test::make_band_dataset(dir + "/small", 64, 8);
   dtrain::test::make_band_dataset(dir + "/large", 64, 12);
   Result ok = run("train --data " + dir + "/small --steps 2 --batch-size 16 --threads 1 --checkpoint-dir " + dir +
-               "/ck --progress off");
+                  "/ck --progress off");
   ASSERT_EQ(ok.code, 0) << ok.out;
   Result ev = run("eval --checkpoint " + dir + "/ck --data " + dir + "/large");
   EXPECT_FAILS_NAMING(ev, dir + "/large");
@@ -160,8 +161,8 @@ TEST(CliMpi, GptConvertTrainTensorParallelAndGenerate) {
     ini << "model = gpt\ndata = " << dir << "/tok\nlayers = 1\nheads = 2\nwidth = 16\ncontext = 16\n"
         << "batch-size = 4\nsteps = 12\nlog-every = 6\neval-batches = 2\nthreads = 1\nwarmup-steps = 2\n";
   }
-  Result one = mpirun(1, "train --config " + dir + "/gpt.ini --metrics " + dir + "/one.jsonl --checkpoint-dir " + dir +
-                             "/ckpt");
+  Result one =
+      mpirun(1, "train --config " + dir + "/gpt.ini --metrics " + dir + "/one.jsonl --checkpoint-dir " + dir + "/ckpt");
   Result two = mpirun(2, "train --config " + dir + "/gpt.ini --tp 2 --metrics " + dir + "/two.jsonl");
   ASSERT_EQ(one.code, 0) << one.out;
   ASSERT_EQ(two.code, 0) << two.out;
@@ -201,8 +202,10 @@ TEST(CliMpi, GptPipelineTrainAndGenerateFromStageCheckpoints) {
         << "batch-size = 4\nsteps = 8\nlog-every = 4\neval-batches = 2\nthreads = 1\nwarmup-steps = 2\n";
   }
   Result one = mpirun(1, "train --config " + dir + "/gpt.ini");
-  Result two = mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --schedule gpipe --micro-batches 2 "
-                         "--checkpoint-dir " + dir + "/ckpt");
+  Result two = mpirun(2, "train --config " + dir +
+                             "/gpt.ini --pp 2 --schedule gpipe --micro-batches 2 "
+                             "--checkpoint-dir " +
+                             dir + "/ckpt");
   ASSERT_EQ(one.code, 0) << one.out;
   ASSERT_EQ(two.code, 0) << two.out;
   EXPECT_NE(two.out.find("stage 1: blocks [2, 3)"), std::string::npos) << two.out;  // the head weighs in

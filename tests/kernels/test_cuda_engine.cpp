@@ -296,6 +296,24 @@ TEST_F(CudaEngineTest, SoftmaxCrossEntropy) {
   EXPECT_THROW(gpu->softmax_xent_forward(dev(logits), dev(labels), gprobs, nullptr), Error);
 }
 
+TEST_F(CudaEngineTest, VocabParallelCrossEntropyPieces) {
+  const int64_t m = 40, n = 300, offset = 600;  // this slice: columns [600, 900) of a larger vocabulary
+  Tensor logits = random({m, n}, 31, -5.f, 5.f), labels = Tensor::empty({m}, DType::I32);
+  for (int64_t i = 0; i < m; ++i) labels.data<int32_t>()[i] = static_cast<int32_t>((i * 53) % 1200);
+  Tensor mx = Tensor::zeros({m}), se = Tensor::zeros({m}), tg = Tensor::zeros({m}), d = Tensor::zeros({m, n});
+  Tensor glogits = dev(logits), glabels = dev(labels), gmx = dev(mx), gse = dev(se), gtg = dev(tg), gd = dev(d);
+  cpu.row_max(logits, mx);
+  gpu->row_max(glogits, gmx);
+  expect_close(gmx, mx, 0, "row max");
+  cpu.vocab_xent_partials(logits, labels, offset, mx, se, tg);
+  gpu->vocab_xent_partials(glogits, glabels, offset, gmx, gse, gtg);
+  expect_close(gse, se, 1e-6, "sum of exponentials");
+  expect_close(gtg, tg, 0, "target logits");
+  cpu.vocab_xent_backward(logits, labels, offset, mx, se, 0.5f, d);
+  gpu->vocab_xent_backward(glogits, glabels, offset, gmx, gse, 0.5f, gd);
+  expect_close(gd, d, 1e-6, "dlogits");
+}
+
 TEST_F(CudaEngineTest, TransformerPieces) {
   // Attention head permutation [2,5,6,4] -> [2,6,5,4], causal softmax over [3, 70, 70] (rows longer
   // than a warp), embedding gather/scatter-add with an offset (ids outside the table give zeros).

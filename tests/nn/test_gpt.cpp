@@ -127,6 +127,49 @@ TEST(Gradients, GptEndToEndWithTiedEmbedding) {
 }
 
 // GELU's tanh goes through one expf (fn::tanh_via_exp): against std::tanh in double precision.
+// The vocabulary-parallel cross-entropy pieces over two column slices, combined as two ranks
+// would (max of the row maxima, sums of the rest), give the loss and gradient of the whole row.
+TEST(TransformerOps, VocabParallelCrossEntropyPiecesAddUpToTheFullLoss) {
+  Engine& e = cpu_engine();
+  const int64_t m = 7, v = 10, half = 5;
+  Rng rng(12);
+  Tensor logits = random_tensor({m, v}, rng), labels = Tensor::empty({m}, DType::I32);
+  for (int64_t i = 0; i < m; ++i) labels.data<int32_t>()[i] = static_cast<int32_t>(rng.below(v));
+  Tensor probs = Tensor::empty({m, v}), dfull = Tensor::empty({m, v});
+  const double loss = e.softmax_xent_forward(logits, labels, probs, nullptr);
+  e.softmax_xent_backward(probs, labels, 0.25f, dfull);
+  Tensor slice[2], mx[2];
+  for (int r = 0; r < 2; ++r) {
+    slice[r] = Tensor::empty({m, half});
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < half; ++j) slice[r].f32()[i * half + j] = logits.f32()[i * v + r * half + j];
+    mx[r] = Tensor::empty({m});
+    e.row_max(slice[r], mx[r]);
+  }
+  Tensor gmax = Tensor::empty({m});
+  for (int64_t i = 0; i < m; ++i) gmax.f32()[i] = std::max(mx[0].f32()[i], mx[1].f32()[i]);
+  Tensor se[2], tg[2];
+  for (int r = 0; r < 2; ++r) {
+    se[r] = Tensor::empty({m});
+    tg[r] = Tensor::empty({m});
+    e.vocab_xent_partials(slice[r], labels, r * half, gmax, se[r], tg[r]);
+  }
+  Tensor total = Tensor::empty({m});
+  double got = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    total.f32()[i] = se[0].f32()[i] + se[1].f32()[i];
+    got += std::log(total.f32()[i]) + gmax.f32()[i] - (tg[0].f32()[i] + tg[1].f32()[i]);
+  }
+  EXPECT_NEAR(got, loss, 1e-5 * std::abs(loss));
+  for (int r = 0; r < 2; ++r) {
+    Tensor d = Tensor::empty({m, half});
+    e.vocab_xent_backward(slice[r], labels, r * half, gmax, total, 0.25f, d);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < half; ++j)
+        EXPECT_NEAR(d.f32()[i * half + j], dfull.f32()[i * v + r * half + j], 1e-6) << r << " " << i << " " << j;
+  }
+}
+
 TEST(TransformerOps, GeluMatchesTheTanhFormula) {
   Tensor x = Tensor::empty({4001}), y = Tensor::zeros({4001}), dx = Tensor::zeros({4001});
   for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = -10.f + 0.005f * static_cast<float>(i);
@@ -211,5 +254,6 @@ TEST(ActivationStash, BackwardOfAnEarlierMicroBatch) {
   ref.backward(r);
   auto pa = a.parameters(), pr = ref.parameters();
   for (size_t i = 0; i < pa.size(); ++i)
-    for (int64_t k = 0; k < pa[i]->grad.numel(); ++k) ASSERT_EQ(pa[i]->grad.f32()[k], pr[i]->grad.f32()[k]) << pa[i]->name;
+    for (int64_t k = 0; k < pa[i]->grad.numel(); ++k)
+      ASSERT_EQ(pa[i]->grad.f32()[k], pr[i]->grad.f32()[k]) << pa[i]->name;
 }

@@ -40,6 +40,10 @@ Tensor expected_shard(nn::Module* owner, const std::string& name, const Tensor& 
   bool is_weight = name.size() >= 6 && name.compare(name.size() - 6, 6, "weight") == 0;
   if (auto* c = dynamic_cast<parallel::ColumnParallelLinear*>(owner)) return c->shard_of(full);
   if (auto* r = dynamic_cast<parallel::RowParallelLinear*>(owner)) return is_weight ? r->shard_of(full) : full;
+  const nn::GptVocabShard* v = nullptr;  // a vocabulary-parallel embedding: this rank's rows
+  if (auto* e = dynamic_cast<nn::GptEmbedding*>(owner)) v = &e->shard();
+  if (auto* h = dynamic_cast<nn::GptHead*>(owner)) v = &h->shard();
+  if (v && v->sharded() && name == "wte") return full.slice0(v->offset, v->offset + v->rows);
   return full;
 }
 
@@ -80,7 +84,9 @@ void expect_grid_matches_one_rank(int tp, int pp, int steps,
   const int stage = grid.pp_rank();
   std::vector<int> starts = parallel::balance_stages(std::vector<double>(cfg.layers, 1.0), pp);
   nn::GptPart part{starts[stage], starts[stage + 1], stage == 0, stage == pp - 1};
-  nn::Gpt model(cfg, tp > 1 ? parallel::tensor_parallel_gpt_blocks(cfg.width, cfg.heads, grid.tp()) : nullptr, part);
+  const nn::GptVocabShard vocab = tp > 1 ? parallel::vocab_parallel_shard(cfg.vocab, grid.tp()) : nn::GptVocabShard();
+  nn::Gpt model(cfg, tp > 1 ? parallel::tensor_parallel_gpt_blocks(cfg.width, cfg.heads, grid.tp()) : nullptr, part,
+                false, vocab);
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
   std::map<std::string, nn::Parameter*> ref_params;
@@ -93,9 +99,9 @@ void expect_grid_matches_one_rank(int tp, int pp, int steps,
   // The tied embedding: the first stage's and the last stage's copies add their gradients.
   std::unique_ptr<comm::Communicator> tied;
   if (pp > 1)
-    tied = world().split(stage == 0 || stage == pp - 1 ? grid.dp_rank() * tp + grid.tp_rank()
-                                                       : comm::Communicator::kNoColor,
-                         stage, "tied");
+    tied = world().split(
+        stage == 0 || stage == pp - 1 ? grid.dp_rank() * tp + grid.tp_rank() : comm::Communicator::kNoColor, stage,
+        "tied");
   nn::Parameter* wte = model.embedding_wte() ? model.embedding_wte() : model.head_wte_copy();
 
   std::unique_ptr<parallel::DataParallel> ddp;
@@ -108,7 +114,11 @@ void expect_grid_matches_one_rank(int tp, int pp, int steps,
   optim::SGD opt_ref(ref.parameters(), so), opt(model.parameters(), so);
   const int64_t per_rank = 4, t = 6, total = per_rank * grid.dp_size(), mbs = per_rank / micro;
   Rng data_rng(77);
-  nn::SoftmaxCrossEntropy xent_ref, xent;
+  nn::SoftmaxCrossEntropy xent_ref;
+  std::unique_ptr<nn::SoftmaxCrossEntropy> xent_owner =
+      tp > 1 ? std::make_unique<parallel::VocabParallelCrossEntropy>(grid.tp(), vocab.offset)
+             : std::make_unique<nn::SoftmaxCrossEntropy>();
+  nn::SoftmaxCrossEntropy& xent = *xent_owner;
   for (int step = 0; step < steps; ++step) {
     Tensor ids = Tensor::empty({total, t}, DType::I32), tg = Tensor::empty({total * t}, DType::I32);
     for (int64_t i = 0; i < total * t; ++i) {
@@ -121,7 +131,8 @@ void expect_grid_matches_one_rank(int tp, int pp, int steps,
     float loss_ref = 0;
     const int64_t chunks = total / mbs;
     for (int64_t k = 0; k < chunks; ++k) {
-      loss_ref += xent_ref.forward(ref.forward(ids.slice0(k * mbs, (k + 1) * mbs)), tg.slice0(k * mbs * t, (k + 1) * mbs * t));
+      loss_ref +=
+          xent_ref.forward(ref.forward(ids.slice0(k * mbs, (k + 1) * mbs)), tg.slice0(k * mbs * t, (k + 1) * mbs * t));
       ref.backward(xent_ref.backward(1.f / static_cast<float>(chunks)));
     }
     loss_ref /= static_cast<float>(chunks);

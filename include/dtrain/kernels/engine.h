@@ -12,8 +12,8 @@
 namespace dtrain {
 
 struct Conv2dGeom {
-  int64_t n, c, h, w;   // input
-  int64_t k, r, s;      // output channels, kernel height, width
+  int64_t n, c, h, w;  // input
+  int64_t k, r, s;     // output channels, kernel height, width
   int64_t stride = 1, pad = 0;
   int64_t out_h() const { return (h + 2 * pad - r) / stride + 1; }
   int64_t out_w() const { return (w + 2 * pad - s) / stride + 1; }
@@ -65,12 +65,11 @@ class Engine {
                     const Tensor& b, float beta, Tensor& c) = 0;
   // batch GEMMs over equally strided slices (attention): A_i = a + i*stride_a elements, etc.
   virtual void gemm_batched(int64_t batch, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                            const Tensor& a, int64_t stride_a, const Tensor& b, int64_t stride_b, float beta,
-                            Tensor& c, int64_t stride_c) = 0;
+                            const Tensor& a, int64_t stride_a, const Tensor& b, int64_t stride_b, float beta, Tensor& c,
+                            int64_t stride_c) = 0;
 
   // ---- Convolution. x [N,C,H,W], w [K,C,R,S], bias [K] (may be undefined), y [N,K,P,Q].
-  virtual void conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias,
-                              Tensor& y) = 0;
+  virtual void conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) = 0;
   virtual void conv2d_backward_data(const Conv2dGeom& g, const Tensor& dy, const Tensor& w, Tensor& dx) = 0;
   // dw += ..., dbias += ... (dbias may be undefined)
   virtual void conv2d_backward_weights(const Conv2dGeom& g, const Tensor& x, const Tensor& dy, Tensor& dw,
@@ -88,8 +87,7 @@ class Engine {
                                        float eps, float momentum, Tensor& running_mean, Tensor& running_var,
                                        Tensor& save_mean, Tensor& save_invstd, Tensor& y) = 0;
   virtual void batchnorm_forward_infer(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta,
-                                       float eps, const Tensor& running_mean, const Tensor& running_var,
-                                       Tensor& y) = 0;
+                                       float eps, const Tensor& running_mean, const Tensor& running_var, Tensor& y) = 0;
   // dx overwritten; dgamma, dbeta accumulated.
   virtual void batchnorm_backward(const Tensor& x, const Tensor& dy, int64_t channels, const Tensor& gamma,
                                   const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx, Tensor& dgamma,
@@ -113,19 +111,19 @@ class Engine {
   virtual void unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
   // Inverted dropout: mask[i] = keep ? 1/(1-p) : 0, drawn from (seed, i); y = x * mask.
   virtual void dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor& mask, Tensor& y) = 0;
-  virtual void mul(const Tensor& a, const Tensor& b, Tensor& y) = 0;       // y = a * b
-  virtual void add(const Tensor& a, const Tensor& b, Tensor& y) = 0;       // y = a + b
-  virtual void axpy(float alpha, const Tensor& x, Tensor& y) = 0;          // y += alpha * x
-  virtual void scale(Tensor& y, float alpha) = 0;                          // y *= alpha
+  virtual void mul(const Tensor& a, const Tensor& b, Tensor& y) = 0;  // y = a * b
+  virtual void add(const Tensor& a, const Tensor& b, Tensor& y) = 0;  // y = a + b
+  virtual void axpy(float alpha, const Tensor& x, Tensor& y) = 0;     // y += alpha * x
+  virtual void scale(Tensor& y, float alpha) = 0;                     // y *= alpha
   virtual void fill(Tensor& y, float value) = 0;
   // Same device; the CUDA engine also copies between the host and its device (asynchronously on its
   // compute stream when the host buffer is pinned, otherwise synchronously).
   virtual void copy(const Tensor& src, Tensor& dst) = 0;
-  virtual void cast(const Tensor& src, Tensor& dst) = 0;                   // f32 <-> bf16/f16
+  virtual void cast(const Tensor& src, Tensor& dst) = 0;  // f32 <-> bf16/f16
   // Rows: y[M,N] += bias[N]; dbias[N] += sum over rows of dy[M,N].
   virtual void add_row_bias(Tensor& y, const Tensor& bias) = 0;
   virtual void row_bias_grad(const Tensor& dy, Tensor& dbias) = 0;
-  virtual double sum_squares(const Tensor& x) = 0;                         // f64 accumulation
+  virtual double sum_squares(const Tensor& x) = 0;  // f64 accumulation
   virtual bool all_finite(const Tensor& x) = 0;
   // Loss scaling: x *= inv_scale; found_inf (f32 [1], same device) is set to 1 when any element of
   // x is inf or NaN and is left unchanged otherwise, so one flag can cover many tensors and be read
@@ -134,10 +132,23 @@ class Engine {
 
   // ---- Softmax cross-entropy over logits [M,C] with i32 labels [M]. Writes the probabilities,
   // returns the summed loss and (through `correct`) the count of argmax hits.
-  virtual double softmax_xent_forward(const Tensor& logits, const Tensor& labels, Tensor& probs,
-                                      int64_t* correct) = 0;
+  virtual double softmax_xent_forward(const Tensor& logits, const Tensor& labels, Tensor& probs, int64_t* correct) = 0;
   // dlogits = (probs - onehot(labels)) * scale
   virtual void softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) = 0;
+
+  // ---- Vocabulary-parallel cross-entropy. logits [M, Vs] hold columns [offset, offset + Vs) of a
+  // vocabulary split over ranks; labels i32 [M] index the whole vocabulary. Given the row maxima
+  // over all columns (row_max on each slice, then a max-allreduce), the sums below add up across
+  // ranks: loss[i] = log(sum_ranks sumexp[i]) + rowmax[i] - sum_ranks target[i].
+  virtual void row_max(const Tensor& x, Tensor& out) = 0;  // x [M, N] -> out [M]
+  // sumexp[i] = sum_j exp(x[i,j] - rowmax[i]); target[i] = x[i, labels[i] - offset] when this slice
+  // holds the label, else 0.
+  virtual void vocab_xent_partials(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
+                                   Tensor& sumexp, Tensor& target) = 0;
+  // dlogits[i,j] = scale * (exp(x[i,j] - rowmax[i]) / sumexp[i] - [j == labels[i] - offset]), with
+  // sumexp the total over all ranks.
+  virtual void vocab_xent_backward(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
+                                   const Tensor& sumexp, float scale, Tensor& dlogits) = 0;
 
   // ---- Transformer pieces (GPT).
   // y[a,c,b,d] = x[a,b,c,d] for x viewed as [A,B,C,D]: swaps the two middle axes, e.g. attention's
@@ -160,8 +171,8 @@ class Engine {
   // ---- Optimizer updates over flat parameter / gradient / state tensors.
   virtual void sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buf, float lr, float momentum,
                           float dampening, float weight_decay, bool nesterov) = 0;
-  virtual void adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1,
-                           float beta2, float eps, float weight_decay, bool decoupled, int64_t step) = 0;
+  virtual void adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1, float beta2,
+                           float eps, float weight_decay, bool decoupled, int64_t step) = 0;
 
  protected:
   MathPrecision math_ = MathPrecision::F32;

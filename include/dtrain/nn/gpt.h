@@ -48,11 +48,22 @@ ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng);
 // Makes block `layer` drawing its initial weights from `rng` (tensor parallel passes its own).
 using GptBlockFactory = std::function<ModulePtr(int64_t layer, Rng& rng)>;
 
-// Token and position embeddings: ids i32 [B, T] -> [B, T, C]. Parameters "wte" [V, C], "wpe"
-// [context, C]. backward returns an undefined tensor (the input is token ids).
+// A vocabulary split over tensor-parallel ranks (Megatron's vocabulary-parallel embedding): this
+// rank holds rows [offset, offset + rows) of the token embedding and of the tied unembedding, so
+// its logits are those columns; `sum` adds a tensor over the ranks (an allreduce). rows == 0: the
+// whole vocabulary, nothing to add.
+struct GptVocabShard {
+  int64_t offset = 0, rows = 0;
+  std::function<void(Tensor&)> sum;
+  bool sharded() const { return rows > 0; }
+};
+
+// Token and position embeddings: ids i32 [B, T] -> [B, T, C]. Parameters "wte" [V, C] (or this
+// rank's rows of it), "wpe" [context, C]. backward returns an undefined tensor (the input is ids).
 class GptEmbedding : public Module {
  public:
-  GptEmbedding(Tensor wte, Tensor wpe);
+  GptEmbedding(Tensor wte, Tensor wpe, GptVocabShard shard = {});
+  const GptVocabShard& shard() const { return shard_; }
   Tensor forward(const Tensor& ids) override;
   Tensor backward(const Tensor& demb) override;
   std::string kind() const override { return "GptEmbedding"; }
@@ -61,6 +72,7 @@ class GptEmbedding : public Module {
  private:
   Parameter* wte_;
   Parameter* wpe_;
+  GptVocabShard shard_;
   int64_t b_ = 0, t_ = 0;
   Tensor ids_, emb_;
 };
@@ -71,7 +83,10 @@ class GptEmbedding : public Module {
 // the two copies' gradients are summed across the stages).
 class GptHead : public Module {
  public:
-  GptHead(int64_t width, Parameter* tied, Tensor own_wte = Tensor());
+  // With a vocabulary shard the logits are this rank's columns [B*T, rows] (vocabulary-parallel
+  // cross-entropy takes them) and d(input) is summed over the ranks.
+  GptHead(int64_t width, Parameter* tied, Tensor own_wte = Tensor(), GptVocabShard shard = {});
+  const GptVocabShard& shard() const { return shard_; }
   Tensor forward(const Tensor& h) override;
   Tensor backward(const Tensor& dlogits) override;
   std::string kind() const override { return "GptHead"; }
@@ -82,6 +97,7 @@ class GptHead : public Module {
  private:
   Parameter* wte_;
   bool owns_;
+  GptVocabShard shard_;
   std::unique_ptr<LayerNorm> ln_f_;
   int64_t m_ = 0, c_;
   Tensor hf_, logits_, dhf_;
@@ -103,7 +119,7 @@ struct GptPart {
 class Gpt : public Module {
  public:
   explicit Gpt(const GptConfig& cfg, const GptBlockFactory& blocks = nullptr, GptPart part = {},
-               bool checkpoint_blocks = false);
+               bool checkpoint_blocks = false, GptVocabShard vocab = {});
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override;
@@ -119,7 +135,7 @@ class Gpt : public Module {
   GptPart part_;
   std::unique_ptr<GptEmbedding> embed_;
   std::vector<std::pair<std::string, ModulePtr>> blocks_;  // ("blocks.<l>", block)
-  std::vector<Tensor> scratch_;                             // scratch buffers shared by the blocks
+  std::vector<Tensor> scratch_;                            // scratch buffers shared by the blocks
   std::unique_ptr<GptHead> head_;
 };
 

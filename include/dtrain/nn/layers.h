@@ -8,7 +8,7 @@ namespace dtrain::nn {
 class Linear : public Module {
  public:
   Linear(int64_t in, int64_t out, bool bias, Rng& rng);
-  Tensor forward(const Tensor& x) override;   // x (..., in) -> (..., out)
+  Tensor forward(const Tensor& x) override;  // x (..., in) -> (..., out)
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override { return "Linear(" + std::to_string(in_) + ", " + std::to_string(out_) + ")"; }
   Parameter& weight() { return *w_; }  // (out, in)
@@ -49,8 +49,12 @@ class Pool2d : public Module {
   Pool2dGeom g_{};
   Tensor y_, dx_, state_;
 };
-inline ModulePtr MaxPool2d(int64_t k, int64_t s, int64_t p = 0) { return std::make_unique<Pool2d>(PoolKind::Max, k, s, p); }
-inline ModulePtr AvgPool2d(int64_t k, int64_t s, int64_t p = 0) { return std::make_unique<Pool2d>(PoolKind::Avg, k, s, p); }
+inline ModulePtr MaxPool2d(int64_t k, int64_t s, int64_t p = 0) {
+  return std::make_unique<Pool2d>(PoolKind::Max, k, s, p);
+}
+inline ModulePtr AvgPool2d(int64_t k, int64_t s, int64_t p = 0) {
+  return std::make_unique<Pool2d>(PoolKind::Avg, k, s, p);
+}
 
 // (N, C, H, W) -> (N, C): mean over H*W.
 class GlobalAvgPool : public Module {
@@ -190,11 +194,12 @@ class Checkpointed : public Module {
 // Mean softmax cross-entropy over a batch of logits (N, C) with i32 labels (N).
 class SoftmaxCrossEntropy {
  public:
+  virtual ~SoftmaxCrossEntropy() = default;
   // Returns the mean loss; `correct` receives the number of argmax hits.
-  float forward(const Tensor& logits, const Tensor& labels, int64_t* correct = nullptr);
+  virtual float forward(const Tensor& logits, const Tensor& labels, int64_t* correct = nullptr);
   // d(mean loss)/d(logits), times `scale` (the loss scale, or 1/micro-steps).
-  Tensor backward(float scale = 1.f);
-  double last_loss_sum() const { return loss_sum_; }
+  virtual Tensor backward(float scale = 1.f);
+  virtual double last_loss_sum() const { return loss_sum_; }
 
  private:
   Tensor labels_, probs_, dlogits_;

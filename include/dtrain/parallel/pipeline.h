@@ -42,11 +42,11 @@ double pipeline_ideal_bubble(int stages, int micro_batches);
 std::vector<int> balance_stages(const std::vector<double>& costs, int stages);
 
 struct PipelineStats {
-  double step_s = 0;          // wall time of the last train_step
-  double recv_wait_s = 0;     // of which waiting for another stage's activations or gradients
-  double bubble = 0;          // recv_wait_s / step_s: the measured bubble of this stage
+  double step_s = 0;                 // wall time of the last train_step
+  double recv_wait_s = 0;            // of which waiting for another stage's activations or gradients
+  double bubble = 0;                 // recv_wait_s / step_s: the measured bubble of this stage
   size_t peak_activation_bytes = 0;  // most bytes of stashed activations at once, this stage
-  int64_t bytes_sent = 0;     // activations and gradients sent in the last step
+  int64_t bytes_sent = 0;            // activations and gradients sent in the last step
 };
 
 class PipelineStage {

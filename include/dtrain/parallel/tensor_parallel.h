@@ -63,10 +63,33 @@ class RowParallelLinear : public nn::Module {
 // stay replicated (their inputs and gradients are equal on every tp rank).
 nn::GptBlockFactory tensor_parallel_gpt_blocks(int64_t width, int64_t heads, comm::Communicator& tp);
 
+// This tp rank's rows of a vocabulary split evenly over `tp` (rank r: rows [r V/tp, (r+1) V/tp)),
+// summing over `tp` (pass to nn::Gpt; the vocabulary must divide by the tp size).
+nn::GptVocabShard vocab_parallel_shard(int64_t vocab, comm::Communicator& tp);
+
+// Cross-entropy over logits whose vocabulary columns are split over `tp` (this rank: columns
+// [vocab_offset, vocab_offset + N)): the row maxima are max-allreduced, the sums of exponentials
+// and the target logits sum-allreduced (one allreduce of 2 x rows floats), so no rank ever holds
+// the full [rows, V] logits. The gradient is this rank's columns.
+class VocabParallelCrossEntropy : public nn::SoftmaxCrossEntropy {
+ public:
+  VocabParallelCrossEntropy(comm::Communicator& tp, int64_t vocab_offset);
+  float forward(const Tensor& logits, const Tensor& labels, int64_t* correct = nullptr) override;
+  Tensor backward(float scale = 1.f) override;
+  double last_loss_sum() const override { return loss_sum_; }
+
+ private:
+  comm::Communicator& tp_;
+  int64_t offset_;
+  Tensor logits_, labels_, rowmax_, partial_, dlogits_;  // partial_ [2, rows]: sum of exp, target logit
+  double loss_sum_ = 0;
+};
+
 // Layout changes for any model holding these layers (checkpoints are written in the one-rank
 // layout, so they load into any tp size): every parameter as its full one-rank tensor (collective
 // over the tp communicator of the layers), and the inverse, which keeps this rank's shards.
-std::map<std::string, Tensor> gather_full_parameters(nn::Module& model);
+// A vocabulary-parallel embedding is gathered over `tp` (required when the model has one).
+std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Communicator* tp = nullptr);
 void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>& full);
 // Whether parameter `name` of `model` is split over tp ranks (its gradient norm adds over them).
 bool is_tensor_parallel_shard(nn::Module& model, const std::string& name);

@@ -25,14 +25,14 @@ struct LmConfig {
   int64_t eval_every = 200;   // steps between validation passes (0: only at the end)
   int64_t eval_batches = 16;  // validation batches per pass (0: the whole validation stream)
   int64_t log_every = 20;
-  int tp = 1;       // tensor-parallel ranks (dp is the rest of the world)
-  int pp = 1;       // pipeline stages
-  std::string pp_split;            // blocks per stage, e.g. "2,4" (empty: balanced by cost)
-  int64_t micro_batches = 0;       // pipeline micro-batches per step (0: 2 * pp); must divide batch_size
-  std::string schedule = "1f1b";   // pipeline schedule: "1f1b" or "gpipe"
+  int tp = 1;                           // tensor-parallel ranks (dp is the rest of the world)
+  int pp = 1;                           // pipeline stages
+  std::string pp_split;                 // blocks per stage, e.g. "2,4" (empty: balanced by cost)
+  int64_t micro_batches = 0;            // pipeline micro-batches per step (0: 2 * pp); must divide batch_size
+  std::string schedule = "1f1b";        // pipeline schedule: "1f1b" or "gpipe"
   bool checkpoint_activations = false;  // recompute each block's activations in backward
-  std::string precision = "fp32";  // "fp32" or "bf16" (GEMM inputs rounded, f32 accumulation)
-  int threads = 0;  // 0: leave the engine's setting
+  std::string precision = "fp32";       // "fp32" or "bf16" (GEMM inputs rounded, f32 accumulation)
+  int threads = 0;                      // 0: leave the engine's setting
   uint64_t seed = 1;
   std::string metrics;         // JSON-lines file (rank 0)
   std::string checkpoint_dir;  // ckpt-<step>.h5 at the end when set
