@@ -10,14 +10,6 @@ namespace dtrain::parallel {
 
 namespace {
 
-// nn::Linear's initialisation, element for element: U(-1/sqrt(in), 1/sqrt(in)), weight then bias.
-Tensor uniform(const Shape& s, float bound, Rng& rng) {
-  Tensor t = Tensor::empty(s);
-  float* p = t.f32();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = rng.uniform(-bound, bound);
-  return t;
-}
-
 // In place: the sum over the tp ranks (a no-op on one rank).
 void allreduce_sum(comm::Communicator& c, Tensor& t) {
   if (c.size() > 1) c.allreduce(t, comm::ReduceOp::Sum)->wait();
@@ -28,29 +20,25 @@ void allreduce_sum(comm::Communicator& c, Tensor& t) {
 // ------------------------------------------------------------------ ColumnParallelLinear
 ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp,
                                            int64_t chunks)
-    : in_(in), out_(out), chunks_(chunks), local_(0), tp_(tp) {
+    : nn::Linear(in, out / tp.size()), full_out_(out), chunks_(chunks), tp_(tp) {
   DT_INPUT_CHECK(in > 0 && chunks > 0 && out % (chunks * tp.size()) == 0,
                  "ColumnParallelLinear(" << in << ", " << out << "): " << chunks
                                          << " block(s) of outputs must split over " << tp.size() << " tp ranks");
-  local_ = out / tp.size();
-  float bound = 1.f / std::sqrt(static_cast<float>(in));
-  Tensor w = uniform({out, in}, bound, rng);
-  Tensor b = bias ? uniform({out}, bound, rng) : Tensor();
-  w_ = &add_parameter("weight", shard_of(w));
-  if (bias) b_ = &add_parameter("bias", shard_of(b));
+  auto [w, b] = nn::Linear::init(in, out, bias, rng);  // the one-rank layer's draws, then this rank's rows
+  set_parameters(shard_of(w), bias ? shard_of(b) : Tensor());
 }
 
 std::string ColumnParallelLinear::kind() const {
-  return "ColumnParallelLinear(" + std::to_string(in_) + ", " + std::to_string(out_) +
+  return "ColumnParallelLinear(" + std::to_string(in_) + ", " + std::to_string(full_out_) +
          ", tp=" + std::to_string(tp_.size()) + ")";
 }
 
 Tensor ColumnParallelLinear::shard_of(const Tensor& full) const {
-  DT_CHECK(full.dim() >= 1 && full.size(0) == out_, kind() << ": cannot shard " << full.str());
-  const int64_t row = full.numel() / out_;  // elements per output row
-  const int64_t block = out_ / chunks_, mine = block / tp_.size();
+  DT_CHECK(full.dim() >= 1 && full.size(0) == full_out_, kind() << ": cannot shard " << full.str());
+  const int64_t row = full.numel() / full_out_;  // elements per output row
+  const int64_t block = full_out_ / chunks_, mine = block / tp_.size();
   Shape s = full.shape();
-  s[0] = local_;
+  s[0] = out_;
   Tensor t = Tensor::empty(s, full.dtype());
   const size_t bytes = static_cast<size_t>(mine * row) * dtype_size(full.dtype());
   for (int64_t k = 0; k < chunks_; ++k)  // rows [k*block + r*mine, k*block + (r+1)*mine) of every block
@@ -68,9 +56,9 @@ Tensor ColumnParallelLinear::gather_full(const Tensor& local) const {
     tp_.allgather(local, all)->wait();
   else
     all.copy_from(local.reshape({n}));
-  const int64_t row = n / local_, block = out_ / chunks_, mine = block / tp;
+  const int64_t row = n / out_, block = full_out_ / chunks_, mine = block / tp;
   Shape s = local.shape();
-  s[0] = out_;
+  s[0] = full_out_;
   Tensor full = Tensor::empty(s, local.dtype());
   const size_t es = dtype_size(local.dtype()), bytes = static_cast<size_t>(mine * row) * es;
   for (int64_t r = 0; r < tp; ++r)  // rank r's block k holds full rows [k*block + r*mine, +mine)
@@ -80,119 +68,67 @@ Tensor ColumnParallelLinear::gather_full(const Tensor& local) const {
   return full;
 }
 
-// y (M, local) = x (M, in) . W_local^T + b_local
-Tensor ColumnParallelLinear::forward(const Tensor& x) {
-  DT_CHECK(x.dim() >= 1 && x.size(-1) == in_, kind() << " got input " << x.str());
-  keep(x_, x);
-  const int64_t m = x.numel() / in_;
-  Shape ys = x.shape();
-  ys.back() = local_;
-  Tensor& y = ensure_output(y_, ys, x.device());
-  Engine& e = engine(x);
-  e.gemm(false, true, m, local_, in_, 1.f, x, w_->value, 0.f, y);
-  if (b_) e.add_row_bias(y, b_->value);
-  return y;
-}
-
-// dW_local += dy^T x; db_local += sum dy; dx = allreduce_tp(dy W_local): each rank's outputs
-// depend on all of x, so d(x) is the sum of every rank's part.
+// The local GEMMs are nn::Linear's; d(x) = allreduce_tp(dy W_local): each rank's outputs depend on
+// all of x, so d(x) is the sum of every rank's part.
 Tensor ColumnParallelLinear::backward(const Tensor& dy) {
-  const int64_t m = x_.numel() / in_;
-  DT_CHECK(dy.numel() == m * local_, kind() << " backward got " << dy.str());
-  Engine& e = engine(dy);
-  e.gemm(true, false, local_, in_, m, 1.f, dy, x_, 1.f, w_->grad);
-  grad_ready(*w_);
-  if (b_) {
-    e.row_bias_grad(dy, b_->grad);
-    grad_ready(*b_);
-  }
-  if (!needs_input_grad_) return Tensor();
-  Tensor& dx = ensure(dx_, x_.shape(), dy.device());
-  e.gemm(false, false, m, in_, local_, 1.f, dy, w_->value, 0.f, dx);
-  e.synchronize();  // the allreduce reads dx from the host side of the engine's queue
+  Tensor dx = nn::Linear::backward(dy);
+  if (!dx.defined()) return dx;
+  engine(dy).synchronize();  // the allreduce reads dx from the host side of the engine's queue
   allreduce_sum(tp_, dx);
   return dx;
 }
 
 // ------------------------------------------------------------------ RowParallelLinear
 RowParallelLinear::RowParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp)
-    : in_(in), out_(out), local_(0), tp_(tp) {
+    : nn::Linear(in / tp.size(), out), full_in_(in), tp_(tp) {
   DT_INPUT_CHECK(out > 0 && in % tp.size() == 0,
                  "RowParallelLinear(" << in << ", " << out << "): inputs must split over " << tp.size() << " tp ranks");
-  local_ = in / tp.size();
-  float bound = 1.f / std::sqrt(static_cast<float>(in));
-  Tensor w = uniform({out, in}, bound, rng);
-  Tensor b = bias ? uniform({out}, bound, rng) : Tensor();
-  w_ = &add_parameter("weight", shard_of(w));
-  if (bias) b_ = &add_parameter("bias", b);
+  auto [w, b] = nn::Linear::init(in, out, bias, rng);
+  set_parameters(shard_of(w), b);
 }
 
 std::string RowParallelLinear::kind() const {
-  return "RowParallelLinear(" + std::to_string(in_) + ", " + std::to_string(out_) +
+  return "RowParallelLinear(" + std::to_string(full_in_) + ", " + std::to_string(out_) +
          ", tp=" + std::to_string(tp_.size()) + ")";
 }
 
 Tensor RowParallelLinear::shard_of(const Tensor& full) const {
-  DT_CHECK(full.dim() == 2 && full.size(0) == out_ && full.size(1) == in_, kind() << ": cannot shard " << full.str());
-  Tensor t = Tensor::empty({out_, local_}, full.dtype());
+  DT_CHECK(full.dim() == 2 && full.size(0) == out_ && full.size(1) == full_in_, kind()
+                                                                                    << ": cannot shard " << full.str());
+  Tensor t = Tensor::empty({out_, in_}, full.dtype());
   const size_t es = dtype_size(full.dtype());
   for (int64_t o = 0; o < out_; ++o)
-    std::memcpy(static_cast<char*>(t.raw()) + static_cast<size_t>(o * local_) * es,
-                static_cast<const char*>(full.raw()) + static_cast<size_t>(o * in_ + tp_.rank() * local_) * es,
-                static_cast<size_t>(local_) * es);
+    std::memcpy(static_cast<char*>(t.raw()) + static_cast<size_t>(o * in_) * es,
+                static_cast<const char*>(full.raw()) + static_cast<size_t>(o * full_in_ + tp_.rank() * in_) * es,
+                static_cast<size_t>(in_) * es);
   return t;
 }
 
 Tensor RowParallelLinear::gather_full(const Tensor& local) const {
-  if (local.numel() != out_ * local_) return local.clone();  // the bias is whole on every rank
+  if (local.numel() != out_ * in_) return local.clone();  // the bias is whole on every rank
   const int64_t n = local.numel(), tp = tp_.size();
   Tensor all = Tensor::empty({tp * n}, local.dtype());
   if (tp > 1)
     tp_.allgather(local, all)->wait();
   else
     all.copy_from(local.reshape({n}));
-  Tensor full = Tensor::empty({out_, in_}, local.dtype());
+  Tensor full = Tensor::empty({out_, full_in_}, local.dtype());
   const size_t es = dtype_size(local.dtype());
   for (int64_t r = 0; r < tp; ++r)
     for (int64_t o = 0; o < out_; ++o)
-      std::memcpy(static_cast<char*>(full.raw()) + static_cast<size_t>(o * in_ + r * local_) * es,
-                  static_cast<const char*>(all.raw()) + static_cast<size_t>(r * n + o * local_) * es,
-                  static_cast<size_t>(local_) * es);
+      std::memcpy(static_cast<char*>(full.raw()) + static_cast<size_t>(o * full_in_ + r * in_) * es,
+                  static_cast<const char*>(all.raw()) + static_cast<size_t>(r * n + o * in_) * es,
+                  static_cast<size_t>(in_) * es);
   return full;
 }
 
-// y (M, out) = allreduce_tp(x_local (M, in/tp) . W_local^T) + b
+// y (M, out) = allreduce_tp(x_local (M, in/tp) . W_local^T) + b: the bias is added once, after the sum.
 Tensor RowParallelLinear::forward(const Tensor& x) {
-  DT_CHECK(x.dim() >= 1 && x.size(-1) == local_,
-           kind() << " got input " << x.str() << " (last dim must be " << local_ << ")");
-  keep(x_, x);
-  const int64_t m = x.numel() / local_;
-  Shape ys = x.shape();
-  ys.back() = out_;
-  Tensor& y = ensure_output(y_, ys, x.device());
-  Engine& e = engine(x);
-  e.gemm(false, true, m, out_, local_, 1.f, x, w_->value, 0.f, y);
-  e.synchronize();
+  Tensor& y = project(x);
+  engine(x).synchronize();
   allreduce_sum(tp_, y);
-  if (b_) e.add_row_bias(y, b_->value);
+  add_bias(y);
   return y;
-}
-
-// dy is the same on every tp rank (the output is replicated): no communication backward.
-Tensor RowParallelLinear::backward(const Tensor& dy) {
-  const int64_t m = x_.numel() / local_;
-  DT_CHECK(dy.numel() == m * out_, kind() << " backward got " << dy.str());
-  Engine& e = engine(dy);
-  e.gemm(true, false, out_, local_, m, 1.f, dy, x_, 1.f, w_->grad);
-  grad_ready(*w_);
-  if (b_) {
-    e.row_bias_grad(dy, b_->grad);
-    grad_ready(*b_);
-  }
-  if (!needs_input_grad_) return Tensor();
-  Tensor& dx = ensure(dx_, x_.shape(), dy.device());
-  e.gemm(false, false, m, local_, out_, 1.f, dy, w_->value, 0.f, dx);
-  return dx;
 }
 
 // ------------------------------------------------------------------ GPT blocks

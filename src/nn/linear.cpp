@@ -6,37 +6,61 @@ namespace dtrain::nn {
 
 // PyTorch's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias, so the two
 // frameworks start from the same distribution and their accuracies can be compared.
-static Tensor uniform(const Shape& s, float bound, Rng& rng) {
-  Tensor t = Tensor::empty(s);
-  float* p = t.f32();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = rng.uniform(-bound, bound);
-  return t;
+std::pair<Tensor, Tensor> Linear::init(int64_t in, int64_t out, bool bias, Rng& rng) {
+  DT_CHECK(in > 0 && out > 0, "Linear(" << in << ", " << out << ")");
+  const float bound = 1.f / std::sqrt(static_cast<float>(in));
+  auto uniform = [&](const Shape& s) {
+    Tensor t = Tensor::empty(s);
+    float* p = t.f32();
+    for (int64_t i = 0; i < t.numel(); ++i) p[i] = rng.uniform(-bound, bound);
+    return t;
+  };
+  Tensor w = uniform({out, in});
+  Tensor b = bias ? uniform({out}) : Tensor();
+  return {w, b};
 }
 
 Linear::Linear(int64_t in, int64_t out, bool bias, Rng& rng) : in_(in), out_(out) {
-  DT_CHECK(in > 0 && out > 0, "Linear(" << in << ", " << out << ")");
-  float bound = 1.f / std::sqrt(static_cast<float>(in));
-  w_ = &add_parameter("weight", uniform({out, in}, bound, rng));
-  if (bias) b_ = &add_parameter("bias", uniform({out}, bound, rng));
+  auto [w, b] = init(in, out, bias, rng);
+  set_parameters(w, b);
 }
 
-// y (M, out) = x (M, in) . W^T (in, out) + b
-Tensor Linear::forward(const Tensor& x) {
-  DT_CHECK(x.dim() >= 1 && x.size(-1) == in_, kind() << " got input " << x.str() << " (last dim must be " << in_ << ")");
+void Linear::set_parameters(Tensor weight, Tensor bias) {
+  DT_CHECK(weight.dim() == 2 && weight.size(0) == out_ && weight.size(1) == in_,
+           kind() << " given weight " << weight.str());
+  w_ = &add_parameter("weight", std::move(weight));
+  if (bias.defined()) {
+    DT_CHECK(bias.numel() == out_, kind() << " given bias " << bias.str());
+    b_ = &add_parameter("bias", std::move(bias));
+  }
+}
+
+// y (M, out) = x (M, in) . W^T (in, out)
+Tensor& Linear::project(const Tensor& x) {
+  DT_CHECK(x.dim() >= 1 && x.size(-1) == in_, kind()
+                                                  << " got input " << x.str() << " (last dim must be " << in_ << ")");
   keep(x_, x);
-  int64_t m = x.numel() / in_;
+  const int64_t m = x.numel() / in_;
   Shape ys = x.shape();
   ys.back() = out_;
   Tensor& y = ensure_output(y_, ys, x.device());
-  Engine& e = engine(x);
-  e.gemm(false, true, m, out_, in_, 1.f, x, w_->value, 0.f, y);
-  if (b_) e.add_row_bias(y, b_->value);
+  engine(x).gemm(false, true, m, out_, in_, 1.f, x, w_->value, 0.f, y);
+  return y;
+}
+
+void Linear::add_bias(Tensor& y) {
+  if (b_) engine(y).add_row_bias(y, b_->value);
+}
+
+Tensor Linear::forward(const Tensor& x) {
+  Tensor& y = project(x);
+  add_bias(y);
   return y;
 }
 
 // dW (out, in) += dy^T (out, M) . x (M, in); db += sum_rows dy; dx (M, in) = dy (M, out) . W (out, in)
 Tensor Linear::backward(const Tensor& dy) {
-  int64_t m = x_.numel() / in_;
+  const int64_t m = x_.numel() / in_;
   DT_CHECK(dy.numel() == m * out_, kind() << " backward got " << dy.str());
   Engine& e = engine(dy);
   e.gemm(true, false, out_, in_, m, 1.f, dy, x_, 1.f, w_->grad);

@@ -1,5 +1,7 @@
 #pragma once
 // The layers. Shapes: Linear (..., in) -> (..., out); images NCHW; conv weights (K, C, R, S).
+#include <utility>
+
 #include "dtrain/core/rng.h"
 #include "dtrain/nn/module.h"
 
@@ -14,9 +16,21 @@ class Linear : public Module {
   Parameter& weight() { return *w_; }  // (out, in)
   Parameter* bias() { return b_; }
 
- private:
+  // PyTorch's default initialisation of a full in -> out layer: weight [out, in] then bias [out]
+  // (undefined when `bias` is false), both U(-1/sqrt(in), 1/sqrt(in)), drawn in that order.
+  static std::pair<Tensor, Tensor> init(int64_t in, int64_t out, bool bias, Rng& rng);
+
+ protected:
+  // For layers that hold a slice of a bigger one (tensor parallel): `in` x `out` are the local
+  // sizes, and the subclass registers the slice's tensors with set_parameters.
+  Linear(int64_t in, int64_t out) : in_(in), out_(out) {}
+  void set_parameters(Tensor weight, Tensor bias);
+  // y = x . W^T without the bias, in this layer's output buffer; add_bias finishes forward.
+  Tensor& project(const Tensor& x);
+  void add_bias(Tensor& y);
+
   int64_t in_, out_;
-  Parameter* w_;
+  Parameter* w_ = nullptr;
   Parameter* b_ = nullptr;
   Tensor x_, y_, dx_;
 };

@@ -13,16 +13,18 @@
 #include "dtrain/comm/communicator.h"
 #include "dtrain/core/rng.h"
 #include "dtrain/nn/gpt.h"
+#include "dtrain/nn/layers.h"
 
 namespace dtrain::parallel {
 
-class ColumnParallelLinear : public nn::Module {
+// Both layers are nn::Linear over this rank's slice (its in_ x out_ are the local sizes), so they
+// share its GEMMs and gradient hooks and add only the tp communication.
+class ColumnParallelLinear : public nn::Linear {
  public:
   // Full layer in -> out. The outputs are `chunks` equal blocks (3 for a fused q/k/v projection);
   // this rank holds its 1/tp of every block, so it gets its own heads of q, of k and of v.
   ColumnParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp, int64_t chunks = 1);
-  Tensor forward(const Tensor& x) override;  // (..., in) -> (..., out / tp)
-  Tensor backward(const Tensor& dy) override;
+  Tensor backward(const Tensor& dy) override;  // forward is nn::Linear's: (..., in) -> (..., out / tp)
   std::string kind() const override;
   // The rows of a full [out, ...] tensor (weight or bias) that this rank holds, as a new tensor.
   Tensor shard_of(const Tensor& full) const;
@@ -30,31 +32,24 @@ class ColumnParallelLinear : public nn::Module {
   Tensor gather_full(const Tensor& local) const;
 
  private:
-  int64_t in_, out_, chunks_, local_;
+  int64_t full_out_, chunks_;
   comm::Communicator& tp_;
-  nn::Parameter* w_;  // [out / tp, in]
-  nn::Parameter* b_ = nullptr;
-  Tensor x_, y_, dx_;
 };
 
-class RowParallelLinear : public nn::Module {
+class RowParallelLinear : public nn::Linear {
  public:
   // Full layer in -> out; this rank holds input columns [r * in/tp, (r+1) * in/tp) and the whole
   // bias (added once, after the allreduce, so its gradient is the same on every tp rank).
   RowParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp);
   Tensor forward(const Tensor& x) override;  // (..., in / tp) -> (..., out), summed over tp
-  Tensor backward(const Tensor& dy) override;
-  std::string kind() const override;
+  std::string kind() const override;         // backward is nn::Linear's: dy is the same on every tp rank
   // The columns of a full [out, in] weight this rank holds (the bias is whole).
   Tensor shard_of(const Tensor& full) const;
   Tensor gather_full(const Tensor& local) const;  // collective over tp
 
  private:
-  int64_t in_, out_, local_;
+  int64_t full_in_;
   comm::Communicator& tp_;
-  nn::Parameter* w_;  // [out, in / tp]
-  nn::Parameter* b_ = nullptr;
-  Tensor x_, y_, dx_;
 };
 
 // GPT blocks split over `tp`: attention with heads/tp heads per rank (column-parallel fused qkv,
