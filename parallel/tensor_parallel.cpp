@@ -240,34 +240,40 @@ bool is_tensor_parallel_shard(nn::Module& model, const std::string& name) {
   return dynamic_cast<RowParallelLinear*>(m) && ends_with(name, "weight");
 }
 
-std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Communicator* tp) {
+std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator* tp, const ParameterTensor& pick) {
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
   std::map<std::string, Tensor> full;
   for (nn::Parameter* p : model.parameters()) {  // the same order on every rank: the collectives match
     nn::Module* m = own.at(p->name);
+    const Tensor& t = pick(*p);
     if (vocab_shard_of(m, p->name)) {
-      DT_CHECK(tp, "gather_full_parameters: " << p->name << " is split over tp ranks; pass the tp communicator");
-      Tensor all = Tensor::empty({p->value.size(0) * tp->size(), p->value.size(1)});
-      tp->allgather(p->value, all)->wait();  // rank order is row order
+      DT_CHECK(tp, "gather_full: " << p->name << " is split over tp ranks; pass the tp communicator");
+      Tensor all = Tensor::empty({t.size(0) * tp->size(), t.size(1)});
+      tp->allgather(t, all)->wait();  // rank order is row order
       full[p->name] = all;
     } else if (auto* c = dynamic_cast<ColumnParallelLinear*>(m))
-      full[p->name] = c->gather_full(p->value);
+      full[p->name] = c->gather_full(t);
     else if (auto* r = dynamic_cast<RowParallelLinear*>(m))
-      full[p->name] = r->gather_full(p->value);
+      full[p->name] = r->gather_full(t);
     else
-      full[p->name] = p->value.clone();
+      full[p->name] = t.clone();
   }
   return full;
 }
 
-void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>& full) {
+std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Communicator* tp) {
+  return gather_full(model, tp, [](nn::Parameter& p) -> Tensor& { return p.value; });
+}
+
+void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, const ParameterTensor& pick) {
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
   for (nn::Parameter* p : model.parameters()) {
     auto it = full.find(p->name);
     DT_INPUT_CHECK(it != full.end(), "no tensor for parameter " << p->name);
     nn::Module* m = own.at(p->name);
+    Tensor& dst = pick(*p);
     Tensor shard = it->second;
     if (const nn::GptVocabShard* v = vocab_shard_of(m, p->name))
       shard = it->second.slice0(v->offset, v->offset + v->rows);
@@ -275,10 +281,14 @@ void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>
       shard = c->shard_of(it->second);
     else if (auto* r = dynamic_cast<RowParallelLinear*>(m); r && ends_with(p->name, "weight"))
       shard = r->shard_of(it->second);
-    DT_INPUT_CHECK(shard.numel() == p->value.numel(),
-                   "parameter " << p->name << ": " << it->second.str() << " does not fit " << p->value.str());
-    p->value.copy_from(shard.reshape(p->value.shape()));
+    DT_INPUT_CHECK(shard.numel() == dst.numel(),
+                   "parameter " << p->name << ": " << it->second.str() << " does not fit " << dst.str());
+    dst.copy_from(shard.reshape(dst.shape()));
   }
+}
+
+void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>& full) {
+  load_full(model, full, [](nn::Parameter& p) -> Tensor& { return p.value; });
 }
 
 double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp,

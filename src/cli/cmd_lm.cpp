@@ -91,7 +91,10 @@ int cmd_train_lm(int argc, char** argv) {
     ("threads", po::value(&c.threads)->default_value(c.threads), "compute threads (0: default)")
     ("seed", po::value(&c.model.seed)->default_value(c.model.seed), "initialisation and sampling seed")
     ("metrics", po::value(&c.metrics), "JSON-lines metrics file (rank 0)")
-    ("checkpoint-dir", po::value(&c.checkpoint_dir), "write ckpt-<steps>.h5 here at the end");
+    ("checkpoint-dir", po::value(&c.checkpoint_dir), "write ckpt-step<N>.h5 here (parameters and AdamW state, one-rank layout)")
+    ("checkpoint-every", po::value(&c.checkpoint_every)->default_value(c.checkpoint_every), "steps between checkpoints (0: at the end only)")
+    ("keep-checkpoints", po::value(&c.keep_checkpoints)->default_value(c.keep_checkpoints), "newest checkpoints kept")
+    ("resume", po::value(&c.resume), "continue from a checkpoint file or the newest in a directory, written in any dp/tp/pp layout");
   // clang-format on
   if (!parse_with_config(argc, argv, o, "usage: dtrain train --config examples/gpt_fortunes.ini [options]")) return 0;
   DT_INPUT_CHECK(model == "gpt", "--model " << model << " is not a language model");

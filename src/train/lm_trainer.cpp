@@ -3,6 +3,7 @@
 // averaged over the dp ranks by DataParallel, started from the grad-ready hook) -> clip -> AdamW.
 #include "dtrain/train/lm_trainer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -18,6 +19,7 @@
 #include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/process_grid.h"
 #include "dtrain/parallel/tensor_parallel.h"
+#include "dtrain/train/checkpoint.h"
 #include "dtrain/train/metrics.h"
 
 namespace dtrain::train {
@@ -216,6 +218,52 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   so.total_steps = cfg.steps;
   so.warmup_steps = cfg.warmup_steps;
   optim::LrSchedule sched(so);
+  // AdamW's moments by parameter name, for checkpoints: saved and loaded in the one-rank layout
+  // like the parameters, so a run resumes in any layout.
+  std::map<std::string, Tensor*> moments;
+  for (optim::Optimizer* o : {static_cast<optim::Optimizer*>(&opt_decay), static_cast<optim::Optimizer*>(&opt_plain)})
+    for (const optim::StateTensor& st : o->state()) moments[st.name] = st.value;
+  auto moment = [&moments](std::string which) -> parallel::ParameterTensor {
+    return [&moments, which](nn::Parameter& p) -> Tensor& { return *moments.at(p.name + which); };
+  };
+  const parallel::ParameterTensor value = [](nn::Parameter& p) -> Tensor& { return p.value; };
+  comm::Communicator* tp_comm = grid ? &grid->tp() : nullptr;
+  int64_t start_step = 0;
+  if (!cfg.resume.empty()) {
+    const std::string file = resolve_checkpoint(cfg.resume);
+    try {
+      CheckpointState st = load_gpt_checkpoint(file);
+      auto g = st.int_lists.find("gpt");
+      const std::vector<int64_t> want{cfg.model.vocab, cfg.model.context, cfg.model.layers, cfg.model.heads,
+                                      cfg.model.width};
+      DT_INPUT_CHECK(st.strings["model"] == "gpt" && g != st.int_lists.end() && g->second == want,
+                     "its GPT (vocab, context, layers, heads, width) differs from this run's");
+      std::map<std::string, Tensor> params, exp_avg, exp_avg_sq;
+      auto ends = [](const std::string& n, const std::string& suffix) {
+        return n.size() > suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0;
+      };
+      for (auto& [name, t] : st.tensors) {
+        if (name.rfind("param/", 0) == 0)
+          params[name.substr(6)] = t;
+        else if (name.rfind("optim/", 0) == 0 && ends(name, ".exp_avg_sq"))
+          exp_avg_sq[name.substr(6, name.size() - 6 - 11)] = t;
+        else if (name.rfind("optim/", 0) == 0 && ends(name, ".exp_avg"))
+          exp_avg[name.substr(6, name.size() - 6 - 8)] = t;
+      }
+      DT_INPUT_CHECK(!exp_avg.empty() && !exp_avg_sq.empty(), "it holds no optimizer state");
+      parallel::load_full(model, params, value);
+      parallel::load_full(model, exp_avg, moment(".exp_avg"));
+      parallel::load_full(model, exp_avg_sq, moment(".exp_avg_sq"));
+      start_step = st.ints.at("step");
+    } catch (const InputError& e) {
+      DT_INPUT_CHECK(false, "--resume " << file << ": " << e.what());
+    }
+    DT_INPUT_CHECK(start_step < cfg.steps,
+                   "--resume " << file << " is at step " << start_step << ", not before --steps " << cfg.steps);
+    opt_decay.set_steps(start_step);
+    opt_plain.set_steps(start_step);
+    if (speak) std::printf("resumed from %s at step %lld\n", file.c_str(), static_cast<long long>(start_step));
+  }
 
   std::unique_ptr<MetricsWriter> metrics;
   if (rank == 0 && !cfg.metrics.empty()) metrics = std::make_unique<MetricsWriter>(cfg.metrics, false);
@@ -235,7 +283,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     }
   }
 
-  Rng rng(derive_seed(cfg.seed, static_cast<uint64_t>(dp_rank)));  // each dp group its own windows
+  const uint64_t data_seed = derive_seed(cfg.seed, static_cast<uint64_t>(dp_rank));  // each dp group its own windows
   std::unique_ptr<nn::SoftmaxCrossEntropy> xent_owner =
       tp_size > 1 ? std::make_unique<parallel::VocabParallelCrossEntropy>(grid->tp(), vocab.offset)
                   : std::make_unique<nn::SoftmaxCrossEntropy>();
@@ -282,7 +330,51 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     }
     if (metrics) metrics->write({{"step", step}, {"val_loss", res.val_loss}, {"val_bpb", res.val_bpb}});
   };
-  for (int64_t step = 0; step < cfg.steps; ++step) {
+  // A checkpoint of step `step` (collective): parameters and AdamW moments gathered over tp into the
+  // one-rank layout; rank 0 of each stage (dp 0, tp 0) writes its part, the other stages first, so
+  // stage 0's file, written last, says the whole set is there. The newest keep_checkpoints stay.
+  auto save = [&](int64_t step) {
+    std::map<std::string, Tensor> full = parallel::gather_full(model, tp_comm, value);
+    std::map<std::string, Tensor> m1 = parallel::gather_full(model, tp_comm, moment(".exp_avg"));
+    std::map<std::string, Tensor> m2 = parallel::gather_full(model, tp_comm, moment(".exp_avg_sq"));
+    char name[64];
+    std::snprintf(name, sizeof name, "ckpt-step%09lld.h5", static_cast<long long>(step));
+    const std::string file = (fs::path(cfg.checkpoint_dir) / name).string();
+    CheckpointState st = gpt_checkpoint_state(cfg.model, full, step);
+    for (auto& [n, t] : m1) st.tensors["optim/" + n + ".exp_avg"] = t;
+    for (auto& [n, t] : m2) st.tensors["optim/" + n + ".exp_avg_sq"] = t;
+    st.strings["optimizer"] = "adamw";
+    st.ints["pp_stage"] = stage;
+    st.ints["pp_stages"] = pp_size;
+    st.ints["first_block"] = starts[stage];
+    st.ints["end_block"] = starts[stage + 1];
+    st.ints["tp"] = tp_size;
+    st.ints["dp"] = dp_size;
+    const bool writer = dp_rank == 0 && tp_rank == 0;
+    if (writer && stage > 0) save_checkpoint(stage_file(file, stage), st);
+    if (grid && pp_size > 1) grid->world().barrier();
+    if (writer && stage == 0) {
+      save_checkpoint(file, st);
+      std::vector<fs::path> all;  // whole sets, oldest first: the main file and its stage parts
+      for (const auto& e : fs::directory_iterator(cfg.checkpoint_dir)) {
+        const std::string n = e.path().filename().string();
+        if (n.rfind("ckpt-step", 0) == 0 && e.path().extension() == ".h5" && n.find(".stage") == std::string::npos)
+          all.push_back(e.path());
+      }
+      std::sort(all.begin(), all.end());
+      for (size_t i = 0; i + static_cast<size_t>(std::max(cfg.keep_checkpoints, 1)) < all.size(); ++i) {
+        const std::string stem = all[i].stem().string() + ".stage";
+        for (const auto& e : fs::directory_iterator(cfg.checkpoint_dir))
+          if (e.path().filename().string().rfind(stem, 0) == 0) fs::remove(e.path());
+        fs::remove(all[i]);
+      }
+    }
+    if (grid) grid->world().barrier();  // nobody runs ahead of a checkpoint that may fail
+    if (speak) std::printf("checkpoint %s\n", file.c_str());
+    return file;
+  };
+  for (int64_t step = start_step; step < cfg.steps; ++step) {
+    Rng rng(derive_seed(data_seed, static_cast<uint64_t>(step)));
     data::TokenBatch b = data::random_windows(train, cfg.batch_size, cfg.seq_len, rng);
     opt_decay.zero_grad();
     opt_plain.zero_grad();
@@ -341,9 +433,12 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       t_interval = now_s();
     }
     if ((cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last) validate(step + 1);
+    if (!cfg.checkpoint_dir.empty() && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0 && !last)
+      save(step + 1);
   }
+  const double train_s = now_s() - t_start;
   res.steps = cfg.steps;
-  res.tokens_per_s = static_cast<double>(cfg.steps * m * dp_size) / (now_s() - t_start);
+  res.tokens_per_s = static_cast<double>((cfg.steps - start_step) * m * dp_size) / train_s;
   if (pipe) {
     res.pp_bubble = bubble_sum / static_cast<double>(cfg.steps);
     res.pp_ideal_bubble = parallel::pipeline_ideal_bubble(pp_size, micro);
@@ -374,24 +469,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
                         {"peak_rss_mib", static_cast<double>(f[3])}});
     }
   }
-  if (!cfg.checkpoint_dir.empty()) {
-    // Collective over tp: the shards are gathered into the one-rank layout, which loads anywhere.
-    std::map<std::string, Tensor> full = parallel::gather_full_parameters(model, grid ? &grid->tp() : nullptr);
-    res.checkpoint = (fs::path(cfg.checkpoint_dir) / ("ckpt-" + std::to_string(cfg.steps) + ".h5")).string();
-    CheckpointState st = gpt_checkpoint_state(cfg.model, full, cfg.steps);
-    st.ints["pp_stage"] = stage;
-    st.ints["pp_stages"] = pp_size;
-    st.ints["first_block"] = starts[stage];
-    st.ints["end_block"] = starts[stage + 1];
-    st.ints["tp"] = tp_size;
-    const bool writer = dp_rank == 0 && tp_rank == 0;
-    // The other stages first: stage 0's file, written last, says the whole set is there.
-    if (writer && stage > 0) save_checkpoint(stage_file(res.checkpoint, stage), st);
-    if (grid && pp_size > 1) grid->world().barrier();
-    if (writer && stage == 0) save_checkpoint(res.checkpoint, st);
-    if (grid) grid->world().barrier();
-    if (speak) std::printf("checkpoint %s\n", res.checkpoint.c_str());
-  }
+  if (!cfg.checkpoint_dir.empty()) res.checkpoint = save(cfg.steps);
   if (metrics)
     metrics->write({{"summary", std::string("gpt")},
                     {"steps", res.steps},

@@ -216,14 +216,14 @@ TEST(CliMpi, GptPipelineTrainAndGenerateFromStageCheckpoints) {
   };
   EXPECT_GT(val_loss(one.out), 0);
   EXPECT_NEAR(val_loss(one.out), val_loss(two.out), 1e-4) << one.out << two.out;
-  EXPECT_TRUE(fs::exists(dir + "/ckpt/ckpt-8.h5"));
-  EXPECT_TRUE(fs::exists(dir + "/ckpt/ckpt-8.stage1.h5"));
+  EXPECT_TRUE(fs::exists(dir + "/ckpt/ckpt-step000000008.h5"));
+  EXPECT_TRUE(fs::exists(dir + "/ckpt/ckpt-step000000008.stage1.h5"));
   Result gen = run("generate --checkpoint " + dir + "/ckpt --prompt 'a small' --tokens 20");
   ASSERT_EQ(gen.code, 0) << gen.out;
   EXPECT_EQ(gen.out.rfind("a small", 0), 0u) << gen.out;
   // A missing stage part is named.
-  fs::remove(dir + "/ckpt/ckpt-8.stage1.h5");
-  EXPECT_FAILS_NAMING(run("generate --checkpoint " + dir + "/ckpt"), "ckpt-8.stage1.h5");
+  fs::remove(dir + "/ckpt/ckpt-step000000008.stage1.h5");
+  EXPECT_FAILS_NAMING(run("generate --checkpoint " + dir + "/ckpt"), "ckpt-step000000008.stage1.h5");
   EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --micro-batches 3"), "--micro-batches");
   EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --pp-split 1,1"), "--pp-split");
   EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --schedule zigzag"), "--schedule");

@@ -399,7 +399,86 @@ void expect_lm_layout_matches_one_rank(int tp, int pp, const std::string& schedu
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
+
+// Resuming across layouts: a one-rank run checkpointed at step 5 continues in layout (tp, pp) with
+// the losses of the uninterrupted one-rank run, and a checkpoint of the layout run continues on
+// one rank the same way (parameters and AdamW moments go through the one-rank layout).
+void expect_resume_across_layouts(int tp, int pp) {
+  std::filesystem::path dir = make_corpus("resume-" + std::to_string(tp) + "x" + std::to_string(pp));
+  train::LmConfig c;
+  c.data = (dir / "tok").string();
+  c.model = small_gpt();
+  c.model.vocab = 256;
+  c.batch_size = 4;
+  c.steps = 10;
+  c.lr = 3e-3f;
+  c.warmup_steps = 2;
+  c.eval_every = 0;
+  c.eval_batches = 4;
+  c.log_every = 5;
+  c.quiet = true;
+  c.checkpoint_every = 5;
+  auto solo = world().split(world().rank(), 0, "solo");
+  train::LmConfig one = c;  // every rank runs it alone, into its own directory
+  one.checkpoint_dir = (dir / ("one" + std::to_string(world().rank()))).string();
+  train::LmResult ref = train::train_lm(one, solo.get());
+  ASSERT_EQ(ref.step_losses.size(), 10u);
+  world().barrier();
+
+  train::LmConfig layout = c;
+  layout.tp = tp;
+  layout.pp = pp;
+  layout.resume = (dir / "one0" / "ckpt-step000000005.h5").string();
+  layout.checkpoint_dir = (dir / "layout").string();
+  train::LmResult got = train::train_lm(layout, &world());
+  if (world().rank() == 0) {
+    ASSERT_EQ(got.step_losses.size(), 5u);
+    for (size_t i = 0; i < 5; ++i)
+      EXPECT_NEAR(got.step_losses[i], ref.step_losses[5 + i], 1e-5 * ref.step_losses[5 + i]) << "step " << 5 + i;
+  }
+  EXPECT_NEAR(got.val_loss, ref.val_loss, 1e-5 * ref.val_loss);
+
+  // And back: the layout run, checkpointed at step 5, continued on one rank.
+  layout.resume.clear();
+  layout.checkpoint_dir = (dir / "layout2").string();
+  train::train_lm(layout, &world());
+  train::LmConfig back = c;
+  back.checkpoint_every = 0;
+  back.resume = (dir / "layout2" / "ckpt-step000000005.h5").string();
+  train::LmResult again = train::train_lm(back, solo.get());
+  ASSERT_EQ(again.step_losses.size(), 5u);
+  for (size_t i = 0; i < 5; ++i)
+    EXPECT_NEAR(again.step_losses[i], ref.step_losses[5 + i], 1e-5 * ref.step_losses[5 + i]) << "step " << 5 + i;
+  EXPECT_NEAR(again.val_loss, ref.val_loss, 1e-5 * ref.val_loss);
+  // A checkpoint that is not there, or past --steps, is named.
+  back.resume = (dir / "nothing.h5").string();
+  EXPECT_THROW(train::train_lm(back, solo.get()), InputError);
+  back.resume = (dir / "layout2").string();  // its newest is step 10 = --steps
+  try {
+    train::train_lm(back, solo.get());
+    ADD_FAILURE() << "resuming at --steps should fail";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt-step000000010.h5"), std::string::npos) << e.what();
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
 }  // namespace
+
+TEST(Pipeline, LmResumesFromOneRankInPp2AndBack) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2)";
+  expect_resume_across_layouts(1, 2);
+}
+
+TEST(TensorParallel, LmResumesFromOneRankInTp2AndBack) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (tp 2)";
+  expect_resume_across_layouts(2, 1);
+}
+
+TEST(Pipeline, LmResumesFromOneRankInTp2Pp2AndBack) {
+  if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks (tp 2 x pp 2)";
+  expect_resume_across_layouts(2, 2);
+}
 
 TEST(Pipeline, LmTrainerPp2MatchesOneRankAndCheckpointReloads) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2, dp 1)";

@@ -7,6 +7,7 @@
 // layer followed by a row-parallel one (the MLP; attention with heads split) needs one allreduce
 // forward and one backward. Every layer initialises the FULL weight from the given RNG exactly as
 // nn::Linear does and keeps its shard, so any tp size builds the same model as one rank.
+#include <functional>
 #include <map>
 #include <string>
 
@@ -86,6 +87,11 @@ class VocabParallelCrossEntropy : public nn::SoftmaxCrossEntropy {
 // A vocabulary-parallel embedding is gathered over `tp` (required when the model has one).
 std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Communicator* tp = nullptr);
 void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>& full);
+// The same for any tensor of a parameter's shape and layout (optimizer state): `pick` gives it,
+// the maps are keyed by parameter name.
+using ParameterTensor = std::function<Tensor&(nn::Parameter&)>;
+std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator* tp, const ParameterTensor& pick);
+void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, const ParameterTensor& pick);
 // Whether parameter `name` of `model` is split over tp ranks (its gradient norm adds over them).
 bool is_tensor_parallel_shard(nn::Module& model, const std::string& name);
 

@@ -34,8 +34,11 @@ struct LmConfig {
   std::string precision = "fp32";       // "fp32" or "bf16" (GEMM inputs rounded, f32 accumulation)
   int threads = 0;                      // 0: leave the engine's setting
   uint64_t seed = 1;
-  std::string metrics;         // JSON-lines file (rank 0)
-  std::string checkpoint_dir;  // ckpt-<step>.h5 at the end when set
+  std::string metrics;           // JSON-lines file (rank 0)
+  std::string checkpoint_dir;    // ckpt-step<N>.h5 every checkpoint_every steps and at the end, when set
+  int64_t checkpoint_every = 0;  // 0: at the end only
+  int keep_checkpoints = 2;      // the newest kept in checkpoint_dir
+  std::string resume;            // checkpoint file, or directory of the newest, written in any layout
   bool quiet = false;
 };
 
@@ -53,8 +56,10 @@ struct LmResult {
   std::vector<double> step_losses;  // every step's training loss (rank 0), for comparisons
 };
 
-// `world` may be null (one rank). Every rank of `world` must call it: the ranks form a dp x tp grid
-// (parallel::ProcessGrid); each dp group draws its own windows, the tp ranks of a group the same.
+// `world` may be null (one rank). Every rank of `world` must call it: the ranks form a dp x tp x pp
+// grid (parallel::ProcessGrid); each dp group draws its own windows, the tp ranks and stages of a
+// group the same. Step s draws from a stream seeded by (seed, dp rank, s), so a resumed run sees
+// the windows the uninterrupted one would have.
 LmResult train_lm(const LmConfig& cfg, comm::Communicator* world);
 
 // Mean cross-entropy (nats per token) of `model` over up to `max_batches` (0: all) consecutive
@@ -65,7 +70,9 @@ double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, i
 // are gathered first, parallel::gather_full_parameters), the config as an int list. Under a
 // pipeline each stage writes its own part, with its place in the grid (pp_stage, pp_stages,
 // first_block, end_block, tp): stage 0 ckpt-N.h5, stage s ckpt-N.stage<s>.h5 beside it.
-// load_gpt_checkpoint reads ckpt-N.h5 and merges the other stages' parts into one state.
+// load_gpt_checkpoint reads ckpt-N.h5 and merges the other stages' parts into one state. The AdamW
+// moments are saved the same way ("optim/<param>.exp_avg", ".exp_avg_sq"), so LmConfig::resume
+// continues a run in any other dp x tp x pp layout.
 CheckpointState load_gpt_checkpoint(const std::string& file);
 CheckpointState gpt_checkpoint_state(const nn::GptConfig& cfg, const std::map<std::string, Tensor>& full_params,
                                      int64_t step);
