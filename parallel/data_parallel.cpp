@@ -29,8 +29,8 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
   }
   const int64_t world = comm.size();
   const int64_t padded = (total + world - 1) / world * world;
-  flat_param_ = Tensor::zeros({padded}, DType::F32, dev);
-  flat_grad_ = Tensor::zeros({padded}, DType::F32, dev);
+  flat_param_ = zeros_on({padded}, dev);
+  flat_grad_ = zeros_on({padded}, dev);
 
   // Lay parameters out last-first: backward finishes them roughly in this order, so the first
   // bucket fills first and goes out first.
@@ -71,7 +71,7 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
     int64_t shard = padded / world, r = comm.rank();
     shard_.name = "zero1_shard";
     shard_.value = flat_param_.slice0(r * shard, (r + 1) * shard).clone();
-    shard_.grad = Tensor::zeros({shard}, DType::F32, dev);
+    shard_.grad = zeros_on({shard}, dev);
   }
   model_.set_grad_ready_hook([this](nn::Parameter& p) { on_grad_ready(p); });
 }
@@ -171,9 +171,11 @@ void DataParallel::after_step() {
 }
 
 Tensor DataParallel::gather_flat(const Tensor& shard) {
-  Tensor full = Tensor::zeros(flat_param_.shape(), DType::F32, flat_param_.device());
-  if (comm_.size() > 1) comm_.allgather(shard, full)->wait();
-  else full.copy_from(shard);
+  Tensor full = zeros_on(flat_param_.shape(), flat_param_.device());
+  if (comm_.size() > 1)
+    comm_.allgather(shard, full)->wait();
+  else
+    full.copy_from(shard);
   return full;
 }
 

@@ -9,6 +9,7 @@ usage: torch_gpt.py [--layers 6] [--width 256] [--heads 8] [--context 128] [--ba
                     [--steps 20] [--warmup 3] [--threads 1] [--tokens FILE.h5]
 """
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -30,7 +31,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))  # (B, H, T, hd)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.h)
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         return self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
 
@@ -72,7 +73,16 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", help="HDF5 token file (dtrain convert text); random bytes otherwise")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--gpu-precision", default="fp32", choices=["fp32", "tf32", "bf16"],
+                    help="on cuda: fp32 (TF32 off), tf32, or bf16 autocast")
     a = ap.parse_args()
+    dev = torch.device(a.device)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = a.gpu_precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = a.gpu_precision == "tf32"
+    use_bf16 = dev.type == "cuda" and a.gpu_precision == "bf16"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
     torch.set_num_threads(a.threads)
     torch.manual_seed(1)
     if a.tokens:
@@ -81,7 +91,7 @@ def main():
             stream = torch.from_numpy(f["tokens"][:].astype("int64"))
     else:
         stream = torch.randint(0, 256, (1 << 20,))
-    model = Gpt(256, a.context, a.layers, a.heads, a.width)
+    model = Gpt(256, a.context, a.layers, a.heads, a.width).to(dev)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "wpe"]
     plain = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "wpe")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
@@ -93,7 +103,9 @@ def main():
             t0 = time.perf_counter()
         off = torch.randint(0, stream.numel() - t - 1, (a.batch,))
         win = torch.stack([stream[o: o + t + 1] for o in off.tolist()])
-        loss = F.cross_entropy(model(win[:, :-1]), win[:, 1:].reshape(-1))
+        win = win.to(dev)
+        with autocast:
+            loss = F.cross_entropy(model(win[:, :-1]), win[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -102,7 +114,8 @@ def main():
     dt = time.perf_counter() - t0
     print(json.dumps({"framework": "pytorch " + torch.__version__, "tokens_per_s": a.steps * a.batch * t / dt,
                       "parameters": sum(p.numel() for p in model.parameters()), "first_loss": losses[0],
-                      "last_loss": losses[-1]}))
+                      "last_loss": losses[-1], "device": str(dev),
+                      "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else 0}))
 
 
 if __name__ == "__main__":

@@ -45,10 +45,14 @@ Engine& engine_for(Device device) {
 
 const char* math_precision_name(MathPrecision p) {
   switch (p) {
-    case MathPrecision::F32: return "fp32";
-    case MathPrecision::TF32: return "tf32";
-    case MathPrecision::BF16: return "bf16";
-    case MathPrecision::F16: return "fp16";
+    case MathPrecision::F32:
+      return "fp32";
+    case MathPrecision::TF32:
+      return "tf32";
+    case MathPrecision::BF16:
+      return "bf16";
+    case MathPrecision::F16:
+      return "fp16";
   }
   return "?";
 }
@@ -57,6 +61,18 @@ MathPrecision math_precision_from_name(const std::string& name) {
   for (MathPrecision p : {MathPrecision::F32, MathPrecision::TF32, MathPrecision::BF16, MathPrecision::F16})
     if (name == math_precision_name(p)) return p;
   throw InputError("unknown precision '" + name + "' (expected fp32, tf32, bf16 or fp16)");
+}
+
+Tensor zeros_on(const Shape& shape, Device device, DType dtype) {
+  if (device.is_cpu()) return Tensor::zeros(shape, dtype);
+  Tensor t = Tensor::empty(shape, dtype, device);
+  if (dtype == DType::F32) {
+    engine_for(device).fill(t, 0.f);
+  } else {  // the engines fill f32; other dtypes come as zero bytes from the host
+    Tensor h = Tensor::zeros(shape, dtype);
+    engine_for(device).copy(h, t);
+  }
+  return t;
 }
 
 // The CUDA engine lives in dtrain_kernels_cuda, which dtrain_kernels links when CUDA is found; the
@@ -76,8 +92,8 @@ int enable_cuda() {
 
 std::string onednn_version() {
   const dnnl_version_t* v = dnnl_version();
-  return std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) + " (" +
-         v->hash + ")";
+  return std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) + " (" + v->hash +
+         ")";
 }
 
 std::string blas_info() {
@@ -173,13 +189,17 @@ static void map2(const Tensor& a, const Tensor& b, Tensor& y, F f) {
 }
 
 void CpuEngine::unary_forward(Unary op, const Tensor& x, Tensor& y) {
-  if (op == Unary::Relu) map1(x, y, fn::Relu{});
-  else map1(x, y, fn::Gelu{});
+  if (op == Unary::Relu)
+    map1(x, y, fn::Relu{});
+  else
+    map1(x, y, fn::Gelu{});
 }
 
 void CpuEngine::unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) {
-  if (op == Unary::Relu) map2(x, dy, dx, fn::ReluGrad{});
-  else map2(x, dy, dx, fn::GeluGrad{});
+  if (op == Unary::Relu)
+    map2(x, dy, dx, fn::ReluGrad{});
+  else
+    map2(x, dy, dx, fn::GeluGrad{});
 }
 
 void CpuEngine::dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor& mask, Tensor& y) {
@@ -358,8 +378,8 @@ void CpuEngine::sgd_update(Tensor& param, const Tensor& grad, Tensor& buf, float
   for (int64_t i = 0; i < n; ++i) f(p[i], g[i], b ? b[i] : dummy);
 }
 
-void CpuEngine::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1,
-                            float beta2, float eps, float weight_decay, bool decoupled, int64_t step) {
+void CpuEngine::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1, float beta2,
+                            float eps, float weight_decay, bool decoupled, int64_t step) {
   check_f32(param, "param");
   DT_CHECK(step >= 1, "adam step counts from 1");
   float bias1 = 1.f - std::pow(beta1, static_cast<float>(step));

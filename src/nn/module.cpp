@@ -16,7 +16,7 @@ Phase PhaseScope::current() { return g_phase; }
 Parameter& Module::add_parameter(const std::string& name, Tensor value) {
   auto p = std::make_unique<Parameter>();
   p->name = name;
-  p->grad = Tensor::zeros(value.shape(), value.dtype(), value.device());
+  p->grad = zeros_on(value.shape(), value.device(), value.dtype());
   p->value = std::move(value);
   params_.push_back(std::move(p));
   param_names_.push_back(name);
@@ -52,6 +52,21 @@ std::vector<Buffer*> Module::buffers() {
   std::vector<Buffer*> out;
   collect("", nullptr, &out);
   return out;
+}
+
+void Module::to(Device device) {
+  auto move = [&](Tensor& t) {
+    if (!t.defined() || t.device() == device) return;
+    Tensor moved = Tensor::empty(t.shape(), t.dtype(), device);
+    engine_for(device.is_cpu() ? t.device() : device).copy(t, moved);  // the GPU's engine does either way
+    t = moved;
+  };
+  for (Parameter* p : parameters()) {  // a tied parameter is listed once per owner: moved once
+    move(p->value);
+    move(p->grad);
+  }
+  for (Buffer* b : buffers()) move(b->value);
+  release_activations();
 }
 
 int64_t Module::parameter_count() {

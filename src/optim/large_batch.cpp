@@ -6,7 +6,7 @@ namespace dtrain::optim {
 
 LARS::LARS(std::vector<nn::Parameter*> params, LarsOptions o) : Optimizer(std::move(params)), o_(o) {
   DT_INPUT_CHECK(o.eta > 0.f, "lars: trust coefficient (--lars-eta) must be > 0");
-  for (nn::Parameter* p : params_) buf_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+  for (nn::Parameter* p : params_) buf_.push_back(zeros_on(p->value.shape(), p->value.device()));
 }
 
 void LARS::step(float lr) {
@@ -32,9 +32,9 @@ std::vector<StateTensor> LARS::state() {
 LAMB::LAMB(std::vector<nn::Parameter*> params, LambOptions o) : Optimizer(std::move(params)), o_(o) {
   DT_INPUT_CHECK(o.beta1 >= 0.f && o.beta1 < 1.f && o.beta2 >= 0.f && o.beta2 < 1.f, "lamb: betas must be in [0, 1)");
   for (nn::Parameter* p : params_) {
-    m_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
-    v_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
-    scratch_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+    m_.push_back(zeros_on(p->value.shape(), p->value.device()));
+    v_.push_back(zeros_on(p->value.shape(), p->value.device()));
+    scratch_.push_back(zeros_on(p->value.shape(), p->value.device()));
   }
 }
 

@@ -14,7 +14,7 @@ SGD::SGD(std::vector<nn::Parameter*> params, SgdOptions o) : Optimizer(std::move
   DT_INPUT_CHECK(o.momentum >= 0.f && o.weight_decay >= 0.f, "sgd: momentum and weight decay must be >= 0");
   DT_INPUT_CHECK(!o.nesterov || (o.momentum > 0.f && o.dampening == 0.f),
                  "sgd: Nesterov momentum needs momentum > 0 and zero dampening");
-  for (nn::Parameter* p : params_) buf_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+  for (nn::Parameter* p : params_) buf_.push_back(zeros_on(p->value.shape(), p->value.device()));
 }
 
 void SGD::step(float lr) {
@@ -40,8 +40,8 @@ Adam::Adam(std::vector<nn::Parameter*> params, AdamOptions o) : Optimizer(std::m
                  "adam: betas must be in [0, 1), got " << o.beta1 << ", " << o.beta2);
   DT_INPUT_CHECK(o.eps > 0.f, "adam: eps must be > 0");
   for (nn::Parameter* p : params_) {
-    m_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
-    v_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+    m_.push_back(zeros_on(p->value.shape(), p->value.device()));
+    v_.push_back(zeros_on(p->value.shape(), p->value.device()));
   }
 }
 

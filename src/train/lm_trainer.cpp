@@ -13,6 +13,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/core/timer.h"
 #include "dtrain/data/text.h"
+#include "dtrain/kernels/cuda.h"
 #include "dtrain/optim/optimizer.h"
 #include "dtrain/optim/schedule.h"
 #include "dtrain/parallel/data_parallel.h"
@@ -28,8 +29,17 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// `host` on `device`: itself on the CPU, else copied into `buf` (kept, so steps reuse it).
+Tensor on_device(const Tensor& host, Tensor& buf, Device device) {
+  if (device.is_cpu()) return host;
+  if (!buf.defined() || buf.shape() != host.shape() || buf.dtype() != host.dtype())
+    buf = Tensor::empty(host.shape(), host.dtype(), device);
+  engine_for(device).copy(host, buf);
+  return buf;
+}
+
 double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, int64_t max_batches,
-                   nn::SoftmaxCrossEntropy& xent) {
+                   nn::SoftmaxCrossEntropy& xent, Device device = Device::cpu()) {
   int64_t windows = data::window_count(s, t);
   int64_t batches = windows / batch;
   if (max_batches > 0) batches = std::min(batches, max_batches);
@@ -40,7 +50,9 @@ double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, in
   double sum = 0;
   for (int64_t k = 0; k < batches; ++k) {
     data::TokenBatch b = data::sequential_windows(s, batch, t, k * batch);
-    xent.forward(model.forward(b.ids), b.targets.reshape({batch * t}));
+    Tensor ids, targets;
+    xent.forward(model.forward(on_device(b.ids, ids, device)),
+                 on_device(b.targets, targets, device).reshape({batch * t}));
     sum += xent.last_loss_sum();
   }
   model.train(was_training);
@@ -165,9 +177,20 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   const int pp_size = cfg.pp, stage = grid ? grid->pp_rank() : 0;
   const bool speak = rank == 0 && !cfg.quiet;
   if (cfg.threads > 0) cpu_engine().set_threads(cfg.threads);
-  DT_INPUT_CHECK(cfg.precision == "fp32" || cfg.precision == "bf16",
-                 "--precision " << cfg.precision << " is not one of fp32, bf16 for the language model");
-  cpu_engine().set_math_precision(math_precision_from_name(cfg.precision));
+  DT_INPUT_CHECK(cfg.device == "cpu" || cfg.device == "cuda", "--device " << cfg.device << " is not one of cpu, cuda");
+  Device dev = Device::cpu();
+  if (cfg.device == "cuda") {
+    DT_INPUT_CHECK(enable_cuda() > 0, "--device cuda: no GPU is visible, or this dtrain was built without CUDA");
+    DT_INPUT_CHECK(!world_comm || world_comm->size() == 1,
+                   "--device cuda trains on one GPU with one rank (multi-GPU data, tensor and pipeline parallel "
+                   "run on the CPU engine in this version); got "
+                       << world_comm->size() << " ranks");
+    dev = Device::cuda(0);
+  }
+  DT_INPUT_CHECK(cfg.precision == "fp32" || cfg.precision == "bf16" || (!dev.is_cpu() && cfg.precision == "tf32"),
+                 "--precision " << cfg.precision << " is not one of fp32, bf16" << (dev.is_cpu() ? "" : ", tf32")
+                                << " for the language model on " << cfg.device);
+  engine_for(dev).set_math_precision(math_precision_from_name(cfg.precision));
 
   data::TokenStream train = data::load_tokens((fs::path(cfg.data) / "train.h5").string());
   data::TokenStream val = data::load_tokens((fs::path(cfg.data) / "val.h5").string());
@@ -185,6 +208,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
                 tp_size > 1 ? parallel::tensor_parallel_gpt_blocks(cfg.model.width, cfg.model.heads, grid->tp())
                             : nn::GptBlockFactory(),
                 part, cfg.checkpoint_activations, vocab);
+  model.to(dev);  // drawn on the host (the same numbers everywhere), trained where the engine is
   model.train();
   // The tied embedding lives on the first and the last stage: their gradients are summed.
   std::unique_ptr<comm::Communicator> tied;
@@ -301,7 +325,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   };
   auto validate = [&](int64_t step) {
     if (pp_size == 1) {
-      res.val_loss = eval_stream(model, val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, xent);
+      res.val_loss = eval_stream(model, val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, xent, dev);
     } else {
       int64_t batches = data::window_count(val, cfg.seq_len) / cfg.batch_size;
       if (cfg.eval_batches > 0) batches = std::min(batches, cfg.eval_batches);
@@ -373,6 +397,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     if (speak) std::printf("checkpoint %s\n", file.c_str());
     return file;
   };
+  Tensor ids_dev, targets_dev;  // the batch on the GPU
   for (int64_t step = start_step; step < cfg.steps; ++step) {
     Rng rng(derive_seed(data_seed, static_cast<uint64_t>(step)));
     data::TokenBatch b = data::random_windows(train, cfg.batch_size, cfg.seq_len, rng);
@@ -381,7 +406,8 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     double step_loss = 0;
     if (!pipe) {
       if (ddp) ddp->begin_backward(true);
-      step_loss = xent.forward(model.forward(b.ids), b.targets.reshape({m}));
+      step_loss = xent.forward(model.forward(on_device(b.ids, ids_dev, dev)),
+                               on_device(b.targets, targets_dev, dev).reshape({m}));
       model.backward(xent.backward());
     } else {
       // Micro-batch k: rows [k*mbs, (k+1)*mbs) of the batch; each loss is a mean over its tokens, so
@@ -478,6 +504,9 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
                     {"tokens_per_s", res.tokens_per_s},
                     {"peak_rss_mib", peak_rss_mib()}});
   if (speak) std::printf("%.0f tokens/s, peak RSS %.1f MiB (rank 0)\n", res.tokens_per_s, peak_rss_mib());
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+  if (speak && !dev.is_cpu()) std::printf("GPU memory: %s\n", cuda::format_stats(cuda::allocator_stats(0)).c_str());
+#endif
   return res;
 }
 

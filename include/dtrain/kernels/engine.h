@@ -180,6 +180,8 @@ class Engine {
 
 // The engine of a device: the CPU engine always exists; the CUDA engine registers itself.
 Engine& engine_for(Device device);
+// Tensor::zeros on any device: a GPU's memory is cleared by its engine (core does not know engines).
+Tensor zeros_on(const Shape& shape, Device device, DType dtype = DType::F32);
 inline Engine& cpu_engine() { return engine_for(Device::cpu()); }
 using EngineFactory = std::unique_ptr<Engine> (*)(int device_index);
 void register_engine(DeviceType type, EngineFactory factory);

@@ -61,6 +61,10 @@ class Module {
   std::vector<Buffer*> buffers();
   int64_t parameter_count();
 
+  // Moves every parameter, gradient and buffer to `device` (through the engines' copy) and drops
+  // the activation buffers, which the next forward makes on the input's device.
+  void to(Device device);
+
   void train(bool on = true);
   void eval() { train(false); }
   bool training() const { return training_; }

@@ -31,7 +31,8 @@ struct LmConfig {
   int64_t micro_batches = 0;            // pipeline micro-batches per step (0: 2 * pp); must divide batch_size
   std::string schedule = "1f1b";        // pipeline schedule: "1f1b" or "gpipe"
   bool checkpoint_activations = false;  // recompute each block's activations in backward
-  std::string precision = "fp32";       // "fp32" or "bf16" (GEMM inputs rounded, f32 accumulation)
+  std::string precision = "fp32";       // "fp32", "bf16" (GEMM inputs rounded, f32 accumulation), "tf32" (GPU)
+  std::string device = "cpu";           // "cpu" or "cuda" (one GPU, one rank)
   int threads = 0;                      // 0: leave the engine's setting
   uint64_t seed = 1;
   std::string metrics;           // JSON-lines file (rank 0)
