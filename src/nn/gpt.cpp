@@ -39,38 +39,32 @@ void CausalSelfAttention::set_needs_input_grad(bool needed) {
   qkv_->set_needs_input_grad(needed);
 }
 
+// Heads in the layout [3, B, H, T, hd] (q, k and v each [B*H, T, hd]), so every product below is
+// ONE batched GEMM over all B*H heads with uniform strides (one launch on a GPU, not one per
+// sequence). From qkv [B, T, 3, H, hd]: [B*T, 3, C] -> [3, B*T, C] = [3B, T, H, hd] -> [3B, H, T, hd].
 Tensor CausalSelfAttention::forward(const Tensor& x) {
   DT_CHECK(x.dim() == 3 && x.size(2) == c_, kind() << " needs input [B, T, " << c_ << "], got " << x.str());
   b_ = x.size(0);
   t_ = x.size(1);
   Device dev = x.device();
   Engine& e = engine(x);
-  Tensor qkv = qkv_->forward(x);  // [B, T, 3*H*hd] = [B, T, 3H, hd]
-  DT_CHECK(qkv.numel() == b_ * t_ * 3 * h_ * hd_, kind() << ": qkv gave " << qkv.str());
-  ensure(qkvh_, {b_, 3 * h_, t_, hd_}, dev);
-  e.permute_0213(qkv, b_, t_, 3 * h_, hd_, qkvh_);  // -> [B, 3H, T, hd]: q heads, k heads, v heads
-  ensure_temp(scores_, {b_, h_, t_, t_}, dev);      // dead once softmax has run
-  ensure(att_, {b_, h_, t_, t_}, dev);
-  ensure_temp(yh_, {b_, h_, t_, hd_}, dev);               // permuted into y_ at once
-  Tensor heads = qkvh_.reshape({b_ * 3 * h_, t_ * hd_});  // one row per (batch, q/k/v head)
-  Tensor sc = scores_.reshape({b_ * h_, t_ * t_});
-  Tensor yh = yh_.reshape({b_ * h_, t_ * hd_});
+  Tensor qkv = qkv_->forward(x);  // [B, T, 3*H*hd]
+  const int64_t hc = h_ * hd_, bh = b_ * h_;
+  DT_CHECK(qkv.numel() == b_ * t_ * 3 * hc, kind() << ": qkv gave " << qkv.str());
+  ensure_temp(split_, {3, b_ * t_, hc}, dev);
+  e.permute_0213(qkv, 1, b_ * t_, 3, hc, split_);  // [3, B*T, H*hd]
+  ensure(qkvh_, {3 * bh, t_, hd_}, dev);
+  e.permute_0213(split_, 3 * b_, t_, h_, hd_, qkvh_);  // [3B, H, T, hd]
+  ensure_temp(scores_, {bh, t_, t_}, dev);             // dead once softmax has run
+  ensure(att_, {bh, t_, t_}, dev);
+  ensure_temp(yh_, {bh, t_, hd_}, dev);  // permuted into y_ at once
+  Tensor heads = qkvh_.reshape({3 * bh, t_ * hd_});
+  Tensor q = heads.slice0(0, bh), k = heads.slice0(bh, 2 * bh), v = heads.slice0(2 * bh, 3 * bh);
   const int64_t qs = t_ * hd_, ss = t_ * t_;
-  for (int64_t b = 0; b < b_; ++b) {
-    Tensor q = heads.slice0(b * 3 * h_, b * 3 * h_ + h_);
-    Tensor k = heads.slice0(b * 3 * h_ + h_, b * 3 * h_ + 2 * h_);
-    Tensor s = sc.slice0(b * h_, (b + 1) * h_);
-    e.gemm_batched(h_, false, true, t_, t_, hd_, 1.f, q, qs, k, qs, 0.f, s, ss);  // s = q k^T [T, T]
-  }
+  e.gemm_batched(bh, false, true, t_, t_, hd_, 1.f, q, qs, k, qs, 0.f, scores_, ss);  // s = q k^T [T, T]
   e.causal_softmax_forward(scores_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), att_);
-  Tensor att = att_.reshape({b_ * h_, t_ * t_});
-  for (int64_t b = 0; b < b_; ++b) {
-    Tensor a = att.slice0(b * h_, (b + 1) * h_);
-    Tensor v = heads.slice0(b * 3 * h_ + 2 * h_, (b + 1) * 3 * h_);
-    Tensor y = yh.slice0(b * h_, (b + 1) * h_);
-    e.gemm_batched(h_, false, false, t_, hd_, t_, 1.f, a, ss, v, qs, 0.f, y, qs);  // y = att v [T, hd]
-  }
-  ensure(y_, {b_, t_, h_ * hd_}, dev);
+  e.gemm_batched(bh, false, false, t_, hd_, t_, 1.f, att_, ss, v, qs, 0.f, yh_, qs);  // y = att v [T, hd]
+  ensure(y_, {b_, t_, hc}, dev);
   e.permute_0213(yh_, b_, h_, t_, hd_, y_);  // [B, H, T, hd] -> [B, T, H*hd]
   return proj_->forward(y_);
 }
@@ -79,41 +73,28 @@ Tensor CausalSelfAttention::backward(const Tensor& dout) {
   DT_CHECK(dout.numel() == b_ * t_ * c_, kind() << " backward got " << dout.str());
   Device dev = dout.device();
   Engine& e = engine(dout);
+  const int64_t hc = h_ * hd_, bh = b_ * h_;
   Tensor dy = proj_->backward(dout);  // [B, T, H*hd]
-  ensure(dyh_, {b_, h_, t_, hd_}, dev);
+  ensure(dyh_, {bh, t_, hd_}, dev);
   e.permute_0213(dy, b_, t_, h_, hd_, dyh_);
-  ensure(datt_, {b_, h_, t_, t_}, dev);
+  ensure(datt_, {bh, t_, t_}, dev);
   // The raw scores are dead once softmax has run: their (scratch) buffer takes d(scores).
-  keep(dscores_, ensure_temp(scores_, {b_, h_, t_, t_}, dev));
-  ensure(dqkvh_, {b_, 3 * h_, t_, hd_}, dev);
-  Tensor heads = qkvh_.reshape({b_ * 3 * h_, t_ * hd_});
-  Tensor dheads = dqkvh_.reshape({b_ * 3 * h_, t_ * hd_});
-  Tensor att = att_.reshape({b_ * h_, t_ * t_});
-  Tensor datt = datt_.reshape({b_ * h_, t_ * t_});
-  Tensor dyh = dyh_.reshape({b_ * h_, t_ * hd_});
+  keep(dscores_, ensure_temp(scores_, {bh, t_, t_}, dev));
+  ensure(dqkvh_, {3 * bh, t_, hd_}, dev);
+  Tensor heads = qkvh_.reshape({3 * bh, t_ * hd_}), dheads = dqkvh_.reshape({3 * bh, t_ * hd_});
+  Tensor q = heads.slice0(0, bh), k = heads.slice0(bh, 2 * bh), v = heads.slice0(2 * bh, 3 * bh);
+  Tensor dq = dheads.slice0(0, bh), dk = dheads.slice0(bh, 2 * bh), dv = dheads.slice0(2 * bh, 3 * bh);
   const int64_t qs = t_ * hd_, ss = t_ * t_;
-  for (int64_t b = 0; b < b_; ++b) {
-    Tensor v = heads.slice0(b * 3 * h_ + 2 * h_, (b + 1) * 3 * h_);
-    Tensor dv = dheads.slice0(b * 3 * h_ + 2 * h_, (b + 1) * 3 * h_);
-    Tensor a = att.slice0(b * h_, (b + 1) * h_);
-    Tensor da = datt.slice0(b * h_, (b + 1) * h_);
-    Tensor g = dyh.slice0(b * h_, (b + 1) * h_);
-    e.gemm_batched(h_, false, true, t_, t_, hd_, 1.f, g, qs, v, qs, 0.f, da, ss);  // datt = dy v^T
-    e.gemm_batched(h_, true, false, t_, hd_, t_, 1.f, a, ss, g, qs, 0.f, dv, qs);  // dv = att^T dy
-  }
+  e.gemm_batched(bh, false, true, t_, t_, hd_, 1.f, dyh_, qs, v, qs, 0.f, datt_, ss);  // datt = dy v^T
+  e.gemm_batched(bh, true, false, t_, hd_, t_, 1.f, att_, ss, dyh_, qs, 0.f, dv, qs);  // dv = att^T dy
   e.causal_softmax_backward(att_, datt_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), dscores_);
-  Tensor ds = dscores_.reshape({b_ * h_, t_ * t_});
-  for (int64_t b = 0; b < b_; ++b) {
-    Tensor q = heads.slice0(b * 3 * h_, b * 3 * h_ + h_);
-    Tensor k = heads.slice0(b * 3 * h_ + h_, b * 3 * h_ + 2 * h_);
-    Tensor dq = dheads.slice0(b * 3 * h_, b * 3 * h_ + h_);
-    Tensor dk = dheads.slice0(b * 3 * h_ + h_, b * 3 * h_ + 2 * h_);
-    Tensor s = ds.slice0(b * h_, (b + 1) * h_);
-    e.gemm_batched(h_, false, false, t_, hd_, t_, 1.f, s, ss, k, qs, 0.f, dq, qs);  // dq = ds k (scale in ds)
-    e.gemm_batched(h_, true, false, t_, hd_, t_, 1.f, s, ss, q, qs, 0.f, dk, qs);   // dk = ds^T q
-  }
-  ensure(dqkv_, {b_, t_, 3 * h_ * hd_}, dev);
-  e.permute_0213(dqkvh_, b_, 3 * h_, t_, hd_, dqkv_);  // back to [B, T, 3H, hd]
+  e.gemm_batched(bh, false, false, t_, hd_, t_, 1.f, dscores_, ss, k, qs, 0.f, dq, qs);  // dq = ds k (scale in ds)
+  e.gemm_batched(bh, true, false, t_, hd_, t_, 1.f, dscores_, ss, q, qs, 0.f, dk, qs);   // dk = ds^T q
+  // Back to [B, T, 3, H, hd]: [3B, H, T, hd] -> [3B, T, H, hd] = [3, B*T, C] -> [B*T, 3, C].
+  ensure_temp(split_, {3, b_ * t_, hc}, dev);
+  e.permute_0213(dqkvh_, 3 * b_, h_, t_, hd_, split_);
+  ensure(dqkv_, {b_, t_, 3 * hc}, dev);
+  e.permute_0213(split_, 1, 3, b_ * t_, hc, dqkv_);
   return qkv_->backward(dqkv_);
 }
 

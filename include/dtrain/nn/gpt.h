@@ -38,8 +38,9 @@ class CausalSelfAttention : public Module {
   int64_t c_, h_, hd_;  // input width, heads on this rank, head width
   int64_t b_ = 0, t_ = 0;
   ModulePtr qkv_, proj_;  // C -> 3*H*hd (q, k, v each head-major), H*hd -> C
-  // qkvh_ [B, 3H, T, hd]; att_ (softmax probabilities) [B, H, T, T]; yh_ [B, H, T, hd]; y_ [B, T, C]
-  Tensor qkvh_, scores_, att_, yh_, y_;         // y_ [B, T, H*hd]
+  // qkvh_ [3, B, H, T, hd] (q, k, v heads); att_ (softmax probabilities) [B*H, T, T]; yh_ [B*H, T, hd];
+  // y_ [B, T, H*hd]; split_ [3, B*T, H*hd] (between the two permutes, scratch)
+  Tensor qkvh_, scores_, att_, yh_, y_, split_;
   Tensor dyh_, datt_, dscores_, dqkvh_, dqkv_;  // dscores_ shares scores_'s buffer
 };
 
