@@ -103,6 +103,14 @@ AllocatorStats allocator_stats(int device) { return allocator_for(device).stats(
 void reset_peak_stats(int device) { allocator_for(device).reset_peak(); }
 void empty_cache(int device) { allocator_for(device).empty_cache(); }
 
+Tensor pinned_empty(const Shape& shape, DType dtype) {
+  const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  void* p = nullptr;
+  DT_CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocDefault));
+  auto storage = std::make_shared<Storage>(p, bytes, Device::cpu(), [](void* q) { cudaFreeHost(q); });
+  return Tensor::from_storage(std::move(storage), shape, dtype);
+}
+
 std::string format_stats(const AllocatorStats& s) {
   auto mib = [](size_t b) { return static_cast<double>(b) / (1 << 20); };
   char buf[256];

@@ -59,6 +59,17 @@ std::shared_ptr<Storage> allocate(size_t bytes, Device device) {
   return alloc(bytes, device);
 }
 
+Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, const Shape& shape, DType dtype) {
+  Tensor t;
+  t.shape_ = shape;
+  t.numel_ = shape_numel(shape);
+  t.dtype_ = dtype;
+  DT_CHECK(storage && storage->bytes() >= static_cast<size_t>(t.numel_) * dtype_size(dtype),
+           "from_storage: " << (storage ? storage->bytes() : 0) << " bytes for " << shape_str(shape));
+  t.storage_ = std::move(storage);
+  return t;
+}
+
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   for (int64_t d : shape) DT_CHECK(d >= 0, "negative dimension in shape " << shape_str(shape));
   Tensor t;
@@ -160,12 +171,18 @@ void Tensor::fill_(float v) {
 double Tensor::item(int64_t i) const {
   DT_CHECK(device().is_cpu() && i >= 0 && i < numel_, "item(" << i << ") of " << str());
   switch (dtype_) {
-    case DType::F32: return data<float>()[i];
-    case DType::BF16: return bf16_to_float(data<uint16_t>()[i]);
-    case DType::F16: return f16_to_float(data<uint16_t>()[i]);
-    case DType::I32: return data<int32_t>()[i];
-    case DType::I64: return static_cast<double>(data<int64_t>()[i]);
-    case DType::U8: return data<uint8_t>()[i];
+    case DType::F32:
+      return data<float>()[i];
+    case DType::BF16:
+      return bf16_to_float(data<uint16_t>()[i]);
+    case DType::F16:
+      return f16_to_float(data<uint16_t>()[i]);
+    case DType::I32:
+      return data<int32_t>()[i];
+    case DType::I64:
+      return static_cast<double>(data<int64_t>()[i]);
+    case DType::U8:
+      return data<uint8_t>()[i];
   }
   return 0;
 }
@@ -173,12 +190,24 @@ double Tensor::item(int64_t i) const {
 void Tensor::set_item(int64_t i, double v) {
   DT_CHECK(device().is_cpu() && i >= 0 && i < numel_, "set_item(" << i << ") of " << str());
   switch (dtype_) {
-    case DType::F32: data<float>()[i] = static_cast<float>(v); break;
-    case DType::BF16: data<uint16_t>()[i] = float_to_bf16(static_cast<float>(v)); break;
-    case DType::F16: data<uint16_t>()[i] = float_to_f16(static_cast<float>(v)); break;
-    case DType::I32: data<int32_t>()[i] = static_cast<int32_t>(v); break;
-    case DType::I64: data<int64_t>()[i] = static_cast<int64_t>(v); break;
-    case DType::U8: data<uint8_t>()[i] = static_cast<uint8_t>(v); break;
+    case DType::F32:
+      data<float>()[i] = static_cast<float>(v);
+      break;
+    case DType::BF16:
+      data<uint16_t>()[i] = float_to_bf16(static_cast<float>(v));
+      break;
+    case DType::F16:
+      data<uint16_t>()[i] = float_to_f16(static_cast<float>(v));
+      break;
+    case DType::I32:
+      data<int32_t>()[i] = static_cast<int32_t>(v);
+      break;
+    case DType::I64:
+      data<int64_t>()[i] = static_cast<int64_t>(v);
+      break;
+    case DType::U8:
+      data<uint8_t>()[i] = static_cast<uint8_t>(v);
+      break;
   }
 }
 

@@ -397,17 +397,50 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     if (speak) std::printf("checkpoint %s\n", file.c_str());
     return file;
   };
-  Tensor ids_dev, targets_dev;  // the batch on the GPU
-  for (int64_t step = start_step; step < cfg.steps; ++step) {
+  auto draw = [&](int64_t step) {  // step s's windows, from its own stream (resumed runs see the same)
     Rng rng(derive_seed(data_seed, static_cast<uint64_t>(step)));
-    data::TokenBatch b = data::random_windows(train, cfg.batch_size, cfg.seq_len, rng);
+    return data::random_windows(train, cfg.batch_size, cfg.seq_len, rng);
+  };
+  // On a GPU a batch goes through page-locked host buffers, so its upload is asynchronous; the next
+  // step's windows are drawn and queued while this step's backward runs. Two slots alternate.
+  struct Staged {
+    Tensor host_ids, host_targets, ids, targets;
+    bool ready = false;
+  };
+  Staged staged[2];
+  auto stage_batch = [&](const data::TokenBatch& tb, Staged& st) {
+    if (!st.host_ids.defined()) {
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+      st.host_ids = cuda::pinned_empty(tb.ids.shape(), tb.ids.dtype());
+      st.host_targets = cuda::pinned_empty(tb.targets.shape(), tb.targets.dtype());
+#else
+      st.host_ids = Tensor::empty(tb.ids.shape(), tb.ids.dtype());
+      st.host_targets = Tensor::empty(tb.targets.shape(), tb.targets.dtype());
+#endif
+    }
+    st.host_ids.copy_from(tb.ids);
+    st.host_targets.copy_from(tb.targets);
+    on_device(st.host_ids, st.ids, dev);
+    on_device(st.host_targets, st.targets, dev);
+    st.ready = true;
+  };
+  for (int64_t step = start_step; step < cfg.steps; ++step) {
+    const bool on_gpu = !dev.is_cpu();
+    data::TokenBatch b;
+    if (!on_gpu) b = draw(step);
     opt_decay.zero_grad();
     opt_plain.zero_grad();
     double step_loss = 0;
-    if (!pipe) {
+    if (on_gpu) {  // one rank (checked above): no ddp, no pipeline
+      Staged& st = staged[step % 2];
+      if (!st.ready) stage_batch(draw(step), st);
+      st.ready = false;
+      step_loss = xent.forward(model.forward(st.ids), st.targets.reshape({m}));
+      model.backward(xent.backward());
+      if (step + 1 < cfg.steps) stage_batch(draw(step + 1), staged[(step + 1) % 2]);  // overlaps the backward
+    } else if (!pipe) {
       if (ddp) ddp->begin_backward(true);
-      step_loss = xent.forward(model.forward(on_device(b.ids, ids_dev, dev)),
-                               on_device(b.targets, targets_dev, dev).reshape({m}));
+      step_loss = xent.forward(model.forward(b.ids), b.targets.reshape({m}));
       model.backward(xent.backward());
     } else {
       // Micro-batch k: rows [k*mbs, (k+1)*mbs) of the batch; each loss is a mean over its tokens, so

@@ -49,6 +49,9 @@ class Tensor {
   static Tensor empty(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
   static Tensor zeros(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
   static Tensor full(const Shape& shape, float value);  // f32, CPU
+  // A tensor over memory someone else allocated (pinned host buffers, say); `storage` must hold
+  // at least the shape's bytes.
+  static Tensor from_storage(std::shared_ptr<Storage> storage, const Shape& shape, DType dtype);
   static Tensor from(const Shape& shape, const std::vector<float>& values);  // f32, CPU
 
   bool defined() const { return storage_ != nullptr; }

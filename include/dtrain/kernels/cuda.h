@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <string>
 
+#include "dtrain/core/tensor.h"
+
 namespace dtrain::cuda {
 
 // Device memory of one GPU as the caching allocator sees it. `allocated` is what live tensors
@@ -41,5 +43,9 @@ struct DeviceInfo {
   double peak_fp32 = 0, peak_tf32 = 0, peak_bf16 = 0;
 };
 DeviceInfo device_info(int device);
+
+// A host tensor in page-locked memory (cudaHostAlloc): the engine's copies from and to it are
+// asynchronous on the compute stream, so a batch's upload overlaps the work queued before it.
+Tensor pinned_empty(const Shape& shape, DType dtype);
 
 }  // namespace dtrain::cuda
