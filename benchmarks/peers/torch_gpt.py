@@ -4,9 +4,11 @@ blocks (causal self-attention with a fused qkv projection, GELU MLP 4x), final L
 unembedding; nn.Linear keeps PyTorch's default init, as dtrain's. Trains on windows of a byte
 stream (an HDF5 token file from `dtrain convert text`, or random bytes) with AdamW (beta2 0.95)
 and prints one JSON line: tokens per second over the timed steps (after warm-up steps).
+--precision bf16 runs forward and loss under torch.autocast('cpu', dtype=torch.bfloat16) (bf16
+matmuls, fp32 master weights and optimizer), PyTorch's own CPU mixed precision.
 
 usage: torch_gpt.py [--layers 6] [--width 256] [--heads 8] [--context 128] [--batch 8]
-                    [--steps 20] [--warmup 3] [--threads 1] [--tokens FILE.h5]
+                    [--steps 20] [--warmup 3] [--threads 1] [--tokens FILE.h5] [--precision fp32|bf16]
 """
 import argparse
 import json
@@ -72,6 +74,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", help="HDF5 token file (dtrain convert text); random bytes otherwise")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(1)
@@ -93,14 +96,15 @@ def main():
             t0 = time.perf_counter()
         off = torch.randint(0, stream.numel() - t - 1, (a.batch,))
         win = torch.stack([stream[o: o + t + 1] for o in off.tolist()])
-        loss = F.cross_entropy(model(win[:, :-1]), win[:, 1:].reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16"):
+            loss = F.cross_entropy(model(win[:, :-1]), win[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
     dt = time.perf_counter() - t0
-    print(json.dumps({"framework": "pytorch " + torch.__version__, "tokens_per_s": a.steps * a.batch * t / dt,
+    print(json.dumps({"framework": "pytorch " + torch.__version__, "precision": a.precision, "tokens_per_s": a.steps * a.batch * t / dt,
                       "parameters": sum(p.numel() for p in model.parameters()), "first_loss": losses[0],
                       "last_loss": losses[-1]}))
 
