@@ -128,7 +128,8 @@ TEST_F(Vectorised, LayerNormForwardAndBackward) {
                             db0.data(), m, d);
     vec_->layernorm_backward(x.data(), dy.data(), gamma.data(), mean0.data(), rstd0.data(), dx1.data(), dg1.data(),
                              db1.data(), m, d);
-    expect_close(dx1, dx0, 1e-5, "layernorm dx", d);
+    // With one feature every row normalises to 0 and dx is rounding noise times rstd = 1/sqrt(eps).
+    expect_close(dx1, dx0, d == 1 ? 1e-4 : 1e-5, "layernorm dx", d);
     expect_close(dg1, dg0, kTight, "layernorm dgamma", d);
     expect_close(db1, db0, kTight, "layernorm dbeta", d);
     // dx alone and the parameter gradients alone, as the engine calls them on several threads.
