@@ -126,6 +126,11 @@ void CpuEngine::gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float al
   DT_CHECK(a.numel() >= m * k && b.numel() >= k * n && c.numel() >= m * n,
            "gemm " << m << "x" << n << "x" << k << ": operands too small (" << a.str() << ", " << b.str() << ", "
                    << c.str() << ")");
+  // x W^T (every Linear's forward) runs at 40 % of the N/N rate through dnnl_sgemm on these
+  // processors (85 against 215 GFLOP/s for the GPT's shapes); oneDNN's matmul primitive does not.
+  if (tb && !ta && std::min(m, n) >= 16 &&
+      gemm_batched_f32_matmul(1, ta, tb, m, n, k, alpha, a.f32(), m * k, b.f32(), k * n, beta, c.f32(), m * n))
+    return;
   dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a.f32(), ta ? m : k, b.f32(),
                                 tb ? k : n, beta, c.f32(), n);
   DT_CHECK(st == dnnl_success, "dnnl_sgemm failed with status " << static_cast<int>(st));
