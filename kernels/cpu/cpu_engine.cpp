@@ -128,7 +128,9 @@ void CpuEngine::gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float al
                    << c.str() << ")");
   // x W^T (every Linear's forward) runs at 40 % of the N/N rate through dnnl_sgemm on these
   // processors (85 against 215 GFLOP/s for the GPT's shapes); oneDNN's matmul primitive does not.
-  if (tb && !ta && std::min(m, n) >= 16 &&
+  // The choice looks at the rows (tokens) only: tensor parallelism shards n or k, and every rank
+  // must run the same implementation as one rank would, or their rounding drifts apart.
+  if (tb && !ta && m >= 16 &&
       gemm_batched_f32_matmul(1, ta, tb, m, n, k, alpha, a.f32(), m * k, b.f32(), k * n, beta, c.f32(), m * n))
     return;
   dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a.f32(), ta ? m : k, b.f32(),
@@ -148,8 +150,12 @@ void CpuEngine::gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_t
                c.numel() >= (batch - 1) * sc + m * n,
            "gemm_batched: operands too small");
   // One oneDNN matmul over the batch beats a loop of small sgemm calls (attention's per-head
-  // products are 128x128x32: the call overhead is a large part of each).
-  if (batch > 1 && gemm_batched_f32_matmul(batch, ta, tb, m, n, k, alpha, a.f32(), sa, b.f32(), sb, beta, c.f32(), sc))
+  // products are 128x128x32: the call overhead is a large part of each). Products under 16 rows or
+  // columns stay on sgemm, as under bf16: on the tests' tiny GPTs (T 8, head width 4) the batched
+  // primitive's rounding moved tensor-parallel runs 2e-5 away from one rank after a few AdamW
+  // steps, past the 1e-5 those tests allow, and such products gain little from batching.
+  if (batch > 1 && std::min(m, n) >= 16 &&
+      gemm_batched_f32_matmul(batch, ta, tb, m, n, k, alpha, a.f32(), sa, b.f32(), sb, beta, c.f32(), sc))
     return;
   for (int64_t i = 0; i < batch; ++i) {
     dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a.f32() + i * sa, ta ? m : k,

@@ -164,21 +164,33 @@ inline __mmask16 span_mask(int64_t j, int64_t d) {
   return d - j >= kW ? static_cast<__mmask16>(0xffff) : head_mask(d - j);
 }
 
+// Adds the 16 floats of v to two 8-lane double accumulators.
+inline void add_pd(__m512 v, __m512d& lo, __m512d& hi) {
+  lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+  hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+}
+
+// LayerNorm sums its rows in double lanes and otherwise keeps the reference's order of float
+// operations: the row statistics feed every element, and tensor parallelism's equivalence tests
+// compare runs whose inputs differ in the last bits, where float row sums drift further apart.
 void layernorm_forward(const float* x, const float* gamma, const float* beta, float eps, float* mean, float* rstd,
                        float* y, int64_t m, int64_t d) {
   for (int64_t i = 0; i < m; ++i) {
     const float* row = x + i * d;
-    __m512 s = _mm512_setzero_ps();
-    for (int64_t j = 0; j < d; j += kW) s = _mm512_add_ps(s, load(row + j, span_mask(j, d)));
-    const float mu = _mm512_reduce_add_ps(s) / static_cast<float>(d);
+    __m512d slo = _mm512_setzero_pd(), shi = _mm512_setzero_pd();
+    for (int64_t j = 0; j < d; j += kW) add_pd(load(row + j, span_mask(j, d)), slo, shi);
+    const float mu = static_cast<float>(_mm512_reduce_add_pd(_mm512_add_pd(slo, shi)) / static_cast<double>(d));
     const __m512 vmu = _mm512_set1_ps(mu);
-    __m512 ss = _mm512_setzero_ps();
+    __m512d qlo = _mm512_setzero_pd(), qhi = _mm512_setzero_pd();
     for (int64_t j = 0; j < d; j += kW) {
       __mmask16 k = span_mask(j, d);
       __m512 c = _mm512_maskz_sub_ps(k, load(row + j, k), vmu);
-      ss = _mm512_fmadd_ps(c, c, ss);
+      __m512d clo = _mm512_cvtps_pd(_mm512_castps512_ps256(c)), chi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(c, 1));
+      qlo = _mm512_fmadd_pd(clo, clo, qlo);
+      qhi = _mm512_fmadd_pd(chi, chi, qhi);
     }
-    const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps);
+    const double var = _mm512_reduce_add_pd(_mm512_add_pd(qlo, qhi)) / static_cast<double>(d);
+    const float r = static_cast<float>(1.0 / std::sqrt(var + eps));
     mean[i] = mu;
     rstd[i] = r;
     const __m512 vr = _mm512_set1_ps(r);
@@ -186,7 +198,7 @@ void layernorm_forward(const float* x, const float* gamma, const float* beta, fl
     for (int64_t j = 0; j < d; j += kW) {
       __mmask16 k = span_mask(j, d);
       __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(load(row + j, k), vmu), vr);
-      store(out + j, _mm512_fmadd_ps(xhat, load(gamma + j, k), load(beta + j, k)), k);
+      store(out + j, _mm512_add_ps(_mm512_mul_ps(xhat, load(gamma + j, k)), load(beta + j, k)), k);
     }
   }
 }
@@ -197,23 +209,25 @@ void layernorm_backward(const float* x, const float* dy, const float* gamma, con
     const float* row = x + i * d;
     const float* drow = dy + i * d;
     const __m512 vmu = _mm512_set1_ps(mean[i]), vr = _mm512_set1_ps(rstd[i]);
-    __m512 s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps();
-    // One pass: the parameter gradients and the two row sums dx needs.
+    __m512d s1lo = _mm512_setzero_pd(), s1hi = _mm512_setzero_pd(), s2lo = _mm512_setzero_pd(),
+            s2hi = _mm512_setzero_pd();
+    // One pass: the parameter gradients and the two row sums dx needs (masked lanes add 0).
     for (int64_t j = 0; j < d; j += kW) {
       __mmask16 k = span_mask(j, d);
       __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(load(row + j, k), vmu), vr);
       __m512 g = load(drow + j, k);
       if (dgamma) {
-        store(dgamma + j, _mm512_fmadd_ps(g, xhat, load(dgamma + j, k)), k);
-        store(dbeta + j, _mm512_add_ps(g, load(dbeta + j, k)), k);
+        store(dgamma + j, _mm512_add_ps(load(dgamma + j, k), _mm512_mul_ps(g, xhat)), k);
+        store(dbeta + j, _mm512_add_ps(load(dbeta + j, k), g), k);
       }
       __m512 dxh = _mm512_mul_ps(g, load(gamma + j, k));
-      s1 = _mm512_add_ps(s1, dxh);
-      s2 = _mm512_fmadd_ps(dxh, xhat, s2);
+      add_pd(dxh, s1lo, s1hi);
+      add_pd(_mm512_mul_ps(dxh, xhat), s2lo, s2hi);
     }
     if (!dx) continue;
-    const __m512 mean1 = _mm512_set1_ps(_mm512_reduce_add_ps(s1) / static_cast<float>(d));
-    const __m512 mean2 = _mm512_set1_ps(_mm512_reduce_add_ps(s2) / static_cast<float>(d));
+    const double dd = static_cast<double>(d);
+    const __m512 mean1 = _mm512_set1_ps(static_cast<float>(_mm512_reduce_add_pd(_mm512_add_pd(s1lo, s1hi)) / dd));
+    const __m512 mean2 = _mm512_set1_ps(static_cast<float>(_mm512_reduce_add_pd(_mm512_add_pd(s2lo, s2hi)) / dd));
     float* out = dx + i * d;
     for (int64_t j = 0; j < d; j += kW) {
       __mmask16 k = span_mask(j, d);
@@ -249,14 +263,15 @@ void causal_softmax_forward(const float* ps, float* pp, int64_t row0, int64_t ro
     for (int64_t j = 0; j < len; j += kW)
       mx = _mm512_mask_max_ps(mx, span_mask(j, len), mx, _mm512_mul_ps(load(s + j, span_mask(j, len)), vs));
     const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
+    // The normaliser is summed in double, as the reference does (see layernorm_forward).
+    __m512d slo = _mm512_setzero_pd(), shi = _mm512_setzero_pd();
     for (int64_t j = 0; j < len; j += kW) {
       __mmask16 k = span_mask(j, len);
-      __m512 e = _mm512_maskz_mov_ps(k, exp_ps(_mm512_fmsub_ps(load(s + j, k), vs, vmax)));
+      __m512 e = _mm512_maskz_mov_ps(k, exp_ps(_mm512_sub_ps(_mm512_mul_ps(load(s + j, k), vs), vmax)));
       store(p + j, e, k);
-      sum = _mm512_add_ps(sum, e);
+      add_pd(e, slo, shi);
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    const __m512 inv = _mm512_set1_ps(static_cast<float>(1.0 / _mm512_reduce_add_pd(_mm512_add_pd(slo, shi))));
     for (int64_t j = 0; j < len; j += kW) {
       __mmask16 k = span_mask(j, len);
       store(p + j, _mm512_mul_ps(load(p + j, k), inv), k);
@@ -273,12 +288,18 @@ void causal_softmax_backward(const float* pp, const float* pd, float* pg, int64_
     const float* p = pp + r * t;
     const float* dp = pd + r * t;
     float* g = pg + r * t;
-    __m512 dot = _mm512_setzero_ps();
+    // sum(p * dp) in double: dp - dot cancels, and float rounding there is what tensor-parallel
+    // runs would see differ (see layernorm_forward).
+    __m512d dlo = _mm512_setzero_pd(), dhi = _mm512_setzero_pd();
     for (int64_t j = 0; j < len; j += kW) {
       __mmask16 k = span_mask(j, len);
-      dot = _mm512_fmadd_ps(load(p + j, k), load(dp + j, k), dot);
+      __m512 a = load(p + j, k), b = load(dp + j, k);
+      dlo =
+          _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(a)), _mm512_cvtps_pd(_mm512_castps512_ps256(b)), dlo);
+      dhi = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(a, 1)),
+                            _mm512_cvtps_pd(_mm512_extractf32x8_ps(b, 1)), dhi);
     }
-    const __m512 vdot = _mm512_set1_ps(_mm512_reduce_add_ps(dot));
+    const __m512 vdot = _mm512_set1_ps(static_cast<float>(_mm512_reduce_add_pd(_mm512_add_pd(dlo, dhi))));
     for (int64_t j = 0; j < len; j += kW) {
       __mmask16 k = span_mask(j, len);
       __m512 v = _mm512_mul_ps(_mm512_mul_ps(vs, load(p + j, k)), _mm512_sub_ps(load(dp + j, k), vdot));

@@ -295,3 +295,29 @@ TEST(VectorisedGemm, ManyShapesThroughTheBoundedCache) {
   for (int64_t m = 1; m <= 80; ++m) check_batched({false, true, 2, m, 9, 5, 1.f, 0.f, 0}, 1e-5);
   check_batched({false, true, 8, 128, 128, 32, 1.f, 0.f, 0}, 1e-5);
 }
+
+// Tensor parallelism splits attention heads across ranks, so a rank batches fewer GEMMs than one
+// rank does; each head's result must not depend on how many heads share the call.
+TEST(VectorisedGemm, ResultDoesNotDependOnBatchCount) {
+  Engine& e = cpu_engine();
+  for (GemmCase g :
+       {GemmCase{false, true, 4, 8, 8, 4, 1.f, 0.f, 0}, GemmCase{false, false, 4, 8, 4, 8, 1.f, 0.f, 0},
+        GemmCase{true, false, 4, 8, 4, 8, 1.f, 0.f, 0}, GemmCase{false, true, 8, 128, 128, 32, 1.f, 0.f, 0},
+        GemmCase{false, false, 8, 128, 32, 128, 1.f, 0.f, 0}}) {
+    const int64_t sa = g.m * g.k, sb = g.k * g.n, sc = g.m * g.n;
+    Tensor a = Tensor::empty({g.batch * sa}), b = Tensor::empty({g.batch * sb});
+    std::vector<float> av = random_vec(a.numel(), 41), bv = random_vec(b.numel(), 42);
+    std::copy(av.begin(), av.end(), a.f32());
+    std::copy(bv.begin(), bv.end(), b.f32());
+    Tensor all = Tensor::zeros({g.batch * sc}), half = Tensor::zeros({g.batch * sc});
+    e.gemm_batched(g.batch, g.ta, g.tb, g.m, g.n, g.k, 1.f, a, sa, b, sb, 0.f, all, sc);
+    for (int64_t h = 0; h < g.batch; h += g.batch / 2) {
+      Tensor ah = a.slice0(h * sa, (h + g.batch / 2) * sa), bh = b.slice0(h * sb, (h + g.batch / 2) * sb);
+      Tensor ch = half.slice0(h * sc, (h + g.batch / 2) * sc);
+      e.gemm_batched(g.batch / 2, g.ta, g.tb, g.m, g.n, g.k, 1.f, ah, sa, bh, sb, 0.f, ch, sc);
+    }
+    int64_t differ = 0;
+    for (int64_t i = 0; i < all.numel(); ++i) differ += all.f32()[i] != half.f32()[i];
+    EXPECT_EQ(differ, 0) << g.m << "x" << g.n << "x" << g.k << " ta " << g.ta << " tb " << g.tb;
+  }
+}
