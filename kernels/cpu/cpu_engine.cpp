@@ -150,11 +150,13 @@ void CpuEngine::gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_t
                c.numel() >= (batch - 1) * sc + m * n,
            "gemm_batched: operands too small");
   // One oneDNN matmul over the batch beats a loop of small sgemm calls (attention's per-head
-  // products are 128x128x32: the call overhead is a large part of each). Products under 16 rows or
-  // columns stay on sgemm, as under bf16: on the tests' tiny GPTs (T 8, head width 4) the batched
-  // primitive's rounding moved tensor-parallel runs 2e-5 away from one rank after a few AdamW
-  // steps, past the 1e-5 those tests allow, and such products gain little from batching.
-  if (batch > 1 && std::min(m, n) >= 16 &&
+  // products are 128x128x32: the call overhead is a large part of each). The choice depends on the
+  // product's shape only, not on the batch count: tensor parallelism splits the heads, and a rank
+  // with one head must round as one rank with all heads does. Products under 16 rows or columns
+  // stay on sgemm, as under bf16: on the tests' tiny GPTs (T 8, head width 4) the primitive's
+  // rounding moved tensor-parallel runs 2e-5 from one rank in a few AdamW steps, past the 1e-5
+  // those tests allow, and such products gain little.
+  if (std::min(m, n) >= 16 &&
       gemm_batched_f32_matmul(batch, ta, tb, m, n, k, alpha, a.f32(), sa, b.f32(), sb, beta, c.f32(), sc))
     return;
   for (int64_t i = 0; i < batch; ++i) {
