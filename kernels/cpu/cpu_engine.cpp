@@ -46,14 +46,10 @@ Engine& engine_for(Device device) {
 
 const char* math_precision_name(MathPrecision p) {
   switch (p) {
-    case MathPrecision::F32:
-      return "fp32";
-    case MathPrecision::TF32:
-      return "tf32";
-    case MathPrecision::BF16:
-      return "bf16";
-    case MathPrecision::F16:
-      return "fp16";
+    case MathPrecision::F32: return "fp32";
+    case MathPrecision::TF32: return "tf32";
+    case MathPrecision::BF16: return "bf16";
+    case MathPrecision::F16: return "fp16";
   }
   return "?";
 }
@@ -81,8 +77,8 @@ int enable_cuda() {
 
 std::string onednn_version() {
   const dnnl_version_t* v = dnnl_version();
-  return std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) + " (" + v->hash +
-         ")";
+  return std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) + " (" +
+         v->hash + ")";
 }
 
 std::string blas_info() {
@@ -218,17 +214,13 @@ static void vec2(const Tensor& a, const Tensor& b, Tensor& y,
 }
 
 void CpuEngine::unary_forward(Unary op, const Tensor& x, Tensor& y) {
-  if (op == Unary::Relu)
-    map1(x, y, fn::Relu{});
-  else
-    vec1(x, y, simd::active().gelu_forward);
+  if (op == Unary::Relu) map1(x, y, fn::Relu{});
+  else vec1(x, y, simd::active().gelu_forward);
 }
 
 void CpuEngine::unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) {
-  if (op == Unary::Relu)
-    map2(x, dy, dx, fn::ReluGrad{});
-  else
-    vec2(x, dy, dx, simd::active().gelu_backward);
+  if (op == Unary::Relu) map2(x, dy, dx, fn::ReluGrad{});
+  else vec2(x, dy, dx, simd::active().gelu_backward);
 }
 
 void CpuEngine::dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor& mask, Tensor& y) {
@@ -421,8 +413,8 @@ void CpuEngine::sgd_update(Tensor& param, const Tensor& grad, Tensor& buf, float
   for (int64_t i = 0; i < n; ++i) f(p[i], g[i], b ? b[i] : dummy);
 }
 
-void CpuEngine::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1, float beta2,
-                            float eps, float weight_decay, bool decoupled, int64_t step) {
+void CpuEngine::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1,
+                            float beta2, float eps, float weight_decay, bool decoupled, int64_t step) {
   check_f32(param, "param");
   DT_CHECK(step >= 1, "adam step counts from 1");
   float bias1 = 1.f - std::pow(beta1, static_cast<float>(step));

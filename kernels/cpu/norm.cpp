@@ -62,7 +62,8 @@ void CpuEngine::batchnorm_forward_train(const Tensor& x, int64_t channels, const
 }
 
 void CpuEngine::batchnorm_forward_infer(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta,
-                                        float eps, const Tensor& running_mean, const Tensor& running_var, Tensor& y) {
+                                        float eps, const Tensor& running_mean, const Tensor& running_var,
+                                        Tensor& y) {
   NchwView v = nchw(x, channels);
   const float* px = x.f32();
   float* py = y.f32();
@@ -161,7 +162,8 @@ void CpuEngine::channel_dot(const Tensor& a, const Tensor& b, int64_t channels, 
   }
 }
 
-void CpuEngine::channel_affine(const Tensor& x, int64_t channels, const Tensor& scale, const Tensor& shift, Tensor& y) {
+void CpuEngine::channel_affine(const Tensor& x, int64_t channels, const Tensor& scale, const Tensor& shift,
+                               Tensor& y) {
   NchwView v = nchw(x, channels);
   const float* px = x.f32();
   const float* a = scale.f32();
