@@ -15,6 +15,6 @@ for p in fp32 tf32 bf16; do
     --steps "$S" --eval-every 0 --eval-batches 4 --log-every "$S" --warmup-steps 10 --device cuda --precision "$p" |
     tail -n 4
   echo "== pytorch $p batch $B"
-  "$PYTHON" benchmarks/peers/torch_gpt.py --device cuda --gpu-precision "$p" --batch "$B" --steps "$S" --warmup 10 \
+  "$PYTHON" benchmarks/peers/torch_gpt.py --device cuda --precision "$p" --batch "$B" --steps "$S" --warmup 10 \
     --tokens "$DATA/train.h5" | tail -n 2
 done

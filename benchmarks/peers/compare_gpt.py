@@ -1,11 +1,18 @@
 #!/usr/bin/python3
 """dtrain against PyTorch on the same GPT (6 layers, width 256, 8 heads, context 128, byte
 vocabulary), 1 thread each, batch 8, AdamW: training tokens per second and peak resident memory
-(/usr/bin/time -v). Both train on the same byte-token file (made with `dtrain convert text` from
-/usr/share/games/fortunes unless --data is given). The two alternate `--rounds` times and the best
-of each is kept, so background load hits both alike. Prints a markdown table.
+(/usr/bin/time -v), in four configurations: dtrain fp32, dtrain bf16 (`--precision bf16`: bf16
+GEMM operands, fp32 accumulation, weights and optimizer), PyTorch fp32 and PyTorch bf16 autocast
+(torch.autocast('cpu', dtype=torch.bfloat16)). All train on the same byte-token file (made with
+`dtrain convert text` from /usr/share/games/fortunes unless --data is given). The four alternate
+`--rounds` times and the best of each is kept, so background load hits all alike.
+
+Then a learning check: dtrain trains --learn-steps steps in fp32 and in bf16 from the same seed and
+compares the validation loss at the end; bf16 passes when it is within --learn-tol (relative) of
+fp32. Prints markdown tables; exits 1 when the learning check fails.
 
 usage: benchmarks/peers/compare_gpt.py [--dtrain build/dtrain] [--data DIR] [--steps 20] [--rounds 2]
+                                       [--learn-steps 200] [--learn-tol 0.02]
 """
 import argparse
 import json
@@ -17,6 +24,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = ["--layers", "6", "--width", "256", "--heads", "8", "--context", "128"]
+CONFIGS = [("dtrain", "fp32"), ("dtrain", "bf16"), ("pytorch", "fp32"), ("pytorch", "bf16")]
 
 
 def timed(cmd, env):
@@ -27,15 +35,17 @@ def timed(cmd, env):
     return r.stdout, int(rss.group(1)) / 1024.0 if rss else float("nan")
 
 
-def run_dtrain(a, data, env):
+def dtrain_cmd(a, data, precision, steps, metrics, log_every, eval_batches):
+    return [a.dtrain, "train", "--model", "gpt", "--data", data, *MODEL, "--batch-size", "8", "--steps", str(steps),
+            "--threads", "1", "--log-every", str(log_every), "--eval-every", "0", "--eval-batches",
+            str(eval_batches), "--warmup-steps", "0", "--precision", precision, "--metrics", metrics]
+
+
+def run_dtrain(a, data, precision, env):
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         # 3 warm-up steps logged apart from the timed ones, as the peer does.
-        steps = 3 + a.steps
-        cmd = [a.dtrain, "train", "--model", "gpt", "--data", data, *MODEL, "--batch-size", "8", "--steps",
-               str(steps), "--threads", "1", "--log-every", "3", "--eval-every", "0", "--eval-batches", "1",
-               "--warmup-steps", "0", "--metrics", metrics]
-        _, rss = timed(cmd, env)
+        _, rss = timed(dtrain_cmd(a, data, precision, 3 + a.steps, metrics, 3, 1), env)
         rows = [json.loads(l) for l in open(metrics)]
         logged = [r for r in rows if "loss" in r and "tokens_per_s" in r]
         timed_rows = logged[1:]  # everything after the first 3 steps
@@ -43,10 +53,19 @@ def run_dtrain(a, data, env):
         return tps, rss
 
 
-def run_torch(a, data, env):
+def run_torch(a, data, precision, env):
     out, rss = timed(["/usr/bin/python3", os.path.join(HERE, "torch_gpt.py"), "--steps", str(a.steps), "--warmup",
-                      "3", "--threads", "1", "--batch", "8", "--tokens", os.path.join(data, "train.h5")], env)
+                      "3", "--threads", "1", "--batch", "8", "--tokens", os.path.join(data, "train.h5"),
+                      "--precision", precision], env)
     return json.loads(out.strip().splitlines()[-1])["tokens_per_s"], rss
+
+
+def dtrain_val_loss(a, data, precision, env):
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "m.jsonl")
+        timed(dtrain_cmd(a, data, precision, a.learn_steps, metrics, a.learn_steps, 16), env)
+        summary = [r for r in (json.loads(l) for l in open(metrics)) if "summary" in r][-1]
+        return summary["val_loss"]
 
 
 def main():
@@ -55,6 +74,8 @@ def main():
     ap.add_argument("--data")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--learn-steps", type=int, default=200, help="steps of the bf16-vs-fp32 check (0: skip it)")
+    ap.add_argument("--learn-tol", type=float, default=0.02, help="relative validation loss difference allowed")
     a = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     tmp = None
@@ -64,17 +85,46 @@ def main():
         data = tmp.name
         subprocess.run([a.dtrain, "convert", "text", "--inputs", "/usr/share/games/fortunes", "--out", data],
                        check=True, capture_output=True)
-    best = {"dtrain": (0.0, float("inf")), "pytorch": (0.0, float("inf"))}
-    for _ in range(a.rounds):
-        for name, fn in (("dtrain", run_dtrain), ("pytorch", run_torch)):
-            tps, rss = fn(a, data, env)
-            best[name] = (max(best[name][0], tps), min(best[name][1], rss))
-    d, p = best["dtrain"], best["pytorch"]
+    best = {c: (0.0, float("inf")) for c in CONFIGS}
+    for r in range(a.rounds):
+        for c in CONFIGS:
+            tps, rss = (run_dtrain if c[0] == "dtrain" else run_torch)(a, data, c[1], env)
+            print(f"round {r + 1}: {c[0]} {c[1]}: {tps:.0f} tokens/s, peak RSS {rss:.0f} MiB", file=sys.stderr)
+            best[c] = (max(best[c][0], tps), min(best[c][1], rss))
+
+    def tps(c):
+        return best[c][0]
+
+    def rss(c):
+        return best[c][1]
+
     print("| GPT 6x256, ctx 128, batch 8, AdamW, 1 thread | tokens/s | peak RSS (MiB) |")
     print("| --- | ---: | ---: |")
-    print(f"| dtrain | {d[0]:.0f} | {d[1]:.0f} |")
-    print(f"| PyTorch 1.13 | {p[0]:.0f} | {p[1]:.0f} |")
-    print(f"| dtrain / PyTorch | {d[0] / p[0]:.2f}x | {d[1] / p[1]:.2f} |")
+    names = {"dtrain": "dtrain", "pytorch": "PyTorch 1.13"}
+    labels = {("dtrain", "fp32"): "fp32", ("dtrain", "bf16"): "bf16 (`--precision bf16`)",
+              ("pytorch", "fp32"): "fp32", ("pytorch", "bf16"): "bf16 autocast"}
+    for c in CONFIGS:
+        print(f"| {names[c[0]]} {labels[c]} | {tps(c):.0f} | {rss(c):.0f} |")
+    print()
+    print("| ratio | tokens/s | peak RSS |")
+    print("| --- | ---: | ---: |")
+    for num, den in ((("dtrain", "fp32"), ("pytorch", "fp32")), (("dtrain", "bf16"), ("pytorch", "fp32")),
+                     (("dtrain", "bf16"), ("pytorch", "bf16"))):
+        print(f"| dtrain {num[1]} / PyTorch {den[1]} | {tps(num) / tps(den):.2f}x | {rss(num) / rss(den):.2f} |")
+
+    if a.learn_steps > 0:
+        v32 = dtrain_val_loss(a, data, "fp32", env)
+        v16 = dtrain_val_loss(a, data, "bf16", env)
+        rel = abs(v16 - v32) / v32
+        ok = rel <= a.learn_tol
+        print()
+        print(f"| dtrain after {a.learn_steps} steps | validation loss (nats/byte) |")
+        print("| --- | ---: |")
+        print(f"| fp32 | {v32:.4f} |")
+        print(f"| bf16 | {v16:.4f} |")
+        print(f"| relative difference | {rel:.4f} ({'within' if ok else 'OUTSIDE'} {a.learn_tol}) |")
+        if not ok:
+            sys.exit(1)
 
 
 if __name__ == "__main__":

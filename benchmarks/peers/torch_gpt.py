@@ -4,9 +4,13 @@ blocks (causal self-attention with a fused qkv projection, GELU MLP 4x), final L
 unembedding; nn.Linear keeps PyTorch's default init, as dtrain's. Trains on windows of a byte
 stream (an HDF5 token file from `dtrain convert text`, or random bytes) with AdamW (beta2 0.95)
 and prints one JSON line: tokens per second over the timed steps (after warm-up steps).
+--precision bf16 runs forward and loss under torch.autocast(device, dtype=torch.bfloat16) (bf16
+matmuls, fp32 master weights and optimizer), PyTorch's own mixed precision; --device cuda trains
+on a GPU, where --precision fp32 turns TF32 off and tf32 turns it on.
 
 usage: torch_gpt.py [--layers 6] [--width 256] [--heads 8] [--context 128] [--batch 8]
-                    [--steps 20] [--warmup 3] [--threads 1] [--tokens FILE.h5]
+                    [--steps 20] [--warmup 3] [--threads 1] [--tokens FILE.h5] [--precision fp32|tf32|bf16]
+                    [--device cpu|cuda]
 """
 import argparse
 import contextlib
@@ -74,15 +78,17 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", help="HDF5 token file (dtrain convert text); random bytes otherwise")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--gpu-precision", default="fp32", choices=["fp32", "tf32", "bf16"],
-                    help="on cuda: fp32 (TF32 off), tf32, or bf16 autocast")
+    ap.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32",
+                    help="fp32 (on cuda: TF32 off), tf32 (cuda only), or bf16 autocast")
     a = ap.parse_args()
     dev = torch.device(a.device)
+    if a.precision == "tf32" and dev.type != "cuda":
+        ap.error("--precision tf32 needs --device cuda")
     if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = a.gpu_precision == "tf32"
-        torch.backends.cudnn.allow_tf32 = a.gpu_precision == "tf32"
-    use_bf16 = dev.type == "cuda" and a.gpu_precision == "bf16"
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+        torch.backends.cuda.matmul.allow_tf32 = a.precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = a.precision == "tf32"
+    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if a.precision == "bf16"
+                else contextlib.nullcontext())
     torch.set_num_threads(a.threads)
     torch.manual_seed(1)
     if a.tokens:
@@ -112,7 +118,7 @@ def main():
         opt.step()
         losses.append(loss.item())
     dt = time.perf_counter() - t0
-    print(json.dumps({"framework": "pytorch " + torch.__version__, "tokens_per_s": a.steps * a.batch * t / dt,
+    print(json.dumps({"framework": "pytorch " + torch.__version__, "precision": a.precision, "tokens_per_s": a.steps * a.batch * t / dt,
                       "parameters": sum(p.numel() for p in model.parameters()), "first_loss": losses[0],
                       "last_loss": losses[-1], "device": str(dev),
                       "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else 0}))

@@ -9,6 +9,7 @@
 #include <cblas.h>
 
 #include "dtrain/kernels/functors.h"
+#include "simd.h"
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
 #include "../cuda/cuda_install.h"
 #endif
@@ -137,6 +138,13 @@ void CpuEngine::gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float al
   DT_CHECK(a.numel() >= m * k && b.numel() >= k * n && c.numel() >= m * n,
            "gemm " << m << "x" << n << "x" << k << ": operands too small (" << a.str() << ", " << b.str() << ", "
                    << c.str() << ")");
+  // x W^T (every Linear's forward) runs at 40 % of the N/N rate through dnnl_sgemm on these
+  // processors (85 against 215 GFLOP/s for the GPT's shapes); oneDNN's matmul primitive does not.
+  // The choice looks at the rows (tokens) only: tensor parallelism shards n or k, and every rank
+  // must run the same implementation as one rank would, or their rounding drifts apart.
+  if (tb && !ta && m >= 16 &&
+      gemm_batched_f32_matmul(1, ta, tb, m, n, k, alpha, a.f32(), m * k, b.f32(), k * n, beta, c.f32(), m * n))
+    return;
   dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a.f32(), ta ? m : k, b.f32(),
                                 tb ? k : n, beta, c.f32(), n);
   DT_CHECK(st == dnnl_success, "dnnl_sgemm failed with status " << static_cast<int>(st));
@@ -153,6 +161,16 @@ void CpuEngine::gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_t
   DT_CHECK(a.numel() >= (batch - 1) * sa + m * k && b.numel() >= (batch - 1) * sb + k * n &&
                c.numel() >= (batch - 1) * sc + m * n,
            "gemm_batched: operands too small");
+  // One oneDNN matmul over the batch beats a loop of small sgemm calls (attention's per-head
+  // products are 128x128x32: the call overhead is a large part of each). The choice depends on the
+  // product's shape only, not on the batch count: tensor parallelism splits the heads, and a rank
+  // with one head must round as one rank with all heads does. Products under 16 rows or columns
+  // stay on sgemm, as under bf16: on the tests' tiny GPTs (T 8, head width 4) the primitive's
+  // rounding moved tensor-parallel runs 2e-5 from one rank in a few AdamW steps, past the 1e-5
+  // those tests allow, and such products gain little.
+  if (std::min(m, n) >= 16 &&
+      gemm_batched_f32_matmul(batch, ta, tb, m, n, k, alpha, a.f32(), sa, b.f32(), sb, beta, c.f32(), sc))
+    return;
   for (int64_t i = 0; i < batch; ++i) {
     dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a.f32() + i * sa, ta ? m : k,
                                   b.f32() + i * sb, tb ? k : n, beta, c.f32() + i * sc, n);
@@ -188,18 +206,41 @@ static void map2(const Tensor& a, const Tensor& b, Tensor& y, F f) {
   for (int64_t i = 0; i < n; ++i) py[i] = f(pa[i], pb[i]);
 }
 
+// y = f(x) / y = f(a, b) through a kernel of the active table, sliced across threads.
+static void vec1(const Tensor& x, Tensor& y, void (*kernel)(const float*, float*, int64_t)) {
+  check_f32(x, "input");
+  check_f32(y, "output");
+  DT_CHECK(x.numel() == y.numel(), "element-wise op on " << x.str() << " -> " << y.str());
+  const float* px = x.f32();
+  float* py = y.f32();
+  for_slices(x.numel(), kParallelGrain, 16, [&](int64_t b, int64_t n) { kernel(px + b, py + b, n); });
+}
+
+static void vec2(const Tensor& a, const Tensor& b, Tensor& y,
+                 void (*kernel)(const float*, const float*, float*, int64_t)) {
+  check_f32(a, "input");
+  check_f32(b, "input");
+  check_f32(y, "output");
+  DT_CHECK(a.numel() == y.numel() && b.numel() == y.numel(),
+           "element-wise op on " << a.str() << ", " << b.str() << " -> " << y.str());
+  const float* pa = a.f32();
+  const float* pb = b.f32();
+  float* py = y.f32();
+  for_slices(y.numel(), kParallelGrain, 16, [&](int64_t i, int64_t n) { kernel(pa + i, pb + i, py + i, n); });
+}
+
 void CpuEngine::unary_forward(Unary op, const Tensor& x, Tensor& y) {
   if (op == Unary::Relu)
     map1(x, y, fn::Relu{});
   else
-    map1(x, y, fn::Gelu{});
+    vec1(x, y, simd::active().gelu_forward);
 }
 
 void CpuEngine::unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) {
   if (op == Unary::Relu)
     map2(x, dy, dx, fn::ReluGrad{});
   else
-    map2(x, dy, dx, fn::GeluGrad{});
+    vec2(x, dy, dx, simd::active().gelu_backward);
 }
 
 void CpuEngine::dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor& mask, Tensor& y) {
@@ -215,10 +256,23 @@ void CpuEngine::dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor&
   mul(x, mask, y);
 }
 
-void CpuEngine::mul(const Tensor& a, const Tensor& b, Tensor& y) { map2(a, b, y, fn::Mul{}); }
-void CpuEngine::add(const Tensor& a, const Tensor& b, Tensor& y) { map2(a, b, y, fn::Add{}); }
-void CpuEngine::axpy(float alpha, const Tensor& x, Tensor& y) { map2(x, y, y, fn::Axpy{alpha}); }
-void CpuEngine::scale(Tensor& y, float alpha) { map1(y, y, fn::Scale{alpha}); }
+void CpuEngine::mul(const Tensor& a, const Tensor& b, Tensor& y) { vec2(a, b, y, simd::active().mul); }
+void CpuEngine::add(const Tensor& a, const Tensor& b, Tensor& y) { vec2(a, b, y, simd::active().add); }
+void CpuEngine::axpy(float alpha, const Tensor& x, Tensor& y) {
+  check_f32(x, "axpy x");
+  check_f32(y, "axpy y");
+  DT_CHECK(x.numel() == y.numel(), "axpy " << x.str() << " into " << y.str());
+  const float* px = x.f32();
+  float* py = y.f32();
+  auto kernel = simd::active().axpy;
+  for_slices(y.numel(), kParallelGrain, 16, [&](int64_t i, int64_t n) { kernel(alpha, px + i, py + i, n); });
+}
+void CpuEngine::scale(Tensor& y, float alpha) {
+  check_f32(y, "scale y");
+  float* py = y.f32();
+  auto kernel = simd::active().scale;
+  for_slices(y.numel(), kParallelGrain, 16, [&](int64_t i, int64_t n) { kernel(py + i, alpha, n); });
+}
 void CpuEngine::fill(Tensor& y, float value) {
   if (y.dtype() != DType::F32) {
     DT_CHECK(value == 0.f, "fill of " << y.str() << " with a non-zero value");
@@ -266,9 +320,8 @@ void CpuEngine::add_row_bias(Tensor& y, const Tensor& bias) {
   int64_t m = y.numel() / n;
   float* py = y.f32();
   const float* pb = bias.f32();
-#pragma omp parallel for if (m * n > kParallelGrain)
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) py[i * n + j] += pb[j];
+  auto kernel = simd::active().add_row_bias;
+  for_slices(m, kParallelGrain / n, 1, [&](int64_t i, int64_t rows) { kernel(py + i * n, pb, rows, n); });
 }
 
 void CpuEngine::row_bias_grad(const Tensor& dy, Tensor& dbias) {
@@ -277,19 +330,21 @@ void CpuEngine::row_bias_grad(const Tensor& dy, Tensor& dbias) {
   int64_t n = dbias.numel();
   DT_CHECK(n > 0 && dy.numel() % n == 0, "row_bias_grad " << dy.str() << " -> " << dbias.str());
   int64_t m = dy.numel() / n;
-  const float* p = dy.f32();
-  float* db = dbias.f32();
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) db[j] += p[i * n + j];
+  simd::active().row_bias_grad(dy.f32(), dbias.f32(), m, n);
 }
 
 double CpuEngine::sum_squares(const Tensor& x) {
   check_f32(x, "sum_squares input");
   const float* p = x.f32();
   int64_t n = x.numel();
+  auto kernel = simd::active().sum_squares;
   double s = 0;
-#pragma omp parallel for reduction(+ : s) if (n > kParallelGrain)
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(p[i]) * p[i];
+#pragma omp parallel reduction(+ : s) if (n > kParallelGrain)
+  {
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t per = (n + nt - 1) / nt, b = std::min(n, id * per), e = std::min(n, b + per);
+    s += kernel(p + b, e - b);
+  }
   return s;
 }
 
@@ -389,9 +444,11 @@ void CpuEngine::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor
   const float* g = grad.f32();
   float* pm = m.f32();
   float* pv = v.f32();
-  int64_t n = param.numel();
-#pragma omp parallel for if (n > kParallelGrain)
-  for (int64_t i = 0; i < n; ++i) f(p[i], g[i], pm[i], pv[i]);
+  DT_CHECK(grad.numel() == param.numel() && m.numel() == param.numel() && v.numel() == param.numel(),
+           "adam_update " << param.str() << " with grad " << grad.str() << ", m " << m.str() << ", v " << v.str());
+  auto kernel = simd::active().adam_update;
+  for_slices(param.numel(), kParallelGrain, 16,
+             [&](int64_t i, int64_t n) { kernel(p + i, g + i, pm + i, pv + i, n, f); });
 }
 
 }  // namespace cpu

@@ -1,6 +1,11 @@
 #pragma once
 // CpuEngine: GEMM, convolution and pooling through oneDNN; normalisation, element-wise ops and
 // reductions as OpenMP loops over the shared functors. Private to kernels/.
+#include <omp.h>
+
+#include <algorithm>
+#include <list>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -20,6 +25,25 @@ inline dnnl::memory::desc plain(const memory::dims& d, tag t) { return memory::d
 // f32 -> bf16 (round to nearest even) for n elements; AVX512-BF16 instructions when the processor
 // has them. Defined in gemm_lowp.cpp.
 void f32_to_bf16(const float* src, uint16_t* dst, int64_t n);
+
+// Runs f(begin, count) over [0, n): on the calling thread when n <= grain (a fork/join costs more
+// than the work), else one contiguous slice per OpenMP thread, slice starts a multiple of `align`
+// (16 floats keeps the vector kernels' slices on whole registers; a row length keeps rows whole).
+template <typename F>
+void for_slices(int64_t n, int64_t grain, int64_t align, F f) {
+  const int threads = n > grain ? omp_get_max_threads() : 1;
+  if (threads <= 1) {
+    if (n > 0) f(int64_t{0}, n);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t per = ((n + nt - 1) / nt + align - 1) / align * align;
+    const int64_t begin = id * per, end = std::min(n, begin + per);
+    if (begin < end) f(begin, end - begin);
+  }
+}
 
 // A memory in the layout a primitive wants, reordering from/to the user's plain buffer when the
 // layouts differ. The scratch buffer lives in the cache entry so a step allocates nothing.
@@ -67,10 +91,59 @@ struct ConvPrims {
   memory dw_tmp, db_tmp;  // backward-weights results, added into the accumulating gradients
 };
 
-// A oneDNN matmul for one low-precision GEMM shape (bf16 operands, f32 accumulation and output).
+// A oneDNN matmul for one GEMM shape: bf16 or f32 operands, f32 accumulation and output; a batch of
+// GEMMs at fixed strides is one primitive over 3-D descriptors [batch, rows, cols].
 struct MatmulPrims {
   memory::desc a_md, b_md, c_md;
   dnnl::matmul prim;
+};
+
+// The shape of one matmul primitive (operand type, batch and strides, transposes, scalars).
+struct MatmulShape {
+  dt operands;
+  int64_t batch;
+  bool ta, tb;
+  int64_t m, n, k, sa, sb, sc;
+  float alpha, beta;
+  std::string key() const;
+};
+
+// Matmul primitives by shape, least recently used first out past `capacity` entries: a model has a
+// handful of GEMM shapes, but a run that keeps changing shapes (generation with a growing context)
+// must not keep a primitive for each. Primitives use oneDNN's library-managed scratchpad, which is
+// shared between primitives, so a cached primitive holds no large buffer of its own.
+class MatmulCache {
+ public:
+  explicit MatmulCache(size_t capacity) : capacity_(capacity) {}
+  // The cached primitive for `shape`, created by `make` on a miss; null when `make` returns null.
+  template <typename Make>
+  std::shared_ptr<MatmulPrims> get(const MatmulShape& shape, Make make) {
+    const std::string key = shape.key();
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = index_.find(key);
+    if (it != index_.end()) {
+      order_.splice(order_.begin(), order_, it->second);
+      return it->second->second;
+    }
+    std::shared_ptr<MatmulPrims> p = make(shape);
+    order_.emplace_front(key, p);
+    index_[key] = order_.begin();
+    if (order_.size() > capacity_) {
+      index_.erase(order_.back().first);
+      order_.pop_back();
+    }
+    return p;
+  }
+  size_t size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return order_.size();
+  }
+
+ private:
+  size_t capacity_;
+  mutable std::mutex mu_;
+  std::list<std::pair<std::string, std::shared_ptr<MatmulPrims>>> order_;  // most recent first
+  std::unordered_map<std::string, decltype(order_)::iterator> index_;
 };
 
 struct PoolPrims {
@@ -159,7 +232,12 @@ class CpuEngine final : public Engine {
   // gemm_batched with bf16/f16 operands or a bf16/f16 math precision (kernels/cpu/gemm_lowp.cpp).
   void gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a,
                  int64_t sa, const Tensor& b, int64_t sb, float beta, Tensor& c, int64_t sc);
-  MatmulPrims& matmul_prims(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, float beta);
+  // One oneDNN matmul for the whole batch (null when oneDNN has no implementation for the strides).
+  std::shared_ptr<MatmulPrims> matmul_prims(const MatmulShape& shape);
+  // The batch of f32 GEMMs as one f32 matmul; false when there is none for this shape.
+  bool gemm_batched_f32_matmul(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                               const float* a, int64_t sa, const float* b, int64_t sb, float beta, float* c,
+                               int64_t sc);
   ConvPrims& conv_prims(const Conv2dGeom& g);
   PoolPrims& pool_prims(const Pool2dGeom& g, PoolKind kind);
 
@@ -169,7 +247,7 @@ class CpuEngine final : public Engine {
   std::mutex cache_mu_;
   std::unordered_map<std::string, std::unique_ptr<ConvPrims>> conv_cache_;
   std::unordered_map<std::string, std::unique_ptr<PoolPrims>> pool_cache_;
-  std::unordered_map<std::string, std::unique_ptr<MatmulPrims>> matmul_cache_;
+  MatmulCache matmul_cache_{64};
 };
 
 }  // namespace dtrain::cpu

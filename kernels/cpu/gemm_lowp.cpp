@@ -57,28 +57,59 @@ void f32_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   }
 }
 
-MatmulPrims& CpuEngine::matmul_prims(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, float beta) {
+std::string MatmulShape::key() const {
   std::ostringstream key;
-  key << ta << tb << ',' << m << ',' << n << ',' << k << ',' << alpha << ',' << beta;
-  std::lock_guard<std::mutex> lock(cache_mu_);
-  auto& slot = matmul_cache_[key.str()];
-  if (slot) return *slot;
-  auto p = std::make_unique<MatmulPrims>();
-  // Row-major operands; a transposed operand is the same buffer read with swapped strides.
-  p->a_md = memory::desc({m, k}, dt::bf16, ta ? memory::dims{1, m} : memory::dims{k, 1});
-  p->b_md = memory::desc({k, n}, dt::bf16, tb ? memory::dims{1, k} : memory::dims{n, 1});
-  p->c_md = memory::desc({m, n}, dt::f32, memory::dims{n, 1});
-  dnnl::primitive_attr attr;
-  if (alpha != 1.f) attr.set_output_scales(0, {alpha});
-  if (beta != 0.f) {
-    dnnl::post_ops po;
-    po.append_sum(beta);
-    attr.set_post_ops(po);
-  }
-  dnnl::matmul::desc d(p->a_md, p->b_md, p->c_md);
-  p->prim = dnnl::matmul(dnnl::matmul::primitive_desc(d, attr, eng_));
-  slot = std::move(p);
-  return *slot;
+  key << static_cast<int>(operands) << ',' << batch << ',' << ta << tb << ',' << m << ',' << n << ',' << k << ','
+      << (batch > 1 ? sa : 0) << ',' << (batch > 1 ? sb : 0) << ',' << (batch > 1 ? sc : 0) << ',' << alpha << ','
+      << beta;  // strides matter only between GEMMs of a batch
+  return key.str();
+}
+
+std::shared_ptr<MatmulPrims> CpuEngine::matmul_prims(const MatmulShape& s) {
+  return matmul_cache_.get(s, [this](const MatmulShape& s) -> std::shared_ptr<MatmulPrims> {
+    auto p = std::make_shared<MatmulPrims>();
+    // Row-major operands; a transposed operand is the same buffer read with swapped strides. A
+    // batch adds a leading dimension whose stride is the distance between consecutive GEMMs.
+    const memory::dims a_str = s.ta ? memory::dims{1, s.m} : memory::dims{s.k, 1};
+    const memory::dims b_str = s.tb ? memory::dims{1, s.k} : memory::dims{s.n, 1};
+    const memory::dims c_str{s.n, 1};
+    if (s.batch == 1) {
+      p->a_md = memory::desc({s.m, s.k}, s.operands, a_str);
+      p->b_md = memory::desc({s.k, s.n}, s.operands, b_str);
+      p->c_md = memory::desc({s.m, s.n}, dt::f32, c_str);
+    } else {
+      p->a_md = memory::desc({s.batch, s.m, s.k}, s.operands, {s.sa, a_str[0], a_str[1]});
+      p->b_md = memory::desc({s.batch, s.k, s.n}, s.operands, {s.sb, b_str[0], b_str[1]});
+      p->c_md = memory::desc({s.batch, s.m, s.n}, dt::f32, {s.sc, c_str[0], c_str[1]});
+    }
+    dnnl::primitive_attr attr;
+    if (s.alpha != 1.f) attr.set_output_scales(0, {s.alpha});
+    if (s.beta != 0.f) {
+      dnnl::post_ops po;
+      po.append_sum(s.beta);
+      attr.set_post_ops(po);
+    }
+    try {
+      dnnl::matmul::desc d(p->a_md, p->b_md, p->c_md);
+      p->prim = dnnl::matmul(dnnl::matmul::primitive_desc(d, attr, eng_));
+    } catch (const dnnl::error&) {
+      return nullptr;  // no implementation for these strides: the caller loops over the batch
+    }
+    return p;
+  });
+}
+
+bool CpuEngine::gemm_batched_f32_matmul(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                                        const float* a, int64_t sa, const float* b, int64_t sb, float beta, float* c,
+                                        int64_t sc) {
+  std::shared_ptr<MatmulPrims> p = matmul_prims({dt::f32, batch, ta, tb, m, n, k, sa, sb, sc, alpha, beta});
+  if (!p) return false;
+  memory ma(p->a_md, eng_, const_cast<float*>(a));
+  memory mb(p->b_md, eng_, const_cast<float*>(b));
+  memory mc(p->c_md, eng_, c);
+  p->prim.execute(strm_, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  strm_.wait();
+  return true;
 }
 
 void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
@@ -133,12 +164,17 @@ void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n,
     pa = wa;
     pb = wb;
   }
-  MatmulPrims& p = matmul_prims(ta, tb, m, n, k, alpha, beta);
-  for (int64_t i = 0; i < batch; ++i) {
-    memory ma(p.a_md, eng_, const_cast<uint16_t*>(pa + i * sa));
-    memory mb(p.b_md, eng_, const_cast<uint16_t*>(pb + i * sb));
-    memory mc(p.c_md, eng_, c.f32() + i * sc);
-    p.prim.execute(strm_, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  // The whole batch as one primitive (attention's per-head products); per GEMM when oneDNN has no
+  // batched implementation for the strides.
+  std::shared_ptr<MatmulPrims> p = matmul_prims({dt::bf16, batch, ta, tb, m, n, k, sa, sb, sc, alpha, beta});
+  const int64_t per_call = p ? batch : 1;
+  if (!p) p = matmul_prims({dt::bf16, 1, ta, tb, m, n, k, sa, sb, sc, alpha, beta});
+  DT_CHECK(p, "oneDNN has no bf16 matmul for " << m << "x" << n << "x" << k);
+  for (int64_t i = 0; i < batch; i += per_call) {
+    memory ma(p->a_md, eng_, const_cast<uint16_t*>(pa + i * sa));
+    memory mb(p->b_md, eng_, const_cast<uint16_t*>(pb + i * sb));
+    memory mc(p->c_md, eng_, c.f32() + i * sc);
+    p->prim.execute(strm_, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
   }
   strm_.wait();
 }

@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "cpu_engine.h"
+#include "simd.h"
 
 namespace dtrain::cpu {
 
@@ -181,33 +182,26 @@ void CpuEngine::layernorm_forward(const Tensor& x, const Tensor& gamma, const Te
   int64_t d = gamma.numel();
   DT_CHECK(d > 0 && x.size(-1) == d, "layernorm over " << d << " features of " << x.str());
   int64_t m = x.numel() / d;
+  DT_CHECK(y.numel() == x.numel() && mean.numel() == m && rstd.numel() == m,
+           "layernorm of " << x.str() << " into " << y.str() << ", mean " << mean.str() << ", rstd " << rstd.str());
   const float* px = x.f32();
   float* py = y.f32();
   const float* g = gamma.f32();
   const float* b = beta.f32();
   float* pm = mean.f32();
   float* pr = rstd.f32();
-#pragma omp parallel for if (x.numel() > (1 << 15))
-  for (int64_t i = 0; i < m; ++i) {
-    const float* row = px + i * d;
-    double s = 0;
-    for (int64_t j = 0; j < d; ++j) s += row[j];
-    float mu = static_cast<float>(s / d);
-    double ss = 0;
-    for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(row[j] - mu) * (row[j] - mu);
-    float r = static_cast<float>(1.0 / std::sqrt(ss / d + eps));
-    pm[i] = mu;
-    pr[i] = r;
-    float* out = py + i * d;
-    for (int64_t j = 0; j < d; ++j) out[j] = (row[j] - mu) * r * g[j] + b[j];
-  }
+  auto kernel = simd::active().layernorm_forward;
+  for_slices(m, (1 << 15) / d, 1,
+             [&](int64_t i, int64_t rows) { kernel(px + i * d, g, b, eps, pm + i, pr + i, py + i * d, rows, d); });
 }
 
-// dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * gamma.
+// dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * gamma (simd.cpp).
 void CpuEngine::layernorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
                                    const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
   int64_t d = gamma.numel();
   int64_t m = x.numel() / d;
+  DT_CHECK(dy.numel() == x.numel() && dx.numel() == x.numel() && dgamma.numel() == d && dbeta.numel() == d,
+           "layernorm_backward of " << x.str() << " with dy " << dy.str() << " into " << dx.str());
   const float* px = x.f32();
   const float* pdy = dy.f32();
   float* pdx = dx.f32();
@@ -216,33 +210,17 @@ void CpuEngine::layernorm_backward(const Tensor& x, const Tensor& dy, const Tens
   const float* pr = rstd.f32();
   float* dg = dgamma.f32();
   float* db = dbeta.f32();
-  for (int64_t i = 0; i < m; ++i) {
-    const float* row = px + i * d;
-    const float* drow = pdy + i * d;
-    for (int64_t j = 0; j < d; ++j) {
-      float xhat = (row[j] - pm[i]) * pr[i];
-      dg[j] += drow[j] * xhat;
-      db[j] += drow[j];
-    }
+  auto kernel = simd::active().layernorm_backward;
+  const int64_t grain = (1 << 15) / d;
+  if (m <= grain || omp_get_max_threads() == 1) {
+    kernel(px, pdy, g, pm, pr, pdx, dg, db, m, d);  // one pass over the rows does both
+    return;
   }
-#pragma omp parallel for if (x.numel() > (1 << 15))
-  for (int64_t i = 0; i < m; ++i) {
-    const float* row = px + i * d;
-    const float* drow = pdy + i * d;
-    float* out = pdx + i * d;
-    double s1 = 0, s2 = 0;
-    for (int64_t j = 0; j < d; ++j) {
-      float xhat = (row[j] - pm[i]) * pr[i];
-      float dxh = drow[j] * g[j];
-      s1 += dxh;
-      s2 += dxh * xhat;
-    }
-    float mean1 = static_cast<float>(s1 / d), mean2 = static_cast<float>(s2 / d);
-    for (int64_t j = 0; j < d; ++j) {
-      float xhat = (row[j] - pm[i]) * pr[i];
-      out[j] = pr[i] * (drow[j] * g[j] - mean1 - xhat * mean2);
-    }
-  }
+  // The parameter gradients sum over all rows: one thread, so the order is fixed; dx by slices.
+  kernel(px, pdy, g, pm, pr, nullptr, dg, db, m, d);
+  for_slices(m, grain, 1, [&](int64_t i, int64_t rows) {
+    kernel(px + i * d, pdy + i * d, g, pm + i, pr + i, pdx + i * d, nullptr, nullptr, rows, d);
+  });
 }
 
 }  // namespace dtrain::cpu

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "cpu_engine.h"
+#include "simd.h"
 
 namespace dtrain::cpu {
 
@@ -47,25 +48,11 @@ void CpuEngine::causal_softmax_forward(const Tensor& scores, int64_t t, float sc
            "causal_softmax: " << scores.str() << " is not [N, " << t << ", " << t << "]");
   check_f32_numel(probs, scores.numel(), "causal_softmax probs");
   check_f32_numel(scores, scores.numel(), "causal_softmax scores");
-  int64_t rows = scores.numel() / t;
+  const int64_t rows = scores.numel() / t;
   const float* ps = scores.f32();
   float* pp = probs.f32();
-#pragma omp parallel for if (rows * t > kGrain)
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t i = r % t;  // query position: keys 0..i are visible
-    const float* s = ps + r * t;
-    float* p = pp + r * t;
-    float mx = s[0] * scale;
-    for (int64_t j = 1; j <= i; ++j) mx = std::max(mx, s[j] * scale);
-    double sum = 0;
-    for (int64_t j = 0; j <= i; ++j) {
-      p[j] = std::exp(s[j] * scale - mx);
-      sum += p[j];
-    }
-    float inv = static_cast<float>(1.0 / sum);
-    for (int64_t j = 0; j <= i; ++j) p[j] *= inv;
-    for (int64_t j = i + 1; j < t; ++j) p[j] = 0.f;
-  }
+  auto kernel = simd::active().causal_softmax_forward;
+  for_slices(rows, kGrain / t, 1, [&](int64_t r, int64_t n) { kernel(ps + r * t, pp + r * t, r, n, t, scale); });
 }
 
 void CpuEngine::causal_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
@@ -75,22 +62,13 @@ void CpuEngine::causal_softmax_backward(const Tensor& probs, const Tensor& dprob
   check_f32_numel(probs, probs.numel(), "causal_softmax_backward probs");
   check_f32_numel(dprobs, probs.numel(), "causal_softmax_backward dprobs");
   check_f32_numel(dscores, probs.numel(), "causal_softmax_backward dscores");
-  int64_t rows = probs.numel() / t;
+  const int64_t rows = probs.numel() / t;
   const float* pp = probs.f32();
   const float* pd = dprobs.f32();
   float* pg = dscores.f32();
-#pragma omp parallel for if (rows * t > kGrain)
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t i = r % t;
-    const float* p = pp + r * t;
-    const float* dp = pd + r * t;
-    float* g = pg + r * t;
-    double dot = 0;
-    for (int64_t j = 0; j <= i; ++j) dot += static_cast<double>(p[j]) * dp[j];
-    float fdot = static_cast<float>(dot);
-    for (int64_t j = 0; j <= i; ++j) g[j] = scale * p[j] * (dp[j] - fdot);
-    for (int64_t j = i + 1; j < t; ++j) g[j] = 0.f;
-  }
+  auto kernel = simd::active().causal_softmax_backward;
+  for_slices(rows, kGrain / t, 1,
+             [&](int64_t r, int64_t n) { kernel(pp + r * t, pd + r * t, pg + r * t, r, n, t, scale); });
 }
 
 void CpuEngine::row_max(const Tensor& x, Tensor& out) {
