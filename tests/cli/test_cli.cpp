@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "../train/train_test_util.h"
+#include "dtrain/kernels/engine.h"
 
 namespace fs = std::filesystem;
 
@@ -227,5 +228,10 @@ TEST(CliMpi, GptPipelineTrainAndGenerateFromStageCheckpoints) {
   EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --micro-batches 3"), "--micro-batches");
   EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --pp-split 1,1"), "--pp-split");
   EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --schedule zigzag"), "--schedule");
+  EXPECT_FAILS_NAMING(run("train --config " + dir + "/gpt.ini --device tpu"), "--device");
+  if (enable_cuda() == 0)  // without a GPU the option says so; with one, --pp 2 on a GPU is refused
+    EXPECT_FAILS_NAMING(run("train --config " + dir + "/gpt.ini --device cuda"), "--device cuda");
+  else
+    EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --device cuda"), "--device cuda");
   fs::remove_all(dir);
 }
