@@ -229,7 +229,7 @@ TEST(CliMpi, GptPipelineTrainAndGenerateFromStageCheckpoints) {
   EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --pp-split 1,1"), "--pp-split");
   EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --schedule zigzag"), "--schedule");
   EXPECT_FAILS_NAMING(run("train --config " + dir + "/gpt.ini --device tpu"), "--device");
-  if (enable_cuda() == 0)  // without a GPU the option says so; with one, --pp 2 on a GPU is refused
+  if (dtrain::enable_cuda() == 0)  // without a GPU the option says so; with one, --pp 2 on a GPU is refused
     EXPECT_FAILS_NAMING(run("train --config " + dir + "/gpt.ini --device cuda"), "--device cuda");
   else
     EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --device cuda"), "--device cuda");
