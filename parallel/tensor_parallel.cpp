@@ -256,13 +256,8 @@ std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator*
       full[p->name] = c->gather_full(t);
     else if (auto* r = dynamic_cast<RowParallelLinear*>(m))
       full[p->name] = r->gather_full(t);
-    else if (t.device().is_cpu())
-      full[p->name] = t.clone();
-    else {  // a GPU's tensor: its host copy (checkpoints are written from the host)
-      Tensor h = Tensor::empty(t.shape(), t.dtype());
-      engine_for(t.device()).copy(t, h);
-      full[p->name] = h;
-    }
+    else  // a copy on the host (checkpoints are written from there)
+      full[p->name] = t.device().is_cpu() ? t.clone() : to_host(t);
   }
   return full;
 }
@@ -288,10 +283,7 @@ void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, con
       shard = r->shard_of(it->second);
     DT_INPUT_CHECK(shard.numel() == dst.numel(),
                    "parameter " << p->name << ": " << it->second.str() << " does not fit " << dst.str());
-    if (dst.device().is_cpu())
-      dst.copy_from(shard.reshape(dst.shape()));
-    else
-      engine_for(dst.device()).copy(shard, dst);
+    copy_any(shard, dst);
   }
 }
 

@@ -12,6 +12,9 @@
 #include "simd.h"
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
 #include "../cuda/cuda_install.h"
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+#include "dtrain/kernels/cuda.h"
+#endif
 #endif
 
 namespace dtrain {
@@ -74,6 +77,35 @@ Tensor zeros_on(const Shape& shape, Device device, DType dtype) {
     engine_for(device).copy(h, t);
   }
   return t;
+}
+
+void copy_any(const Tensor& src, Tensor& dst) {
+  if (src.device().is_cpu() && dst.device().is_cpu())
+    dst.copy_from(src);
+  else
+    engine_for(src.device().is_cpu() ? dst.device() : src.device()).copy(src, dst);
+}
+
+Tensor to_host(const Tensor& t) {
+  if (t.device().is_cpu()) return t;
+  Tensor h = Tensor::empty(t.shape(), t.dtype());
+  copy_any(t, h);
+  return h;
+}
+
+Tensor stage_to(const Tensor& host, Device device, StagedTensor& st) {
+  if (device.is_cpu()) return host;
+  if (!st.host.defined() || st.host.shape() != host.shape() || st.host.dtype() != host.dtype()) {
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+    st.host = cuda::pinned_empty(host.shape(), host.dtype());
+#else
+    st.host = Tensor::empty(host.shape(), host.dtype());
+#endif
+    st.device = Tensor::empty(host.shape(), host.dtype(), device);
+  }
+  st.host.copy_from(host);
+  engine_for(device).copy(st.host, st.device);  // asynchronous from page-locked memory
+  return st.device;
 }
 
 // The CUDA engine lives in dtrain_kernels_cuda, which dtrain_kernels links when CUDA is found; the

@@ -22,7 +22,7 @@ Dropout::Dropout(float p, uint64_t seed) : p_(p) {
   Tensor state = Tensor::empty({4}, DType::I64);
   auto words = Rng(seed).state();
   std::memcpy(state.raw(), words.data(), sizeof words);
-  rng_state_ = &add_buffer("rng_state", state);
+  rng_state_ = &add_buffer("rng_state", state, /*host=*/true);
 }
 
 Tensor Dropout::forward(const Tensor& x) {

@@ -23,8 +23,8 @@ Parameter& Module::add_parameter(const std::string& name, Tensor value) {
   return *params_.back();
 }
 
-Buffer& Module::add_buffer(const std::string& name, Tensor value) {
-  buffers_.push_back(std::make_unique<Buffer>(Buffer{name, std::move(value)}));
+Buffer& Module::add_buffer(const std::string& name, Tensor value, bool host) {
+  buffers_.push_back(std::make_unique<Buffer>(Buffer{name, std::move(value), host}));
   buffer_names_.push_back(name);
   return *buffers_.back();
 }
@@ -58,14 +58,15 @@ void Module::to(Device device) {
   auto move = [&](Tensor& t) {
     if (!t.defined() || t.device() == device) return;
     Tensor moved = Tensor::empty(t.shape(), t.dtype(), device);
-    engine_for(device.is_cpu() ? t.device() : device).copy(t, moved);  // the GPU's engine does either way
+    copy_any(t, moved);
     t = moved;
   };
   for (Parameter* p : parameters()) {  // a tied parameter is listed once per owner: moved once
     move(p->value);
     move(p->grad);
   }
-  for (Buffer* b : buffers()) move(b->value);
+  for (Buffer* b : buffers())
+    if (!b->host) move(b->value);
   release_activations();
 }
 

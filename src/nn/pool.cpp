@@ -27,14 +27,22 @@ Tensor Pool2d::backward(const Tensor& dy) {
   return dx;
 }
 
+// The constant vector 1/HW on the data's device (made once per size and device; not a slot).
+const Tensor& GlobalAvgPool::averaging(int64_t hw, Device device) {
+  if (!ones_.defined() || ones_.numel() != hw || ones_.device() != device) {
+    ones_ = Tensor::empty({hw}, DType::F32, device);
+    engine_for(device).fill(ones_, 1.f / static_cast<float>(hw));
+  }
+  return ones_;
+}
+
 Tensor GlobalAvgPool::forward(const Tensor& x) {
   DT_CHECK(x.dim() == 4, "GlobalAvgPool needs (N, C, H, W), got " << x.str());
   in_shape_ = x.shape();
   int64_t n = x.size(0), c = x.size(1), hw = x.size(2) * x.size(3);
   Tensor& y = ensure(y_, {n, c}, x.device());
   // y (N*C, 1) = x (N*C, HW) . ones(HW, 1) / HW, as a GEMV on the engine.
-  Tensor ones = Tensor::full({hw}, 1.f / static_cast<float>(hw));
-  engine(x).gemm(false, false, n * c, 1, hw, 1.f, x, ones, 0.f, y);
+  engine(x).gemm(false, false, n * c, 1, hw, 1.f, x, averaging(hw, x.device()), 0.f, y);
   return y;
 }
 
@@ -42,8 +50,7 @@ Tensor GlobalAvgPool::backward(const Tensor& dy) {
   int64_t hw = in_shape_[2] * in_shape_[3];
   Tensor& dx = ensure(dx_, in_shape_, dy.device());
   // dx (N*C, HW) = dy (N*C, 1) . ones(1, HW) / HW
-  Tensor ones = Tensor::full({hw}, 1.f / static_cast<float>(hw));
-  engine(dy).gemm(false, false, dy.numel(), hw, 1, 1.f, dy, ones, 0.f, dx);
+  engine(dy).gemm(false, false, dy.numel(), hw, 1, 1.f, dy, averaging(hw, dy.device()), 0.f, dx);
   return dx;
 }
 

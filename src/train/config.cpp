@@ -88,7 +88,8 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     ("lr-gamma", po::value<float>(&c.lr_gamma)->default_value(def.lr_gamma), "step schedule: decay factor")
     ("min-lr", po::value<float>(&c.min_lr)->default_value(0.f), "cosine schedule: final learning rate")
     ("clip-grad-norm", po::value<float>(&c.clip_grad_norm)->default_value(0.f), "clip the global gradient norm to this (0: off)")
-    ("precision", po::value<std::string>(&c.precision)->default_value(def.precision), "fp32, bf16 or fp16 (GEMM/conv inputs; fp32 accumulation and master weights; fp16 with dynamic loss scaling)")
+    ("precision", po::value<std::string>(&c.precision)->default_value(def.precision), "fp32, bf16 or fp16 (GEMM/conv inputs; fp32 accumulation and master weights; fp16 with dynamic loss scaling); tf32 on a GPU")
+    ("device", po::value<std::string>(&c.device)->default_value(def.device), "cpu or cuda (one GPU, one rank)")
     ("loss-scale-interval", po::value<int64_t>(&c.loss_scale_interval)->default_value(def.loss_scale_interval), "fp16: finite steps in a row before the loss scale doubles")
     ("threads", po::value<int>(&c.threads)->default_value(0), "compute threads per rank (0: node cores / ranks on the node)")
     ("seed", po::value<uint64_t>(&c.seed)->default_value(def.seed), "seed for initialisation, shuffling, augmentation, dropout")
@@ -142,16 +143,22 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   DT_INPUT_CHECK(c.lr_scaling == "none" || c.lr_scaling == "linear",
                  "option --lr-scaling must be none or linear, got '" << c.lr_scaling << "'");
   DT_INPUT_CHECK(c.base_batch_size > 0, "option --base-batch-size must be > 0");
-  DT_INPUT_CHECK(c.precision == "fp32" || c.precision == "bf16" || c.precision == "fp16",
-                 "option --precision must be fp32, bf16 or fp16, got '" << c.precision << "'");
+  DT_INPUT_CHECK(c.device == "cpu" || c.device == "cuda",
+                 "option --device must be cpu or cuda, got '" << c.device << "'");
+  DT_INPUT_CHECK(
+      c.precision == "fp32" || c.precision == "bf16" || c.precision == "fp16" ||
+          (c.precision == "tf32" && c.device == "cuda"),
+      "option --precision must be fp32, bf16 or fp16 (or tf32 with --device cuda), got '" << c.precision << "'");
   DT_INPUT_CHECK(c.loss_scale_interval >= 1, "option --loss-scale-interval must be >= 1");
   DT_INPUT_CHECK(c.accumulate >= 1, "option --accumulate must be >= 1, got " << c.accumulate);
   DT_INPUT_CHECK(!c.zero1 || (c.optimizer != "lars" && c.optimizer != "lamb"),
-                 "option --zero1 does not combine with --optimizer " << c.optimizer
-                                                                     << " (its per-layer trust ratios need whole tensors)");
+                 "option --zero1 does not combine with --optimizer "
+                     << c.optimizer << " (its per-layer trust ratios need whole tensors)");
   DT_INPUT_CHECK(c.clip_grad_norm >= 0.f, "option --clip-grad-norm must be >= 0");
-  DT_INPUT_CHECK(c.augment.crop_padding >= 0 && c.augment.crop_padding <= 64, "option --augment-crop must be in [0, 64]");
-  DT_INPUT_CHECK(c.augment.rotate_deg >= 0.f && c.augment.rotate_deg <= 180.f, "option --augment-rotate must be in [0, 180]");
+  DT_INPUT_CHECK(c.augment.crop_padding >= 0 && c.augment.crop_padding <= 64,
+                 "option --augment-crop must be in [0, 64]");
+  DT_INPUT_CHECK(c.augment.rotate_deg >= 0.f && c.augment.rotate_deg <= 180.f,
+                 "option --augment-rotate must be in [0, 180]");
   DT_INPUT_CHECK(c.keep_checkpoints >= 1, "option --keep-checkpoints must be >= 1");
   DT_INPUT_CHECK(c.bucket_mb > 0, "option --bucket-mb must be > 0");
   DT_INPUT_CHECK(c.synthetic || !c.data.empty(), "no training data: give --data DIR (or --synthetic)");
@@ -161,8 +168,8 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   if (!c.config_file.empty()) {
     std::filesystem::path base = std::filesystem::path(c.config_file).parent_path();
     auto rebase = [&](std::string& p, const char* key) {
-      if (!p.empty() && !vm[key].defaulted() && std::filesystem::path(p).is_relative() &&
-          !std::filesystem::exists(p) && std::filesystem::exists(base / p))
+      if (!p.empty() && !vm[key].defaulted() && std::filesystem::path(p).is_relative() && !std::filesystem::exists(p) &&
+          std::filesystem::exists(base / p))
         p = (base / p).string();
     };
     rebase(c.data, "data");

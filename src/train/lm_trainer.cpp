@@ -29,15 +29,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// `host` on `device`: itself on the CPU, else copied into `buf` (kept, so steps reuse it).
-Tensor on_device(const Tensor& host, Tensor& buf, Device device) {
-  if (device.is_cpu()) return host;
-  if (!buf.defined() || buf.shape() != host.shape() || buf.dtype() != host.dtype())
-    buf = Tensor::empty(host.shape(), host.dtype(), device);
-  engine_for(device).copy(host, buf);
-  return buf;
-}
-
 double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, int64_t max_batches,
                    nn::SoftmaxCrossEntropy& xent, Device device = Device::cpu()) {
   int64_t windows = data::window_count(s, t);
@@ -48,11 +39,11 @@ double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, in
   bool was_training = model.training();
   model.eval();
   double sum = 0;
+  StagedTensor ids, targets;  // on a GPU: page-locked staging, reused by every batch
   for (int64_t k = 0; k < batches; ++k) {
     data::TokenBatch b = data::sequential_windows(s, batch, t, k * batch);
-    Tensor ids, targets;
-    xent.forward(model.forward(on_device(b.ids, ids, device)),
-                 on_device(b.targets, targets, device).reshape({batch * t}));
+    xent.forward(model.forward(stage_to(b.ids, device, ids)),
+                 stage_to(b.targets, device, targets).reshape({batch * t}));
     sum += xent.last_loss_sum();
   }
   model.train(was_training);
@@ -404,24 +395,13 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   // On a GPU a batch goes through page-locked host buffers, so its upload is asynchronous; the next
   // step's windows are drawn and queued while this step's backward runs. Two slots alternate.
   struct Staged {
-    Tensor host_ids, host_targets, ids, targets;
+    StagedTensor ids, targets;
     bool ready = false;
   };
   Staged staged[2];
   auto stage_batch = [&](const data::TokenBatch& tb, Staged& st) {
-    if (!st.host_ids.defined()) {
-#if defined(DTRAIN_WITH_CUDA_ENGINE)
-      st.host_ids = cuda::pinned_empty(tb.ids.shape(), tb.ids.dtype());
-      st.host_targets = cuda::pinned_empty(tb.targets.shape(), tb.targets.dtype());
-#else
-      st.host_ids = Tensor::empty(tb.ids.shape(), tb.ids.dtype());
-      st.host_targets = Tensor::empty(tb.targets.shape(), tb.targets.dtype());
-#endif
-    }
-    st.host_ids.copy_from(tb.ids);
-    st.host_targets.copy_from(tb.targets);
-    on_device(st.host_ids, st.ids, dev);
-    on_device(st.host_targets, st.targets, dev);
+    stage_to(tb.ids, dev, st.ids);
+    stage_to(tb.targets, dev, st.targets);
     st.ready = true;
   };
   for (int64_t step = start_step; step < cfg.steps; ++step) {
@@ -435,7 +415,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       Staged& st = staged[step % 2];
       if (!st.ready) stage_batch(draw(step), st);
       st.ready = false;
-      step_loss = xent.forward(model.forward(st.ids), st.targets.reshape({m}));
+      step_loss = xent.forward(model.forward(st.ids.device), st.targets.device.reshape({m}));
       model.backward(xent.backward());
       if (step + 1 < cfg.steps) stage_batch(draw(step + 1), staged[(step + 1) % 2]);  // overlaps the backward
     } else if (!pipe) {

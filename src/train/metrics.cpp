@@ -13,10 +13,14 @@ namespace dtrain::train {
 static void json_string(std::string& out, const std::string& s) {
   out += '"';
   for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\', out += c;
-    else if (c == '\n') out += "\\n";
-    else if (static_cast<unsigned char>(c) < 0x20) out += ' ';
-    else out += c;
+    if (c == '"' || c == '\\')
+      out += '\\', out += c;
+    else if (c == '\n')
+      out += "\\n";
+    else if (static_cast<unsigned char>(c) < 0x20)
+      out += ' ';
+    else
+      out += c;
   }
   out += '"';
 }
@@ -71,8 +75,10 @@ std::string format_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
   long t = std::lround(s);
   char buf[32];
-  if (t >= 3600) std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", t / 3600, (t / 60) % 60, t % 60);
-  else std::snprintf(buf, sizeof buf, "%ld:%02ld", t / 60, t % 60);
+  if (t >= 3600)
+    std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", t / 3600, (t / 60) % 60, t % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%ld:%02ld", t / 60, t % 60);
   return buf;
 }
 
@@ -84,8 +90,8 @@ void Progress::update(int64_t epoch, int64_t epochs, int64_t done, int64_t total
   std::string bar(static_cast<size_t>(filled), '=');
   if (filled < width) bar += '>', bar += std::string(static_cast<size_t>(width - filled - 1), ' ');
   std::printf("\r\033[Kepoch %lld/%lld [%s] %lld/%lld %s ETA %s", static_cast<long long>(epoch),
-              static_cast<long long>(epochs), bar.c_str(), static_cast<long long>(done),
-              static_cast<long long>(total), stats.c_str(), format_duration(eta_s).c_str());
+              static_cast<long long>(epochs), bar.c_str(), static_cast<long long>(done), static_cast<long long>(total),
+              stats.c_str(), format_duration(eta_s).c_str());
   std::fflush(stdout);
   dirty_ = true;
 }

@@ -3,11 +3,11 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
-#include <functional>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "dtrain/comm/communicator.h"
@@ -86,14 +86,27 @@ void Trainer::setup() {
   // Threads: by default the node's cores shared among the ranks on it.
   int threads = cfg_.threads > 0 ? cfg_.threads : std::max(1, topo.threads_per_rank);
   cpu_engine().set_threads(threads);
-  cpu_engine().set_math_precision(math_precision_from_name(cfg_.precision));
+  if (cfg_.device == "cuda") {
+    DT_INPUT_CHECK(enable_cuda() > 0, "option --device cuda: no GPU is visible, or this dtrain was built without CUDA");
+    DT_INPUT_CHECK(world_ == 1,
+                   "option --device cuda trains on one GPU with one rank (data parallel runs on the CPU "
+                   "engine in this version); got "
+                       << world_ << " ranks");
+    DT_INPUT_CHECK(!cfg_.zero1 && cfg_.compression == "none" && !cfg_.sync_batchnorm,
+                   "option --device cuda: --zero1, --compression and --sync-batchnorm belong to data parallel, which "
+                   "runs on the CPU engine in this version");
+    device_ = Device::cuda(0);
+  }
+  if (cfg_.precision != "tf32") cpu_engine().set_math_precision(math_precision_from_name(cfg_.precision));
+  engine_for(device_).set_math_precision(math_precision_from_name(cfg_.precision));
   if (cfg_.precision == "fp16") {
     optim::LossScalerOptions lso;
     lso.growth_interval = cfg_.loss_scale_interval;
     scaler_ = std::make_unique<optim::LossScaler>(lso);
   }
   std::string warn = topo.binding_warning(threads);
-  if (!warn.empty() && topo.local_rank == 0) std::fprintf(stderr, "dtrain: warning (rank %d): %s\n", rank_, warn.c_str());
+  if (!warn.empty() && topo.local_rank == 0)
+    std::fprintf(stderr, "dtrain: warning (rank %d): %s\n", rank_, warn.c_str());
 
   // Batch: per rank, or the global batch split evenly.
   // Batch: --batch-size is each rank's micro-batch; --global-batch-size is the samples of one
@@ -102,8 +115,8 @@ void Trainer::setup() {
   if (cfg_.global_batch_size > 0) {
     int64_t parts = world_ * cfg_.accumulate;
     DT_INPUT_CHECK(cfg_.global_batch_size % parts == 0,
-                   "option --global-batch-size " << cfg_.global_batch_size << " does not divide evenly over "
-                                                 << world_ << " ranks x " << cfg_.accumulate << " micro-steps");
+                   "option --global-batch-size " << cfg_.global_batch_size << " does not divide evenly over " << world_
+                                                 << " ranks x " << cfg_.accumulate << " micro-steps");
     batch_ = cfg_.global_batch_size / parts;
   }
 
@@ -142,6 +155,7 @@ void Trainer::setup() {
   spec_ = nn::ModelSpec{cfg_.model, input, classes, cfg_.hidden, cfg_.dropout, cfg_.seed};
   model_ = nn::make_model(spec_);
   model_->set_needs_input_grad(false);  // nothing consumes d(input data)
+  model_->to(device_);                  // drawn on the host, trained where the engine is
   if (cfg_.sync_batchnorm) parallel::convert_sync_batchnorm(*model_, comm_);
   if (world_ > 1 || cfg_.zero1 || cfg_.compression != "none") {
     parallel::DataParallelOptions dpo;
@@ -161,8 +175,8 @@ void Trainer::setup() {
     int64_t warmup = cfg_.compression_warmup >= 0 ? cfg_.compression_warmup : batches / cfg_.accumulate;
     dp_->set_topk_warmup(warmup);
   }
-  DT_INPUT_CHECK(steps_per_epoch_ > 0, "option --accumulate " << cfg_.accumulate << " exceeds the " << batches
-                                                              << " batches of an epoch");
+  DT_INPUT_CHECK(steps_per_epoch_ > 0,
+                 "option --accumulate " << cfg_.accumulate << " exceeds the " << batches << " batches of an epoch");
   epochs_ = cfg_.epochs;
   total_steps_ = steps_per_epoch_ * epochs_;
   if (cfg_.steps > 0 && (cfg_.steps < total_steps_ || cfg_.synthetic)) {
@@ -173,15 +187,16 @@ void Trainer::setup() {
   so.kind = cfg_.lr_schedule;
   so.base_lr = cfg_.lr;
   if (cfg_.lr_scaling == "linear")  // Goyal et al.: lr grows with the global batch (pair with warm-up)
-    so.base_lr = cfg_.lr * static_cast<float>(batch_ * world_ * cfg_.accumulate) /
-                 static_cast<float>(cfg_.base_batch_size);
+    so.base_lr =
+        cfg_.lr * static_cast<float>(batch_ * world_ * cfg_.accumulate) / static_cast<float>(cfg_.base_batch_size);
   so.total_steps = total_steps_;
   so.step_size = cfg_.lr_step_size;
   so.gamma = cfg_.lr_gamma;
   so.min_lr = cfg_.min_lr;
   so.warmup_steps = cfg_.warmup_steps;
   sched_ = std::make_unique<optim::LrSchedule>(so);
-  if (rank_ == 0 && !cfg_.metrics.empty()) metrics_ = std::make_unique<MetricsWriter>(cfg_.metrics, !cfg_.resume.empty());
+  if (rank_ == 0 && !cfg_.metrics.empty())
+    metrics_ = std::make_unique<MetricsWriter>(cfg_.metrics, !cfg_.resume.empty());
 }
 
 Trainer::~Trainer() = default;
@@ -191,7 +206,8 @@ void Trainer::build_optimizer() {
   if (cfg_.optimizer == "lars") {
     opt_ = std::make_unique<optim::LARS>(params, optim::LarsOptions{cfg_.momentum, cfg_.weight_decay, cfg_.lars_eta});
   } else if (cfg_.optimizer == "lamb") {
-    opt_ = std::make_unique<optim::LAMB>(params, optim::LambOptions{cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay});
+    opt_ =
+        std::make_unique<optim::LAMB>(params, optim::LambOptions{cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay});
   } else if (cfg_.optimizer == "sgd") {
     optim::SgdOptions o;
     o.momentum = cfg_.momentum;
@@ -233,13 +249,13 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
         optim_state[p->name + suffix] = full.slice0(off, off + p->value.numel()).reshape(p->value.shape()).clone();
       }
     } else {
-      optim_state[st.name] = *st.value;
+      optim_state[st.name] = to_host(*st.value);
     }
   }
   if (rank_ == 0) {  // data parallel: every rank holds the same parameters
     CheckpointState s;
-    for (nn::Parameter* p : model_->parameters()) s.tensors["param/" + p->name] = p->value;
-    for (nn::Buffer* b : model_->buffers()) s.tensors["buffer/" + b->name] = b->value;
+    for (nn::Parameter* p : model_->parameters()) s.tensors["param/" + p->name] = to_host(p->value);
+    for (nn::Buffer* b : model_->buffers()) s.tensors["buffer/" + b->name] = to_host(b->value);
     for (auto& [name, t] : optim_state) s.tensors["optim/" + name] = t;
     s.strings["model"] = spec_.name;
     s.strings["optimizer"] = opt_->kind();
@@ -295,16 +311,16 @@ void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
   DT_INPUT_CHECK(Shape(shape.begin(), shape.end()) == spec_.input,
                  "checkpoint '" << path << "' was trained on inputs " << shape_str(Shape(shape.begin(), shape.end()))
                                 << " but the data has " << shape_str(spec_.input));
-  DT_INPUT_CHECK(s.strings["optimizer"] == opt_->kind(),
-                 "checkpoint '" << path << "' used optimizer " << s.strings["optimizer"] << ", not --optimizer "
-                                << opt_->kind());
+  DT_INPUT_CHECK(s.strings["optimizer"] == opt_->kind(), "checkpoint '" << path << "' used optimizer "
+                                                                        << s.strings["optimizer"]
+                                                                        << ", not --optimizer " << opt_->kind());
   auto load = [&](const std::string& key, Tensor& dst) {
     auto it = s.tensors.find(key);
     DT_INPUT_CHECK(it != s.tensors.end(), "checkpoint '" << path << "' has no tensor " << key);
     DT_INPUT_CHECK(it->second.shape() == dst.shape(), "checkpoint '" << path << "': " << key << " has shape "
-                                                                      << shape_str(it->second.shape())
-                                                                      << ", the model needs " << shape_str(dst.shape()));
-    dst.copy_from(it->second);
+                                                                     << shape_str(it->second.shape())
+                                                                     << ", the model needs " << shape_str(dst.shape()));
+    copy_any(it->second, dst);
   };
   for (nn::Parameter* p : model_->parameters()) load("param/" + p->name, p->value);
   for (nn::Buffer* b : model_->buffers()) load("buffer/" + b->name, b->value);
@@ -362,12 +378,15 @@ EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::Sharded
   nn::SoftmaxCrossEntropy ce;
   double loss_sum = 0;
   int64_t correct = 0, seen = 0;
+  const Device device = model.parameters().empty() ? Device::cpu() : model.parameters().front()->value.device();
+  StagedTensor inputs, labels;  // the batches on the model's device
   loader.start_epoch(0);
   data::Batch b;
   while (seen < mine && loader.next(b)) {
     int64_t rows = std::min<int64_t>(b.inputs.size(0), mine - seen);
     int64_t hits = 0;
-    ce.forward(model.forward(b.inputs.slice0(0, rows)), b.labels.slice0(0, rows), &hits);
+    ce.forward(model.forward(stage_to(b.inputs.slice0(0, rows), device, inputs)),
+               stage_to(b.labels.slice0(0, rows), device, labels), &hits);
     loss_sum += ce.last_loss_sum();
     correct += hits;
     seen += rows;
@@ -391,8 +410,8 @@ EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::Sharded
 
 EvalResult Trainer::evaluate(const data::ShardedHdf5Dataset& ds) {
   auto view = std::shared_ptr<const data::ShardedHdf5Dataset>(&ds, [](const data::ShardedHdf5Dataset*) {});
-  return evaluate_model(*model_, view, std::max<int64_t>(batch_, 256), cfg_.normalize,
-                        world_ > 1 ? &comm_ : nullptr, train_ds_->info().mean, train_ds_->info().std);
+  return evaluate_model(*model_, view, std::max<int64_t>(batch_, 256), cfg_.normalize, world_ > 1 ? &comm_ : nullptr,
+                        train_ds_->info().mean, train_ds_->info().std);
 }
 
 // ------------------------------------------------------------------ the loop
@@ -410,8 +429,8 @@ TrainResult Trainer::run() {
       << (cfg_.synthetic ? std::string("synthetic data") : "data " + cfg_.data) << ", " << world_ << " rank"
       << (world_ > 1 ? "s" : "") << " x " << cpu_engine().threads() << " thread(s), batch " << batch_ << "/rank"
       << (cfg_.accumulate > 1 ? " x " + std::to_string(cfg_.accumulate) + " micro-steps" : std::string()) << " ("
-      << batch_ * world_ * cfg_.accumulate << " global), " << steps_per_epoch_ << " steps/epoch, " << total_steps_ << " steps, "
-      << opt_->kind() << " lr " << cfg_.lr << " " << cfg_.lr_schedule << ", precision " << cfg_.precision;
+      << batch_ * world_ * cfg_.accumulate << " global), " << steps_per_epoch_ << " steps/epoch, " << total_steps_
+      << " steps, " << opt_->kind() << " lr " << cfg_.lr << " " << cfg_.lr_schedule << ", precision " << cfg_.precision;
     say(o.str());
     // Training state per rank: parameters and gradients whole, optimizer state sharded by ZeRO-1.
     double mib = 1.0 / 1048576.0, state = 0;
@@ -445,6 +464,7 @@ TrainResult Trainer::run() {
   }
 
   nn::SoftmaxCrossEntropy ce;
+  StagedTensor dev_inputs, dev_labels;  // on a GPU: page-locked staging, asynchronous uploads
   model_->train();
   double run_t0 = 0, run_cpu0 = 0;
   int64_t run_samples = 0;
@@ -485,9 +505,10 @@ TrainResult Trainer::run() {
         wait += b.wait_s;
         double tc = now_s();
         trace.span("data wait", td, tc, step_);
-        Tensor logits = model_->forward(b.inputs);
+        Tensor logits = model_->forward(stage_to(b.inputs, device_, dev_inputs));
         int64_t hits = 0;
-        loss += ce.forward(logits, b.labels, &hits) / static_cast<float>(cfg_.accumulate);
+        loss +=
+            ce.forward(logits, stage_to(b.labels, device_, dev_labels), &hits) / static_cast<float>(cfg_.accumulate);
         hits_step += hits;
         seen_step += b.inputs.size(0);
         if (dp_) {
@@ -580,14 +601,14 @@ TrainResult Trainer::run() {
                            {"step_time_s", (now - iv_t0) / iv_steps},
                            {"loss_scale", static_cast<double>(scaler_ ? scaler_->scale() : 1.f)},
                            {"skipped_steps", scaler_ ? scaler_->skipped_steps() : int64_t{0}}});
-        std::string stats = "loss " + fixed(mean_loss, 4) + " acc " + fixed(100 * acc, 1) + "% " +
-                            fixed(sps, 0) + " samples/s wait " + fixed(1e3 * wait, 2) + " ms";
+        std::string stats = "loss " + fixed(mean_loss, 4) + " acc " + fixed(100 * acc, 1) + "% " + fixed(sps, 0) +
+                            " samples/s wait " + fixed(1e3 * wait, 2) + " ms";
         if (progress_->bar()) {
           double eta = ema_step_s * static_cast<double>(total_steps_ - step_);
           progress_->update(epoch + 1, epochs_, batch_in_epoch, steps_per_epoch_, stats, eta);
         } else {
-          say("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs_) + " step " +
-              std::to_string(step_) + "/" + std::to_string(total_steps_) + " " + stats + " lr " + fixed(lr, 5));
+          say("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs_) + " step " + std::to_string(step_) +
+              "/" + std::to_string(total_steps_) + " " + stats + " lr " + fixed(lr, 5));
         }
         iv_loss = iv_wait = iv_comm = 0;
         iv_bytes0 = dp_ ? dp_->stats().bytes_sent : 0;
@@ -638,8 +659,8 @@ TrainResult Trainer::run() {
   double cpu = process_cpu_s() - run_cpu0;
   result.samples_per_s = elapsed > 0 ? static_cast<double>(run_samples) / elapsed : 0;
   if (rank_ == 0) {
-    say("done: " + std::to_string(step_) + " steps, " + fixed(result.samples_per_s, 0) +
-        " samples/s, first step " + fixed(result.first_step_at_s, 3) + " s after process start");
+    say("done: " + std::to_string(step_) + " steps, " + fixed(result.samples_per_s, 0) + " samples/s, first step " +
+        fixed(result.first_step_at_s, 3) + " s after process start");
     if (metrics_)
       metrics_->write({{"summary", std::string("run")},
                        {"steps", step_},

@@ -4,8 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include <unistd.h>
 
@@ -466,5 +469,46 @@ TEST_F(CudaEngineTest, GptTrainsOnTheGpuLikeOnTheCpu) {
   c.checkpoint_dir.clear();
   train::LmResult more = train::train_lm(c, nullptr);
   EXPECT_EQ(more.step_losses.size(), 2u);
+  std::filesystem::remove_all(dir);
+}
+
+namespace {
+// Every "loss" of a metrics file (JSON lines), in order.
+std::vector<double> logged_losses(const std::string& file) {
+  std::vector<double> out;
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto p = line.find("\"loss\":");
+    if (p != std::string::npos) out.push_back(std::stod(line.substr(p + 7)));
+  }
+  return out;
+}
+}  // namespace
+
+// The image trainer on the GPU (`dtrain train --device cuda`, SimpleCNN with dropout off, SGD with
+// momentum) logs the CPU engine's losses (cuDNN's and oneDNN's convolutions sum in different orders).
+TEST_F(CudaEngineTest, ImageTrainerOnTheGpuLikeOnTheCpu) {
+  const char* exe_env = std::getenv("DTRAIN_EXE");
+  const std::string exe = exe_env ? exe_env : std::string(DTRAIN_BINARY_DIR) + "/dtrain";
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("dtrain-gpu-cnn-" + std::to_string(::getpid()))).string();
+  std::filesystem::create_directories(dir);
+  auto train = [&](const std::string& device) {
+    const std::string metrics = dir + "/" + device + ".jsonl";
+    const std::string cmd = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " + exe +
+                            " train --synthetic --model simple_cnn --dropout 0 --steps 40 --batch-size 32 "
+                            "--optimizer sgd --lr 0.05 --momentum 0.9 --log-every 10 --device " +
+                            device + " --metrics " + metrics + " --checkpoint-dir " + dir + "/" + device + " > " + dir +
+                            "/" + device + ".log 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    return logged_losses(metrics);
+  };
+  std::vector<double> cpu_losses = train("cpu"), gpu_losses = train("cuda");
+  ASSERT_GE(cpu_losses.size(), 4u);
+  ASSERT_EQ(gpu_losses.size(), cpu_losses.size());
+  for (size_t i = 0; i < cpu_losses.size(); ++i)
+    EXPECT_NEAR(gpu_losses[i], cpu_losses[i], 1e-3 * std::max(1.0, cpu_losses[i])) << "log line " << i;
+  EXPECT_LT(gpu_losses.back(), gpu_losses.front());  // it learns the fixed batches
   std::filesystem::remove_all(dir);
 }

@@ -182,6 +182,16 @@ class Engine {
 Engine& engine_for(Device device);
 // Tensor::zeros on any device: a GPU's memory is cleared by its engine (core does not know engines).
 Tensor zeros_on(const Shape& shape, Device device, DType dtype = DType::F32);
+// Copies between any two places one engine reaches (host-host, host-GPU, GPU-host); same numel
+// and dtype. to_host returns a host tensor with t's contents (t itself when it is on the host).
+void copy_any(const Tensor& src, Tensor& dst);
+Tensor to_host(const Tensor& t);
+// A host batch on `device` through a page-locked staging buffer (kept in `st`), so the upload is
+// asynchronous on the GPU's compute stream; on the CPU it is `host` itself.
+struct StagedTensor {
+  Tensor host, device;
+};
+Tensor stage_to(const Tensor& host, Device device, StagedTensor& st);
 inline Engine& cpu_engine() { return engine_for(Device::cpu()); }
 using EngineFactory = std::unique_ptr<Engine> (*)(int device_index);
 void register_engine(DeviceType type, EngineFactory factory);

@@ -78,8 +78,9 @@ class GlobalAvgPool : public Module {
   std::string kind() const override { return "GlobalAvgPool"; }
 
  private:
+  const Tensor& averaging(int64_t hw, Device device);
   Shape in_shape_;
-  Tensor y_, dx_;
+  Tensor y_, dx_, ones_;
 };
 
 class Activation : public Module {

@@ -22,6 +22,7 @@ struct Parameter {
 struct Buffer {
   std::string name;
   Tensor value;
+  bool host = false;  // state the host reads (a dropout RNG): stays on the CPU when the module moves
 };
 
 using GradReadyHook = std::function<void(Parameter&)>;
@@ -103,7 +104,7 @@ class Module {
  protected:
   // Leaf modules register their own tensors once, in the constructor.
   Parameter& add_parameter(const std::string& name, Tensor value);
-  Buffer& add_buffer(const std::string& name, Tensor value);
+  Buffer& add_buffer(const std::string& name, Tensor value, bool host = false);
   void grad_ready(Parameter& p) {
     if (hook_) hook_(p);
   }

@@ -25,9 +25,9 @@ struct TrainConfig {
   float dropout = 0.f;
   // schedule
   int64_t epochs = 1;
-  int64_t steps = 0;  // > 0: stop after this many steps (overrides epochs when smaller)
-  int64_t batch_size = 64;         // per rank
-  int64_t global_batch_size = 0;   // > 0: per-rank batch = global / ranks
+  int64_t steps = 0;              // > 0: stop after this many steps (overrides epochs when smaller)
+  int64_t batch_size = 64;        // per rank
+  int64_t global_batch_size = 0;  // > 0: per-rank batch = global / ranks
   bool drop_last = false;
   // optimizer
   std::string optimizer = "sgd";
@@ -43,6 +43,7 @@ struct TrainConfig {
   // precision: fp32, or bf16/fp16 GEMM and convolution inputs with fp32 accumulation and fp32
   // master weights; fp16 adds dynamic loss scaling
   std::string precision = "fp32";
+  std::string device = "cpu";  // "cpu" or "cuda" (one GPU, one rank)
   int64_t loss_scale_interval = 2000;
   // runtime
   int threads = 0;  // 0: the node's cores / ranks on the node
@@ -58,15 +59,15 @@ struct TrainConfig {
   // with kPreemptedExitCode (42); ranks agree by an allreduce every `preempt_check_every` steps.
   std::string preempt_signals = "TERM,USR1";
   int64_t preempt_check_every = 1;
-  std::string trace;         // Chrome trace JSON of each rank's steps (empty: none)
+  std::string trace;           // Chrome trace JSON of each rank's steps (empty: none)
   int64_t trace_steps = 1000;  // steps recorded in the trace
   bool eval_each_epoch = true;
-  double bucket_mb = 25;   // data-parallel gradient bucket size in MiB
-  bool overlap = true;     // start each bucket's allreduce during backward
+  double bucket_mb = 25;  // data-parallel gradient bucket size in MiB
+  bool overlap = true;    // start each bucket's allreduce during backward
   std::string compression = "none";
   int64_t compression_warmup = -1;  // top-k sparsity warm-up steps; -1: one epoch
-  int64_t accumulate = 1;  // micro-batches per optimizer step (gradients communicated on the last)
-  bool zero1 = false;      // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
+  int64_t accumulate = 1;           // micro-batches per optimizer step (gradients communicated on the last)
+  bool zero1 = false;               // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
   bool sync_batchnorm = false;
 };
 

@@ -26,9 +26,9 @@ struct TrainResult {
   int64_t steps = 0;
   double final_loss = 0;
   EvalResult last_eval;
-  double samples_per_s = 0;     // global, over the run's steady state (after the first step)
-  double first_step_at_s = 0;   // seconds from process start to the end of the first step
-  int preempted_by = 0;         // the signal that stopped the run early after a checkpoint, or 0
+  double samples_per_s = 0;    // global, over the run's steady state (after the first step)
+  double first_step_at_s = 0;  // seconds from process start to the end of the first step
+  int preempted_by = 0;        // the signal that stopped the run early after a checkpoint, or 0
 };
 
 class Trainer {
@@ -55,6 +55,7 @@ class Trainer {
   comm::Communicator& comm_;
   int rank_ = 0, world_ = 1;
   int64_t batch_ = 0;
+  Device device_ = Device::cpu();  // where the model trains (--device)
   std::shared_ptr<data::ShardedHdf5Dataset> train_ds_, test_ds_;
   std::unique_ptr<data::DataLoader> loader_;
   nn::ModelSpec spec_;
