@@ -223,13 +223,18 @@ static void map1(const Tensor& x, Tensor& y, F f) {
   for (int64_t i = 0; i < n; ++i) py[i] = f(px[i]);
 }
 
-template <typename F>
-static void map2(const Tensor& a, const Tensor& b, Tensor& y, F f) {
+// a, b and y: f32 tensors of one size.
+static void check_binary(const Tensor& a, const Tensor& b, const Tensor& y) {
   check_f32(a, "input");
   check_f32(b, "input");
   check_f32(y, "output");
   DT_CHECK(a.numel() == y.numel() && b.numel() == y.numel(),
            "element-wise op on " << a.str() << ", " << b.str() << " -> " << y.str());
+}
+
+template <typename F>
+static void map2(const Tensor& a, const Tensor& b, Tensor& y, F f) {
+  check_binary(a, b, y);
   const float* pa = a.f32();
   const float* pb = b.f32();
   float* py = y.f32();
@@ -250,11 +255,7 @@ static void vec1(const Tensor& x, Tensor& y, void (*kernel)(const float*, float*
 
 static void vec2(const Tensor& a, const Tensor& b, Tensor& y,
                  void (*kernel)(const float*, const float*, float*, int64_t)) {
-  check_f32(a, "input");
-  check_f32(b, "input");
-  check_f32(y, "output");
-  DT_CHECK(a.numel() == y.numel() && b.numel() == y.numel(),
-           "element-wise op on " << a.str() << ", " << b.str() << " -> " << y.str());
+  check_binary(a, b, y);
   const float* pa = a.f32();
   const float* pb = b.f32();
   float* py = y.f32();

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "../train/lm_test_util.h"
 #include "dtrain/core/rng.h"
 #include "dtrain/data/text.h"
 #include "dtrain/kernels/engine.h"
@@ -431,26 +432,15 @@ TEST_F(CudaEngineTest, StreamsOrderedByEvents) {
 // checkpoint, written from the device, evaluates on the CPU to the validation loss it reported.
 TEST_F(CudaEngineTest, GptTrainsOnTheGpuLikeOnTheCpu) {
   std::filesystem::path dir = std::filesystem::temp_directory_path() / ("dtrain-gpu-gpt-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir / "text");
-  {
-    std::ofstream out(dir / "text" / "a.txt");
-    for (int i = 0; i < 800; ++i) out << "a gpu trains the same model " << i % 11 << ". ";
-  }
-  data::convert_text({(dir / "text").string()}, (dir / "tok").string());
-  train::LmConfig c;
-  c.data = (dir / "tok").string();
-  c.model.vocab = 256;
-  c.model.context = 32;
-  c.model.layers = 2;
-  c.model.heads = 2;
-  c.model.width = 32;
-  c.batch_size = 4;
+  test::write_lm_corpus(dir, "a gpu trains the same model", 800);
+  nn::GptConfig small;
+  small.context = 32;
+  small.layers = 2;
+  small.heads = 2;
+  small.width = 32;
+  train::LmConfig c = test::small_lm_config(dir / "tok", small);
   c.steps = 12;
-  c.lr = 3e-3f;
-  c.warmup_steps = 2;
-  c.eval_every = 0;
-  c.eval_batches = 4;
-  c.quiet = true;
+  c.log_every = 0;
   train::LmResult cpu_run = train::train_lm(c, nullptr);
   c.device = "cuda";
   c.checkpoint_dir = (dir / "ckpt").string();

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "../train/lm_test_util.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/data/text.h"
 #include "dtrain/nn/gpt.h"
@@ -221,26 +222,9 @@ TEST(TensorParallel, LmTrainerTp2MatchesOneRankAndCheckpointReloads) {
   int pid = static_cast<int>(::getpid());
   MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
   std::filesystem::path dir = "/tmp/dtrain-tp-lm-" + std::to_string(pid);
-  if (world().rank() == 0) {
-    std::filesystem::create_directories(dir / "text");
-    std::ofstream out(dir / "text" / "a.txt");
-    for (int i = 0; i < 600; ++i) out << "the quick brown fox " << i % 7 << ". ";
-    out.close();
-    data::convert_text({(dir / "text").string()}, (dir / "tok").string());
-  }
+  if (world().rank() == 0) test::write_lm_corpus(dir, "the quick brown fox", 600);
   world().barrier();
-  train::LmConfig c;
-  c.data = (dir / "tok").string();
-  c.model = small_gpt();
-  c.model.vocab = 256;
-  c.batch_size = 4;
-  c.steps = 10;
-  c.lr = 3e-3f;
-  c.warmup_steps = 2;
-  c.eval_every = 0;
-  c.eval_batches = 4;
-  c.log_every = 5;
-  c.quiet = true;
+  train::LmConfig c = test::small_lm_config(dir / "tok", small_gpt());
   auto solo = world().split(world().rank(), 0, "solo");
   train::LmResult ref = train::train_lm(c, solo.get());
   c.tp = 2;
@@ -348,13 +332,7 @@ std::filesystem::path make_corpus(const std::string& tag) {
   int pid = static_cast<int>(::getpid());
   MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
   std::filesystem::path dir = "/tmp/dtrain-" + tag + "-" + std::to_string(pid);
-  if (world().rank() == 0) {
-    std::filesystem::create_directories(dir / "text");
-    std::ofstream out(dir / "text" / "a.txt");
-    for (int i = 0; i < 600; ++i) out << "the quick brown fox " << i % 7 << ". ";
-    out.close();
-    data::convert_text({(dir / "text").string()}, (dir / "tok").string());
-  }
+  if (world().rank() == 0) test::write_lm_corpus(dir, "the quick brown fox", 600);
   world().barrier();
   return dir;
 }
@@ -364,18 +342,7 @@ std::filesystem::path make_corpus(const std::string& tag) {
 // rank to the same validation loss.
 void expect_lm_layout_matches_one_rank(int tp, int pp, const std::string& schedule, bool recompute) {
   std::filesystem::path dir = make_corpus("lm-" + std::to_string(tp) + "x" + std::to_string(pp));
-  train::LmConfig c;
-  c.data = (dir / "tok").string();
-  c.model = small_gpt();
-  c.model.vocab = 256;
-  c.batch_size = 4;
-  c.steps = 10;
-  c.lr = 3e-3f;
-  c.warmup_steps = 2;
-  c.eval_every = 0;
-  c.eval_batches = 4;
-  c.log_every = 5;
-  c.quiet = true;
+  train::LmConfig c = test::small_lm_config(dir / "tok", small_gpt());
   auto solo = world().split(world().rank(), 0, "solo");
   train::LmResult ref = train::train_lm(c, solo.get());
   c.tp = tp;
@@ -405,18 +372,7 @@ void expect_lm_layout_matches_one_rank(int tp, int pp, const std::string& schedu
 // one rank the same way (parameters and AdamW moments go through the one-rank layout).
 void expect_resume_across_layouts(int tp, int pp) {
   std::filesystem::path dir = make_corpus("resume-" + std::to_string(tp) + "x" + std::to_string(pp));
-  train::LmConfig c;
-  c.data = (dir / "tok").string();
-  c.model = small_gpt();
-  c.model.vocab = 256;
-  c.batch_size = 4;
-  c.steps = 10;
-  c.lr = 3e-3f;
-  c.warmup_steps = 2;
-  c.eval_every = 0;
-  c.eval_batches = 4;
-  c.log_every = 5;
-  c.quiet = true;
+  train::LmConfig c = test::small_lm_config(dir / "tok", small_gpt());
   c.checkpoint_every = 5;
   auto solo = world().split(world().rank(), 0, "solo");
   train::LmConfig one = c;  // every rank runs it alone, into its own directory

@@ -1,0 +1,39 @@
+#pragma once
+// A small language-model run for tests: a text corpus of repeated lines converted to token files,
+// and the LmConfig the tests share (byte vocabulary, batch 4, 10 AdamW steps, evaluation at the end).
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "dtrain/data/text.h"
+#include "dtrain/train/lm_trainer.h"
+
+namespace dtrain::test {
+
+// Writes `lines` copies of "<line> <i % 7>. " under dir/text and converts them into dir/tok.
+inline void write_lm_corpus(const std::filesystem::path& dir, const std::string& line, int lines) {
+  std::filesystem::create_directories(dir / "text");
+  {
+    std::ofstream out(dir / "text" / "a.txt");
+    for (int i = 0; i < lines; ++i) out << line << " " << i % 7 << ". ";
+  }
+  data::convert_text({(dir / "text").string()}, (dir / "tok").string());
+}
+
+inline train::LmConfig small_lm_config(const std::filesystem::path& tokens, const nn::GptConfig& model) {
+  train::LmConfig c;
+  c.data = tokens.string();
+  c.model = model;
+  c.model.vocab = 256;
+  c.batch_size = 4;
+  c.steps = 10;
+  c.lr = 3e-3f;
+  c.warmup_steps = 2;
+  c.eval_every = 0;
+  c.eval_batches = 4;
+  c.log_every = 5;
+  c.quiet = true;
+  return c;
+}
+
+}  // namespace dtrain::test
