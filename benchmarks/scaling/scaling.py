@@ -1,19 +1,28 @@
 #!/usr/bin/python3
-"""Scaling study for dtrain: sweeps, a report, and an alpha-beta performance model.
+"""Scaling study for dtrain: sweeps, a report, and an overlap-aware performance model.
 
+  scaling.py all   --dtrain build/dtrain --out runs/scaling      # the whole study, ~10 min, RESULTS.md
   scaling.py sweep --dtrain build/dtrain --ranks 1,2,4 --mode strong,weak --out runs/scaling
   scaling.py model --dtrain build/dtrain --results runs/scaling/results.csv --out runs/scaling
+  scaling.py batch --dtrain build/dtrain --batch-sizes 32,128,512 --out runs/scaling
 
 `sweep` runs `dtrain train --synthetic` for every combination of ranks, mode, model, batch size,
-compressor and precision, through mpirun or srun, reads each run's JSON-lines metrics and writes
-results.csv, report.md and (with matplotlib) speedup.png, efficiency.png, breakdown.png and
-batch.png. Strong scaling keeps the global batch (--batch-sizes are global); weak scaling keeps the
-per-rank batch (--batch-sizes are per rank).
+compressor and precision, through mpirun or srun, reads each run's JSON-lines metrics (step time and
+its split into forward, backward, optimizer, communication wait, data wait; the slowest rank's
+compute; the gradient bucket count) and writes results.csv, report.md and (with matplotlib)
+speedup.png, efficiency.png, breakdown.png. Strong scaling keeps the global batch (--batch-sizes are
+global); weak scaling keeps the per-rank batch (--batch-sizes are per rank).
 
-`model` fits t(S) = alpha + beta * S * 2(n-1)/n to `dtrain bench allreduce` (ring allreduce of S
-bytes on n ranks), predicts every measured step time as compute + data wait + allreduce of the
-gradient bytes, reports its error, and projects efficiency to larger clusters for a given link
-bandwidth, latency and GPUs per node. It appends its tables to report.md.
+`model` fits t(S) = alpha + beta * S * 2(n-1)/n to `dtrain bench allreduce` and predicts every
+multi-rank step as compute + the allreduce time of the gradient buckets not hidden behind backward
+(bucket i can start once backward has produced its share) + optimizer + data wait, in variants
+(serial, calibrated, slowest; see VARIANTS), reports each variant's error on step time and
+efficiency (report.md, model.csv, model.json), and projects to larger clusters (flat ring against
+hierarchical allreduce) for a given link bandwidth, latency and GPUs per node.
+
+`batch` trains on a held-out split (a Fashion-MNIST subset, or --dataset blobs) for each global
+batch and reports throughput and the training time (evaluation left out) until the TEST accuracy
+first reaches --target-accuracy, or "not reached".
 
 Needs only the Python standard library and numpy; plots are skipped without matplotlib
 (Debian: python3-matplotlib).
