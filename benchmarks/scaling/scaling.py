@@ -646,7 +646,7 @@ def cmd_batch(args):
         pass
     with open(os.path.join(args.out, "report.md"), "a") as f:
         f.writelines(md)
-    print(f"batch sweep: " + ", ".join(f"b{r['global_batch']}: {r['time_to_target_s']}" for r in rows))
+    print("batch sweep: " + ", ".join(f"b{r['global_batch']}: {r['time_to_target_s']}" for r in rows))
     return rows
 
 
