@@ -453,10 +453,12 @@ def cmd_model(args):
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             w.writerows(pred_rows)
+        with open(os.path.join(args.out, "model_errors.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["variant", "points", "step_error_mean", "step_error_max", "efficiency_error_mean",
+                        "efficiency_error_max"])
             for v, s_ in summary.items():
-                w.writerow({"mode": "error", "model": v, "measured_step_s": s_["step_mean"],
-                            "measured_efficiency": s_["eff_mean"], v + "_step_error": s_["step_max"],
-                            v + "_efficiency": s_["eff_max"]})
+                w.writerow([v, s_["points"], s_["step_mean"], s_["step_max"], s_["eff_mean"], s_["eff_max"]])
 
     # Projection with the calibrated model: compute measured at 1 rank (or given), gradient in buckets
     # overlapped with backward, allreduce over links of the given bandwidth and latency, flat ring

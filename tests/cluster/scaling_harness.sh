@@ -25,7 +25,7 @@ for v in serial calibrated slowest; do
   grep -Eq "^\| $v \| 2 \| $num % \| $num % \| $num % \| $num % \|" "$work/report.md" || fail "no error row for $v"
   grep -q "\"$v\"" "$work/model.json" || fail "no $v in model.json"
 done
-grep -q 'calibrated_step_s' "$work/model.csv" || fail "no model.csv"
+grep -q calibrated_step_s "$work/model.csv" && grep -q "^slowest,2," "$work/model_errors.csv" || fail "no model.csv or model_errors.csv"
 grep -Eq '^\| 1024 \| 128 \| [0-9.]+ \| [0-9.]+ \| [0-9]+ % \| [0-9]+ % \| [0-9.]+ \|' "$work/report.md" ||
   fail "no ring/hierarchical projection to 1024 ranks"
 grep -q 'held-out TEST accuracy' "$work/report.md" || fail "no batch-size sweep on test accuracy"
