@@ -725,7 +725,7 @@ def main():
     a = sub.add_parser("all", parents=[common, sweep_opts, model_opts, batch_opts],
                        help="the complete study (sweep, model, batch sweep) into OUT/RESULTS.md")
     a.add_argument("--batch-batch-sizes", default="32,128,512", help="global batches of the batch-size sweep")
-    a.set_defaults(ranks="1,2", mode="strong,weak", batch_sizes="64", steps=120, bench_max_bytes="4M")
+    a.set_defaults(ranks="1,2", mode="strong,weak", batch_sizes="64,256", steps=600, log_every=50, bench_max_bytes="4M")
     args = p.parse_args()
     args.dtrain = os.path.abspath(args.dtrain)
     os.makedirs(args.out, exist_ok=True)
