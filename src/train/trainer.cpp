@@ -470,6 +470,11 @@ TrainResult Trainer::run() {
   int64_t run_samples = 0;
   // Interval statistics for log lines.
   double iv_loss = 0, iv_wait = 0, iv_comm = 0, iv_t0 = now_s();
+  // Per-interval split of the step for the scaling harness's performance model (seconds, this rank).
+  double iv_fwd = 0, iv_bwd = 0, iv_opt = 0;
+  // Training wall time leaves out evaluation, so time-to-accuracy counts training only.
+  const double train_t0 = now_s();
+  double eval_total_s = 0;
   int64_t iv_bytes0 = dp_ ? dp_->stats().bytes_sent : 0;
   int64_t iv_steps = 0, iv_correct = 0, iv_seen = 0;
   double ema_step_s = 0;
@@ -509,6 +514,8 @@ TrainResult Trainer::run() {
         int64_t hits = 0;
         loss +=
             ce.forward(logits, stage_to(b.labels, device_, dev_labels), &hits) / static_cast<float>(cfg_.accumulate);
+        double tb = now_s();
+        iv_fwd += tb - tc;
         hits_step += hits;
         seen_step += b.inputs.size(0);
         if (dp_) {
@@ -517,7 +524,9 @@ TrainResult Trainer::run() {
         }
         float loss_scale = scaler_ ? scaler_->scale() : 1.f;
         model_->backward(ce.backward(loss_scale / static_cast<float>(cfg_.accumulate)));
-        trace.span("forward+backward", tc, now_s(), step_);
+        double te = now_s();
+        iv_bwd += te - tb;
+        trace.span("forward+backward", tc, te, step_);
       }
       if (ended) break;
       double tw = now_s();
@@ -554,6 +563,7 @@ TrainResult Trainer::run() {
         iv_comm += dp_->stats().comm_wait_s - c0;
       }
       double t1 = now_s();
+      iv_opt += t1 - to;
       trace.span("optimizer", to, t1, step_);
       trace.end_step();
       ++step_;
@@ -588,6 +598,9 @@ TrainResult Trainer::run() {
         double acc = agg.f32()[1] / std::max(1.f, agg.f32()[2]);
         double sps = agg.f32()[2] / std::max(now - iv_t0, 1e-9);
         double wait = agg.f32()[3] / (iv_steps * world_);
+        // The slowest rank's forward+backward per step: on shared cores it sets the pace.
+        Tensor slow = Tensor::from({1}, {static_cast<float>((iv_fwd + iv_bwd) / iv_steps)});
+        if (world_ > 1) comm_.allreduce(slow, comm::ReduceOp::Max)->wait();
         if (metrics_)
           metrics_->write({{"epoch", epoch + 1},
                            {"step", step_},
@@ -600,7 +613,13 @@ TrainResult Trainer::run() {
                            {"bytes_sent_per_step", dp_ ? (dp_->stats().bytes_sent - iv_bytes0) / iv_steps : int64_t{0}},
                            {"step_time_s", (now - iv_t0) / iv_steps},
                            {"loss_scale", static_cast<double>(scaler_ ? scaler_->scale() : 1.f)},
-                           {"skipped_steps", scaler_ ? scaler_->skipped_steps() : int64_t{0}}});
+                           {"skipped_steps", scaler_ ? scaler_->skipped_steps() : int64_t{0}},
+                           {"forward_s", iv_fwd / iv_steps},
+                           {"backward_s", iv_bwd / iv_steps},
+                           {"optimizer_s", iv_opt / iv_steps},
+                           {"compute_max_s", static_cast<double>(slow.f32()[0])},
+                           {"bucket_count", dp_ ? static_cast<int64_t>(dp_->bucket_count()) : int64_t{0}},
+                           {"train_time_s", now - train_t0 - eval_total_s}});
         std::string stats = "loss " + fixed(mean_loss, 4) + " acc " + fixed(100 * acc, 1) + "% " + fixed(sps, 0) +
                             " samples/s wait " + fixed(1e3 * wait, 2) + " ms";
         if (progress_->bar()) {
@@ -610,7 +629,7 @@ TrainResult Trainer::run() {
           say("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs_) + " step " + std::to_string(step_) +
               "/" + std::to_string(total_steps_) + " " + stats + " lr " + fixed(lr, 5));
         }
-        iv_loss = iv_wait = iv_comm = 0;
+        iv_loss = iv_wait = iv_comm = iv_fwd = iv_bwd = iv_opt = 0;
         iv_bytes0 = dp_ ? dp_->stats().bytes_sent : 0;
         iv_steps = iv_correct = iv_seen = 0;
         iv_t0 = now_s();
@@ -636,7 +655,11 @@ TrainResult Trainer::run() {
     if (epoch_done || step_ >= total_steps_) {
       std::string line = "epoch " + std::to_string(epoch + 1) + " done in " + fixed(now_s() - epoch_t0, 1) + " s";
       if (test_ds_ && cfg_.eval_each_epoch) {
+        double te0 = now_s();
+        double train_time_s = te0 - train_t0 - eval_total_s;
         EvalResult ev = evaluate(*test_ds_);
+        double eval_s = now_s() - te0;
+        eval_total_s += eval_s;
         result.last_eval = ev;
         line += ": test loss " + fixed(ev.loss, 4) + ", test accuracy " + fixed(100 * ev.accuracy, 2) + "% (" +
                 std::to_string(ev.samples) + " samples)";
@@ -645,7 +668,10 @@ TrainResult Trainer::run() {
                            {"step", step_},
                            {"test_loss", ev.loss},
                            {"test_accuracy", ev.accuracy},
-                           {"test_samples", ev.samples}});
+                           {"test_samples", ev.samples},
+                           {"train_time_s", train_time_s},
+                           {"eval_s", eval_s},
+                           {"wall_s", now_s() - train_t0}});
       }
       say(line);
       if (cfg_.checkpoint_every == 0 || step_ % cfg_.checkpoint_every != 0)
