@@ -26,22 +26,37 @@ def model(torch, classes=10, in_ch=1, hw=28):
 
 
 def bench(args, torch):
+    import contextlib
     torch.manual_seed(0)
-    m = model(torch)
+    dev = torch.device(args.device)
+    if dev.type == "cuda":  # fp32 means TF32 off, as dtrain's --precision fp32
+        torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
+    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if args.precision == "bf16"
+                else contextlib.nullcontext())
+    m = model(torch).to(dev)
     opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
-    batches = [(torch.randn(args.batch_size, 1, 28, 28), torch.randint(0, 10, (args.batch_size,))) for _ in range(4)]
+    batches = [(torch.randn(args.batch_size, 1, 28, 28).to(dev), torch.randint(0, 10, (args.batch_size,)).to(dev))
+               for _ in range(4)]
     def step(i):
         x, y = batches[i % 4]
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(m(x), y)
+        with autocast:
+            loss = loss_fn(m(x), y)
         loss.backward()
         opt.step()
+        if args.read_loss:
+            loss.item()  # as dtrain, which reads every step's loss back
     for i in range(args.warmup):
         step(i)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     t0, c0 = time.perf_counter(), time.process_time()
     for i in range(args.steps):
         step(i)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     dt, dc = time.perf_counter() - t0, time.process_time() - c0
     print(json.dumps({"framework": "pytorch", "torch": torch.__version__, "batch": args.batch_size,
                       "threads": torch.get_num_threads(), "steps": args.steps,
@@ -97,6 +112,9 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="bench: cpu or cuda")
+    p.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32", help="bench: on cuda, tf32 or bf16 autocast")
+    p.add_argument("--read-loss", action="store_true", help="bench: read the loss back every step (as dtrain does)")
     p.add_argument("--data", default="data/fashion-mnist")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.05)
