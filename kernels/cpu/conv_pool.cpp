@@ -23,9 +23,35 @@ ConvPrims& CpuEngine::conv_prims(const Conv2dGeom& g) {
   std::lock_guard<std::mutex> lock(cache_mu_);
   // Under MathPrecision::BF16 the primitives read bf16 inputs (the reorders at the edges round the
   // f32 tensors) and write f32 outputs and gradients, so only the multiply is low precision.
-  const bool bf16 = math_ == MathPrecision::BF16;
+  const bool bf16 = math_ == MathPrecision::BF16 && conv_bf16_native_;
   auto& slot = conv_cache_[conv_key(g, bf16)];
   if (slot) return *slot;
+  if (bf16) {
+    try {
+      slot = make_conv_prims(g, true);
+      return *slot;
+    } catch (const dnnl::error&) {
+      conv_bf16_native_ = false;  // no bf16 convolution on this processor: emulate (conv_input)
+      conv_cache_.erase(conv_key(g, true));
+    }
+  }
+  auto& f32_slot = conv_cache_[conv_key(g, false)];
+  if (!f32_slot) f32_slot = make_conv_prims(g, false);
+  return *f32_slot;
+}
+
+const void* CpuEngine::conv_input(const Tensor& t, std::vector<float>& rounded) const {
+  if (!emulate_bf16_conv()) return t.raw();
+  const int64_t n = t.numel();
+  if (static_cast<int64_t>(rounded.size()) < n) rounded.resize(static_cast<size_t>(n));
+  const float* s = t.f32();
+  float* o = rounded.data();
+#pragma omp parallel for if (n > (1 << 15))
+  for (int64_t i = 0; i < n; ++i) o[i] = bf16_to_float(float_to_bf16(s[i]));
+  return o;
+}
+
+std::unique_ptr<ConvPrims> CpuEngine::make_conv_prims(const Conv2dGeom& g, bool bf16) {
   auto p = std::make_unique<ConvPrims>();
   memory::dims xd{g.n, g.c, g.h, g.w}, wd{g.k, g.c, g.r, g.s}, bd{g.k}, yd{g.n, g.k, g.out_h(), g.out_w()};
   memory::dims st{g.stride, g.stride}, pad{g.pad, g.pad};
@@ -60,8 +86,7 @@ ConvPrims& CpuEngine::conv_prims(const Conv2dGeom& g) {
   p->dw_w.init(eng_, p->w_md, p->bwd_w_pd.diff_weights_desc(), false, true);
   p->dw_tmp = memory(p->w_md, eng_);
   p->db_tmp = memory(p->b_md, eng_);
-  slot = std::move(p);
-  return *slot;
+  return p;
 }
 
 static void check_conv(const Conv2dGeom& g, const Tensor& x, const Tensor& w, const Tensor& y) {
@@ -73,9 +98,10 @@ static void check_conv(const Conv2dGeom& g, const Tensor& x, const Tensor& w, co
 void CpuEngine::conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
   check_conv(g, x, w, y);
   ConvPrims& p = conv_prims(g);
+  thread_local std::vector<float> rx, rw;
   std::unordered_map<int, memory> args;
-  args[DNNL_ARG_SRC] = p.fx.input(eng_, strm_, p.x_md, x.raw());
-  args[DNNL_ARG_WEIGHTS] = p.fw.input(eng_, strm_, p.w_md, w.raw());
+  args[DNNL_ARG_SRC] = p.fx.input(eng_, strm_, p.x_md, const_cast<void*>(conv_input(x, rx)));
+  args[DNNL_ARG_WEIGHTS] = p.fw.input(eng_, strm_, p.w_md, const_cast<void*>(conv_input(w, rw)));
   memory zero_bias;
   if (bias.defined()) {
     args[DNNL_ARG_BIAS] = memory(p.b_md, eng_, bias.raw());
@@ -93,9 +119,10 @@ void CpuEngine::conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tenso
 void CpuEngine::conv2d_backward_data(const Conv2dGeom& g, const Tensor& dy, const Tensor& w, Tensor& dx) {
   check_conv(g, dx, w, dy);
   ConvPrims& p = conv_prims(g);
+  thread_local std::vector<float> rdy, rw;
   std::unordered_map<int, memory> args;
-  args[DNNL_ARG_DIFF_DST] = p.dy_d.input(eng_, strm_, p.y_md, dy.raw());
-  args[DNNL_ARG_WEIGHTS] = p.w_d.input(eng_, strm_, p.w_md, w.raw());
+  args[DNNL_ARG_DIFF_DST] = p.dy_d.input(eng_, strm_, p.y_md, const_cast<void*>(conv_input(dy, rdy)));
+  args[DNNL_ARG_WEIGHTS] = p.w_d.input(eng_, strm_, p.w_md, const_cast<void*>(conv_input(w, rw)));
   args[DNNL_ARG_DIFF_SRC] = p.dx_d.output(eng_, p.x_md, dx.raw());
   p.bwd_d.execute(strm_, args);
   p.dx_d.finish(eng_, strm_, p.x_md, dx.raw());
@@ -106,9 +133,10 @@ void CpuEngine::conv2d_backward_weights(const Conv2dGeom& g, const Tensor& x, co
                                         Tensor& dbias) {
   check_conv(g, x, dw, dy);
   ConvPrims& p = conv_prims(g);
+  thread_local std::vector<float> rx, rdy;
   std::unordered_map<int, memory> args;
-  args[DNNL_ARG_SRC] = p.x_w.input(eng_, strm_, p.x_md, x.raw());
-  args[DNNL_ARG_DIFF_DST] = p.dy_w.input(eng_, strm_, p.y_md, dy.raw());
+  args[DNNL_ARG_SRC] = p.x_w.input(eng_, strm_, p.x_md, const_cast<void*>(conv_input(x, rx)));
+  args[DNNL_ARG_DIFF_DST] = p.dy_w.input(eng_, strm_, p.y_md, const_cast<void*>(conv_input(dy, rdy)));
   void* dw_tmp = p.dw_tmp.get_data_handle();
   args[DNNL_ARG_DIFF_WEIGHTS] = p.dw_w.output(eng_, p.w_md, dw_tmp);
   args[DNNL_ARG_DIFF_BIAS] = p.db_tmp;

@@ -239,6 +239,11 @@ class CpuEngine final : public Engine {
                                const float* a, int64_t sa, const float* b, int64_t sb, float beta, float* c,
                                int64_t sc);
   ConvPrims& conv_prims(const Conv2dGeom& g);
+  std::unique_ptr<ConvPrims> make_conv_prims(const Conv2dGeom& g, bool bf16);
+  // bf16 convolution math without bf16 primitives (an AVX2-only processor): the inputs are rounded
+  // to bf16 values held in f32, and the f32 primitives run on them.
+  bool emulate_bf16_conv() const { return math_ == MathPrecision::BF16 && !conv_bf16_native_; }
+  const void* conv_input(const Tensor& t, std::vector<float>& rounded) const;
   PoolPrims& pool_prims(const Pool2dGeom& g, PoolKind kind);
 
   dnnl::engine eng_;
@@ -246,6 +251,7 @@ class CpuEngine final : public Engine {
   int threads_ = 1;
   std::mutex cache_mu_;
   std::unordered_map<std::string, std::unique_ptr<ConvPrims>> conv_cache_;
+  bool conv_bf16_native_ = true;  // false once oneDNN has refused a bf16 convolution here
   std::unordered_map<std::string, std::unique_ptr<PoolPrims>> pool_cache_;
   MatmulCache matmul_cache_{64};
 };

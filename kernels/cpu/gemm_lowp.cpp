@@ -125,19 +125,41 @@ void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n,
   thread_local std::vector<uint16_t> a16, b16;
   thread_local std::vector<float> a32, b32;
 
-  // f16 operands, or fp16 math: no fast fp16 on this CPU, so round to half and multiply in fp32.
+  // bf16 runs as a oneDNN bf16 matmul where the processor has one (AVX512-BF16 or AMX). Elsewhere
+  // (an AVX2-only processor), and for f16 (no fast fp16 on any of these CPUs), the operands are
+  // rounded to the low precision, widened back to f32 and multiplied by sgemm: the same products
+  // (a product of two bf16 or f16 values is exact in f32), the same f32 accumulation.
   const bool half = a.dtype() == DType::F16 || (a.dtype() == DType::F32 && math_ == MathPrecision::F16);
-  if (half) {
-    auto widen = [](const Tensor& t, int64_t span, std::vector<float>& out) {
+  std::shared_ptr<MatmulPrims> p;
+  int64_t per_call = batch;
+  if (!half) {
+    // The whole batch as one primitive (attention's per-head products); per GEMM when oneDNN has no
+    // batched implementation for the strides.
+    p = matmul_prims({dt::bf16, batch, ta, tb, m, n, k, sa, sb, sc, alpha, beta});
+    if (!p) {
+      per_call = 1;
+      p = matmul_prims({dt::bf16, 1, ta, tb, m, n, k, sa, sb, sc, alpha, beta});
+    }
+  }
+  if (!p) {
+    auto widen = [half](const Tensor& t, int64_t span, std::vector<float>& out) {
       float* o = scratch(out, span);
       if (t.dtype() == DType::F16) {
         const uint16_t* s = t.data<uint16_t>();
 #pragma omp parallel for if (span > (1 << 15))
         for (int64_t i = 0; i < span; ++i) o[i] = f16_to_float(s[i]);
-      } else {
+      } else if (t.dtype() == DType::BF16) {
+        const uint16_t* s = t.data<uint16_t>();
+#pragma omp parallel for if (span > (1 << 15))
+        for (int64_t i = 0; i < span; ++i) o[i] = bf16_to_float(s[i]);
+      } else if (half) {
         const float* s = t.f32();
 #pragma omp parallel for if (span > (1 << 15))
         for (int64_t i = 0; i < span; ++i) o[i] = f16_to_float(float_to_f16(s[i]));
+      } else {
+        const float* s = t.f32();
+#pragma omp parallel for if (span > (1 << 15))
+        for (int64_t i = 0; i < span; ++i) o[i] = bf16_to_float(float_to_bf16(s[i]));
       }
       return o;
     };
@@ -164,12 +186,6 @@ void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n,
     pa = wa;
     pb = wb;
   }
-  // The whole batch as one primitive (attention's per-head products); per GEMM when oneDNN has no
-  // batched implementation for the strides.
-  std::shared_ptr<MatmulPrims> p = matmul_prims({dt::bf16, batch, ta, tb, m, n, k, sa, sb, sc, alpha, beta});
-  const int64_t per_call = p ? batch : 1;
-  if (!p) p = matmul_prims({dt::bf16, 1, ta, tb, m, n, k, sa, sb, sc, alpha, beta});
-  DT_CHECK(p, "oneDNN has no bf16 matmul for " << m << "x" << n << "x" << k);
   for (int64_t i = 0; i < batch; i += per_call) {
     memory ma(p->a_md, eng_, const_cast<uint16_t*>(pa + i * sa));
     memory mb(p->b_md, eng_, const_cast<uint16_t*>(pb + i * sb));
