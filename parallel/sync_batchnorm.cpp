@@ -10,15 +10,18 @@ SyncBatchNorm::SyncBatchNorm(int64_t channels, comm::Communicator& comm, float e
   beta_ = &add_parameter("bias", Tensor::zeros({channels}));
   running_mean_ = &add_buffer("running_mean", Tensor::zeros({channels}));
   running_var_ = &add_buffer("running_var", Tensor::full({channels}, 1.f));
-  for (Tensor* t : {&mean_, &invstd_, &scale_, &shift_}) *t = Tensor::zeros({channels});
+  for (Tensor* t : {&mean_, &invstd_, &scale_, &shift_, &neg_mean_, &resid_}) *t = Tensor::zeros({channels});
+  ones_ = Tensor::full({channels}, 1.f);
   stats_ = Tensor::zeros({2 * channels + 1});
 }
 
-// Forward: per-channel sum and sum of squares on each rank, summed over ranks with the sample
-// count, give the global mean and (biased) variance; then y = x * gamma*invstd + (beta - mean*gamma*invstd).
+// Forward, in two passes as BatchNorm2d's double-precision statistics are: the global mean from
+// the per-channel sums of all ranks, then the variance from sums of the centred input
+// xc = x - mean (a variance taken as E[x^2] - mean^2 from f32 sums loses digits to cancellation,
+// enough to move a ResNet's weights by 1e-5 within 20 steps). The second pass's mean of xc (zero
+// up to rounding) corrects the first. y = xc * gamma*invstd + (beta - mean(xc)*gamma*invstd).
 Tensor SyncBatchNorm::forward(const Tensor& x) {
   DT_CHECK(x.dim() == 4 && x.size(1) == c_, kind() << " needs (N, " << c_ << ", H, W), got " << x.str());
-  keep(x_, x);
   Engine& e = engine(x);
   Tensor& y = ensure(y_, x.shape(), x.device());
   const float* g = gamma_->value.f32();
@@ -32,43 +35,52 @@ Tensor SyncBatchNorm::forward(const Tensor& x) {
     e.channel_affine(x, c_, scale_, shift_, y);
     return y;
   }
-  Tensor sum = stats_.slice0(0, c_), sumsq = stats_.slice0(c_, 2 * c_);
-  e.channel_sums(x, c_, sum, sumsq);
+  Tensor s1 = stats_.slice0(0, c_), s2 = stats_.slice0(c_, 2 * c_);
+  e.channel_sums(x, c_, s1, s2);
   stats_.f32()[2 * c_] = static_cast<float>(x.numel() / c_);
   comm_.allreduce(stats_, comm::ReduceOp::Sum)->wait();
   count_ = stats_.f32()[2 * c_];
+  for (int64_t c = 0; c < c_; ++c) neg_mean_.f32()[c] = static_cast<float>(-s1.f32()[c] / count_);
+  Tensor& xc = ensure(xc_, x.shape(), x.device());
+  e.channel_affine(x, c_, ones_, neg_mean_, xc);
+  e.channel_sums(xc, c_, s1, s2);
+  stats_.f32()[2 * c_] = 0.f;
+  comm_.allreduce(stats_, comm::ReduceOp::Sum)->wait();
   for (int64_t c = 0; c < c_; ++c) {
-    double mean = sum.f32()[c] / count_;
-    double var = std::max(0.0, sumsq.f32()[c] / count_ - mean * mean);
+    double d = s1.f32()[c] / count_;  // mean of xc
+    double var = std::max(0.0, s2.f32()[c] / count_ - d * d);
+    double mean = -static_cast<double>(neg_mean_.f32()[c]) + d;
     float inv = static_cast<float>(1.0 / std::sqrt(var + eps_));
     mean_.f32()[c] = static_cast<float>(mean);
+    resid_.f32()[c] = static_cast<float>(d);
     invstd_.f32()[c] = inv;
     scale_.f32()[c] = g[c] * inv;
-    shift_.f32()[c] = b[c] - static_cast<float>(mean) * g[c] * inv;
+    shift_.f32()[c] = b[c] - static_cast<float>(d) * g[c] * inv;
     double unbiased = count_ > 1 ? var * count_ / (count_ - 1) : var;  // running variance, as PyTorch
     float* rm = running_mean_->value.f32();
     float* rv = running_var_->value.f32();
     rm[c] = (1.f - momentum_) * rm[c] + momentum_ * static_cast<float>(mean);
     rv[c] = (1.f - momentum_) * rv[c] + momentum_ * static_cast<float>(unbiased);
   }
-  e.channel_affine(x, c_, scale_, shift_, y);
+  e.channel_affine(xc, c_, scale_, shift_, y);
   return y;
 }
 
 // Backward. With sums over ALL ranks sdy = sum dy, sdx = sum dy*(x - mean), M = count:
 //   dx = gamma*invstd*dy - gamma*invstd/M*sdy - gamma*invstd^3/M*sdx*(x - mean)
-// computed as dx = A*dy + (B*x + C) with two channel_affine maps. dgamma and dbeta take this rank's
-// sums only: data parallel averages them over the ranks like every other gradient (as PyTorch's
-// SyncBatchNorm does), while dx needs the global sums because every sample moved the statistics.
+// computed as dx = A*dy + (B*xc + C) with two channel_affine maps (x - mean = xc - mean(xc)).
+// dgamma and dbeta take this rank's sums only: data parallel averages them over the ranks like
+// every other gradient (as PyTorch's SyncBatchNorm does), while dx needs the global sums because
+// every sample moved the statistics.
 Tensor SyncBatchNorm::backward(const Tensor& dy) {
   Engine& e = engine(dy);
   Tensor sdy = stats_.slice0(0, c_), sdyx = stats_.slice0(c_, 2 * c_), unused = Tensor::zeros({c_});
   e.channel_sums(dy, c_, sdy, unused);
-  e.channel_dot(dy, x_, c_, sdyx);
+  e.channel_dot(dy, xc_, c_, sdyx);
   stats_.f32()[2 * c_] = 0.f;
   for (int64_t c = 0; c < c_; ++c) {
     double s_dy = sdy.f32()[c];
-    double s_dx = sdyx.f32()[c] - mean_.f32()[c] * s_dy;
+    double s_dx = sdyx.f32()[c] - resid_.f32()[c] * s_dy;
     gamma_->grad.f32()[c] += static_cast<float>(s_dx * invstd_.f32()[c]);
     beta_->grad.f32()[c] += static_cast<float>(s_dy);
   }
@@ -78,19 +90,19 @@ Tensor SyncBatchNorm::backward(const Tensor& dy) {
   const float* g = gamma_->value.f32();
   Tensor a = Tensor::empty({c_}), zero = Tensor::zeros({c_}), bsc = Tensor::empty({c_}), csh = Tensor::empty({c_});
   for (int64_t c = 0; c < c_; ++c) {
-    double mean = mean_.f32()[c], inv = invstd_.f32()[c];
+    double d = resid_.f32()[c], inv = invstd_.f32()[c];
     double s_dy = sdy.f32()[c];
-    double s_dx = sdyx.f32()[c] - mean * s_dy;
+    double s_dx = sdyx.f32()[c] - d * s_dy;
     double k = g[c] * inv;
     double bcoef = -k * inv * inv * s_dx / count_;
     a.f32()[c] = static_cast<float>(k);
     bsc.f32()[c] = static_cast<float>(bcoef);
-    csh.f32()[c] = static_cast<float>(-k * s_dy / count_ - bcoef * mean);
+    csh.f32()[c] = static_cast<float>(-k * s_dy / count_ - bcoef * d);
   }
-  Tensor& dx = ensure(dx_, x_.shape(), dy.device());
-  Tensor& t = ensure(tmp_, x_.shape(), dy.device());
+  Tensor& dx = ensure(dx_, xc_.shape(), dy.device());
+  Tensor& t = ensure(tmp_, xc_.shape(), dy.device());
   e.channel_affine(dy, c_, a, zero, dx);
-  e.channel_affine(x_, c_, bsc, csh, t);
+  e.channel_affine(xc_, c_, bsc, csh, t);
   e.add(dx, t, dx);
   return dx;
 }
