@@ -13,10 +13,14 @@ compute; the gradient bucket count) and writes results.csv, report.md and (with 
 speedup.png, efficiency.png, breakdown.png. Strong scaling keeps the global batch (--batch-sizes are
 global); weak scaling keeps the per-rank batch (--batch-sizes are per rank).
 
-`model` fits t(S) = alpha + beta * S * 2(n-1)/n to `dtrain bench allreduce` and predicts every
-multi-rank step as compute + the allreduce time of the gradient buckets not hidden behind backward
-(bucket i can start once backward has produced its share) + optimizer + data wait, in variants
-(serial, calibrated, slowest; see VARIANTS), reports each variant's error on step time and
+Beside each multi-rank run the sweep starts as many independent 1-rank runs at once (no
+communication), which measures the compute a rank gets when the node is shared that way.
+
+`model` fits t(S) = alpha + beta * S * 2(n-1)/n to `dtrain bench allreduce` and keeps the measured
+curve too, and predicts every multi-rank step as compute + the allreduce time of the gradient
+buckets not hidden behind backward (bucket i can start once backward has produced its share) +
+optimizer + unnamed host work + data wait, in variants (serial, calibrated, contended, slowest;
+see VARIANTS), reports each variant's error on step time and
 efficiency (report.md, model.csv, model.json), and projects to larger clusters (flat ring against
 hierarchical allreduce) for a given link bandwidth, latency and GPUs per node.
 
@@ -43,8 +47,9 @@ import numpy as np
 
 FIELDS = ["mode", "model", "ranks", "batch_per_rank", "global_batch", "compression", "precision",
           "params", "samples_per_s", "step_time_s", "compute_s", "comm_wait_s", "data_wait_s",
-          "forward_s", "backward_s", "optimizer_s", "compute_max_s", "bucket_count", "bucket_mb",
-          "bytes_sent_per_step", "final_train_accuracy", "speedup", "efficiency", "wall_s"]
+          "forward_s", "backward_s", "optimizer_s", "other_s", "compute_max_s", "bucket_count", "bucket_mb",
+          "bytes_sent_per_step", "alone_forward_s", "alone_backward_s", "alone_optimizer_s", "alone_other_s",
+          "final_train_accuracy", "speedup", "efficiency", "wall_s"]
 TEXT_FIELDS = ("mode", "model", "compression", "precision")
 
 
@@ -75,6 +80,59 @@ def read_metrics(path):
     return steps, summary
 
 
+def train_cmd(args, model, batch_opt, compression, precision, metrics):
+    return [args.dtrain, "train", "--synthetic", "--model", model, "--steps", str(args.steps), "--log-every",
+            str(args.log_every), "--progress", "off", "--metrics", metrics, "--compression", compression,
+            "--precision", precision, "--threads", str(args.threads), "--bucket-mb",
+            str(args.bucket_mb)] + batch_opt + shlex.split(args.train_args)
+
+
+def steady_means(metrics):
+    """(per-step means of the steady state, summary record) of one run's metrics file."""
+    steps, summary = read_metrics(metrics)
+    # The first logged interval holds start-up (first allocations, thread pools): leave it out.
+    steady = steps[1:] if len(steps) > 1 else steps
+    if not steady:
+        raise SystemExit(f"no step metrics in {metrics}")
+    keys = ("step_time_s", "comm_wait_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s", "compute_max_s",
+            "bytes_sent_per_step", "samples_per_s")
+    m = {k: float(np.mean([s.get(k, 0.0) for s in steady])) for k in keys}
+    # What the split does not name: host work between the timed phases (batch hand-over, bookkeeping).
+    m["other_s"] = max(m["step_time_s"] - m["forward_s"] - m["backward_s"] - m["optimizer_s"] - m["comm_wait_s"] -
+                       m["data_wait_s"], 0.0)
+    m["bucket_count"] = int(steps[-1].get("bucket_count", 0))
+    m["train_accuracy"] = steps[-1].get("train_accuracy", 0)
+    return m, summary
+
+
+def run_alone(args, model, ranks, per_rank, compression, precision, index):
+    """`ranks` independent 1-rank runs at once, as many processes as the multi-rank run but with no
+    communication: the compute each rank gets when the node is shared that way (cores, memory
+    bandwidth). The `contended` model variant predicts from these, not from the multi-rank run."""
+    procs = []
+    for j in range(ranks):
+        metrics = os.path.join(args.out, "metrics", f"run{index:03d}-alone{j}-{model}-b{per_rank}.jsonl")
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        cmd = launcher(args, 1) + train_cmd(args, model, ["--batch-size", str(per_rank)], compression, precision,
+                                            metrics)
+        log = open(metrics + ".log", "w")
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), metrics, log))
+    print(f"+ {ranks} x 1-rank {model} b{per_rank} at once (no communication)", file=sys.stderr, flush=True)
+    out = {"alone_forward_s": [], "alone_backward_s": [], "alone_optimizer_s": [], "alone_other_s": []}
+    for proc, metrics, log in procs:
+        rc = proc.wait(timeout=args.timeout)
+        log.close()
+        if rc != 0:
+            raise SystemExit(f"1-rank run failed (status {rc}); see {metrics}.log")
+        m, _ = steady_means(metrics)
+        for k in ("forward_s", "backward_s", "optimizer_s", "other_s"):
+            out["alone_" + k].append(m[k])
+    # The slowest of them paces a synchronous step.
+    slow = max(range(ranks), key=lambda j: out["alone_forward_s"][j] + out["alone_backward_s"][j])
+    return {k: v[slow] for k, v in out.items()}
+
+
 def run_one(args, mode, model, ranks, batch, compression, precision, index):
     """One training run; returns a result row (a dict of FIELDS)."""
     if mode == "strong":
@@ -87,10 +145,7 @@ def run_one(args, mode, model, ranks, batch, compression, precision, index):
     metrics = os.path.join(args.out, "metrics", f"run{index:03d}-{mode}-{model}-n{ranks}-b{batch}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = launcher(args, ranks) + [args.dtrain, "train", "--synthetic", "--model", model, "--steps", str(args.steps),
-                                   "--log-every", str(args.log_every), "--progress", "off", "--metrics", metrics,
-                                   "--compression", compression, "--precision", precision, "--threads",
-                                   str(args.threads), "--bucket-mb", str(args.bucket_mb)] + batch_opt + shlex.split(args.train_args)
+    cmd = launcher(args, ranks) + train_cmd(args, model, batch_opt, compression, precision, metrics)
     print("+ " + " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
     t0 = time.time()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout)
@@ -99,26 +154,20 @@ def run_one(args, mode, model, ranks, batch, compression, precision, index):
         f.write(proc.stdout)
     if proc.returncode != 0:
         raise SystemExit(f"run failed (status {proc.returncode}):\n{proc.stdout[-3000:]}")
-    steps, summary = read_metrics(metrics)
-    # The first logged interval holds start-up (first allocations, thread pools): leave it out.
-    steady = steps[1:] if len(steps) > 1 else steps
-    if not steady:
-        raise SystemExit(f"no step metrics in {metrics}")
-
-    def mean(key):
-        return float(np.mean([s.get(key, 0.0) for s in steady]))
-
-    m = re.search(r"\((\d+) parameters\)", proc.stdout)
-    step_time = mean("step_time_s")
-    comm, data = mean("comm_wait_s"), mean("data_wait_s")
-    return {"mode": mode, "model": model, "ranks": ranks, "batch_per_rank": per_rank, "global_batch": per_rank * ranks,
-            "compression": compression, "precision": precision, "params": int(m.group(1)) if m else 0,
-            "samples_per_s": summary.get("samples_per_s") or mean("samples_per_s"), "step_time_s": step_time,
-            "compute_s": max(step_time - comm - data, 0.0), "comm_wait_s": comm, "data_wait_s": data,
-            "forward_s": mean("forward_s"), "backward_s": mean("backward_s"), "optimizer_s": mean("optimizer_s"),
-            "compute_max_s": mean("compute_max_s"), "bucket_count": int(steps[-1].get("bucket_count", 0)),
-            "bucket_mb": args.bucket_mb, "bytes_sent_per_step": mean("bytes_sent_per_step"),
-            "final_train_accuracy": steps[-1].get("train_accuracy", 0), "wall_s": round(wall, 2)}
+    m, summary = steady_means(metrics)
+    params = re.search(r"\((\d+) parameters\)", proc.stdout)
+    row = {"mode": mode, "model": model, "ranks": ranks, "batch_per_rank": per_rank, "global_batch": per_rank * ranks,
+           "compression": compression, "precision": precision, "params": int(params.group(1)) if params else 0,
+           "samples_per_s": summary.get("samples_per_s") or m["samples_per_s"], "step_time_s": m["step_time_s"],
+           "compute_s": max(m["step_time_s"] - m["comm_wait_s"] - m["data_wait_s"], 0.0),
+           "comm_wait_s": m["comm_wait_s"], "data_wait_s": m["data_wait_s"], "forward_s": m["forward_s"],
+           "backward_s": m["backward_s"], "optimizer_s": m["optimizer_s"], "other_s": m["other_s"],
+           "compute_max_s": m["compute_max_s"], "bucket_count": m["bucket_count"], "bucket_mb": args.bucket_mb,
+           "bytes_sent_per_step": m["bytes_sent_per_step"], "final_train_accuracy": m["train_accuracy"],
+           "wall_s": round(wall, 2)}
+    if ranks > 1 and not getattr(args, "no_alone", False):
+        row.update(run_alone(args, model, ranks, per_rank, compression, precision, index))
+    return row
 
 
 def group_key(r):
@@ -303,6 +352,24 @@ def ring_allreduce_s(nbytes, n, alpha, beta):
     return 0.0 if n <= 1 else alpha + beta * nbytes * 2 * (n - 1) / n
 
 
+def measured_allreduce_s(pts, beta):
+    """The benchmark's own curve: time at a size by log-log interpolation between the measured sizes
+    (a line through the alpha-beta fit's two regimes does not bend where the MPI library switches
+    protocol, the measured points do); the smallest size's time below it, and beyond the largest
+    its time plus the fitted bandwidth term for the extra bytes."""
+    xs = np.log([p[0] for p in pts])
+    ys = np.log([p[1] for p in pts])
+    big, t_big = pts[-1]
+
+    def cost(nbytes):
+        if nbytes <= 0:
+            return 0.0
+        if nbytes >= big:
+            return t_big + beta * (nbytes - big)
+        return float(np.exp(np.interp(np.log(nbytes), xs, ys)))
+    return cost
+
+
 def bucket_sizes(r):
     """Gradient bucket sizes in bytes, in the order backward produces them. The trainer reports the
     bucket count; the gradient is split evenly into that many (the last layers fill the first)."""
@@ -327,43 +394,53 @@ def overlapped_step(fwd, bwd, opt, sizes, allreduce_s, overlap=True):
 
 
 def single_rank_compute(r, base_rows):
-    """(forward, backward, optimizer) per step of the 1-rank run of the same config: the same per-rank
-    batch where such a run exists, else the group's base run scaled by the per-rank batch."""
+    """(forward, backward, optimizer, other) per step of the 1-rank run of the same config: the same
+    per-rank batch where such a run exists, else the group's base run scaled by the per-rank batch."""
     same = [b for b in base_rows if b["model"] == r["model"] and b["compression"] == r["compression"] and
             b["precision"] == r["precision"]]
     exact = [b for b in same if int(b["batch_per_rank"]) == int(r["batch_per_rank"])]
     if exact:
         b = exact[0]
-        return b["forward_s"], b["backward_s"], b["optimizer_s"]
+        return b["forward_s"], b["backward_s"], b["optimizer_s"], b.get("other_s") or 0.0
     if not same:
         return None
     b = min(same, key=lambda b: abs(b["batch_per_rank"] - r["batch_per_rank"]))
     k = r["batch_per_rank"] / b["batch_per_rank"]
-    return b["forward_s"] * k, b["backward_s"] * k, b["optimizer_s"]
+    return b["forward_s"] * k, b["backward_s"] * k, b["optimizer_s"], b.get("other_s") or 0.0
 
 
 VARIANTS = {
-    "serial": "1-rank compute, then every bucket's allreduce after backward (no overlap)",
-    "calibrated": "1-rank compute; buckets allreduced as backward produces them (overlap)",
-    "slowest": "compute of the slowest rank in the multi-rank run itself (captures contention for shared cores), "
-               "split into forward and backward as at 1 rank; overlap as in calibrated",
+    "serial": "1-rank compute, then every bucket's allreduce (alpha-beta fit) after backward: no overlap",
+    "calibrated": "1-rank compute; buckets allreduced (alpha-beta fit) as backward produces them",
+    "contended": "compute measured in as many independent 1-rank runs at once as the run has ranks (the node "
+                 "shared the same way, no communication); buckets at the benchmark's measured allreduce time, "
+                 "overlapped with backward. Predicts from measurements that do not include the run itself",
+    "slowest": "diagnostic: compute of the slowest rank of the multi-rank run itself, split into forward and "
+               "backward as at 1 rank; allreduce and overlap as in contended, so its error is the "
+               "communication model's alone",
 }
 
 
-def predict(r, base_rows, allreduce_s):
-    """{variant: predicted step seconds} for one measured multi-rank run."""
+def predict(r, base_rows, fitted_s, measured_s):
+    """{variant: predicted step seconds} for one measured multi-rank run. fitted_s and measured_s
+    give an allreduce's seconds for a bucket size: the alpha-beta line and the benchmark's curve."""
     comp = single_rank_compute(r, base_rows)
     if comp is None:
         return {}
-    fwd, bwd, opt = comp
+    fwd, bwd, opt, other = comp
     sizes = bucket_sizes(r)
-    out = {"serial": overlapped_step(fwd, bwd, opt, sizes, allreduce_s, overlap=False)[0] + r["data_wait_s"],
-           "calibrated": overlapped_step(fwd, bwd, opt, sizes, allreduce_s)[0] + r["data_wait_s"]}
+    extra = other + r["data_wait_s"]
+    out = {"serial": overlapped_step(fwd, bwd, opt, sizes, fitted_s, overlap=False)[0] + extra,
+           "calibrated": overlapped_step(fwd, bwd, opt, sizes, fitted_s)[0] + extra}
+    if r.get("alone_forward_s"):
+        out["contended"] = overlapped_step(r["alone_forward_s"], r["alone_backward_s"], r["alone_optimizer_s"],
+                                           sizes, measured_s)[0] + r["alone_other_s"] + r["data_wait_s"]
+        other = r["alone_other_s"]
     slow = r.get("compute_max_s") or 0.0
     if slow > 0:
         share = fwd / max(fwd + bwd, 1e-12)
         out["slowest"] = overlapped_step(slow * share, slow * (1 - share), r["optimizer_s"] or opt, sizes,
-                                         allreduce_s)[0] + r["data_wait_s"]
+                                         measured_s)[0] + other + r["data_wait_s"]
     return out
 
 
@@ -372,7 +449,7 @@ def cmd_model(args):
         text = open(args.bench).read()
     else:
         cmd = launcher(args, args.bench_ranks) + [args.dtrain, "bench", "allreduce", "-b", "4", "-e", args.bench_max_bytes,
-                                                  "-f", "4", "-n", "10", "--no-baseline"]
+                                                  "-f", "4", "-n", "30", "--no-baseline"]
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
         text = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=True).stdout
         with open(os.path.join(args.out, "allreduce.txt"), "w") as f:
@@ -394,7 +471,11 @@ def cmd_model(args):
         if r["ranks"] <= 1:
             continue
         ranks = r["ranks"]
-        preds = predict(r, base_rows, lambda size: ring_allreduce_s(size, ranks, alpha, beta))
+        # The measured curve is at the benchmark's rank count; other counts scale it by the ring's
+        # bytes per rank, 2(N-1)/N.
+        ring_ratio = ((ranks - 1) / ranks) / ((n - 1) / n)
+        preds = predict(r, base_rows, lambda size: ring_allreduce_s(size, ranks, alpha, beta),
+                        lambda size, c=measured_allreduce_s(pts, beta * 2 * (n - 1) / n): ring_ratio * c(size))
         if not preds:
             continue
         # Efficiency as measured: throughput against the 1-rank run of the group, per rank.
@@ -422,10 +503,11 @@ def cmd_model(args):
     summary = {}
     if table:
         out.append("\nModel variants. Each predicts step time = compute (forward + backward) + the part of the "
-                   "gradient allreduce not hidden behind backward + optimizer step + measured data wait. The "
-                   "gradient travels in buckets (count from the run's metrics); bucket i is ready once backward "
-                   "has produced its share of the gradient (ready times spread in proportion through backward), "
-                   "buckets go out one after another, each costing the fitted alpha-beta time.\n\n")
+                   "gradient allreduce not hidden behind backward + optimizer step + the host work the split "
+                   "does not name (measured where the compute comes from) + measured data wait. The gradient "
+                   "travels in buckets (count from the run's metrics); bucket i is ready once backward has "
+                   "produced its share of the gradient (ready times spread in proportion through backward), "
+                   "buckets go out one after another, each costing the allreduce time of its size.\n\n")
         out += [f"- **{v}**: {d}\n" for v, d in VARIANTS.items()]
         header = ["mode", "model", "ranks", "batch/rank", "compression", "precision", "measured ms", "measured eff"]
         for v in VARIANTS:
@@ -690,6 +772,8 @@ def main():
     sweep_opts.add_argument("--threads", type=int, default=1, help="compute threads per rank")
     sweep_opts.add_argument("--bucket-mb", type=float, default=0.25, help="data-parallel gradient bucket size (MiB)")
     sweep_opts.add_argument("--train-args", default="", help="more `dtrain train` options")
+    sweep_opts.add_argument("--no-alone", action="store_true",
+                            help="skip the independent 1-rank runs beside each multi-rank run (no 'contended' model)")
     sweep_opts.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     model_opts = argparse.ArgumentParser(add_help=False)
     model_opts.add_argument("--bench", help="saved `dtrain bench allreduce` output (else it is run)")

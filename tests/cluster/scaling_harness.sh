@@ -21,7 +21,7 @@ $py "$root/benchmarks/scaling/scaling.py" all --dtrain "$bin" --out "$work" --ra
 grep -q '^| strong | mlp | 2 | 32 | 64 |' "$work/report.md" || fail "no 2-rank strong-scaling row in report.md"
 grep -q '^## Performance model' "$work/report.md" || fail "no performance model in report.md"
 grep -Eq "alpha = $num us, 1/beta = $num GB/s" "$work/report.md" || fail "no alpha-beta fit"
-for v in serial calibrated slowest; do
+for v in serial calibrated contended slowest; do
   grep -Eq "^\| $v \| 2 \| $num % \| $num % \| $num % \| $num % \|" "$work/report.md" || fail "no error row for $v"
   grep -q "\"$v\"" "$work/model.json" || fail "no $v in model.json"
 done

@@ -62,6 +62,18 @@ case "$mode" in
       grep -q '"summary": "run", "steps": 200,' "$work/runs/dtrain-$launcher-$id/metrics.jsonl" || fail "$launcher: no summary"
       echo "PASS ($launcher): job $id on 2 ranks, test accuracy $acc%"
     done
+    # The multi-node script with its node, task and GPU counts overridden on sbatch's command line
+    # as its header says (one node is all this SLURM has; no GPUs here).
+    id=$(DTRAIN_GPUS_PER_TASK= sbatch --parsable -N 1 --ntasks-per-node=2 --gpus-per-task=0 --cpus-per-task=1 \
+      --job-name=dtrain-multinode "$root/cluster/slurm/train-multinode.sbatch" --synthetic --model mlp \
+      --steps 100 --threads 1 --progress off --log-every 50)
+    state=$(wait_job "$id" 600)
+    out="$work/dtrain-$id.out"
+    cat "$out"
+    [[ "$state" == COMPLETED ]] || fail "multi-node script: job $id ended $state"
+    grep -q "dtrain: 2 ranks on 1 node; launcher SLURM" "$out" || fail "multi-node script: not 2 ranks"
+    grep -q '"summary": "run", "steps": 100,' "$work/runs/dtrain-multinode-$id/metrics.jsonl" || fail "multi-node script: no summary"
+    echo "PASS (train-multinode.sbatch): job $id on 2 ranks"
     ;;
   preempt)
     bin=$2 work=$3
