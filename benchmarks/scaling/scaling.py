@@ -304,6 +304,15 @@ def cmd_sweep(args):
         row = run_one(args, mode, model, ranks, batch, comp, prec, i)
         if row:
             rows.append(row)
+    if args.overlap_model:
+        # A model with many gradient buckets, weak scaling over the same ranks: the runs where
+        # buckets go out while backward still runs, so the model's overlap is checked against them.
+        o = argparse.Namespace(**vars(args))
+        o.steps, o.bucket_mb, o.log_every = args.overlap_steps, args.overlap_bucket_mb, max(1, args.overlap_steps // 5)
+        for j, ranks in enumerate(split_list(args.ranks, int)):
+            row = run_one(o, "weak", args.overlap_model, ranks, args.overlap_batch, "none", "fp32", 900 + j)
+            if row:
+                rows.append(row)
     if not rows:
         raise SystemExit("no run in the sweep")
     groups = add_speedup(rows)
@@ -772,6 +781,11 @@ def main():
     sweep_opts.add_argument("--threads", type=int, default=1, help="compute threads per rank")
     sweep_opts.add_argument("--bucket-mb", type=float, default=0.25, help="data-parallel gradient bucket size (MiB)")
     sweep_opts.add_argument("--train-args", default="", help="more `dtrain train` options")
+    sweep_opts.add_argument("--overlap-model", default="",
+                            help="also weak-scale this model (e.g. resnet20) in small buckets, to check the model's overlap")
+    sweep_opts.add_argument("--overlap-batch", type=int, default=32, help="per-rank batch of the --overlap-model runs")
+    sweep_opts.add_argument("--overlap-steps", type=int, default=100)
+    sweep_opts.add_argument("--overlap-bucket-mb", type=float, default=0.125)
     sweep_opts.add_argument("--no-alone", action="store_true",
                             help="skip the independent 1-rank runs beside each multi-rank run (no 'contended' model)")
     sweep_opts.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -809,7 +823,8 @@ def main():
     a = sub.add_parser("all", parents=[common, sweep_opts, model_opts, batch_opts],
                        help="the complete study (sweep, model, batch sweep) into OUT/RESULTS.md")
     a.add_argument("--batch-batch-sizes", default="32,128,512", help="global batches of the batch-size sweep")
-    a.set_defaults(ranks="1,2", mode="strong,weak", batch_sizes="64,256", steps=600, log_every=50, bench_max_bytes="4M")
+    a.set_defaults(ranks="1,2", mode="strong,weak", batch_sizes="64,256", steps=600, log_every=50, bench_max_bytes="4M",
+                   overlap_model="resnet20")
     args = p.parse_args()
     args.dtrain = os.path.abspath(args.dtrain)
     os.makedirs(args.out, exist_ok=True)

@@ -160,6 +160,7 @@ class CpuEngine final : public Engine {
   CpuEngine();
   Device device() const override { return Device::cpu(); }
   std::string describe() const override;
+  std::string precision_note() const override;
   void set_threads(int threads) override;
   int threads() const override { return threads_; }
 

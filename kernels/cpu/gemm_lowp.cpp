@@ -57,6 +57,15 @@ void f32_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   }
 }
 
+std::string CpuEngine::precision_note() const {
+  if (math_ == MathPrecision::BF16 && !has_avx512_bf16())
+    return "bf16 is emulated: this processor has no AVX512-BF16, so operands are rounded to bf16 and multiplied "
+           "in fp32 (bf16 numerics, no speed-up)";
+  if (math_ == MathPrecision::F16)
+    return "fp16 operands are rounded to half and multiplied in fp32 (no fast fp16 on CPUs)";
+  return "";
+}
+
 std::string MatmulShape::key() const {
   std::ostringstream key;
   key << static_cast<int>(operands) << ',' << batch << ',' << ta << tb << ',' << m << ',' << n << ',' << k << ','

@@ -289,6 +289,8 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
         model.kind().c_str(), static_cast<long long>(model.parameter_count()), dp_size, tp_size, pp_size,
         static_cast<long long>(cfg.batch_size), static_cast<long long>(cfg.seq_len),
         static_cast<long long>(train.tokens.size()), static_cast<long long>(val.tokens.size()));
+    if (std::string note = engine_for(dev).precision_note(); !note.empty())
+      std::printf("precision: %s\n", note.c_str());
     if (pp_size > 1) {
       std::printf("pipeline: %d stages, blocks per stage", pp_size);
       for (int s = 0; s < pp_size; ++s) std::printf("%s%d", s ? "," : " ", starts[s + 1] - starts[s]);

@@ -432,6 +432,7 @@ TrainResult Trainer::run() {
       << batch_ * world_ * cfg_.accumulate << " global), " << steps_per_epoch_ << " steps/epoch, " << total_steps_
       << " steps, " << opt_->kind() << " lr " << cfg_.lr << " " << cfg_.lr_schedule << ", precision " << cfg_.precision;
     say(o.str());
+    if (std::string note = engine_for(device_).precision_note(); !note.empty()) say("precision: " + note);
     // Training state per rank: parameters and gradients whole, optimizer state sharded by ZeRO-1.
     double mib = 1.0 / 1048576.0, state = 0;
     for (const optim::StateTensor& st : opt_->state()) state += static_cast<double>(st.value->nbytes());
