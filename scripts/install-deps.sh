@@ -26,8 +26,9 @@ OPTIONAL=()
 if [[ "${DTRAIN_WITH_SLURM:-$([[ $(id -u) -eq 0 ]] && echo 1 || echo 0)}" == "1" ]]; then
   OPTIONAL+=(slurmctld slurmd slurm-client munge)
 fi
-# The scaling harness (benchmarks/scaling/) and its test: numpy, and matplotlib for the plots.
-if [[ "${DTRAIN_WITH_PLOTS:-1}" == "1" ]]; then OPTIONAL+=(python3-numpy python3-matplotlib); fi
+# The scaling harness (benchmarks/scaling/) and its test: numpy, and matplotlib for the plots; h5py for the
+# test that reads a converted shard with an independent HDF5 reader.
+if [[ "${DTRAIN_WITH_PLOTS:-1}" == "1" ]]; then OPTIONAL+=(python3-numpy python3-matplotlib python3-h5py); fi
 
 missing=()
 missing_optional=()
