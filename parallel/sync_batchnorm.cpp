@@ -10,7 +10,7 @@ SyncBatchNorm::SyncBatchNorm(int64_t channels, comm::Communicator& comm, float e
   beta_ = &add_parameter("bias", Tensor::zeros({channels}));
   running_mean_ = &add_buffer("running_mean", Tensor::zeros({channels}));
   running_var_ = &add_buffer("running_var", Tensor::full({channels}, 1.f));
-  for (Tensor* t : {&mean_, &invstd_, &scale_, &shift_, &neg_mean_, &resid_}) *t = Tensor::zeros({channels});
+  for (Tensor* t : {&invstd_, &scale_, &shift_, &neg_mean_, &resid_}) *t = Tensor::zeros({channels});
   ones_ = Tensor::full({channels}, 1.f);
   stats_ = Tensor::zeros({2 * channels + 1});
 }
@@ -51,7 +51,6 @@ Tensor SyncBatchNorm::forward(const Tensor& x) {
     double var = std::max(0.0, s2.f32()[c] / count_ - d * d);
     double mean = -static_cast<double>(neg_mean_.f32()[c]) + d;
     float inv = static_cast<float>(1.0 / std::sqrt(var + eps_));
-    mean_.f32()[c] = static_cast<float>(mean);
     resid_.f32()[c] = static_cast<float>(d);
     invstd_.f32()[c] = inv;
     scale_.f32()[c] = g[c] * inv;

@@ -44,11 +44,8 @@ const void* CpuEngine::conv_input(const Tensor& t, std::vector<float>& rounded) 
   if (!emulate_bf16_conv()) return t.raw();
   const int64_t n = t.numel();
   if (static_cast<int64_t>(rounded.size()) < n) rounded.resize(static_cast<size_t>(n));
-  const float* s = t.f32();
-  float* o = rounded.data();
-#pragma omp parallel for if (n > (1 << 15))
-  for (int64_t i = 0; i < n; ++i) o[i] = bf16_to_float(float_to_bf16(s[i]));
-  return o;
+  round_to_bf16(t.f32(), rounded.data(), n);
+  return rounded.data();
 }
 
 std::unique_ptr<ConvPrims> CpuEngine::make_conv_prims(const Conv2dGeom& g, bool bf16) {

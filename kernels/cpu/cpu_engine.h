@@ -25,6 +25,8 @@ inline dnnl::memory::desc plain(const memory::dims& d, tag t) { return memory::d
 // f32 -> bf16 (round to nearest even) for n elements; AVX512-BF16 instructions when the processor
 // has them. Defined in gemm_lowp.cpp.
 void f32_to_bf16(const float* src, uint16_t* dst, int64_t n);
+// dst[i] = src[i] rounded to the nearest bf16, kept in f32 (bf16 math emulated in fp32).
+void round_to_bf16(const float* src, float* dst, int64_t n);
 
 // Runs f(begin, count) over [0, n): on the calling thread when n <= grain (a fork/join costs more
 // than the work), else one contiguous slice per OpenMP thread, slice starts a multiple of `align`

@@ -57,6 +57,11 @@ void f32_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   }
 }
 
+void round_to_bf16(const float* src, float* dst, int64_t n) {
+#pragma omp parallel for if (n > (1 << 15))
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(float_to_bf16(src[i]));
+}
+
 std::string CpuEngine::precision_note() const {
   if (math_ == MathPrecision::BF16 && !has_avx512_bf16())
     return "bf16 is emulated: this processor has no AVX512-BF16, so operands are rounded to bf16 and multiplied "
@@ -166,9 +171,7 @@ void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n,
 #pragma omp parallel for if (span > (1 << 15))
         for (int64_t i = 0; i < span; ++i) o[i] = f16_to_float(float_to_f16(s[i]));
       } else {
-        const float* s = t.f32();
-#pragma omp parallel for if (span > (1 << 15))
-        for (int64_t i = 0; i < span; ++i) o[i] = bf16_to_float(float_to_bf16(s[i]));
+        round_to_bf16(t.f32(), o, span);
       }
       return o;
     };

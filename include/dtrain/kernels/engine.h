@@ -55,11 +55,11 @@ class Engine {
   // Mixed precision: see MathPrecision. Applies to later gemm/gemm_batched/conv2d_* calls.
   virtual void set_math_precision(MathPrecision p) { math_ = p; }
   MathPrecision math_precision() const { return math_; }
-  // Waits for all work queued on this engine (a no-op on the CPU, whose calls are synchronous).
   // A line for the user about how the math precision runs on this device ("" when natively): the
   // CPU engine says so when bf16 is emulated in fp32 (a processor without AVX512-BF16).
   virtual std::string precision_note() const { return ""; }
 
+  // Waits for all work queued on this engine (a no-op on the CPU, whose calls are synchronous).
   virtual void synchronize() {}
 
   // ---- GEMM: C[M,N] = alpha * op(A) op(B) + beta * C, row-major, C f32. A and B are f32 (then

@@ -20,7 +20,7 @@ class SyncBatchNorm : public nn::Module {
   nn::Parameter *gamma_, *beta_;
   nn::Buffer *running_mean_, *running_var_;
   Tensor xc_, y_, dx_, tmp_;  // xc_: the input minus the (first-pass) global mean
-  Tensor mean_, invstd_, scale_, shift_, stats_;  // [C] each; stats_ [2C+1] for the allreduce
+  Tensor invstd_, scale_, shift_, stats_;         // [C] each; stats_ [2C+1] for the allreduce
   Tensor ones_, neg_mean_, resid_;                 // [C]: 1, -mean (first pass), mean of xc_ (second)
   double count_ = 0;                               // samples per channel over all ranks
 };
