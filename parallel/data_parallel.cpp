@@ -17,6 +17,11 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
     } catch (const InputError& e) {
       throw InputError(std::string("option --compression: ") + e.what());
     }
+    if (opt.momentum_correction > 0) {
+      auto* topk = dynamic_cast<comm::TopKCompressor*>(compressor_.get());
+      DT_INPUT_CHECK(topk, "momentum correction belongs to top-k compression, not --compression " << opt.compression);
+      topk->set_momentum_correction(opt.momentum_correction);
+    }
   }
   std::vector<nn::Parameter*> params = model.parameters();
   DT_CHECK(!params.empty(), "data parallel needs a model with parameters");
@@ -79,13 +84,14 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
 DataParallel::~DataParallel() { model_.set_grad_ready_hook(nullptr); }
 
 void DataParallel::set_step(int64_t step) {
+  const int64_t warmup = opt_.compression_warmup_steps;
+  if (dynamic_cast<comm::PowerSgdCompressor*>(compressor_.get())) dense_phase_ = step < warmup;
   auto* topk = dynamic_cast<comm::TopKCompressor*>(compressor_.get());
   if (!topk) return;
   if (topk_target_ == 0) topk_target_ = topk->ratio();
   const double start = std::max(0.25, topk_target_);
   double r = topk_target_;
-  if (step < opt_.topk_warmup_steps)
-    r = start * std::pow(topk_target_ / start, static_cast<double>(step) / static_cast<double>(opt_.topk_warmup_steps));
+  if (step < warmup) r = start * std::pow(topk_target_ / start, static_cast<double>(step) / static_cast<double>(warmup));
   topk->set_ratio(r);
 }
 
@@ -118,7 +124,7 @@ void DataParallel::on_grad_ready(nn::Parameter& p) {
 
 void DataParallel::launch(Bucket& b) {
   Tensor view = flat_grad_.slice0(b.begin, b.end);
-  if (compressor_) {
+  if (compressor_ && !dense_phase_) {
     int64_t before = compressor_->stats().bytes_sent;
     b.work = compressor_->reduce(view, comm_, comm::ReduceOp::Avg, static_cast<int>(&b - buckets_.data()), b.rows);
     stats_.bytes_sent += compressor_->stats().bytes_sent - before;

@@ -7,8 +7,14 @@
 
 namespace dtrain::comm {
 
-TopKCompressor::TopKCompressor(double ratio) : ratio_(ratio) {
+TopKCompressor::TopKCompressor(double ratio, float momentum_correction) : ratio_(ratio) {
   DT_CHECK(ratio > 0 && ratio <= 1, "top-k ratio " << ratio << " must be in (0, 1]");
+  set_momentum_correction(momentum_correction);
+}
+
+void TopKCompressor::set_momentum_correction(float m) {
+  DT_CHECK(m >= 0 && m < 1, "top-k momentum correction " << m << " must be in [0, 1)");
+  momentum_ = m;
 }
 
 void TopKCompressor::set_ratio(double ratio) {
@@ -32,14 +38,26 @@ std::shared_ptr<Work> TopKCompressor::do_reduce(Tensor& bucket, Communicator& co
     if (!st.residual.defined()) st.residual = Tensor::zeros({n});
     float* acc = st.residual.f32();  // becomes gradient + residual, then what is left unsent
     const float* g = bucket.f32();
-    for (int64_t i = 0; i < n; ++i) acc[i] += g[i];
+    float* u = nullptr;
+    if (momentum_ > 0) {
+      if (!st.velocity.defined()) st.velocity = Tensor::zeros({n});
+      u = st.velocity.f32();
+      const float m = momentum_;
+      for (int64_t i = 0; i < n; ++i) {
+        u[i] = m * u[i] + g[i];
+        acc[i] += u[i];
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) acc[i] += g[i];
+    }
     std::vector<int32_t> idx = codec::topk_indices(acc, n, k);
     auto* pi = payload.data<int32_t>();
     auto* pv = reinterpret_cast<float*>(payload.data<uint8_t>() + 4 * k);
     for (int64_t j = 0; j < k; ++j) {
       pi[j] = idx[static_cast<size_t>(j)];
       pv[j] = acc[pi[j]];
-      acc[pi[j]] = 0;  // sent exactly: nothing of it stays behind
+      acc[pi[j]] = 0;           // sent exactly: nothing of it stays behind
+      if (u) u[pi[j]] = 0;      // momentum factor masking: a sent coordinate's momentum restarts
     }
   }
   stats_.bytes_sent += 8 * k;

@@ -108,7 +108,8 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     ("bucket-mb", po::value<double>(&c.bucket_mb)->default_value(def.bucket_mb), "data-parallel gradient bucket size (MiB)")
     ("overlap", po::value<bool>(&c.overlap)->default_value(true), "start each bucket's allreduce while backward runs")
     ("compression", po::value<std::string>(&c.compression)->default_value(def.compression), "gradient compression: none, fp16, bf16, topk:RATIO, powersgd:RANK, onebit, qsgd:LEVELS")
-    ("compression-warmup", po::value<int64_t>(&c.compression_warmup)->default_value(-1), "top-k: steps over which the kept fraction falls from 25 % to the target (-1: one epoch, 0: none)")
+    ("compression-warmup", po::value<int64_t>(&c.compression_warmup)->default_value(-1), "compression warm-up steps (-1: one epoch, 0: none): top-k's kept fraction falls from 25 % to the target; PowerSGD sends uncompressed gradients until then")
+    ("momentum-correction", po::value<bool>(&c.momentum_correction)->default_value(def.momentum_correction), "top-k with SGD momentum: accumulate momentum, not raw gradients, in the compressor (Deep Gradient Compression); the optimizer then runs without momentum")
     ("accumulate", po::value<int64_t>(&c.accumulate)->default_value(1), "micro-batches per optimizer step (gradient accumulation)")
     ("zero1", po::value<bool>(&c.zero1)->default_value(false), "ZeRO stage 1: shard optimizer state over the data-parallel ranks")
     ("sync-batchnorm", po::value<bool>(&c.sync_batchnorm)->default_value(false), "batch statistics over all data-parallel ranks");

@@ -164,6 +164,7 @@ void Trainer::setup() {
     dpo.overlap = cfg_.overlap;
     dpo.compression = cfg_.compression;
     dpo.seed = derive_seed(cfg_.seed, 77);
+    dpo.momentum_correction = topk_momentum_correction();
     dp_ = std::make_unique<parallel::DataParallel>(*model_, comm_, dpo);
   }
   build_optimizer();
@@ -173,7 +174,7 @@ void Trainer::setup() {
   steps_per_epoch_ = batches / cfg_.accumulate;
   if (dp_) {
     int64_t warmup = cfg_.compression_warmup >= 0 ? cfg_.compression_warmup : batches / cfg_.accumulate;
-    dp_->set_topk_warmup(warmup);
+    dp_->set_compression_warmup(warmup);
   }
   DT_INPUT_CHECK(steps_per_epoch_ > 0,
                  "option --accumulate " << cfg_.accumulate << " exceeds the " << batches << " batches of an epoch");
@@ -201,6 +202,15 @@ void Trainer::setup() {
 
 Trainer::~Trainer() = default;
 
+// The momentum top-k compression takes over from SGD (Deep Gradient Compression's momentum
+// correction), or 0 where it does not apply: another compressor or optimizer, Nesterov momentum,
+// or --momentum-correction false.
+float Trainer::topk_momentum_correction() const {
+  bool topk = cfg_.compression.rfind("topk", 0) == 0;
+  if (!topk || !cfg_.momentum_correction || cfg_.optimizer != "sgd" || cfg_.nesterov) return 0.f;
+  return cfg_.momentum;
+}
+
 void Trainer::build_optimizer() {
   auto params = dp_ ? dp_->optimizer_params() : model_->parameters();
   if (cfg_.optimizer == "lars") {
@@ -210,7 +220,9 @@ void Trainer::build_optimizer() {
         std::make_unique<optim::LAMB>(params, optim::LambOptions{cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay});
   } else if (cfg_.optimizer == "sgd") {
     optim::SgdOptions o;
-    o.momentum = cfg_.momentum;
+    // With top-k's momentum correction the compressor keeps the momentum; what arrives here is
+    // already the momentum update (weight decay is then added without momentum).
+    o.momentum = topk_momentum_correction() > 0 ? 0.f : cfg_.momentum;
     o.weight_decay = cfg_.weight_decay;
     o.nesterov = cfg_.nesterov;
     opt_ = std::make_unique<optim::SGD>(params, o);
@@ -444,7 +456,8 @@ TrainResult Trainer::run() {
       << " MiB, optimizer state " << state * mib << " MiB"
       << (cfg_.zero1 ? " (ZeRO-1: 1/" + std::to_string(world_) + " of it)" : std::string())
       << (dp_ ? ", " + std::to_string(dp_->bucket_count()) + " gradient bucket(s), compression " + cfg_.compression
-              : std::string());
+              : std::string())
+      << (topk_momentum_correction() > 0 ? " with momentum correction" : "");
     say(m.str());
   }
 

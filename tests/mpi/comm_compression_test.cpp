@@ -68,6 +68,35 @@ TEST(Compression, TopKOfCraftedInputsWithErrorFeedbackAndTies) {
   }
 }
 
+// Momentum correction (DGC), worked by hand with m = 0.5 and k = 1 of 4, the same on every rank:
+//   g1 = [1 2 3 4]: u = [1 2 3 4], v = u, sends v[3] = 4; u and v cleared there.
+//   g2 = [1 1 1 1]: u = [1.5 2 2.5 1], v = [2.5 4 5.5 1], sends v[2] = 5.5; cleared there.
+//   g3 = 0:         u = [0.75 1 0 0.5], v = [3.25 5 0 1.5], sends v[1] = 5.
+TEST(Compression, TopKMomentumCorrectionAccumulatesMomentumAndMasksSentCoordinates) {
+  Communicator& c = world();
+  TopKCompressor comp(0.25, 0.5f);
+  const float grads[3][4] = {{1, 2, 3, 4}, {1, 1, 1, 1}, {0, 0, 0, 0}};
+  const int sent_index[3] = {3, 2, 1};
+  const float sent_value[3] = {4.0f, 5.5f, 5.0f};
+  const float residual_after[3][4] = {{1, 2, 3, 0}, {2.5f, 4, 0, 1}, {3.25f, 0, 0, 1.5f}};
+  for (int s = 0; s < 3; ++s) {
+    Tensor g = filled(4, [&](int64_t i) { return grads[s][i]; });
+    comp.reduce(g, c, ReduceOp::Avg)->wait();
+    for (int64_t i = 0; i < 4; ++i) {
+      ASSERT_FLOAT_EQ(g.f32()[i], i == sent_index[s] ? sent_value[s] : 0.0f) << "step " << s + 1 << " i=" << i;
+      ASSERT_FLOAT_EQ(comp.residual().f32()[i], residual_after[s][i]) << "step " << s + 1 << " i=" << i;
+    }
+  }
+  // Without the correction the residual holds raw gradients: step 2 would send 3 + 1 = 4 at index 2.
+  TopKCompressor plain(0.25);
+  for (int s = 0; s < 2; ++s) {
+    Tensor g = filled(4, [&](int64_t i) { return grads[s][i]; });
+    plain.reduce(g, c, ReduceOp::Avg)->wait();
+    if (s == 1) EXPECT_FLOAT_EQ(g.f32()[2], 4.0f);
+  }
+  EXPECT_THROW(TopKCompressor(0.25, 1.0f), Error);
+}
+
 TEST(Compression, SignIsExactWhenMagnitudesAreEqual) {
   Communicator& c = world();
   const int n = c.size();

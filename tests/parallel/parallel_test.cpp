@@ -99,6 +99,14 @@ TEST(DataParallel, AccumulationMatchesTheLargeBatch) {
                        {"--model", "simple_cnn", "--lr", "0.05"});
 }
 
+TEST(DataParallel, PowerSgdWarmUpSendsUncompressedGradients) {
+  // For its first --compression-warmup steps PowerSGD steps aside: all 20 steps here are plain
+  // allreduce, so the run equals one rank with the whole batch (rank 2 would not: it is lossy).
+  expect_same_training({"--model", "simple_cnn", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05",
+                        "--compression", "powersgd:2", "--compression-warmup", "20"},
+                       {"--model", "simple_cnn", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05"});
+}
+
 TEST(DataParallel, GlobalBatchMustDivideOverRanks) {
   comm::Communicator& world = comm::Runtime::get().world();
   if (world.size() == 1) GTEST_SKIP() << "needs several ranks";

@@ -53,6 +53,7 @@ class Compressor {
     int64_t rows = 0;          // the matrix view's rows when the bucket is one tensor (see reduce)
     Tensor residual;           // f32, bucket size
     Tensor factor;             // PowerSGD: Q, warm start
+    Tensor velocity;           // top-k with momentum correction: the local momentum u
     std::unique_ptr<Rng> rng;  // QSGD: this rank's stream
   };
   virtual std::shared_ptr<Work> do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& state) = 0;
@@ -89,12 +90,18 @@ class HalfCastCompressor final : public Compressor {
 
 // Top-k by magnitude (k = ceil(ratio * n)) with error feedback. Each rank sends k (index, value)
 // pairs with one allgather; the result is scattered and summed in rank order.
+// With momentum correction m > 0 (Lin et al., Deep Gradient Compression) the compressor keeps the
+// momentum itself: u = m u + g, v = v + u, sends the top-k of v and clears both u and v where it
+// sent (momentum factor masking). The optimizer must then run without momentum: what it receives
+// is already the momentum update. Without it (m = 0) the residual accumulates raw gradients.
 class TopKCompressor final : public Compressor {
  public:
-  explicit TopKCompressor(double ratio);
+  explicit TopKCompressor(double ratio, float momentum_correction = 0.f);
   std::string name() const override;
   double ratio() const { return ratio_; }
   void set_ratio(double ratio);  // for a sparsity warm-up (DGC): start dense, reach the target
+  float momentum_correction() const { return momentum_; }
+  void set_momentum_correction(float m);
   bool has_error_feedback() const override { return true; }
 
  protected:
@@ -102,6 +109,7 @@ class TopKCompressor final : public Compressor {
 
  private:
   double ratio_;
+  float momentum_ = 0.f;
 };
 
 // PowerSGD (Vogels et al. 2019): the bucket as a rows x cols matrix M (plus residual) is

@@ -28,9 +28,14 @@ struct DataParallelOptions {
   // Gradient compression per bucket ("none", "fp16", "bf16", "topk:0.01", "powersgd:2", "onebit",
   // "qsgd:16"; see comm/compression.h). Not with zero1.
   std::string compression = "none";
-  // Top-k sparsity warm-up (Lin et al., Deep Gradient Compression): the kept fraction falls
-  // exponentially from 25 % to the target over these many steps; 0: the target from the start.
-  int64_t topk_warmup_steps = 0;
+  // Compression warm-up over these many optimizer steps (0: compress from the start). Top-k: the
+  // kept fraction falls exponentially from 25 % to the target (Lin et al., Deep Gradient
+  // Compression). PowerSGD: the gradients go uncompressed until then (as PyTorch's PowerSGD hook
+  // does for its first start_powerSGD_iter steps), so the factorisation starts from trained layers.
+  int64_t compression_warmup_steps = 0;
+  // Top-k only: SGD's momentum coefficient, moved into the compressor (DGC's momentum correction;
+  // see comm::TopKCompressor). The optimizer must then run without momentum. 0: off.
+  float momentum_correction = 0.f;
   uint64_t seed = 0x5eed;
 };
 
@@ -68,9 +73,11 @@ class DataParallel {
   Tensor gather_flat(const Tensor& shard);
   Tensor own_slice(const Tensor& flat) const;  // this rank's slice of a flat (padded) vector
   int64_t offset_of(const nn::Parameter* p) const { return offset_.at(p); }
-  // Tells the exchange which optimizer step the next backward belongs to (top-k warm-up).
+  // Tells the exchange which optimizer step the next backward belongs to (compression warm-up).
   void set_step(int64_t step);
-  void set_topk_warmup(int64_t steps) { opt_.topk_warmup_steps = steps; }
+  void set_compression_warmup(int64_t steps) { opt_.compression_warmup_steps = steps; }
+  // True while the compression warm-up sends PowerSGD's gradients uncompressed.
+  bool compression_paused() const { return dense_phase_; }
 
   int world() const { return comm_.size(); }
   bool zero1() const { return opt_.zero1; }
@@ -101,6 +108,7 @@ class DataParallel {
   nn::Parameter shard_;
   std::unique_ptr<comm::Compressor> compressor_;  // null: plain allreduce
   double topk_target_ = 0;                        // the top-k ratio asked for (warm-up ends there)
+  bool dense_phase_ = false;                      // PowerSGD warm-up: plain allreduce for now
   DataParallelStats stats_;
 };
 

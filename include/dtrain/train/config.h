@@ -65,7 +65,8 @@ struct TrainConfig {
   double bucket_mb = 25;  // data-parallel gradient bucket size in MiB
   bool overlap = true;    // start each bucket's allreduce during backward
   std::string compression = "none";
-  int64_t compression_warmup = -1;  // top-k sparsity warm-up steps; -1: one epoch
+  int64_t compression_warmup = -1;  // top-k sparsity / PowerSGD uncompressed warm-up steps; -1: one epoch
+  bool momentum_correction = true;  // top-k under SGD momentum: the compressor keeps the momentum (DGC)
   int64_t accumulate = 1;           // micro-batches per optimizer step (gradients communicated on the last)
   bool zero1 = false;               // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
   bool sync_batchnorm = false;

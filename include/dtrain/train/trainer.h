@@ -45,6 +45,7 @@ class Trainer {
  private:
   void setup();  // everything the constructor does; the ranks agree on its outcome
   void build_optimizer();
+  float topk_momentum_correction() const;
   void save(int64_t epoch, int64_t batch_in_epoch);
   void restore(const std::string& path, int64_t& epoch, int64_t& skip);
   void say(const std::string& s);
