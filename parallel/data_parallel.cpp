@@ -32,6 +32,10 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
              "data parallel keeps f32 parameters on one device; " << p->name << " is " << p->value.str());
     total += p->value.numel();
   }
+  // On a GPU the buckets are device memory reduced by a device-capable communicator (NCCL, or a
+  // CUDA-aware MPI); compression and ZeRO-1's host-side slices stay on the CPU engine.
+  DT_INPUT_CHECK(dev.is_cpu() || (!compressor_ && !opt.zero1),
+                 "data parallel on " << dev.str() << ": --compression and --zero1 run on the CPU engine only");
   const int64_t world = comm.size();
   const int64_t padded = (total + world - 1) / world * world;
   flat_param_ = zeros_on({padded}, dev);
@@ -52,8 +56,8 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
     int64_t n = p->value.numel();
     Tensor v = flat_param_.slice0(off, off + n).reshape(p->value.shape());
     Tensor g = flat_grad_.slice0(off, off + n).reshape(p->grad.shape());
-    v.copy_from(p->value);
-    g.copy_from(p->grad);
+    engine_for(dev).copy(p->value, v);
+    engine_for(dev).copy(p->grad, g);
     p->value = v;
     p->grad = g;
     bucket_of_[p] = buckets_.size();

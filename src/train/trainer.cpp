@@ -11,6 +11,10 @@
 #include <sstream>
 
 #include "dtrain/comm/communicator.h"
+#include "dtrain/comm/nccl.h"
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+#include "dtrain/kernels/cuda.h"
+#endif
 #include "dtrain/core/timer.h"
 #include "dtrain/optim/large_batch.h"
 #include "dtrain/parallel/sync_batchnorm.h"
@@ -88,14 +92,20 @@ void Trainer::setup() {
   cpu_engine().set_threads(threads);
   if (cfg_.device == "cuda") {
     DT_INPUT_CHECK(enable_cuda() > 0, "option --device cuda: no GPU is visible, or this dtrain was built without CUDA");
-    DT_INPUT_CHECK(world_ == 1,
-                   "option --device cuda trains on one GPU with one rank (data parallel runs on the CPU "
-                   "engine in this version); got "
-                       << world_ << " ranks");
+    // One GPU per rank: the bootstrap bound local rank r to GPU r % count; NCCL refuses two ranks
+    // of a communicator on one GPU, so a node must have as many GPUs as ranks.
+    DT_INPUT_CHECK(world_ == 1 || topo.local_size <= topo.cuda_device_count,
+                   "option --device cuda: " << topo.local_size << " ranks on host " << topo.host << " share "
+                                            << topo.cuda_device_count
+                                            << " GPU(s); data parallel on GPUs needs one GPU per rank");
+    DT_INPUT_CHECK(world_ == 1 || comm::nccl_compiled() || topo.cuda_aware_mpi,
+                   "option --device cuda with " << world_
+                                                << " ranks: this dtrain was built without NCCL and the MPI "
+                                                   "library is not CUDA-aware, so gradients cannot leave the GPU");
     DT_INPUT_CHECK(!cfg_.zero1 && cfg_.compression == "none" && !cfg_.sync_batchnorm,
-                   "option --device cuda: --zero1, --compression and --sync-batchnorm belong to data parallel, which "
-                   "runs on the CPU engine in this version");
-    device_ = Device::cuda(0);
+                   "option --device cuda: --zero1, --compression and --sync-batchnorm run on the CPU engine only "
+                   "in this version");
+    device_ = Device::cuda(std::max(0, topo.cuda_device));
   }
   if (cfg_.precision != "tf32") cpu_engine().set_math_precision(math_precision_from_name(cfg_.precision));
   engine_for(device_).set_math_precision(math_precision_from_name(cfg_.precision));
@@ -165,7 +175,17 @@ void Trainer::setup() {
     dpo.compression = cfg_.compression;
     dpo.seed = derive_seed(cfg_.seed, 77);
     dpo.momentum_correction = topk_momentum_correction();
-    dp_ = std::make_unique<parallel::DataParallel>(*model_, comm_, dpo);
+    comm::Communicator* grads = &comm_;
+    if (!device_.is_cpu() && world_ > 1 && comm::nccl_compiled()) {
+      // NCCL on its own stream; each collective first waits (by an event, not the host) for the
+      // work queued on the engine's compute stream, so a bucket goes out once its gradients exist.
+      nccl_ = comm::make_nccl_communicator(comm_, device_.index, "dp-nccl");
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+      comm::nccl_set_input_stream(*nccl_, cuda::compute_stream(device_.index));
+#endif
+      grads = nccl_.get();
+    }  // otherwise (CUDA-aware MPI) the world communicator takes device buffers as they are
+    dp_ = std::make_unique<parallel::DataParallel>(*model_, *grads, dpo);
   }
   build_optimizer();
 

@@ -8,6 +8,7 @@
 
 #include "../train/train_test_util.h"
 #include "dtrain/comm/communicator.h"
+#include "dtrain/comm/nccl.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/parallel/sync_batchnorm.h"
 #include "dtrain/train/trainer.h"
@@ -44,9 +45,21 @@ std::map<std::string, std::vector<float>> train_params(const train::TrainConfig&
   train::Trainer t(c, comm::Runtime::get(), &comm);
   EXPECT_EQ(t.run().steps, 20);
   std::map<std::string, std::vector<float>> out;
-  for (nn::Parameter* p : t.model().parameters()) out[p->name].assign(p->value.f32(), p->value.f32() + p->value.numel());
+  auto host = [](const Tensor& v) {  // a GPU run's tensors are copied back first
+    if (v.device().is_cpu()) return v;
+    Tensor h = Tensor::empty(v.shape(), v.dtype());
+    engine_for(v.device()).copy(v, h);
+    return h;
+  };
+  for (nn::Parameter* p : t.model().parameters()) {
+    Tensor v = host(p->value);
+    out[p->name].assign(v.f32(), v.f32() + v.numel());
+  }
   for (nn::Buffer* b : t.model().buffers())
-    if (b->value.dtype() == DType::F32) out["buffer:" + b->name].assign(b->value.f32(), b->value.f32() + b->value.numel());
+    if (b->value.dtype() == DType::F32) {
+      Tensor v = host(b->value);
+      out["buffer:" + b->name].assign(v.f32(), v.f32() + v.numel());
+    }
   return out;
 }
 
@@ -105,6 +118,18 @@ TEST(DataParallel, PowerSgdWarmUpSendsUncompressedGradients) {
   expect_same_training({"--model", "simple_cnn", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05",
                         "--compression", "powersgd:2", "--compression-warmup", "20"},
                        {"--model", "simple_cnn", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05"});
+}
+
+TEST(DataParallel, OnGpusThroughNcclMatchesOneRank) {
+  // Gradients in device buckets, reduced by NCCL on its own stream ordered after the compute
+  // stream by events. Needs one GPU per rank; the reference is one rank on its own GPU.
+  const comm::Topology& topo = comm::Runtime::get().topology();
+  if (!comm::nccl_compiled() || enable_cuda() == 0)
+    GTEST_SKIP() << "no GPU on this machine (or dtrain built without CUDA/NCCL): data parallel on GPUs not exercised";
+  if (topo.cuda_device_count < topo.local_size)
+    GTEST_SKIP() << topo.local_size << " ranks share " << topo.cuda_device_count << " GPU(s); NCCL needs one per rank";
+  expect_same_training({"--device", "cuda", "--model", "mlp", "--hidden", "64,32", "--bucket-mb", "0.01", "--lr", "0.05"},
+                       {"--device", "cuda", "--model", "mlp", "--hidden", "64,32", "--lr", "0.05"});
 }
 
 TEST(DataParallel, GlobalBatchMustDivideOverRanks) {

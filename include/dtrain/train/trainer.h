@@ -63,6 +63,8 @@ class Trainer {
   nn::ModulePtr model_;
   std::unique_ptr<optim::Optimizer> opt_;
   std::unique_ptr<optim::LrSchedule> sched_;
+  // Data parallel on GPUs: gradients go through NCCL (declared before dp_, which uses it).
+  std::unique_ptr<comm::Communicator> nccl_;
   std::unique_ptr<parallel::DataParallel> dp_;
   std::unique_ptr<optim::LossScaler> scaler_;  // fp16 only
   std::unique_ptr<MetricsWriter> metrics_;
