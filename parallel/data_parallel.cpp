@@ -34,8 +34,11 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
   }
   // On a GPU the buckets are device memory reduced by a device-capable communicator (NCCL, or a
   // CUDA-aware MPI); compression and ZeRO-1's host-side slices stay on the CPU engine.
-  DT_INPUT_CHECK(dev.is_cpu() || (!compressor_ && !opt.zero1),
-                 "data parallel on " << dev.str() << ": --compression and --zero1 run on the CPU engine only");
+  auto* topk = dynamic_cast<comm::TopKCompressor*>(compressor_.get());
+  DT_INPUT_CHECK(dev.is_cpu() || ((!compressor_ || topk) && !opt.zero1),
+                 "data parallel on " << dev.str()
+                                     << ": --zero1 and --compression other than topk run on the CPU engine only");
+  engine_topk_ = topk && (!dev.is_cpu() || opt.engine_topk);
   const int64_t world = comm.size();
   const int64_t padded = (total + world - 1) / world * world;
   flat_param_ = zeros_on({padded}, dev);
@@ -76,6 +79,7 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
     buckets_.push_back(Bucket{off, padded, 0, 0, 0, nullptr});
   }
 
+  if (engine_topk_) engine_topk_state_.resize(buckets_.size());
   if (opt_.zero1) {
     int64_t shard = padded / world, r = comm.rank();
     shard_.name = "zero1_shard";
@@ -128,7 +132,9 @@ void DataParallel::on_grad_ready(nn::Parameter& p) {
 
 void DataParallel::launch(Bucket& b) {
   Tensor view = flat_grad_.slice0(b.begin, b.end);
-  if (compressor_ && !dense_phase_) {
+  if (engine_topk_) {
+    b.work = launch_engine_topk(b, engine_topk_state_[static_cast<size_t>(&b - buckets_.data())]);
+  } else if (compressor_ && !dense_phase_) {
     int64_t before = compressor_->stats().bytes_sent;
     b.work = compressor_->reduce(view, comm_, comm::ReduceOp::Avg, static_cast<int>(&b - buckets_.data()), b.rows);
     stats_.bytes_sent += compressor_->stats().bytes_sent - before;
@@ -157,9 +163,61 @@ void DataParallel::finish() {
     for (Bucket& b : buckets_)
       if (!b.work) launch(b);
     for (Bucket& b : buckets_) b.work->wait();
+    if (engine_topk_)
+      for (Bucket& b : buckets_) finish_engine_topk(b, engine_topk_state_[static_cast<size_t>(&b - buckets_.data())]);
   }
   stats_.comm_wait_s += now_s() - t0;
   syncing_ = false;
+}
+
+// The same arithmetic as comm::TopKCompressor, in engine calls on the bucket's device: the
+// residual (plus, with momentum correction, the momentum u = m u + g) takes the gradient, its k
+// largest magnitudes leave it, and each rank's (index, value) pairs reach every rank by two
+// allgathers. finish_engine_topk sums them in rank order, so all ranks hold the same bits.
+std::shared_ptr<comm::Work> DataParallel::launch_engine_topk(Bucket& b, EngineTopK& st) {
+  auto* topk = static_cast<comm::TopKCompressor*>(compressor_.get());
+  Tensor view = flat_grad_.slice0(b.begin, b.end);
+  const Device dev = view.device();
+  Engine& e = engine_for(dev);
+  const int64_t n = view.numel(), world = comm_.size();
+  const int64_t k = std::max<int64_t>(1, std::min<int64_t>(n, static_cast<int64_t>(std::ceil(topk->ratio() * n))));
+  if (!st.residual.defined()) st.residual = zeros_on({n}, dev);
+  const float m = topk->momentum_correction();
+  if (m > 0) {
+    if (!st.velocity.defined()) st.velocity = zeros_on({n}, dev);
+    e.scale(st.velocity, m);
+    e.axpy(1.f, view, st.velocity);
+    e.axpy(1.f, st.velocity, st.residual);
+  } else {
+    e.axpy(1.f, view, st.residual);
+  }
+  if (st.k != k) {  // the sparsity warm-up changes k from step to step
+    st.k = k;
+    st.idx = Tensor::empty({k}, DType::I32, dev);
+    st.vals = Tensor::empty({k}, DType::F32, dev);
+    st.all_idx = Tensor::empty({k * world}, DType::I32, dev);
+    st.all_vals = Tensor::empty({k * world}, DType::F32, dev);
+  }
+  e.topk_abs(st.residual, k, st.idx);
+  e.gather_and_clear(st.residual, st.idx, st.vals);
+  if (m > 0) {
+    Tensor none;
+    e.gather_and_clear(st.velocity, st.idx, none);  // momentum factor masking
+  }
+  stats_.bytes_sent += 8 * k;
+  st.idx_work = comm_.allgather(st.idx, st.all_idx);
+  return comm_.allgather(st.vals, st.all_vals);
+}
+
+void DataParallel::finish_engine_topk(Bucket& b, EngineTopK& st) {
+  st.idx_work->wait();
+  Tensor view = flat_grad_.slice0(b.begin, b.end);
+  Engine& e = engine_for(view.device());
+  e.fill(view, 0.f);
+  const int64_t world = comm_.size(), k = st.k;
+  for (int64_t r = 0; r < world; ++r)
+    e.scatter_add(st.all_idx.slice0(r * k, (r + 1) * k), st.all_vals.slice0(r * k, (r + 1) * k), view);
+  e.scale(view, 1.f / static_cast<float>(world));
 }
 
 std::vector<nn::Parameter*> DataParallel::optimizer_params() {

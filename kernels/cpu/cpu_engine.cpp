@@ -3,8 +3,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include <cblas.h>
 
@@ -448,6 +450,51 @@ void CpuEngine::softmax_xent_backward(const Tensor& probs, const Tensor& labels,
   float* d = dlogits.f32();
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < c; ++j) d[i * c + j] = (p[i * c + j] - (j == y[i] ? 1.f : 0.f)) * scale;
+}
+
+// ------------------------------------------------------------------ top-k sparsification
+void CpuEngine::topk_abs(const Tensor& x, int64_t k, Tensor& idx) {
+  check_f32(x, "x");
+  const int64_t n = x.numel();
+  DT_CHECK(k > 0 && k <= n && n <= INT32_MAX, "topk_abs: k = " << k << " of " << x.str());
+  DT_CHECK(idx.dtype() == DType::I32 && idx.numel() == k, "topk_abs: idx " << idx.str() << " for k = " << k);
+  const float* v = x.f32();
+  std::vector<int32_t> order(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  auto before = [v](int32_t a, int32_t b) {
+    float fa = std::fabs(v[a]), fb = std::fabs(v[b]);
+    return fa > fb || (fa == fb && a < b);
+  };
+  std::nth_element(order.begin(), order.begin() + k, order.end(), before);
+  std::sort(order.begin(), order.begin() + k);
+  std::memcpy(idx.data<int32_t>(), order.data(), static_cast<size_t>(k) * sizeof(int32_t));
+}
+
+void CpuEngine::gather_and_clear(Tensor& x, const Tensor& idx, Tensor& vals) {
+  check_f32(x, "x");
+  DT_CHECK(idx.dtype() == DType::I32 && (!vals.defined() || vals.numel() == idx.numel()),
+           "gather_and_clear: idx " << idx.str() << ", vals " << (vals.defined() ? vals.str() : "none"));
+  float* v = x.f32();
+  const int32_t* ix = idx.data<int32_t>();
+  float* out = vals.defined() ? vals.f32() : nullptr;
+  for (int64_t j = 0; j < idx.numel(); ++j) {
+    DT_CHECK(ix[j] >= 0 && ix[j] < x.numel(), "gather_and_clear: index " << ix[j] << " outside " << x.str());
+    if (out) out[j] = v[ix[j]];
+    v[ix[j]] = 0.f;
+  }
+}
+
+void CpuEngine::scatter_add(const Tensor& idx, const Tensor& vals, Tensor& y) {
+  check_f32(y, "y");
+  DT_CHECK(idx.dtype() == DType::I32 && vals.numel() == idx.numel(),
+           "scatter_add: idx " << idx.str() << ", vals " << vals.str());
+  float* out = y.f32();
+  const int32_t* ix = idx.data<int32_t>();
+  const float* v = vals.f32();
+  for (int64_t j = 0; j < idx.numel(); ++j) {
+    DT_CHECK(ix[j] >= 0 && ix[j] < y.numel(), "scatter_add: index " << ix[j] << " outside " << y.str());
+    out[ix[j]] += v[j];
+  }
 }
 
 // ------------------------------------------------------------------ optimizer updates

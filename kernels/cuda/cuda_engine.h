@@ -95,6 +95,10 @@ class CudaEngine final : public Engine {
   void embedding_forward(const Tensor& ids, const Tensor& table, int64_t offset, Tensor& y) override;
   void embedding_backward(const Tensor& ids, const Tensor& dy, int64_t offset, Tensor& dtable) override;
 
+  void topk_abs(const Tensor& x, int64_t k, Tensor& idx) override;  // cuda_compress.cpp (CUB radix sort)
+  void gather_and_clear(Tensor& x, const Tensor& idx, Tensor& vals) override;
+  void scatter_add(const Tensor& idx, const Tensor& vals, Tensor& y) override;
+
   void sgd_update(Tensor& param, const Tensor& grad, Tensor& buf, float lr, float momentum, float dampening,
                   float weight_decay, bool nesterov) override;
   void adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1, float beta2,

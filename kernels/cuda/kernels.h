@@ -69,6 +69,18 @@ void embedding_forward(const int32_t* ids, const float* table, float* y, int64_t
 void embedding_backward(const int32_t* ids, const float* dy, float* dtable, int64_t n, int64_t v, int64_t c,
                         int64_t offset, cudaStream_t s);
 
+// ---- compress.cu: top-k sparsification (CUB's stable radix sort)
+// Scratch bytes topk_abs needs for n elements and k kept (CUB's temporary storage).
+size_t topk_scratch_bytes(int64_t n, int64_t k);
+// idx[0..k) = the indices of the k largest |x|, ties to the lower index, in ascending order.
+// keys [2n] u32, order [2n] i32 and scratch (topk_scratch_bytes) are device work areas.
+void topk_abs(const float* x, int64_t n, int64_t k, int32_t* idx, uint32_t* keys, int32_t* order, void* scratch,
+              size_t scratch_bytes, cudaStream_t s);
+// vals[j] = x[idx[j]] (vals may be null), then x[idx[j]] = 0.
+void gather_and_clear(float* x, const int32_t* idx, float* vals, int64_t k, cudaStream_t s);
+// y[idx[j]] += vals[j], indices distinct.
+void scatter_add(const int32_t* idx, const float* vals, float* y, int64_t k, cudaStream_t s);
+
 // ---- optim_kernels.cu (the functors of dtrain/kernels/functors.h)
 void sgd_update(float* p, const float* g, float* buf, int64_t n, float lr, float momentum, float dampening,
                 float weight_decay, bool nesterov, cudaStream_t s);

@@ -109,6 +109,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     ("overlap", po::value<bool>(&c.overlap)->default_value(true), "start each bucket's allreduce while backward runs")
     ("compression", po::value<std::string>(&c.compression)->default_value(def.compression), "gradient compression: none, fp16, bf16, topk:RATIO, powersgd:RANK, onebit, qsgd:LEVELS")
     ("compression-warmup", po::value<int64_t>(&c.compression_warmup)->default_value(-1), "compression warm-up steps (-1: one epoch, 0: none): top-k's kept fraction falls from 25 % to the target; PowerSGD sends uncompressed gradients until then")
+    ("compression-on-engine", po::value<bool>(&c.compression_on_engine)->default_value(false), "top-k through the compute engine's kernels (the path GPU buckets always take: CUB and NCCL) instead of the communication layer's compressor, also on the CPU")
     ("momentum-correction", po::value<bool>(&c.momentum_correction)->default_value(def.momentum_correction), "top-k with SGD momentum: accumulate momentum, not raw gradients, in the compressor (Deep Gradient Compression); the optimizer then runs without momentum")
     ("accumulate", po::value<int64_t>(&c.accumulate)->default_value(1), "micro-batches per optimizer step (gradient accumulation)")
     ("zero1", po::value<bool>(&c.zero1)->default_value(false), "ZeRO stage 1: shard optimizer state over the data-parallel ranks")

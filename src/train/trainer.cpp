@@ -102,9 +102,10 @@ void Trainer::setup() {
                    "option --device cuda with " << world_
                                                 << " ranks: this dtrain was built without NCCL and the MPI "
                                                    "library is not CUDA-aware, so gradients cannot leave the GPU");
-    DT_INPUT_CHECK(!cfg_.zero1 && cfg_.compression == "none" && !cfg_.sync_batchnorm,
-                   "option --device cuda: --zero1, --compression and --sync-batchnorm run on the CPU engine only "
-                   "in this version");
+    DT_INPUT_CHECK(!cfg_.zero1 && (cfg_.compression == "none" || cfg_.compression.rfind("topk", 0) == 0) &&
+                       !cfg_.sync_batchnorm,
+                   "option --device cuda: --zero1, --sync-batchnorm and --compression other than topk run on the "
+                   "CPU engine only in this version");
     device_ = Device::cuda(std::max(0, topo.cuda_device));
   }
   if (cfg_.precision != "tf32") cpu_engine().set_math_precision(math_precision_from_name(cfg_.precision));
@@ -175,6 +176,7 @@ void Trainer::setup() {
     dpo.compression = cfg_.compression;
     dpo.seed = derive_seed(cfg_.seed, 77);
     dpo.momentum_correction = topk_momentum_correction();
+    dpo.engine_topk = cfg_.compression_on_engine;
     comm::Communicator* grads = &comm_;
     if (!device_.is_cpu() && world_ > 1 && comm::nccl_compiled()) {
       // NCCL on its own stream; each collective first waits (by an event, not the host) for the

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "dtrain/comm/compression.h"
+#include "dtrain/kernels/engine.h"
 
 using namespace dtrain;
 using namespace dtrain::comm;
@@ -17,6 +18,34 @@ TEST(CompressionCodec, TopKPicksLargestMagnitudesTiesToLowerIndex) {
   EXPECT_EQ(codec::topk_indices(x.data(), 8, 4), (std::vector<int32_t>{1, 2, 3, 6}));
   EXPECT_EQ(codec::topk_indices(x.data(), 8, 0).size(), 0u);
   EXPECT_EQ(codec::topk_indices(x.data(), 8, 99).size(), 8u);
+}
+
+// The compute engine's top-k pieces (what buckets on a GPU go through; the CPU engine here) pick
+// exactly what the compressor's codec picks, ties included.
+TEST(CompressionCodec, EngineTopKAgreesWithTheCodec) {
+  Engine& e = cpu_engine();
+  const int64_t n = 5000;
+  Rng rng(7);
+  Tensor x = Tensor::empty({n});
+  for (int64_t i = 0; i < n; ++i) x.f32()[i] = std::round(rng.uniform(-8.f, 8.f));  // many equal magnitudes
+  for (int64_t k : {int64_t{1}, int64_t{50}, int64_t{777}, n}) {
+    Tensor idx = Tensor::empty({k}, DType::I32);
+    e.topk_abs(x, k, idx);
+    std::vector<int32_t> got(idx.data<int32_t>(), idx.data<int32_t>() + k);
+    EXPECT_EQ(got, codec::topk_indices(x.f32(), n, k)) << "k=" << k;
+  }
+  Tensor small = Tensor::from({8}, {0.5f, -9.0f, 3.0f, 3.0f, -3.0f, 0.0f, 7.0f, 1.0f});
+  Tensor idx = Tensor::empty({4}, DType::I32), vals = Tensor::empty({4});
+  e.topk_abs(small, 4, idx);
+  e.gather_and_clear(small, idx, vals);
+  EXPECT_EQ(std::vector<float>(vals.f32(), vals.f32() + 4), (std::vector<float>{-9.0f, 3.0f, 3.0f, 7.0f}));
+  EXPECT_EQ(std::vector<float>(small.f32(), small.f32() + 8),
+            (std::vector<float>{0.5f, 0.0f, 0.0f, 0.0f, -3.0f, 0.0f, 0.0f, 1.0f}));
+  Tensor y = Tensor::from({8}, {1, 1, 1, 1, 1, 1, 1, 1});
+  e.scatter_add(idx, vals, y);
+  EXPECT_EQ(std::vector<float>(y.f32(), y.f32() + 8), (std::vector<float>{1, -8, 4, 4, 1, 1, 8, 1}));
+  Tensor too_many = Tensor::empty({9}, DType::I32);
+  EXPECT_THROW(e.topk_abs(small, 9, too_many), Error);
 }
 
 TEST(CompressionCodec, SignBitsRoundTrip) {

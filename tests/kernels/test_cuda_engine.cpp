@@ -383,6 +383,34 @@ TEST_F(CudaEngineTest, OptimizerUpdatesAndLossScaleCheck) {
   EXPECT_EQ(host(flag).f32()[0], 1.f);
 }
 
+TEST_F(CudaEngineTest, TopKSelectionGatherAndScatterMatchTheCpu) {
+  // Magnitudes with many ties (values from 16 levels, both signs), so the lower-index tie-break
+  // decides which of the equal ones are kept; the same idx array on both engines.
+  const int64_t n = 100003;
+  Rng rng(41);
+  Tensor x = Tensor::empty({n});
+  for (int64_t i = 0; i < n; ++i)
+    x.f32()[i] = static_cast<float>(static_cast<int>(rng.uniform(0.f, 16.f))) * (rng.uniform(0.f, 1.f) < 0.5f ? -1.f : 1.f);
+  for (int64_t k : {int64_t{1}, int64_t{1000}, int64_t{6250}, n}) {
+    Tensor idx = Tensor::empty({k}, DType::I32), gidx = Tensor::empty({k}, DType::I32, Device::cuda(0));
+    cpu.topk_abs(x, k, idx);
+    Tensor gx = dev(x);
+    gpu->topk_abs(gx, k, gidx);
+    Tensor got = host(gidx);
+    for (int64_t j = 0; j < k; ++j) ASSERT_EQ(got.data<int32_t>()[j], idx.data<int32_t>()[j]) << "k=" << k << " j=" << j;
+    Tensor vals = Tensor::empty({k}), gvals = Tensor::empty({k}, DType::F32, Device::cuda(0));
+    Tensor cx = x.clone();
+    cpu.gather_and_clear(cx, idx, vals);
+    gpu->gather_and_clear(gx, gidx, gvals);
+    expect_close(gvals, vals, 0, "gathered values");
+    expect_close(gx, cx, 0, "cleared residual");
+    Tensor y = random({n}, 42), gy = dev(y);
+    cpu.scatter_add(idx, vals, y);
+    gpu->scatter_add(gidx, gvals, gy);
+    expect_close(gy, y, 0, "scatter_add");
+  }
+}
+
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
 TEST_F(CudaEngineTest, CachingAllocatorNoMallocAfterWarmup) {
   const int64_t m = 256, n = 256, k = 256;

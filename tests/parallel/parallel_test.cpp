@@ -120,6 +120,27 @@ TEST(DataParallel, PowerSgdWarmUpSendsUncompressedGradients) {
                        {"--model", "simple_cnn", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05"});
 }
 
+TEST(DataParallel, TopKThroughEngineOpsMatchesTheCompressor) {
+  // The path GPU buckets take (engine top-k, two allgathers, scatter in rank order), run on the CPU
+  // engine, against comm::TopKCompressor: the same parameters after 20 steps, with and without
+  // momentum correction.
+  for (const char* mc : {"false", "true"}) {
+    std::vector<std::string> common = {"--model", "simple_cnn", "--optimizer", "sgd", "--momentum", "0.9", "--lr",
+                                       "0.05", "--compression", "topk:0.05", "--compression-warmup", "10",
+                                       "--momentum-correction", mc};
+    std::vector<std::string> engine = common;
+    engine.insert(engine.end(), {"--compression-on-engine", "true"});
+    comm::Communicator& world = comm::Runtime::get().world();
+    auto host = train_params(config(common), world);
+    auto dev = train_params(config(engine), world);
+    for (auto& [name, r] : host) {
+      double worst = 0;
+      for (size_t i = 0; i < r.size(); ++i) worst = std::max(worst, std::abs(double(dev[name][i]) - r[i]));
+      EXPECT_LE(worst, 1e-6) << name << " (momentum correction " << mc << ")";
+    }
+  }
+}
+
 TEST(DataParallel, OnGpusThroughNcclMatchesOneRank) {
   // Gradients in device buckets, reduced by NCCL on its own stream ordered after the compute
   // stream by events. Needs one GPU per rank; the reference is one rank on its own GPU.

@@ -172,6 +172,16 @@ class Engine {
   // dtable[ids[n] - offset] += dy[n] (accumulated) for the ids inside this table.
   virtual void embedding_backward(const Tensor& ids, const Tensor& dy, int64_t offset, Tensor& dtable) = 0;
 
+  // ---- Top-k gradient sparsification (error feedback), so a bucket is compressed where it lives.
+  // idx (i32 [k], 0 < k <= n) = the indices of the k largest |x| of x (f32 [n]); equal magnitudes
+  // go to the lower index, and idx comes out in ascending order, so every device agrees.
+  virtual void topk_abs(const Tensor& x, int64_t k, Tensor& idx) = 0;
+  // vals[j] = x[idx[j]], then x[idx[j]] = 0 (what is sent leaves the residual). vals may be
+  // undefined to only clear.
+  virtual void gather_and_clear(Tensor& x, const Tensor& idx, Tensor& vals) = 0;
+  // y[idx[j]] += vals[j]; the indices of one call are distinct (one rank's top-k).
+  virtual void scatter_add(const Tensor& idx, const Tensor& vals, Tensor& y) = 0;
+
   // ---- Optimizer updates over flat parameter / gradient / state tensors.
   virtual void sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buf, float lr, float momentum,
                           float dampening, float weight_decay, bool nesterov) = 0;

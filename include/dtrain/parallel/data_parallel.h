@@ -36,6 +36,11 @@ struct DataParallelOptions {
   // Top-k only: SGD's momentum coefficient, moved into the compressor (DGC's momentum correction;
   // see comm::TopKCompressor). The optimizer must then run without momentum. 0: off.
   float momentum_correction = 0.f;
+  // Top-k through the compute engine's own ops (topk_abs, gather_and_clear, scatter_add, then two
+  // allgathers of indices and values), where the buckets live: always so for buckets on a GPU
+  // (CUB on the device, NCCL allgathers); true also takes this path on the host, where it must
+  // agree with comm::TopKCompressor.
+  bool engine_topk = false;
   uint64_t seed = 0x5eed;
 };
 
@@ -93,8 +98,17 @@ class DataParallel {
     int64_t rows = 0;            // one-tensor buckets: the tensor's rows (its matrix view), for compression
     std::shared_ptr<comm::Work> work;
   };
+  // Top-k on the engine: one bucket's state and its step's messages.
+  struct EngineTopK {
+    Tensor residual, velocity;        // error feedback and (momentum correction) the momentum
+    Tensor idx, vals, all_idx, all_vals;
+    std::shared_ptr<comm::Work> idx_work;
+    int64_t k = 0;
+  };
   void on_grad_ready(nn::Parameter& p);
   void launch(Bucket& b);
+  std::shared_ptr<comm::Work> launch_engine_topk(Bucket& b, EngineTopK& st);
+  void finish_engine_topk(Bucket& b, EngineTopK& st);
 
   nn::Module& model_;
   comm::Communicator& comm_;
@@ -109,6 +123,8 @@ class DataParallel {
   std::unique_ptr<comm::Compressor> compressor_;  // null: plain allreduce
   double topk_target_ = 0;                        // the top-k ratio asked for (warm-up ends there)
   bool dense_phase_ = false;                      // PowerSGD warm-up: plain allreduce for now
+  bool engine_topk_ = false;                      // top-k through engine ops (see the option)
+  std::vector<EngineTopK> engine_topk_state_;     // per bucket
   DataParallelStats stats_;
 };
 

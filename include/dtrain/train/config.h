@@ -67,6 +67,7 @@ struct TrainConfig {
   std::string compression = "none";
   int64_t compression_warmup = -1;  // top-k sparsity / PowerSGD uncompressed warm-up steps; -1: one epoch
   bool momentum_correction = true;  // top-k under SGD momentum: the compressor keeps the momentum (DGC)
+  bool compression_on_engine = false;  // top-k through the compute engine's ops also on the CPU
   int64_t accumulate = 1;           // micro-batches per optimizer step (gradients communicated on the last)
   bool zero1 = false;               // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
   bool sync_batchnorm = false;
