@@ -2,7 +2,10 @@
 // Tensors stay NCHW / OIHW; oneDNN picks its own (blocked) layouts with format_tag::any, and we
 // reorder at the boundary. Primitives are built once per shape and cached: building one costs
 // about as much as running it.
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <vector>
 
@@ -173,14 +176,94 @@ PoolPrims& CpuEngine::pool_prims(const Pool2dGeom& g, PoolKind kind) {
   p->bwd_pd = dnnl::pooling_backward::primitive_desc(bd, eng_, p->fwd_pd);
   p->bwd = dnnl::pooling_backward(p->bwd_pd);
   p->workspace_bytes = p->fwd_pd.workspace_desc().get_size();
+  const std::string impl = p->fwd_pd.impl_info_str();
+  p->own_max = kind == PoolKind::Max && (impl.find("simple") != std::string::npos || impl.find("ref") != std::string::npos);
   slot = std::move(p);
   return *slot;
 }
+
+namespace {
+
+// Max pooling over NCHW planes; idx (i32, one per output) keeps the argmax's offset in its input
+// plane. Padding never wins (it is -inf, as in PyTorch); the first maximum of a window wins ties;
+// NaN propagates.
+// One 2x2 window, stride 2, no padding (the common case), with the generic loop's rules: the first
+// maximum in row-major order wins, NaN wins (v != v).
+inline void max_of_four(float a, float b, float c, float d, int32_t ia, int32_t w, float& m, int32_t& at) {
+  m = a;
+  at = ia;
+  if (m == m && (b > m || b != b)) m = b, at = ia + 1;
+  if (m == m && (c > m || c != c)) m = c, at = ia + w;
+  if (m == m && (d > m || d != d)) m = d, at = ia + w + 1;
+}
+
+void max_pool_forward(const Pool2dGeom& g, const float* x, float* y, int32_t* idx) {
+  const int64_t oh = g.out_h(), ow = g.out_w(), planes = g.n * g.c;
+  if (g.kernel == 2 && g.stride == 2 && g.pad == 0) {
+    const int32_t w = static_cast<int32_t>(g.w);
+#pragma omp parallel for if (planes * oh * ow > (1 << 15))
+    for (int64_t pl = 0; pl < planes; ++pl) {
+      const float* xp = x + pl * g.h * g.w;
+      float* yp = y + pl * oh * ow;
+      int32_t* ip = idx + pl * oh * ow;
+      for (int64_t i = 0; i < oh; ++i) {
+        const float* r0 = xp + 2 * i * g.w;
+        const float* r1 = r0 + g.w;
+        for (int64_t j = 0; j < ow; ++j)
+          max_of_four(r0[2 * j], r0[2 * j + 1], r1[2 * j], r1[2 * j + 1], static_cast<int32_t>(2 * i * g.w + 2 * j), w,
+                      yp[i * ow + j], ip[i * ow + j]);
+      }
+    }
+    return;
+  }
+#pragma omp parallel for if (planes * oh * ow > (1 << 15))
+  for (int64_t pl = 0; pl < planes; ++pl) {
+    const float* xp = x + pl * g.h * g.w;
+    float* yp = y + pl * oh * ow;
+    int32_t* ip = idx + pl * oh * ow;
+    for (int64_t i = 0; i < oh; ++i) {
+      const int64_t h0 = std::max<int64_t>(0, i * g.stride - g.pad), h1 = std::min(g.h, i * g.stride - g.pad + g.kernel);
+      for (int64_t j = 0; j < ow; ++j) {
+        const int64_t w0 = std::max<int64_t>(0, j * g.stride - g.pad), w1 = std::min(g.w, j * g.stride - g.pad + g.kernel);
+        float m = -std::numeric_limits<float>::infinity();
+        int64_t at = h0 * g.w + w0;
+        for (int64_t a = h0; a < h1; ++a)
+          for (int64_t b = w0; b < w1; ++b) {
+            float v = xp[a * g.w + b];
+            if (v > m || std::isnan(v)) {
+              m = v;
+              at = a * g.w + b;
+              if (std::isnan(v)) a = h1, b = w1;  // NaN wins the window
+            }
+          }
+        yp[i * ow + j] = m;
+        ip[i * ow + j] = static_cast<int32_t>(at);
+      }
+    }
+  }
+}
+
+void max_pool_backward(const Pool2dGeom& g, const float* dy, const int32_t* idx, float* dx) {
+  const int64_t outs = g.out_h() * g.out_w(), planes = g.n * g.c, plane = g.h * g.w;
+  std::memset(dx, 0, static_cast<size_t>(planes * plane) * sizeof(float));
+#pragma omp parallel for if (planes * outs > (1 << 15))
+  for (int64_t pl = 0; pl < planes; ++pl)
+    for (int64_t o = 0; o < outs; ++o) dx[pl * plane + idx[pl * outs + o]] += dy[pl * outs + o];
+}
+
+}  // namespace
 
 void CpuEngine::pool2d_forward(const Pool2dGeom& g, PoolKind kind, const Tensor& x, Tensor& y, Tensor* state) {
   DT_CHECK(x.numel() == g.n * g.c * g.h * g.w && y.numel() == g.n * g.c * g.out_h() * g.out_w(),
            "pool2d geometry does not match x " << x.str() << ", y " << y.str());
   PoolPrims& p = pool_prims(g, kind);
+  if (p.own_max) {
+    Tensor local;
+    Tensor& ix = state ? *state : local;
+    if (!ix.defined() || ix.dtype() != DType::I32 || ix.numel() != y.numel()) ix = Tensor::empty({y.numel()}, DType::I32);
+    max_pool_forward(g, x.f32(), y.f32(), ix.data<int32_t>());
+    return;
+  }
   std::unordered_map<int, memory> args{{DNNL_ARG_SRC, memory(p.x_md, eng_, x.raw())},
                                        {DNNL_ARG_DST, memory(p.y_md, eng_, y.raw())}};
   Tensor ws;
@@ -200,6 +283,12 @@ void CpuEngine::pool2d_forward(const Pool2dGeom& g, PoolKind kind, const Tensor&
 void CpuEngine::pool2d_backward(const Pool2dGeom& g, PoolKind kind, const Tensor& dy, const Tensor& state,
                                 Tensor& dx) {
   PoolPrims& p = pool_prims(g, kind);
+  if (p.own_max) {
+    DT_CHECK(state.defined() && state.dtype() == DType::I32 && state.numel() == dy.numel(),
+             "max-pool backward needs the indices saved by a training forward");
+    max_pool_backward(g, dy.f32(), state.data<int32_t>(), dx.f32());
+    return;
+  }
   std::unordered_map<int, memory> args{{DNNL_ARG_DIFF_DST, memory(p.y_md, eng_, dy.raw())},
                                        {DNNL_ARG_DIFF_SRC, memory(p.x_md, eng_, dx.raw())}};
   if (p.workspace_bytes) {

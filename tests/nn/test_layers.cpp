@@ -1,5 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+#include <tuple>
+
 #include "dtrain/nn/models.h"
 #include "gradcheck.h"
 
@@ -43,6 +47,47 @@ TEST(Gradients, MaxPool) {
   for (int64_t i = x.numel() - 1; i > 0; --i) std::swap(perm[i], perm[rng.below(i + 1)]);
   for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = 0.1f * static_cast<float>(perm[i]);
   gradcheck(pool, x);
+}
+
+// Max pooling against a loop written here: padding never wins, the first maximum of a window (row
+// major) takes the gradient when values tie (zeros after ReLU do). Covers the 2x2/2 case and
+// overlapping, padded windows. (NaN: the engine's own loop propagates it, oneDNN's kernels may not.)
+TEST(MaxPool, MatchesANaiveLoopWithTiesAndPadding) {
+  for (auto [k, s, p] : {std::tuple{2, 2, 0}, {3, 2, 1}, {3, 1, 1}}) {
+    Rng rng(44);
+    const int64_t n = 2, c = 3, h = 7, w = 8;
+    Tensor x = Tensor::empty({n, c, h, w});
+    for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = std::floor(rng.uniform(-2.f, 3.f));  // ties, zeros
+    nn::Pool2d pool(PoolKind::Max, k, s, p);
+    pool.train();
+    Tensor y = pool.forward(x);
+    const int64_t oh = (h + 2 * p - k) / s + 1, ow = (w + 2 * p - k) / s + 1;
+    ASSERT_EQ(y.numel(), n * c * oh * ow);
+    Tensor dy = Tensor::empty(y.shape());
+    for (int64_t i = 0; i < dy.numel(); ++i) dy.f32()[i] = static_cast<float>(i % 5 + 1);
+    Tensor dx = pool.backward(dy);
+    std::vector<float> want_dx(static_cast<size_t>(x.numel()), 0.f);
+    for (int64_t pl = 0; pl < n * c; ++pl)
+      for (int64_t i = 0; i < oh; ++i)
+        for (int64_t j = 0; j < ow; ++j) {
+          float m = -std::numeric_limits<float>::infinity();
+          int64_t at = -1;
+          for (int64_t a = i * s - p; a < i * s - p + k; ++a)
+            for (int64_t b = j * s - p; b < j * s - p + k; ++b) {
+              if (a < 0 || a >= h || b < 0 || b >= w || (at >= 0 && std::isnan(m))) continue;
+              float v = x.f32()[pl * h * w + a * w + b];
+              if (at < 0 || v > m || std::isnan(v)) m = v, at = pl * h * w + a * w + b;
+            }
+          const int64_t o = pl * oh * ow + i * ow + j;
+          if (std::isnan(m))
+            EXPECT_TRUE(std::isnan(y.f32()[o])) << "k" << k << " s" << s << " p" << p << " out " << o;
+          else
+            EXPECT_EQ(y.f32()[o], m) << "k" << k << " s" << s << " p" << p << " out " << o;
+          want_dx[static_cast<size_t>(at)] += dy.f32()[o];
+        }
+    for (int64_t i = 0; i < x.numel(); ++i)
+      ASSERT_EQ(dx.f32()[i], want_dx[static_cast<size_t>(i)]) << "k" << k << " s" << s << " p" << p << " dx " << i;
+  }
 }
 
 TEST(Gradients, AvgPoolAndGlobalAvgPool) {
