@@ -197,49 +197,50 @@ inline void max_of_four(float a, float b, float c, float d, int32_t ia, int32_t 
   if (m == m && (d > m || d != d)) m = d, at = ia + w + 1;
 }
 
-void max_pool_forward(const Pool2dGeom& g, const float* x, float* y, int32_t* idx) {
-  const int64_t oh = g.out_h(), ow = g.out_w(), planes = g.n * g.c;
-  if (g.kernel == 2 && g.stride == 2 && g.pad == 0) {
-    const int32_t w = static_cast<int32_t>(g.w);
-#pragma omp parallel for if (planes * oh * ow > (1 << 15))
-    for (int64_t pl = 0; pl < planes; ++pl) {
-      const float* xp = x + pl * g.h * g.w;
-      float* yp = y + pl * oh * ow;
-      int32_t* ip = idx + pl * oh * ow;
-      for (int64_t i = 0; i < oh; ++i) {
-        const float* r0 = xp + 2 * i * g.w;
-        const float* r1 = r0 + g.w;
-        for (int64_t j = 0; j < ow; ++j)
-          max_of_four(r0[2 * j], r0[2 * j + 1], r1[2 * j], r1[2 * j + 1], static_cast<int32_t>(2 * i * g.w + 2 * j), w,
-                      yp[i * ow + j], ip[i * ow + j]);
-      }
-    }
-    return;
+// One NCHW plane, 2x2 windows with stride 2 and no padding (the common case).
+void max_pool_plane_2x2(const Pool2dGeom& g, const float* xp, float* yp, int32_t* ip) {
+  const int64_t oh = g.out_h(), ow = g.out_w();
+  const int32_t w = static_cast<int32_t>(g.w);
+  for (int64_t i = 0; i < oh; ++i) {
+    const float* r0 = xp + 2 * i * g.w;
+    const float* r1 = r0 + g.w;
+    for (int64_t j = 0; j < ow; ++j)
+      max_of_four(r0[2 * j], r0[2 * j + 1], r1[2 * j], r1[2 * j + 1], static_cast<int32_t>(2 * i * g.w + 2 * j), w,
+                  yp[i * ow + j], ip[i * ow + j]);
   }
-#pragma omp parallel for if (planes * oh * ow > (1 << 15))
-  for (int64_t pl = 0; pl < planes; ++pl) {
-    const float* xp = x + pl * g.h * g.w;
-    float* yp = y + pl * oh * ow;
-    int32_t* ip = idx + pl * oh * ow;
-    for (int64_t i = 0; i < oh; ++i) {
-      const int64_t h0 = std::max<int64_t>(0, i * g.stride - g.pad), h1 = std::min(g.h, i * g.stride - g.pad + g.kernel);
-      for (int64_t j = 0; j < ow; ++j) {
-        const int64_t w0 = std::max<int64_t>(0, j * g.stride - g.pad), w1 = std::min(g.w, j * g.stride - g.pad + g.kernel);
-        float m = -std::numeric_limits<float>::infinity();
-        int64_t at = h0 * g.w + w0;
-        for (int64_t a = h0; a < h1; ++a)
-          for (int64_t b = w0; b < w1; ++b) {
-            float v = xp[a * g.w + b];
-            if (v > m || std::isnan(v)) {
-              m = v;
-              at = a * g.w + b;
-              if (std::isnan(v)) a = h1, b = w1;  // NaN wins the window
-            }
-          }
-        yp[i * ow + j] = m;
-        ip[i * ow + j] = static_cast<int32_t>(at);
-      }
+}
+
+// One NCHW plane, any window, stride and padding.
+void max_pool_plane(const Pool2dGeom& g, const float* xp, float* yp, int32_t* ip) {
+  const int64_t oh = g.out_h(), ow = g.out_w();
+  for (int64_t i = 0; i < oh; ++i) {
+    const int64_t h0 = std::max<int64_t>(0, i * g.stride - g.pad), h1 = std::min(g.h, i * g.stride - g.pad + g.kernel);
+    for (int64_t j = 0; j < ow; ++j) {
+      const int64_t w0 = std::max<int64_t>(0, j * g.stride - g.pad), w1 = std::min(g.w, j * g.stride - g.pad + g.kernel);
+      float m = -std::numeric_limits<float>::infinity();
+      int64_t at = h0 * g.w + w0;
+      bool nan = false;
+      for (int64_t a = h0; a < h1 && !nan; ++a)
+        for (int64_t b = w0; b < w1 && !nan; ++b) {
+          float v = xp[a * g.w + b];
+          nan = std::isnan(v);
+          if (v > m || nan) m = v, at = a * g.w + b;
+        }
+      yp[i * ow + j] = m;
+      ip[i * ow + j] = static_cast<int32_t>(at);
     }
+  }
+}
+
+void max_pool_forward(const Pool2dGeom& g, const float* x, float* y, int32_t* idx) {
+  const int64_t outs = g.out_h() * g.out_w(), planes = g.n * g.c;
+  const bool two_by_two = g.kernel == 2 && g.stride == 2 && g.pad == 0;
+#pragma omp parallel for if (planes * outs > (1 << 15))
+  for (int64_t pl = 0; pl < planes; ++pl) {
+    if (two_by_two)
+      max_pool_plane_2x2(g, x + pl * g.h * g.w, y + pl * outs, idx + pl * outs);
+    else
+      max_pool_plane(g, x + pl * g.h * g.w, y + pl * outs, idx + pl * outs);
   }
 }
 

@@ -103,7 +103,9 @@ void compare_grid_with_one_rank(bool sync, int tp, int pp, int steps,
   owners(model, "", own);
   std::map<std::string, nn::Parameter*> ref_params;
   for (nn::Parameter* p : ref.parameters()) ref_params[p->name] = p;
-  if (pp == 1) ASSERT_EQ(ref_params.size(), model.parameters().size());
+  if (pp == 1) {
+    ASSERT_EQ(ref_params.size(), model.parameters().size());
+  }
   for (nn::Parameter* p : model.parameters()) {
     ASSERT_TRUE(ref_params.count(p->name)) << p->name;
     expect_rel_close(p->value, expected_shard(own[p->name], p->name, ref_params[p->name]->value), 0, "init " + p->name);
