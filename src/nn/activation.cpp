@@ -6,7 +6,7 @@ namespace dtrain::nn {
 
 Tensor Activation::forward(const Tensor& x) {
   keep(x_, x);
-  Tensor& y = ensure(y_, x.shape(), x.device());
+  Tensor& y = ensure_output(y_, x.shape(), x.device());
   engine(x).unary_forward(op_, x, y);
   return y;
 }

@@ -26,6 +26,15 @@ CausalSelfAttention::CausalSelfAttention(ModulePtr qkv, ModulePtr proj, int64_t 
   proj_->set_output_temporary(true);
 }
 
+void CausalSelfAttention::copy_gemm_inputs() {
+  auto* qkv = dynamic_cast<Linear*>(qkv_.get());
+  auto* proj = dynamic_cast<Linear*>(proj_.get());
+  DT_CHECK(qkv && proj, kind() << ": copying GEMM inputs needs Linear projections");
+  qkv->set_copy_input(true);
+  proj->set_copy_input(true);
+  copies_ = true;
+}
+
 std::string CausalSelfAttention::kind() const {
   return "CausalSelfAttention(" + std::to_string(c_) + ", heads=" + std::to_string(h_) + ")";
 }
@@ -64,7 +73,10 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   e.gemm_batched(bh, false, true, t_, t_, hd_, 1.f, q, qs, k, qs, 0.f, scores_, ss);  // s = q k^T [T, T]
   e.causal_softmax_forward(scores_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), att_);
   e.gemm_batched(bh, false, false, t_, hd_, t_, 1.f, att_, ss, v, qs, 0.f, yh_, qs);  // y = att v [T, hd]
-  ensure(y_, {b_, t_, hc}, dev);
+  if (copies_)
+    ensure_temp(y_, {b_, t_, hc}, dev);  // proj keeps its own copy
+  else
+    ensure(y_, {b_, t_, hc}, dev);
   e.permute_0213(yh_, b_, h_, t_, hd_, y_);  // [B, H, T, hd] -> [B, T, H*hd]
   return proj_->forward(y_);
 }
@@ -99,16 +111,30 @@ Tensor CausalSelfAttention::backward(const Tensor& dout) {
 }
 
 // ------------------------------------------------------------------ blocks
-ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng) {
+ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng, bool copy_gemm_inputs) {
   auto attn = std::make_unique<Sequential>();
-  attn->add(std::make_unique<LayerNorm>(width));
-  attn->add(std::make_unique<CausalSelfAttention>(width, heads, rng));
+  auto ln1 = std::make_unique<LayerNorm>(width);
+  auto att = std::make_unique<CausalSelfAttention>(width, heads, rng);
   auto mlp = std::make_unique<Sequential>();
-  mlp->add(std::make_unique<LayerNorm>(width));
-  mlp->add(std::make_unique<Linear>(width, 4 * width, true, rng));
-  mlp->add(GELU());
+  auto ln2 = std::make_unique<LayerNorm>(width);
+  auto fc1 = std::make_unique<Linear>(width, 4 * width, true, rng);
+  ModulePtr gelu = GELU();
   auto fc2 = std::make_unique<Linear>(4 * width, width, true, rng);
   fc2->set_output_temporary(true);  // used up by the residual add
+  if (copy_gemm_inputs) {
+    // Each of these outputs has one reader, a Linear that now keeps its own (bf16) copy.
+    att->copy_gemm_inputs();
+    fc1->set_copy_input(true);
+    fc2->set_copy_input(true);
+    ln1->set_output_temporary(true);
+    ln2->set_output_temporary(true);
+    gelu->set_output_temporary(true);
+  }
+  attn->add(std::move(ln1));
+  attn->add(std::move(att));
+  mlp->add(std::move(ln2));
+  mlp->add(std::move(fc1));
+  mlp->add(std::move(gelu));
   mlp->add(std::move(fc2));
   auto block = std::make_unique<Sequential>();
   block->add(std::make_unique<Residual>(std::move(attn)));
@@ -210,7 +236,7 @@ Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks, GptPart part, bool
   // Every block is drawn (the RNG stream must not depend on the cut); the part keeps its own.
   auto pool = std::make_shared<std::vector<Tensor>>();  // recomputation buffers, shared by the blocks
   for (int64_t l = 0; l < cfg.layers; ++l) {
-    ModulePtr b = blocks ? blocks(l, rng) : make_gpt_block(cfg.width, cfg.heads, rng);
+    ModulePtr b = blocks ? blocks(l, rng) : make_gpt_block(cfg.width, cfg.heads, rng, cfg.copy_gemm_inputs);
     if (l < part_.first_block || l >= part_.end_block) continue;
     if (checkpoint_blocks) b = std::make_unique<Checkpointed>(std::move(b), pool);
     blocks_.emplace_back("blocks." + std::to_string(l), std::move(b));

@@ -39,7 +39,18 @@ void Linear::set_parameters(Tensor weight, Tensor bias) {
 Tensor& Linear::project(const Tensor& x) {
   DT_CHECK(x.dim() >= 1 && x.size(-1) == in_, kind()
                                                   << " got input " << x.str() << " (last dim must be " << in_ << ")");
-  keep(x_, x);
+  if (copy_input_) {
+    Engine& e = engine(x);
+    const bool low = e.math_precision() == MathPrecision::BF16 && x.dtype() == DType::F32;
+    Tensor& c = ensure(x_copy_, x.shape(), x.device(), low ? DType::BF16 : x.dtype());
+    if (low)
+      e.cast(x, c);
+    else
+      e.copy(x, c);
+    x_ = Tensor();
+  } else {
+    keep(x_, x);
+  }
   const int64_t m = x.numel() / in_;
   Shape ys = x.shape();
   ys.back() = out_;
@@ -58,19 +69,28 @@ Tensor Linear::forward(const Tensor& x) {
   return y;
 }
 
+const Tensor& Linear::saved_input(Device dev) {
+  if (!copy_input_) return x_;
+  if (x_copy_.dtype() == DType::F32) return x_copy_;
+  Tensor& w = ensure_temp(x_wide_, x_copy_.shape(), dev);
+  engine(x_copy_).cast(x_copy_, w);  // exact: bf16 values widened
+  return w;
+}
+
 // dW (out, in) += dy^T (out, M) . x (M, in); db += sum_rows dy; dx (M, in) = dy (M, out) . W (out, in)
 Tensor Linear::backward(const Tensor& dy) {
-  const int64_t m = x_.numel() / in_;
+  const Tensor& x = saved_input(dy.device());
+  const int64_t m = x.numel() / in_;
   DT_CHECK(dy.numel() == m * out_, kind() << " backward got " << dy.str());
   Engine& e = engine(dy);
-  e.gemm(true, false, out_, in_, m, 1.f, dy, x_, 1.f, w_->grad);
+  e.gemm(true, false, out_, in_, m, 1.f, dy, x, 1.f, w_->grad);
   grad_ready(*w_);
   if (b_) {
     e.row_bias_grad(dy, b_->grad);
     grad_ready(*b_);
   }
   if (!needs_input_grad_) return Tensor();
-  Tensor& dx = ensure(dx_, x_.shape(), dy.device());
+  Tensor& dx = ensure(dx_, x.shape(), dy.device());
   e.gemm(false, false, m, in_, out_, 1.f, dy, w_->value, 0.f, dx);
   return dx;
 }

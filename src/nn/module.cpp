@@ -172,15 +172,17 @@ size_t Module::stash_bytes(const ActivationStash& stash) {
   return distinct_bytes(ts);
 }
 
-Tensor& Module::ensure_temp(Tensor& buf, const Shape& s, Device device) {
+Tensor& Module::ensure_temp(Tensor& buf, const Shape& s, Device device, DType dtype) {
   track(buf, true);
-  if (!buf.defined() || buf.shape() != s || buf.device() != device) buf = Tensor::empty(s, DType::F32, device);
+  if (!buf.defined() || buf.shape() != s || buf.device() != device || buf.dtype() != dtype)
+    buf = Tensor::empty(s, dtype, device);
   return buf;
 }
 
-Tensor& Module::ensure(Tensor& buf, const Shape& s, Device device) {
+Tensor& Module::ensure(Tensor& buf, const Shape& s, Device device, DType dtype) {
   track(buf);
-  if (!buf.defined() || buf.shape() != s || buf.device() != device) buf = Tensor::empty(s, DType::F32, device);
+  if (!buf.defined() || buf.shape() != s || buf.device() != device || buf.dtype() != dtype)
+    buf = Tensor::empty(s, dtype, device);
   return buf;
 }
 

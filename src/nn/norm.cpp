@@ -45,7 +45,7 @@ Tensor LayerNorm::forward(const Tensor& x) {
   int64_t rows = x.numel() / d_;
   ensure(mean_, {rows}, x.device());
   ensure(rstd_, {rows}, x.device());
-  Tensor& y = ensure(y_, x.shape(), x.device());
+  Tensor& y = ensure_output(y_, x.shape(), x.device());
   engine(x).layernorm_forward(x, gamma_->value, beta_->value, eps_, mean_, rstd_, y);
   return y;
 }

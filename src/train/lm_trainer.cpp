@@ -195,7 +195,11 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   // cross-entropy over them.
   const nn::GptVocabShard vocab =
       tp_size > 1 ? parallel::vocab_parallel_shard(cfg.model.vocab, grid->tp()) : nn::GptVocabShard();
-  nn::Gpt model(cfg.model,
+  // Under bf16 the activations the blocks' GEMMs read are held in bf16 (GptConfig::copy_gemm_inputs;
+  // the tensor-parallel blocks keep f32 references).
+  nn::GptConfig model_cfg = cfg.model;
+  model_cfg.copy_gemm_inputs = cfg.precision == "bf16" && tp_size == 1;
+  nn::Gpt model(model_cfg,
                 tp_size > 1 ? parallel::tensor_parallel_gpt_blocks(cfg.model.width, cfg.model.heads, grid->tp())
                             : nn::GptBlockFactory(),
                 part, cfg.checkpoint_activations, vocab);

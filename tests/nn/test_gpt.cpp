@@ -224,6 +224,58 @@ TEST(ActivationCheckpointing, SameGradientsLessMemory) {
   }
 }
 
+// Under bf16 math the blocks' GEMM inputs can be held as bf16 copies (GptConfig::copy_gemm_inputs):
+// the GEMMs round their operands to bf16 anyway, so outputs and gradients are bitwise the same,
+// and fewer activation bytes are held between forward and backward. In fp32 the copies are f32:
+// the same numbers again.
+TEST(Bf16Activations, SameGradientsFewerBytes) {
+  nn::GptConfig cfg;
+  cfg.vocab = 19;
+  cfg.context = 16;
+  cfg.layers = 2;
+  cfg.heads = 2;
+  cfg.width = 32;
+  cfg.seed = 5;
+  nn::GptConfig copying = cfg;
+  copying.copy_gemm_inputs = true;
+  Rng rng(9);
+  const int64_t b = 3, t = 16;
+  Tensor ids = Tensor::empty({b, t}, DType::I32);
+  for (int64_t i = 0; i < b * t; ++i) ids.data<int32_t>()[i] = static_cast<int32_t>(rng.below(19));
+  Tensor r = random_tensor({b * t, cfg.vocab}, rng);
+  Engine& e = cpu_engine();
+  for (MathPrecision prec : {MathPrecision::BF16, MathPrecision::F32}) {
+    e.set_math_precision(prec);
+    nn::Gpt plain(cfg), copy(copying);
+    auto pa = plain.parameters(), pb = copy.parameters();
+    ASSERT_EQ(pa.size(), pb.size());
+    for (int rep = 0; rep < 2; ++rep) {
+      for (size_t i = 0; i < pa.size(); ++i) {
+        pa[i]->grad.zero_();
+        pb[i]->grad.zero_();
+      }
+      Tensor ya = plain.forward(ids).clone(), yb = copy.forward(ids).clone();
+      for (int64_t i = 0; i < ya.numel(); ++i) ASSERT_EQ(ya.f32()[i], yb.f32()[i]) << math_precision_name(prec);
+      size_t held_plain = plain.activation_bytes(), held_copy = copy.activation_bytes();
+      if (prec == MathPrecision::BF16) {
+        // Per block: LayerNorm outputs (2C), attention output (C) and GELU output (4C) per token
+        // go from 4 to 2 bytes: 14C bytes of each token's share.
+        EXPECT_EQ(held_plain - held_copy, static_cast<size_t>(cfg.layers * b * t * 14 * cfg.width))
+            << held_plain << " vs " << held_copy;
+      } else {
+        EXPECT_EQ(held_plain, held_copy);
+      }
+      plain.backward(r);
+      copy.backward(r);
+      for (size_t i = 0; i < pa.size(); ++i)
+        for (int64_t k = 0; k < pa[i]->grad.numel(); ++k)
+          ASSERT_EQ(pa[i]->grad.f32()[k], pb[i]->grad.f32()[k])
+              << pa[i]->name << " at " << k << " " << math_precision_name(prec);
+    }
+  }
+  e.set_math_precision(MathPrecision::F32);
+}
+
 // The stash moves a micro-batch's activations out of the modules and back: a backward after
 // other forwards ran in between gives that micro-batch's own gradients.
 TEST(ActivationStash, BackwardOfAnEarlierMicroBatch) {

@@ -18,6 +18,10 @@ struct GptConfig {
   int64_t heads = 8;
   int64_t width = 256;
   uint64_t seed = 1;
+  // The blocks' Linear layers keep their own copies of their inputs (bf16 under bf16 math) and
+  // the LayerNorm, GELU and attention outputs feeding them become temporaries: under bf16 the
+  // activations the GEMMs read are held in bf16, half the bytes, with the same arithmetic.
+  bool copy_gemm_inputs = false;
 };
 
 // x [B, T, C] -> y [B, T, C]: y = proj(softmax_causal(q k^T / sqrt(C/H)) v), heads concatenated.
@@ -33,9 +37,12 @@ class CausalSelfAttention : public Module {
   std::string kind() const override;
   std::vector<std::pair<std::string, Module*>> children() override;
   void set_needs_input_grad(bool needed) override;
+  // qkv and proj keep their own (bf16 under bf16 math) input copies; y_ becomes a temporary.
+  void copy_gemm_inputs();
 
  private:
   int64_t c_, h_, hd_;  // input width, heads on this rank, head width
+  bool copies_ = false;
   int64_t b_ = 0, t_ = 0;
   ModulePtr qkv_, proj_;  // C -> 3*H*hd (q, k, v each head-major), H*hd -> C
   // qkvh_ [3, B, H, T, hd] (q, k, v heads); att_ (softmax probabilities) [B*H, T, T]; yh_ [B*H, T, hd];
@@ -45,7 +52,7 @@ class CausalSelfAttention : public Module {
 };
 
 // One pre-LN transformer block: x + attn(ln1(x)), then + mlp(ln2(.)); mlp = C -> 4C, GELU, -> C.
-ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng);
+ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng, bool copy_gemm_inputs = false);
 // Makes block `layer` drawing its initial weights from `rng` (tensor parallel passes its own).
 using GptBlockFactory = std::function<ModulePtr(int64_t layer, Rng& rng)>;
 

@@ -15,6 +15,11 @@ class Linear : public Module {
   std::string kind() const override { return "Linear(" + std::to_string(in_) + ", " + std::to_string(out_) + ")"; }
   Parameter& weight() { return *w_; }  // (out, in)
   Parameter* bias() { return b_; }
+  // Keeps its own copy of the input for backward instead of a reference to the producer's buffer,
+  // in bf16 when the engine multiplies in bf16 (the GEMM rounds its operands to bf16 anyway, so
+  // nothing changes but the bytes held): the producer's output can then be a temporary.
+  void set_copy_input(bool on) { copy_input_ = on; }
+  bool copies_input() const { return copy_input_; }
 
   // PyTorch's default initialisation of a full in -> out layer: weight [out, in] then bias [out]
   // (undefined when `bias` is false), both U(-1/sqrt(in), 1/sqrt(in)), drawn in that order.
@@ -33,6 +38,10 @@ class Linear : public Module {
   Parameter* w_ = nullptr;
   Parameter* b_ = nullptr;
   Tensor x_, y_, dx_;
+  bool copy_input_ = false;
+  Tensor x_copy_, x_wide_;  // the input copy (bf16 or f32); its f32 widening in backward (scratch)
+  // The input backward multiplies by: x_, or x_copy_ widened to f32.
+  const Tensor& saved_input(Device dev);
 };
 
 class Conv2d : public Module {

@@ -111,9 +111,9 @@ class Module {
   Engine& engine(const Tensor& t) { return engine_for(t.device()); }
   // Reuses `buf` when it already has shape `s`, so steady-state steps allocate nothing. `buf` must
   // be a member: it becomes one of this module's slots (activation or scratch, by the phase).
-  Tensor& ensure(Tensor& buf, const Shape& s, Device device = Device::cpu());
+  Tensor& ensure(Tensor& buf, const Shape& s, Device device = Device::cpu(), DType dtype = DType::F32);
   // A buffer used only within the current pass (scratch even when made in forward).
-  Tensor& ensure_temp(Tensor& buf, const Shape& s, Device device = Device::cpu());
+  Tensor& ensure_temp(Tensor& buf, const Shape& s, Device device = Device::cpu(), DType dtype = DType::F32);
   // The module's output buffer: an activation, or scratch after set_output_temporary(true).
   Tensor& ensure_output(Tensor& buf, const Shape& s, Device device) {
     return output_temporary_ ? ensure_temp(buf, s, device) : ensure(buf, s, device);
