@@ -13,6 +13,19 @@ using dtrain::test::dot;
 using dtrain::test::gradcheck;
 using dtrain::test::random_tensor;
 
+namespace {
+nn::GptConfig tiny_gpt(int64_t vocab, int64_t context, int64_t layers, int64_t heads, int64_t width, uint64_t seed) {
+  nn::GptConfig cfg;
+  cfg.vocab = vocab;
+  cfg.context = context;
+  cfg.layers = layers;
+  cfg.heads = heads;
+  cfg.width = width;
+  cfg.seed = seed;
+  return cfg;
+}
+}  // namespace
+
 TEST(TransformerOps, PermuteAndCausalSoftmaxByDefinition) {
   Rng rng(3);
   Engine& e = cpu_engine();
@@ -80,13 +93,7 @@ TEST(Gradients, GptBlock) {
 // The whole GPT: L = sum(logits * r), every parameter (tied wte included) against central
 // differences, and the grad-ready hook fires once per parameter.
 TEST(Gradients, GptEndToEndWithTiedEmbedding) {
-  nn::GptConfig cfg;
-  cfg.vocab = 11;
-  cfg.context = 6;
-  cfg.layers = 2;
-  cfg.heads = 2;
-  cfg.width = 8;
-  cfg.seed = 5;
+  nn::GptConfig cfg = tiny_gpt(11, 6, 2, 2, 8, 5);
   nn::Gpt gpt(cfg);
   Rng rng(24);
   // GPT-2's N(0, 0.02) embeddings put the first LayerNorm where a finite-difference step of 1e-2 is
@@ -187,13 +194,7 @@ TEST(TransformerOps, GeluMatchesTheTanhFormula) {
 // Activation checkpointing recomputes each block in backward: the same output and gradients
 // (bitwise: the same kernels on the same inputs), far fewer activation bytes held between passes.
 TEST(ActivationCheckpointing, SameGradientsLessMemory) {
-  nn::GptConfig cfg;
-  cfg.vocab = 17;
-  cfg.context = 16;
-  cfg.layers = 3;
-  cfg.heads = 2;
-  cfg.width = 16;
-  cfg.seed = 3;
+  nn::GptConfig cfg = tiny_gpt(17, 16, 3, 2, 16, 3);
   nn::Gpt plain(cfg), recompute(cfg, nullptr, {}, true);
   Rng rng(8);
   const int64_t b = 3, t = 16;
@@ -229,13 +230,7 @@ TEST(ActivationCheckpointing, SameGradientsLessMemory) {
 // and fewer activation bytes are held between forward and backward. In fp32 the copies are f32:
 // the same numbers again.
 TEST(Bf16Activations, SameGradientsFewerBytes) {
-  nn::GptConfig cfg;
-  cfg.vocab = 19;
-  cfg.context = 16;
-  cfg.layers = 2;
-  cfg.heads = 2;
-  cfg.width = 32;
-  cfg.seed = 5;
+  nn::GptConfig cfg = tiny_gpt(19, 16, 2, 2, 32, 5);
   nn::GptConfig copying = cfg;
   copying.copy_gemm_inputs = true;
   Rng rng(9);
@@ -279,12 +274,7 @@ TEST(Bf16Activations, SameGradientsFewerBytes) {
 // The stash moves a micro-batch's activations out of the modules and back: a backward after
 // other forwards ran in between gives that micro-batch's own gradients.
 TEST(ActivationStash, BackwardOfAnEarlierMicroBatch) {
-  nn::GptConfig cfg;
-  cfg.vocab = 13;
-  cfg.context = 8;
-  cfg.layers = 2;
-  cfg.heads = 2;
-  cfg.width = 8;
+  nn::GptConfig cfg = tiny_gpt(13, 8, 2, 2, 8, 1);
   nn::Gpt a(cfg), ref(cfg);
   Rng rng(4);
   auto batch = [&]() {
