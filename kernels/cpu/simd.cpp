@@ -7,8 +7,9 @@
 
 namespace dtrain::cpu::simd {
 
-// Defined in simd_avx512.cpp; only called after the processor check below.
+// Defined in simd_avx512.cpp and simd_avx2.cpp; only called after the processor checks below.
 const Kernels& avx512_table();
+const Kernels& avx2_table();
 
 namespace {
 
@@ -138,6 +139,11 @@ double sum_squares(const float* x, int64_t n) {
   return s;
 }
 
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
 bool has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -170,8 +176,13 @@ const Kernels* avx512() {
   return k;
 }
 
+const Kernels* avx2() {
+  static const Kernels* k = has_avx2() ? &avx2_table() : nullptr;
+  return k;
+}
+
 const Kernels& active() {
-  static const Kernels& k = avx512() ? *avx512() : reference();
+  static const Kernels& k = avx512() ? *avx512() : avx2() ? *avx2() : reference();
   return k;
 }
 

@@ -46,7 +46,9 @@ struct Kernels {
 const Kernels& reference();
 // The AVX-512 table, or null when the processor lacks AVX-512 F/BW/VL/DQ.
 const Kernels* avx512();
-// avx512() when available, reference() otherwise; decided once.
+// The AVX2 table (GELU in AVX2 + FMA, the rest reference), or null without AVX2 and FMA.
+const Kernels* avx2();
+// avx512() when available, else avx2(), else reference(); decided once.
 const Kernels& active();
 
 }  // namespace dtrain::cpu::simd
