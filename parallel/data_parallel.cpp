@@ -17,11 +17,11 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
     } catch (const InputError& e) {
       throw InputError(std::string("option --compression: ") + e.what());
     }
-    if (opt.momentum_correction > 0) {
-      auto* topk = dynamic_cast<comm::TopKCompressor*>(compressor_.get());
-      DT_INPUT_CHECK(topk, "momentum correction belongs to top-k compression, not --compression " << opt.compression);
-      topk->set_momentum_correction(opt.momentum_correction);
-    }
+  }
+  auto* topk = dynamic_cast<comm::TopKCompressor*>(compressor_.get());
+  if (opt.momentum_correction > 0) {
+    DT_INPUT_CHECK(topk, "momentum correction belongs to top-k compression, not --compression " << opt.compression);
+    topk->set_momentum_correction(opt.momentum_correction);
   }
   std::vector<nn::Parameter*> params = model.parameters();
   DT_CHECK(!params.empty(), "data parallel needs a model with parameters");
@@ -34,7 +34,6 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
   }
   // On a GPU the buckets are device memory reduced by a device-capable communicator (NCCL, or a
   // CUDA-aware MPI); compression and ZeRO-1's host-side slices stay on the CPU engine.
-  auto* topk = dynamic_cast<comm::TopKCompressor*>(compressor_.get());
   DT_INPUT_CHECK(dev.is_cpu() || ((!compressor_ || topk) && !opt.zero1),
                  "data parallel on " << dev.str()
                                      << ": --zero1 and --compression other than topk run on the CPU engine only");

@@ -4,23 +4,11 @@
 #include <numeric>
 
 #include "dtrain/comm/compression.h"
+#include "dtrain/core/topk.h"
 
 namespace dtrain::comm::codec {
 
-std::vector<int32_t> topk_indices(const float* x, int64_t n, int64_t k) {
-  k = std::clamp<int64_t>(k, 0, n);
-  std::vector<int32_t> idx(static_cast<size_t>(n));
-  std::iota(idx.begin(), idx.end(), 0);
-  // Larger magnitude first; equal magnitudes by lower index, so every rank and every run agree.
-  auto before = [x](int32_t a, int32_t b) {
-    float fa = std::fabs(x[a]), fb = std::fabs(x[b]);
-    return fa > fb || (fa == fb && a < b);
-  };
-  std::nth_element(idx.begin(), idx.begin() + k, idx.end(), before);
-  idx.resize(static_cast<size_t>(k));
-  std::sort(idx.begin(), idx.end());
-  return idx;
-}
+std::vector<int32_t> topk_indices(const float* x, int64_t n, int64_t k) { return topk_abs_indices(x, n, k); }
 
 void pack_signs(const float* x, int64_t n, uint8_t* bits) {
   std::fill(bits, bits + (n + 7) / 8, uint8_t{0});

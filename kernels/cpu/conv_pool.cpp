@@ -184,9 +184,6 @@ PoolPrims& CpuEngine::pool_prims(const Pool2dGeom& g, PoolKind kind) {
 
 namespace {
 
-// Max pooling over NCHW planes; idx (i32, one per output) keeps the argmax's offset in its input
-// plane. Padding never wins (it is -inf, as in PyTorch); the first maximum of a window wins ties;
-// NaN propagates.
 // One 2x2 window, stride 2, no padding (the common case), with the generic loop's rules: the first
 // maximum in row-major order wins, NaN wins (v != v).
 inline void max_of_four(float a, float b, float c, float d, int32_t ia, int32_t w, float& m, int32_t& at) {
@@ -232,6 +229,9 @@ void max_pool_plane(const Pool2dGeom& g, const float* xp, float* yp, int32_t* ip
   }
 }
 
+// Max pooling over NCHW planes; idx (i32, one per output) keeps the argmax's offset in its input
+// plane. Padding never wins (it is -inf, as in PyTorch); the first maximum of a window wins ties;
+// NaN propagates.
 void max_pool_forward(const Pool2dGeom& g, const float* x, float* y, int32_t* idx) {
   const int64_t outs = g.out_h() * g.out_w(), planes = g.n * g.c;
   const bool two_by_two = g.kernel == 2 && g.stride == 2 && g.pad == 0;

@@ -10,6 +10,7 @@
 
 #include <cblas.h>
 
+#include "dtrain/core/topk.h"
 #include "dtrain/kernels/functors.h"
 #include "simd.h"
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
@@ -458,16 +459,8 @@ void CpuEngine::topk_abs(const Tensor& x, int64_t k, Tensor& idx) {
   const int64_t n = x.numel();
   DT_CHECK(k > 0 && k <= n && n <= INT32_MAX, "topk_abs: k = " << k << " of " << x.str());
   DT_CHECK(idx.dtype() == DType::I32 && idx.numel() == k, "topk_abs: idx " << idx.str() << " for k = " << k);
-  const float* v = x.f32();
-  std::vector<int32_t> order(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(i)] = static_cast<int32_t>(i);
-  auto before = [v](int32_t a, int32_t b) {
-    float fa = std::fabs(v[a]), fb = std::fabs(v[b]);
-    return fa > fb || (fa == fb && a < b);
-  };
-  std::nth_element(order.begin(), order.begin() + k, order.end(), before);
-  std::sort(order.begin(), order.begin() + k);
-  std::memcpy(idx.data<int32_t>(), order.data(), static_cast<size_t>(k) * sizeof(int32_t));
+  const std::vector<int32_t> top = topk_abs_indices(x.f32(), n, k);  // the compressor's selection
+  std::memcpy(idx.data<int32_t>(), top.data(), static_cast<size_t>(k) * sizeof(int32_t));
 }
 
 void CpuEngine::gather_and_clear(Tensor& x, const Tensor& idx, Tensor& vals) {

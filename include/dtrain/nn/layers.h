@@ -19,7 +19,6 @@ class Linear : public Module {
   // in bf16 when the engine multiplies in bf16 (the GEMM rounds its operands to bf16 anyway, so
   // nothing changes but the bytes held): the producer's output can then be a temporary.
   void set_copy_input(bool on) { copy_input_ = on; }
-  bool copies_input() const { return copy_input_; }
 
   // PyTorch's default initialisation of a full in -> out layer: weight [out, in] then bias [out]
   // (undefined when `bias` is false), both U(-1/sqrt(in), 1/sqrt(in)), drawn in that order.

@@ -81,8 +81,6 @@ class DataParallel {
   // Tells the exchange which optimizer step the next backward belongs to (compression warm-up).
   void set_step(int64_t step);
   void set_compression_warmup(int64_t steps) { opt_.compression_warmup_steps = steps; }
-  // True while the compression warm-up sends PowerSGD's gradients uncompressed.
-  bool compression_paused() const { return dense_phase_; }
 
   int world() const { return comm_.size(); }
   bool zero1() const { return opt_.zero1; }
