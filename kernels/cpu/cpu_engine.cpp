@@ -162,10 +162,7 @@ static void check_f32(const Tensor& t, const char* what) {
 // ------------------------------------------------------------------ GEMM
 void CpuEngine::gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a, const Tensor& b,
                      float beta, Tensor& c) {
-  // A bf16 precision permits bf16, it does not demand it: a GEMM with fewer than 16 rows or columns
-  // (the 10-class classifier) runs faster in fp32 than with the bf16 rounding and matmul set-up.
-  const bool lowp_math = math_ == MathPrecision::F16 || (math_ == MathPrecision::BF16 && std::min(m, n) >= 16);
-  if (a.dtype() != DType::F32 || lowp_math)
+  if (a.dtype() != DType::F32 || b.dtype() != DType::F32 || rounds_gemm(m, n))
     return gemm_batched(1, ta, tb, m, n, k, alpha, a, m * k, b, k * n, beta, c, m * n);
   check_f32(a, "gemm A");
   check_f32(b, "gemm B");
@@ -188,7 +185,7 @@ void CpuEngine::gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float al
 void CpuEngine::gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                              const Tensor& a, int64_t sa, const Tensor& b, int64_t sb, float beta, Tensor& c,
                              int64_t sc) {
-  if (a.dtype() != DType::F32 || math_ == MathPrecision::F16 || (math_ == MathPrecision::BF16 && std::min(m, n) >= 16))
+  if (a.dtype() != DType::F32 || b.dtype() != DType::F32 || rounds_gemm(m, n))
     return gemm_lowp(batch, ta, tb, m, n, k, alpha, a, sa, b, sb, beta, c, sc);
   check_f32(a, "gemm_batched A");
   check_f32(b, "gemm_batched B");

@@ -130,8 +130,16 @@ void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n,
                           const Tensor& a, int64_t sa, const Tensor& b, int64_t sb, float beta, Tensor& c, int64_t sc) {
   DT_CHECK(a.device().is_cpu() && b.device().is_cpu() && c.device().is_cpu() && c.dtype() == DType::F32,
            "gemm: C must be an f32 CPU tensor, got " << c.str());
-  DT_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::F32 || a.dtype() == DType::BF16 || a.dtype() == DType::F16),
-           "gemm: A and B must both be f32, bf16 or f16, got " << a.str() << " and " << b.str());
+  // The multiply's type: a low-precision operand's, else the math precision's; f32 operands are
+  // rounded to it.
+  const DType low = a.dtype() != DType::F32   ? a.dtype()
+                    : b.dtype() != DType::F32 ? b.dtype()
+                    : math_ == MathPrecision::F16 ? DType::F16
+                                                  : DType::BF16;
+  auto fits = [low](const Tensor& t) { return t.dtype() == DType::F32 || t.dtype() == low; };
+  DT_CHECK((low == DType::BF16 || low == DType::F16) && fits(a) && fits(b),
+           "gemm: A and B must be f32, bf16 or f16 (one low precision at most), got " << a.str() << " and "
+                                                                                        << b.str());
   const int64_t span_a = (batch - 1) * sa + m * k, span_b = (batch - 1) * sb + k * n;
   DT_CHECK(batch >= 1 && a.numel() >= span_a && b.numel() >= span_b && c.numel() >= (batch - 1) * sc + m * n,
            "gemm " << batch << "x(" << m << "x" << n << "x" << k << "): operands too small (" << a.str() << ", "
@@ -143,7 +151,7 @@ void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n,
   // (an AVX2-only processor), and for f16 (no fast fp16 on any of these CPUs), the operands are
   // rounded to the low precision, widened back to f32 and multiplied by sgemm: the same products
   // (a product of two bf16 or f16 values is exact in f32), the same f32 accumulation.
-  const bool half = a.dtype() == DType::F16 || (a.dtype() == DType::F32 && math_ == MathPrecision::F16);
+  const bool half = low == DType::F16;
   std::shared_ptr<MatmulPrims> p;
   int64_t per_call = batch;
   if (!half) {
@@ -185,19 +193,15 @@ void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n,
     return;
   }
 
-  const uint16_t* pa;
-  const uint16_t* pb;
-  if (a.dtype() == DType::BF16) {
-    pa = a.data<uint16_t>();
-    pb = b.data<uint16_t>();
-  } else {
-    uint16_t* wa = scratch(a16, span_a);
-    uint16_t* wb = scratch(b16, span_b);
-    f32_to_bf16(a.f32(), wa, span_a);
-    f32_to_bf16(b.f32(), wb, span_b);
-    pa = wa;
-    pb = wb;
-  }
+  // bf16 operands as they are (a weight's working copy), f32 ones rounded into scratch.
+  auto bf16_of = [](const Tensor& t, int64_t span, std::vector<uint16_t>& out) -> const uint16_t* {
+    if (t.dtype() == DType::BF16) return t.data<uint16_t>();
+    uint16_t* o = scratch(out, span);
+    f32_to_bf16(t.f32(), o, span);
+    return o;
+  };
+  const uint16_t* pa = bf16_of(a, span_a, a16);
+  const uint16_t* pb = bf16_of(b, span_b, b16);
   for (int64_t i = 0; i < batch; i += per_call) {
     memory ma(p->a_md, eng_, const_cast<uint16_t*>(pa + i * sa));
     memory mb(p->b_md, eng_, const_cast<uint16_t*>(pb + i * sb));

@@ -101,24 +101,33 @@ void CudaEngine::gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_
                               int64_t sc) {
   DT_CHECK(a.device() == device() && b.device() == device() && c.device() == device() && c.dtype() == DType::F32,
            "gemm on " << device().str() << ": A " << a.str() << ", B " << b.str() << ", C (f32) " << c.str());
-  DT_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::F32 || a.dtype() == DType::BF16 || a.dtype() == DType::F16),
-           "gemm: A and B must both be f32, bf16 or f16, got " << a.str() << " and " << b.str());
+  // The multiply's type: a low-precision operand's (a weight's working copy), else the math
+  // precision's; f32 operands are rounded to it.
+  DType in = a.dtype() != DType::F32          ? a.dtype()
+             : b.dtype() != DType::F32        ? b.dtype()
+             : math_ == MathPrecision::BF16   ? DType::BF16
+             : math_ == MathPrecision::F16    ? DType::F16
+                                              : DType::F32;
+  auto fits = [in](const Tensor& t) { return t.dtype() == DType::F32 || t.dtype() == in; };
+  DT_CHECK((in == DType::F32 || in == DType::BF16 || in == DType::F16) && fits(a) && fits(b),
+           "gemm: A and B must be f32, bf16 or f16 (one low precision at most), got " << a.str() << " and "
+                                                                                        << b.str());
   const int64_t span_a = (batch - 1) * sa + m * k, span_b = (batch - 1) * sb + k * n;
   DT_CHECK(batch >= 1 && a.numel() >= span_a && b.numel() >= span_b && c.numel() >= (batch - 1) * sc + m * n,
            "gemm " << batch << "x(" << m << "x" << n << "x" << k << "): operands too small");
   if (m == 0 || n == 0) return;
   bind();
-  // f32 operands under a bf16/f16 math precision: multiply rounded copies (scratch from the caching
-  // allocator, so no cudaMalloc after the first step).
-  DType in = a.dtype();
+  // f32 operands of a low-precision multiply: rounded copies (scratch from the caching allocator, so
+  // no cudaMalloc after the first step).
   Tensor a_lp, b_lp;
   const void* pa = a.raw();
   const void* pb = b.raw();
-  if (in == DType::F32 && (math_ == MathPrecision::BF16 || math_ == MathPrecision::F16)) {
-    in = math_ == MathPrecision::BF16 ? DType::BF16 : DType::F16;
+  if (in != DType::F32 && a.dtype() == DType::F32) {
     a_lp = lowp_copy(a.numel() == span_a ? a : a.reshape({-1}).slice0(0, span_a), in);
-    b_lp = lowp_copy(b.numel() == span_b ? b : b.reshape({-1}).slice0(0, span_b), in);
     pa = a_lp.raw();
+  }
+  if (in != DType::F32 && b.dtype() == DType::F32) {
+    b_lp = lowp_copy(b.numel() == span_b ? b : b.reshape({-1}).slice0(0, span_b), in);
     pb = b_lp.raw();
   }
   GemmPlan& p = gemm_plan(ta, tb, m, n, k, batch, sa, sb, sc, in, math_ == MathPrecision::TF32, pa, pb, c.raw());

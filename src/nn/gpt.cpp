@@ -183,6 +183,7 @@ Tensor GptEmbedding::backward(const Tensor& demb) {
 GptHead::GptHead(int64_t width, Parameter* tied, Tensor own_wte, GptVocabShard shard)
     : owns_(tied == nullptr), shard_(std::move(shard)), c_(width) {
   wte_ = tied ? tied : &add_parameter("wte", std::move(own_wte));
+  wte_->gemm_weight = true;  // the unembedding reads it whole
   ln_f_ = std::make_unique<LayerNorm>(width);
 }
 
@@ -194,7 +195,8 @@ Tensor GptHead::forward(const Tensor& h) {
   m_ = h.size(0) * h.size(1);
   keep(hf_, ln_f_->forward(h));  // [B, T, C]
   ensure(logits_, {m_, v}, h.device());
-  engine(h).gemm(false, true, m_, v, c_, 1.f, hf_, wte_->value, 0.f, logits_);  // hf wte^T
+  Engine& e = engine(h);
+  e.gemm(false, true, m_, v, c_, 1.f, hf_, gemm_operand(e, *wte_, m_, v), 0.f, logits_);  // hf wte^T
   return logits_;
 }
 
@@ -203,7 +205,7 @@ Tensor GptHead::backward(const Tensor& dlogits) {
   DT_CHECK(dlogits.numel() == m_ * v, "gpt head backward got " << dlogits.str());
   Engine& e = engine(dlogits);
   ensure(dhf_, hf_.shape(), dlogits.device());
-  e.gemm(false, false, m_, c_, v, 1.f, dlogits, wte_->value, 0.f, dhf_);  // dhf = dlogits wte
+  e.gemm(false, false, m_, c_, v, 1.f, dlogits, gemm_operand(e, *wte_, m_, c_), 0.f, dhf_);  // dhf = dlogits wte
   e.gemm(true, false, v, c_, m_, 1.f, dlogits, hf_, 1.f, wte_->grad);     // dwte += dlogits^T hf
   if (shard_.sharded()) shard_.sum(dhf_);                                 // every rank's vocabulary columns contribute
   if (owns_) grad_ready(*wte_);

@@ -29,6 +29,7 @@ void Linear::set_parameters(Tensor weight, Tensor bias) {
   DT_CHECK(weight.dim() == 2 && weight.size(0) == out_ && weight.size(1) == in_,
            kind() << " given weight " << weight.str());
   w_ = &add_parameter("weight", std::move(weight));
+  w_->gemm_weight = true;
   if (bias.defined()) {
     DT_CHECK(bias.numel() == out_, kind() << " given bias " << bias.str());
     b_ = &add_parameter("bias", std::move(bias));
@@ -39,8 +40,8 @@ void Linear::set_parameters(Tensor weight, Tensor bias) {
 Tensor& Linear::project(const Tensor& x) {
   DT_CHECK(x.dim() >= 1 && x.size(-1) == in_, kind()
                                                   << " got input " << x.str() << " (last dim must be " << in_ << ")");
+  Engine& e = engine(x);
   if (copy_input_) {
-    Engine& e = engine(x);
     const bool low = e.math_precision() == MathPrecision::BF16 && x.dtype() == DType::F32;
     Tensor& c = ensure(x_copy_, x.shape(), x.device(), low ? DType::BF16 : x.dtype());
     if (low)
@@ -55,7 +56,7 @@ Tensor& Linear::project(const Tensor& x) {
   Shape ys = x.shape();
   ys.back() = out_;
   Tensor& y = ensure_output(y_, ys, x.device());
-  engine(x).gemm(false, true, m, out_, in_, 1.f, x, w_->value, 0.f, y);
+  e.gemm(false, true, m, out_, in_, 1.f, x, gemm_operand(e, *w_, m, out_), 0.f, y);
   return y;
 }
 
@@ -91,7 +92,7 @@ Tensor Linear::backward(const Tensor& dy) {
   }
   if (!needs_input_grad_) return Tensor();
   Tensor& dx = ensure(dx_, x.shape(), dy.device());
-  e.gemm(false, false, m, in_, out_, 1.f, dy, w_->value, 0.f, dx);
+  e.gemm(false, false, m, in_, out_, 1.f, dy, gemm_operand(e, *w_, m, in_), 0.f, dx);
   return dx;
 }
 

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <map>
 
+#include "dtrain/core/env.h"
+
 namespace dtrain::nn {
 
 namespace {
@@ -12,6 +14,28 @@ thread_local Phase g_phase = Phase::Forward;
 PhaseScope::PhaseScope(Phase p) : prev_(g_phase) { g_phase = p; }
 PhaseScope::~PhaseScope() { g_phase = prev_; }
 Phase PhaseScope::current() { return g_phase; }
+
+void update_working_copies(const std::vector<Parameter*>& params, MathPrecision p) {
+  const bool on = (p == MathPrecision::BF16 || p == MathPrecision::F16) && env::get_long("DTRAIN_WORKING_COPIES") != 0;
+  const DType dt = p == MathPrecision::F16 ? DType::F16 : DType::BF16;
+  for (Parameter* w : params) {
+    if (!w->gemm_weight) continue;
+    if (!on) {
+      w->working = Tensor();
+      continue;
+    }
+    if (!w->working.defined() || w->working.dtype() != dt || w->working.device() != w->value.device() ||
+        w->working.shape() != w->value.shape())
+      w->working = Tensor::empty(w->value.shape(), dt, w->value.device());
+    engine_for(w->value.device()).cast(w->value, w->working);
+  }
+}
+
+const Tensor& gemm_operand(const Engine& e, const Parameter& w, int64_t m, int64_t n) {
+  if (!w.working.defined() || !e.rounds_gemm(m, n)) return w.value;
+  const DType dt = e.math_precision() == MathPrecision::F16 ? DType::F16 : DType::BF16;
+  return w.working.dtype() == dt ? w.working : w.value;
+}
 
 Parameter& Module::add_parameter(const std::string& name, Tensor value) {
   auto p = std::make_unique<Parameter>();
@@ -64,6 +88,7 @@ void Module::to(Device device) {
   for (Parameter* p : parameters()) {  // a tied parameter is listed once per owner: moved once
     move(p->value);
     move(p->grad);
+    p->working = Tensor();  // made again on the new device by update_working_copies
   }
   for (Buffer* b : buffers())
     if (!b->host) move(b->value);

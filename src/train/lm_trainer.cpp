@@ -36,6 +36,7 @@ double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, in
   if (max_batches > 0) batches = std::min(batches, max_batches);
   DT_INPUT_CHECK(batches > 0, "the validation stream (" << s.tokens.size() << " tokens) holds no batch of " << batch
                                                         << " windows of " << t + 1 << " tokens");
+  nn::update_working_copies(model.parameters(), engine_for(device).math_precision());
   bool was_training = model.training();
   model.eval();
   double sum = 0;
@@ -327,6 +328,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       int64_t batches = data::window_count(val, cfg.seq_len) / cfg.batch_size;
       if (cfg.eval_batches > 0) batches = std::min(batches, cfg.eval_batches);
       DT_INPUT_CHECK(batches > 0, "the validation stream holds no batch of " << cfg.batch_size << " windows");
+      nn::update_working_copies(model.parameters(), engine_for(dev).math_precision());
       model.eval();
       double sum = 0;
       std::vector<data::TokenBatch> vb(batches);
@@ -410,12 +412,14 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     stage_to(tb.targets, dev, st.targets);
     st.ready = true;
   };
+  const std::vector<nn::Parameter*> step_params = model.parameters();
   for (int64_t step = start_step; step < cfg.steps; ++step) {
     const bool on_gpu = !dev.is_cpu();
     data::TokenBatch b;
     if (!on_gpu) b = draw(step);
     opt_decay.zero_grad();
     opt_plain.zero_grad();
+    nn::update_working_copies(step_params, engine_for(dev).math_precision());  // the masters changed last step
     double step_loss = 0;
     if (on_gpu) {  // one rank (checked above): no ddp, no pipeline
       Staged& st = staged[step % 2];

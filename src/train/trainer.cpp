@@ -413,6 +413,7 @@ EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::Sharded
   double loss_sum = 0;
   int64_t correct = 0, seen = 0;
   const Device device = model.parameters().empty() ? Device::cpu() : model.parameters().front()->value.device();
+  nn::update_working_copies(model.parameters(), engine_for(device).math_precision());
   StagedTensor inputs, labels;  // the batches on the model's device
   loader.start_epoch(0);
   data::Batch b;
@@ -524,7 +525,9 @@ TrainResult Trainer::run() {
       // One optimizer step: `accumulate` micro-batches, gradients exchanged on the last one only.
       double t0 = now_s(), wait = 0;
       float lr = sched_->lr(step_);
-      for (nn::Parameter* p : model_->parameters()) engine_for(p->grad.device()).fill(p->grad, 0.f);
+      std::vector<nn::Parameter*> params = model_->parameters();
+      for (nn::Parameter* p : params) engine_for(p->grad.device()).fill(p->grad, 0.f);
+      nn::update_working_copies(params, engine_for(device_).math_precision());  // the masters changed last step
       float loss = 0;
       int64_t hits_step = 0, seen_step = 0;
       bool ended = false;

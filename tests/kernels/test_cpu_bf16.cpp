@@ -109,6 +109,48 @@ TEST(CpuBf16, Fp16MathRoundsOperandsToHalf) {
   EXPECT_LT(max_abs_diff(c, ref_gemm(false, false, m, n, k, 1.f, a, b, 0.f, Tensor::zeros({m * n}), round_f16)), 1e-4);
 }
 
+// A weight's working copy (bf16 or f16) beside f32 activations gives the products the all-f32 GEMM
+// gives under that math precision, bit for bit: the copy holds exactly what the rounding would.
+TEST(CpuBf16, LowPrecisionWeightBesideF32OperandEqualsRoundingTheMaster) {
+  Engine& e = cpu_engine();
+  PrecisionGuard guard;
+  const int64_t m = 40, n = 48, k = 72;
+  for (MathPrecision p : {MathPrecision::BF16, MathPrecision::F16}) {
+    const DType low = p == MathPrecision::BF16 ? DType::BF16 : DType::F16;
+    for (int t = 0; t < 4; ++t) {
+      const bool ta = t & 1, tb = t & 2;
+      Tensor x = random({m * k}, 31 + t), w = random({k * n}, 41 + t);
+      Tensor w_low = Tensor::empty(w.shape(), low), x_low = Tensor::empty(x.shape(), low);
+      e.cast(w, w_low);
+      e.cast(x, x_low);
+      e.set_math_precision(p);
+      ASSERT_TRUE(e.rounds_gemm(m, n));
+      Tensor masters = Tensor::zeros({m * n}), weight_low = Tensor::zeros({m * n}), act_low = Tensor::zeros({m * n});
+      e.gemm(ta, tb, m, n, k, 1.f, x, w, 0.f, masters);
+      e.gemm(ta, tb, m, n, k, 1.f, x, w_low, 0.f, weight_low);  // the working copy as B
+      e.gemm(ta, tb, m, n, k, 1.f, x_low, w, 0.f, act_low);     // and a low-precision A
+      for (int64_t i = 0; i < m * n; ++i) {
+        ASSERT_EQ(masters.f32()[i], weight_low.f32()[i]) << math_precision_name(p) << " ta " << ta << " tb " << tb;
+        ASSERT_EQ(masters.f32()[i], act_low.f32()[i]) << math_precision_name(p) << " ta " << ta << " tb " << tb;
+      }
+      // Not the fp32 product: the copy really is low precision.
+      e.set_math_precision(MathPrecision::F32);
+      Tensor exact = Tensor::zeros({m * n});
+      e.gemm(ta, tb, m, n, k, 1.f, x, w, 0.f, exact);
+      EXPECT_GT(max_abs_diff(weight_low, std::vector<double>(exact.f32(), exact.f32() + m * n)), 1e-4);
+    }
+  }
+  // Small products stay fp32 under bf16 (the classifier): a layer must then read the master.
+  e.set_math_precision(MathPrecision::BF16);
+  EXPECT_FALSE(e.rounds_gemm(64, 10));
+  e.set_math_precision(MathPrecision::F32);
+  EXPECT_FALSE(e.rounds_gemm(64, 64));
+  // bf16 beside f16 is no multiply at all.
+  Tensor b16 = Tensor::empty({16 * 16}, DType::BF16), h16 = Tensor::empty({16 * 16}, DType::F16);
+  Tensor c = Tensor::zeros({16 * 16});
+  EXPECT_THROW(e.gemm(false, false, 16, 16, 16, 1.f, b16, h16, 0.f, c), Error);
+}
+
 TEST(CpuBf16, ConvolutionForwardAndBackwardWithinBf16Tolerance) {
   Engine& e = cpu_engine();
   PrecisionGuard guard;

@@ -124,6 +124,21 @@ TEST_F(CudaEngineTest, GemmMixedPrecisionMatchesCpuRounding) {
   cpu.gemm(false, true, m, n, k, 1.f, a16, b16, 0.f, c);
   gpu->gemm(false, true, m, n, k, 1.f, dev(a16), dev(b16), 0.f, gc);
   expect_close(gc, c, 1e-4, "bf16 tensors");
+  // A bf16/f16 weight copy beside an f32 operand (mixed precision's working copies), against the
+  // CPU engine's all-f32 GEMM under the same precision.
+  for (MathPrecision p : {MathPrecision::BF16, MathPrecision::F16}) {
+    Tensor b_low = Tensor::empty(b.shape(), p == MathPrecision::BF16 ? DType::BF16 : DType::F16);
+    cpu.cast(b, b_low);
+    Tensor cr = Tensor::zeros({m * n});
+    cpu.set_math_precision(p);
+    cpu.gemm(false, true, m, n, k, 1.f, a, b, 0.f, cr);
+    cpu.set_math_precision(MathPrecision::F32);
+    Tensor gm = dev(Tensor::zeros({m * n}));
+    gpu->set_math_precision(p);
+    gpu->gemm(false, true, m, n, k, 1.f, dev(a), dev(b_low), 0.f, gm);
+    expect_close(gm, cr, 1e-4, (std::string("f32 x low-precision copy, ") + math_precision_name(p)).c_str());
+  }
+  gpu->set_math_precision(MathPrecision::F32);
 }
 
 TEST_F(CudaEngineTest, ConvolutionForwardBackward) {

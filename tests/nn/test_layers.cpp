@@ -23,6 +23,42 @@ TEST(Gradients, LinearOnThreeDimensionalInput) {
   gradcheck(l, random_tensor({2, 3, 6}, rng));
 }
 
+// Under bf16 math a Linear's forward and input gradient read the weight's working copy (made by
+// update_working_copies), bit for bit what rounding the master gives; in fp32 the copy is dropped.
+// Changing the master without a new copy shows that the copy, not the master, is what is read.
+TEST(WorkingCopies, LinearReadsTheCopyTheEngineWouldRoundTo) {
+  Rng rng(3);
+  nn::Linear l(24, 32, true, rng);
+  Tensor x = random_tensor({20, 24}, rng), dy = random_tensor({20, 32}, rng);
+  Engine& e = cpu_engine();
+  struct Restore {
+    ~Restore() { cpu_engine().set_math_precision(MathPrecision::F32); }
+  } restore;
+  e.set_math_precision(MathPrecision::BF16);
+  auto run = [&]() {
+    Tensor y = l.forward(x).clone();
+    return std::pair{y, l.backward(dy).clone()};
+  };
+  auto [y_master, dx_master] = run();
+  std::vector<nn::Parameter*> params = l.parameters();
+  nn::update_working_copies(params, MathPrecision::BF16);
+  ASSERT_TRUE(l.weight().working.defined());
+  EXPECT_EQ(l.weight().working.dtype(), DType::BF16);
+  EXPECT_FALSE(l.bias()->working.defined()) << "no GEMM reads the bias whole";
+  auto [y_copy, dx_copy] = run();
+  for (int64_t i = 0; i < y_master.numel(); ++i) ASSERT_EQ(y_master.f32()[i], y_copy.f32()[i]) << i;
+  for (int64_t i = 0; i < dx_master.numel(); ++i) ASSERT_EQ(dx_master.f32()[i], dx_copy.f32()[i]) << i;
+  // A master changed after the copy was made: the layer still reads the copy (so trainers must
+  // make copies after every update), and a new copy brings the change in.
+  l.weight().value.f32()[0] += 0.5f;
+  auto [y_stale, dx_stale] = run();
+  for (int64_t i = 0; i < y_master.numel(); ++i) ASSERT_EQ(y_master.f32()[i], y_stale.f32()[i]) << i;
+  nn::update_working_copies(params, MathPrecision::BF16);
+  EXPECT_NE(run().first.f32()[0], y_master.f32()[0]);
+  nn::update_working_copies(params, MathPrecision::F32);
+  EXPECT_FALSE(l.weight().working.defined());
+}
+
 TEST(Gradients, Conv2dStrideAndPadding) {
   for (auto [k, s, p] : {std::tuple{3, 1, 1}, {3, 2, 1}, {1, 1, 0}, {5, 2, 2}}) {
     Rng rng(3);

@@ -470,6 +470,38 @@ TEST(Pipeline, LmResumesFromOneRankInTp2Pp2AndBack) {
   expect_resume_across_layouts(2, 2);
 }
 
+// Mixed precision's weight copies change no number in a pipeline either: the bf16 LM trainer at pp 2
+// with 4 micro-batches (every micro-batch's GEMMs read the copies, which are made once per step)
+// gives every step's loss and the validation loss bit for bit as when the GEMMs round the fp32
+// masters on every call (DTRAIN_WORKING_COPIES=0).
+TEST(Pipeline, LmBf16WeightCopiesChangeNoLoss) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2)";
+  std::filesystem::path dir = make_corpus("lm-copies");
+  nn::GptConfig g = small_gpt();
+  g.width = 32;  // every GEMM at least 16 x 16: all of them multiply in bf16 and read the copies
+  g.context = 16;
+  train::LmConfig c = test::small_lm_config(dir / "tok", g);
+  c.precision = "bf16";
+  c.pp = 2;
+  c.micro_batches = 4;
+  c.eval_every = 5;
+  train::LmResult r[2];
+  for (int copies = 0; copies < 2; ++copies) {
+    ::setenv("DTRAIN_WORKING_COPIES", copies ? "1" : "0", 1);
+    r[copies] = train::train_lm(c, &world());
+  }
+  ::unsetenv("DTRAIN_WORKING_COPIES");
+  cpu_engine().set_math_precision(MathPrecision::F32);
+  if (world().rank() == 0) {
+    ASSERT_EQ(r[0].step_losses.size(), 10u);
+    ASSERT_EQ(r[1].step_losses.size(), 10u);
+    for (size_t i = 0; i < 10; ++i) EXPECT_EQ(r[0].step_losses[i], r[1].step_losses[i]) << "step " << i;
+    EXPECT_EQ(r[0].val_loss, r[1].val_loss);
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST(Pipeline, LmTrainerPp2MatchesOneRankAndCheckpointReloads) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2, dp 1)";
   expect_lm_layout_matches_one_rank(1, 2, "gpipe", false);

@@ -207,3 +207,41 @@ TEST(Trainer, MixedPrecisionTrains) {
   cpu_engine().set_math_precision(MathPrecision::F32);
   fs::remove_all(dir);
 }
+
+// Mixed precision's weight copies (bf16/fp16, made once per step) change no number: the MLP trained
+// with them ends with the parameters and the test loss of the run whose GEMMs round the fp32
+// masters on every call (DTRAIN_WORKING_COPIES=0). The hidden layers' GEMMs read the copies; the
+// 4-class classifier's stay fp32 under bf16 and read the master.
+TEST(Trainer, WeightCopiesChangeNoNumber) {
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("copies");
+  test::make_band_dataset(dir + "/train", 256);
+  test::make_band_dataset(dir + "/test", 100, 8, 4, 100, 99);
+  for (const char* precision : {"bf16", "fp16"}) {
+    std::map<std::string, Tensor> params[2];
+    train::EvalResult eval[2];
+    for (int copies = 0; copies < 2; ++copies) {
+      ::setenv("DTRAIN_WORKING_COPIES", copies ? "1" : "0", 1);
+      auto c = parse({"--data", dir + "/train", "--test-data", dir + "/test", "--model", "mlp", "--hidden", "32,32",
+                      "--epochs", "2", "--batch-size", "16", "--threads", "1", "--progress", "off", "--optimizer",
+                      "adamw", "--lr", "0.01", "--precision", precision});
+      train::Trainer t(c, rt);
+      eval[copies] = t.run().last_eval;
+      params[copies] = params_of(t.model());
+      int with_copy = 0;
+      for (nn::Parameter* p : t.model().parameters()) with_copy += p->working.defined();
+      EXPECT_EQ(with_copy, copies ? 3 : 0) << precision << ": the three Linear weights have copies";
+    }
+    for (auto& [name, a] : params[0]) {
+      const Tensor& b = params[1][name];
+      for (int64_t i = 0; i < a.numel(); ++i)
+        ASSERT_EQ(a.f32()[i], b.f32()[i]) << precision << " " << name << "[" << i << "]";
+    }
+    EXPECT_EQ(eval[0].loss, eval[1].loss) << precision;
+    EXPECT_EQ(eval[0].accuracy, eval[1].accuracy) << precision;
+    EXPECT_GT(eval[1].accuracy, 0.9) << precision;
+  }
+  ::unsetenv("DTRAIN_WORKING_COPIES");
+  cpu_engine().set_math_precision(MathPrecision::F32);
+  fs::remove_all(dir);
+}

@@ -62,9 +62,18 @@ class Engine {
   // Waits for all work queued on this engine (a no-op on the CPU, whose calls are synchronous).
   virtual void synchronize() {}
 
-  // ---- GEMM: C[M,N] = alpha * op(A) op(B) + beta * C, row-major, C f32. A and B are f32 (then
-  // math_precision() decides the multiply) or both bf16 or both f16 (multiplied in that type,
-  // accumulated in f32).
+  // Whether an m x n GEMM of f32 operands multiplies in bf16/f16 under math_precision(), so that
+  // a weight's low-precision working copy (nn::Parameter::working) gives the same products as its
+  // f32 master. The CPU keeps fp32 for small bf16 products (see MathPrecision).
+  virtual bool rounds_gemm(int64_t m, int64_t n) const {
+    (void)m, (void)n;
+    return math_ == MathPrecision::BF16 || math_ == MathPrecision::F16;
+  }
+
+  // ---- GEMM: C[M,N] = alpha * op(A) op(B) + beta * C, row-major, C f32. A and B are each f32,
+  // bf16 or f16, at most one low-precision type between them. Both f32: math_precision() decides
+  // the multiply. Otherwise the multiply is in the low-precision type, an f32 operand rounded to
+  // it (a bf16 weight copy beside f32 activations); accumulation is always f32.
   virtual void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a,
                     const Tensor& b, float beta, Tensor& c) = 0;
   // batch GEMMs over equally strided slices (attention): A_i = a + i*stride_a elements, etc.

@@ -14,9 +14,24 @@ namespace dtrain::nn {
 
 struct Parameter {
   std::string name;  // dotted path, e.g. "features.0.weight"
-  Tensor value;
+  Tensor value;      // the f32 master
   Tensor grad;
+  // Mixed precision: a weight that GEMMs read whole (Linear, the GPT's tied embedding) gets a
+  // bf16/f16 working copy of `value`, made once per step by update_working_copies, which those
+  // GEMMs read instead of rounding the master on every call. Undefined in fp32.
+  bool gemm_weight = false;
+  Tensor working{};
 };
+
+// Makes (or drops, in fp32) the working copies of the GEMM weights among `params` for math
+// precision `p` from their current masters. Trainers call it before every step's first forward and
+// before evaluation, after anything has changed a master (an optimizer step, a load, a broadcast).
+// DTRAIN_WORKING_COPIES=0 turns the copies off (GEMMs then round the masters on every call).
+void update_working_copies(const std::vector<Parameter*>& params, MathPrecision p);
+
+// The operand an m x n GEMM reads for weight `w`: the working copy where the engine would round the
+// master to the copy's precision anyway (the same products), else the master.
+const Tensor& gemm_operand(const Engine& e, const Parameter& w, int64_t m, int64_t n);
 
 // A named tensor that is state but not trained (BatchNorm running statistics).
 struct Buffer {
