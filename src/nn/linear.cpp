@@ -42,8 +42,10 @@ Tensor& Linear::project(const Tensor& x) {
                                                   << " got input " << x.str() << " (last dim must be " << in_ << ")");
   Engine& e = engine(x);
   if (copy_input_) {
-    const bool low = e.math_precision() == MathPrecision::BF16 && x.dtype() == DType::F32;
-    Tensor& c = ensure(x_copy_, x.shape(), x.device(), low ? DType::BF16 : x.dtype());
+    const MathPrecision mp = e.math_precision();
+    const bool low = (mp == MathPrecision::BF16 || mp == MathPrecision::F16) && x.dtype() == DType::F32;
+    const DType held = !low ? x.dtype() : mp == MathPrecision::F16 ? DType::F16 : DType::BF16;
+    Tensor& c = ensure(x_copy_, x.shape(), x.device(), held);
     if (low)
       e.cast(x, c);
     else

@@ -91,6 +91,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     ("precision", po::value<std::string>(&c.precision)->default_value(def.precision), "fp32, bf16 or fp16 (GEMM/conv inputs; fp32 accumulation and master weights; fp16 with dynamic loss scaling); tf32 on a GPU")
     ("device", po::value<std::string>(&c.device)->default_value(def.device), "cpu or cuda (one GPU, one rank)")
     ("loss-scale-interval", po::value<int64_t>(&c.loss_scale_interval)->default_value(def.loss_scale_interval), "fp16: finite steps in a row before the loss scale doubles")
+    ("loss-scale-init", po::value<float>(&c.loss_scale_init)->default_value(def.loss_scale_init), "fp16: the first loss scale (halved on every step with inf/NaN gradients)")
     ("threads", po::value<int>(&c.threads)->default_value(0), "compute threads per rank (0: node cores / ranks on the node)")
     ("seed", po::value<uint64_t>(&c.seed)->default_value(def.seed), "seed for initialisation, shuffling, augmentation, dropout")
     ("log-every", po::value<int64_t>(&c.log_every)->default_value(def.log_every), "steps between metrics lines")
@@ -152,6 +153,8 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
           (c.precision == "tf32" && c.device == "cuda"),
       "option --precision must be fp32, bf16 or fp16 (or tf32 with --device cuda), got '" << c.precision << "'");
   DT_INPUT_CHECK(c.loss_scale_interval >= 1, "option --loss-scale-interval must be >= 1");
+  DT_INPUT_CHECK(c.loss_scale_init >= 1.f && c.loss_scale_init <= 16777216.f,
+                 "option --loss-scale-init must be in [1, 2^24], got " << c.loss_scale_init);
   DT_INPUT_CHECK(c.accumulate >= 1, "option --accumulate must be >= 1, got " << c.accumulate);
   DT_INPUT_CHECK(!c.zero1 || (c.optimizer != "lars" && c.optimizer != "lamb"),
                  "option --zero1 does not combine with --optimizer "

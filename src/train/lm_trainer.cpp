@@ -14,6 +14,7 @@
 #include "dtrain/core/timer.h"
 #include "dtrain/data/text.h"
 #include "dtrain/kernels/cuda.h"
+#include "dtrain/optim/loss_scaler.h"
 #include "dtrain/optim/optimizer.h"
 #include "dtrain/optim/schedule.h"
 #include "dtrain/parallel/data_parallel.h"
@@ -179,10 +180,22 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
                        << world_comm->size() << " ranks");
     dev = Device::cuda(0);
   }
-  DT_INPUT_CHECK(cfg.precision == "fp32" || cfg.precision == "bf16" || (!dev.is_cpu() && cfg.precision == "tf32"),
-                 "--precision " << cfg.precision << " is not one of fp32, bf16" << (dev.is_cpu() ? "" : ", tf32")
+  DT_INPUT_CHECK(cfg.precision == "fp32" || cfg.precision == "bf16" || cfg.precision == "fp16" ||
+                     (!dev.is_cpu() && cfg.precision == "tf32"),
+                 "--precision " << cfg.precision << " is not one of fp32, bf16, fp16" << (dev.is_cpu() ? "" : ", tf32")
                                 << " for the language model on " << cfg.device);
+  DT_INPUT_CHECK(cfg.loss_scale_interval >= 1, "option --loss-scale-interval must be >= 1");
+  DT_INPUT_CHECK(cfg.loss_scale_init >= 1.f && cfg.loss_scale_init <= 16777216.f,
+                 "option --loss-scale-init must be in [1, 2^24], got " << cfg.loss_scale_init);
   engine_for(dev).set_math_precision(math_precision_from_name(cfg.precision));
+  // fp16: dynamic loss scaling (bf16 has fp32's exponent range and needs none).
+  std::unique_ptr<optim::LossScaler> scaler;
+  if (cfg.precision == "fp16") {
+    optim::LossScalerOptions lso;
+    lso.growth_interval = cfg.loss_scale_interval;
+    lso.init_scale = cfg.loss_scale_init;
+    scaler = std::make_unique<optim::LossScaler>(lso);
+  }
 
   data::TokenStream train = data::load_tokens((fs::path(cfg.data) / "train.h5").string());
   data::TokenStream val = data::load_tokens((fs::path(cfg.data) / "val.h5").string());
@@ -196,10 +209,10 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   // cross-entropy over them.
   const nn::GptVocabShard vocab =
       tp_size > 1 ? parallel::vocab_parallel_shard(cfg.model.vocab, grid->tp()) : nn::GptVocabShard();
-  // Under bf16 the activations the blocks' GEMMs read are held in bf16 (GptConfig::copy_gemm_inputs;
-  // the tensor-parallel blocks keep f32 references).
+  // Under bf16/fp16 the activations the blocks' GEMMs read are held in 16 bits
+  // (GptConfig::copy_gemm_inputs; the tensor-parallel blocks keep f32 references).
   nn::GptConfig model_cfg = cfg.model;
-  model_cfg.copy_gemm_inputs = cfg.precision == "bf16" && tp_size == 1;
+  model_cfg.copy_gemm_inputs = (cfg.precision == "bf16" || cfg.precision == "fp16") && tp_size == 1;
   nn::Gpt model(model_cfg,
                 tp_size > 1 ? parallel::tensor_parallel_gpt_blocks(cfg.model.width, cfg.model.heads, grid->tp())
                             : nn::GptBlockFactory(),
@@ -275,13 +288,18 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       parallel::load_full(model, exp_avg, moment(".exp_avg"));
       parallel::load_full(model, exp_avg_sq, moment(".exp_avg_sq"));
       start_step = st.ints.at("step");
+      // AdamW's step count (bias correction) lags the run's by the steps fp16 skipped.
+      const int64_t opt_steps = st.ints.count("optimizer_steps") ? st.ints.at("optimizer_steps") : start_step;
+      opt_decay.set_steps(opt_steps);
+      opt_plain.set_steps(opt_steps);
+      if (scaler && st.tensors.count("meta/loss_scale"))
+        scaler->set_state(st.tensors.at("meta/loss_scale").f32()[0], st.ints.at("loss_scale_good_steps"),
+                          st.ints.at("loss_scale_skipped_steps"));
     } catch (const InputError& e) {
       DT_INPUT_CHECK(false, "--resume " << file << ": " << e.what());
     }
     DT_INPUT_CHECK(start_step < cfg.steps,
                    "--resume " << file << " is at step " << start_step << ", not before --steps " << cfg.steps);
-    opt_decay.set_steps(start_step);
-    opt_plain.set_steps(start_step);
     if (speak) std::printf("resumed from %s at step %lld\n", file.c_str(), static_cast<long long>(start_step));
   }
 
@@ -367,6 +385,12 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     for (auto& [n, t] : m1) st.tensors["optim/" + n + ".exp_avg"] = t;
     for (auto& [n, t] : m2) st.tensors["optim/" + n + ".exp_avg_sq"] = t;
     st.strings["optimizer"] = "adamw";
+    st.ints["optimizer_steps"] = opt_decay.steps();
+    if (scaler) {
+      st.tensors["meta/loss_scale"] = Tensor::from({1}, {scaler->scale()});
+      st.ints["loss_scale_good_steps"] = scaler->good_steps();
+      st.ints["loss_scale_skipped_steps"] = scaler->skipped_steps();
+    }
     st.ints["pp_stage"] = stage;
     st.ints["pp_stages"] = pp_size;
     st.ints["first_block"] = starts[stage];
@@ -413,6 +437,8 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     st.ready = true;
   };
   const std::vector<nn::Parameter*> step_params = model.parameters();
+  std::vector<nn::Parameter*> opt_params = opt_decay.params();  // each parameter once (a tied one too)
+  opt_params.insert(opt_params.end(), opt_plain.params().begin(), opt_plain.params().end());
   for (int64_t step = start_step; step < cfg.steps; ++step) {
     const bool on_gpu = !dev.is_cpu();
     data::TokenBatch b;
@@ -421,17 +447,18 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     opt_plain.zero_grad();
     nn::update_working_copies(step_params, engine_for(dev).math_precision());  // the masters changed last step
     double step_loss = 0;
+    const float loss_scale = scaler ? scaler->scale() : 1.f;  // fp16: the loss gradient is scaled up
     if (on_gpu) {  // one rank (checked above): no ddp, no pipeline
       Staged& st = staged[step % 2];
       if (!st.ready) stage_batch(draw(step), st);
       st.ready = false;
       step_loss = xent.forward(model.forward(st.ids.device), st.targets.device.reshape({m}));
-      model.backward(xent.backward());
+      model.backward(xent.backward(loss_scale));
       if (step + 1 < cfg.steps) stage_batch(draw(step + 1), staged[(step + 1) % 2]);  // overlaps the backward
     } else if (!pipe) {
       if (ddp) ddp->begin_backward(true);
       step_loss = xent.forward(model.forward(b.ids), b.targets.reshape({m}));
-      model.backward(xent.backward());
+      model.backward(xent.backward(loss_scale));
     } else {
       // Micro-batch k: rows [k*mbs, (k+1)*mbs) of the batch; each loss is a mean over its tokens, so
       // its gradient is scaled by 1/micro and the sum over micro-batches is the batch's gradient.
@@ -440,7 +467,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
                        [&](const Tensor& out, int k) {
                          loss_sum +=
                              xent.forward(out, b.targets.slice0(k * mbs, (k + 1) * mbs).reshape({mbs * cfg.seq_len}));
-                         return xent.backward(1.f / static_cast<float>(micro));
+                         return xent.backward(loss_scale / static_cast<float>(micro));
                        },
                        {mbs, cfg.seq_len, cfg.model.width},
                        [&](int, bool last) {
@@ -451,7 +478,19 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     }
     if (ddp) ddp->finish();
     if (tied) tied->allreduce(tied_wte->grad)->wait();  // the embedding's and the head's parts
-    if (cfg.clip_grad_norm > 0) {
+    // fp16: unscale and check the complete gradients; the ranks of a tp/pp grid hold different
+    // parameters, so the verdict is agreed over the world (a step is taken everywhere or nowhere).
+    bool take_step = true;
+    if (scaler) {
+      take_step = scaler->unscale(opt_params);
+      if (grid && grid->world().size() > 1) {
+        Tensor bad = Tensor::from({1}, {take_step ? 0.f : 1.f});
+        grid->world().allreduce(bad, comm::ReduceOp::Max)->wait();
+        take_step = bad.f32()[0] == 0.f;
+      }
+      scaler->update(take_step);
+    }
+    if (take_step && cfg.clip_grad_norm > 0) {
       if (grid)
         parallel::clip_grad_norm_tp(model, grid->tp(), cfg.clip_grad_norm, pp_size > 1 ? &grid->pp() : nullptr,
                                     model.head_wte_copy());
@@ -459,8 +498,10 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
         optim::clip_grad_norm(model.parameters(), cfg.clip_grad_norm);
     }
     float lr = sched.lr(step);
-    opt_decay.step(lr);
-    opt_plain.step(lr);
+    if (take_step) {
+      opt_decay.step(lr);
+      opt_plain.step(lr);
+    }
     interval_loss += step_loss;
     if (rank == 0) res.step_losses.push_back(step_loss);
     ++interval_steps;
@@ -470,13 +511,22 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       res.train_loss = interval_loss / static_cast<double>(interval_steps);
       double tps = static_cast<double>(interval_steps * m * dp_size) / dt;
       if (speak) {
-        std::printf("step %lld/%lld  loss %.4f  lr %.2e  %.0f tokens/s\n", static_cast<long long>(step + 1),
+        std::printf("step %lld/%lld  loss %.4f  lr %.2e  %.0f tokens/s", static_cast<long long>(step + 1),
                     static_cast<long long>(cfg.steps), res.train_loss, lr, tps);
+        if (scaler)
+          std::printf("  loss scale %g  skipped %lld", static_cast<double>(scaler->scale()),
+                      static_cast<long long>(scaler->skipped_steps()));
+        std::printf("\n");
         std::fflush(stdout);
       }
-      if (metrics)
-        metrics->write(
-            {{"step", step + 1}, {"loss", res.train_loss}, {"lr", static_cast<double>(lr)}, {"tokens_per_s", tps}});
+      if (metrics) {
+        JsonFields line{{"step", step + 1}, {"loss", res.train_loss}, {"lr", static_cast<double>(lr)}, {"tokens_per_s", tps}};
+        if (scaler) {
+          line.push_back({"loss_scale", static_cast<double>(scaler->scale())});
+          line.push_back({"skipped_steps", scaler->skipped_steps()});
+        }
+        metrics->write(line);
+      }
       interval_loss = 0;
       interval_steps = 0;
       t_interval = now_s();
@@ -487,6 +537,10 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   }
   const double train_s = now_s() - t_start;
   res.steps = cfg.steps;
+  if (scaler) {
+    res.loss_scale = scaler->scale();
+    res.skipped_steps = scaler->skipped_steps();
+  }
   res.tokens_per_s = static_cast<double>((cfg.steps - start_step) * m * dp_size) / train_s;
   if (pipe) {
     res.pp_bubble = bubble_sum / static_cast<double>(cfg.steps);
@@ -525,8 +579,12 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
                     {"val_loss", res.val_loss},
                     {"val_bpb", res.val_bpb},
                     {"tokens_per_s", res.tokens_per_s},
-                    {"peak_rss_mib", peak_rss_mib()}});
+                    {"peak_rss_mib", peak_rss_mib()},
+                    {"skipped_steps", res.skipped_steps}});
   if (speak) std::printf("%.0f tokens/s, peak RSS %.1f MiB (rank 0)\n", res.tokens_per_s, peak_rss_mib());
+  if (speak && scaler)
+    std::printf("fp16: loss scale %g, %lld of %lld steps skipped for inf/NaN gradients\n", res.loss_scale,
+                static_cast<long long>(res.skipped_steps), static_cast<long long>(cfg.steps));
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
   if (speak && !dev.is_cpu()) std::printf("GPU memory: %s\n", cuda::format_stats(cuda::allocator_stats(0)).c_str());
 #endif

@@ -113,6 +113,7 @@ void Trainer::setup() {
   if (cfg_.precision == "fp16") {
     optim::LossScalerOptions lso;
     lso.growth_interval = cfg_.loss_scale_interval;
+    lso.init_scale = cfg_.loss_scale_init;
     scaler_ = std::make_unique<optim::LossScaler>(lso);
   }
   std::string warn = topo.binding_warning(threads);

@@ -502,6 +502,37 @@ TEST(Pipeline, LmBf16WeightCopiesChangeNoLoss) {
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// fp16 in a pipeline: with a first loss scale of 2^24 the scaled gradients overflow half precision
+// in the first steps; every stage must skip the same steps (the verdict is agreed over the world),
+// so pp 2 (4 micro-batches) keeps the one-rank run's losses, skipped steps and final scale.
+TEST(Pipeline, LmFp16SkipsTheSameStepsAsOneRank) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2)";
+  std::filesystem::path dir = make_corpus("lm-fp16");
+  nn::GptConfig g = small_gpt();
+  g.width = 32;
+  g.context = 16;
+  train::LmConfig c = test::small_lm_config(dir / "tok", g);
+  c.precision = "fp16";
+  c.loss_scale_init = 16777216.f;
+  auto solo = world().split(world().rank(), 0, "solo");
+  train::LmResult ref = train::train_lm(c, solo.get());
+  c.pp = 2;
+  c.micro_batches = 4;
+  train::LmResult got = train::train_lm(c, &world());
+  cpu_engine().set_math_precision(MathPrecision::F32);
+  EXPECT_GE(ref.skipped_steps, 1);
+  EXPECT_EQ(got.skipped_steps, ref.skipped_steps);
+  EXPECT_EQ(got.loss_scale, ref.loss_scale);
+  if (world().rank() == 0) {
+    ASSERT_EQ(got.step_losses.size(), ref.step_losses.size());
+    for (size_t i = 0; i < ref.step_losses.size(); ++i)
+      EXPECT_NEAR(got.step_losses[i], ref.step_losses[i], 1e-5 * ref.step_losses[i]) << "step " << i;
+  }
+  EXPECT_NEAR(got.val_loss, ref.val_loss, 1e-5 * ref.val_loss);
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST(Pipeline, LmTrainerPp2MatchesOneRankAndCheckpointReloads) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2, dp 1)";
   expect_lm_layout_matches_one_rank(1, 2, "gpipe", false);

@@ -8,6 +8,7 @@
 
 #include "dtrain/data/text.h"
 #include "dtrain/train/lm_trainer.h"
+#include "lm_test_util.h"
 
 using namespace dtrain;
 namespace fs = std::filesystem;
@@ -50,5 +51,58 @@ TEST(LanguageModel, LearnsPeriodicTextAndCheckpointReloads) {
   EXPECT_EQ(model->config().width, 32);
   double reloaded = train::evaluate_lm(*model, (dir / "tok" / "val.h5").string(), c.batch_size, 16, c.eval_batches);
   EXPECT_NEAR(reloaded, r.val_loss, 1e-6 * std::max(1.0, r.val_loss));
+  fs::remove_all(dir);
+}
+
+// fp16 with dynamic loss scaling. A first scale of 2^24 makes the scaled loss gradient overflow
+// half precision in the head's GEMM: those steps are skipped (no AdamW update), the scale halves
+// until it fits, and training goes on. A run resumed from its step-5 checkpoint continues with the
+// uninterrupted run's losses, skipped-step count and scale (the scaler's state and AdamW's own step
+// count, which lags the run's by the skipped steps, are in the checkpoint). With the default scale
+// nothing overflows and the losses stay close to fp32's.
+TEST(LanguageModel, Fp16LossScalingSkipsOverflowsAndResumesExactly) {
+  fs::path dir = fs::path(DTRAIN_BINARY_DIR) / "test-tmp" / "lm-fp16";
+  fs::remove_all(dir);
+  test::write_lm_corpus(dir, "the quick brown fox", 600);
+  nn::GptConfig g;
+  g.layers = 2;
+  g.heads = 2;
+  g.width = 32;
+  g.context = 16;
+  train::LmConfig c = test::small_lm_config(dir / "tok", g);
+  struct Restore {
+    ~Restore() { cpu_engine().set_math_precision(MathPrecision::F32); }
+  } restore;
+  train::LmResult fp32 = train::train_lm(c, nullptr);
+
+  c.precision = "fp16";
+  train::LmResult plain = train::train_lm(c, nullptr);
+  EXPECT_EQ(plain.skipped_steps, 0);
+  EXPECT_EQ(plain.loss_scale, 65536.0);
+  ASSERT_EQ(plain.step_losses.size(), fp32.step_losses.size());
+  for (size_t i = 0; i < fp32.step_losses.size(); ++i)
+    EXPECT_NEAR(plain.step_losses[i], fp32.step_losses[i], 2e-3 * fp32.step_losses[i]) << "step " << i;
+  EXPECT_NEAR(plain.val_loss, fp32.val_loss, 2e-3 * fp32.val_loss);
+
+  c.loss_scale_init = 16777216.f;
+  c.checkpoint_dir = (dir / "ckpt").string();
+  c.checkpoint_every = 5;
+  train::LmResult big = train::train_lm(c, nullptr);
+  EXPECT_GE(big.skipped_steps, 1);
+  EXPECT_LT(big.skipped_steps, 10);
+  EXPECT_EQ(big.loss_scale, 16777216.0 / std::pow(2.0, static_cast<double>(big.skipped_steps)));
+  ASSERT_EQ(big.step_losses.size(), 10u);
+  for (double l : big.step_losses) EXPECT_TRUE(std::isfinite(l));
+  EXPECT_LT(big.step_losses.back(), big.step_losses.front()) << "the steps taken still learn";
+
+  c.resume = (dir / "ckpt" / "ckpt-step000000005.h5").string();
+  c.checkpoint_dir = (dir / "ckpt2").string();
+  train::LmResult resumed = train::train_lm(c, nullptr);
+  ASSERT_EQ(resumed.step_losses.size(), 5u);
+  for (size_t i = 0; i < 5; ++i)
+    EXPECT_NEAR(resumed.step_losses[i], big.step_losses[5 + i], 1e-6 * big.step_losses[5 + i]) << "step " << 5 + i;
+  EXPECT_EQ(resumed.skipped_steps, big.skipped_steps);
+  EXPECT_EQ(resumed.loss_scale, big.loss_scale);
+  EXPECT_NEAR(resumed.val_loss, big.val_loss, 1e-6 * big.val_loss);
   fs::remove_all(dir);
 }

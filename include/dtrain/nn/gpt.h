@@ -18,9 +18,9 @@ struct GptConfig {
   int64_t heads = 8;
   int64_t width = 256;
   uint64_t seed = 1;
-  // The blocks' Linear layers keep their own copies of their inputs (bf16 under bf16 math) and
-  // the LayerNorm, GELU and attention outputs feeding them become temporaries: under bf16 the
-  // activations the GEMMs read are held in bf16, half the bytes, with the same arithmetic.
+  // The blocks' Linear layers keep their own copies of their inputs (bf16/f16 under bf16/fp16 math) and
+  // the LayerNorm, GELU and attention outputs feeding them become temporaries: under bf16/fp16 the
+  // activations the GEMMs read are held in 16 bits, half the bytes, with the same arithmetic.
   bool copy_gemm_inputs = false;
 };
 
@@ -37,7 +37,7 @@ class CausalSelfAttention : public Module {
   std::string kind() const override;
   std::vector<std::pair<std::string, Module*>> children() override;
   void set_needs_input_grad(bool needed) override;
-  // qkv and proj keep their own (bf16 under bf16 math) input copies; y_ becomes a temporary.
+  // qkv and proj keep their own (bf16/f16 under bf16/fp16 math) input copies; y_ becomes a temporary.
   void copy_gemm_inputs();
 
  private:

@@ -16,7 +16,7 @@ class Linear : public Module {
   Parameter& weight() { return *w_; }  // (out, in)
   Parameter* bias() { return b_; }
   // Keeps its own copy of the input for backward instead of a reference to the producer's buffer,
-  // in bf16 when the engine multiplies in bf16 (the GEMM rounds its operands to bf16 anyway, so
+  // in bf16/f16 when the engine multiplies in that type (the GEMM rounds its operands to it anyway, so
   // nothing changes but the bytes held): the producer's output can then be a temporary.
   void set_copy_input(bool on) { copy_input_ = on; }
 
@@ -38,7 +38,7 @@ class Linear : public Module {
   Parameter* b_ = nullptr;
   Tensor x_, y_, dx_;
   bool copy_input_ = false;
-  Tensor x_copy_, x_wide_;  // the input copy (bf16 or f32); its f32 widening in backward (scratch)
+  Tensor x_copy_, x_wide_;  // the input copy (bf16, f16 or f32); its f32 widening in backward (scratch)
   // The input backward multiplies by: x_, or x_copy_ widened to f32.
   const Tensor& saved_input(Device dev);
 };

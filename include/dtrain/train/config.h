@@ -45,6 +45,7 @@ struct TrainConfig {
   std::string precision = "fp32";
   std::string device = "cpu";  // "cpu" or "cuda" (one GPU, one rank)
   int64_t loss_scale_interval = 2000;
+  float loss_scale_init = 65536.f;  // fp16: the first loss scale
   // runtime
   int threads = 0;  // 0: the node's cores / ranks on the node
   uint64_t seed = 42;

@@ -31,7 +31,9 @@ struct LmConfig {
   int64_t micro_batches = 0;            // pipeline micro-batches per step (0: 2 * pp); must divide batch_size
   std::string schedule = "1f1b";        // pipeline schedule: "1f1b" or "gpipe"
   bool checkpoint_activations = false;  // recompute each block's activations in backward
-  std::string precision = "fp32";       // "fp32", "bf16" (GEMM inputs rounded, f32 accumulation), "tf32" (GPU)
+  std::string precision = "fp32";       // "fp32", "bf16", "fp16" (GEMM inputs rounded, f32 accumulation), "tf32" (GPU)
+  int64_t loss_scale_interval = 2000;   // fp16: finite steps in a row before the loss scale doubles
+  float loss_scale_init = 65536.f;      // fp16: the first loss scale
   std::string device = "cpu";           // "cpu" or "cuda" (one GPU, one rank)
   int threads = 0;                      // 0: leave the engine's setting
   uint64_t seed = 1;
@@ -55,6 +57,9 @@ struct LmResult {
   double pp_bubble = 0, pp_ideal_bubble = 0;
   size_t pp_peak_activation_bytes = 0;
   std::vector<double> step_losses;  // every step's training loss (rank 0), for comparisons
+  // fp16: the loss scale after the last step and the steps skipped for inf/NaN gradients.
+  double loss_scale = 1;
+  int64_t skipped_steps = 0;
 };
 
 // `world` may be null (one rank). Every rank of `world` must call it: the ranks form a dp x tp x pp
