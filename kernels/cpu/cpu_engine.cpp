@@ -321,25 +321,16 @@ void CpuEngine::cast(const Tensor& src, Tensor& dst) {
   int64_t n = src.numel();
   if (src.dtype() == dst.dtype()) return dst.copy_from(src);
   if (src.dtype() == DType::F32 && dst.dtype() == DType::BF16) {
-    const float* s = src.f32();
-    uint16_t* d = dst.data<uint16_t>();
-#pragma omp parallel for if (n > kParallelGrain)
-    for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(s[i]);
+    f32_to_bf16(src.f32(), dst.data<uint16_t>(), n);
   } else if (src.dtype() == DType::BF16 && dst.dtype() == DType::F32) {
     const uint16_t* s = src.data<uint16_t>();
     float* d = dst.f32();
 #pragma omp parallel for if (n > kParallelGrain)
     for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_float(s[i]);
   } else if (src.dtype() == DType::F32 && dst.dtype() == DType::F16) {
-    const float* s = src.f32();
-    uint16_t* d = dst.data<uint16_t>();
-#pragma omp parallel for if (n > kParallelGrain)
-    for (int64_t i = 0; i < n; ++i) d[i] = float_to_f16(s[i]);
+    f32_to_f16(src.f32(), dst.data<uint16_t>(), n);
   } else if (src.dtype() == DType::F16 && dst.dtype() == DType::F32) {
-    const uint16_t* s = src.data<uint16_t>();
-    float* d = dst.f32();
-#pragma omp parallel for if (n > kParallelGrain)
-    for (int64_t i = 0; i < n; ++i) d[i] = f16_to_float(s[i]);
+    f16_to_f32(src.data<uint16_t>(), dst.f32(), n);
   } else {
     DT_CHECK(false, "cast from " << dtype_name(src.dtype()) << " to " << dtype_name(dst.dtype()) << " is not defined");
   }

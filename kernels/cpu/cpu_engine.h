@@ -22,11 +22,17 @@ using dt = memory::data_type;
 
 inline dnnl::memory::desc plain(const memory::dims& d, tag t) { return memory::desc(d, dt::f32, t); }
 
-// f32 -> bf16 (round to nearest even) for n elements; AVX512-BF16 instructions when the processor
-// has them. Defined in gemm_lowp.cpp.
+// Conversions over n elements with the bits of dtype.h's scalar functions (round to nearest even;
+// NaN stays NaN; AVX512-BF16 flushes f32 subnormals to zero), in AVX512-BF16, AVX2 or F16C
+// instructions where the processor has them and across OpenMP threads for long arrays. Defined in
+// gemm_lowp.cpp.
 void f32_to_bf16(const float* src, uint16_t* dst, int64_t n);
 // dst[i] = src[i] rounded to the nearest bf16, kept in f32 (bf16 math emulated in fp32).
 void round_to_bf16(const float* src, float* dst, int64_t n);
+void f32_to_f16(const float* src, uint16_t* dst, int64_t n);
+void f16_to_f32(const uint16_t* src, float* dst, int64_t n);
+// dst[i] = src[i] rounded to the nearest IEEE half, kept in f32 (fp16 math emulated in fp32).
+void round_to_f16(const float* src, float* dst, int64_t n);
 
 // Runs f(begin, count) over [0, n): on the calling thread when n <= grain (a fork/join costs more
 // than the work), else one contiguous slice per OpenMP thread, slice starts a multiple of `align`

@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "../../kernels/cpu/cpu_engine.h"
 #include "dtrain/core/rng.h"
 #include "dtrain/kernels/engine.h"
 #include "dtrain/kernels/functors.h"
@@ -221,4 +223,57 @@ TEST(CudaAvailability, EnableCudaIsSafeWithoutGpu) {
   int n = enable_cuda();
   EXPECT_GE(n, 0);
   EXPECT_EQ(enable_cuda(), n) << "idempotent";
+}
+
+// The vectorised conversions (AVX2 bf16 rounding, F16C half conversions) against dtype.h's scalar
+// functions, bit for bit, over random bit patterns and the edge cases (ties, the largest half,
+// overflow to infinity, half subnormals, signed zeros, infinities), on lengths with vector tails.
+// NaN must stay NaN. On an AVX512-BF16 processor f32_to_bf16 may flush f32 subnormals to zero, so
+// those are left out of its comparison.
+TEST(CpuConversions, VectorisedMatchScalarBitForBit) {
+  Rng rng(17);
+  std::vector<float> v;
+  for (float x : {0.f, -0.f, 1.f, -1.f, 65504.f, 65519.f, 65520.f, -65520.f, 1e-5f, 6e-8f, 3e-8f, 1e-40f,
+                  std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN(), 1.00390625f, 1.01171875f, 2049.f, 2051.f})
+    v.push_back(x);
+  for (int i = 0; i < 5000; ++i) {
+    uint32_t u = static_cast<uint32_t>(rng.next());
+    float f;
+    std::memcpy(&f, &u, 4);
+    v.push_back(f);
+    v.push_back(rng.uniform(-70000.f, 70000.f));
+    v.push_back(rng.uniform(-1e-4f, 1e-4f));
+  }
+  auto same = [](float a, float b) {
+    if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
+    uint32_t x, y;
+    std::memcpy(&x, &a, 4);
+    std::memcpy(&y, &b, 4);
+    return x == y;
+  };
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{15}, int64_t{17}, int64_t{33},
+                    static_cast<int64_t>(v.size())}) {
+    std::vector<float> r(static_cast<size_t>(n)), w(static_cast<size_t>(n));
+    std::vector<uint16_t> h(static_cast<size_t>(n));
+    cpu::round_to_bf16(v.data(), r.data(), n);
+    for (int64_t i = 0; i < n; ++i)
+      ASSERT_TRUE(same(r[i], bf16_to_float(float_to_bf16(v[i])))) << "round_to_bf16 of " << v[i] << " n " << n;
+    cpu::f32_to_bf16(v.data(), h.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+      if (std::fpclassify(v[i]) == FP_SUBNORMAL) continue;
+      ASSERT_TRUE(same(bf16_to_float(h[i]), bf16_to_float(float_to_bf16(v[i])))) << "f32_to_bf16 of " << v[i];
+    }
+    cpu::round_to_f16(v.data(), r.data(), n);
+    cpu::f32_to_f16(v.data(), h.data(), n);
+    cpu::f16_to_f32(h.data(), w.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+      const float want = f16_to_float(float_to_f16(v[i]));
+      ASSERT_TRUE(same(r[i], want)) << "round_to_f16 of " << v[i] << " n " << n;
+      ASSERT_TRUE(same(w[i], want)) << "f32_to_f16 then f16_to_f32 of " << v[i] << " n " << n;
+      if (!std::isnan(v[i])) {
+        ASSERT_EQ(h[i], float_to_f16(v[i])) << "f32_to_f16 of " << v[i];
+      }
+    }
+  }
 }
