@@ -1,9 +1,9 @@
 #pragma once
-// The CPU engine's inner loops as a table of plain-pointer kernels, built twice: `reference` is
-// portable C++ over the shared functors (the fallback, and the oracle the tests compare against),
-// `avx512` is the same math written with AVX-512 intrinsics in simd_avx512.cpp, the one file
-// compiled with -mavx512f/bw/vl/dq. active() picks the AVX-512 table when the processor has those
-// extensions. The engine checks shapes and splits rows or elements across OpenMP threads; a kernel
+// The CPU engine's inner loops as a table of plain-pointer kernels, built three times: `reference`
+// is portable C++ over the shared functors (the fallback, and the oracle the tests compare
+// against), `avx512` is the same math written with AVX-512 intrinsics in simd_avx512.cpp (the one
+// file compiled with -mavx512f/bw/vl/dq), `avx2` the same again in 8-float registers in
+// simd_avx2.cpp (-mavx2 -mfma). active() picks the widest table the processor can run. The engine checks shapes and splits rows or elements across OpenMP threads; a kernel
 // only sees its own slice, so the kernels never start threads. Private to kernels/.
 #include <cstdint>
 
@@ -46,7 +46,7 @@ struct Kernels {
 const Kernels& reference();
 // The AVX-512 table, or null when the processor lacks AVX-512 F/BW/VL/DQ.
 const Kernels* avx512();
-// The AVX2 table (GELU in AVX2 + FMA, the rest reference), or null without AVX2 and FMA.
+// The AVX2 table (the same kernels in AVX2 + FMA), or null without AVX2 and FMA.
 const Kernels* avx2();
 // avx512() when available, else avx2(), else reference(); decided once.
 const Kernels& active();

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "../../kernels/cpu/simd.h"
@@ -41,11 +42,13 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
                         << want[at];
 }
 
-class Vectorised : public ::testing::Test {
+// Each vectorised table (the parameter: "avx512" or "avx2") against the reference kernels; a table
+// the processor cannot run skips.
+class Vectorised : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    vec_ = simd::avx512();
-    if (!vec_) GTEST_SKIP() << "this processor has no AVX-512; the engine runs the reference kernels";
+    vec_ = GetParam() == "avx512" ? simd::avx512() : simd::avx2();
+    if (!vec_) GTEST_SKIP() << "this processor cannot run the " << GetParam() << " kernels";
   }
   const simd::Kernels& ref_ = simd::reference();
   const simd::Kernels* vec_ = nullptr;
@@ -59,25 +62,7 @@ TEST(VectorisedDispatch, ActiveTableMatchesTheProcessor) {
   EXPECT_STREQ(simd::active().name, simd::avx512() ? "avx512" : simd::avx2() ? "avx2" : "reference");
 }
 
-// The AVX2 table's GELU (the one entry it vectorises) against the reference, tails included.
-TEST(VectorisedAvx2, GeluForwardAndBackward) {
-  const simd::Kernels* avx2 = simd::avx2();
-  if (!avx2) GTEST_SKIP() << "this processor has no AVX2 and FMA";
-  const simd::Kernels& ref = simd::reference();
-  for (int64_t n : kSizes) {
-    std::vector<float> x = random_vec(n, 11 + n, -9.f, 9.f), dy = random_vec(n, 12 + n);
-    if (n == 1000) x[999] = -100.f, x[998] = 100.f, x[997] = 0.f, x[996] = -0.f;  // saturated ends, zeros
-    std::vector<float> y0(n), y1(n), d0(n), d1(n);
-    ref.gelu_forward(x.data(), y0.data(), n);
-    avx2->gelu_forward(x.data(), y1.data(), n);
-    expect_close(y1, y0, 2e-6, "avx2 gelu forward", n);
-    ref.gelu_backward(x.data(), dy.data(), d0.data(), n);
-    avx2->gelu_backward(x.data(), dy.data(), d1.data(), n);
-    expect_close(d1, d0, 2e-6, "avx2 gelu backward", n);
-  }
-}
-
-TEST_F(Vectorised, GeluForwardAndBackward) {
+TEST_P(Vectorised, GeluForwardAndBackward) {
   for (int64_t n : kSizes) {
     // Wide enough to reach both saturated ends of tanh.
     std::vector<float> x = random_vec(n, 1 + n, -9.f, 9.f), dy = random_vec(n, 2 + n);
@@ -91,7 +76,7 @@ TEST_F(Vectorised, GeluForwardAndBackward) {
   }
 }
 
-TEST_F(Vectorised, ElementWise) {
+TEST_P(Vectorised, ElementWise) {
   for (int64_t n : kSizes) {
     std::vector<float> a = random_vec(n, 3 + n), b = random_vec(n, 4 + n);
     std::vector<float> y0(n), y1(n);
@@ -112,7 +97,7 @@ TEST_F(Vectorised, ElementWise) {
   }
 }
 
-TEST_F(Vectorised, RowBiasAndItsGradient) {
+TEST_P(Vectorised, RowBiasAndItsGradient) {
   const int64_t m = 5;
   for (int64_t n : kSizes) {
     std::vector<float> y = random_vec(m * n, 5 + n), bias = random_vec(n, 6 + n);
@@ -127,7 +112,7 @@ TEST_F(Vectorised, RowBiasAndItsGradient) {
   }
 }
 
-TEST_F(Vectorised, LayerNormForwardAndBackward) {
+TEST_P(Vectorised, LayerNormForwardAndBackward) {
   const int64_t m = 4;
   for (int64_t d : kSizes) {
     std::vector<float> x = random_vec(m * d, 7 + d, -3.f, 5.f), dy = random_vec(m * d, 8 + d);
@@ -164,7 +149,7 @@ TEST_F(Vectorised, LayerNormForwardAndBackward) {
   }
 }
 
-TEST_F(Vectorised, CausalSoftmaxForwardAndBackward) {
+TEST_P(Vectorised, CausalSoftmaxForwardAndBackward) {
   for (int64_t t : kSizes) {
     // Rows 3..(2t+3) of a [2, t, t] block: slices start mid-sequence and cross into the next one.
     const int64_t row0 = std::min<int64_t>(3, t - 1), rows = std::min<int64_t>(2 * t, 70);
@@ -180,7 +165,7 @@ TEST_F(Vectorised, CausalSoftmaxForwardAndBackward) {
   }
 }
 
-TEST_F(Vectorised, AdamUpdate) {
+TEST_P(Vectorised, AdamUpdate) {
   for (bool decoupled : {true, false})
     for (int64_t n : kSizes) {
       std::vector<float> p = random_vec(n, 15 + n), g = random_vec(n, 16 + n), m = random_vec(n, 17 + n, -0.1f, 0.1f);
@@ -196,6 +181,9 @@ TEST_F(Vectorised, AdamUpdate) {
       expect_close(v1, v0, kTight, "adam v", n);
     }
 }
+
+INSTANTIATE_TEST_SUITE_P(Tables, Vectorised, ::testing::Values("avx512", "avx2"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 // The engine slices rows and elements across threads; with two threads and sizes past the
 // parallel grain its results must equal one call of the active kernel on the whole range.
