@@ -502,6 +502,20 @@ TEST_F(CudaEngineTest, GptTrainsOnTheGpuLikeOnTheCpu) {
   c.checkpoint_dir.clear();
   train::LmResult more = train::train_lm(c, nullptr);
   EXPECT_EQ(more.step_losses.size(), 2u);
+  // fp16 with loss scaling (half operands with the weights' working copies, f32 accumulation) on
+  // both engines: the same operand rounding, only the summation order differs.
+  c.resume.clear();
+  c.steps = 12;
+  c.precision = "fp16";
+  c.device = "cpu";
+  train::LmResult cpu16 = train::train_lm(c, nullptr);
+  c.device = "cuda";
+  train::LmResult gpu16 = train::train_lm(c, nullptr);
+  ASSERT_EQ(gpu16.step_losses.size(), cpu16.step_losses.size());
+  for (size_t i = 0; i < cpu16.step_losses.size(); ++i)
+    EXPECT_NEAR(gpu16.step_losses[i], cpu16.step_losses[i], 1e-3 * cpu16.step_losses[i]) << "fp16 step " << i;
+  EXPECT_EQ(gpu16.skipped_steps, cpu16.skipped_steps);
+  cpu.set_math_precision(MathPrecision::F32);
   std::filesystem::remove_all(dir);
 }
 
