@@ -1,6 +1,8 @@
 #include "dtrain/parallel/data_parallel.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <map>
 
 #include "dtrain/core/timer.h"
 
@@ -89,6 +91,50 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
 }
 
 DataParallel::~DataParallel() { model_.set_grad_ready_hook(nullptr); }
+
+std::map<std::string, Tensor> DataParallel::compression_state() const {
+  if (compressor_ && !engine_topk_) return compressor_->state_tensors();
+  std::map<std::string, Tensor> out;
+  for (size_t i = 0; i < engine_topk_state_.size(); ++i) {
+    const EngineTopK& st = engine_topk_state_[i];
+    const std::string at = "bucket" + std::to_string(i) + ".";
+    if (st.residual.defined()) out[at + "residual"] = to_host(st.residual).clone();
+    if (st.velocity.defined()) out[at + "velocity"] = to_host(st.velocity).clone();
+  }
+  return out;
+}
+
+void DataParallel::load_compression_state(const std::map<std::string, Tensor>& state) {
+  DT_INPUT_CHECK(compressor_ || state.empty(), "compression state given to a run without --compression");
+  // Every f32 entry of bucket i is the bucket's size, except PowerSGD's Q (its own shape).
+  for (const auto& [key, t] : state) {
+    const size_t dot = key.find('.');
+    const std::string field = dot == std::string::npos ? "" : key.substr(dot + 1);
+    const long id = key.rfind("bucket", 0) == 0 ? std::strtol(key.c_str() + 6, nullptr, 10) : -1;
+    DT_INPUT_CHECK(id >= 0 && static_cast<size_t>(id) < buckets_.size(),
+                   "compression state '" << key << "' names no bucket of this run (" << buckets_.size() << " buckets)");
+    const Bucket& b = buckets_[static_cast<size_t>(id)];
+    if (field == "residual" || field == "velocity")
+      DT_INPUT_CHECK(t.numel() == b.end - b.begin, "compression state '" << key << "' holds " << t.numel()
+                                                                          << " values, the bucket " << b.end - b.begin);
+  }
+  if (!engine_topk_) {
+    compressor_->load_state_tensors(state);
+    return;
+  }
+  const Device dev = flat_grad_.device();
+  for (EngineTopK& st : engine_topk_state_) st.residual = st.velocity = Tensor();
+  for (const auto& [key, t] : state) {
+    const size_t dot = key.find('.');
+    const std::string field = key.substr(dot + 1);
+    DT_INPUT_CHECK(field == "residual" || field == "velocity",
+                   "compression state '" << key << "' is not the engine top-k path's (residual, velocity)");
+    EngineTopK& st = engine_topk_state_[static_cast<size_t>(std::strtol(key.c_str() + 6, nullptr, 10))];
+    Tensor d = Tensor::empty({t.numel()}, DType::F32, dev);
+    copy_any(t.reshape({t.numel()}), d);
+    (field == "residual" ? st.residual : st.velocity) = d;
+  }
+}
 
 void DataParallel::set_step(int64_t step) {
   const int64_t warmup = opt_.compression_warmup_steps;

@@ -1,6 +1,8 @@
 // The Compressor hook, the factory, and the two compressors without state (none, fp16/bf16).
+#include <array>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 
 #include "compression/staged_work.h"
 #include "dtrain/comm/compression.h"
@@ -39,6 +41,59 @@ Tensor Compressor::residual(int bucket_id) const {
 }
 
 void Compressor::reset() { states_.clear(); }
+
+std::map<std::string, Tensor> Compressor::state_tensors() const {
+  std::map<std::string, Tensor> out;
+  for (const auto& [id, st] : states_) {
+    const std::string at = "bucket" + std::to_string(id) + ".";
+    if (st.residual.defined()) out[at + "residual"] = st.residual.clone();
+    if (st.factor.defined()) out[at + "factor"] = st.factor.clone();
+    if (st.velocity.defined()) out[at + "velocity"] = st.velocity.clone();
+    if (st.rng) {
+      const std::array<uint64_t, 4> words = st.rng->state();
+      Tensor t = Tensor::empty({static_cast<int64_t>(sizeof words)}, DType::U8);
+      std::memcpy(t.raw(), words.data(), sizeof words);
+      out[at + "rng"] = t;
+    }
+  }
+  return out;
+}
+
+void Compressor::load_state_tensors(const std::map<std::string, Tensor>& state) {
+  std::map<int, BucketState> loaded;
+  for (const auto& [key, t] : state) {
+    const size_t dot = key.find('.');
+    int id = -1;
+    if (key.rfind("bucket", 0) == 0 && dot != std::string::npos && dot > 6) {
+      char* end = nullptr;
+      const long v = std::strtol(key.c_str() + 6, &end, 10);
+      if (end == key.c_str() + dot && v >= 0) id = static_cast<int>(v);
+    }
+    DT_INPUT_CHECK(id >= 0, name() << ": '" << key << "' is not a compression state entry (bucket<id>.<field>)");
+    const std::string field = key.substr(dot + 1);
+    BucketState& st = loaded[id];
+    st.id = id;
+    if (field == "rng") {
+      std::array<uint64_t, 4> words{};
+      DT_INPUT_CHECK(t.dtype() == DType::U8 && t.nbytes() == sizeof words,
+                     name() << ": " << key << " must hold 32 bytes, got " << t.str());
+      std::memcpy(words.data(), t.raw(), sizeof words);
+      st.rng = std::make_unique<Rng>();
+      st.rng->set_state(words);
+      continue;
+    }
+    DT_INPUT_CHECK(t.dtype() == DType::F32 && t.device().is_cpu(), name() << ": " << key << " must be f32, got " << t.str());
+    if (field == "residual")
+      st.residual = t.clone();
+    else if (field == "factor")
+      st.factor = t.clone();
+    else if (field == "velocity")
+      st.velocity = t.clone();
+    else
+      DT_INPUT_CHECK(false, name() << ": unknown compression state field in '" << key << "'");
+  }
+  states_ = std::move(loaded);
+}
 
 // ---- none ------------------------------------------------------------------------------------
 

@@ -287,6 +287,23 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
       optim_state[st.name] = to_host(*st.value);
     }
   }
+  char name[64];
+  std::snprintf(name, sizeof name, "ckpt-step%09lld.h5", static_cast<long long>(step_));
+  const fs::path path = fs::path(cfg_.checkpoint_dir) / name;
+  // Gradient compression state differs between ranks (error-feedback residuals, PowerSGD's Q, top-k
+  // momentum): each rank writes its own next to the checkpoint, <checkpoint>.rank<r>, before rank 0
+  // writes the checkpoint itself, so a checkpoint that exists has all its parts.
+  const std::map<std::string, Tensor> cstate = dp_ ? dp_->compression_state() : std::map<std::string, Tensor>();
+  if (!cstate.empty()) {
+    CheckpointState cs;
+    for (const auto& [key, t] : cstate) cs.tensors["compress/" + key] = t;
+    cs.strings["compression"] = cfg_.compression;
+    cs.ints["step"] = step_;
+    cs.ints["rank"] = rank_;
+    cs.ints["world_size"] = world_;
+    save_checkpoint(path.string() + ".rank" + std::to_string(rank_), cs);
+  }
+  if (world_ > 1 && dp_ && dp_->compressor()) comm_.barrier();
   if (rank_ == 0) {  // data parallel: every rank holds the same parameters
     CheckpointState s;
     for (nn::Parameter* p : model_->parameters()) s.tensors["param/" + p->name] = to_host(p->value);
@@ -301,6 +318,8 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
     s.ints["world_size"] = world_;
     s.ints["per_rank_batch"] = batch_;
     s.ints["accumulate"] = cfg_.accumulate;
+    s.ints["compression_ranks"] = cstate.empty() ? 0 : world_;  // ranks with a <checkpoint>.rank<r> part
+    s.strings["compression"] = cfg_.compression;
     if (scaler_) {
       s.tensors["meta/loss_scale"] = Tensor::from({1}, {scaler_->scale()});
       s.ints["loss_scale_good_steps"] = scaler_->good_steps();
@@ -315,9 +334,6 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
       s.tensors["meta/norm_mean"] = Tensor::from({static_cast<int64_t>(info.mean.size())}, info.mean);
       s.tensors["meta/norm_std"] = Tensor::from({static_cast<int64_t>(info.std.size())}, info.std);
     }
-    char name[64];
-    std::snprintf(name, sizeof name, "ckpt-step%09lld.h5", static_cast<long long>(step_));
-    fs::path path = fs::path(cfg_.checkpoint_dir) / name;
     save_checkpoint(path.string(), s);
     // Keep the newest few.
     std::vector<fs::path> all;
@@ -326,7 +342,12 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
       if (n.rfind("ckpt-step", 0) == 0 && e.path().extension() == ".h5") all.push_back(e.path());
     }
     std::sort(all.begin(), all.end());
-    for (size_t i = 0; i + static_cast<size_t>(cfg_.keep_checkpoints) < all.size(); ++i) fs::remove(all[i]);
+    for (size_t i = 0; i + static_cast<size_t>(cfg_.keep_checkpoints) < all.size(); ++i) {
+      const std::string parts = all[i].filename().string() + ".rank";  // its compression state
+      for (const auto& e : fs::directory_iterator(cfg_.checkpoint_dir))
+        if (e.path().filename().string().rfind(parts, 0) == 0) fs::remove(e.path());
+      fs::remove(all[i]);
+    }
     if (!progress_->bar()) say("checkpoint " + path.string());
   }
   if (world_ > 1) comm_.barrier();  // nobody runs ahead of a checkpoint that may fail
@@ -377,6 +398,35 @@ void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
     scaler_->set_state(s.tensors["meta/loss_scale"].f32()[0], s.ints["loss_scale_good_steps"],
                        s.ints["loss_scale_skipped_steps"]);
   step_ = need("step");
+  // Each rank's gradient compression state, from its part of the checkpoint, when the run compresses
+  // as the checkpointed one did on as many ranks; otherwise error feedback restarts from zero.
+  const auto cranks = s.ints.find("compression_ranks");
+  if (dp_ && dp_->compressor() && cranks != s.ints.end() && cranks->second > 0) {
+    if (cranks->second == world_ && s.strings["compression"] == cfg_.compression) {
+      // Every rank checks every part (one shared directory), so all ranks fail alike.
+      for (int r = 0; r < world_; ++r) {
+        const std::string part = path + ".rank" + std::to_string(r);
+        DT_INPUT_CHECK(fs::exists(part), "checkpoint '" << path << "' keeps rank " << r
+                                                        << "'s gradient compression state in '" << part
+                                                        << "', which is missing");
+      }
+      const std::string part = path + ".rank" + std::to_string(rank_);
+      CheckpointState cs = load_checkpoint(part);
+      DT_INPUT_CHECK(cs.ints["step"] == step_ && cs.ints["rank"] == rank_,
+                     "'" << part << "' is rank " << cs.ints["rank"] << "'s state at step " << cs.ints["step"]
+                         << ", not rank " << rank_ << "'s at step " << step_);
+      std::map<std::string, Tensor> cstate;
+      for (auto& [key, t] : cs.tensors)
+        if (key.rfind("compress/", 0) == 0) cstate[key.substr(9)] = t;
+      try {
+        dp_->load_compression_state(cstate);
+      } catch (const InputError& e) {
+        DT_INPUT_CHECK(false, "'" << part << "': " << e.what());
+      }
+    } else {
+      say("resume: --compression or the rank count changed since the checkpoint; error feedback restarts from zero");
+    }
+  }
   opt_->set_steps(need("optimizer_steps"));
   epoch = need("epoch");
   skip = need("batch_in_epoch");

@@ -92,7 +92,9 @@ TEST(Compression, TopKMomentumCorrectionAccumulatesMomentumAndMasksSentCoordinat
   for (int s = 0; s < 2; ++s) {
     Tensor g = filled(4, [&](int64_t i) { return grads[s][i]; });
     plain.reduce(g, c, ReduceOp::Avg)->wait();
-    if (s == 1) EXPECT_FLOAT_EQ(g.f32()[2], 4.0f);
+    if (s == 1) {
+      EXPECT_FLOAT_EQ(g.f32()[2], 4.0f);
+    }
   }
   EXPECT_THROW(TopKCompressor(0.25, 1.0f), Error);
 }

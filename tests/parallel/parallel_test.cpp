@@ -141,6 +141,50 @@ TEST(DataParallel, TopKThroughEngineOpsMatchesTheCompressor) {
   }
 }
 
+TEST(DataParallel, CompressedRunsResumeExactly) {
+  // Resumed from its step-10 checkpoint, a compressed run ends with the uninterrupted run's
+  // parameters, bit for bit: each rank's compression state (error-feedback residuals, PowerSGD's Q,
+  // top-k momentum, QSGD's random stream) is in that rank's part of the checkpoint.
+  comm::Communicator& world = comm::Runtime::get().world();
+  if (world.size() == 1) GTEST_SKIP() << "needs several ranks";
+  const std::vector<std::vector<std::string>> kinds = {{"topk:0.05"},
+                                                       {"topk:0.05", "--compression-on-engine", "true"},
+                                                       {"powersgd:2"},
+                                                       {"qsgd:16"},
+                                                       {"sign"}};
+  int n = 0;
+  for (const auto& kind : kinds) {
+    const std::string dir = dataset() + "-ckpt" + std::to_string(n++);
+    if (world.rank() == 0) std::filesystem::remove_all(dir);
+    world.barrier();
+    std::vector<std::string> args = {"--model", "simple_cnn", "--optimizer", "sgd", "--momentum", "0.9",
+                                     "--lr", "0.05", "--compression-warmup", "4", "--compression"};
+    args.insert(args.end(), kind.begin(), kind.end());
+    std::vector<std::string> straight = args, resumed = args;
+    straight.insert(straight.end(), {"--checkpoint-dir", dir, "--checkpoint-every", "10"});
+    resumed.insert(resumed.end(), {"--resume", dir + "/ckpt-step000000010.h5"});
+    auto want = train_params(config(straight), world);
+    ASSERT_TRUE(std::filesystem::exists(dir + "/ckpt-step000000010.h5.rank" + std::to_string(world.rank())))
+        << kind[0];
+    auto got = train_params(config(resumed), world);
+    for (auto& [name, w] : want) EXPECT_EQ(got[name], w) << name << " after resuming " << kind[0];
+    // Without a rank's part the checkpoint is refused on every rank, naming the part.
+    world.barrier();
+    if (world.rank() == 0 && n == 1) std::filesystem::remove(dir + "/ckpt-step000000010.h5.rank1");
+    world.barrier();
+    if (n == 1) {
+      try {
+        train_params(config(resumed), world);
+        ADD_FAILURE() << "resumed without rank 1's compression state";
+      } catch (const InputError& e) {
+        EXPECT_NE(std::string(e.what()).find("ckpt-step000000010.h5.rank1"), std::string::npos) << e.what();
+      }
+    }
+    world.barrier();
+    if (world.rank() == 0) std::filesystem::remove_all(dir);
+  }
+}
+
 TEST(DataParallel, OnGpusThroughNcclMatchesOneRank) {
   // Gradients in device buckets, reduced by NCCL on its own stream ordered after the compute
   // stream by events. Needs one GPU per rank; the reference is one rank on its own GPU.

@@ -46,6 +46,12 @@ class Compressor {
   // the compressor has none.
   Tensor residual(int bucket_id = 0) const;
   void reset();  // forgets every bucket's state
+  // Checkpointing this rank's state (it differs between ranks): every bucket's error-feedback
+  // residual, PowerSGD's Q, the top-k momentum and QSGD's random stream, as host tensors named
+  // "bucket<id>.residual|factor|velocity|rng" (the stream as 32 bytes); and back, replacing all
+  // state. A resumed run then continues error feedback where the checkpointed one stopped.
+  std::map<std::string, Tensor> state_tensors() const;
+  void load_state_tensors(const std::map<std::string, Tensor>& state);  // InputError on a bad entry
 
  protected:
   struct BucketState {

@@ -11,6 +11,7 @@
 // ZeRO stage 1 (zero1): optimizer state is sharded. finish() reduce-scatters the flat gradient so
 // each rank holds the averaged gradient of its 1/world slice; the optimizer updates only that slice
 // (optimizer_params()), and after_step() all-gathers the updated slices into every rank's parameters.
+#include <map>
 #include <memory>
 #include <unordered_map>
 #include <vector>
@@ -78,6 +79,12 @@ class DataParallel {
   Tensor gather_flat(const Tensor& shard);
   Tensor own_slice(const Tensor& flat) const;  // this rank's slice of a flat (padded) vector
   int64_t offset_of(const nn::Parameter* p) const { return offset_.at(p); }
+  // Checkpointing the gradient compression state of this rank (the compressor's buckets, or the
+  // engine top-k path's residuals and momentum, copied to the host), as named host tensors; empty
+  // without compression state. load_compression_state puts such a set back onto this rank's
+  // buckets: InputError when it does not fit them (another compression or bucket layout).
+  std::map<std::string, Tensor> compression_state() const;
+  void load_compression_state(const std::map<std::string, Tensor>& state);
   // Tells the exchange which optimizer step the next backward belongs to (compression warm-up).
   void set_step(int64_t step);
   void set_compression_warmup(int64_t steps) { opt_.compression_warmup_steps = steps; }
