@@ -11,6 +11,8 @@
 #include <sstream>
 
 #include "dtrain/core/error.h"
+#include "dtrain/comm/nccl.h"
+#include "dtrain/comm/runtime.h"
 #include "dtrain/core/timer.h"
 #include "dtrain/data/text.h"
 #include "dtrain/kernels/cuda.h"
@@ -174,11 +176,25 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   Device dev = Device::cpu();
   if (cfg.device == "cuda") {
     DT_INPUT_CHECK(enable_cuda() > 0, "--device cuda: no GPU is visible, or this dtrain was built without CUDA");
-    DT_INPUT_CHECK(!world_comm || world_comm->size() == 1,
-                   "--device cuda trains on one GPU with one rank (multi-GPU data, tensor and pipeline parallel "
-                   "run on the CPU engine in this version); got "
-                       << world_comm->size() << " ranks");
-    dev = Device::cuda(0);
+    const int ranks = world_comm ? world_comm->size() : 1;
+    DT_INPUT_CHECK(ranks == 1 || (cfg.tp == 1 && cfg.pp == 1),
+                   "--device cuda runs the language model data parallel only (one GPU per rank); --tp and --pp run "
+                   "on the CPU engine in this version");
+    int gpu = 0;
+    if (ranks > 1) {
+      // One GPU per rank: the bootstrap bound local rank r to GPU r % count, and NCCL refuses two
+      // ranks of a communicator on one GPU.
+      const comm::Topology& topo = comm::Runtime::get().topology();
+      DT_INPUT_CHECK(topo.local_size <= topo.cuda_device_count,
+                     "--device cuda: " << topo.local_size << " ranks on host " << topo.host << " share "
+                                       << topo.cuda_device_count << " GPU(s); data parallel on GPUs needs one per rank");
+      DT_INPUT_CHECK(comm::nccl_compiled() || topo.cuda_aware_mpi,
+                     "--device cuda with " << ranks
+                                           << " ranks: this dtrain was built without NCCL and the MPI library is not "
+                                              "CUDA-aware, so gradients cannot leave the GPU");
+      gpu = std::max(0, topo.cuda_device);
+    }
+    dev = Device::cuda(gpu);
   }
   DT_INPUT_CHECK(cfg.precision == "fp32" || cfg.precision == "bf16" || cfg.precision == "fp16" ||
                      (!dev.is_cpu() && cfg.precision == "tf32"),
@@ -227,8 +243,19 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
         "tied-embedding");
   nn::Parameter* tied_wte = model.embedding_wte() ? model.embedding_wte() : model.head_wte_copy();
   std::unique_ptr<parallel::DataParallel> ddp;
+  std::unique_ptr<comm::Communicator> nccl;  // data parallel on GPUs
   if (dp_size > 1) {
-    ddp = std::make_unique<parallel::DataParallel>(model, grid->dp());
+    comm::Communicator* grads = &grid->dp();
+    if (!dev.is_cpu() && comm::nccl_compiled()) {
+      // As the image trainer: NCCL on its own stream, each collective ordered after the work queued
+      // on the engine's compute stream by an event. Otherwise a CUDA-aware MPI takes the buckets.
+      nccl = comm::make_nccl_communicator(grid->dp(), dev.index, "lm-dp-nccl");
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+      comm::nccl_set_input_stream(*nccl, cuda::compute_stream(dev.index));
+#endif
+      grads = nccl.get();
+    }
+    ddp = std::make_unique<parallel::DataParallel>(model, *grads);
     ddp->broadcast_state(0);
   }
   std::unique_ptr<parallel::PipelineStage> pipe;
@@ -448,10 +475,11 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     nn::update_working_copies(step_params, engine_for(dev).math_precision());  // the masters changed last step
     double step_loss = 0;
     const float loss_scale = scaler ? scaler->scale() : 1.f;  // fp16: the loss gradient is scaled up
-    if (on_gpu) {  // one rank (checked above): no ddp, no pipeline
+    if (on_gpu) {  // data parallel at most (checked above): no pipeline
       Staged& st = staged[step % 2];
       if (!st.ready) stage_batch(draw(step), st);
       st.ready = false;
+      if (ddp) ddp->begin_backward(true);
       step_loss = xent.forward(model.forward(st.ids.device), st.targets.device.reshape({m}));
       model.backward(xent.backward(loss_scale));
       if (step + 1 < cfg.steps) stage_batch(draw(step + 1), staged[(step + 1) % 2]);  // overlaps the backward

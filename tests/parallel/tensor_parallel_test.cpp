@@ -13,6 +13,7 @@
 #include <fstream>
 
 #include "../train/lm_test_util.h"
+#include "dtrain/comm/nccl.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/data/text.h"
 #include "dtrain/nn/gpt.h"
@@ -529,6 +530,34 @@ TEST(Pipeline, LmFp16SkipsTheSameStepsAsOneRank) {
       EXPECT_NEAR(got.step_losses[i], ref.step_losses[i], 1e-5 * ref.step_losses[i]) << "step " << i;
   }
   EXPECT_NEAR(got.val_loss, ref.val_loss, 1e-5 * ref.val_loss);
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// The language model data parallel on GPUs (one per rank, gradients through NCCL on its own stream)
+// logs the losses of the same data-parallel run on the CPU engine: each dp rank draws the same
+// windows on both; only the engines' summation orders differ.
+TEST(DataParallel, LmOnGpusThroughNcclMatchesTheCpu) {
+  const comm::Topology& topo = comm::Runtime::get().topology();
+  if (!comm::nccl_compiled() || enable_cuda() == 0)
+    GTEST_SKIP() << "no GPU on this machine (or dtrain built without CUDA/NCCL): the GPT data parallel on GPUs not "
+                    "exercised";
+  if (topo.cuda_device_count < topo.local_size)
+    GTEST_SKIP() << topo.local_size << " ranks share " << topo.cuda_device_count << " GPU(s); NCCL needs one per rank";
+  std::filesystem::path dir = make_corpus("lm-gpu-dp");
+  nn::GptConfig g = small_gpt();
+  g.width = 32;
+  g.context = 16;
+  train::LmConfig c = test::small_lm_config(dir / "tok", g);
+  train::LmResult cpu = train::train_lm(c, &world());
+  c.device = "cuda";
+  train::LmResult gpu = train::train_lm(c, &world());
+  if (world().rank() == 0) {
+    ASSERT_EQ(gpu.step_losses.size(), cpu.step_losses.size());
+    for (size_t i = 0; i < cpu.step_losses.size(); ++i)
+      EXPECT_NEAR(gpu.step_losses[i], cpu.step_losses[i], 1e-4 * cpu.step_losses[i]) << "step " << i;
+  }
+  EXPECT_NEAR(gpu.val_loss, cpu.val_loss, 1e-4 * cpu.val_loss);
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
