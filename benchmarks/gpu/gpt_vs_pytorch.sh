@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPT of the model-parallel issue (6 layers, width 256, 8 heads, context 128, byte vocabulary,
 # AdamW) trained on one GPU by dtrain (--device cuda) and by PyTorch (benchmarks/peers/torch_gpt.py),
-# side by side in fp32 (TF32 off), tf32 and bf16, on the fortunes token shards.
+# side by side in fp32 (TF32 off), tf32, bf16 and fp16 (dynamic loss scaling), on the fortunes token shards.
 #   benchmarks/gpu/gpt_vs_pytorch.sh BATCH STEPS        (DTRAIN=path/to/dtrain, PYTHON=python3 with torch+h5py)
 set -euo pipefail
 B=${1:-8}
@@ -9,7 +9,7 @@ S=${2:-300}
 DTRAIN=${DTRAIN:-build/dtrain}
 PYTHON=${PYTHON:-python3}
 DATA=${DATA:-data/fortunes}
-for p in fp32 tf32 bf16; do
+for p in fp32 tf32 bf16 fp16; do
   echo "== dtrain $p batch $B"
   "$DTRAIN" train --model gpt --data "$DATA" --layers 6 --width 256 --heads 8 --context 128 --batch-size "$B" \
     --steps "$S" --eval-every 0 --eval-batches 4 --log-every "$S" --warmup-steps 10 --device cuda --precision "$p" |

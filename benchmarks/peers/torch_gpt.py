@@ -6,10 +6,11 @@ stream (an HDF5 token file from `dtrain convert text`, or random bytes) with Ada
 and prints one JSON line: tokens per second over the timed steps (after warm-up steps).
 --precision bf16 runs forward and loss under torch.autocast(device, dtype=torch.bfloat16) (bf16
 matmuls, fp32 master weights and optimizer), PyTorch's own mixed precision; --device cuda trains
-on a GPU, where --precision fp32 turns TF32 off and tf32 turns it on.
+on a GPU, where --precision fp32 turns TF32 off and tf32 turns it on, and fp16 runs autocast to
+float16 with GradScaler's dynamic loss scaling.
 
 usage: torch_gpt.py [--layers 6] [--width 256] [--heads 8] [--context 128] [--batch 8]
-                    [--steps 20] [--warmup 3] [--threads 1] [--tokens FILE.h5] [--precision fp32|tf32|bf16]
+                    [--steps 20] [--warmup 3] [--threads 1] [--tokens FILE.h5] [--precision fp32|tf32|bf16|fp16]
                     [--device cpu|cuda]
 """
 import argparse
@@ -78,17 +79,19 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", help="HDF5 token file (dtrain convert text); random bytes otherwise")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32",
-                    help="fp32 (on cuda: TF32 off), tf32 (cuda only), or bf16 autocast")
+    ap.add_argument("--precision", choices=["fp32", "tf32", "bf16", "fp16"], default="fp32",
+                    help="fp32 (on cuda: TF32 off), tf32 (cuda only), bf16 autocast, or fp16 autocast with "
+                         "GradScaler's dynamic loss scaling (cuda only)")
     a = ap.parse_args()
     dev = torch.device(a.device)
-    if a.precision == "tf32" and dev.type != "cuda":
-        ap.error("--precision tf32 needs --device cuda")
+    if a.precision in ("tf32", "fp16") and dev.type != "cuda":
+        ap.error(f"--precision {a.precision} needs --device cuda")
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = a.precision == "tf32"
         torch.backends.cudnn.allow_tf32 = a.precision == "tf32"
-    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if a.precision == "bf16"
-                else contextlib.nullcontext())
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision)
+    autocast = torch.autocast(dev.type, dtype=half) if half else contextlib.nullcontext()
+    scaler = torch.cuda.amp.GradScaler(enabled=a.precision == "fp16")
     torch.set_num_threads(a.threads)
     torch.manual_seed(1)
     if a.tokens:
@@ -113,9 +116,11 @@ def main():
         with autocast:
             loss = F.cross_entropy(model(win[:, :-1]), win[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         losses.append(loss.item())
     dt = time.perf_counter() - t0
     print(json.dumps({"framework": "pytorch " + torch.__version__, "precision": a.precision, "tokens_per_s": a.steps * a.batch * t / dt,
