@@ -1,6 +1,8 @@
 #include "dtrain/comm/communicator.h"
 
+#include <algorithm>
 #include <climits>
+#include <cstring>
 
 #include "dtrain/comm/mpi_check.h"
 #include "dtrain/core/env.h"
@@ -145,6 +147,31 @@ double bus_bandwidth_factor(const std::string& collective, int ranks) {
   if (collective == "allreduce") return 2.0 * (n - 1) / n;
   if (collective == "allgather" || collective == "reduce_scatter") return (n - 1) / n;
   return 1.0;  // broadcast, reduce, send/recv
+}
+
+void agree_on_inputs(Communicator& comm, const std::function<void()>& fn) {
+  std::string error;
+  try {
+    fn();
+  } catch (const InputError& e) {
+    error = e.what();
+  }
+  if (comm.size() == 1) {
+    if (!error.empty()) throw InputError(error);
+    return;
+  }
+  Tensor first = Tensor::empty({1}, DType::I32);
+  first.data<int32_t>()[0] = error.empty() ? comm.size() : comm.rank();
+  comm.allreduce(first, ReduceOp::Min)->wait();
+  int root = first.data<int32_t>()[0];
+  if (root == comm.size()) return;
+  Tensor len = Tensor::empty({1}, DType::I64);
+  len.data<int64_t>()[0] = static_cast<int64_t>(error.size());
+  comm.broadcast(len, root)->wait();
+  Tensor text = Tensor::zeros({std::max<int64_t>(len.data<int64_t>()[0], 1)}, DType::U8);
+  if (comm.rank() == root) std::memcpy(text.raw(), error.data(), error.size());
+  comm.broadcast(text, root)->wait();
+  throw InputError(std::string(static_cast<const char*>(text.raw()), static_cast<size_t>(len.data<int64_t>()[0])));
 }
 
 }  // namespace dtrain::comm

@@ -90,7 +90,7 @@ int cmd_train_lm(int argc, char** argv) {
     ("precision", po::value(&c.precision)->default_value(c.precision), "fp32, bf16 (GEMM inputs and weight copies in bf16, f32 accumulation), fp16 (the same in half, with dynamic loss scaling) or, on a GPU, tf32")
     ("loss-scale-interval", po::value(&c.loss_scale_interval)->default_value(c.loss_scale_interval), "fp16: finite steps in a row before the loss scale doubles")
     ("loss-scale-init", po::value(&c.loss_scale_init)->default_value(c.loss_scale_init), "fp16: the first loss scale (halved on every step with inf/NaN gradients)")
-    ("device", po::value(&c.device)->default_value(c.device), "cpu or cuda (one GPU, one rank)")
+    ("device", po::value(&c.device)->default_value(c.device), "cpu or cuda (one GPU per rank)")
     ("threads", po::value(&c.threads)->default_value(c.threads), "compute threads (0: default)")
     ("seed", po::value(&c.model.seed)->default_value(c.model.seed), "initialisation and sampling seed")
     ("metrics", po::value(&c.metrics), "JSON-lines metrics file (rank 0)")

@@ -89,7 +89,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     ("min-lr", po::value<float>(&c.min_lr)->default_value(0.f), "cosine schedule: final learning rate")
     ("clip-grad-norm", po::value<float>(&c.clip_grad_norm)->default_value(0.f), "clip the global gradient norm to this (0: off)")
     ("precision", po::value<std::string>(&c.precision)->default_value(def.precision), "fp32, bf16 or fp16 (GEMM/conv inputs; fp32 accumulation and master weights; fp16 with dynamic loss scaling); tf32 on a GPU")
-    ("device", po::value<std::string>(&c.device)->default_value(def.device), "cpu or cuda (one GPU, one rank)")
+    ("device", po::value<std::string>(&c.device)->default_value(def.device), "cpu or cuda (one GPU per rank)")
     ("loss-scale-interval", po::value<int64_t>(&c.loss_scale_interval)->default_value(def.loss_scale_interval), "fp16: finite steps in a row before the loss scale doubles")
     ("loss-scale-init", po::value<float>(&c.loss_scale_init)->default_value(def.loss_scale_init), "fp16: the first loss scale (halved on every step with inf/NaN gradients)")
     ("threads", po::value<int>(&c.threads)->default_value(0), "compute threads per rank (0: node cores / ranks on the node)")

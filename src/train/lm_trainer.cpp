@@ -174,7 +174,10 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   if (cfg.threads > 0) cpu_engine().set_threads(cfg.threads);
   DT_INPUT_CHECK(cfg.device == "cpu" || cfg.device == "cuda", "--device " << cfg.device << " is not one of cpu, cuda");
   Device dev = Device::cpu();
-  if (cfg.device == "cuda") {
+  // The GPU checks look at this rank's host: the ranks agree on their outcome before any of them
+  // creates the NCCL communicator, so a host short of GPUs fails every rank alike.
+  auto pick_device = [&] {
+    if (cfg.device != "cuda") return;
     DT_INPUT_CHECK(enable_cuda() > 0, "--device cuda: no GPU is visible, or this dtrain was built without CUDA");
     const int ranks = world_comm ? world_comm->size() : 1;
     DT_INPUT_CHECK(ranks == 1 || (cfg.tp == 1 && cfg.pp == 1),
@@ -195,7 +198,11 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       gpu = std::max(0, topo.cuda_device);
     }
     dev = Device::cuda(gpu);
-  }
+  };
+  if (world_comm)
+    comm::agree_on_inputs(*world_comm, pick_device);
+  else
+    pick_device();
   DT_INPUT_CHECK(cfg.precision == "fp32" || cfg.precision == "bf16" || cfg.precision == "fp16" ||
                      (!dev.is_cpu() && cfg.precision == "tf32"),
                  "--precision " << cfg.precision << " is not one of fp32, bf16, fp16" << (dev.is_cpu() ? "" : ", tf32")

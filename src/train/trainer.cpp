@@ -47,41 +47,13 @@ static std::string fixed(double v, int digits) {
   return o.str();
 }
 
-// Runs `setup` on every rank and makes the ranks agree on its outcome: a bad input seen by some
-// ranks only (a metrics file only rank 0 opens, a shard one node cannot read) becomes the same
-// InputError on every rank, carrying the message of the lowest failing rank, instead of a rank
-// that returns while the others wait for it in their first collective.
-static void agree_on_setup(comm::Communicator& comm, const std::function<void()>& setup) {
-  std::string error;
-  try {
-    setup();
-  } catch (const InputError& e) {
-    error = e.what();
-  }
-  if (comm.size() == 1) {
-    if (!error.empty()) throw InputError(error);
-    return;
-  }
-  Tensor first = Tensor::empty({1}, DType::I32);
-  first.data<int32_t>()[0] = error.empty() ? comm.size() : comm.rank();
-  comm.allreduce(first, comm::ReduceOp::Min)->wait();
-  int root = first.data<int32_t>()[0];
-  if (root == comm.size()) return;
-  Tensor len = Tensor::empty({1}, DType::I64);
-  len.data<int64_t>()[0] = static_cast<int64_t>(error.size());
-  comm.broadcast(len, root)->wait();
-  Tensor text = Tensor::zeros({std::max<int64_t>(len.data<int64_t>()[0], 1)}, DType::U8);
-  if (comm.rank() == root) std::memcpy(text.raw(), error.data(), error.size());
-  comm.broadcast(text, root)->wait();
-  throw InputError(std::string(static_cast<const char*>(text.raw()), static_cast<size_t>(len.data<int64_t>()[0])));
-}
-
 Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* dp)
     : cfg_(cfg), rt_(rt), comm_(dp ? *dp : rt.world()) {
   rank_ = comm_.rank();
   world_ = comm_.size();
   progress_ = std::make_unique<Progress>(cfg_.progress, rank_ == 0);
-  agree_on_setup(comm_, [this] { setup(); });
+  comm::agree_on_inputs(comm_, [this] { setup(); });
+  comm::agree_on_inputs(comm_, [this] { setup_exchange(); });
 }
 
 void Trainer::setup() {
@@ -168,6 +140,11 @@ void Trainer::setup() {
   model_ = nn::make_model(spec_);
   model_->set_needs_input_grad(false);  // nothing consumes d(input data)
   model_->to(device_);                  // drawn on the host, trained where the engine is
+}
+
+// The rest of the constructor's work, after the ranks agreed on the inputs: it creates the NCCL
+// communicator, which every rank must reach.
+void Trainer::setup_exchange() {
   if (cfg_.sync_batchnorm) parallel::convert_sync_batchnorm(*model_, comm_);
   if (world_ > 1 || cfg_.zero1 || cfg_.compression != "none") {
     parallel::DataParallelOptions dpo;
@@ -294,7 +271,9 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
   // momentum): each rank writes its own next to the checkpoint, <checkpoint>.rank<r>, before rank 0
   // writes the checkpoint itself, so a checkpoint that exists has all its parts.
   const std::map<std::string, Tensor> cstate = dp_ ? dp_->compression_state() : std::map<std::string, Tensor>();
-  if (!cstate.empty()) {
+  // A part one rank cannot write fails every rank alike (no rank left waiting in a collective).
+  auto write_part = [&] {
+    if (cstate.empty()) return;
     CheckpointState cs;
     for (const auto& [key, t] : cstate) cs.tensors["compress/" + key] = t;
     cs.strings["compression"] = cfg_.compression;
@@ -302,9 +281,19 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
     cs.ints["rank"] = rank_;
     cs.ints["world_size"] = world_;
     save_checkpoint(path.string() + ".rank" + std::to_string(rank_), cs);
-  }
-  if (world_ > 1 && dp_ && dp_->compressor()) comm_.barrier();
-  if (rank_ == 0) {  // data parallel: every rank holds the same parameters
+  };
+  if (dp_ && dp_->compressor())
+    comm::agree_on_inputs(comm_, write_part);
+  else
+    write_part();
+  // Rank 0 writes the checkpoint (data parallel: every rank holds the same parameters); the
+  // agreement doubles as the barrier that keeps every rank behind a checkpoint that may fail.
+  comm::agree_on_inputs(comm_, [&] { write_main(path, optim_state, cstate.empty(), epoch, batch_in_epoch); });
+}
+
+void Trainer::write_main(const fs::path& path, std::map<std::string, Tensor>& optim_state, bool no_parts,
+                         int64_t epoch, int64_t batch_in_epoch) {
+  if (rank_ == 0) {
     CheckpointState s;
     for (nn::Parameter* p : model_->parameters()) s.tensors["param/" + p->name] = to_host(p->value);
     for (nn::Buffer* b : model_->buffers()) s.tensors["buffer/" + b->name] = to_host(b->value);
@@ -318,7 +307,7 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
     s.ints["world_size"] = world_;
     s.ints["per_rank_batch"] = batch_;
     s.ints["accumulate"] = cfg_.accumulate;
-    s.ints["compression_ranks"] = cstate.empty() ? 0 : world_;  // ranks with a <checkpoint>.rank<r> part
+    s.ints["compression_ranks"] = no_parts ? 0 : world_;  // ranks with a <checkpoint>.rank<r> part
     s.strings["compression"] = cfg_.compression;
     if (scaler_) {
       s.tensors["meta/loss_scale"] = Tensor::from({1}, {scaler_->scale()});
@@ -348,9 +337,18 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
         if (e.path().filename().string().rfind(parts, 0) == 0) fs::remove(e.path());
       fs::remove(all[i]);
     }
+    // Parts of an older checkpoint that was never written (the job died between the parts and the
+    // checkpoint itself) would otherwise stay forever.
+    const std::string mine = path.filename().string();
+    for (const auto& e : fs::directory_iterator(cfg_.checkpoint_dir)) {
+      const std::string n = e.path().filename().string();
+      const size_t at = n.find(".h5.rank");
+      if (n.rfind("ckpt-step", 0) != 0 || at == std::string::npos) continue;
+      const std::string base = n.substr(0, at + 3);
+      if (base < mine && !fs::exists(fs::path(cfg_.checkpoint_dir) / base)) fs::remove(e.path());
+    }
     if (!progress_->bar()) say("checkpoint " + path.string());
   }
-  if (world_ > 1) comm_.barrier();  // nobody runs ahead of a checkpoint that may fail
 }
 
 void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
@@ -426,6 +424,9 @@ void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
     } else {
       say("resume: --compression or the rank count changed since the checkpoint; error feedback restarts from zero");
     }
+  } else if (cranks != s.ints.end() && cranks->second > 0) {
+    say("resume: the checkpoint kept gradient compression state (--compression " + s.strings["compression"] +
+        "); this run does not compress, so it is not used");
   }
   opt_->set_steps(need("optimizer_steps"));
   epoch = need("epoch");
@@ -504,7 +505,8 @@ EvalResult Trainer::evaluate(const data::ShardedHdf5Dataset& ds) {
 TrainResult Trainer::run() {
   TrainResult result;
   int64_t start_epoch = 0, skip = 0;
-  if (!cfg_.resume.empty()) restore(cfg_.resume, start_epoch, skip);
+  // A checkpoint part or file one rank cannot read fails every rank alike.
+  if (!cfg_.resume.empty()) comm::agree_on_inputs(comm_, [&] { restore(cfg_.resume, start_epoch, skip); });
   if (dp_) dp_->broadcast_state(0);
   PreemptionGuard preemption(parse_signal_list(cfg_.preempt_signals, "preempt-signals"));
   ChromeTrace trace(cfg_.trace, rank_, cfg_.trace_steps);

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "../train/train_test_util.h"
 #include "dtrain/comm/communicator.h"
@@ -183,6 +184,47 @@ TEST(DataParallel, CompressedRunsResumeExactly) {
     world.barrier();
     if (world.rank() == 0) std::filesystem::remove_all(dir);
   }
+}
+
+TEST(DataParallel, OneRanksCheckpointPartFailureFailsEveryRank) {
+  // A part only rank 1 cannot write (its temporary file's name is taken by a directory), then a
+  // part only rank 1 cannot read (not HDF5): every rank throws the same InputError naming rank 1's
+  // file, none waits in a collective for rank 1, and no checkpoint without its parts appears.
+  comm::Communicator& world = comm::Runtime::get().world();
+  if (world.size() == 1) GTEST_SKIP() << "needs several ranks";
+  const std::string dir = dataset() + "-ckpt-fail", ckpt = dir + "/ckpt-step000000010.h5";
+  if (world.rank() == 0) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(ckpt + ".rank1.tmp");
+  }
+  world.barrier();
+  std::vector<std::string> args = {"--model", "simple_cnn", "--optimizer", "sgd", "--lr", "0.05",
+                                   "--compression", "topk:0.05", "--compression-warmup", "4"};
+  std::vector<std::string> straight = args, resumed = args;
+  straight.insert(straight.end(), {"--checkpoint-dir", dir, "--checkpoint-every", "10"});
+  resumed.insert(resumed.end(), {"--resume", ckpt});
+  try {
+    train_params(config(straight), world);
+    ADD_FAILURE() << "rank " << world.rank() << " finished although rank 1 could not write its part";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt-step000000010.h5.rank1.tmp"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(ckpt)) << "a checkpoint without rank 1's part";
+  world.barrier();
+  if (world.rank() == 0) std::filesystem::remove_all(ckpt + ".rank1.tmp");
+  world.barrier();
+  train_params(config(straight), world);
+  world.barrier();
+  if (world.rank() == 0) std::ofstream(ckpt + ".rank1", std::ios::trunc) << "not a checkpoint";
+  world.barrier();
+  try {
+    train_params(config(resumed), world);
+    ADD_FAILURE() << "rank " << world.rank() << " resumed although rank 1's part is broken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt-step000000010.h5.rank1"), std::string::npos) << e.what();
+  }
+  world.barrier();
+  if (world.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 TEST(DataParallel, OnGpusThroughNcclMatchesOneRank) {

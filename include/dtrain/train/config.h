@@ -43,7 +43,7 @@ struct TrainConfig {
   // precision: fp32, or bf16/fp16 GEMM and convolution inputs with fp32 accumulation and fp32
   // master weights; fp16 adds dynamic loss scaling
   std::string precision = "fp32";
-  std::string device = "cpu";  // "cpu" or "cuda" (one GPU, one rank)
+  std::string device = "cpu";  // "cpu" or "cuda" (one GPU per rank)
   int64_t loss_scale_interval = 2000;
   float loss_scale_init = 65536.f;  // fp16: the first loss scale
   // runtime

@@ -34,7 +34,7 @@ struct LmConfig {
   std::string precision = "fp32";       // "fp32", "bf16", "fp16" (GEMM inputs rounded, f32 accumulation), "tf32" (GPU)
   int64_t loss_scale_interval = 2000;   // fp16: finite steps in a row before the loss scale doubles
   float loss_scale_init = 65536.f;      // fp16: the first loss scale
-  std::string device = "cpu";           // "cpu" or "cuda" (one GPU, one rank)
+  std::string device = "cpu";           // "cpu" or "cuda" (one GPU per rank; the GPT: tp = pp = 1)
   int threads = 0;                      // 0: leave the engine's setting
   uint64_t seed = 1;
   std::string metrics;           // JSON-lines file (rank 0)

@@ -1,6 +1,8 @@
 #pragma once
 // The training loop: data (sharded HDF5 or synthetic) -> model forward/backward -> data-parallel
 // gradient exchange -> optimizer, with evaluation, metrics, progress and checkpoints.
+#include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -43,10 +45,13 @@ class Trainer {
   int64_t per_rank_batch() const { return batch_; }
 
  private:
-  void setup();  // everything the constructor does; the ranks agree on its outcome
+  void setup();           // options, data, model: the ranks agree on its outcome
+  void setup_exchange();  // data parallel (NCCL), optimizer, schedule, metrics: agreed in turn
   void build_optimizer();
   float topk_momentum_correction() const;
   void save(int64_t epoch, int64_t batch_in_epoch);
+  void write_main(const std::filesystem::path& path, std::map<std::string, Tensor>& optim_state, bool no_parts,
+                  int64_t epoch, int64_t batch_in_epoch);  // rank 0: the checkpoint itself, then pruning
   void restore(const std::string& path, int64_t& epoch, int64_t& skip);
   void say(const std::string& s);
   int agree_on_preemption();
