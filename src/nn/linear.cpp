@@ -58,8 +58,15 @@ Tensor& Linear::project(const Tensor& x) {
   Shape ys = x.shape();
   ys.back() = out_;
   Tensor& y = ensure_output(y_, ys, x.device());
-  e.gemm(false, true, m, out_, in_, 1.f, x, gemm_operand(e, *w_, m, out_), 0.f, y);
+  e.gemm(false, true, m, out_, in_, 1.f, reads_copy(e, m, out_) ? x_copy_ : x, gemm_operand(e, *w_, m, out_), 0.f, y);
   return y;
+}
+
+// Whether an m x n GEMM may read the low-precision input copy in place of the input: the engine
+// would round the input to that precision for it anyway (the same products, one rounding less).
+bool Linear::reads_copy(const Engine& e, int64_t m, int64_t n) const {
+  if (!copy_input_ || !x_copy_.defined() || !e.rounds_gemm(m, n)) return false;
+  return x_copy_.dtype() == (e.math_precision() == MathPrecision::F16 ? DType::F16 : DType::BF16);
 }
 
 void Linear::add_bias(Tensor& y) {
@@ -82,11 +89,21 @@ const Tensor& Linear::saved_input(Device dev) {
 
 // dW (out, in) += dy^T (out, M) . x (M, in); db += sum_rows dy; dx (M, in) = dy (M, out) . W (out, in)
 Tensor Linear::backward(const Tensor& dy) {
-  const Tensor& x = saved_input(dy.device());
-  const int64_t m = x.numel() / in_;
-  DT_CHECK(dy.numel() == m * out_, kind() << " backward got " << dy.str());
   Engine& e = engine(dy);
-  e.gemm(true, false, out_, in_, m, 1.f, dy, x, 1.f, w_->grad);
+  const int64_t m = (copy_input_ ? x_copy_ : x_).numel() / in_;
+  DT_CHECK(dy.numel() == m * out_, kind() << " backward got " << dy.str());
+  // dW reads the bf16/f16 input copy as it is where its GEMM rounds to that precision, else the
+  // input (the copy widened to f32).
+  const Tensor& x = reads_copy(e, out_, in_) ? x_copy_ : saved_input(dy.device());
+  // Where both GEMMs round dy to bf16/f16, it is rounded once, into scratch (the same numbers).
+  const Tensor* g = &dy;
+  if (needs_input_grad_ && dy.dtype() == DType::F32 && e.rounds_gemm(out_, in_) && e.rounds_gemm(m, in_)) {
+    const DType low = e.math_precision() == MathPrecision::F16 ? DType::F16 : DType::BF16;
+    Tensor& r = ensure_temp(dy_low_, dy.shape(), dy.device(), low);
+    e.cast(dy, r);
+    g = &r;
+  }
+  e.gemm(true, false, out_, in_, m, 1.f, *g, x, 1.f, w_->grad);
   grad_ready(*w_);
   if (b_) {
     e.row_bias_grad(dy, b_->grad);
@@ -94,7 +111,7 @@ Tensor Linear::backward(const Tensor& dy) {
   }
   if (!needs_input_grad_) return Tensor();
   Tensor& dx = ensure(dx_, x.shape(), dy.device());
-  e.gemm(false, false, m, in_, out_, 1.f, dy, gemm_operand(e, *w_, m, in_), 0.f, dx);
+  e.gemm(false, false, m, in_, out_, 1.f, *g, gemm_operand(e, *w_, m, in_), 0.f, dx);
   return dx;
 }
 

@@ -228,7 +228,7 @@ TEST(ActivationCheckpointing, SameGradientsLessMemory) {
 // Under bf16 math the blocks' GEMM inputs can be held as bf16 copies (GptConfig::copy_gemm_inputs):
 // the GEMMs round their operands to bf16 anyway, so outputs and gradients are bitwise the same,
 // and fewer activation bytes are held between forward and backward. In fp32 the copies are f32:
-// the same numbers again.
+// the same numbers again. fp16 holds f16 copies, as bf16 does bf16 ones.
 TEST(Bf16Activations, SameGradientsFewerBytes) {
   nn::GptConfig cfg = tiny_gpt(19, 16, 2, 2, 32, 5);
   nn::GptConfig copying = cfg;
@@ -239,7 +239,7 @@ TEST(Bf16Activations, SameGradientsFewerBytes) {
   for (int64_t i = 0; i < b * t; ++i) ids.data<int32_t>()[i] = static_cast<int32_t>(rng.below(19));
   Tensor r = random_tensor({b * t, cfg.vocab}, rng);
   Engine& e = cpu_engine();
-  for (MathPrecision prec : {MathPrecision::BF16, MathPrecision::F32}) {
+  for (MathPrecision prec : {MathPrecision::BF16, MathPrecision::F16, MathPrecision::F32}) {
     e.set_math_precision(prec);
     nn::Gpt plain(cfg), copy(copying);
     auto pa = plain.parameters(), pb = copy.parameters();
@@ -252,7 +252,7 @@ TEST(Bf16Activations, SameGradientsFewerBytes) {
       Tensor ya = plain.forward(ids).clone(), yb = copy.forward(ids).clone();
       for (int64_t i = 0; i < ya.numel(); ++i) ASSERT_EQ(ya.f32()[i], yb.f32()[i]) << math_precision_name(prec);
       size_t held_plain = plain.activation_bytes(), held_copy = copy.activation_bytes();
-      if (prec == MathPrecision::BF16) {
+      if (prec != MathPrecision::F32) {
         // Per block: LayerNorm outputs (2C), attention output (C) and GELU output (4C) per token
         // go from 4 to 2 bytes: 14C bytes of each token's share.
         EXPECT_EQ(held_plain - held_copy, static_cast<size_t>(cfg.layers * b * t * 14 * cfg.width))

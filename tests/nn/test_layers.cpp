@@ -59,6 +59,38 @@ TEST(WorkingCopies, LinearReadsTheCopyTheEngineWouldRoundTo) {
   EXPECT_FALSE(l.weight().working.defined());
 }
 
+// Under bf16/f16 math a Linear rounds dy once for both backward GEMMs: its dW, db and dx are
+// bitwise the engine's own GEMMs on the f32 dy (which round it inside), for both precisions.
+TEST(LowPrecisionLinear, RoundingDyOnceChangesNoBit) {
+  Rng rng(12);
+  Tensor x = random_tensor({40, 24}, rng), dy = random_tensor({40, 32}, rng);
+  Engine& e = cpu_engine();
+  struct Restore {
+    ~Restore() { cpu_engine().set_math_precision(MathPrecision::F32); }
+  } restore;
+  for (MathPrecision prec : {MathPrecision::BF16, MathPrecision::F16}) {
+    e.set_math_precision(prec);
+    Rng init(5);
+    nn::Linear l(24, 32, true, init);
+    l.forward(x);
+    Tensor dx = l.backward(dy).clone();
+    Tensor dw = Tensor::zeros({32, 24}), want_dx = Tensor::zeros({40, 24});
+    e.gemm(true, false, 32, 24, 40, 1.f, dy, x, 1.f, dw);
+    e.gemm(false, false, 40, 24, 32, 1.f, dy, l.weight().value, 0.f, want_dx);
+    for (int64_t i = 0; i < dw.numel(); ++i)
+      ASSERT_EQ(dw.f32()[i], l.weight().grad.f32()[i]) << "dW " << i << " " << math_precision_name(prec);
+    for (int64_t i = 0; i < dx.numel(); ++i)
+      ASSERT_EQ(want_dx.f32()[i], dx.f32()[i]) << "dx " << i << " " << math_precision_name(prec);
+    // The products did round: fp32 math gives other bits.
+    e.set_math_precision(MathPrecision::F32);
+    Tensor f32_dx = Tensor::zeros({40, 24});
+    e.gemm(false, false, 40, 24, 32, 1.f, dy, l.weight().value, 0.f, f32_dx);
+    bool differs = false;
+    for (int64_t i = 0; i < dx.numel(); ++i) differs |= f32_dx.f32()[i] != dx.f32()[i];
+    EXPECT_TRUE(differs) << math_precision_name(prec);
+  }
+}
+
 TEST(Gradients, Conv2dStrideAndPadding) {
   for (auto [k, s, p] : {std::tuple{3, 1, 1}, {3, 2, 1}, {1, 1, 0}, {5, 2, 2}}) {
     Rng rng(3);

@@ -41,6 +41,8 @@ class Linear : public Module {
   Tensor x_copy_, x_wide_;  // the input copy (bf16, f16 or f32); its f32 widening in backward (scratch)
   // The input backward multiplies by: x_, or x_copy_ widened to f32.
   const Tensor& saved_input(Device dev);
+  bool reads_copy(const Engine& e, int64_t m, int64_t n) const;
+  Tensor dy_low_;  // dy rounded once for both backward GEMMs (scratch)
 };
 
 class Conv2d : public Module {
