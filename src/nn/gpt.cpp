@@ -62,8 +62,15 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   DT_CHECK(qkv.numel() == b_ * t_ * 3 * hc, kind() << ": qkv gave " << qkv.str());
   ensure_temp(split_, {3, b_ * t_, hc}, dev);
   e.permute_0213(qkv, 1, b_ * t_, 3, hc, split_);  // [3, B*T, H*hd]
-  ensure(qkvh_, {3 * bh, t_, hd_}, dev);
-  e.permute_0213(split_, 3 * b_, t_, h_, hd_, qkvh_);  // [3B, H, T, hd]
+  low_ = !e.rounds_gemm(t_, t_) || !e.rounds_gemm(t_, hd_)            ? DType::F32
+         : e.math_precision() == MathPrecision::F16 ? DType::F16 : DType::BF16;
+  if (low_ == DType::F32) {
+    ensure(qkvh_, {3 * bh, t_, hd_}, dev);
+    e.permute_0213(split_, 3 * b_, t_, h_, hd_, qkvh_);  // [3B, H, T, hd]
+  } else {
+    e.permute_0213(split_, 3 * b_, t_, h_, hd_, ensure_temp(wide_, {3 * bh, t_, hd_}, dev));
+    e.cast(wide_, ensure(qkvh_, {3 * bh, t_, hd_}, dev, low_));
+  }
   ensure_temp(scores_, {bh, t_, t_}, dev);             // dead once softmax has run
   ensure(att_, {bh, t_, t_}, dev);
   ensure_temp(yh_, {bh, t_, hd_}, dev);  // permuted into y_ at once
@@ -97,11 +104,22 @@ Tensor CausalSelfAttention::backward(const Tensor& dout) {
   Tensor q = heads.slice0(0, bh), k = heads.slice0(bh, 2 * bh), v = heads.slice0(2 * bh, 3 * bh);
   Tensor dq = dheads.slice0(0, bh), dk = dheads.slice0(bh, 2 * bh), dv = dheads.slice0(2 * bh, 3 * bh);
   const int64_t qs = t_ * hd_, ss = t_ * t_;
-  e.gemm_batched(bh, false, true, t_, t_, hd_, 1.f, dyh_, qs, v, qs, 0.f, datt_, ss);  // datt = dy v^T
-  e.gemm_batched(bh, true, false, t_, hd_, t_, 1.f, att_, ss, dyh_, qs, 0.f, dv, qs);  // dv = att^T dy
+  const Tensor* g = &dyh_;
+  if (low_ != DType::F32) {
+    DT_CHECK(qkvh_.dtype() == low_, kind() << ": heads held in " << dtype_name(qkvh_.dtype()));
+    e.cast(dyh_, ensure_temp(dyh_low_, dyh_.shape(), dev, low_));
+    g = &dyh_low_;
+  }
+  e.gemm_batched(bh, false, true, t_, t_, hd_, 1.f, *g, qs, v, qs, 0.f, datt_, ss);  // datt = dy v^T
+  e.gemm_batched(bh, true, false, t_, hd_, t_, 1.f, att_, ss, *g, qs, 0.f, dv, qs);  // dv = att^T dy
   e.causal_softmax_backward(att_, datt_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), dscores_);
-  e.gemm_batched(bh, false, false, t_, hd_, t_, 1.f, dscores_, ss, k, qs, 0.f, dq, qs);  // dq = ds k (scale in ds)
-  e.gemm_batched(bh, true, false, t_, hd_, t_, 1.f, dscores_, ss, q, qs, 0.f, dk, qs);   // dk = ds^T q
+  const Tensor* ds = &dscores_;
+  if (low_ != DType::F32) {
+    e.cast(dscores_, ensure_temp(ds_low_, dscores_.shape(), dev, low_));
+    ds = &ds_low_;
+  }
+  e.gemm_batched(bh, false, false, t_, hd_, t_, 1.f, *ds, ss, k, qs, 0.f, dq, qs);  // dq = ds k (scale in ds)
+  e.gemm_batched(bh, true, false, t_, hd_, t_, 1.f, *ds, ss, q, qs, 0.f, dk, qs);   // dk = ds^T q
   // Back to [B, T, 3, H, hd]: [3B, H, T, hd] -> [3B, T, H, hd] = [3, B*T, C] -> [B*T, 3, C].
   ensure_temp(split_, {3, b_ * t_, hc}, dev);
   e.permute_0213(dqkvh_, 3 * b_, h_, t_, hd_, split_);

@@ -225,6 +225,71 @@ TEST(ActivationCheckpointing, SameGradientsLessMemory) {
   }
 }
 
+// Under bf16/f16 math attention holds q, k and v in that precision and rounds dy's heads and
+// d(scores) once for their two GEMMs each: every output and gradient is bitwise what the engine's
+// own GEMMs give on the f32 operands (which they round inside), built here step by step.
+TEST(LowPrecisionAttention, HeldHeadsChangeNoBit) {
+  const int64_t b = 2, t = 16, c = 64, h = 2, hd = c / h, bh = b * h;
+  Engine& e = cpu_engine();
+  struct Restore {
+    ~Restore() { cpu_engine().set_math_precision(MathPrecision::F32); }
+  } restore;
+  for (MathPrecision prec : {MathPrecision::BF16, MathPrecision::F16}) {
+    e.set_math_precision(prec);
+    Rng rng(21);
+    nn::CausalSelfAttention attn(c, h, rng);
+    Tensor x = random_tensor({b, t, c}, rng), dout = random_tensor({b, t, c}, rng);
+    Tensor out = attn.forward(x).clone();
+    Tensor dx = attn.backward(dout).clone();
+    std::vector<Tensor> grads;
+    for (nn::Parameter* p : attn.parameters()) {
+      grads.push_back(p->grad.clone());
+      p->grad.zero_();
+    }
+    auto* qkv_l = dynamic_cast<nn::Linear*>(attn.children()[0].second);
+    auto* proj_l = dynamic_cast<nn::Linear*>(attn.children()[1].second);
+    ASSERT_TRUE(qkv_l && proj_l);
+    // The reference: f32 heads, each GEMM rounding its own operands.
+    Tensor qkv = qkv_l->forward(x).clone();
+    Tensor split = Tensor::zeros({3, b * t, c}), heads = Tensor::zeros({3 * bh, t, hd});
+    e.permute_0213(qkv, 1, b * t, 3, c, split);
+    e.permute_0213(split, 3 * b, t, h, hd, heads);
+    Tensor hv = heads.reshape({3 * bh, t * hd});
+    Tensor q = hv.slice0(0, bh), k = hv.slice0(bh, 2 * bh), v = hv.slice0(2 * bh, 3 * bh);
+    const int64_t qs = t * hd, ss = t * t;
+    const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+    Tensor scores = Tensor::zeros({bh, t, t}), att = Tensor::zeros({bh, t, t}), yh = Tensor::zeros({bh, t, hd});
+    e.gemm_batched(bh, false, true, t, t, hd, 1.f, q, qs, k, qs, 0.f, scores, ss);
+    e.causal_softmax_forward(scores, t, scale, att);
+    e.gemm_batched(bh, false, false, t, hd, t, 1.f, att, ss, v, qs, 0.f, yh, qs);
+    Tensor y = Tensor::zeros({b, t, c});
+    e.permute_0213(yh, b, h, t, hd, y);
+    Tensor want_out = proj_l->forward(y).clone();
+    Tensor dy = proj_l->backward(dout).clone();
+    Tensor dyh = Tensor::zeros({bh, t, hd}), datt = Tensor::zeros({bh, t, t}), ds = Tensor::zeros({bh, t, t});
+    Tensor dheads = Tensor::zeros({3 * bh, t, hd});
+    Tensor dv_ = dheads.reshape({3 * bh, t * hd});
+    Tensor dq = dv_.slice0(0, bh), dk = dv_.slice0(bh, 2 * bh), dv = dv_.slice0(2 * bh, 3 * bh);
+    e.permute_0213(dy, b, t, h, hd, dyh);
+    e.gemm_batched(bh, false, true, t, t, hd, 1.f, dyh, qs, v, qs, 0.f, datt, ss);
+    e.gemm_batched(bh, true, false, t, hd, t, 1.f, att, ss, dyh, qs, 0.f, dv, qs);
+    e.causal_softmax_backward(att, datt, t, scale, ds);
+    e.gemm_batched(bh, false, false, t, hd, t, 1.f, ds, ss, k, qs, 0.f, dq, qs);
+    e.gemm_batched(bh, true, false, t, hd, t, 1.f, ds, ss, q, qs, 0.f, dk, qs);
+    Tensor dsplit = Tensor::zeros({3, b * t, c}), dqkv = Tensor::zeros({b, t, 3 * c});
+    e.permute_0213(dheads, 3 * b, h, t, hd, dsplit);
+    e.permute_0213(dsplit, 1, 3, b * t, c, dqkv);
+    Tensor want_dx = qkv_l->backward(dqkv).clone();
+    const char* name = math_precision_name(prec);
+    for (int64_t i = 0; i < out.numel(); ++i) ASSERT_EQ(want_out.f32()[i], out.f32()[i]) << "out " << i << " " << name;
+    for (int64_t i = 0; i < dx.numel(); ++i) ASSERT_EQ(want_dx.f32()[i], dx.f32()[i]) << "dx " << i << " " << name;
+    auto params = attn.parameters();
+    for (size_t p = 0; p < params.size(); ++p)
+      for (int64_t i = 0; i < grads[p].numel(); ++i)
+        ASSERT_EQ(params[p]->grad.f32()[i], grads[p].f32()[i]) << params[p]->name << " " << i << " " << name;
+  }
+}
+
 // Under bf16 math the blocks' GEMM inputs can be held as bf16 copies (GptConfig::copy_gemm_inputs):
 // the GEMMs round their operands to bf16 anyway, so outputs and gradients are bitwise the same,
 // and fewer activation bytes are held between forward and backward. In fp32 the copies are f32:

@@ -49,6 +49,12 @@ class CausalSelfAttention : public Module {
   // y_ [B, T, H*hd]; split_ [3, B*T, H*hd] (between the two permutes, scratch)
   Tensor qkvh_, scores_, att_, yh_, y_, split_;
   Tensor dyh_, datt_, dscores_, dqkvh_, dqkv_;  // dscores_ shares scores_'s buffer
+  // Where every attention GEMM rounds its operands to bf16/f16 (Engine::rounds_gemm), the heads are
+  // held in that precision (qkvh_ then is a low-precision copy of wide_, scratch), and dy's heads
+  // and d(scores) are rounded once for their two GEMMs each (dyh_low_, ds_low_, scratch): the same
+  // products, fewer roundings, half the bytes held for q, k and v.
+  DType low_ = DType::F32;
+  Tensor wide_, dyh_low_, ds_low_;
 };
 
 // One pre-LN transformer block: x + attn(ln1(x)), then + mlp(ln2(.)); mlp = C -> 4C, GELU, -> C.
