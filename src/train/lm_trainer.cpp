@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <sstream>
 
@@ -296,7 +297,9 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   const parallel::ParameterTensor value = [](nn::Parameter& p) -> Tensor& { return p.value; };
   comm::Communicator* tp_comm = grid ? &grid->tp() : nullptr;
   int64_t start_step = 0;
-  if (!cfg.resume.empty()) {
+  // Every rank reads the checkpoint; one that cannot (a file its node does not see) fails them all.
+  auto resume = [&] {
+    if (cfg.resume.empty()) return;
     const std::string file = resolve_checkpoint(cfg.resume);
     try {
       CheckpointState st = load_gpt_checkpoint(file);
@@ -335,7 +338,11 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     DT_INPUT_CHECK(start_step < cfg.steps,
                    "--resume " << file << " is at step " << start_step << ", not before --steps " << cfg.steps);
     if (speak) std::printf("resumed from %s at step %lld\n", file.c_str(), static_cast<long long>(start_step));
-  }
+  };
+  if (world_comm)
+    comm::agree_on_inputs(*world_comm, resume);
+  else
+    resume();
 
   std::unique_ptr<MetricsWriter> metrics;
   if (rank == 0 && !cfg.metrics.empty()) metrics = std::make_unique<MetricsWriter>(cfg.metrics, false);
@@ -432,9 +439,19 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     st.ints["tp"] = tp_size;
     st.ints["dp"] = dp_size;
     const bool writer = dp_rank == 0 && tp_rank == 0;
-    if (writer && stage > 0) save_checkpoint(stage_file(file, stage), st);
-    if (grid && pp_size > 1) grid->world().barrier();
-    if (writer && stage == 0) {
+    // A file one writer cannot write fails every rank alike (agree_on_inputs): no rank is left
+    // waiting for it in a collective. The agreements double as the barriers between the parts.
+    auto agreed = [&](const std::function<void()>& fn) {
+      if (grid)
+        comm::agree_on_inputs(grid->world(), fn);
+      else
+        fn();
+    };
+    agreed([&] {
+      if (writer && stage > 0) save_checkpoint(stage_file(file, stage), st);
+    });
+    agreed([&] {
+      if (!writer || stage != 0) return;
       save_checkpoint(file, st);
       std::vector<fs::path> all;  // whole sets, oldest first: the main file and its stage parts
       for (const auto& e : fs::directory_iterator(cfg.checkpoint_dir)) {
@@ -449,8 +466,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
           if (e.path().filename().string().rfind(stem, 0) == 0) fs::remove(e.path());
         fs::remove(all[i]);
       }
-    }
-    if (grid) grid->world().barrier();  // nobody runs ahead of a checkpoint that may fail
+    });  // nobody runs ahead of a checkpoint that may fail
     if (speak) std::printf("checkpoint %s\n", file.c_str());
     return file;
   };

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <map>
 
 #include <mpi.h>
@@ -469,6 +470,47 @@ TEST(TensorParallel, LmResumesFromOneRankInTp2AndBack) {
 TEST(Pipeline, LmResumesFromOneRankInTp2Pp2AndBack) {
   if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks (tp 2 x pp 2)";
   expect_resume_across_layouts(2, 2);
+}
+
+// A stage file only stage 1's writer cannot write: both ranks throw the same InputError naming the
+// file, neither waits in a collective for the other, and no checkpoint without its stage part
+// appears. Then a broken stage part on resume: every rank fails naming it.
+TEST(Pipeline, LmOneStagesCheckpointFailureFailsEveryRank) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2)";
+  std::filesystem::path dir = make_corpus("lm-ckpt-fail");
+  train::LmConfig c = test::small_lm_config(dir / "tok", small_gpt());
+  c.pp = 2;
+  c.checkpoint_every = 5;
+  c.checkpoint_dir = (dir / "ckpt").string();
+  const std::string main_file = c.checkpoint_dir + "/ckpt-step000000005.h5";
+  const std::string part = c.checkpoint_dir + "/ckpt-step000000005.stage1.h5";
+  if (world().rank() == 0) std::filesystem::create_directories(part + ".tmp");
+  world().barrier();
+  try {
+    train::train_lm(c, &world());
+    ADD_FAILURE() << "rank " << world().rank() << " finished although stage 1 could not write its part";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("stage1.h5.tmp"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(main_file)) << "a checkpoint without its stage 1 part";
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(part + ".tmp");
+  world().barrier();
+  train::train_lm(c, &world());
+  world().barrier();
+  train::LmConfig r = c;
+  r.resume = main_file;
+  r.checkpoint_dir.clear();
+  if (world().rank() == 1) std::ofstream(part, std::ios::trunc) << "not a checkpoint";
+  world().barrier();
+  try {
+    train::train_lm(r, &world());
+    ADD_FAILURE() << "rank " << world().rank() << " resumed from a broken stage part";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("stage1.h5"), std::string::npos) << e.what();
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
 // Mixed precision's weight copies change no number in a pipeline either: the bf16 LM trainer at pp 2
