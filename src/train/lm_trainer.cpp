@@ -345,7 +345,13 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     resume();
 
   std::unique_ptr<MetricsWriter> metrics;
-  if (rank == 0 && !cfg.metrics.empty()) metrics = std::make_unique<MetricsWriter>(cfg.metrics, false);
+  auto open_metrics = [&] {  // rank 0 only: the others learn of a failure through the agreement
+    if (rank == 0 && !cfg.metrics.empty()) metrics = std::make_unique<MetricsWriter>(cfg.metrics, false);
+  };
+  if (world_comm)
+    comm::agree_on_inputs(*world_comm, open_metrics);
+  else
+    open_metrics();
   if (speak) {
     std::printf(
         "%s, %lld parameters on rank 0, dp %d x tp %d x pp %d, batch %lld x %lld tokens per dp rank, %lld train / "

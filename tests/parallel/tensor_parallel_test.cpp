@@ -474,7 +474,8 @@ TEST(Pipeline, LmResumesFromOneRankInTp2Pp2AndBack) {
 
 // A stage file only stage 1's writer cannot write: both ranks throw the same InputError naming the
 // file, neither waits in a collective for the other, and no checkpoint without its stage part
-// appears. Then a broken stage part on resume: every rank fails naming it.
+// appears. Then a broken stage part on resume: every rank fails naming it; and a metrics file
+// rank 0 cannot open.
 TEST(Pipeline, LmOneStagesCheckpointFailureFailsEveryRank) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2)";
   std::filesystem::path dir = make_corpus("lm-ckpt-fail");
@@ -508,6 +509,16 @@ TEST(Pipeline, LmOneStagesCheckpointFailureFailsEveryRank) {
     ADD_FAILURE() << "rank " << world().rank() << " resumed from a broken stage part";
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("stage1.h5"), std::string::npos) << e.what();
+  }
+  // A metrics file only rank 0 opens, and cannot: every rank fails naming the option.
+  train::LmConfig m = c;
+  m.checkpoint_dir.clear();
+  m.metrics = "/proc/dtrain-no-such-dir/metrics.jsonl";
+  try {
+    train::train_lm(m, &world());
+    ADD_FAILURE() << "rank " << world().rank() << " trained although rank 0 could not open --metrics";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--metrics"), std::string::npos) << e.what();
   }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
