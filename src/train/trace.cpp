@@ -23,7 +23,9 @@ void ChromeTrace::span(const char* name, double begin_s, double end_s, int64_t s
 void ChromeTrace::write(comm::Communicator& comm) {
   if (path_.empty()) return;
   std::string part = path_ + ".rank" + std::to_string(rank_);
-  {
+  // Each step is agreed over the ranks (agree_on_inputs): a part one rank cannot write, or rank 0
+  // cannot find (no shared file system), fails every rank naming it instead of a hang.
+  comm::agree_on_inputs(comm, [&] {
     std::ofstream f(part);
     DT_INPUT_CHECK(f, "option --trace: cannot write '" << part << "'");
     // Microseconds from this rank's first traced step ("X": a complete event with a duration).
@@ -38,9 +40,9 @@ void ChromeTrace::write(comm::Communicator& comm) {
                     static_cast<long long>(s.step));
       f << line;
     }
-  }
-  comm.barrier();
-  if (rank_ == 0) {
+  });
+  comm::agree_on_inputs(comm, [&] {
+    if (rank_ != 0) return;
     std::ofstream out(path_);
     DT_INPUT_CHECK(out, "option --trace: cannot write '" << path_ << "'");
     out << "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
@@ -55,8 +57,7 @@ void ChromeTrace::write(comm::Communicator& comm) {
       std::filesystem::remove(p);
     }
     out << "\n]}\n";
-  }
-  comm.barrier();
+  });
 }
 
 }  // namespace dtrain::train

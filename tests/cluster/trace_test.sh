@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `dtrain train --trace FILE` on 2 ranks: one valid Chrome trace JSON holding both ranks' data wait,
-# forward+backward, communication wait and optimizer spans for exactly --trace-steps steps.
+# forward+backward, communication wait and optimizer spans for exactly --trace-steps steps; and a
+# part one rank cannot write fails the job on every rank, naming it.
 # usage: trace_test.sh DTRAIN_BIN WORK_DIR   (skipped, 77, without /usr/bin/python3 to read the JSON)
 set -euo pipefail
 bin=$1 work=$2
@@ -21,3 +22,16 @@ assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
 assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"rank 0", "rank 1"}
 print("PASS:", len(spans), "spans")
 PY
+
+# A part only rank 1 cannot write (its name is taken by a directory): every rank exits non-zero
+# within the time limit, the message names the part, and no merged trace appears.
+rm -rf "$work" && mkdir -p "$work/trace.json.rank1"
+set +e
+out=$(timeout 60 mpiexec -n 2 --oversubscribe --bind-to none "$bin" train --synthetic --model mlp --steps 10 \
+  --threads 1 --progress off --trace "$work/trace.json" 2>&1)
+rc=$?
+set -e
+[[ $rc -ne 0 && $rc -ne 124 ]] || { echo "FAIL: exit $rc (124: hung) with rank 1's part unwritable"; echo "$out"; exit 1; }
+grep -q "trace.json.rank1" <<<"$out" || { echo "FAIL: the message does not name rank 1's part"; echo "$out"; exit 1; }
+[[ ! -e "$work/trace.json" ]] || { echo "FAIL: a merged trace without rank 1's part"; exit 1; }
+echo "PASS: rank 1's unwritable part fails the job: $(grep -m1 'error' <<<"$out")"
