@@ -40,6 +40,7 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
                  "data parallel on " << dev.str()
                                      << ": --zero1 and --compression other than topk run on the CPU engine only");
   engine_topk_ = topk && (!dev.is_cpu() || opt.engine_topk);
+  host_reads_device_ = !dev.is_cpu() && std::string(comm.backend()) != "nccl";
   const int64_t world = comm.size();
   const int64_t padded = (total + world - 1) / world * world;
   flat_param_ = zeros_on({padded}, dev);
@@ -90,7 +91,13 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
   model_.set_grad_ready_hook([this](nn::Parameter& p) { on_grad_ready(p); });
 }
 
-DataParallel::~DataParallel() { model_.set_grad_ready_hook(nullptr); }
+DataParallel::~DataParallel() {
+  model_.set_grad_ready_hook(nullptr);
+  try {
+    settle();  // nothing may still write into the buckets once they are freed
+  } catch (const std::exception&) {
+  }
+}
 
 std::map<std::string, Tensor> DataParallel::compression_state() const {
   if (compressor_ && !engine_topk_) return compressor_->state_tensors();
@@ -149,6 +156,7 @@ void DataParallel::set_step(int64_t step) {
 }
 
 void DataParallel::broadcast_state(int root) {
+  if (host_reads_device_) engine_for(flat_param_.device()).synchronize();
   std::vector<std::shared_ptr<comm::Work>> works{comm_.broadcast(flat_param_, root)};
   for (nn::Buffer* b : model_.buffers()) works.push_back(comm_.broadcast(b->value, root));
   for (auto& w : works) w->wait();
@@ -159,6 +167,7 @@ void DataParallel::broadcast_state(int root) {
 }
 
 void DataParallel::begin_backward(bool sync) {
+  settle();
   syncing_ = sync && comm_.size() > 1;
   for (Bucket& b : buckets_) {
     b.ready = 0;
@@ -183,6 +192,10 @@ void DataParallel::launch(Bucket& b) {
     int64_t before = compressor_->stats().bytes_sent;
     b.work = compressor_->reduce(view, comm_, comm::ReduceOp::Avg, static_cast<int>(&b - buckets_.data()), b.rows);
     stats_.bytes_sent += compressor_->stats().bytes_sent - before;
+  } else if (host_reads_device_) {
+    engine_for(view.device()).synchronize();  // finish() divides by the world on the device
+    b.work = comm_.allreduce(view, comm::ReduceOp::Sum);
+    stats_.bytes_sent += static_cast<int64_t>(view.nbytes());
   } else {
     b.work = comm_.allreduce(view, comm::ReduceOp::Avg);
     stats_.bytes_sent += static_cast<int64_t>(view.nbytes());
@@ -207,12 +220,30 @@ void DataParallel::finish() {
     // so every rank runs the same collectives in the same order.
     for (Bucket& b : buckets_)
       if (!b.work) launch(b);
-    for (Bucket& b : buckets_) b.work->wait();
+    for (Bucket& b : buckets_) complete(b.work);
     if (engine_topk_)
       for (Bucket& b : buckets_) finish_engine_topk(b, engine_topk_state_[static_cast<size_t>(&b - buckets_.data())]);
+    else if (host_reads_device_)
+      engine_for(flat_grad_.device()).scale(flat_grad_, 1.f / static_cast<float>(comm_.size()));
   }
   stats_.comm_wait_s += now_s() - t0;
   syncing_ = false;
+}
+
+void DataParallel::complete(const std::shared_ptr<comm::Work>& w) {
+  if (opt_.device_stream && w->order_stream(opt_.device_stream))
+    deferred_.push_back(w);
+  else
+    w->wait();
+}
+
+void DataParallel::settle() {
+  if (deferred_.empty()) return;
+  double t0 = now_s();
+  std::vector<std::shared_ptr<comm::Work>> works;
+  works.swap(deferred_);
+  for (auto& w : works) w->wait();
+  stats_.comm_wait_s += now_s() - t0;
 }
 
 // The same arithmetic as comm::TopKCompressor, in engine calls on the bucket's device: the
@@ -250,12 +281,13 @@ std::shared_ptr<comm::Work> DataParallel::launch_engine_topk(Bucket& b, EngineTo
     e.gather_and_clear(st.velocity, st.idx, none);  // momentum factor masking
   }
   stats_.bytes_sent += 8 * k;
+  if (host_reads_device_) e.synchronize();  // MPI reads the indices and values from the host's side
   st.idx_work = comm_.allgather(st.idx, st.all_idx);
   return comm_.allgather(st.vals, st.all_vals);
 }
 
 void DataParallel::finish_engine_topk(Bucket& b, EngineTopK& st) {
-  st.idx_work->wait();
+  complete(st.idx_work);
   Tensor view = flat_grad_.slice0(b.begin, b.end);
   Engine& e = engine_for(view.device());
   e.fill(view, 0.f);

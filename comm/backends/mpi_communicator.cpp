@@ -292,7 +292,19 @@ std::shared_ptr<MpiWork> MpiCommunicator::collective(const std::string& what, st
   return w;
 }
 
+namespace {
+// A CUDA-aware MPI moves device memory, but its reductions of 16-bit types (user-defined ops) and
+// Avg's division run on the host: device buffers take Sum, Max and Min of built-in types only.
+void check_device_reduction(const Tensor& t, ReduceOp op, const char* what) {
+  DT_CHECK(t.device().is_cpu() || (op != ReduceOp::Avg && t.dtype() != DType::BF16 && t.dtype() != DType::F16),
+           what << " of " << dtype_name(t.dtype()) << " on " << t.device().str() << " by " << reduce_op_name(op)
+                << ": the MPI backend reduces device buffers by sum, max or min of 32/64-bit types only (divide "
+                   "on the device after a sum)");
+}
+}  // namespace
+
 std::shared_ptr<Work> MpiCommunicator::do_allreduce(Tensor& t, ReduceOp op) {
+  check_device_reduction(t, op, "allreduce");
   MPI_Comm c = comm_;
   int n = size();
   auto body = [t, op, c, n] {
@@ -322,6 +334,7 @@ std::shared_ptr<Work> MpiCommunicator::do_allgather(const Tensor& in, Tensor& ou
 }
 
 std::shared_ptr<Work> MpiCommunicator::do_reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
+  check_device_reduction(in, op, "reduce_scatter");
   MPI_Comm c = comm_;
   int n = size();
   auto body = [in, out, op, c, n] {

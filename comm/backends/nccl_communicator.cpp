@@ -137,6 +137,13 @@ class NcclWork final : public Work {
     }
   }
 
+  bool order_stream(void* stream) override {
+    if (done_) return test();  // rethrows a failure
+    DT_COMM_CUDA_CHECK(cudaSetDevice(device_));
+    DT_COMM_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), ev_, 0));
+    return true;
+  }
+
   bool completed() const override { return done_; }
   std::string error() const override { return err_; }
   std::string description() const override { return desc_; }

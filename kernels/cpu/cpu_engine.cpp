@@ -111,6 +111,34 @@ Tensor stage_to(const Tensor& host, Device device, StagedTensor& st) {
   return st.device;
 }
 
+void stage_async(const Tensor& host, Device device, StagedTensor& st) {
+  if (device.is_cpu()) {
+    st.host = Tensor();
+    st.device = host;
+    st.uploaded.reset();
+    return;
+  }
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+  cuda::host_waits_for(st.uploaded);  // the page-locked buffer's last upload has left it
+  st.uploaded.reset();
+  if (!st.host.defined() || st.host.shape() != host.shape() || st.host.dtype() != host.dtype()) {
+    st.host = cuda::pinned_empty(host.shape(), host.dtype());
+    st.device = Tensor::empty(host.shape(), host.dtype(), device);
+  }
+  st.host.copy_from(host);
+  st.uploaded = cuda::upload_async(st.host, st.device);
+#else
+  stage_to(host, device, st);  // no GPU engine is built in: unreachable for a GPU device
+#endif
+}
+
+Tensor take_staged(StagedTensor& st) {
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+  if (st.uploaded) cuda::compute_waits_for(st.uploaded, st.device.device().index);
+#endif
+  return st.device;
+}
+
 // The CUDA engine lives in dtrain_kernels_cuda, which dtrain_kernels links when CUDA is found; the
 // registry is here, so the dependency points one way (kernels -> kernels_cuda -> core).
 int enable_cuda() {

@@ -67,6 +67,19 @@ void* comm_stream(int device) { return cuda_engine(device).comm(); }
 void comm_waits_for_compute(int device) { cuda_engine(device).comm_waits_for_compute(); }
 void compute_waits_for_comm(int device) { cuda_engine(device).compute_waits_for_comm(); }
 
+std::shared_ptr<void> upload_async(const Tensor& pinned_src, Tensor& dst) {
+  cudaEvent_t ev = cuda_engine(dst.device().index).upload_async(pinned_src, dst);
+  return std::shared_ptr<void>(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+}
+
+void compute_waits_for(const std::shared_ptr<void>& uploaded, int device) {
+  if (uploaded) cuda_engine(device).compute_waits_for(static_cast<cudaEvent_t>(uploaded.get()));
+}
+
+void host_waits_for(const std::shared_ptr<void>& uploaded) {
+  if (uploaded) DT_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(uploaded.get())));
+}
+
 DeviceInfo device_info(int device) {
   cudaDeviceProp p{};
   DT_CUDA_CHECK(cudaGetDeviceProperties(&p, device));
@@ -100,6 +113,7 @@ CudaEngine::CudaEngine(int device_index) : index_(device_index) {
   // Non-blocking streams: no implicit ordering with the legacy default stream either.
   DT_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
   DT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+  DT_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
   DT_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
   DT_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
   DT_CUBLAS_CHECK(cublasLtCreate(&lt_));
@@ -114,6 +128,7 @@ CudaEngine::~CudaEngine() {
   cudaSetDevice(index_);
   cudaStreamSynchronize(compute_);
   cudaStreamSynchronize(comm_);
+  cudaStreamSynchronize(copy_);
   gemm_plans_.clear();
   conv_plans_.clear();
   pool_plans_.clear();
@@ -124,6 +139,7 @@ CudaEngine::~CudaEngine() {
   cudaEventDestroy(comm_done_);
   cudaStreamDestroy(compute_);
   cudaStreamDestroy(comm_);
+  cudaStreamDestroy(copy_);
   if (host_scalars_) cudaFreeHost(host_scalars_);
 }
 
@@ -148,6 +164,33 @@ void CudaEngine::comm_waits_for_compute() {
 void CudaEngine::compute_waits_for_comm() {
   DT_CUDA_CHECK(cudaEventRecord(comm_done_, comm_));
   DT_CUDA_CHECK(cudaStreamWaitEvent(compute_, comm_done_, 0));
+}
+
+// The copy waits (on the device) for the compute work queued so far: dst's last readers, and any
+// kernel still using memory the allocator handed out again as dst (it reuses blocks in compute
+// order). Its own event lets the compute stream wait for exactly this batch.
+cudaEvent_t CudaEngine::upload_async(const Tensor& pinned_src, Tensor& dst) {
+  DT_CHECK(pinned_src.device().is_cpu() && dst.device() == device() && pinned_src.nbytes() == dst.nbytes(),
+           "upload_async " << pinned_src.str() << " -> " << dst.str() << " on the engine of " << device().str());
+  cudaPointerAttributes attr{};
+  const bool pinned = cudaPointerGetAttributes(&attr, pinned_src.raw()) == cudaSuccess && attr.type == cudaMemoryTypeHost;
+  (void)cudaGetLastError();
+  DT_CHECK(pinned, "upload_async needs a page-locked source (cuda::pinned_empty), got " << pinned_src.str());
+  bind();
+  cudaEvent_t before = nullptr, done = nullptr;
+  DT_CUDA_CHECK(cudaEventCreateWithFlags(&before, cudaEventDisableTiming));
+  DT_CUDA_CHECK(cudaEventRecord(before, compute_));
+  DT_CUDA_CHECK(cudaStreamWaitEvent(copy_, before, 0));
+  cudaEventDestroy(before);  // released once it fired; the wait above is already queued
+  DT_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), pinned_src.raw(), pinned_src.nbytes(), cudaMemcpyHostToDevice, copy_));
+  DT_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  DT_CUDA_CHECK(cudaEventRecord(done, copy_));
+  return done;
+}
+
+void CudaEngine::compute_waits_for(cudaEvent_t ev) {
+  bind();
+  DT_CUDA_CHECK(cudaStreamWaitEvent(compute_, ev, 0));
 }
 
 void* CudaEngine::workspace(size_t bytes) {

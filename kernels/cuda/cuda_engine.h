@@ -108,6 +108,9 @@ class CudaEngine final : public Engine {
   cudaStream_t comm() const { return comm_; }
   void comm_waits_for_compute();
   void compute_waits_for_comm();
+  // See cuda::upload_async: the copy on copy_, after the compute stream's work so far.
+  cudaEvent_t upload_async(const Tensor& pinned_src, Tensor& dst);
+  void compute_waits_for(cudaEvent_t ev);
 
  private:
   // Makes this engine's device current for the calling thread (engines of several GPUs may share one).
@@ -127,7 +130,7 @@ class CudaEngine final : public Engine {
 
   int index_;
   int threads_ = 1;
-  cudaStream_t compute_ = nullptr, comm_ = nullptr;
+  cudaStream_t compute_ = nullptr, comm_ = nullptr, copy_ = nullptr;
   cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   cudnnHandle_t dnn_ = nullptr;

@@ -263,7 +263,11 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
 #endif
       grads = nccl.get();
     }
-    ddp = std::make_unique<parallel::DataParallel>(model, *grads);
+    parallel::DataParallelOptions dpo;
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+    if (!dev.is_cpu()) dpo.device_stream = cuda::compute_stream(dev.index);
+#endif
+    ddp = std::make_unique<parallel::DataParallel>(model, *grads, dpo);
     ddp->broadcast_state(0);
   }
   std::unique_ptr<parallel::PipelineStage> pipe;
@@ -480,23 +484,34 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     Rng rng(derive_seed(data_seed, static_cast<uint64_t>(step)));
     return data::random_windows(train, cfg.batch_size, cfg.seq_len, rng);
   };
-  // On a GPU a batch goes through page-locked host buffers, so its upload is asynchronous; the next
-  // step's windows are drawn and queued while this step's backward runs. Two slots alternate.
+  // On a GPU a batch goes through page-locked host buffers and the engine's copy stream: the next
+  // step's windows are drawn and their upload queued before this step's forward, so the copy runs
+  // beside this step's compute (stage_async / take_staged). Two slots alternate.
   struct Staged {
     StagedTensor ids, targets;
     bool ready = false;
   };
   Staged staged[2];
   auto stage_batch = [&](const data::TokenBatch& tb, Staged& st) {
-    stage_to(tb.ids, dev, st.ids);
-    stage_to(tb.targets, dev, st.targets);
+    stage_async(tb.ids, dev, st.ids);
+    stage_async(tb.targets, dev, st.targets);
     st.ready = true;
   };
   const std::vector<nn::Parameter*> step_params = model.parameters();
   std::vector<nn::Parameter*> opt_params = opt_decay.params();  // each parameter once (a tied one too)
   opt_params.insert(opt_params.end(), opt_plain.params().begin(), opt_plain.params().end());
+  // The GPU allocator's cudaMalloc count (0 on the CPU): the steps after the first two, which
+  // sized every buffer and filled the cache, must not raise it (validation is not counted).
+  auto gpu_mallocs = [&]() -> int64_t {
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+    if (!dev.is_cpu()) return cuda::allocator_stats(dev.index).device_mallocs;
+#endif
+    return 0;
+  };
+  int64_t step_mallocs = 0;
   for (int64_t step = start_step; step < cfg.steps; ++step) {
     const bool on_gpu = !dev.is_cpu();
+    const int64_t mallocs0 = gpu_mallocs();
     data::TokenBatch b;
     if (!on_gpu) b = draw(step);
     opt_decay.zero_grad();
@@ -508,10 +523,11 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       Staged& st = staged[step % 2];
       if (!st.ready) stage_batch(draw(step), st);
       st.ready = false;
+      if (step + 1 < cfg.steps) stage_batch(draw(step + 1), staged[(step + 1) % 2]);  // copied beside this step
       if (ddp) ddp->begin_backward(true);
-      step_loss = xent.forward(model.forward(st.ids.device), st.targets.device.reshape({m}));
+      Tensor ids = take_staged(st.ids), targets = take_staged(st.targets);
+      step_loss = xent.forward(model.forward(ids), targets.reshape({m}));
       model.backward(xent.backward(loss_scale));
-      if (step + 1 < cfg.steps) stage_batch(draw(step + 1), staged[(step + 1) % 2]);  // overlaps the backward
     } else if (!pipe) {
       if (ddp) ddp->begin_backward(true);
       step_loss = xent.forward(model.forward(b.ids), b.targets.reshape({m}));
@@ -559,6 +575,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       opt_decay.step(lr);
       opt_plain.step(lr);
     }
+    if (step >= start_step + 2) step_mallocs += gpu_mallocs() - mallocs0;
     interval_loss += step_loss;
     if (rank == 0) res.step_losses.push_back(step_loss);
     ++interval_steps;
@@ -592,6 +609,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     if (!cfg.checkpoint_dir.empty() && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0 && !last)
       save(step + 1);
   }
+  if (ddp) ddp->settle();  // the last step's exchange, where the GPU stream waited for it
   const double train_s = now_s() - t_start;
   res.steps = cfg.steps;
   if (scaler) {
@@ -643,7 +661,14 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     std::printf("fp16: loss scale %g, %lld of %lld steps skipped for inf/NaN gradients\n", res.loss_scale,
                 static_cast<long long>(res.skipped_steps), static_cast<long long>(cfg.steps));
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
-  if (speak && !dev.is_cpu()) std::printf("GPU memory: %s\n", cuda::format_stats(cuda::allocator_stats(0)).c_str());
+  if (!dev.is_cpu() && cfg.steps - start_step > 2) res.gpu_step_mallocs = step_mallocs;
+  if (speak && !dev.is_cpu()) {
+    const cuda::AllocatorStats st = cuda::allocator_stats(dev.index);
+    std::string after = cfg.steps - start_step > 2 ? "; " + std::to_string(step_mallocs) +
+                                                         " cudaMalloc calls inside the steps after the first two"
+                                                   : "";
+    std::printf("GPU memory (rank 0, cuda:%d): %s%s\n", dev.index, cuda::format_stats(st).c_str(), after.c_str());
+  }
 #endif
   return res;
 }

@@ -155,6 +155,9 @@ void Trainer::setup_exchange() {
     dpo.seed = derive_seed(cfg_.seed, 77);
     dpo.momentum_correction = topk_momentum_correction();
     dpo.engine_topk = cfg_.compression_on_engine;
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+    if (!device_.is_cpu()) dpo.device_stream = cuda::compute_stream(device_.index);
+#endif
     comm::Communicator* grads = &comm_;
     if (!device_.is_cpu() && world_ > 1 && comm::nccl_compiled()) {
       // NCCL on its own stream; each collective first waits (by an event, not the host) for the
@@ -554,7 +557,34 @@ TrainResult Trainer::run() {
   }
 
   nn::SoftmaxCrossEntropy ce;
+  // The GPU allocator's cudaMalloc count (0 on the CPU): the steps after the first two, which
+  // sized every buffer and filled the cache, must not raise it (evaluation is not counted).
+  auto gpu_mallocs = [&]() -> int64_t {
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+    if (!device_.is_cpu()) return cuda::allocator_stats(device_.index).device_mallocs;
+#endif
+    return 0;
+  };
+  int64_t step_mallocs = 0;
   StagedTensor dev_inputs, dev_labels;  // on a GPU: page-locked staging, asynchronous uploads
+  // On a GPU with a data loader the micro-batch after this one is read and its upload queued on
+  // the engine's copy stream before this one's forward, so the copy runs beside the compute; two
+  // staging slots alternate (the loader's position for checkpoints is counted in steps, so a batch
+  // read ahead and never used changes nothing).
+  struct Slot {
+    StagedTensor inputs, labels;
+    data::Batch batch;
+    bool full = false;
+  };
+  Slot slots[2];
+  int slot_now = 0;
+  const bool prefetch = loader_ && !device_.is_cpu();
+  auto fill_slot = [&](Slot& s) {
+    if (!loader_->next(s.batch)) return false;
+    stage_async(s.batch.inputs, device_, s.inputs);
+    stage_async(s.batch.labels, device_, s.labels);
+    return s.full = true;
+  };
   model_->train();
   double run_t0 = 0, run_cpu0 = 0;
   int64_t run_samples = 0;
@@ -571,12 +601,14 @@ TrainResult Trainer::run() {
 
   for (int64_t epoch = start_epoch; epoch < epochs_ && step_ < total_steps_; ++epoch) {
     if (loader_) loader_->start_epoch(epoch, skip * cfg_.accumulate);
+    for (Slot& sl : slots) sl.full = false;  // a batch read ahead of the last epoch's end is dropped
     int64_t batch_in_epoch = skip;
     skip = 0;
     double epoch_t0 = now_s();
     while (step_ < total_steps_) {
       // One optimizer step: `accumulate` micro-batches, gradients exchanged on the last one only.
       double t0 = now_s(), wait = 0;
+      const int64_t mallocs0 = gpu_mallocs();
       float lr = sched_->lr(step_);
       std::vector<nn::Parameter*> params = model_->parameters();
       for (nn::Parameter* p : params) engine_for(p->grad.device()).fill(p->grad, 0.f);
@@ -587,7 +619,17 @@ TrainResult Trainer::run() {
       for (int64_t micro = 0; micro < cfg_.accumulate; ++micro) {
         data::Batch b;
         double td = now_s();
-        if (loader_) {
+        Slot* slot = prefetch ? &slots[slot_now] : nullptr;
+        if (slot) {
+          if (!slot->full && !fill_slot(*slot)) {  // nothing read ahead: an epoch's first batch
+            ended = true;
+            break;
+          }
+          slot->full = false;
+          b = slot->batch;
+          slot_now ^= 1;
+          fill_slot(slots[slot_now]);  // false at the epoch's end: the next epoch starts afresh
+        } else if (loader_) {
           if (!loader_->next(b)) {
             ended = true;
             break;
@@ -602,10 +644,11 @@ TrainResult Trainer::run() {
         wait += b.wait_s;
         double tc = now_s();
         trace.span("data wait", td, tc, step_);
-        Tensor logits = model_->forward(stage_to(b.inputs, device_, dev_inputs));
+        Tensor inputs = slot ? take_staged(slot->inputs) : stage_to(b.inputs, device_, dev_inputs);
+        Tensor labels = slot ? take_staged(slot->labels) : stage_to(b.labels, device_, dev_labels);
+        Tensor logits = model_->forward(inputs);
         int64_t hits = 0;
-        loss +=
-            ce.forward(logits, stage_to(b.labels, device_, dev_labels), &hits) / static_cast<float>(cfg_.accumulate);
+        loss += ce.forward(logits, labels, &hits) / static_cast<float>(cfg_.accumulate);
         double tb = now_s();
         iv_fwd += tb - tc;
         hits_step += hits;
@@ -660,6 +703,7 @@ TrainResult Trainer::run() {
       trace.end_step();
       ++step_;
       ++batch_in_epoch;
+      if (step_ > 2) step_mallocs += gpu_mallocs() - mallocs0;
       if (step_ == 1 || result.first_step_at_s == 0) {
         result.first_step_at_s = process_age_s();
         run_t0 = t1;
@@ -770,23 +814,44 @@ TrainResult Trainer::run() {
         save(epoch_done ? epoch + 1 : epoch, epoch_done ? 0 : batch_in_epoch);
     }
   }
+  if (dp_) dp_->settle();  // the last step's exchange, where the GPU stream waited for it
   trace.write(comm_);
   if (!cfg_.trace.empty()) say("trace of " + std::to_string(world_) + " rank(s) written to " + cfg_.trace);
   result.steps = step_;
   double elapsed = now_s() - run_t0;
   double cpu = process_cpu_s() - run_cpu0;
   result.samples_per_s = elapsed > 0 ? static_cast<double>(run_samples) / elapsed : 0;
+  std::string gpu_memory;
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+  if (!device_.is_cpu()) {
+    const cuda::AllocatorStats st = cuda::allocator_stats(device_.index);
+    gpu_memory = cuda::format_stats(st);
+    if (step_ > 2)
+      gpu_memory += "; " + std::to_string(step_mallocs) + " cudaMalloc calls inside the steps after the first two";
+    result.gpu_peak_allocated_mib = static_cast<double>(st.peak_allocated) / 1048576.0;
+    result.gpu_reserved_mib = static_cast<double>(st.reserved) / 1048576.0;
+    result.gpu_mallocs_after_warmup = step_ > 2 ? step_mallocs : -1;
+  }
+#endif
+  if (!gpu_memory.empty()) say("GPU memory (rank 0, cuda:" + std::to_string(device_.index) + "): " + gpu_memory);
   if (rank_ == 0) {
     say("done: " + std::to_string(step_) + " steps, " + fixed(result.samples_per_s, 0) + " samples/s, first step " +
         fixed(result.first_step_at_s, 3) + " s after process start");
-    if (metrics_)
-      metrics_->write({{"summary", std::string("run")},
-                       {"steps", step_},
-                       {"samples_per_s", result.samples_per_s},
-                       {"first_step_at_s", result.first_step_at_s},
-                       {"samples_per_cpu_s", cpu > 0 ? static_cast<double>(run_samples) / world_ / cpu : 0.0},
-                       {"final_loss", result.final_loss},
-                       {"test_accuracy", result.last_eval.accuracy}});
+    if (metrics_) {
+      JsonFields f{{"summary", std::string("run")},
+                   {"steps", step_},
+                   {"samples_per_s", result.samples_per_s},
+                   {"first_step_at_s", result.first_step_at_s},
+                   {"samples_per_cpu_s", cpu > 0 ? static_cast<double>(run_samples) / world_ / cpu : 0.0},
+                   {"final_loss", result.final_loss},
+                   {"test_accuracy", result.last_eval.accuracy}};
+      if (!gpu_memory.empty()) {
+        f.push_back({"gpu_peak_allocated_mib", result.gpu_peak_allocated_mib});
+        f.push_back({"gpu_reserved_mib", result.gpu_reserved_mib});
+        f.push_back({"gpu_mallocs_after_warmup", result.gpu_mallocs_after_warmup});
+      }
+      metrics_->write(f);
+    }
   }
   return result;
 }

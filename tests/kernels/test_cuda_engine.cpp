@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include <fstream>
 
 #include "../train/lm_test_util.h"
+#include "../train/train_test_util.h"
 #include "dtrain/core/rng.h"
 #include "dtrain/data/text.h"
 #include "dtrain/kernels/engine.h"
@@ -139,6 +141,31 @@ TEST_F(CudaEngineTest, GemmMixedPrecisionMatchesCpuRounding) {
     expect_close(gm, cr, 1e-4, (std::string("f32 x low-precision copy, ") + math_precision_name(p)).c_str());
   }
   gpu->set_math_precision(MathPrecision::F32);
+}
+
+// Attention's products under mixed precision: batched GEMMs with bf16/f16 operands (the heads
+// held in low precision) beside an f32 one, transposed either way, against the CPU engine.
+TEST_F(CudaEngineTest, BatchedGemmLowPrecisionMatchesTheCpu) {
+  const int64_t batch = 6, m = 40, n = 24, k = 32;
+  Tensor a = random({batch * m * k}, 41), b = random({batch * k * n}, 42);
+  for (MathPrecision p : {MathPrecision::BF16, MathPrecision::F16}) {
+    const DType low = p == MathPrecision::BF16 ? DType::BF16 : DType::F16;
+    Tensor b_low = Tensor::empty(b.shape(), low);
+    cpu.cast(b, b_low);
+    for (int t = 0; t < 4; ++t) {
+      const bool ta = t & 1, tb = t & 2;
+      Tensor c = random({batch * m * n}, 43), gc = dev(c);
+      cpu.set_math_precision(p);
+      cpu.gemm_batched(batch, ta, tb, m, n, k, 0.5f, a, m * k, b_low, k * n, 1.f, c, m * n);
+      cpu.set_math_precision(MathPrecision::F32);
+      gpu->set_math_precision(p);
+      gpu->gemm_batched(batch, ta, tb, m, n, k, 0.5f, dev(a), m * k, dev(b_low), k * n, 1.f, gc, m * n);
+      gpu->set_math_precision(MathPrecision::F32);
+      expect_close(gc, c, 1e-4, (std::string("batched ") + math_precision_name(p) + " ta=" + std::to_string(ta) +
+                                 " tb=" + std::to_string(tb))
+                                    .c_str());
+    }
+  }
 }
 
 TEST_F(CudaEngineTest, ConvolutionForwardBackward) {
@@ -385,6 +412,22 @@ TEST_F(CudaEngineTest, OptimizerUpdatesAndLossScaleCheck) {
     gpu->adam_update(gp, gg, gm, gv, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, true, step);
   }
   expect_close(gp, p, 1e-6, "adamw");
+  // The other branches of the functors: SGD without momentum (no buffer), with plain momentum and
+  // dampening, and Adam with L2 decay folded into the gradient.
+  Tensor none, gnone;
+  cpu.sgd_update(p, g, none, 0.1f, 0.f, 0.f, 1e-4f, false);
+  gpu->sgd_update(gp, gg, gnone, 0.1f, 0.f, 0.f, 1e-4f, false);
+  expect_close(gp, p, 1e-6, "sgd without momentum");
+  for (int step = 1; step <= 2; ++step) {
+    cpu.sgd_update(p, g, buf, 0.1f, 0.8f, 0.1f, 0.f, false);
+    gpu->sgd_update(gp, gg, gbuf, 0.1f, 0.8f, 0.1f, 0.f, false);
+  }
+  expect_close(gp, p, 1e-6, "sgd with momentum and dampening");
+  for (int step = 4; step <= 5; ++step) {
+    cpu.adam_update(p, g, m, v, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, false, step);
+    gpu->adam_update(gp, gg, gm, gv, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, false, step);
+  }
+  expect_close(gp, p, 1e-6, "adam with L2");
   Tensor flag = dev(Tensor::zeros({1}));
   gpu->unscale_and_check(gg, 0.5f, flag);
   Tensor cpu_flag = Tensor::zeros({1});
@@ -468,6 +511,33 @@ TEST_F(CudaEngineTest, StreamsOrderedByEvents) {
   cuda::DeviceInfo info = cuda::device_info(0);
   EXPECT_GT(info.sms, 0);
 }
+
+// The trainers' batch prefetch: each batch's upload is queued on the copy stream before the
+// compute that reads the one before it, in two alternating slots, with no host sync in between;
+// every batch arrives whole and an upload never overwrites a slot that queued compute still reads.
+TEST_F(CudaEngineTest, StagedUploadsOnTheCopyStream) {
+  const int64_t n = 1 << 20;
+  StagedTensor slot[2];
+  Tensor acc = dev(Tensor::zeros({n})), tmp = Tensor::empty({n}, DType::F32, Device::cuda(0));
+  stage_async(Tensor::full({n}, 1.f), Device::cuda(0), slot[0]);
+  float want = 0;
+  for (int i = 0; i < 8; ++i) {
+    stage_async(Tensor::full({n}, static_cast<float>(i + 2)), Device::cuda(0), slot[(i + 1) % 2]);  // ahead
+    Tensor x = take_staged(slot[i % 2]);
+    for (int r = 0; r < 4; ++r) gpu->unary_forward(Unary::Relu, x, tmp);  // keep the compute stream busy
+    gpu->axpy(1.f, x, acc);
+    want += static_cast<float>(i + 1);
+  }
+  Tensor h = host(acc);
+  EXPECT_EQ(h.f32()[0], want);
+  EXPECT_EQ(h.f32()[n / 2], want);
+  EXPECT_EQ(h.f32()[n - 1], want);
+  // On the CPU the staged tensor is the batch itself.
+  StagedTensor on_cpu;
+  Tensor batch = Tensor::full({4}, 3.f);
+  stage_async(batch, Device::cpu(), on_cpu);
+  EXPECT_EQ(take_staged(on_cpu).raw(), batch.raw());
+}
 #endif
 
 // Training on the GPU end to end: the language-model trainer with --device cuda gives, step for
@@ -492,6 +562,7 @@ TEST_F(CudaEngineTest, GptTrainsOnTheGpuLikeOnTheCpu) {
   for (size_t i = 0; i < cpu_run.step_losses.size(); ++i)
     EXPECT_NEAR(gpu_run.step_losses[i], cpu_run.step_losses[i], 1e-4 * cpu_run.step_losses[i]) << "step " << i;
   EXPECT_NEAR(gpu_run.val_loss, cpu_run.val_loss, 1e-4 * cpu_run.val_loss);
+  EXPECT_EQ(gpu_run.gpu_step_mallocs, 0) << "the caching allocator went to cudaMalloc inside a step after warm-up";
   auto model = train::gpt_from_checkpoint(train::load_gpt_checkpoint(gpu_run.checkpoint));
   double reloaded =
       train::evaluate_lm(*model, (dir / "tok" / "val.h5").string(), c.batch_size, c.model.context, c.eval_batches);
@@ -557,5 +628,38 @@ TEST_F(CudaEngineTest, ImageTrainerOnTheGpuLikeOnTheCpu) {
   for (size_t i = 0; i < cpu_losses.size(); ++i)
     EXPECT_NEAR(gpu_losses[i], cpu_losses[i], 1e-3 * std::max(1.0, cpu_losses[i])) << "log line " << i;
   EXPECT_LT(gpu_losses.back(), gpu_losses.front());  // it learns the fixed batches
+  std::filesystem::remove_all(dir);
+}
+
+// The same with a data loader over HDF5 shards, so the next batch is read and uploaded on the copy
+// stream while the step runs (two epochs: the prefetch crosses an epoch's end), and the run reports
+// the allocator's figures: no cudaMalloc inside a step after the first two.
+TEST_F(CudaEngineTest, ImageTrainerPrefetchesBatchesOnTheGpu) {
+  const char* exe_env = std::getenv("DTRAIN_EXE");
+  const std::string exe = exe_env ? exe_env : std::string(DTRAIN_BINARY_DIR) + "/dtrain";
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("dtrain-gpu-loader-" + std::to_string(::getpid()))).string();
+  const std::string data = test::make_band_dataset(dir + "/data", 400, 8, 4, 128);
+  auto train = [&](const std::string& device) {
+    const std::string metrics = dir + "/" + device + ".jsonl";
+    const std::string cmd = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " + exe + " train --data " +
+                            data + " --model mlp --hidden 32 --epochs 2 --batch-size 32 --optimizer sgd --lr 0.05 " +
+                            "--log-every 4 --progress off --device " + device + " --metrics " + metrics + " > " + dir +
+                            "/" + device + ".log 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    return metrics;
+  };
+  const std::string cpu_m = train("cpu"), gpu_m = train("cuda");
+  std::vector<double> cpu_losses = logged_losses(cpu_m), gpu_losses = logged_losses(gpu_m);
+  ASSERT_GE(cpu_losses.size(), 4u);
+  ASSERT_EQ(gpu_losses.size(), cpu_losses.size());
+  for (size_t i = 0; i < cpu_losses.size(); ++i)
+    EXPECT_NEAR(gpu_losses[i], cpu_losses[i], 1e-3 * std::max(1.0, cpu_losses[i])) << "log line " << i;
+  std::ifstream in(gpu_m);
+  std::string line, summary;
+  while (std::getline(in, line))
+    if (line.find("\"summary\"") != std::string::npos) summary = line;
+  EXPECT_TRUE(std::regex_search(summary, std::regex("\"gpu_mallocs_after_warmup\": 0[,}]"))) << summary;
+  EXPECT_NE(summary.find("\"gpu_peak_allocated_mib\""), std::string::npos) << summary;
   std::filesystem::remove_all(dir);
 }

@@ -58,6 +58,11 @@ class Work {
   virtual std::string error() const = 0;          // "" while pending or when it succeeded
   virtual std::string description() const = 0;    // "allreduce #17 f32[1024] sum on 'world'"
   virtual int64_t sequence() const { return 0; }  // collective sequence number; 0 for others
+  // Completion on the device: makes the GPU stream `stream` (a cudaStream_t) wait for this
+  // operation without blocking the host, where the backend can (NCCL: an event the stream waits
+  // on). False where it cannot (MPI), and the caller waits on the host. Either way a later test()
+  // or wait() still reports the operation's error or timeout.
+  virtual bool order_stream(void* /*stream*/) { return false; }
 };
 
 // A Work that is already complete (nothing to communicate).

@@ -1,10 +1,11 @@
 #pragma once
 // The CUDA engine's own API, beyond the Engine contract: its caching allocator's statistics, its
-// two streams and the events that order them, and the device's peak rates. Defined in
+// streams and the events that order them, and the device's peak rates. Defined in
 // dtrain_kernels_cuda, which exists when dtrain was built with CUDA (DTRAIN_WITH_CUDA_ENGINE is
 // then defined for everything linking dtrain_kernels). Call dtrain::enable_cuda() first.
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "dtrain/core/tensor.h"
@@ -33,6 +34,15 @@ void* comm_stream(int device);
 // are back before the optimizer reads them).
 void comm_waits_for_compute(int device);
 void compute_waits_for_comm(int device);
+
+// Batch prefetch on the engine's copy stream. upload_async queues the copy of a page-locked host
+// tensor into `dst` after the compute work queued so far (which may still read dst's previous
+// contents) and returns at once, with the event that marks the copy's end (released with the
+// pointer). compute_waits_for orders the compute stream after that event (on the device);
+// host_waits_for blocks until it fired, before the host rewrites the page-locked source.
+std::shared_ptr<void> upload_async(const Tensor& pinned_src, Tensor& dst);
+void compute_waits_for(const std::shared_ptr<void>& uploaded, int device);
+void host_waits_for(const std::shared_ptr<void>& uploaded);
 
 struct DeviceInfo {
   std::string name;

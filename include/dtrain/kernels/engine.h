@@ -213,8 +213,17 @@ Tensor to_host(const Tensor& t);
 // asynchronous on the GPU's compute stream; on the CPU it is `host` itself.
 struct StagedTensor {
   Tensor host, device;
+  std::shared_ptr<void> uploaded;  // stage_async: the upload's completion (a CUDA event)
 };
 Tensor stage_to(const Tensor& host, Device device, StagedTensor& st);
+// Prefetch: stage_async queues `host`'s upload into st on the GPU's copy stream (after the compute
+// work queued so far, which may still read st's previous batch) and returns at once, so the copy
+// overlaps the compute queued after it; take_staged then orders the compute stream after that
+// upload (an event, no host wait) and returns the device tensor. stage_async first waits for st's
+// previous upload to finish before it rewrites the page-locked buffer. On the CPU, take_staged
+// returns `host` itself.
+void stage_async(const Tensor& host, Device device, StagedTensor& st);
+Tensor take_staged(StagedTensor& st);
 inline Engine& cpu_engine() { return engine_for(Device::cpu()); }
 using EngineFactory = std::unique_ptr<Engine> (*)(int device_index);
 void register_engine(DeviceType type, EngineFactory factory);

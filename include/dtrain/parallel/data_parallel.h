@@ -43,6 +43,11 @@ struct DataParallelOptions {
   // agree with comm::TopKCompressor.
   bool engine_topk = false;
   uint64_t seed = 0x5eed;
+  // Buckets on a GPU: the engine's compute stream (a cudaStream_t). Where the communicator can
+  // order a stream after its work (NCCL), finish() makes this stream wait for the exchange by
+  // events instead of blocking the host; the host checks the exchange (errors, timeouts) at the
+  // next step's first begin_backward(), or in settle(). Null: finish() waits on the host.
+  void* device_stream = nullptr;
 };
 
 struct DataParallelStats {
@@ -67,6 +72,9 @@ class DataParallel {
   // Waits for the gradient exchange: plain DP leaves the averaged gradients in every parameter's
   // grad; ZeRO-1 leaves this rank's averaged slice in optimizer_params()' grad.
   void finish();
+  // Waits on the host for exchanges finish() left to the device stream (see device_stream), and
+  // throws their error; a no-op when none is outstanding.
+  void settle();
   // What the optimizer should update: the model's parameters, or (ZeRO-1) one flat slice.
   std::vector<nn::Parameter*> optimizer_params();
   // ZeRO-1: gathers the updated slices into every rank's parameters. Plain DP: nothing.
@@ -114,6 +122,7 @@ class DataParallel {
   void launch(Bucket& b);
   std::shared_ptr<comm::Work> launch_engine_topk(Bucket& b, EngineTopK& st);
   void finish_engine_topk(Bucket& b, EngineTopK& st);
+  void complete(const std::shared_ptr<comm::Work>& w);  // on the device stream where it can, else on the host
 
   nn::Module& model_;
   comm::Communicator& comm_;
@@ -130,6 +139,11 @@ class DataParallel {
   bool dense_phase_ = false;                      // PowerSGD warm-up: plain allreduce for now
   bool engine_topk_ = false;                      // top-k through engine ops (see the option)
   std::vector<EngineTopK> engine_topk_state_;     // per bucket
+  // Device buckets through a CUDA-aware MPI, which reads them from the host's side: the compute
+  // stream must have written them first, and the average is taken on the device (MPI's Avg would
+  // divide on the host, through a device pointer).
+  bool host_reads_device_ = false;
+  std::vector<std::shared_ptr<comm::Work>> deferred_;  // exchanges the device stream waits for
   DataParallelStats stats_;
 };
 

@@ -56,6 +56,10 @@ struct LmResult {
   // time, mean over steps), the ideal one, and the most activation bytes held at once.
   double pp_bubble = 0, pp_ideal_bubble = 0;
   size_t pp_peak_activation_bytes = 0;
+  // On a GPU: cudaMalloc calls of the caching allocator inside the steps after the first two
+  // (0 when the steps allocate nothing new; validation not counted); -1 on the CPU or for runs of
+  // two steps or fewer.
+  int64_t gpu_step_mallocs = -1;
   std::vector<double> step_losses;  // every step's training loss (rank 0), for comparisons
   // fp16: the loss scale after the last step and the steps skipped for inf/NaN gradients.
   double loss_scale = 1;

@@ -31,6 +31,10 @@ struct TrainResult {
   double samples_per_s = 0;    // global, over the run's steady state (after the first step)
   double first_step_at_s = 0;  // seconds from process start to the end of the first step
   int preempted_by = 0;        // the signal that stopped the run early after a checkpoint, or 0
+  // On a GPU: the caching allocator's peak allocation and reservation (cache included) at the end,
+  // and the cudaMalloc calls it made after the second step (0 when the steps allocate nothing new).
+  double gpu_peak_allocated_mib = 0, gpu_reserved_mib = 0;
+  int64_t gpu_mallocs_after_warmup = -1;
 };
 
 class Trainer {
