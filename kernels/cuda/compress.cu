@@ -7,6 +7,7 @@
 
 #include <cub/device/device_radix_sort.cuh>
 
+#include "cuda_common.h"
 #include "dtrain/core/error.h"
 #include "kernels.h"
 
@@ -41,7 +42,8 @@ __global__ void scatter_add_kernel(const int32_t* idx, const float* vals, float*
 }
 
 void check(cudaError_t rc, const char* what) {
-  if (rc != cudaSuccess) ::dtrain::detail::throw_error("cuda", std::string(what) + ": " + cudaGetErrorString(rc), __FILE__, __LINE__);
+  if (rc != cudaSuccess)
+    ::dtrain::detail::throw_error("cuda", std::string(what) + ": " + cudaGetErrorString(rc), __FILE__, __LINE__);
 }
 
 }  // namespace
@@ -62,22 +64,24 @@ void topk_abs(const float* x, int64_t n, int64_t k, int32_t* idx, uint32_t* keys
               size_t scratch_bytes, cudaStream_t s) {
   if (n <= 0 || k <= 0) return;
   magnitude_keys<<<blocks_for(n), 256, 0, s>>>(x, keys, order, n);
+  DT_CUDA_LAUNCHED();
   size_t bytes = scratch_bytes;
   check(cub::DeviceRadixSort::SortPairsDescending(scratch, bytes, keys, keys + n, order, order + n, static_cast<int>(n),
                                                   0, 32, s),
         "cub SortPairsDescending");
   // Indices are non-negative: 31 bits order them.
   bytes = scratch_bytes;
-  check(cub::DeviceRadixSort::SortKeys(scratch, bytes, order + n, idx, static_cast<int>(k), 0, 31, s),
-        "cub SortKeys");
+  check(cub::DeviceRadixSort::SortKeys(scratch, bytes, order + n, idx, static_cast<int>(k), 0, 31, s), "cub SortKeys");
 }
 
 void gather_and_clear(float* x, const int32_t* idx, float* vals, int64_t k, cudaStream_t s) {
   if (k > 0) gather_clear_kernel<<<blocks_for(k), 256, 0, s>>>(x, idx, vals, k);
+  DT_CUDA_LAUNCHED();
 }
 
 void scatter_add(const int32_t* idx, const float* vals, float* y, int64_t k, cudaStream_t s) {
   if (k > 0) scatter_add_kernel<<<blocks_for(k), 256, 0, s>>>(idx, vals, y, k);
+  DT_CUDA_LAUNCHED();
 }
 
 }  // namespace dtrain::cuda::k

@@ -27,3 +27,8 @@
       ::dtrain::detail::throw_error("cudnn", DT_STR(#expr << ": " << cudnnGetErrorString(dt_st_)), __FILE__, \
                                     __LINE__);                                                               \
   } while (0)
+
+// After a kernel launch (<<<...>>>): a launch that failed (no kernel image for this GPU, a bad
+// configuration) throws here, where it happened, instead of leaving garbage results and an error
+// that a later, unrelated call would report.
+#define DT_CUDA_LAUNCHED() DT_CUDA_CHECK(cudaGetLastError())

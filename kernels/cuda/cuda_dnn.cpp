@@ -70,10 +70,11 @@ ConvPlan& CudaEngine::conv_plan(const Conv2dGeom& g, DType dtype) {
   int pad = static_cast<int>(g.pad), st = static_cast<int>(g.stride);
   DT_CUDNN_CHECK(
       cudnnSetConvolution2dDescriptor(p->conv, pad, pad, st, st, 1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-  // Strict fp32 unless the caller allowed TF32; tensor cores for the 16-bit types.
-  cudnnMathType_t math = dtype != DType::F32            ? CUDNN_TENSOR_OP_MATH
-                         : math_ == MathPrecision::TF32 ? CUDNN_DEFAULT_MATH
-                                                        : CUDNN_FMA_MATH;
+  // Strict fp32 unless TF32 tensor cores are allowed: under TF32, and under BF16, whose operands
+  // arrive rounded to bf16 (exact in TF32); tensor cores for 16-bit data.
+  cudnnMathType_t math = dtype != DType::F32                                            ? CUDNN_TENSOR_OP_MATH
+                         : math_ == MathPrecision::TF32 || math_ == MathPrecision::BF16 ? CUDNN_DEFAULT_MATH
+                                                                                        : CUDNN_FMA_MATH;
   DT_CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv, math));
   slot = std::move(p);
   return *slot;
@@ -103,28 +104,32 @@ static void search(cudnnHandle_t h, ConvPlan& p) {
   p.searched = true;
 }
 
-static DType conv_dtype(MathPrecision m) {
-  return m == MathPrecision::BF16 ? DType::BF16 : (m == MathPrecision::F16 ? DType::F16 : DType::F32);
+// Mixed precision as on the CPU engine: under BF16 the operands (x and w forward, w and dy for
+// d(input), x and dy for d(weights)) are rounded to bf16 and the convolution runs on f32 data with
+// TF32 tensor cores, where a bf16 value is exact, so the products are the bf16 products, summed in
+// f32 into f32 results (cuDNN's legacy API would write bf16 outputs and gradients from bf16
+// inputs). Under F16 convolutions stay fp32, as the CPU engine keeps them.
+Tensor CudaEngine::bf16_rounded(const Tensor& src) {
+  Tensor low = lowp_copy(src, DType::BF16);
+  Tensor r = Tensor::empty({src.numel()}, DType::F32, device());
+  k::cast(low.raw(), DType::BF16, r.raw(), DType::F32, src.numel(), compute_);
+  return r;
 }
 
 void CudaEngine::conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
   check_geom(g, x, w, y);
-  DT_CHECK(x.dtype() == DType::F32 && w.dtype() == DType::F32 && y.dtype() == DType::F32 && x.device() == device(),
-           "conv2d_forward on " << device().str() << " takes f32 tensors, got " << x.str());
+  DT_CHECK(x.dtype() == DType::F32 && w.dtype() == DType::F32 && y.dtype() == DType::F32 && x.device() == device() &&
+               w.device() == device() && y.device() == device(),
+           "conv2d_forward on " << device().str() << " takes f32 tensors on it, got " << x.str() << ", " << w.str()
+                                << ", " << y.str());
   bind();
-  DType dt = conv_dtype(math_);
-  ConvPlan& p = conv_plan(g, dt);
+  ConvPlan& p = conv_plan(g, DType::F32);
   search(dnn_, p);
   const float one = 1.f, zero = 0.f;
-  if (dt == DType::F32) {
-    DT_CUDNN_CHECK(cudnnConvolutionForward(dnn_, &one, p.x, x.raw(), p.w, w.raw(), p.conv, p.fwd, workspace(p.fwd_ws),
-                                           p.fwd_ws, &zero, p.y, y.raw()));
-  } else {
-    Tensor xl = lowp_copy(x, dt), wl = lowp_copy(w, dt), yl = Tensor::empty({y.numel()}, dt, device());
-    DT_CUDNN_CHECK(cudnnConvolutionForward(dnn_, &one, p.x, xl.raw(), p.w, wl.raw(), p.conv, p.fwd, workspace(p.fwd_ws),
-                                           p.fwd_ws, &zero, p.y, yl.raw()));
-    k::cast(yl.raw(), dt, y.raw(), DType::F32, y.numel(), compute_);
-  }
+  const bool bf16 = math_ == MathPrecision::BF16;
+  Tensor xr = bf16 ? bf16_rounded(x) : x, wr = bf16 ? bf16_rounded(w) : w;
+  DT_CUDNN_CHECK(cudnnConvolutionForward(dnn_, &one, p.x, xr.raw(), p.w, wr.raw(), p.conv, p.fwd, workspace(p.fwd_ws),
+                                         p.fwd_ws, &zero, p.y, y.raw()));
   if (bias.defined()) {
     DT_CHECK(bias.numel() == g.k && bias.device() == device(),
              "conv bias " << bias.str() << " for " << g.k << " output channels");
@@ -137,41 +142,36 @@ void CudaEngine::conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tens
 
 void CudaEngine::conv2d_backward_data(const Conv2dGeom& g, const Tensor& dy, const Tensor& w, Tensor& dx) {
   check_geom(g, dx, w, dy);
+  DT_CHECK(dy.dtype() == DType::F32 && w.dtype() == DType::F32 && dx.dtype() == DType::F32 &&
+               dy.device() == device() && w.device() == device() && dx.device() == device(),
+           "conv2d_backward_data on " << device().str() << " takes f32 tensors on it, got " << dy.str() << ", "
+                                      << w.str() << ", " << dx.str());
   bind();
-  DType dt = conv_dtype(math_);
-  ConvPlan& p = conv_plan(g, dt);
+  ConvPlan& p = conv_plan(g, DType::F32);
   search(dnn_, p);
   const float one = 1.f, zero = 0.f;
-  if (dt == DType::F32) {
-    DT_CUDNN_CHECK(cudnnConvolutionBackwardData(dnn_, &one, p.w, w.raw(), p.y, dy.raw(), p.conv, p.bwd_data,
-                                                workspace(p.bwd_data_ws), p.bwd_data_ws, &zero, p.x, dx.raw()));
-  } else {
-    Tensor wl = lowp_copy(w, dt), dyl = lowp_copy(dy, dt), dxl = Tensor::empty({dx.numel()}, dt, device());
-    DT_CUDNN_CHECK(cudnnConvolutionBackwardData(dnn_, &one, p.w, wl.raw(), p.y, dyl.raw(), p.conv, p.bwd_data,
-                                                workspace(p.bwd_data_ws), p.bwd_data_ws, &zero, p.x, dxl.raw()));
-    k::cast(dxl.raw(), dt, dx.raw(), DType::F32, dx.numel(), compute_);
-  }
+  const bool bf16 = math_ == MathPrecision::BF16;
+  Tensor wr = bf16 ? bf16_rounded(w) : w, dyr = bf16 ? bf16_rounded(dy) : dy;
+  DT_CUDNN_CHECK(cudnnConvolutionBackwardData(dnn_, &one, p.w, wr.raw(), p.y, dyr.raw(), p.conv, p.bwd_data,
+                                              workspace(p.bwd_data_ws), p.bwd_data_ws, &zero, p.x, dx.raw()));
 }
 
 void CudaEngine::conv2d_backward_weights(const Conv2dGeom& g, const Tensor& x, const Tensor& dy, Tensor& dw,
                                          Tensor& dbias) {
   check_geom(g, x, dw, dy);
+  DT_CHECK(x.dtype() == DType::F32 && dy.dtype() == DType::F32 && dw.dtype() == DType::F32 &&
+               x.device() == device() && dy.device() == device() && dw.device() == device(),
+           "conv2d_backward_weights on " << device().str() << " takes f32 tensors on it, got " << x.str() << ", "
+                                         << dy.str() << ", " << dw.str());
   bind();
-  DType dt = conv_dtype(math_);
-  ConvPlan& p = conv_plan(g, dt);
+  ConvPlan& p = conv_plan(g, DType::F32);
   search(dnn_, p);
-  const float one = 1.f, zero = 0.f;
-  if (dt == DType::F32) {  // beta = 1: gradients accumulate (engine contract)
-    DT_CUDNN_CHECK(cudnnConvolutionBackwardFilter(dnn_, &one, p.x, x.raw(), p.y, dy.raw(), p.conv, p.bwd_filter,
-                                                  workspace(p.bwd_filter_ws), p.bwd_filter_ws, &one, p.w, dw.raw()));
-  } else {
-    Tensor xl = lowp_copy(x, dt), dyl = lowp_copy(dy, dt), dwl = Tensor::empty({dw.numel()}, dt, device());
-    Tensor dw32 = Tensor::empty({dw.numel()}, DType::F32, device());
-    DT_CUDNN_CHECK(cudnnConvolutionBackwardFilter(dnn_, &one, p.x, xl.raw(), p.y, dyl.raw(), p.conv, p.bwd_filter,
-                                                  workspace(p.bwd_filter_ws), p.bwd_filter_ws, &zero, p.w, dwl.raw()));
-    k::cast(dwl.raw(), dt, dw32.raw(), DType::F32, dw.numel(), compute_);
-    k::axpy(1.f, dw32.f32(), dw.f32(), dw.numel(), compute_);
-  }
+  const float one = 1.f;
+  const bool bf16 = math_ == MathPrecision::BF16;
+  Tensor xr = bf16 ? bf16_rounded(x) : x, dyr = bf16 ? bf16_rounded(dy) : dy;
+  // beta = 1: gradients accumulate (engine contract), in f32.
+  DT_CUDNN_CHECK(cudnnConvolutionBackwardFilter(dnn_, &one, p.x, xr.raw(), p.y, dyr.raw(), p.conv, p.bwd_filter,
+                                                workspace(p.bwd_filter_ws), p.bwd_filter_ws, &one, p.w, dw.raw()));
   if (dbias.defined()) {
     DT_CHECK(dbias.numel() == g.k && dbias.device() == device(), "conv dbias " << dbias.str());
     cudnnTensorDescriptor_t yd = tensor4d(DType::F32, g.n, g.k, g.out_h(), g.out_w());

@@ -173,8 +173,9 @@ cudaEvent_t CudaEngine::upload_async(const Tensor& pinned_src, Tensor& dst) {
   DT_CHECK(pinned_src.device().is_cpu() && dst.device() == device() && pinned_src.nbytes() == dst.nbytes(),
            "upload_async " << pinned_src.str() << " -> " << dst.str() << " on the engine of " << device().str());
   cudaPointerAttributes attr{};
-  const bool pinned = cudaPointerGetAttributes(&attr, pinned_src.raw()) == cudaSuccess && attr.type == cudaMemoryTypeHost;
-  (void)cudaGetLastError();
+  const cudaError_t probe = cudaPointerGetAttributes(&attr, pinned_src.raw());
+  if (probe != cudaSuccess) (void)cudaGetLastError();  // clears the probe's own error only
+  const bool pinned = probe == cudaSuccess && attr.type == cudaMemoryTypeHost;
   DT_CHECK(pinned, "upload_async needs a page-locked source (cuda::pinned_empty), got " << pinned_src.str());
   bind();
   cudaEvent_t before = nullptr, done = nullptr;
@@ -303,8 +304,9 @@ void CudaEngine::copy(const Tensor& src, Tensor& dst) {
   const void* host = src.device().is_cpu() ? src.raw() : (dst.device().is_cpu() ? dst.raw() : nullptr);
   if (host) {
     cudaPointerAttributes attr{};
-    bool pinned = cudaPointerGetAttributes(&attr, host) == cudaSuccess && attr.type == cudaMemoryTypeHost;
-    (void)cudaGetLastError();
+    const cudaError_t probe = cudaPointerGetAttributes(&attr, host);
+    if (probe != cudaSuccess) (void)cudaGetLastError();  // clears the probe's own error only
+    const bool pinned = probe == cudaSuccess && attr.type == cudaMemoryTypeHost;
     if (!pinned || dst.device().is_cpu()) DT_CUDA_CHECK(cudaStreamSynchronize(compute_));
   }
 }
@@ -434,7 +436,11 @@ void CudaEngine::vocab_xent_backward(const Tensor& logits, const Tensor& labels,
   check_dev(logits, "logits", index_);
   check_dev(labels, "labels", index_, DType::I32);
   check_dev(dlogits, "dlogits", index_);
-  DT_CHECK(logits.dim() == 2 && labels.numel() == logits.size(0), "vocab_xent_backward: logits " << logits.str());
+  check_dev(rowmax, "vocab_xent rowmax", index_);
+  check_dev(sumexp, "vocab_xent sumexp", index_);
+  DT_CHECK(logits.dim() == 2 && labels.numel() == logits.size(0) && rowmax.numel() == logits.size(0) &&
+               sumexp.numel() == logits.size(0),
+           "vocab_xent_backward: logits " << logits.str() << ", rowmax " << rowmax.str() << ", sumexp " << sumexp.str());
   check_same_numel(logits, dlogits, "vocab_xent_backward");
   bind();
   k::vocab_xent_backward(logits.f32(), labels.data<int32_t>(), offset, rowmax.f32(), sumexp.f32(), scale, dlogits.f32(),
@@ -446,7 +452,8 @@ void CudaEngine::layernorm_forward(const Tensor& x, const Tensor& gamma, const T
   for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &gamma, &beta, &mean, &rstd, &y})
     check_dev(*t, "layernorm tensor", index_);
   int64_t d = gamma.numel();
-  DT_CHECK(d > 0 && x.size(-1) == d && y.numel() == x.numel() && mean.numel() == x.numel() / d,
+  DT_CHECK(d > 0 && x.size(-1) == d && y.numel() == x.numel() && mean.numel() == x.numel() / d &&
+               rstd.numel() == x.numel() / d && beta.numel() == d,
            "layernorm over " << d << " features of " << x.str());
   bind();
   k::layernorm_forward(x.f32(), gamma.f32(), beta.f32(), eps, mean.f32(), rstd.f32(), y.f32(), x.numel() / d, d,
@@ -458,7 +465,9 @@ void CudaEngine::layernorm_backward(const Tensor& x, const Tensor& dy, const Ten
   for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &dy, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta})
     check_dev(*t, "layernorm tensor", index_);
   int64_t d = gamma.numel();
-  DT_CHECK(d > 0 && x.size(-1) == d && dy.numel() == x.numel() && dx.numel() == x.numel(),
+  DT_CHECK(d > 0 && x.size(-1) == d && dy.numel() == x.numel() && dx.numel() == x.numel() &&
+               mean.numel() == x.numel() / d && rstd.numel() == x.numel() / d && dgamma.numel() == d &&
+               dbeta.numel() == d,
            "layernorm_backward over " << d << " features of " << x.str());
   bind();
   k::layernorm_backward(x.f32(), dy.f32(), gamma.f32(), mean.f32(), rstd.f32(), dx.f32(), dgamma.f32(), dbeta.f32(),
@@ -479,6 +488,7 @@ NchwView nchw(const Tensor& x, int64_t channels) {
 void CudaEngine::channel_sums(const Tensor& x, int64_t channels, Tensor& sum, Tensor& sumsq) {
   for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &sum, &sumsq}) check_dev(*t, "channel_sums", index_);
   NchwView v = nchw(x, channels);
+  DT_CHECK(sum.numel() == channels && sumsq.numel() == channels, "channel_sums into " << sum.str() << ", " << sumsq.str());
   bind();
   k::channel_reduce(x.f32(), nullptr, sum.f32(), sumsq.f32(), v.n, v.c, v.hw, compute_);
 }
@@ -487,6 +497,7 @@ void CudaEngine::channel_dot(const Tensor& a, const Tensor& b, int64_t channels,
   for (const Tensor* t : std::initializer_list<const Tensor*>{&a, &b, &out}) check_dev(*t, "channel_dot", index_);
   check_same_numel(a, b, "channel_dot");
   NchwView v = nchw(a, channels);
+  DT_CHECK(out.numel() == channels, "channel_dot into " << out.str());
   bind();
   k::channel_reduce(a.f32(), b.f32(), out.f32(), nullptr, v.n, v.c, v.hw, compute_);
 }
@@ -522,6 +533,8 @@ void CudaEngine::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tenso
   for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v})
     check_dev(*t, "adam tensor", index_);
   check_same_numel(param, grad, "adam_update");
+  check_same_numel(param, m, "adam_update");
+  check_same_numel(param, v, "adam_update");
   DT_CHECK(step >= 1, "adam step counts from 1");
   // The bias corrections as the CPU engine computes them, so both engines step identically.
   float bias1 = 1.f - std::pow(beta1, static_cast<float>(step));

@@ -120,6 +120,8 @@ class CudaEngine final : public Engine {
   // A device tensor of `like`'s element count in `dtype`, holding `like` cast (the low-precision
   // operand copies of mixed precision); memory from the caching allocator.
   Tensor lowp_copy(const Tensor& like, DType dtype);
+  // An f32 device tensor of src's values rounded to bf16 (convolution operands under BF16).
+  Tensor bf16_rounded(const Tensor& src);
   GemmPlan& gemm_plan(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t sa, int64_t sb,
                       int64_t sc, DType in, bool tf32, const void* pa, const void* pb, const void* pc);
   ConvPlan& conv_plan(const Conv2dGeom& g, DType dtype);

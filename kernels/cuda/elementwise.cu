@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "cuda_common.h"
 #include "dtrain/kernels/functors.h"
 #include "kernels.h"
 
@@ -36,10 +37,12 @@ __global__ void map2_kernel(const float* a, const float* b, float* y, int64_t n,
 template <typename F>
 void map1(const float* x, float* y, int64_t n, F f, cudaStream_t s) {
   if (n > 0) map1_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, y, n, f);
+  DT_CUDA_LAUNCHED();
 }
 template <typename F>
 void map2(const float* a, const float* b, float* y, int64_t n, F f, cudaStream_t s) {
   if (n > 0) map2_kernel<<<blocks_for(n), kThreads, 0, s>>>(a, b, y, n, f);
+  DT_CUDA_LAUNCHED();
 }
 
 struct Fill {
@@ -131,6 +134,7 @@ void fill(float* y, float value, int64_t n, cudaStream_t s) { map1(y, y, n, Fill
 
 void dropout_mask(float* mask, float p, uint64_t seed, int64_t n, cudaStream_t s) {
   if (n > 0) dropout_kernel<<<blocks_for(n), kThreads, 0, s>>>(mask, n, fn::DropoutMask{p, 1.f / (1.f - p), seed});
+  DT_CUDA_LAUNCHED();
 }
 
 void cast(const void* src, DType from, void* dst, DType to, int64_t n, cudaStream_t s) {
@@ -140,26 +144,34 @@ void cast(const void* src, DType from, void* dst, DType to, int64_t n, cudaStrea
   auto u16in = static_cast<const uint16_t*>(src);
   if (from == DType::F32 && to == DType::BF16) {
     f32_to_bf16_kernel<<<b, kThreads, 0, s>>>(f32in, static_cast<uint16_t*>(dst), n);
+    DT_CUDA_LAUNCHED();
   } else if (from == DType::BF16 && to == DType::F32) {
     bf16_to_f32_kernel<<<b, kThreads, 0, s>>>(u16in, static_cast<float*>(dst), n);
+    DT_CUDA_LAUNCHED();
   } else if (from == DType::F32 && to == DType::F16) {
     f32_to_f16_kernel<<<b, kThreads, 0, s>>>(f32in, static_cast<uint16_t*>(dst), n);
+    DT_CUDA_LAUNCHED();
   } else if (from == DType::F16 && to == DType::F32) {
     f16_to_f32_kernel<<<b, kThreads, 0, s>>>(u16in, static_cast<float*>(dst), n);
+    DT_CUDA_LAUNCHED();
   }
 }
 
 void add_row_bias(float* y, const float* bias, int64_t m, int64_t n, cudaStream_t s) {
   if (m * n > 0) add_row_bias_kernel<<<blocks_for(m * n), kThreads, 0, s>>>(y, bias, m, n);
+  DT_CUDA_LAUNCHED();
 }
 void row_bias_grad(const float* dy, float* dbias, int64_t m, int64_t n, cudaStream_t s) {
   if (n > 0) row_bias_grad_kernel<<<static_cast<unsigned>((n + 31) / 32), dim3(32, 8), 0, s>>>(dy, dbias, m, n);
+  DT_CUDA_LAUNCHED();
 }
 void sum_squares(const float* x, int64_t n, double* out, cudaStream_t s) {
   if (n > 0) sum_squares_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, n, out);
+  DT_CUDA_LAUNCHED();
 }
 void unscale_and_check(float* x, float inv_scale, int64_t n, float* found_inf, cudaStream_t s) {
   if (n > 0) unscale_check_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, n, fn::Unscale{inv_scale}, found_inf);
+  DT_CUDA_LAUNCHED();
 }
 
 }  // namespace dtrain::cuda::k

@@ -1,5 +1,6 @@
 // Optimizer updates over flat f32 tensors [n]: the SgdStep / AdamStep functors of
 // dtrain/kernels/functors.h, one element per thread (grid-stride).
+#include "cuda_common.h"
 #include "dtrain/kernels/functors.h"
 #include "kernels.h"
 
@@ -31,6 +32,7 @@ void sgd_update(float* p, const float* g, float* buf, int64_t n, float lr, float
   if (n > 0)
     sgd_kernel<<<blocks_for(n), 256, 0, s>>>(p, g, buf, n,
                                              fn::SgdStep{lr, momentum, dampening, weight_decay, nesterov});
+  DT_CUDA_LAUNCHED();
 }
 
 void adam_update(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2, float eps,
@@ -38,6 +40,7 @@ void adam_update(float* p, const float* g, float* m, float* v, int64_t n, float 
   if (n > 0)
     adam_kernel<<<blocks_for(n), 256, 0, s>>>(
         p, g, m, v, n, fn::AdamStep{lr, beta1, beta2, eps, weight_decay, bias1, bias2, decoupled});
+  DT_CUDA_LAUNCHED();
 }
 
 }  // namespace dtrain::cuda::k

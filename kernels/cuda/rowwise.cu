@@ -2,6 +2,7 @@
 // per row; the CPU engine's loops (kernels/cpu/) are the reference the tests compare against.
 #include <cfloat>
 
+#include "cuda_common.h"
 #include "kernels.h"
 
 namespace dtrain::cuda::k {
@@ -224,6 +225,7 @@ __global__ void channel_affine_kernel(const float* x, const float* scale, const 
 void channel_reduce(const float* x, const float* b, float* out1, float* out2, int64_t n, int64_t c, int64_t hw,
                     cudaStream_t s) {
   if (c > 0) channel_reduce_kernel<<<static_cast<unsigned>(c), kRowThreads, 0, s>>>(x, b, out1, out2, n, c, hw);
+  DT_CUDA_LAUNCHED();
 }
 
 void channel_affine(const float* x, const float* scale, const float* shift, float* y, int64_t n, int64_t c, int64_t hw,
@@ -232,6 +234,7 @@ void channel_affine(const float* x, const float* scale, const float* shift, floa
   if (total <= 0) return;
   unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 65535));
   channel_affine_kernel<<<blocks, 256, 0, s>>>(x, scale, shift, y, total, c, hw);
+  DT_CUDA_LAUNCHED();
 }
 
 void softmax_xent_forward(const float* logits, const int32_t* labels, float* probs, int64_t m, int64_t c,
@@ -239,6 +242,7 @@ void softmax_xent_forward(const float* logits, const int32_t* labels, float* pro
   if (m > 0)
     softmax_xent_forward_kernel<<<static_cast<unsigned>(m), kRowThreads, 0, s>>>(logits, labels, probs, c, loss_sum,
                                                                                  correct, bad_label);
+  DT_CUDA_LAUNCHED();
 }
 
 void softmax_xent_backward(const float* probs, const int32_t* labels, float scale, float* dlogits, int64_t m, int64_t c,
@@ -247,10 +251,12 @@ void softmax_xent_backward(const float* probs, const int32_t* labels, float scal
   if (n <= 0) return;
   unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535));
   softmax_xent_backward_kernel<<<blocks, 256, 0, s>>>(probs, labels, scale, dlogits, m, c);
+  DT_CUDA_LAUNCHED();
 }
 
 void row_max(const float* x, float* out, int64_t m, int64_t n, cudaStream_t s) {
   if (m > 0) row_max_kernel<<<static_cast<unsigned>(m), kRowThreads, 0, s>>>(x, out, n);
+  DT_CUDA_LAUNCHED();
 }
 
 void vocab_xent_partials(const float* logits, const int32_t* labels, int64_t offset, const float* rowmax, float* sumexp,
@@ -258,6 +264,7 @@ void vocab_xent_partials(const float* logits, const int32_t* labels, int64_t off
   if (m > 0)
     vocab_xent_partials_kernel<<<static_cast<unsigned>(m), kRowThreads, 0, s>>>(logits, labels, offset, rowmax, sumexp,
                                                                                 target, n);
+  DT_CUDA_LAUNCHED();
 }
 
 void vocab_xent_backward(const float* logits, const int32_t* labels, int64_t offset, const float* rowmax,
@@ -266,20 +273,24 @@ void vocab_xent_backward(const float* logits, const int32_t* labels, int64_t off
   if (total <= 0) return;
   unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 65535));
   vocab_xent_backward_kernel<<<blocks, 256, 0, s>>>(logits, labels, offset, rowmax, sumexp, scale, dlogits, m, n);
+  DT_CUDA_LAUNCHED();
 }
 
 void layernorm_forward(const float* x, const float* gamma, const float* beta, float eps, float* mean, float* rstd,
                        float* y, int64_t m, int64_t d, cudaStream_t s) {
   if (m > 0)
     layernorm_forward_kernel<<<static_cast<unsigned>(m), kRowThreads, 0, s>>>(x, gamma, beta, eps, mean, rstd, y, d);
+  DT_CUDA_LAUNCHED();
 }
 
 void layernorm_backward(const float* x, const float* dy, const float* gamma, const float* mean, const float* rstd,
                         float* dx, float* dgamma, float* dbeta, int64_t m, int64_t d, cudaStream_t s) {
   if (m <= 0 || d <= 0) return;
   layernorm_backward_dx_kernel<<<static_cast<unsigned>(m), kRowThreads, 0, s>>>(x, dy, gamma, mean, rstd, dx, d);
+  DT_CUDA_LAUNCHED();
   layernorm_backward_params_kernel<<<static_cast<unsigned>((d + 31) / 32), dim3(32, 8), 0, s>>>(x, dy, mean, rstd,
                                                                                                 dgamma, dbeta, m, d);
+  DT_CUDA_LAUNCHED();
 }
 
 }  // namespace dtrain::cuda::k

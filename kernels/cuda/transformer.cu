@@ -2,6 +2,7 @@
 // scatter-add. The CPU loops of kernels/cpu/transformer.cpp are their reference in the tests.
 #include <cfloat>
 
+#include "cuda_common.h"
 #include "kernels.h"
 
 namespace dtrain::cuda::k {
@@ -82,29 +83,34 @@ void permute_0213(const float* x, float* y, int64_t a, int64_t b, int64_t c, int
   int64_t n = a * b * c * d;
   if (n == 0) return;
   permute_0213_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, y, a, b, c, d);
+  DT_CUDA_LAUNCHED();
 }
 
 void causal_softmax_forward(const float* scores, float* probs, int64_t rows, int64_t t, float scale, cudaStream_t s) {
   if (rows == 0) return;
   causal_softmax_forward_kernel<<<blocks_for(rows * 32), kThreads, 0, s>>>(scores, probs, rows, t, scale);
+  DT_CUDA_LAUNCHED();
 }
 
 void causal_softmax_backward(const float* probs, const float* dprobs, float* dscores, int64_t rows, int64_t t,
                              float scale, cudaStream_t s) {
   if (rows == 0) return;
   causal_softmax_backward_kernel<<<blocks_for(rows * 32), kThreads, 0, s>>>(probs, dprobs, dscores, rows, t, scale);
+  DT_CUDA_LAUNCHED();
 }
 
 void embedding_forward(const int32_t* ids, const float* table, float* y, int64_t n, int64_t v, int64_t c,
                        int64_t offset, cudaStream_t s) {
   if (n * c == 0) return;
   embedding_forward_kernel<<<blocks_for(n * c), kThreads, 0, s>>>(ids, table, y, n, v, c, offset);
+  DT_CUDA_LAUNCHED();
 }
 
 void embedding_backward(const int32_t* ids, const float* dy, float* dtable, int64_t n, int64_t v, int64_t c,
                         int64_t offset, cudaStream_t s) {
   if (n * c == 0) return;
   embedding_backward_kernel<<<blocks_for(n * c), kThreads, 0, s>>>(ids, dy, dtable, n, v, c, offset);
+  DT_CUDA_LAUNCHED();
 }
 
 }  // namespace dtrain::cuda::k

@@ -221,9 +221,19 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     scaler = std::make_unique<optim::LossScaler>(lso);
   }
 
-  data::TokenStream train = data::load_tokens((fs::path(cfg.data) / "train.h5").string());
-  data::TokenStream val = data::load_tokens((fs::path(cfg.data) / "val.h5").string());
-  DT_INPUT_CHECK(train.vocab <= cfg.model.vocab, "the tokens need a vocabulary of " << train.vocab);
+  // Every rank reads the token files itself (without a shared file system a node may lack them):
+  // the ranks agree on the outcome, so a file one rank cannot read fails every rank naming it,
+  // instead of leaving the others in the grid's first collective.
+  data::TokenStream train, val;
+  auto read_tokens = [&] {
+    train = data::load_tokens((fs::path(cfg.data) / "train.h5").string());
+    val = data::load_tokens((fs::path(cfg.data) / "val.h5").string());
+    DT_INPUT_CHECK(train.vocab <= cfg.model.vocab, "the tokens need a vocabulary of " << train.vocab);
+  };
+  if (world_comm)
+    comm::agree_on_inputs(*world_comm, read_tokens);
+  else
+    read_tokens();
 
   // Same seed on every rank: every tp layer draws the full weights and keeps its shard, every
   // stage draws the whole model and keeps its blocks, so the model equals the one-rank model.
@@ -463,14 +473,18 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     agreed([&] {
       if (!writer || stage != 0) return;
       save_checkpoint(file, st);
-      std::vector<fs::path> all;  // whole sets, oldest first: the main file and its stage parts
+      // Whole sets, oldest first (the main file and its stage parts), of the steps before this one:
+      // later steps (a run this one resumed behind) are left alone, and this one is never pruned.
+      std::vector<fs::path> all;
+      const fs::path mine = fs::path(file).filename();
       for (const auto& e : fs::directory_iterator(cfg.checkpoint_dir)) {
         const std::string n = e.path().filename().string();
-        if (n.rfind("ckpt-step", 0) == 0 && e.path().extension() == ".h5" && n.find(".stage") == std::string::npos)
+        if (n.rfind("ckpt-step", 0) == 0 && e.path().extension() == ".h5" && n.find(".stage") == std::string::npos &&
+            e.path().filename() < mine)
           all.push_back(e.path());
       }
       std::sort(all.begin(), all.end());
-      for (size_t i = 0; i + static_cast<size_t>(std::max(cfg.keep_checkpoints, 1)) < all.size(); ++i) {
+      for (size_t i = 0; i + static_cast<size_t>(std::max(cfg.keep_checkpoints, 1)) - 1 < all.size(); ++i) {
         const std::string stem = all[i].stem().string() + ".stage";
         for (const auto& e : fs::directory_iterator(cfg.checkpoint_dir))
           if (e.path().filename().string().rfind(stem, 0) == 0) fs::remove(e.path());
@@ -549,7 +563,10 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       step_loss = from_last_stage(loss_sum / micro);
       bubble_sum += pipe->stats().bubble;
     }
-    if (ddp) ddp->finish();
+    if (ddp) {
+      ddp->finish();
+      if (scaler || cfg.clip_grad_norm > 0) ddp->settle();  // the host reads the gradients next
+    }
     if (tied) tied->allreduce(tied_wte->grad)->wait();  // the embedding's and the head's parts
     // fp16: unscale and check the complete gradients; the ranks of a tp/pp grid hold different
     // parameters, so the verdict is agreed over the world (a step is taken everywhere or nowhere).
@@ -575,6 +592,9 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       opt_decay.step(lr);
       opt_plain.step(lr);
     }
+    // On a GPU the optimizer step is now queued behind the exchange (an event); the host checks the
+    // exchange before anything else can wait for the GPU, so a stuck peer times out naming the ranks.
+    if (ddp) ddp->settle();
     if (step >= start_step + 2) step_mallocs += gpu_mallocs() - mallocs0;
     interval_loss += step_loss;
     if (rank == 0) res.step_losses.push_back(step_loss);
@@ -609,7 +629,6 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     if (!cfg.checkpoint_dir.empty() && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0 && !last)
       save(step + 1);
   }
-  if (ddp) ddp->settle();  // the last step's exchange, where the GPU stream waited for it
   const double train_s = now_s() - t_start;
   res.steps = cfg.steps;
   if (scaler) {

@@ -327,14 +327,16 @@ void Trainer::write_main(const fs::path& path, std::map<std::string, Tensor>& op
       s.tensors["meta/norm_std"] = Tensor::from({static_cast<int64_t>(info.std.size())}, info.std);
     }
     save_checkpoint(path.string(), s);
-    // Keep the newest few.
+    // Keep the newest few: the one just written and the newest of those before it. Later steps (a
+    // run this one resumed behind) are left alone, so the file just written is never the one pruned.
     std::vector<fs::path> all;
     for (const auto& e : fs::directory_iterator(cfg_.checkpoint_dir)) {
       std::string n = e.path().filename().string();
-      if (n.rfind("ckpt-step", 0) == 0 && e.path().extension() == ".h5") all.push_back(e.path());
+      if (n.rfind("ckpt-step", 0) == 0 && e.path().extension() == ".h5" && e.path().filename() < path.filename())
+        all.push_back(e.path());
     }
     std::sort(all.begin(), all.end());
-    for (size_t i = 0; i + static_cast<size_t>(cfg_.keep_checkpoints) < all.size(); ++i) {
+    for (size_t i = 0; i + static_cast<size_t>(std::max(cfg_.keep_checkpoints, 1)) - 1 < all.size(); ++i) {
       const std::string parts = all[i].filename().string() + ".rank";  // its compression state
       for (const auto& e : fs::directory_iterator(cfg_.checkpoint_dir))
         if (e.path().filename().string().rfind(parts, 0) == 0) fs::remove(e.path());
@@ -668,6 +670,7 @@ TrainResult Trainer::run() {
       if (dp_) {
         double c0 = dp_->stats().comm_wait_s;
         dp_->finish();
+        if (scaler_ || cfg_.clip_grad_norm > 0.f) dp_->settle();  // the host reads the gradients next
         iv_comm += dp_->stats().comm_wait_s - c0;
       }
       double to = now_s();
@@ -692,9 +695,13 @@ TrainResult Trainer::run() {
         }
       }
       if (take_step) opt_->step(lr);
-      if (dp_ && take_step) {
+      if (dp_) {
         double c0 = dp_->stats().comm_wait_s;
-        dp_->after_step();
+        if (take_step) dp_->after_step();
+        // On a GPU the optimizer step is now queued behind the exchange (an event); the host checks
+        // the exchange before anything else can wait for the GPU (evaluation, a checkpoint, the next
+        // loss), so a stuck peer times out naming the ranks instead of hanging in a stream sync.
+        dp_->settle();
         iv_comm += dp_->stats().comm_wait_s - c0;
       }
       double t1 = now_s();
@@ -814,7 +821,6 @@ TrainResult Trainer::run() {
         save(epoch_done ? epoch + 1 : epoch, epoch_done ? 0 : batch_in_epoch);
     }
   }
-  if (dp_) dp_->settle();  // the last step's exchange, where the GPU stream waited for it
   trace.write(comm_);
   if (!cfg_.trace.empty()) say("trace of " + std::to_string(world_) + " rank(s) written to " + cfg_.trace);
   result.steps = step_;

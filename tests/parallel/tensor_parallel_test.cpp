@@ -476,6 +476,24 @@ TEST(Pipeline, LmResumesFromOneRankInTp2Pp2AndBack) {
 // file, neither waits in a collective for the other, and no checkpoint without its stage part
 // appears. Then a broken stage part on resume: every rank fails naming it; and a metrics file
 // rank 0 cannot open.
+// The token files are read by every rank; one rank that cannot read them (a node without the
+// shared file system) fails every rank with the file's name, instead of a hang in the grid.
+TEST(Pipeline, LmTokensOneRankCannotReadFailEveryRank) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2)";
+  std::filesystem::path dir = make_corpus("lm-tokens-fail");
+  train::LmConfig c = test::small_lm_config(dir / "tok", small_gpt());
+  c.pp = 2;
+  if (world().rank() == 1) c.data = (dir / "not-on-this-node").string();
+  try {
+    train::train_lm(c, &world());
+    ADD_FAILURE() << "rank " << world().rank() << " trained although rank 1 has no token files";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("not-on-this-node"), std::string::npos) << e.what();
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST(Pipeline, LmOneStagesCheckpointFailureFailsEveryRank) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2)";
   std::filesystem::path dir = make_corpus("lm-ckpt-fail");

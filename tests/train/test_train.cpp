@@ -176,6 +176,27 @@ TEST(Trainer, ResumeContinuesExactly) {
   fs::remove_all(dir);
 }
 
+// Resuming from an older checkpoint into a folder that holds later ones: pruning keeps the newest
+// of this run's own line and never removes the checkpoint it has just written.
+TEST(Trainer, PruningKeepsTheCheckpointJustWritten) {
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("prune");
+  test::make_band_dataset(dir + "/train", 512);
+  auto c = parse({"--data", dir + "/train", "--model", "mlp", "--hidden", "16", "--steps", "30", "--batch-size", "16",
+                  "--threads", "1", "--progress", "off", "--checkpoint-dir", dir + "/ck", "--checkpoint-every", "10",
+                  "--keep-checkpoints", "10"});
+  train::Trainer(c, rt).run();
+  for (int s : {10, 20, 30}) ASSERT_TRUE(fs::exists(dir + "/ck/ckpt-step0000000" + std::to_string(s) + ".h5")) << s;
+  auto r = parse({"--data", dir + "/train", "--model", "mlp", "--hidden", "16", "--steps", "15", "--batch-size", "16",
+                  "--threads", "1", "--progress", "off", "--checkpoint-dir", dir + "/ck", "--checkpoint-every", "10",
+                  "--keep-checkpoints", "2", "--resume", dir + "/ck/ckpt-step000000010.h5"});
+  EXPECT_EQ(train::Trainer(r, rt).run().steps, 15);
+  EXPECT_TRUE(fs::exists(dir + "/ck/ckpt-step000000015.h5")) << "the checkpoint just written was pruned";
+  EXPECT_TRUE(fs::exists(dir + "/ck/ckpt-step000000010.h5"));  // the newest before it (keep 2)
+  EXPECT_TRUE(fs::exists(dir + "/ck/ckpt-step000000030.h5"));  // a later step is not this run's to prune
+  fs::remove_all(dir);
+}
+
 TEST(Trainer, ResumeRejectsACheckpointOfAnotherModel) {
   comm::Runtime& rt = runtime();
   std::string dir = test::temp_dir("mismatch");

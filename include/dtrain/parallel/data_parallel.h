@@ -45,8 +45,10 @@ struct DataParallelOptions {
   uint64_t seed = 0x5eed;
   // Buckets on a GPU: the engine's compute stream (a cudaStream_t). Where the communicator can
   // order a stream after its work (NCCL), finish() makes this stream wait for the exchange by
-  // events instead of blocking the host; the host checks the exchange (errors, timeouts) at the
-  // next step's first begin_backward(), or in settle(). Null: finish() waits on the host.
+  // events instead of blocking the host, which goes on queueing the optimizer step; the host then
+  // checks the exchange (errors, timeouts) in settle(), which the trainers call once the step is
+  // queued, before anything that waits for the GPU (which would hang on a stuck collective instead
+  // of timing out); begin_backward() calls it too. Null: finish() waits on the host.
   void* device_stream = nullptr;
 };
 
