@@ -197,6 +197,16 @@ float VocabParallelCrossEntropy::forward(const Tensor& logits, const Tensor& lab
   return static_cast<float>(loss / static_cast<double>(m));
 }
 
+void VocabParallelCrossEntropy::accumulate(const Tensor& logits, const Tensor& labels, Tensor& stats) {
+  DT_CHECK(stats.device().is_cpu() && stats.dtype() == DType::F32 && stats.numel() == kXentStatsFloats,
+           "vocabulary-parallel cross-entropy adds into " << kXentStatsFloats << " f32 on the host, got "
+                                                          << stats.str());
+  forward(logits, labels);
+  XentStats st = xent_stats(stats);
+  st.loss_sum += loss_sum_;
+  std::memcpy(stats.raw(), &st, sizeof st);
+}
+
 Tensor VocabParallelCrossEntropy::backward(float scale) {
   const int64_t m = logits_.size(0);
   if (!dlogits_.defined() || dlogits_.shape() != logits_.shape())

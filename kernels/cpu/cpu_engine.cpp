@@ -89,6 +89,14 @@ void copy_any(const Tensor& src, Tensor& dst) {
     engine_for(src.device().is_cpu() ? dst.device() : src.device()).copy(src, dst);
 }
 
+XentStats xent_stats(const Tensor& host_row) {
+  DT_CHECK(host_row.device().is_cpu() && host_row.dtype() == DType::F32 && host_row.numel() == kXentStatsFloats,
+           "xent_stats reads " << kXentStatsFloats << " f32 on the host, got " << host_row.str());
+  XentStats st;
+  std::memcpy(&st, host_row.raw(), sizeof st);
+  return st;
+}
+
 Tensor to_host(const Tensor& t) {
   if (t.device().is_cpu()) return t;
   Tensor h = Tensor::empty(t.shape(), t.dtype());
@@ -98,17 +106,15 @@ Tensor to_host(const Tensor& t) {
 
 Tensor stage_to(const Tensor& host, Device device, StagedTensor& st) {
   if (device.is_cpu()) return host;
-  if (!st.host.defined() || st.host.shape() != host.shape() || st.host.dtype() != host.dtype()) {
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
-    st.host = cuda::pinned_empty(host.shape(), host.dtype());
+  // Through the copy stream with an event: the page-locked buffer is rewritten only after its last
+  // upload left it, so a caller need not sync the device between two batches.
+  stage_async(host, device, st);
+  return take_staged(st);
 #else
-    st.host = Tensor::empty(host.shape(), host.dtype());
+  DT_CHECK(false, "stage_to " << device.str() << ": this build has no GPU engine");
+  return host;
 #endif
-    st.device = Tensor::empty(host.shape(), host.dtype(), device);
-  }
-  st.host.copy_from(host);
-  engine_for(device).copy(st.host, st.device);  // asynchronous from page-locked memory
-  return st.device;
 }
 
 void stage_async(const Tensor& host, Device device, StagedTensor& st) {
@@ -128,7 +134,7 @@ void stage_async(const Tensor& host, Device device, StagedTensor& st) {
   st.host.copy_from(host);
   st.uploaded = cuda::upload_async(st.host, st.device);
 #else
-  stage_to(host, device, st);  // no GPU engine is built in: unreachable for a GPU device
+  DT_CHECK(false, "stage_async " << device.str() << ": this build has no GPU engine");
 #endif
 }
 
@@ -459,6 +465,20 @@ double CpuEngine::softmax_xent_forward(const Tensor& logits, const Tensor& label
   if (correct) *correct = hits;
   return loss;
 }
+
+void CpuEngine::softmax_xent_accumulate(const Tensor& logits, const Tensor& labels, Tensor& probs, Tensor& stats) {
+  check_f32(stats, "xent stats");
+  DT_CHECK(stats.numel() == kXentStatsFloats, "xent stats must be " << kXentStatsFloats
+                                                                                             << " f32, got " << stats.str());
+  int64_t hits = 0;
+  double loss = softmax_xent_forward(logits, labels, probs, &hits);  // a bad label throws here
+  XentStats st;
+  std::memcpy(&st, stats.raw(), sizeof st);
+  st.loss_sum += loss;
+  st.hits += static_cast<uint64_t>(hits);
+  std::memcpy(stats.raw(), &st, sizeof st);
+}
+
 
 void CpuEngine::softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) {
   int64_t m = probs.size(0), c = probs.size(1);

@@ -3,6 +3,7 @@
 #include "cuda_engine.h"
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 
 #include "caching_allocator.h"
@@ -356,8 +357,7 @@ bool CudaEngine::all_finite(const Tensor& x) {
   bind();
   auto* flag = reinterpret_cast<float*>(static_cast<char*>(scalars_.raw()) + kOffFlagF);
   DT_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(float), compute_));
-  // Multiplying by 1 leaves x bitwise as it is (NaN stays NaN, inf stays inf).
-  k::unscale_and_check(const_cast<float*>(x.f32()), 1.f, x.numel(), flag, compute_);
+  k::check_finite(x.f32(), x.numel(), flag, compute_);
   float f = 0;
   read_back(flag, &f, sizeof f);
   return f == 0.f;
@@ -395,6 +395,25 @@ double CudaEngine::softmax_xent_forward(const Tensor& logits, const Tensor& labe
   std::memcpy(&hits, host + kOffCount, sizeof hits);
   if (correct) *correct = static_cast<int64_t>(hits);
   return loss;
+}
+
+void CudaEngine::softmax_xent_accumulate(const Tensor& logits, const Tensor& labels, Tensor& probs, Tensor& stats) {
+  check_dev(logits, "logits", index_);
+  check_dev(labels, "labels", index_, DType::I32);
+  check_dev(probs, "probs", index_);
+  check_dev(stats, "xent stats", index_);
+  DT_CHECK(logits.dim() == 2 && labels.numel() == logits.size(0) && probs.numel() == logits.numel(),
+           "softmax_xent: logits " << logits.str() << ", labels " << labels.str() << ", probs " << probs.str());
+  DT_CHECK(stats.numel() == kXentStatsFloats, "xent stats must be " << kXentStatsFloats << " f32, got " << stats.str());
+  static_assert(offsetof(XentStats, loss_sum) == kOffDouble && offsetof(XentStats, hits) == kOffCount &&
+                offsetof(XentStats, bad_label) == kOffFlag);
+  bind();
+  // The kernel adds into the three fields (atomics), so the running totals stay on the device.
+  char* sc = static_cast<char*>(stats.raw());
+  k::softmax_xent_forward(logits.f32(), labels.data<int32_t>(), probs.f32(), logits.size(0), logits.size(1),
+                          reinterpret_cast<double*>(sc + kOffDouble),
+                          reinterpret_cast<unsigned long long*>(sc + kOffCount), reinterpret_cast<int*>(sc + kOffFlag),
+                          compute_);
 }
 
 void CudaEngine::softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) {

@@ -81,6 +81,7 @@ class CudaEngine final : public Engine {
   void unscale_and_check(Tensor& x, float inv_scale, Tensor& found_inf) override;
 
   double softmax_xent_forward(const Tensor& logits, const Tensor& labels, Tensor& probs, int64_t* correct) override;
+  void softmax_xent_accumulate(const Tensor& logits, const Tensor& labels, Tensor& probs, Tensor& stats) override;
   void softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) override;
 
   void permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, int64_t d, Tensor& y) override;

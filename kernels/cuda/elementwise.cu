@@ -112,6 +112,13 @@ __global__ void unscale_check_kernel(float* x, int64_t n, fn::Unscale f, float* 
   if (__any_sync(0xffffffffu, bad) && (threadIdx.x & 31) == 0) *found_inf = 1.f;
 }
 
+// Read-only: x is not written (another stream may be reading it).
+__global__ void check_finite_kernel(const float* x, int64_t n, float* found_inf) {
+  int bad = 0;
+  DT_GRID_STRIDE(i, n) bad |= !fn::is_finite(x[i]);
+  if (__any_sync(0xffffffffu, bad) && (threadIdx.x & 31) == 0) *found_inf = 1.f;
+}
+
 }  // namespace
 
 void unary_forward(Unary op, const float* x, float* y, int64_t n, cudaStream_t s) {
@@ -171,6 +178,11 @@ void sum_squares(const float* x, int64_t n, double* out, cudaStream_t s) {
 }
 void unscale_and_check(float* x, float inv_scale, int64_t n, float* found_inf, cudaStream_t s) {
   if (n > 0) unscale_check_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, n, fn::Unscale{inv_scale}, found_inf);
+  DT_CUDA_LAUNCHED();
+}
+
+void check_finite(const float* x, int64_t n, float* found_inf, cudaStream_t s) {
+  if (n > 0) check_finite_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, n, found_inf);
   DT_CUDA_LAUNCHED();
 }
 

@@ -28,6 +28,7 @@ void row_bias_grad(const float* dy, float* dbias, int64_t m, int64_t n, cudaStre
 void sum_squares(const float* x, int64_t n, double* out, cudaStream_t s);
 // x *= inv_scale; *found_inf = 1 when an element is inf or NaN after scaling.
 void unscale_and_check(float* x, float inv_scale, int64_t n, float* found_inf, cudaStream_t s);
+void check_finite(const float* x, int64_t n, float* found_inf, cudaStream_t s);  // sets *found_inf = 1 on inf/NaN
 
 // ---- rowwise.cu: softmax cross-entropy over logits [M,C], LayerNorm over x [M,D]
 // loss_sum (f64, zeroed by the caller) += per-row losses; correct (zeroed) += argmax hits;

@@ -43,16 +43,17 @@ double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, in
   nn::update_working_copies(model.parameters(), engine_for(device).math_precision());
   bool was_training = model.training();
   model.eval();
-  double sum = 0;
   StagedTensor ids, targets;  // on a GPU: page-locked staging, reused by every batch
+  Tensor stats = zeros_on({kXentStatsFloats}, device);  // summed on the device, read once
   for (int64_t k = 0; k < batches; ++k) {
     data::TokenBatch b = data::sequential_windows(s, batch, t, k * batch);
-    xent.forward(model.forward(stage_to(b.ids, device, ids)),
-                 stage_to(b.targets, device, targets).reshape({batch * t}));
-    sum += xent.last_loss_sum();
+    xent.accumulate(model.forward(stage_to(b.ids, device, ids)),
+                    stage_to(b.targets, device, targets).reshape({batch * t}), stats);
   }
   model.train(was_training);
-  return sum / static_cast<double>(batches * batch * t);
+  const XentStats st = xent_stats(to_host(stats));
+  DT_INPUT_CHECK(!st.bad_label, "a token of the validation stream is outside the vocabulary");
+  return st.loss_sum / static_cast<double>(batches * batch * t);
 }
 
 }  // namespace
@@ -523,6 +524,33 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     return 0;
   };
   int64_t step_mallocs = 0;
+  // On a GPU each step's loss stays on the device (a row of gpu_losses) until a log line, a
+  // validation, a checkpoint or the end reads the rows since the last read, so no step waits for
+  // its loss; the rows are read when they run out too.
+  Tensor gpu_losses;
+  int64_t gpu_rows = 0;
+  if (!dev.is_cpu()) gpu_losses = zeros_on({cfg.log_every > 0 ? cfg.log_every : 64, kXentStatsFloats}, dev);
+  auto read_gpu_losses = [&](int64_t step_now) {
+    if (gpu_rows == 0) return;  // the same on every rank: the steps are
+    auto read = [&] {
+      Tensor host = to_host(gpu_losses.slice0(0, gpu_rows));
+      for (int64_t i = 0; i < gpu_rows; ++i) {
+        const XentStats st = xent_stats(host.slice0(i, i + 1).reshape({kXentStatsFloats}));
+        const int64_t at = step_now - gpu_rows + i + 2;  // 1-based
+        DT_INPUT_CHECK(!st.bad_label,
+                       "a target token of step " << at << " on rank " << rank << " is outside the vocabulary");
+        const double loss = st.loss_sum / static_cast<double>(m);
+        interval_loss += loss;
+        if (rank == 0) res.step_losses.push_back(loss);
+      }
+    };
+    if (world_comm)
+      comm::agree_on_inputs(*world_comm, read);  // one rank's failed check fails every rank
+    else
+      read();
+    engine_for(dev).fill(gpu_losses, 0.f);
+    gpu_rows = 0;
+  };
   for (int64_t step = start_step; step < cfg.steps; ++step) {
     const bool on_gpu = !dev.is_cpu();
     const int64_t mallocs0 = gpu_mallocs();
@@ -540,7 +568,9 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       if (step + 1 < cfg.steps) stage_batch(draw(step + 1), staged[(step + 1) % 2]);  // copied beside this step
       if (ddp) ddp->begin_backward(true);
       Tensor ids = take_staged(st.ids), targets = take_staged(st.targets);
-      step_loss = xent.forward(model.forward(ids), targets.reshape({m}));
+      Tensor row = gpu_losses.slice0(gpu_rows, gpu_rows + 1).reshape({kXentStatsFloats});
+      xent.accumulate(model.forward(ids), targets.reshape({m}), row);
+      ++gpu_rows;
       model.backward(xent.backward(loss_scale));
     } else if (!pipe) {
       if (ddp) ddp->begin_backward(true);
@@ -596,11 +626,20 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     // exchange before anything else can wait for the GPU, so a stuck peer times out naming the ranks.
     if (ddp) ddp->settle();
     if (step >= start_step + 2) step_mallocs += gpu_mallocs() - mallocs0;
-    interval_loss += step_loss;
-    if (rank == 0) res.step_losses.push_back(step_loss);
+    if (on_gpu) {
+      if (gpu_rows == gpu_losses.size(0)) read_gpu_losses(step);
+    } else {
+      interval_loss += step_loss;
+      if (rank == 0) res.step_losses.push_back(step_loss);
+    }
     ++interval_steps;
     bool last = step + 1 == cfg.steps;
-    if ((cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || last) {
+    const bool log_now = (cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || last;
+    const bool validate_now = (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last;
+    const bool save_now =
+        !cfg.checkpoint_dir.empty() && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0 && !last;
+    if (log_now || validate_now || save_now) read_gpu_losses(step);
+    if (log_now) {
       double dt = now_s() - t_interval;
       res.train_loss = interval_loss / static_cast<double>(interval_steps);
       double tps = static_cast<double>(interval_steps * m * dp_size) / dt;
@@ -625,9 +664,8 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       interval_steps = 0;
       t_interval = now_s();
     }
-    if ((cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last) validate(step + 1);
-    if (!cfg.checkpoint_dir.empty() && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0 && !last)
-      save(step + 1);
+    if (validate_now) validate(step + 1);
+    if (save_now) save(step + 1);
   }
   const double train_s = now_s() - t_start;
   res.steps = cfg.steps;

@@ -474,15 +474,19 @@ EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::Sharded
   StagedTensor inputs, labels;  // the batches on the model's device
   loader.start_epoch(0);
   data::Batch b;
+  // The loss and hits add up on the model's device and are read once at the end (a GPU is not
+  // synchronised per batch).
+  Tensor stats = zeros_on({kXentStatsFloats}, device);
   while (seen < mine && loader.next(b)) {
     int64_t rows = std::min<int64_t>(b.inputs.size(0), mine - seen);
-    int64_t hits = 0;
-    ce.forward(model.forward(stage_to(b.inputs.slice0(0, rows), device, inputs)),
-               stage_to(b.labels.slice0(0, rows), device, labels), &hits);
-    loss_sum += ce.last_loss_sum();
-    correct += hits;
+    ce.accumulate(model.forward(stage_to(b.inputs.slice0(0, rows), device, inputs)),
+                  stage_to(b.labels.slice0(0, rows), device, labels), stats);
     seen += rows;
   }
+  const XentStats st = xent_stats(to_host(stats));
+  DT_INPUT_CHECK(!st.bad_label, "a label of the evaluation data is outside the model's classes");
+  loss_sum = st.loss_sum;
+  correct = static_cast<int64_t>(st.hits);
   model.train();
   // Sums in f64 words carried as two f32 tensors would lose counts past 2^24; use i64 + f32.
   Tensor counts = Tensor::empty({2}, DType::I64);
@@ -600,6 +604,40 @@ TrainResult Trainer::run() {
   int64_t iv_bytes0 = dp_ ? dp_->stats().bytes_sent : 0;
   int64_t iv_steps = 0, iv_correct = 0, iv_seen = 0;
   double ema_step_s = 0;
+  // Losses and hits stay on the model's device until a log line or a checkpoint needs them: row i
+  // of iv_xent adds up the i-th step since the last read (at most log_every: a log line comes at
+  // every multiple), so a GPU step never waits for its loss. iv_step_seen: each such step's
+  // samples, for its mean loss.
+  Tensor iv_xent = zeros_on({cfg_.log_every, kXentStatsFloats}, device_);
+  std::vector<int64_t> iv_step_seen;
+  // Reads the interval's rows: the per-step mean losses summed into iv_loss, hits into iv_correct;
+  // a non-finite loss or an out-of-range label stops the run naming the step.
+  auto read_interval_losses = [&]() {
+    const int64_t n = static_cast<int64_t>(iv_step_seen.size());
+    // Every rank reads at the same steps; a check that fails on one rank (its own batches' loss)
+    // fails every rank alike, so none is left waiting in the next collective.
+    comm::agree_on_inputs(comm_, [&] {
+      if (n == 0) return;
+      Tensor host = to_host(iv_xent.slice0(0, n));
+      for (int64_t i = 0; i < n; ++i) {
+        const XentStats st = xent_stats(host.slice0(i, i + 1).reshape({kXentStatsFloats}));
+        const int64_t at = step_ - n + i + 1;
+        DT_INPUT_CHECK(!st.bad_label,
+                       "a label of the batch of step " << at << " on rank " << rank_ << " is outside the model's classes");
+        const double loss =
+            st.loss_sum / static_cast<double>(std::max<int64_t>(iv_step_seen[static_cast<size_t>(i)], 1));
+        if (!std::isfinite(loss))
+          throw InputError("loss became " + std::to_string(loss) + " at step " + std::to_string(at) + " on rank " +
+                           std::to_string(rank_) + ": lower --lr or enable --clip-grad-norm");
+        iv_loss += loss;
+        iv_correct += static_cast<int64_t>(st.hits);
+        result.final_loss = loss;
+      }
+    });
+    if (n == 0) return;
+    engine_for(device_).fill(iv_xent, 0.f);
+    iv_step_seen.clear();
+  };
 
   for (int64_t epoch = start_epoch; epoch < epochs_ && step_ < total_steps_; ++epoch) {
     if (loader_) loader_->start_epoch(epoch, skip * cfg_.accumulate);
@@ -615,8 +653,9 @@ TrainResult Trainer::run() {
       std::vector<nn::Parameter*> params = model_->parameters();
       for (nn::Parameter* p : params) engine_for(p->grad.device()).fill(p->grad, 0.f);
       nn::update_working_copies(params, engine_for(device_).math_precision());  // the masters changed last step
-      float loss = 0;
-      int64_t hits_step = 0, seen_step = 0;
+      int64_t seen_step = 0;
+      const int64_t row = static_cast<int64_t>(iv_step_seen.size());
+      Tensor step_xent = iv_xent.slice0(row, row + 1).reshape({kXentStatsFloats});
       bool ended = false;
       for (int64_t micro = 0; micro < cfg_.accumulate; ++micro) {
         data::Batch b;
@@ -649,11 +688,9 @@ TrainResult Trainer::run() {
         Tensor inputs = slot ? take_staged(slot->inputs) : stage_to(b.inputs, device_, dev_inputs);
         Tensor labels = slot ? take_staged(slot->labels) : stage_to(b.labels, device_, dev_labels);
         Tensor logits = model_->forward(inputs);
-        int64_t hits = 0;
-        loss += ce.forward(logits, labels, &hits) / static_cast<float>(cfg_.accumulate);
+        ce.accumulate(logits, labels, step_xent);
         double tb = now_s();
         iv_fwd += tb - tc;
-        hits_step += hits;
         seen_step += b.inputs.size(0);
         if (dp_) {
           dp_->set_step(step_);
@@ -665,7 +702,10 @@ TrainResult Trainer::run() {
         iv_bwd += te - tb;
         trace.span("forward+backward", tc, te, step_);
       }
-      if (ended) break;
+      if (ended) {  // an epoch ended inside the step: its micro-batches so far are not counted
+        engine_for(device_).fill(step_xent, 0.f);
+        break;
+      }
       double tw = now_s();
       if (dp_) {
         double c0 = dp_->stats().comm_wait_s;
@@ -719,19 +759,14 @@ TrainResult Trainer::run() {
         run_samples += seen_step * world_;
       }
       ema_step_s = ema_step_s == 0 ? (t1 - t0 + wait) : 0.9 * ema_step_s + 0.1 * (t1 - t0 + wait);
-      iv_loss += loss;
       iv_wait += wait;
-      iv_correct += hits_step;
       iv_seen += seen_step;
+      iv_step_seen.push_back(seen_step);
       ++iv_steps;
-      result.final_loss = loss;
-      if (!std::isfinite(loss)) {
-        throw InputError("loss became " + std::to_string(loss) + " at step " + std::to_string(step_) +
-                         ": lower --lr or enable --clip-grad-norm");
-      }
 
       bool log_now = step_ % cfg_.log_every == 0 || step_ == total_steps_ || batch_in_epoch == steps_per_epoch_;
       if (log_now) {
+        read_interval_losses();
         // Loss and accuracy averaged over ranks; throughput over the interval, globally.
         Tensor agg = Tensor::from({4}, {static_cast<float>(iv_loss), static_cast<float>(iv_correct),
                                         static_cast<float>(iv_seen), static_cast<float>(iv_wait)});
@@ -778,12 +813,18 @@ TrainResult Trainer::run() {
         iv_t0 = now_s();
       }
       bool saved = cfg_.checkpoint_every > 0 && step_ % cfg_.checkpoint_every == 0;
-      if (saved) save(epoch, batch_in_epoch);
+      if (saved) {
+        read_interval_losses();  // a non-finite loss stops the run before it can replace a checkpoint
+        save(epoch, batch_in_epoch);
+      }
       // Preemption: a signal seen by any rank stops every rank after this same step. Not on an
       // epoch's last step, so that its evaluation and checkpoint happen first.
       if (step_ % cfg_.preempt_check_every == 0 && step_ < total_steps_ && batch_in_epoch < steps_per_epoch_ &&
           (result.preempted_by = agree_on_preemption()) != 0) {
-        if (!saved) save(epoch, batch_in_epoch);
+        if (!saved) {
+          read_interval_losses();
+          save(epoch, batch_in_epoch);
+        }
         say("preempted by " + signal_name(result.preempted_by) + " at step " + std::to_string(step_) +
             (cfg_.checkpoint_dir.empty() ? std::string(": no --checkpoint-dir, nothing saved")
                                          : ": checkpoint written to " + cfg_.checkpoint_dir));
@@ -821,6 +862,7 @@ TrainResult Trainer::run() {
         save(epoch_done ? epoch + 1 : epoch, epoch_done ? 0 : batch_in_epoch);
     }
   }
+  read_interval_losses();  // steps after the last log line (a preempted run): final_loss, checks
   trace.write(comm_);
   if (!cfg_.trace.empty()) say("trace of " + std::to_string(world_) + " rank(s) written to " + cfg_.trace);
   result.steps = step_;

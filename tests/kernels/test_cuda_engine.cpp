@@ -350,8 +350,20 @@ TEST_F(CudaEngineTest, SoftmaxCrossEntropy) {
   cpu.softmax_xent_backward(probs, labels, 1.f / m, d);
   gpu->softmax_xent_backward(gprobs, glabels, 1.f / m, gd);
   expect_close(gd, d, 1e-7, "dlogits");
+  // The deferred form: two batches add into one stats row on the device, read once.
+  Tensor gstats = dev(Tensor::zeros({kXentStatsFloats}));
+  gpu->softmax_xent_accumulate(dev(logits), glabels, gprobs, gstats);
+  gpu->softmax_xent_accumulate(dev(logits), glabels, gprobs, gstats);
+  XentStats st = xent_stats(to_host(gstats));
+  EXPECT_NEAR(st.loss_sum, 2 * loss, 1e-5 * std::abs(loss));
+  EXPECT_EQ(st.hits, static_cast<uint64_t>(2 * hits));
+  EXPECT_EQ(st.bad_label, 0);
+  expect_close(gprobs, probs, 1e-6, "probabilities (accumulate)");
   labels.data<int32_t>()[3] = static_cast<int32_t>(c);
   EXPECT_THROW(gpu->softmax_xent_forward(dev(logits), dev(labels), gprobs, nullptr), Error);
+  gpu->softmax_xent_accumulate(dev(logits), dev(labels), gprobs, gstats);  // flagged, not thrown
+  st = xent_stats(to_host(gstats));
+  EXPECT_NE(st.bad_label, 0);
 }
 
 TEST_F(CudaEngineTest, VocabParallelCrossEntropyPieces) {

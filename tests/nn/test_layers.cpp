@@ -256,6 +256,37 @@ TEST(Gradients, CrossEntropyValueAndAccuracy) {
   EXPECT_EQ(correct, 1);
 }
 
+TEST(Gradients, CrossEntropyAccumulatesLikeForward) {
+  // accumulate() adds the loss sums and hits of several batches into one stats row, and backward()
+  // after it is backward() after forward().
+  Rng rng(14);
+  Tensor a = random_tensor({6, 5}, rng), b = random_tensor({4, 5}, rng);
+  Tensor la = Tensor::empty({6}, DType::I32), lb = Tensor::empty({4}, DType::I32);
+  for (int i = 0; i < 6; ++i) la.data<int32_t>()[i] = (i * 2) % 5;
+  for (int i = 0; i < 4; ++i) lb.data<int32_t>()[i] = (i * 3 + 1) % 5;
+  nn::SoftmaxCrossEntropy ce;
+  int64_t ha = 0, hb = 0;
+  ce.forward(a, la, &ha);
+  const double sa = ce.last_loss_sum();
+  ce.forward(b, lb, &hb);
+  const double sb = ce.last_loss_sum();
+  Tensor gb = ce.backward(0.5f).clone();
+  Tensor stats = Tensor::zeros({kXentStatsFloats});
+  nn::SoftmaxCrossEntropy acc;
+  acc.accumulate(a, la, stats);
+  acc.accumulate(b, lb, stats);
+  const XentStats st = xent_stats(stats);
+  EXPECT_DOUBLE_EQ(st.loss_sum, sa + sb);
+  EXPECT_EQ(st.hits, static_cast<uint64_t>(ha + hb));
+  EXPECT_EQ(st.bad_label, 0);
+  Tensor g = acc.backward(0.5f);
+  for (int64_t i = 0; i < g.numel(); ++i) EXPECT_EQ(g.f32()[i], gb.f32()[i]) << i;
+  lb.data<int32_t>()[2] = 5;  // out of range: the CPU engine says so at once
+  EXPECT_THROW(acc.accumulate(b, lb, stats), Error);
+  Tensor wrong = Tensor::zeros({3});
+  EXPECT_THROW(acc.accumulate(a, la, wrong), Error);
+}
+
 TEST(Models, SimpleCnnGradientsEndToEnd) {
   nn::ModelSpec spec{"simple_cnn", {1, 8, 8}, 3};
   auto m = nn::make_model(spec);

@@ -197,6 +197,34 @@ TEST(Trainer, PruningKeepsTheCheckpointJustWritten) {
   fs::remove_all(dir);
 }
 
+TEST(Trainer, NonFiniteLossStopsBeforeItsCheckpoint) {
+  // Losses are read at log lines and before checkpoints (not every step, so a GPU never waits for
+  // them): a diverging run stops naming the step, and no checkpoint of a diverged step is written.
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("diverge");
+  test::make_band_dataset(dir + "/train", 512);
+  auto c = parse({"--data", dir + "/train", "--model", "mlp", "--hidden", "16", "--steps", "30", "--batch-size", "16",
+                  "--threads", "1", "--progress", "off", "--lr", "3e3", "--log-every", "25", "--checkpoint-dir",
+                  dir + "/ck", "--checkpoint-every", "3", "--keep-checkpoints", "100"});
+  std::string what;
+  try {
+    train::Trainer(c, rt).run();
+  } catch (const InputError& e) {
+    what = e.what();
+  }
+  ASSERT_NE(what.find("loss became"), std::string::npos) << what;
+  const size_t at = what.find("at step ");
+  ASSERT_NE(at, std::string::npos) << what;
+  const int bad = std::stoi(what.substr(at + 8));
+  EXPECT_GE(bad, 1);
+  for (const auto& f : fs::directory_iterator(dir + "/ck")) {
+    const std::string name = f.path().filename().string();
+    if (name.rfind("ckpt-step", 0) != 0) continue;
+    EXPECT_LT(std::stoi(name.substr(9)), bad) << name << " holds a step at or after the first non-finite loss";
+  }
+  fs::remove_all(dir);
+}
+
 TEST(Trainer, ResumeRejectsACheckpointOfAnotherModel) {
   comm::Runtime& rt = runtime();
   std::string dir = test::temp_dir("mismatch");

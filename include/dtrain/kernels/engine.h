@@ -146,6 +146,10 @@ class Engine {
   // ---- Softmax cross-entropy over logits [M,C] with i32 labels [M]. Writes the probabilities,
   // returns the summed loss and (through `correct`) the count of argmax hits.
   virtual double softmax_xent_forward(const Tensor& logits, const Tensor& labels, Tensor& probs, int64_t* correct) = 0;
+  // The same without waiting for the device: adds this batch's loss sum, argmax hits and a flag for
+  // an out-of-range label into `stats` (an XentStats, on the logits' device), which the caller reads
+  // when it needs the figures (a log line), so a GPU step needs no host sync for its loss.
+  virtual void softmax_xent_accumulate(const Tensor& logits, const Tensor& labels, Tensor& probs, Tensor& stats) = 0;
   // dlogits = (probs - onehot(labels)) * scale
   virtual void softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) = 0;
 
@@ -209,8 +213,9 @@ Tensor zeros_on(const Shape& shape, Device device, DType dtype = DType::F32);
 // and dtype. to_host returns a host tensor with t's contents (t itself when it is on the host).
 void copy_any(const Tensor& src, Tensor& dst);
 Tensor to_host(const Tensor& t);
-// A host batch on `device` through a page-locked staging buffer (kept in `st`), so the upload is
-// asynchronous on the GPU's compute stream; on the CPU it is `host` itself.
+// A host batch on `device` through a page-locked staging buffer (kept in `st`): stage_async then
+// take_staged, so the upload is asynchronous and the buffer is rewritten only after the previous
+// upload left it (no device sync between batches needed); on the CPU it is `host` itself.
 struct StagedTensor {
   Tensor host, device;
   std::shared_ptr<void> uploaded;  // stage_async: the upload's completion (a CUDA event)
@@ -224,6 +229,19 @@ Tensor stage_to(const Tensor& host, Device device, StagedTensor& st);
 // returns `host` itself.
 void stage_async(const Tensor& host, Device device, StagedTensor& st);
 Tensor take_staged(StagedTensor& st);
+// Running totals of softmax_xent_accumulate. Stored in f32 tensors of kXentStatsFloats elements (one
+// per batch or step: rows of a [n, kXentStatsFloats] tensor), which Engine::fill(t, 0) zeroes;
+// xent_stats reads a host copy of one.
+struct XentStats {
+  double loss_sum = 0;
+  uint64_t hits = 0;
+  int32_t bad_label = 0;  // nonzero: some label was outside [0, the logits' width)
+  int32_t unused = 0;
+};
+static_assert(sizeof(XentStats) == 24);
+inline constexpr int64_t kXentStatsFloats = sizeof(XentStats) / sizeof(float);
+XentStats xent_stats(const Tensor& host_row);  // host_row: kXentStatsFloats f32 on the host
+
 inline Engine& cpu_engine() { return engine_for(Device::cpu()); }
 using EngineFactory = std::unique_ptr<Engine> (*)(int device_index);
 void register_engine(DeviceType type, EngineFactory factory);

@@ -225,6 +225,10 @@ class SoftmaxCrossEntropy {
   // d(mean loss)/d(logits), times `scale` (the loss scale, or 1/micro-steps).
   virtual Tensor backward(float scale = 1.f);
   virtual double last_loss_sum() const { return loss_sum_; }
+  // forward() without waiting for the device: the loss sum, the argmax hits and a bad-label flag are
+  // added into `stats` (kXentStatsFloats f32 on the logits' device; Engine::softmax_xent_accumulate)
+  // for the caller to read when it logs. backward() follows as after forward().
+  virtual void accumulate(const Tensor& logits, const Tensor& labels, Tensor& stats);
 
  private:
   Tensor labels_, probs_, dlogits_;

@@ -73,6 +73,9 @@ class VocabParallelCrossEntropy : public nn::SoftmaxCrossEntropy {
   float forward(const Tensor& logits, const Tensor& labels, int64_t* correct = nullptr) override;
   Tensor backward(float scale = 1.f) override;
   double last_loss_sum() const override { return loss_sum_; }
+  // The loss is summed on the host (CPU engine only), so this is forward() adding its loss sum into
+  // `stats`; hits stay 0 (not counted).
+  void accumulate(const Tensor& logits, const Tensor& labels, Tensor& stats) override;
 
  private:
   comm::Communicator& tp_;
