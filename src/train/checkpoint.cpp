@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "dtrain/core/error.h"
+#include "dtrain/kernels/engine.h"
 #include "dtrain/data/hdf5_util.h"
 
 namespace fs = std::filesystem;
@@ -167,6 +168,14 @@ std::string resolve_checkpoint(const std::string& p) {
   DT_INPUT_CHECK(!found.empty(), "option --resume: no ckpt-*.h5 checkpoint in directory '" << p << "'");
   std::sort(found.begin(), found.end());  // names carry zero-padded step numbers
   return found.back();
+}
+
+void check_finite_weights(const std::vector<nn::Parameter*>& params, int64_t step, int rank) {
+  for (const nn::Parameter* p : params)
+    if (!engine_for(p->value.device()).all_finite(p->value))
+      throw InputError("the weights after step " + std::to_string(step) + " on rank " + std::to_string(rank) +
+                       " are not finite (first: " + p->name +
+                       "); no checkpoint written: lower --lr or set --clip-grad-norm");
 }
 
 }  // namespace dtrain::train

@@ -526,30 +526,48 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   int64_t step_mallocs = 0;
   // On a GPU each step's loss stays on the device (a row of gpu_losses) until a log line, a
   // validation, a checkpoint or the end reads the rows since the last read, so no step waits for
-  // its loss; the rows are read when they run out too.
+  // its loss; the rows are read when they run out too. On the CPU the losses wait in cpu_losses.
+  // Reading checks them: a non-finite loss or an out-of-range token stops every rank naming the
+  // step, before a checkpoint could keep the diverged weights.
   Tensor gpu_losses;
   int64_t gpu_rows = 0;
-  if (!dev.is_cpu()) gpu_losses = zeros_on({cfg.log_every > 0 ? cfg.log_every : 64, kXentStatsFloats}, dev);
-  auto read_gpu_losses = [&](int64_t step_now) {
-    if (gpu_rows == 0) return;  // the same on every rank: the steps are
+  std::vector<double> cpu_losses;
+  if (!dev.is_cpu())
+    gpu_losses = zeros_on({cfg.log_every > 0 ? std::min<int64_t>(cfg.log_every, 256) : 64, kXentStatsFloats}, dev);
+  // before_save: the weights about to be checkpointed are checked too (an overflowing update leaves
+  // non-finite weights before any loss shows it).
+  auto read_losses = [&](int64_t step_now, bool before_save) {
+    const int64_t n = dev.is_cpu() ? static_cast<int64_t>(cpu_losses.size()) : gpu_rows;
+    if (n == 0 && !before_save) return;  // the same on every rank: the steps are
     auto read = [&] {
-      Tensor host = to_host(gpu_losses.slice0(0, gpu_rows));
-      for (int64_t i = 0; i < gpu_rows; ++i) {
-        const XentStats st = xent_stats(host.slice0(i, i + 1).reshape({kXentStatsFloats}));
-        const int64_t at = step_now - gpu_rows + i + 2;  // 1-based
-        DT_INPUT_CHECK(!st.bad_label,
-                       "a target token of step " << at << " on rank " << rank << " is outside the vocabulary");
-        const double loss = st.loss_sum / static_cast<double>(m);
+      Tensor host;
+      if (!dev.is_cpu() && n > 0) host = to_host(gpu_losses.slice0(0, n));
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t at = step_now - n + i + 2;  // 1-based
+        double loss = 0;
+        if (dev.is_cpu()) {
+          loss = cpu_losses[static_cast<size_t>(i)];
+        } else {
+          const XentStats st = xent_stats(host.slice0(i, i + 1).reshape({kXentStatsFloats}));
+          DT_INPUT_CHECK(!st.bad_label,
+                         "a target token of step " << at << " on rank " << rank << " is outside the vocabulary");
+          loss = st.loss_sum / static_cast<double>(m);
+        }
+        if (!std::isfinite(loss))
+          throw InputError("loss became " + std::to_string(loss) + " at step " + std::to_string(at) + " on rank " +
+                           std::to_string(rank) + ": lower --lr or set --clip-grad-norm");
         interval_loss += loss;
         if (rank == 0) res.step_losses.push_back(loss);
       }
+      if (before_save) check_finite_weights(model.parameters(), step_now + 1, rank);
     };
     if (world_comm)
       comm::agree_on_inputs(*world_comm, read);  // one rank's failed check fails every rank
     else
       read();
-    engine_for(dev).fill(gpu_losses, 0.f);
+    if (n > 0 && !dev.is_cpu()) engine_for(dev).fill(gpu_losses, 0.f);
     gpu_rows = 0;
+    cpu_losses.clear();
   };
   for (int64_t step = start_step; step < cfg.steps; ++step) {
     const bool on_gpu = !dev.is_cpu();
@@ -627,10 +645,9 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     if (ddp) ddp->settle();
     if (step >= start_step + 2) step_mallocs += gpu_mallocs() - mallocs0;
     if (on_gpu) {
-      if (gpu_rows == gpu_losses.size(0)) read_gpu_losses(step);
+      if (gpu_rows == gpu_losses.size(0)) read_losses(step, false);
     } else {
-      interval_loss += step_loss;
-      if (rank == 0) res.step_losses.push_back(step_loss);
+      cpu_losses.push_back(step_loss);
     }
     ++interval_steps;
     bool last = step + 1 == cfg.steps;
@@ -638,7 +655,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     const bool validate_now = (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last;
     const bool save_now =
         !cfg.checkpoint_dir.empty() && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0 && !last;
-    if (log_now || validate_now || save_now) read_gpu_losses(step);
+    if (log_now || validate_now || save_now) read_losses(step, save_now);
     if (log_now) {
       double dt = now_s() - t_interval;
       res.train_loss = interval_loss / static_cast<double>(interval_steps);

@@ -483,11 +483,18 @@ EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::Sharded
                   stage_to(b.labels.slice0(0, rows), device, labels), stats);
     seen += rows;
   }
-  const XentStats st = xent_stats(to_host(stats));
-  DT_INPUT_CHECK(!st.bad_label, "a label of the evaluation data is outside the model's classes");
-  loss_sum = st.loss_sum;
-  correct = static_cast<int64_t>(st.hits);
   model.train();
+  // One rank's bad label fails every rank (the others would wait in the allreduce below).
+  auto read = [&] {
+    const XentStats st = xent_stats(to_host(stats));
+    DT_INPUT_CHECK(!st.bad_label, "a label of the evaluation data on rank " << rank << " is outside the model's classes");
+    loss_sum = st.loss_sum;
+    correct = static_cast<int64_t>(st.hits);
+  };
+  if (comm && world > 1)
+    comm::agree_on_inputs(*comm, read);
+  else
+    read();
   // Sums in f64 words carried as two f32 tensors would lose counts past 2^24; use i64 + f32.
   Tensor counts = Tensor::empty({2}, DType::I64);
   counts.data<int64_t>()[0] = correct;
@@ -608,17 +615,20 @@ TrainResult Trainer::run() {
   // of iv_xent adds up the i-th step since the last read (at most log_every: a log line comes at
   // every multiple), so a GPU step never waits for its loss. iv_step_seen: each such step's
   // samples, for its mean loss.
-  Tensor iv_xent = zeros_on({cfg_.log_every, kXentStatsFloats}, device_);
+  // Reads come at every multiple of log_every and at each epoch's end, so there are at most
+  // min(log_every, steps per epoch) rows between two of them.
+  Tensor iv_xent = zeros_on({std::min(cfg_.log_every, steps_per_epoch_), kXentStatsFloats}, device_);
   std::vector<int64_t> iv_step_seen;
   // Reads the interval's rows: the per-step mean losses summed into iv_loss, hits into iv_correct;
   // a non-finite loss or an out-of-range label stops the run naming the step.
-  auto read_interval_losses = [&]() {
+  // Before a checkpoint (before_save) the weights about to be saved are checked too: a step whose
+  // update overflowed leaves non-finite weights before any loss shows it.
+  auto read_interval_losses = [&](bool before_save) {
     const int64_t n = static_cast<int64_t>(iv_step_seen.size());
     // Every rank reads at the same steps; a check that fails on one rank (its own batches' loss)
     // fails every rank alike, so none is left waiting in the next collective.
     comm::agree_on_inputs(comm_, [&] {
-      if (n == 0) return;
-      Tensor host = to_host(iv_xent.slice0(0, n));
+      Tensor host = n > 0 ? to_host(iv_xent.slice0(0, n)) : Tensor{};
       for (int64_t i = 0; i < n; ++i) {
         const XentStats st = xent_stats(host.slice0(i, i + 1).reshape({kXentStatsFloats}));
         const int64_t at = step_ - n + i + 1;
@@ -633,6 +643,7 @@ TrainResult Trainer::run() {
         iv_correct += static_cast<int64_t>(st.hits);
         result.final_loss = loss;
       }
+      if (before_save) check_finite_weights(model_->parameters(), step_, rank_);
     });
     if (n == 0) return;
     engine_for(device_).fill(iv_xent, 0.f);
@@ -766,7 +777,7 @@ TrainResult Trainer::run() {
 
       bool log_now = step_ % cfg_.log_every == 0 || step_ == total_steps_ || batch_in_epoch == steps_per_epoch_;
       if (log_now) {
-        read_interval_losses();
+        read_interval_losses(false);
         // Loss and accuracy averaged over ranks; throughput over the interval, globally.
         Tensor agg = Tensor::from({4}, {static_cast<float>(iv_loss), static_cast<float>(iv_correct),
                                         static_cast<float>(iv_seen), static_cast<float>(iv_wait)});
@@ -814,7 +825,7 @@ TrainResult Trainer::run() {
       }
       bool saved = cfg_.checkpoint_every > 0 && step_ % cfg_.checkpoint_every == 0;
       if (saved) {
-        read_interval_losses();  // a non-finite loss stops the run before it can replace a checkpoint
+        read_interval_losses(true);  // a non-finite loss stops the run before it can replace a checkpoint
         save(epoch, batch_in_epoch);
       }
       // Preemption: a signal seen by any rank stops every rank after this same step. Not on an
@@ -822,7 +833,7 @@ TrainResult Trainer::run() {
       if (step_ % cfg_.preempt_check_every == 0 && step_ < total_steps_ && batch_in_epoch < steps_per_epoch_ &&
           (result.preempted_by = agree_on_preemption()) != 0) {
         if (!saved) {
-          read_interval_losses();
+          read_interval_losses(true);
           save(epoch, batch_in_epoch);
         }
         say("preempted by " + signal_name(result.preempted_by) + " at step " + std::to_string(step_) +
@@ -862,7 +873,7 @@ TrainResult Trainer::run() {
         save(epoch_done ? epoch + 1 : epoch, epoch_done ? 0 : batch_in_epoch);
     }
   }
-  read_interval_losses();  // steps after the last log line (a preempted run): final_loss, checks
+  read_interval_losses(false);  // steps after the last log line (a preempted run): final_loss, checks
   trace.write(comm_);
   if (!cfg_.trace.empty()) say("trace of " + std::to_string(world_) + " rank(s) written to " + cfg_.trace);
   result.steps = step_;

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "dtrain/data/text.h"
+#include "dtrain/train/checkpoint.h"
 #include "dtrain/train/lm_trainer.h"
 #include "lm_test_util.h"
 
@@ -104,5 +105,51 @@ TEST(LanguageModel, Fp16LossScalingSkipsOverflowsAndResumesExactly) {
   EXPECT_EQ(resumed.skipped_steps, big.skipped_steps);
   EXPECT_EQ(resumed.loss_scale, big.loss_scale);
   EXPECT_NEAR(resumed.val_loss, big.val_loss, 1e-6 * big.val_loss);
+  fs::remove_all(dir);
+}
+
+// A run whose loss or weights turn non-finite stops with an error naming the step before a
+// checkpoint could keep them: with a checkpoint after every step, none at or after the failing step
+// exists and those that do hold finite weights. (The losses are read at log lines and before
+// checkpoints, not at every step; the weights before each checkpoint.)
+TEST(LanguageModel, NonFiniteLossStopsBeforeItsCheckpoint) {
+  fs::path dir = fs::path(DTRAIN_BINARY_DIR) / "test-tmp" / "lm-nan";
+  fs::remove_all(dir);
+  test::write_lm_corpus(dir, "the quick brown fox", 600);
+  nn::GptConfig g;
+  g.layers = 1;
+  g.heads = 2;
+  g.width = 32;
+  g.context = 16;
+  train::LmConfig c = test::small_lm_config(dir / "tok", g);
+  c.lr = 1e30f;
+  c.warmup_steps = 0;
+  c.steps = 12;
+  c.log_every = 0;
+  c.checkpoint_dir = (dir / "ckpt").string();
+  c.checkpoint_every = 1;
+  std::string what;
+  try {
+    train::train_lm(c, nullptr);
+  } catch (const InputError& e) {
+    what = e.what();
+  }
+  const bool by_loss = what.find("loss became") != std::string::npos;
+  const bool by_weights = what.find("are not finite") != std::string::npos;
+  ASSERT_TRUE(by_loss || by_weights) << "no divergence error; got: " << what;
+  const size_t at = what.find(by_loss ? "at step " : "after step ");
+  ASSERT_NE(at, std::string::npos) << what;
+  const int bad_step = std::stoi(what.substr(at + (by_loss ? 8 : 11)));
+  EXPECT_GE(bad_step, 1) << what;
+  EXPECT_NE(what.find("--lr"), std::string::npos) << what;
+  if (fs::exists(dir / "ckpt"))
+    for (const auto& f : fs::directory_iterator(dir / "ckpt")) {
+      const std::string name = f.path().filename().string();
+      if (name.rfind("ckpt-step", 0) != 0) continue;
+      EXPECT_LT(std::stoi(name.substr(9)), bad_step) << name << " holds a step at or after the failing one: " << what;
+      train::CheckpointState st = train::load_checkpoint(f.path().string());
+      for (const auto& [key, t] : st.tensors)
+        if (key.rfind("param/", 0) == 0) EXPECT_TRUE(cpu_engine().all_finite(t)) << name << ": " << key;
+    }
   fs::remove_all(dir);
 }

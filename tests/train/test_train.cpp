@@ -1,10 +1,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "dtrain/comm/runtime.h"
+#include "dtrain/train/checkpoint.h"
 #include "dtrain/train/trainer.h"
 #include "train_test_util.h"
 
@@ -199,7 +202,9 @@ TEST(Trainer, PruningKeepsTheCheckpointJustWritten) {
 
 TEST(Trainer, NonFiniteLossStopsBeforeItsCheckpoint) {
   // Losses are read at log lines and before checkpoints (not every step, so a GPU never waits for
-  // them): a diverging run stops naming the step, and no checkpoint of a diverged step is written.
+  // them), and the weights are checked before each checkpoint: a diverging run stops naming the
+  // step, no checkpoint of a step at or after a non-finite loss is written, and every checkpoint
+  // that was written holds finite weights.
   comm::Runtime& rt = runtime();
   std::string dir = test::temp_dir("diverge");
   test::make_band_dataset(dir + "/train", 512);
@@ -212,15 +217,20 @@ TEST(Trainer, NonFiniteLossStopsBeforeItsCheckpoint) {
   } catch (const InputError& e) {
     what = e.what();
   }
-  ASSERT_NE(what.find("loss became"), std::string::npos) << what;
-  const size_t at = what.find("at step ");
+  const bool by_loss = what.find("loss became") != std::string::npos;
+  const bool by_weights = what.find("are not finite") != std::string::npos;
+  ASSERT_TRUE(by_loss || by_weights) << "no divergence error; got: " << what;
+  const size_t at = what.find(by_loss ? "at step " : "after step ");
   ASSERT_NE(at, std::string::npos) << what;
-  const int bad = std::stoi(what.substr(at + 8));
+  const int bad = std::stoi(what.substr(at + (by_loss ? 8 : 11)));
   EXPECT_GE(bad, 1);
   for (const auto& f : fs::directory_iterator(dir + "/ck")) {
     const std::string name = f.path().filename().string();
     if (name.rfind("ckpt-step", 0) != 0) continue;
-    EXPECT_LT(std::stoi(name.substr(9)), bad) << name << " holds a step at or after the first non-finite loss";
+    EXPECT_LT(std::stoi(name.substr(9)), bad) << name << " holds a step at or after the failing one: " << what;
+    train::CheckpointState st = train::load_checkpoint(f.path().string());
+    for (const auto& [key, t] : st.tensors)
+      if (key.rfind("param/", 0) == 0) EXPECT_TRUE(cpu_engine().all_finite(t)) << name << ": " << key;
   }
   fs::remove_all(dir);
 }
@@ -293,4 +303,20 @@ TEST(Trainer, WeightCopiesChangeNoNumber) {
   ::unsetenv("DTRAIN_WORKING_COPIES");
   cpu_engine().set_math_precision(MathPrecision::F32);
   fs::remove_all(dir);
+}
+
+TEST(Trainer, CheckFiniteWeightsNamesTheParameterStepAndRank) {
+  nn::Parameter a{"fc1.weight", Tensor::from({3}, {1.f, 2.f, 3.f}), Tensor::zeros({3})};
+  nn::Parameter b{"fc2.bias", Tensor::from({2}, {0.5f, std::numeric_limits<float>::infinity()}), Tensor::zeros({2})};
+  EXPECT_NO_THROW(train::check_finite_weights({&a}, 7, 1));
+  try {
+    train::check_finite_weights({&a, &b}, 7, 1);
+    FAIL() << "an infinite bias passed";
+  } catch (const InputError& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("fc2.bias"), std::string::npos) << w;
+    EXPECT_NE(w.find("after step 7 on rank 1"), std::string::npos) << w;
+  }
+  b.value.f32()[1] = std::nanf("");
+  EXPECT_THROW(train::check_finite_weights({&b}, 8, 0), InputError);
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "dtrain/core/tensor.h"
+#include "dtrain/nn/module.h"
 
 namespace dtrain::train {
 
@@ -23,5 +24,8 @@ void save_checkpoint(const std::string& path, const CheckpointState& s);
 CheckpointState load_checkpoint(const std::string& path);
 // A file is returned as is; for a directory, its newest "ckpt-*.h5". Throws InputError when none.
 std::string resolve_checkpoint(const std::string& file_or_dir);
+// Before a checkpoint: throws InputError naming the first parameter with a NaN or an infinity, the
+// step and the rank, so diverged weights never replace a good checkpoint.
+void check_finite_weights(const std::vector<nn::Parameter*>& params, int64_t step, int rank);
 
 }  // namespace dtrain::train
