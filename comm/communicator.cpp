@@ -150,28 +150,40 @@ double bus_bandwidth_factor(const std::string& collective, int ranks) {
 }
 
 void agree_on_inputs(Communicator& comm, const std::function<void()>& fn) {
+  // The failure's kind travels with its message: 0 none, 1 InputError, 2 DivergenceError.
   std::string error;
+  int64_t kind = 0;
   try {
     fn();
   } catch (const InputError& e) {
     error = e.what();
+    kind = 1;
+  } catch (const DivergenceError& e) {
+    error = e.what();
+    kind = 2;
   }
+  auto rethrow = [](int64_t k, const std::string& what) {
+    if (k == 2) throw DivergenceError(what);
+    throw InputError(what);
+  };
   if (comm.size() == 1) {
-    if (!error.empty()) throw InputError(error);
+    if (kind != 0) rethrow(kind, error);
     return;
   }
   Tensor first = Tensor::empty({1}, DType::I32);
-  first.data<int32_t>()[0] = error.empty() ? comm.size() : comm.rank();
+  first.data<int32_t>()[0] = kind == 0 ? comm.size() : comm.rank();
   comm.allreduce(first, ReduceOp::Min)->wait();
   int root = first.data<int32_t>()[0];
   if (root == comm.size()) return;
-  Tensor len = Tensor::empty({1}, DType::I64);
-  len.data<int64_t>()[0] = static_cast<int64_t>(error.size());
-  comm.broadcast(len, root)->wait();
-  Tensor text = Tensor::zeros({std::max<int64_t>(len.data<int64_t>()[0], 1)}, DType::U8);
+  Tensor head = Tensor::empty({2}, DType::I64);  // message length, kind
+  head.data<int64_t>()[0] = static_cast<int64_t>(error.size());
+  head.data<int64_t>()[1] = kind;
+  comm.broadcast(head, root)->wait();
+  const int64_t len = head.data<int64_t>()[0];
+  Tensor text = Tensor::zeros({std::max<int64_t>(len, 1)}, DType::U8);
   if (comm.rank() == root) std::memcpy(text.raw(), error.data(), error.size());
   comm.broadcast(text, root)->wait();
-  throw InputError(std::string(static_cast<const char*>(text.raw()), static_cast<size_t>(len.data<int64_t>()[0])));
+  rethrow(head.data<int64_t>()[1], std::string(static_cast<const char*>(text.raw()), static_cast<size_t>(len)));
 }
 
 }  // namespace dtrain::comm

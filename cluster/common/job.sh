@@ -16,6 +16,19 @@ DTRAIN_PREEMPTED_EXIT=${DTRAIN_PREEMPTED_EXIT:-42}
 
 dtrain_log() { echo "dtrain-job: $*" >&2; }
 
+# dtrain_status_text RC: what dtrain's exit status RC means (README "Exit statuses"). Only 42 is
+# requeued: a bad option or a diverged run would fail the same way again.
+dtrain_status_text() {
+  case "$1" in
+    0) echo "done" ;;
+    1) echo "runtime failure (see the rank's message above)" ;;
+    2) echo "bad input or option: fix the job before resubmitting" ;;
+    3) echo "diverged (non-finite loss or weights): lower --lr or set --clip-grad-norm" ;;
+    "$DTRAIN_PREEMPTED_EXIT") echo "preempted after writing a checkpoint" ;;
+    *) echo "ended by the launcher or a signal" ;;
+  esac
+}
+
 # dtrain_find_bin: sets DTRAIN_BIN.
 dtrain_find_bin() {
   if [[ -z "${DTRAIN_BIN:-}" ]]; then

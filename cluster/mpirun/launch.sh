@@ -42,4 +42,5 @@ set -e
 if [[ $rc -eq $DTRAIN_PREEMPTED_EXIT ]]; then
   dtrain_log "preempted: checkpoint in $DTRAIN_CKPT_DIR; run the same command again to resume"
 fi
+dtrain_log "ends with status $rc: $(dtrain_status_text "$rc")"
 exit "$rc"

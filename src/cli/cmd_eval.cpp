@@ -35,7 +35,7 @@ int cmd_eval(int argc, char** argv) {
   const comm::Topology& topo = rt.topology();
   cpu_engine().set_threads(threads > 0 ? threads : std::max(1, topo.threads_per_rank));
 
-  std::string path = train::resolve_checkpoint(ckpt);
+  std::string path = train::resolve_checkpoint(ckpt, "checkpoint");
   train::CheckpointState s = train::load_checkpoint(path);
   auto ds = std::make_shared<data::ShardedHdf5Dataset>(data_dir);
   nn::ModelSpec spec;

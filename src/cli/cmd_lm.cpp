@@ -16,6 +16,7 @@
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/lm_trainer.h"
 #include "dtrain/train/options.h"
+#include "dtrain/train/signals.h"
 
 namespace dtrain::cli {
 
@@ -97,14 +98,18 @@ int cmd_train_lm(int argc, char** argv) {
     ("checkpoint-dir", po::value(&c.checkpoint_dir), "write ckpt-step<N>.h5 here (parameters and AdamW state, one-rank layout)")
     ("checkpoint-every", po::value(&c.checkpoint_every)->default_value(c.checkpoint_every), "steps between checkpoints (0: at the end only)")
     ("keep-checkpoints", po::value(&c.keep_checkpoints)->default_value(c.keep_checkpoints), "newest checkpoints kept")
-    ("resume", po::value(&c.resume), "continue from a checkpoint file or the newest in a directory, written in any dp/tp/pp layout");
+    ("resume", po::value(&c.resume), "continue from a checkpoint file or the newest in a directory, written in any dp/tp/pp layout")
+    ("preempt-signals", po::value(&c.preempt_signals)->default_value(c.preempt_signals), "signals that checkpoint at the next step and exit with code 42: comma list of TERM, USR1, USR2, INT, HUP, CONT, or none")
+    ("preempt-check-every", po::value(&c.preempt_check_every)->default_value(c.preempt_check_every), "steps between the ranks' agreement on a received preemption signal");
   // clang-format on
   if (!parse_with_config(argc, argv, o, "usage: dtrain train --config examples/gpt_fortunes.ini [options]")) return 0;
   DT_INPUT_CHECK(model == "gpt", "--model " << model << " is not a language model");
   c.seed = c.model.seed;
   comm::Runtime& rt = comm::Runtime::get();
-  train::train_lm(c, &rt.world());
-  return 0;
+  train::PreemptionGuard preemption(train::parse_signal_list(c.preempt_signals, "preempt-signals"));
+  DT_INPUT_CHECK(c.preempt_check_every >= 1, "option --preempt-check-every must be >= 1");
+  // A preempted run has written its checkpoint; the job scripts requeue on this exit status.
+  return train::train_lm(c, &rt.world()).preempted_by != 0 ? kExitPreempted : kExitDone;
 }
 
 int cmd_generate(int argc, char** argv) {
@@ -124,7 +129,7 @@ int cmd_generate(int argc, char** argv) {
   // clang-format on
   if (!parse_with_config(argc, argv, o, "usage: dtrain generate --checkpoint FILE|DIR [--prompt TEXT]")) return 0;
   if (comm::Runtime::get().world().rank() != 0) return 0;
-  auto model = train::gpt_from_checkpoint(train::load_gpt_checkpoint(train::resolve_checkpoint(ckpt)));
+  auto model = train::gpt_from_checkpoint(train::load_gpt_checkpoint(train::resolve_checkpoint(ckpt, "checkpoint")));
   model->eval();
   const int64_t ctx = model->config().context, v = model->config().vocab;
   std::vector<int32_t> seq;

@@ -27,6 +27,15 @@ void usage() {
       "launch on several ranks with mpirun -n N dtrain train ... or srun dtrain train ...\n");
 }
 
+// An error every rank has (the same message): rank 0 prints it, every rank exits with `status`.
+int report_agreed(const std::string& cmd, const char* what, const char* message, int status) {
+  using dtrain::comm::Runtime;
+  if (!Runtime::initialized() || Runtime::get().topology().rank == 0)
+    std::fprintf(stderr, "dtrain %s: %s: %s\n", cmd.c_str(), what, message);
+  Runtime::finalize();
+  return status;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -62,19 +71,19 @@ int main(int argc, char** argv) {
     else
       throw InputError("unknown command '" + cmd + "' (commands: train, eval, convert, generate, bench, info)");
   } catch (const InputError& e) {
-    // Input errors are found the same way on every rank (same options, same files), so rank 0
-    // speaks for all and every rank exits without tearing MPI down.
-    if (!comm::Runtime::initialized() || comm::Runtime::get().topology().rank == 0)
-      std::fprintf(stderr, "dtrain %s: error: %s\n", cmd.c_str(), e.what());
-    comm::Runtime::finalize();
-    return 2;
+    // Input errors are found the same way on every rank (same options, same files, or agreed by
+    // comm::agree_on_inputs), so rank 0 speaks for all and every rank exits without tearing MPI down.
+    return report_agreed(cmd, "error", e.what(), kExitBadInput);
+  } catch (const DivergenceError& e) {
+    // Divergence is agreed over the ranks where the trainers read their losses: every rank has it.
+    return report_agreed(cmd, "diverged", e.what(), kExitDiverged);
   } catch (const std::exception& e) {
     // Anything else may have happened on one rank only: abort the job so no rank waits forever.
     std::string msg = std::string("dtrain ") + cmd + ": " + e.what();
     if (comm::Runtime::initialized() && comm::Runtime::get().topology().size > 1) comm::Runtime::abort(1, msg);
     std::fprintf(stderr, "%s\n", msg.c_str());
     comm::Runtime::finalize();
-    return 1;
+    return kExitFailure;
   }
   comm::Runtime::finalize();
   return code;

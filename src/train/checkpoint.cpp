@@ -4,6 +4,9 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
 #include <filesystem>
 #include <mutex>
 
@@ -155,8 +158,8 @@ CheckpointState load_checkpoint(const std::string& path) {
   return s;
 }
 
-std::string resolve_checkpoint(const std::string& p) {
-  DT_INPUT_CHECK(fs::exists(p), "option --resume: '" << p << "' does not exist");
+std::string resolve_checkpoint(const std::string& p, const std::string& option) {
+  DT_INPUT_CHECK(fs::exists(p), "option --" << option << ": '" << p << "' does not exist");
   if (!fs::is_directory(p)) return p;
   std::vector<std::string> found;
   for (const auto& e : fs::directory_iterator(p)) {
@@ -165,17 +168,71 @@ std::string resolve_checkpoint(const std::string& p) {
     if (n.rfind("ckpt-", 0) == 0 && e.path().extension() == ".h5" && n.find(".stage") == std::string::npos)
       found.push_back(e.path().string());
   }
-  DT_INPUT_CHECK(!found.empty(), "option --resume: no ckpt-*.h5 checkpoint in directory '" << p << "'");
+  DT_INPUT_CHECK(!found.empty(), "option --" << option << ": no ckpt-*.h5 checkpoint in directory '" << p << "'");
   std::sort(found.begin(), found.end());  // names carry zero-padded step numbers
   return found.back();
+}
+
+std::string checkpoint_file(const std::string& dir, int64_t step) {
+  char name[64];
+  std::snprintf(name, sizeof name, "ckpt-step%09lld.h5", static_cast<long long>(step));
+  return (fs::path(dir) / name).string();
+}
+
+std::string stage_part_file(const std::string& main_file, int64_t stage) {
+  fs::path p(main_file);
+  return (p.parent_path() / (p.stem().string() + ".stage" + std::to_string(stage) + ".h5")).string();
+}
+
+std::string rank_part_file(const std::string& main_file, int rank) { return main_file + ".rank" + std::to_string(rank); }
+
+namespace {
+
+// The main file a file of the set belongs to ("ckpt-step1.h5" for itself and for
+// "ckpt-step1.h5.rank3" and "ckpt-step1.stage2.h5"), or "" for a file outside the set.
+std::string main_file_of(const std::string& name) {
+  if (name.rfind("ckpt-step", 0) != 0) return "";
+  if (const size_t at = name.find(".h5.rank"); at != std::string::npos) return name.substr(0, at + 3);
+  if (const size_t at = name.find(".stage"); at != std::string::npos) return name.substr(0, at) + ".h5";
+  return name.size() > 3 && name.compare(name.size() - 3, 3, ".h5") == 0 ? name : "";
+}
+
+}  // namespace
+
+void prune_checkpoints(const std::string& dir, const std::string& just_written, int keep) {
+  const std::string mine = fs::path(just_written).filename().string();
+  // Every file of the set by its main file, of the steps before the one just written.
+  std::map<std::string, std::vector<fs::path>> sets;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string main = main_file_of(e.path().filename().string());
+    if (!main.empty() && main < mine) sets[main].push_back(e.path());
+  }
+  std::vector<std::string> complete;  // main files present, oldest first (names carry zero-padded steps)
+  for (const auto& [main, files] : sets)
+    if (fs::exists(fs::path(dir) / main)) complete.push_back(main);
+  const size_t kept_before = static_cast<size_t>(std::max(keep, 1)) - 1;  // the one just written counts
+  const size_t drop = complete.size() > kept_before ? complete.size() - kept_before : 0;
+  for (const auto& [main, files] : sets) {
+    const bool orphan = !fs::exists(fs::path(dir) / main);
+    const bool old = std::find(complete.begin(), complete.begin() + static_cast<std::ptrdiff_t>(drop), main) !=
+                     complete.begin() + static_cast<std::ptrdiff_t>(drop);
+    if (orphan || old)
+      for (const fs::path& f : files) fs::remove(f);
+  }
+}
+
+void check_finite_loss(double loss, int64_t step, int rank) {
+  if (!std::isfinite(loss))
+    throw DivergenceError("loss became " + std::to_string(loss) + " at step " + std::to_string(step) + " on rank " +
+                          std::to_string(rank) + ": lower --lr or set --clip-grad-norm");
 }
 
 void check_finite_weights(const std::vector<nn::Parameter*>& params, int64_t step, int rank) {
   for (const nn::Parameter* p : params)
     if (!engine_for(p->value.device()).all_finite(p->value))
-      throw InputError("the weights after step " + std::to_string(step) + " on rank " + std::to_string(rank) +
-                       " are not finite (first: " + p->name +
-                       "); no checkpoint written: lower --lr or set --clip-grad-norm");
+      throw DivergenceError("the weights after step " + std::to_string(step) + " on rank " + std::to_string(rank) +
+                            " are not finite (first: " + p->name +
+                            "); no checkpoint written: lower --lr or set --clip-grad-norm");
 }
 
 }  // namespace dtrain::train

@@ -26,6 +26,7 @@
 #include "dtrain/parallel/tensor_parallel.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/metrics.h"
+#include "dtrain/train/signals.h"
 
 namespace dtrain::train {
 
@@ -75,19 +76,12 @@ CheckpointState gpt_checkpoint_state(const nn::GptConfig& c, const std::map<std:
   return s;
 }
 
-namespace {
-std::string stage_file(const std::string& main_file, int64_t stage) {
-  fs::path p(main_file);
-  return (p.parent_path() / (p.stem().string() + ".stage" + std::to_string(stage) + ".h5")).string();
-}
-}  // namespace
-
 CheckpointState load_gpt_checkpoint(const std::string& file) {
   CheckpointState s = load_checkpoint(file);
   auto it = s.ints.find("pp_stages");
   const int64_t stages = it == s.ints.end() ? 1 : it->second;
   for (int64_t st = 1; st < stages; ++st) {
-    std::string f = stage_file(file, st);
+    std::string f = stage_part_file(file, st);
     DT_INPUT_CHECK(fs::exists(f), "checkpoint " << file << " is stage 0 of " << stages << " pipeline stages, but " << f
                                                 << " (stage " << st << ") is missing");
     CheckpointState part = load_checkpoint(f);
@@ -361,7 +355,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
 
   std::unique_ptr<MetricsWriter> metrics;
   auto open_metrics = [&] {  // rank 0 only: the others learn of a failure through the agreement
-    if (rank == 0 && !cfg.metrics.empty()) metrics = std::make_unique<MetricsWriter>(cfg.metrics, false);
+    if (rank == 0 && !cfg.metrics.empty()) metrics = std::make_unique<MetricsWriter>(cfg.metrics, !cfg.resume.empty());  // a resumed run adds to its file
   };
   if (world_comm)
     comm::agree_on_inputs(*world_comm, open_metrics);
@@ -440,9 +434,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     std::map<std::string, Tensor> full = parallel::gather_full(model, tp_comm, value);
     std::map<std::string, Tensor> m1 = parallel::gather_full(model, tp_comm, moment(".exp_avg"));
     std::map<std::string, Tensor> m2 = parallel::gather_full(model, tp_comm, moment(".exp_avg_sq"));
-    char name[64];
-    std::snprintf(name, sizeof name, "ckpt-step%09lld.h5", static_cast<long long>(step));
-    const std::string file = (fs::path(cfg.checkpoint_dir) / name).string();
+    const std::string file = checkpoint_file(cfg.checkpoint_dir, step);
     CheckpointState st = gpt_checkpoint_state(cfg.model, full, step);
     for (auto& [n, t] : m1) st.tensors["optim/" + n + ".exp_avg"] = t;
     for (auto& [n, t] : m2) st.tensors["optim/" + n + ".exp_avg_sq"] = t;
@@ -469,28 +461,12 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
         fn();
     };
     agreed([&] {
-      if (writer && stage > 0) save_checkpoint(stage_file(file, stage), st);
+      if (writer && stage > 0) save_checkpoint(stage_part_file(file, stage), st);
     });
     agreed([&] {
       if (!writer || stage != 0) return;
       save_checkpoint(file, st);
-      // Whole sets, oldest first (the main file and its stage parts), of the steps before this one:
-      // later steps (a run this one resumed behind) are left alone, and this one is never pruned.
-      std::vector<fs::path> all;
-      const fs::path mine = fs::path(file).filename();
-      for (const auto& e : fs::directory_iterator(cfg.checkpoint_dir)) {
-        const std::string n = e.path().filename().string();
-        if (n.rfind("ckpt-step", 0) == 0 && e.path().extension() == ".h5" && n.find(".stage") == std::string::npos &&
-            e.path().filename() < mine)
-          all.push_back(e.path());
-      }
-      std::sort(all.begin(), all.end());
-      for (size_t i = 0; i + static_cast<size_t>(std::max(cfg.keep_checkpoints, 1)) - 1 < all.size(); ++i) {
-        const std::string stem = all[i].stem().string() + ".stage";
-        for (const auto& e : fs::directory_iterator(cfg.checkpoint_dir))
-          if (e.path().filename().string().rfind(stem, 0) == 0) fs::remove(e.path());
-        fs::remove(all[i]);
-      }
+      prune_checkpoints(cfg.checkpoint_dir, file, cfg.keep_checkpoints);
     });  // nobody runs ahead of a checkpoint that may fail
     if (speak) std::printf("checkpoint %s\n", file.c_str());
     return file;
@@ -553,9 +529,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
                          "a target token of step " << at << " on rank " << rank << " is outside the vocabulary");
           loss = st.loss_sum / static_cast<double>(m);
         }
-        if (!std::isfinite(loss))
-          throw InputError("loss became " + std::to_string(loss) + " at step " + std::to_string(at) + " on rank " +
-                           std::to_string(rank) + ": lower --lr or set --clip-grad-norm");
+        check_finite_loss(loss, at, rank);
         interval_loss += loss;
         if (rank == 0) res.step_losses.push_back(loss);
       }
@@ -569,6 +543,8 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     gpu_rows = 0;
     cpu_losses.clear();
   };
+  PreemptionGuard preemption(parse_signal_list(cfg.preempt_signals, "preempt-signals"));
+  int64_t step_end = start_step;  // steps done: cfg.steps, or fewer when preempted
   for (int64_t step = start_step; step < cfg.steps; ++step) {
     const bool on_gpu = !dev.is_cpu();
     const int64_t mallocs0 = gpu_mallocs();
@@ -683,16 +659,35 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     }
     if (validate_now) validate(step + 1);
     if (save_now) save(step + 1);
+    step_end = step + 1;
+    // Preemption: a signal seen by any rank stops every rank after this same step, behind a
+    // checkpoint (the last step's own checkpoint comes below).
+    if (!last && (step + 1) % cfg.preempt_check_every == 0 &&
+        (res.preempted_by = agree_on_preemption(grid ? &grid->world() : nullptr)) != 0) {
+      if (!save_now) {
+        read_losses(step, true);
+        if (!cfg.checkpoint_dir.empty()) res.checkpoint = save(step + 1);
+      }
+      if (speak)
+        std::printf("preempted by %s at step %lld: %s\n", signal_name(res.preempted_by).c_str(),
+                    static_cast<long long>(step + 1),
+                    cfg.checkpoint_dir.empty() ? "no --checkpoint-dir, nothing saved"
+                                               : ("checkpoint written to " + cfg.checkpoint_dir).c_str());
+      if (metrics)
+        metrics->write({{"event", std::string("preempted")}, {"step", step + 1}, {"signal", signal_name(res.preempted_by)}});
+      break;
+    }
   }
   const double train_s = now_s() - t_start;
-  res.steps = cfg.steps;
+  const int64_t steps_run = step_end - start_step;
+  res.steps = step_end;
   if (scaler) {
     res.loss_scale = scaler->scale();
     res.skipped_steps = scaler->skipped_steps();
   }
-  res.tokens_per_s = static_cast<double>((cfg.steps - start_step) * m * dp_size) / train_s;
+  res.tokens_per_s = static_cast<double>(steps_run * m * dp_size) / train_s;
   if (pipe) {
-    res.pp_bubble = bubble_sum / static_cast<double>(cfg.steps);
+    res.pp_bubble = bubble_sum / static_cast<double>(std::max<int64_t>(steps_run, 1));
     res.pp_ideal_bubble = parallel::pipeline_ideal_bubble(pp_size, micro);
     res.pp_peak_activation_bytes = pipe->stats().peak_activation_bytes;
     // Every stage's figures, printed by rank 0 (world order is stage-major under one dp x tp).
@@ -721,7 +716,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
                         {"peak_rss_mib", static_cast<double>(f[3])}});
     }
   }
-  if (!cfg.checkpoint_dir.empty()) res.checkpoint = save(cfg.steps);
+  if (!cfg.checkpoint_dir.empty() && !res.preempted_by) res.checkpoint = save(step_end);
   if (metrics)
     metrics->write({{"summary", std::string("gpt")},
                     {"steps", res.steps},
@@ -733,12 +728,12 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   if (speak) std::printf("%.0f tokens/s, peak RSS %.1f MiB (rank 0)\n", res.tokens_per_s, peak_rss_mib());
   if (speak && scaler)
     std::printf("fp16: loss scale %g, %lld of %lld steps skipped for inf/NaN gradients\n", res.loss_scale,
-                static_cast<long long>(res.skipped_steps), static_cast<long long>(cfg.steps));
+                static_cast<long long>(res.skipped_steps), static_cast<long long>(step_end));
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
-  if (!dev.is_cpu() && cfg.steps - start_step > 2) res.gpu_step_mallocs = step_mallocs;
+  if (!dev.is_cpu() && steps_run > 2) res.gpu_step_mallocs = step_mallocs;
   if (speak && !dev.is_cpu()) {
     const cuda::AllocatorStats st = cuda::allocator_stats(dev.index);
-    std::string after = cfg.steps - start_step > 2 ? "; " + std::to_string(step_mallocs) +
+    std::string after = steps_run > 2 ? "; " + std::to_string(step_mallocs) +
                                                          " cudaMalloc calls inside the steps after the first two"
                                                    : "";
     std::printf("GPU memory (rank 0, cuda:%d): %s%s\n", dev.index, cuda::format_stats(st).c_str(), after.c_str());

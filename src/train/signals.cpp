@@ -12,6 +12,7 @@ namespace {
 
 // Written by the handler, read by the step loop: sig_atomic_t is the only type a handler may store.
 volatile std::sig_atomic_t g_received = 0;
+int g_active = 0;  // guards alive (the CLI's around the whole command, the trainer's around its loop)
 
 extern "C" void on_preemption_signal(int sig) {
   if (g_received == 0) g_received = sig;
@@ -27,7 +28,7 @@ constexpr NamedSignal kSignals[] = {{"TERM", SIGTERM}, {"USR1", SIGUSR1}, {"USR2
 }  // namespace
 
 PreemptionGuard::PreemptionGuard(const std::vector<int>& signals) : signals_(signals) {
-  g_received = 0;
+  if (g_active++ == 0) g_received = 0;  // a guard inside another keeps what the outer one saw
   for (int sig : signals_) {
     struct sigaction act {};
     act.sa_handler = on_preemption_signal;
@@ -40,6 +41,7 @@ PreemptionGuard::PreemptionGuard(const std::vector<int>& signals) : signals_(sig
 }
 
 PreemptionGuard::~PreemptionGuard() {
+  --g_active;
   for (size_t i = 0; i < signals_.size(); ++i) {
     auto* old = static_cast<struct sigaction*>(previous_[i]);
     sigaction(signals_[i], old, nullptr);
@@ -49,6 +51,12 @@ PreemptionGuard::~PreemptionGuard() {
 
 int PreemptionGuard::received() { return g_received; }
 void PreemptionGuard::clear() { g_received = 0; }
+
+int agree_on_preemption(comm::Communicator* comm) {
+  Tensor flag = Tensor::from({1}, {static_cast<float>(PreemptionGuard::received())});
+  if (comm && comm->size() > 1) comm->allreduce(flag, comm::ReduceOp::Max)->wait();
+  return static_cast<int>(flag.f32()[0]);
+}
 
 std::vector<int> parse_signal_list(const std::string& list, const std::string& option) {
   std::vector<int> out;

@@ -242,13 +242,6 @@ void Trainer::build_optimizer() {
 
 void Trainer::say(const std::string& s) { progress_->line(s); }
 
-// The largest signal number any rank received (0: none); one 4-byte allreduce.
-int Trainer::agree_on_preemption() {
-  Tensor flag = Tensor::from({1}, {static_cast<float>(PreemptionGuard::received())});
-  if (world_ > 1) comm_.allreduce(flag, comm::ReduceOp::Max)->wait();
-  return static_cast<int>(flag.f32()[0]);
-}
-
 // ------------------------------------------------------------------ checkpoints
 void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
   if (cfg_.checkpoint_dir.empty()) return;
@@ -267,9 +260,7 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
       optim_state[st.name] = to_host(*st.value);
     }
   }
-  char name[64];
-  std::snprintf(name, sizeof name, "ckpt-step%09lld.h5", static_cast<long long>(step_));
-  const fs::path path = fs::path(cfg_.checkpoint_dir) / name;
+  const fs::path path = checkpoint_file(cfg_.checkpoint_dir, step_);
   // Gradient compression state differs between ranks (error-feedback residuals, PowerSGD's Q, top-k
   // momentum): each rank writes its own next to the checkpoint, <checkpoint>.rank<r>, before rank 0
   // writes the checkpoint itself, so a checkpoint that exists has all its parts.
@@ -283,7 +274,7 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
     cs.ints["step"] = step_;
     cs.ints["rank"] = rank_;
     cs.ints["world_size"] = world_;
-    save_checkpoint(path.string() + ".rank" + std::to_string(rank_), cs);
+    save_checkpoint(rank_part_file(path.string(), rank_), cs);
   };
   if (dp_ && dp_->compressor())
     comm::agree_on_inputs(comm_, write_part);
@@ -327,31 +318,7 @@ void Trainer::write_main(const fs::path& path, std::map<std::string, Tensor>& op
       s.tensors["meta/norm_std"] = Tensor::from({static_cast<int64_t>(info.std.size())}, info.std);
     }
     save_checkpoint(path.string(), s);
-    // Keep the newest few: the one just written and the newest of those before it. Later steps (a
-    // run this one resumed behind) are left alone, so the file just written is never the one pruned.
-    std::vector<fs::path> all;
-    for (const auto& e : fs::directory_iterator(cfg_.checkpoint_dir)) {
-      std::string n = e.path().filename().string();
-      if (n.rfind("ckpt-step", 0) == 0 && e.path().extension() == ".h5" && e.path().filename() < path.filename())
-        all.push_back(e.path());
-    }
-    std::sort(all.begin(), all.end());
-    for (size_t i = 0; i + static_cast<size_t>(std::max(cfg_.keep_checkpoints, 1)) - 1 < all.size(); ++i) {
-      const std::string parts = all[i].filename().string() + ".rank";  // its compression state
-      for (const auto& e : fs::directory_iterator(cfg_.checkpoint_dir))
-        if (e.path().filename().string().rfind(parts, 0) == 0) fs::remove(e.path());
-      fs::remove(all[i]);
-    }
-    // Parts of an older checkpoint that was never written (the job died between the parts and the
-    // checkpoint itself) would otherwise stay forever.
-    const std::string mine = path.filename().string();
-    for (const auto& e : fs::directory_iterator(cfg_.checkpoint_dir)) {
-      const std::string n = e.path().filename().string();
-      const size_t at = n.find(".h5.rank");
-      if (n.rfind("ckpt-step", 0) != 0 || at == std::string::npos) continue;
-      const std::string base = n.substr(0, at + 3);
-      if (base < mine && !fs::exists(fs::path(cfg_.checkpoint_dir) / base)) fs::remove(e.path());
-    }
+    prune_checkpoints(cfg_.checkpoint_dir, path.string(), cfg_.keep_checkpoints);
     if (!progress_->bar()) say("checkpoint " + path.string());
   }
 }
@@ -408,12 +375,12 @@ void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
     if (cranks->second == world_ && s.strings["compression"] == cfg_.compression) {
       // Every rank checks every part (one shared directory), so all ranks fail alike.
       for (int r = 0; r < world_; ++r) {
-        const std::string part = path + ".rank" + std::to_string(r);
+        const std::string part = rank_part_file(path, r);
         DT_INPUT_CHECK(fs::exists(part), "checkpoint '" << path << "' keeps rank " << r
                                                         << "'s gradient compression state in '" << part
                                                         << "', which is missing");
       }
-      const std::string part = path + ".rank" + std::to_string(rank_);
+      const std::string part = rank_part_file(path, rank_);
       CheckpointState cs = load_checkpoint(part);
       DT_INPUT_CHECK(cs.ints["step"] == step_ && cs.ints["rank"] == rank_,
                      "'" << part << "' is rank " << cs.ints["rank"] << "'s state at step " << cs.ints["step"]
@@ -636,9 +603,7 @@ TrainResult Trainer::run() {
                        "a label of the batch of step " << at << " on rank " << rank_ << " is outside the model's classes");
         const double loss =
             st.loss_sum / static_cast<double>(std::max<int64_t>(iv_step_seen[static_cast<size_t>(i)], 1));
-        if (!std::isfinite(loss))
-          throw InputError("loss became " + std::to_string(loss) + " at step " + std::to_string(at) + " on rank " +
-                           std::to_string(rank_) + ": lower --lr or enable --clip-grad-norm");
+        check_finite_loss(loss, at, rank_);
         iv_loss += loss;
         iv_correct += static_cast<int64_t>(st.hits);
         result.final_loss = loss;
@@ -831,7 +796,7 @@ TrainResult Trainer::run() {
       // Preemption: a signal seen by any rank stops every rank after this same step. Not on an
       // epoch's last step, so that its evaluation and checkpoint happen first.
       if (step_ % cfg_.preempt_check_every == 0 && step_ < total_steps_ && batch_in_epoch < steps_per_epoch_ &&
-          (result.preempted_by = agree_on_preemption()) != 0) {
+          (result.preempted_by = agree_on_preemption(&comm_)) != 0) {
         if (!saved) {
           read_interval_losses(true);
           save(epoch, batch_in_epoch);

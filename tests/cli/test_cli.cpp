@@ -121,6 +121,21 @@ TEST(CliMpi, AnErrorOnRankZeroOnlyEndsEveryRankAtOnce) {
   EXPECT_LT(s, 30.0) << "a rank waited for the failed one";
 }
 
+// README "Exit statuses": the same status on every rank, one per kind of ending.
+TEST(CliMpi, ExitStatusesSayHowTheRunEnded) {
+  EXPECT_EQ(mpirun(2, "train --synthetic --steps 2 --threads 1 --progress off").code, 0);
+  Result bad = mpirun(2, "train --synthetic --lr -1 --progress off");
+  EXPECT_EQ(bad.code, 2) << bad.out;
+  Result diverged = mpirun(2, "train --synthetic --model mlp --steps 20 --lr 1e30 --log-every 1 --threads 1 --progress off");
+  EXPECT_EQ(diverged.code, 3) << diverged.out;
+  EXPECT_EQ(count(diverged.out, "loss became"), 1u) << diverged.out;  // said once, by rank 0
+  // A missing checkpoint names the option the user gave.
+  Result gen = run("generate --checkpoint /nonexistent/ckpt");
+  EXPECT_EQ(gen.code, 2) << gen.out;
+  EXPECT_NE(gen.out.find("option --checkpoint: '/nonexistent/ckpt'"), std::string::npos) << gen.out;
+  EXPECT_EQ(gen.out.find("--resume"), std::string::npos) << gen.out;
+}
+
 TEST(CliMpi, TrainsOnTwoRanksAndMatchesOneRank) {
   std::string dir = dtrain::test::temp_dir("cli-dp");
   dtrain::test::make_band_dataset(dir + "/train", 256);

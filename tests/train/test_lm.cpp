@@ -131,7 +131,7 @@ TEST(LanguageModel, NonFiniteLossStopsBeforeItsCheckpoint) {
   std::string what;
   try {
     train::train_lm(c, nullptr);
-  } catch (const InputError& e) {
+  } catch (const DivergenceError& e) {
     what = e.what();
   }
   test::expect_stopped_before_checkpoint(what, dir / "ckpt");

@@ -215,7 +215,7 @@ TEST(Trainer, NonFiniteLossStopsBeforeItsCheckpoint) {
   std::string what;
   try {
     train::Trainer(c, rt).run();
-  } catch (const InputError& e) {
+  } catch (const DivergenceError& e) {  // exit status 3, not 2 (a bad option)
     what = e.what();
   }
   test::expect_stopped_before_checkpoint(what, dir + "/ck");
@@ -299,11 +299,11 @@ TEST(Trainer, CheckFiniteWeightsNamesTheParameterStepAndRank) {
   try {
     train::check_finite_weights({&a, &b}, 7, 1);
     FAIL() << "an infinite bias passed";
-  } catch (const InputError& e) {
+  } catch (const DivergenceError& e) {
     const std::string w = e.what();
     EXPECT_NE(w.find("fc2.bias"), std::string::npos) << w;
     EXPECT_NE(w.find("after step 7 on rank 1"), std::string::npos) << w;
   }
   b.value.f32()[1] = std::nanf("");
-  EXPECT_THROW(train::check_finite_weights({&b}, 8, 0), InputError);
+  EXPECT_THROW(train::check_finite_weights({&b}, 8, 0), DivergenceError);
 }

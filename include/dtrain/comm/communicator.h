@@ -141,15 +141,16 @@ MPI_Comm mpi_comm_of(const Communicator& c);
 MPI_Datatype mpi_datatype_of(DType t);
 MPI_Op mpi_op_of(ReduceOp op, DType t);
 
+// Runs `fn` on every rank of `comm` and makes the ranks agree on its outcome: an InputError or a
+// DivergenceError thrown on some ranks only (a file one rank opens, a GPU count one host lacks, one
+// rank's non-finite loss) becomes the same error, of the same kind, on every rank, with the message
+// of the lowest failing rank, instead of ranks that return while the others wait for them in their
+// next collective. Collective: every rank must call it.
+void agree_on_inputs(Communicator& comm, const std::function<void()>& fn);
+
 // nccl-tests' bandwidths for one collective of `bytes` per rank that took `seconds`:
 // algBw = bytes / time; busBw = algBw * factor, factor 2(n-1)/n for allreduce,
 // (n-1)/n for allgather and reduce_scatter (bytes = the full gathered size), 1 for broadcast.
-// Runs `fn` on every rank of `comm` and makes the ranks agree on its outcome: an InputError thrown
-// on some ranks only (a file one rank opens, a GPU count one host lacks) becomes the same InputError
-// on every rank, with the message of the lowest failing rank, instead of ranks that return while
-// the others wait for them in their next collective. Collective: every rank must call it.
-void agree_on_inputs(Communicator& comm, const std::function<void()>& fn);
-
 double alg_bandwidth(double bytes, double seconds);  // bytes/s
 double bus_bandwidth_factor(const std::string& collective, int ranks);
 

@@ -28,6 +28,23 @@ class InputError : public std::runtime_error {
   explicit InputError(const std::string& what) : std::runtime_error(what) {}
 };
 
+// The run diverged: a non-finite loss or non-finite weights. Not bad input (the options were
+// valid), not a crash: the CLI exits with kExitDiverged so a job script does not requeue it.
+class DivergenceError : public std::runtime_error {
+ public:
+  explicit DivergenceError(const std::string& what) : std::runtime_error(what) {}
+};
+
+// The exit statuses of every dtrain command, the same on every rank (README "Exit statuses"; the
+// job scripts in cluster/ act on them).
+enum ExitStatus : int {
+  kExitDone = 0,
+  kExitFailure = 1,    // a runtime failure (one rank's error, a library error, a lost rank)
+  kExitBadInput = 2,   // InputError: a bad option, a missing or broken file, a wrong shape
+  kExitDiverged = 3,   // DivergenceError: non-finite loss or weights
+  kExitPreempted = 42  // a preemption signal: checkpoint written, the job scripts requeue
+};
+
 namespace detail {
 [[noreturn]] void throw_error(const char* domain, const std::string& msg, const char* file, int line);
 }  // namespace detail

@@ -22,10 +22,28 @@ struct CheckpointState {
 void save_checkpoint(const std::string& path, const CheckpointState& s);
 // Throws InputError naming the file when it is missing, not HDF5, truncated or fails its checksum.
 CheckpointState load_checkpoint(const std::string& path);
-// A file is returned as is; for a directory, its newest "ckpt-*.h5". Throws InputError when none.
-std::string resolve_checkpoint(const std::string& file_or_dir);
-// Before a checkpoint: throws InputError naming the first parameter with a NaN or an infinity, the
-// step and the rank, so diverged weights never replace a good checkpoint.
+// A file is returned as is; for a directory, its newest "ckpt-*.h5". Throws InputError naming
+// `option` (the option that gave the path: "resume", "checkpoint") when there is none.
+std::string resolve_checkpoint(const std::string& file_or_dir, const std::string& option = "resume");
+
+// The checkpoint file set, the same for every model. A checkpoint of step N is
+// <dir>/ckpt-step<N, 9 digits>.h5 (the main file); beside it may stand parts that belong to it:
+// <main>.rank<r> (rank r's gradient compression state) and ckpt-step<N>.stage<s>.h5 (pipeline
+// stage s's parameters). Parts are written before the main file, so a main file that exists has
+// all its parts.
+std::string checkpoint_file(const std::string& dir, int64_t step);
+std::string stage_part_file(const std::string& main_file, int64_t stage);
+std::string rank_part_file(const std::string& main_file, int rank);
+// Keeps the newest `keep` checkpoints up to `just_written` (the main file just written, which is
+// never removed): older main files go with all their parts. Files of later steps (a run resumed
+// behind them) are left alone. Parts whose main file was never written (the job died in between)
+// are removed too, when they are older than `just_written`.
+void prune_checkpoints(const std::string& dir, const std::string& just_written, int keep);
+
+// The finite checks before anything is kept: a non-finite training loss (checked where the
+// trainers read their losses) or non-finite weights (checked before every checkpoint) throw a
+// DivergenceError naming the step, the rank and, for the weights, the first bad parameter.
+void check_finite_loss(double loss, int64_t step, int rank);
 void check_finite_weights(const std::vector<nn::Parameter*>& params, int64_t step, int rank);
 
 }  // namespace dtrain::train

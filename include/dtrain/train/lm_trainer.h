@@ -42,11 +42,15 @@ struct LmConfig {
   int64_t checkpoint_every = 0;  // 0: at the end only
   int keep_checkpoints = 2;      // the newest kept in checkpoint_dir
   std::string resume;            // checkpoint file, or directory of the newest, written in any layout
+  // Preemption, as the image trainer: these signals on any rank stop every rank after the same
+  // step, behind a checkpoint; the run returns preempted_by (dtrain exits with kExitPreempted).
+  std::string preempt_signals = "TERM,USR1";
+  int64_t preempt_check_every = 1;
   bool quiet = false;
 };
 
 struct LmResult {
-  int64_t steps = 0;
+  int64_t steps = 0;  // the step the run ended at (fewer than LmConfig::steps when preempted)
   double train_loss = 0;  // mean over the last log interval, nats per token
   double val_loss = 0;    // nats per token
   double val_bpb = 0;     // bits per byte (= val_loss / ln 2 for byte tokens)
@@ -64,6 +68,7 @@ struct LmResult {
   // fp16: the loss scale after the last step and the steps skipped for inf/NaN gradients.
   double loss_scale = 1;
   int64_t skipped_steps = 0;
+  int preempted_by = 0;  // the signal that stopped the run after a checkpoint, or 0
 };
 
 // `world` may be null (one rank). Every rank of `world` must call it: the ranks form a dp x tp x pp

@@ -6,13 +6,19 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/comm/communicator.h"
+#include "dtrain/core/error.h"
+
 namespace dtrain::train {
 
 // Exit status of `dtrain train` after a preemption checkpoint (cluster/ scripts requeue on it).
-inline constexpr int kPreemptedExitCode = 42;
+inline constexpr int kPreemptedExitCode = kExitPreempted;
 
 // Installs handlers for `signals` (e.g. {SIGTERM, SIGUSR1}) while alive; restores the previous
-// handlers when destroyed. One instance at a time per process.
+// handlers when destroyed. Guards nest: `dtrain train` holds one around the whole command, so a
+// signal during set-up is acted on at the first step and one after the last step is harmless
+// (instead of the default action, death by the signal); the trainers hold their own for library
+// callers. The outermost guard forgets earlier signals; an inner one keeps them.
 class PreemptionGuard {
  public:
   explicit PreemptionGuard(const std::vector<int>& signals);
@@ -29,6 +35,10 @@ class PreemptionGuard {
   std::vector<int> signals_;
   std::vector<void*> previous_;  // struct sigaction*, kept opaque to keep <csignal> out of the header
 };
+
+// The largest signal number any rank of `comm` received (0: none): one 4-byte Max allreduce, so
+// every rank stops after the same step. Null `comm`: this rank's own. Collective.
+int agree_on_preemption(comm::Communicator* comm);
 
 // "TERM,USR1" -> {SIGTERM, SIGUSR1}; "none" or "" -> {}. Throws InputError naming `option`.
 std::vector<int> parse_signal_list(const std::string& list, const std::string& option);

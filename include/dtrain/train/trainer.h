@@ -58,7 +58,6 @@ class Trainer {
                   int64_t epoch, int64_t batch_in_epoch);  // rank 0: the checkpoint itself, then pruning
   void restore(const std::string& path, int64_t& epoch, int64_t& skip);
   void say(const std::string& s);
-  int agree_on_preemption();
 
   TrainConfig cfg_;
   comm::Runtime& rt_;
