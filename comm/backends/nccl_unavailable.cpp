@@ -4,6 +4,7 @@
 namespace dtrain::comm {
 
 bool nccl_compiled() { return false; }
+std::string nccl_version() { return ""; }
 int cuda_device_count() { return 0; }
 
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator&, int, const std::string&) {

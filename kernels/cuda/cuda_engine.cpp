@@ -81,6 +81,15 @@ void host_waits_for(const std::shared_ptr<void>& uploaded) {
   if (uploaded) DT_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(uploaded.get())));
 }
 
+std::string library_versions() {
+  int runtime = 0, driver = 0;
+  cudaRuntimeGetVersion(&runtime);
+  cudaDriverGetVersion(&driver);  // 0 without a driver: not an error here
+  auto dotted = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
+  return "CUDA runtime " + dotted(runtime) + ", driver " + (driver ? dotted(driver) : std::string("none")) +
+         ", cuDNN " + std::to_string(cudnnGetVersion());
+}
+
 DeviceInfo device_info(int device) {
   cudaDeviceProp p{};
   DT_CUDA_CHECK(cudaGetDeviceProperties(&p, device));

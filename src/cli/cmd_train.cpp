@@ -1,23 +1,35 @@
+// dtrain train: one configuration for every model; the model decides the task (image classifier or
+// the GPT), both run under the same preemption guard and exit statuses.
+#include <cstdio>
+
 #include "commands.h"
 #include "dtrain/comm/runtime.h"
+#include "dtrain/train/lm_trainer.h"
 #include "dtrain/train/signals.h"
 #include "dtrain/train/trainer.h"
 
 namespace dtrain::cli {
 
 int cmd_train(int argc, char** argv) {
-  if (wants_lm_training(argc, argv)) return cmd_train_lm(argc, argv);
   train::TrainConfig cfg;
-  if (!train::parse_train_config(argc, argv, cfg)) return 0;
+  if (!train::parse_train_config(argc, argv, cfg)) return kExitDone;
+  comm::Runtime& rt = comm::Runtime::get();
+  if (cfg.print_config) {
+    if (rt.topology().rank == 0) std::printf("%s", train::config_ini(cfg).c_str());
+    return kExitDone;
+  }
   // Around the whole command: a signal during set-up stops the run at its first step, one after
   // the last step no longer kills a finished run.
   train::PreemptionGuard preemption(train::parse_signal_list(cfg.preempt_signals, "preempt-signals"));
-  comm::Runtime& rt = comm::Runtime::get();
   if (rt.topology().rank == 0) std::printf("%s", rt.topology_table().c_str());
   else rt.topology_table();  // collective: every rank takes part
-  train::Trainer trainer(cfg, rt);
-  // A preempted run has written its checkpoint; the job scripts requeue on this exit code.
-  return trainer.run().preempted_by != 0 ? kExitPreempted : kExitDone;
+  // A preempted run has written its checkpoint; the job scripts requeue on this exit status.
+  int preempted_by = 0;
+  if (cfg.model == "gpt")
+    preempted_by = train::train_lm(train::lm_config(cfg), &rt.world()).preempted_by;
+  else
+    preempted_by = train::Trainer(cfg, rt).run().preempted_by;
+  return preempted_by != 0 ? kExitPreempted : kExitDone;
 }
 
 }  // namespace dtrain::cli

@@ -12,10 +12,7 @@ int cmd_convert(int argc, char** argv);          // src/cli/cmd_convert.cpp   (d
 int cmd_bench(int argc, char** argv);            // src/cli/cmd_bench.cpp     (dispatches the bench kinds)
 int cmd_bench_gemm(int argc, char** argv);       // src/cli/cmd_bench_gemm.cpp
 int cmd_bench_allreduce(int argc, char** argv);  // src/cli/cmd_bench_allreduce.cpp
-// src/cli/cmd_lm.cpp: GPT training (cmd_train routes model = gpt there) and sampling.
-bool wants_lm_training(int argc, char** argv);
-int cmd_train_lm(int argc, char** argv);
-int cmd_generate(int argc, char** argv);
+int cmd_generate(int argc, char** argv);         // src/cli/cmd_generate.cpp (samples from a GPT checkpoint)
 int cmd_convert_text(int argc, char** argv);  // src/cli/cmd_convert.cpp (dtrain convert text)
 
 }  // namespace dtrain::cli

@@ -1,8 +1,12 @@
 #include "dtrain/train/config.h"
 
 #include <boost/program_options.hpp>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <sstream>
+#include <type_traits>
 
 #include "dtrain/core/error.h"
 #include "dtrain/train/options.h"
@@ -44,85 +48,171 @@ std::string join_dims(const std::vector<int64_t>& d) {
   return s;
 }
 
-}  // namespace
+// A value as INI text that reads back as the same value (floats: the shortest such decimal).
+template <class T>
+std::string ini_text(const T& v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return v ? "true" : "false";
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    return v;
+  } else if constexpr (std::is_floating_point_v<T>) {
+    char buf[40];
+    for (int digits = 6;; ++digits) {
+      std::snprintf(buf, sizeof buf, "%.*g", digits, static_cast<double>(v));
+      if (digits >= 17 || static_cast<T>(std::strtod(buf, nullptr)) == v) return buf;
+    }
+  } else {
+    return std::to_string(v);
+  }
+}
 
-bool parse_train_config(int argc, char** argv, TrainConfig& c) {
-  TrainConfig def;
-  std::string synthetic_shape = join_dims(def.synthetic_shape), hidden = join_dims(def.hidden);
-  po::options_description opts("Job options (also valid as keys in the config file)");
+// Every `dtrain train` option, bound to the fields of one TrainConfig, in three sections, with
+// each option's value as INI text (--print-config, the provenance line of metrics and checkpoints).
+class TrainOptions {
+ public:
+  TrainOptions(TrainConfig& c, const TrainConfig& def);
+
+  po::options_description common{"Options of every model"};
+  po::options_description image{"Image models (mlp, simple_cnn, resnet20); not yet with --model gpt"};
+  po::options_description lm{"Language model (--model gpt)"};
+  std::string synthetic_shape, hidden;  // parsed into the config's lists after the options
+
+  po::options_description all() const {
+    po::options_description a;
+    a.add(common).add(image).add(lm);
+    return a;
+  }
+  // The options of `model`'s sections (a config file with another model's options is refused).
+  std::string ini(const std::string& model) const {
+    const po::options_description& other = model == "gpt" ? image : lm;
+    std::string out;
+    for (const auto& [name, value] : values_) {
+      const std::string v = value();
+      if (!v.empty() && !other.find_nothrow(name, false)) out += name + " = " + v + "\n";
+    }
+    return out;
+  }
+
+ private:
+  template <class T>
+  void add(po::options_description& g, const char* name, T* field, const T& def, const char* help) {
+    g.add_options()(name, po::value<T>(field)->default_value(def, ini_text(def)), help);
+    values_.emplace_back(name, [field] { return ini_text(*field); });
+  }
+  void add_path(po::options_description& g, const char* name, std::string* field, const char* help) {
+    g.add_options()(name, po::value<std::string>(field), help);
+    values_.emplace_back(name, [field] { return *field; });
+  }
+  // A switch: `--name` alone means true; `--name=false` and `name = false` in a config file work too.
+  void add_switch(po::options_description& g, const char* name, bool* field, bool def, const char* help) {
+    g.add_options()(name, po::value<bool>(field)->default_value(def, ini_text(def))->implicit_value(true, "true"), help);
+    values_.emplace_back(name, [field] { return ini_text(*field); });
+  }
+
+  std::vector<std::pair<std::string, std::function<std::string()>>> values_;
+};
+
+TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
+    : synthetic_shape(join_dims(c.synthetic_shape)), hidden(join_dims(c.hidden)) {
   // clang-format off
-  opts.add_options()
-    ("data", po::value<std::string>(&c.data), "training data: a directory of HDF5 shards (dtrain convert)")
-    ("test-data", po::value<std::string>(&c.test_data), "test data evaluated after each epoch (directory of shards)")
-    ("synthetic", po::bool_switch(&c.synthetic), "train on random batches of the model's input shape; reads no data")
-    ("synthetic-shape", po::value<std::string>(&synthetic_shape)->default_value(synthetic_shape), "per-sample shape C,H,W for --synthetic")
-    ("synthetic-classes", po::value<int64_t>(&c.synthetic_classes)->default_value(def.synthetic_classes), "classes for --synthetic")
-    ("normalize", po::value<bool>(&c.normalize)->default_value(def.normalize), "normalise inputs by the training set's per-channel mean/std")
-    ("augment-crop", po::value<int>(&c.augment.crop_padding)->default_value(0), "random crop after zero padding by this many pixels (0: off)")
-    ("augment-flip", po::value<bool>(&c.augment.hflip)->default_value(false), "random horizontal flip")
-    ("augment-rotate", po::value<float>(&c.augment.rotate_deg)->default_value(0.f), "random rotation within +-degrees (0: off)")
-    ("loader-threads", po::value<int>(&c.loader_threads)->default_value(-1), "loader threads per rank (-1: DTRAIN_LOADER_THREADS)")
-    ("prefetch", po::value<int>(&c.prefetch)->default_value(-1), "batches prepared ahead (-1: DTRAIN_PREFETCH)")
-    ("model", po::value<std::string>(&c.model)->default_value(def.model), "model: mlp, simple_cnn, resnet20")
-    ("hidden", po::value<std::string>(&hidden)->default_value(hidden), "MLP hidden widths, comma separated")
-    ("dropout", po::value<float>(&c.dropout)->default_value(def.dropout), "MLP dropout probability")
-    ("epochs", po::value<int64_t>(&c.epochs)->default_value(def.epochs), "passes over the training data")
-    ("steps", po::value<int64_t>(&c.steps)->default_value(def.steps), "stop after this many steps (0: run all epochs)")
-    ("batch-size", po::value<int64_t>(&c.batch_size)->default_value(def.batch_size), "samples per step (micro-step with --accumulate) per rank")
-    ("global-batch-size", po::value<int64_t>(&c.global_batch_size)->default_value(0), "samples per optimizer step over all ranks and micro-steps (0: batch-size x ranks x accumulate); must divide evenly")
-    ("drop-last", po::value<bool>(&c.drop_last)->default_value(def.drop_last), "drop the last partial batch of each epoch")
-    ("optimizer", po::value<std::string>(&c.optimizer)->default_value(def.optimizer), "sgd, adam, adamw, lars or lamb")
-    ("lars-eta", po::value<float>(&c.lars_eta)->default_value(def.lars_eta), "LARS trust coefficient")
-    ("lr-scaling", po::value<std::string>(&c.lr_scaling)->default_value(def.lr_scaling), "none, or linear: lr x global batch / --base-batch-size")
-    ("base-batch-size", po::value<int64_t>(&c.base_batch_size)->default_value(def.base_batch_size), "the global batch --lr is given for (with --lr-scaling linear)")
-    ("lr", po::value<float>(&c.lr)->default_value(def.lr), "base learning rate")
-    ("momentum", po::value<float>(&c.momentum)->default_value(def.momentum), "SGD momentum")
-    ("nesterov", po::value<bool>(&c.nesterov)->default_value(def.nesterov), "Nesterov momentum")
-    ("weight-decay", po::value<float>(&c.weight_decay)->default_value(def.weight_decay), "weight decay (decoupled for adamw)")
-    ("beta1", po::value<float>(&c.beta1)->default_value(def.beta1), "Adam beta1")
-    ("beta2", po::value<float>(&c.beta2)->default_value(def.beta2), "Adam beta2")
-    ("eps", po::value<float>(&c.eps)->default_value(def.eps), "Adam epsilon")
-    ("lr-schedule", po::value<std::string>(&c.lr_schedule)->default_value(def.lr_schedule), "constant, step or cosine (per step, to zero at the end)")
-    ("warmup-steps", po::value<int64_t>(&c.warmup_steps)->default_value(0), "linear learning-rate warm-up steps")
-    ("lr-step-size", po::value<int64_t>(&c.lr_step_size)->default_value(def.lr_step_size), "step schedule: steps between decays")
-    ("lr-gamma", po::value<float>(&c.lr_gamma)->default_value(def.lr_gamma), "step schedule: decay factor")
-    ("min-lr", po::value<float>(&c.min_lr)->default_value(0.f), "cosine schedule: final learning rate")
-    ("clip-grad-norm", po::value<float>(&c.clip_grad_norm)->default_value(0.f), "clip the global gradient norm to this (0: off)")
-    ("precision", po::value<std::string>(&c.precision)->default_value(def.precision), "fp32, bf16 or fp16 (GEMM/conv inputs; fp32 accumulation and master weights; fp16 with dynamic loss scaling); tf32 on a GPU")
-    ("device", po::value<std::string>(&c.device)->default_value(def.device), "cpu or cuda (one GPU per rank)")
-    ("loss-scale-interval", po::value<int64_t>(&c.loss_scale_interval)->default_value(def.loss_scale_interval), "fp16: finite steps in a row before the loss scale doubles")
-    ("loss-scale-init", po::value<float>(&c.loss_scale_init)->default_value(def.loss_scale_init), "fp16: the first loss scale (halved on every step with inf/NaN gradients)")
-    ("threads", po::value<int>(&c.threads)->default_value(0), "compute threads per rank (0: node cores / ranks on the node)")
-    ("seed", po::value<uint64_t>(&c.seed)->default_value(def.seed), "seed for initialisation, shuffling, augmentation, dropout")
-    ("log-every", po::value<int64_t>(&c.log_every)->default_value(def.log_every), "steps between metrics lines")
-    ("progress", po::value<std::string>(&c.progress)->default_value(def.progress), "progress bar on rank 0: auto, on, off")
-    ("metrics", po::value<std::string>(&c.metrics), "JSON-lines metrics file (written by rank 0)")
-    ("checkpoint-dir", po::value<std::string>(&c.checkpoint_dir), "write HDF5 checkpoints here")
-    ("checkpoint-every", po::value<int64_t>(&c.checkpoint_every)->default_value(0), "steps between checkpoints (0: each epoch end)")
-    ("keep-checkpoints", po::value<int>(&c.keep_checkpoints)->default_value(def.keep_checkpoints), "checkpoints kept in --checkpoint-dir")
-    ("resume", po::value<std::string>(&c.resume), "resume from this checkpoint file (or the newest in this directory)")
-    ("preempt-signals", po::value<std::string>(&c.preempt_signals)->default_value(def.preempt_signals), "signals that checkpoint at the next step and exit with code 42: comma list of TERM, USR1, USR2, INT, HUP, CONT, or none")
-    ("preempt-check-every", po::value<int64_t>(&c.preempt_check_every)->default_value(def.preempt_check_every), "steps between the ranks' agreement on a received preemption signal")
-    ("trace", po::value<std::string>(&c.trace), "write a Chrome trace (Perfetto) of each rank's data wait, compute, communication wait and optimizer to this JSON file")
-    ("trace-steps", po::value<int64_t>(&c.trace_steps)->default_value(def.trace_steps), "steps recorded by --trace, from the first")
-    ("eval", po::value<bool>(&c.eval_each_epoch)->default_value(true), "evaluate on --test-data after each epoch")
-    ("bucket-mb", po::value<double>(&c.bucket_mb)->default_value(def.bucket_mb), "data-parallel gradient bucket size (MiB)")
-    ("overlap", po::value<bool>(&c.overlap)->default_value(true), "start each bucket's allreduce while backward runs")
-    ("compression", po::value<std::string>(&c.compression)->default_value(def.compression), "gradient compression: none, fp16, bf16, topk:RATIO, powersgd:RANK, onebit, qsgd:LEVELS")
-    ("compression-warmup", po::value<int64_t>(&c.compression_warmup)->default_value(-1), "compression warm-up steps (-1: one epoch, 0: none): top-k's kept fraction falls from 25 % to the target; PowerSGD sends uncompressed gradients until then")
-    ("compression-on-engine", po::value<bool>(&c.compression_on_engine)->default_value(false), "top-k through the compute engine's kernels (the path GPU buckets always take: CUB and NCCL) instead of the communication layer's compressor, also on the CPU")
-    ("momentum-correction", po::value<bool>(&c.momentum_correction)->default_value(def.momentum_correction), "top-k with SGD momentum: accumulate momentum, not raw gradients, in the compressor (Deep Gradient Compression); the optimizer then runs without momentum")
-    ("accumulate", po::value<int64_t>(&c.accumulate)->default_value(1), "micro-batches per optimizer step (gradient accumulation)")
-    ("zero1", po::value<bool>(&c.zero1)->default_value(false), "ZeRO stage 1: shard optimizer state over the data-parallel ranks")
-    ("sync-batchnorm", po::value<bool>(&c.sync_batchnorm)->default_value(false), "batch statistics over all data-parallel ranks");
-  // clang-format on
-  po::variables_map vm;
-  if (!parse_options(argc, argv, opts, "usage: dtrain train --config FILE [options]", vm, true)) return false;
-  if (vm.count("config")) c.config_file = vm["config"].as<std::string>();
-  c.synthetic_shape = parse_dims(synthetic_shape, "synthetic-shape");
-  c.hidden = parse_dims(hidden, "hidden");
+  add(common, "model", &c.model, def.model, "model: mlp, simple_cnn, resnet20 or gpt (its defaults: --model gpt --help)");
+  add_path(common, "data", &c.data, "training data: a directory of HDF5 shards (dtrain convert), or of train.h5 and val.h5 for the gpt (dtrain convert text)");
+  add(common, "steps", &c.steps, def.steps, "optimizer steps (image models: 0 runs all epochs; stops early when smaller)");
+  add(common, "batch-size", &c.batch_size, def.batch_size, "samples (gpt: sequences) per step (micro-step with --accumulate) per rank");
+  add(common, "lr", &c.lr, def.lr, "base learning rate");
+  add(common, "min-lr", &c.min_lr, def.min_lr, "cosine schedule: final learning rate");
+  add(common, "warmup-steps", &c.warmup_steps, def.warmup_steps, "linear learning-rate warm-up steps");
+  add(common, "weight-decay", &c.weight_decay, def.weight_decay, "weight decay (decoupled for adamw; the gpt decays matrices only)");
+  add(common, "beta1", &c.beta1, def.beta1, "Adam beta1");
+  add(common, "beta2", &c.beta2, def.beta2, "Adam beta2");
+  add(common, "eps", &c.eps, def.eps, "Adam epsilon");
+  add(common, "clip-grad-norm", &c.clip_grad_norm, def.clip_grad_norm, "clip the global gradient norm to this (0: off)");
+  add(common, "precision", &c.precision, def.precision, "fp32, bf16 or fp16 (GEMM/conv inputs; fp32 accumulation and master weights; fp16 with dynamic loss scaling); tf32 on a GPU");
+  add(common, "device", &c.device, def.device, "cpu or cuda (one GPU per rank)");
+  add(common, "loss-scale-interval", &c.loss_scale_interval, def.loss_scale_interval, "fp16: finite steps in a row before the loss scale doubles");
+  add(common, "loss-scale-init", &c.loss_scale_init, def.loss_scale_init, "fp16: the first loss scale (halved on every step with inf/NaN gradients)");
+  add(common, "threads", &c.threads, def.threads, "compute threads per rank (0: node cores / ranks on the node)");
+  add(common, "seed", &c.seed, def.seed, "seed for initialisation, data order, augmentation, dropout");
+  add(common, "log-every", &c.log_every, def.log_every, "steps between log and metrics lines");
+  add_path(common, "metrics", &c.metrics, "JSON-lines metrics file (written by rank 0; its first line is the run's provenance)");
+  add_path(common, "checkpoint-dir", &c.checkpoint_dir, "write HDF5 checkpoints here");
+  add(common, "checkpoint-every", &c.checkpoint_every, def.checkpoint_every, "steps between checkpoints (0: image models at each epoch end, the gpt at the end)");
+  add(common, "keep-checkpoints", &c.keep_checkpoints, def.keep_checkpoints, "checkpoints kept in --checkpoint-dir");
+  add_path(common, "resume", &c.resume, "resume from this checkpoint file (or the newest in this directory)");
+  add(common, "preempt-signals", &c.preempt_signals, def.preempt_signals, "signals that checkpoint at the next step and exit with code 42: comma list of TERM, USR1, USR2, INT, HUP, CONT, or none");
+  add(common, "preempt-check-every", &c.preempt_check_every, def.preempt_check_every, "steps between the ranks' agreement on a received preemption signal");
+  common.add_options()("print-config", po::bool_switch(&c.print_config), "print the effective configuration as an INI file that --config reads back, and exit");
 
-  // Ranges, each naming its option.
+  add_path(image, "test-data", &c.test_data, "test data evaluated after each epoch (directory of shards)");
+  add_switch(image, "synthetic", &c.synthetic, def.synthetic, "train on random batches of the model's input shape; reads no data");
+  image.add_options()("synthetic-shape", po::value<std::string>(&synthetic_shape)->default_value(join_dims(def.synthetic_shape)), "per-sample shape C,H,W for --synthetic");
+  values_.emplace_back("synthetic-shape", [this] { return synthetic_shape; });
+  add(image, "synthetic-classes", &c.synthetic_classes, def.synthetic_classes, "classes for --synthetic");
+  add(image, "normalize", &c.normalize, def.normalize, "normalise inputs by the training set's per-channel mean/std");
+  add(image, "augment-crop", &c.augment.crop_padding, def.augment.crop_padding, "random crop after zero padding by this many pixels (0: off)");
+  add(image, "augment-flip", &c.augment.hflip, def.augment.hflip, "random horizontal flip");
+  add(image, "augment-rotate", &c.augment.rotate_deg, def.augment.rotate_deg, "random rotation within +-degrees (0: off)");
+  add(image, "loader-threads", &c.loader_threads, def.loader_threads, "loader threads per rank (-1: DTRAIN_LOADER_THREADS)");
+  add(image, "prefetch", &c.prefetch, def.prefetch, "batches prepared ahead (-1: DTRAIN_PREFETCH)");
+  image.add_options()("hidden", po::value<std::string>(&hidden)->default_value(join_dims(def.hidden)), "MLP hidden widths, comma separated");
+  values_.emplace_back("hidden", [this] { return hidden; });
+  add(image, "dropout", &c.dropout, def.dropout, "MLP dropout probability");
+  add(image, "epochs", &c.epochs, def.epochs, "passes over the training data");
+  add(image, "global-batch-size", &c.global_batch_size, def.global_batch_size, "samples per optimizer step over all ranks and micro-steps (0: batch-size x ranks x accumulate); must divide evenly");
+  add(image, "drop-last", &c.drop_last, def.drop_last, "drop the last partial batch of each epoch");
+  add(image, "optimizer", &c.optimizer, def.optimizer, "sgd, adam, adamw, lars or lamb (the gpt: adamw)");
+  add(image, "lars-eta", &c.lars_eta, def.lars_eta, "LARS trust coefficient");
+  add(image, "lr-scaling", &c.lr_scaling, def.lr_scaling, "none, or linear: lr x global batch / --base-batch-size");
+  add(image, "base-batch-size", &c.base_batch_size, def.base_batch_size, "the global batch --lr is given for (with --lr-scaling linear)");
+  add(image, "momentum", &c.momentum, def.momentum, "SGD momentum");
+  add(image, "nesterov", &c.nesterov, def.nesterov, "Nesterov momentum");
+  add(image, "lr-schedule", &c.lr_schedule, def.lr_schedule, "constant, step or cosine (per step, to --min-lr at the end; the gpt: cosine)");
+  add(image, "lr-step-size", &c.lr_step_size, def.lr_step_size, "step schedule: steps between decays");
+  add(image, "lr-gamma", &c.lr_gamma, def.lr_gamma, "step schedule: decay factor");
+  add(image, "progress", &c.progress, def.progress, "progress bar on rank 0: auto, on, off");
+  add_path(image, "trace", &c.trace, "write a Chrome trace (Perfetto) of each rank's data wait, compute, communication wait and optimizer to this JSON file");
+  add(image, "trace-steps", &c.trace_steps, def.trace_steps, "steps recorded by --trace, from the first");
+  add(image, "eval", &c.eval_each_epoch, def.eval_each_epoch, "evaluate on --test-data after each epoch");
+  add(image, "bucket-mb", &c.bucket_mb, def.bucket_mb, "data-parallel gradient bucket size (MiB)");
+  add(image, "overlap", &c.overlap, def.overlap, "start each bucket's allreduce while backward runs");
+  add(image, "compression", &c.compression, def.compression, "gradient compression: none, fp16, bf16, topk:RATIO, powersgd:RANK, onebit, qsgd:LEVELS");
+  add(image, "compression-warmup", &c.compression_warmup, def.compression_warmup, "compression warm-up steps (-1: one epoch, 0: none): top-k's kept fraction falls from 25 % to the target; PowerSGD sends uncompressed gradients until then");
+  add(image, "compression-on-engine", &c.compression_on_engine, def.compression_on_engine, "top-k through the compute engine's kernels (the path GPU buckets always take: CUB and NCCL) instead of the communication layer's compressor, also on the CPU");
+  add(image, "momentum-correction", &c.momentum_correction, def.momentum_correction, "top-k with SGD momentum: accumulate momentum, not raw gradients, in the compressor (Deep Gradient Compression); the optimizer then runs without momentum");
+  add(image, "accumulate", &c.accumulate, def.accumulate, "micro-batches per optimizer step (gradient accumulation)");
+  add(image, "zero1", &c.zero1, def.zero1, "ZeRO stage 1: shard optimizer state over the data-parallel ranks");
+  add(image, "sync-batchnorm", &c.sync_batchnorm, def.sync_batchnorm, "batch statistics over all data-parallel ranks");
+
+  add(lm, "layers", &c.layers, def.layers, "transformer blocks");
+  add(lm, "heads", &c.heads, def.heads, "attention heads (divide --width)");
+  add(lm, "width", &c.width, def.width, "model width C");
+  add(lm, "context", &c.context, def.context, "longest sequence (position table rows)");
+  add(lm, "vocab", &c.vocab, def.vocab, "vocabulary (256: bytes)");
+  add(lm, "seq-len", &c.seq_len, def.seq_len, "tokens per sequence (0: --context)");
+  add(lm, "eval-every", &c.eval_every, def.eval_every, "steps between validation passes (0: at the end only)");
+  add(lm, "eval-batches", &c.eval_batches, def.eval_batches, "validation batches per pass (0: all)");
+  add(lm, "tp", &c.tp, def.tp, "tensor-parallel ranks (heads and MLP split; dp is the rest)");
+  add(lm, "pp", &c.pp, def.pp, "pipeline stages (blocks split by cost)");
+  add_path(lm, "pp-split", &c.pp_split, "blocks per pipeline stage, e.g. 2,4 (default: balanced by cost)");
+  add(lm, "micro-batches", &c.micro_batches, def.micro_batches, "pipeline micro-batches per step (0: 2 x --pp; divides --batch-size)");
+  add(lm, "schedule", &c.schedule, def.schedule, "pipeline schedule: 1f1b or gpipe");
+  add_switch(lm, "checkpoint-activations", &c.checkpoint_activations, def.checkpoint_activations, "recompute each block's activations in backward (less memory)");
+  // clang-format on
+}
+
+// Options given (on the command line or in the config file) that `model` does not use: one message
+// naming both.
+void refuse_options_of_other_models(const po::variables_map& vm, const TrainOptions& o, const std::string& model) {
+  const bool gpt = model == "gpt";
+  for (const auto& opt : (gpt ? o.image : o.lm).options()) {
+    const std::string& name = opt->long_name();
+    if (vm.count(name) && !vm[name].defaulted())
+      throw InputError("option --" + name + " does not combine with --model " + model +
+                       (gpt ? " in this version (image models only)" : " (it is for --model gpt)"));
+  }
+}
+
+void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.batch_size > 0, "option --batch-size must be > 0, got " << c.batch_size);
   DT_INPUT_CHECK(c.global_batch_size >= 0, "option --global-batch-size must be >= 0");
   DT_INPUT_CHECK(c.epochs >= 1 || c.steps > 0, "option --epochs must be >= 1 (or give --steps), got " << c.epochs);
@@ -169,6 +259,59 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   DT_INPUT_CHECK(c.synthetic || !c.data.empty(), "no training data: give --data DIR (or --synthetic)");
   DT_INPUT_CHECK(c.synthetic_shape.size() == 3 || c.synthetic_shape.size() == 1,
                  "option --synthetic-shape needs C,H,W (or one size for flat inputs)");
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"layers", c.layers}, {"heads", c.heads}, {"width", c.width},
+                         {"context", c.context}, {"vocab", c.vocab}, {"tp", c.tp}, {"pp", c.pp}})
+    DT_INPUT_CHECK(v >= 1, "option --" << name << " must be >= 1, got " << v);
+  DT_INPUT_CHECK(c.seq_len >= 0 && c.eval_every >= 0 && c.eval_batches >= 0 && c.micro_batches >= 0,
+                 "options --seq-len, --eval-every, --eval-batches and --micro-batches must be >= 0");
+  DT_INPUT_CHECK(c.schedule == "1f1b" || c.schedule == "gpipe",
+                 "option --schedule must be 1f1b or gpipe, got '" << c.schedule << "'");
+}
+
+}  // namespace
+
+TrainConfig model_defaults(const std::string& model) {
+  TrainConfig d;
+  if (model == "gpt") {  // AdamW with GPT-2's beta2, cosine to 1e-4 after a warm-up, decay and clipping
+    d.batch_size = 8;
+    d.steps = 1000;
+    d.lr = 1e-3f;
+    d.min_lr = 1e-4f;
+    d.warmup_steps = 100;
+    d.weight_decay = 0.1f;
+    d.beta2 = 0.95f;
+    d.clip_grad_norm = 1.f;
+    d.log_every = 20;
+    d.optimizer = "adamw";
+  }
+  d.model = model;
+  return d;
+}
+
+bool parse_train_config(int argc, char** argv, TrainConfig& c) {
+  const std::string usage = "usage: dtrain train --config FILE [options]";
+  // Pass 1 finds the model (from the command line or the config file): its defaults are those of
+  // pass 2, which parses everything again and prints them under --help.
+  std::string model;
+  {
+    TrainConfig scratch;
+    TrainOptions o(scratch, scratch);
+    po::variables_map vm;
+    parse_options(argc, argv, o.all(), usage, vm, true, false);
+    model = scratch.model;
+  }
+  c = model_defaults(model);
+  const TrainConfig def = c;
+  TrainOptions o(c, def);
+  po::variables_map vm;
+  if (!parse_options(argc, argv, o.all(), usage, vm, true)) return false;
+  if (vm.count("config")) c.config_file = vm["config"].as<std::string>();
+  c.synthetic_shape = parse_dims(o.synthetic_shape, "synthetic-shape");
+  c.hidden = parse_dims(o.hidden, "hidden");
+  DT_INPUT_CHECK(c.model == "mlp" || c.model == "simple_cnn" || c.model == "resnet20" || c.model == "gpt",
+                 "option --model must be mlp, simple_cnn, resnet20 or gpt, got '" << c.model << "'");
+  refuse_options_of_other_models(vm, o, c.model);
+  check_ranges(c);
   // Relative data paths in a config file are relative to the file, so a job runs from any directory.
   if (!c.config_file.empty()) {
     std::filesystem::path base = std::filesystem::path(c.config_file).parent_path();
@@ -181,6 +324,12 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     rebase(c.test_data, "test-data");
   }
   return true;
+}
+
+std::string config_ini(const TrainConfig& cfg) {
+  TrainConfig c = cfg;
+  TrainOptions o(c, c);
+  return "# dtrain train --config FILE: the effective configuration of --model " + c.model + "\n" + o.ini(c.model);
 }
 
 }  // namespace dtrain::train

@@ -26,6 +26,7 @@
 #include "dtrain/parallel/tensor_parallel.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/metrics.h"
+#include "dtrain/train/provenance.h"
 #include "dtrain/train/signals.h"
 
 namespace dtrain::train {
@@ -146,6 +147,52 @@ std::vector<int> stage_starts(const LmConfig& cfg) {
 }
 
 }  // namespace
+
+LmConfig lm_config(const TrainConfig& t) {
+  LmConfig c;
+  c.data = t.data;
+  c.model.vocab = t.vocab;
+  c.model.context = t.context;
+  c.model.layers = t.layers;
+  c.model.heads = t.heads;
+  c.model.width = t.width;
+  c.model.seed = t.seed;
+  c.seed = t.seed;
+  c.batch_size = t.batch_size;
+  c.seq_len = t.seq_len;
+  c.steps = t.steps;
+  c.lr = t.lr;
+  c.min_lr = t.min_lr;
+  c.weight_decay = t.weight_decay;
+  c.clip_grad_norm = t.clip_grad_norm;
+  c.beta1 = t.beta1;
+  c.beta2 = t.beta2;
+  c.eps = t.eps;
+  c.warmup_steps = t.warmup_steps;
+  c.eval_every = t.eval_every;
+  c.eval_batches = t.eval_batches;
+  c.log_every = t.log_every;
+  c.tp = t.tp;
+  c.pp = t.pp;
+  c.pp_split = t.pp_split;
+  c.micro_batches = t.micro_batches;
+  c.schedule = t.schedule;
+  c.checkpoint_activations = t.checkpoint_activations;
+  c.precision = t.precision;
+  c.loss_scale_interval = t.loss_scale_interval;
+  c.loss_scale_init = t.loss_scale_init;
+  c.device = t.device;
+  c.threads = t.threads;
+  c.metrics = t.metrics;
+  c.checkpoint_dir = t.checkpoint_dir;
+  c.checkpoint_every = t.checkpoint_every;
+  c.keep_checkpoints = t.keep_checkpoints;
+  c.resume = t.resume;
+  c.preempt_signals = t.preempt_signals;
+  c.preempt_check_every = t.preempt_check_every;
+  c.config_ini = config_ini(t);
+  return c;
+}
 
 LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   LmConfig cfg = cfg_in;
@@ -281,8 +328,9 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   std::vector<nn::Parameter*> decayed, plain;
   for (nn::Parameter* p : model.parameters()) (p->value.dim() >= 2 && p->name != "wpe" ? decayed : plain).push_back(p);
   optim::AdamOptions ao;
-  ao.beta1 = 0.9f;
-  ao.beta2 = 0.95f;
+  ao.beta1 = cfg.beta1;
+  ao.beta2 = cfg.beta2;
+  ao.eps = cfg.eps;
   ao.decoupled = true;
   ao.weight_decay = cfg.weight_decay;
   optim::Adam opt_decay(decayed, ao);
@@ -306,6 +354,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   const parallel::ParameterTensor value = [](nn::Parameter& p) -> Tensor& { return p.value; };
   comm::Communicator* tp_comm = grid ? &grid->tp() : nullptr;
   int64_t start_step = 0;
+  std::string resumed_provenance;  // the checkpoint's, to say what this run changed
   // Every rank reads the checkpoint; one that cannot (a file its node does not see) fails them all.
   auto resume = [&] {
     if (cfg.resume.empty()) return;
@@ -334,6 +383,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       parallel::load_full(model, exp_avg, moment(".exp_avg"));
       parallel::load_full(model, exp_avg_sq, moment(".exp_avg_sq"));
       start_step = st.ints.at("step");
+      resumed_provenance = st.strings["provenance"];
       // AdamW's step count (bias correction) lags the run's by the steps fp16 skipped.
       const int64_t opt_steps = st.ints.count("optimizer_steps") ? st.ints.at("optimizer_steps") : start_step;
       opt_decay.set_steps(opt_steps);
@@ -346,7 +396,11 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     }
     DT_INPUT_CHECK(start_step < cfg.steps,
                    "--resume " << file << " is at step " << start_step << ", not before --steps " << cfg.steps);
-    if (speak) std::printf("resumed from %s at step %lld\n", file.c_str(), static_cast<long long>(start_step));
+    if (speak) {
+      if (std::string changed = resume_changes(resumed_provenance, cfg.config_ini); !changed.empty())
+        std::printf("%s\n", changed.c_str());
+      std::printf("resumed from %s at step %lld\n", file.c_str(), static_cast<long long>(start_step));
+    }
   };
   if (world_comm)
     comm::agree_on_inputs(*world_comm, resume);
@@ -354,8 +408,13 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     resume();
 
   std::unique_ptr<MetricsWriter> metrics;
+  const JsonFields provenance =
+      run_provenance(std::to_string(world_comm ? world_comm->size() : 1) + " rank(s): dp " + std::to_string(dp_size) +
+                         " x tp " + std::to_string(tp_size) + " x pp " + std::to_string(pp_size),
+                     cfg.config_ini);
   auto open_metrics = [&] {  // rank 0 only: the others learn of a failure through the agreement
     if (rank == 0 && !cfg.metrics.empty()) metrics = std::make_unique<MetricsWriter>(cfg.metrics, !cfg.resume.empty());  // a resumed run adds to its file
+    if (metrics) metrics->write(provenance);
   };
   if (world_comm)
     comm::agree_on_inputs(*world_comm, open_metrics);
@@ -439,6 +498,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     for (auto& [n, t] : m1) st.tensors["optim/" + n + ".exp_avg"] = t;
     for (auto& [n, t] : m2) st.tensors["optim/" + n + ".exp_avg_sq"] = t;
     st.strings["optimizer"] = "adamw";
+    st.strings["provenance"] = to_json(provenance);
     st.ints["optimizer_steps"] = opt_decay.steps();
     if (scaler) {
       st.tensors["meta/loss_scale"] = Tensor::from({1}, {scaler->scale()});

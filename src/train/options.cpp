@@ -10,7 +10,7 @@ namespace po = boost::program_options;
 namespace dtrain::train {
 
 bool parse_options(int argc, char** argv, const po::options_description& opts, const std::string& usage,
-                   po::variables_map& vm, bool with_config) {
+                   po::variables_map& vm, bool with_config, bool handle_help) {
   po::options_description general("General");
   general.add_options()("help,h", "print this help and exit");
   if (with_config)
@@ -20,7 +20,7 @@ bool parse_options(int argc, char** argv, const po::options_description& opts, c
   all.add(general).add(opts);
   try {
     po::store(po::command_line_parser(argc, argv).options(all).run(), vm);
-    if (vm.count("help")) {
+    if (vm.count("help") && handle_help) {
       std::cout << usage << "\n\n" << all << "\n";
       return false;
     }

@@ -18,6 +18,7 @@
 #include "dtrain/core/timer.h"
 #include "dtrain/optim/large_batch.h"
 #include "dtrain/parallel/sync_batchnorm.h"
+#include "dtrain/train/provenance.h"
 #include "dtrain/train/signals.h"
 #include "dtrain/train/trace.h"
 
@@ -201,6 +202,8 @@ void Trainer::setup_exchange() {
   sched_ = std::make_unique<optim::LrSchedule>(so);
   if (rank_ == 0 && !cfg_.metrics.empty())
     metrics_ = std::make_unique<MetricsWriter>(cfg_.metrics, !cfg_.resume.empty());
+  provenance_ = run_provenance(std::to_string(world_) + " rank(s): dp " + std::to_string(world_), config_ini(cfg_));
+  if (metrics_) metrics_->write(provenance_);
 }
 
 Trainer::~Trainer() = default;
@@ -293,6 +296,7 @@ void Trainer::write_main(const fs::path& path, std::map<std::string, Tensor>& op
     for (nn::Buffer* b : model_->buffers()) s.tensors["buffer/" + b->name] = to_host(b->value);
     for (auto& [name, t] : optim_state) s.tensors["optim/" + name] = t;
     s.strings["model"] = spec_.name;
+    s.strings["provenance"] = to_json(provenance_);
     s.strings["optimizer"] = opt_->kind();
     s.ints["step"] = step_;
     s.ints["optimizer_steps"] = opt_->steps();
@@ -412,6 +416,7 @@ void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
     ++epoch;
     skip = 0;
   }
+  if (std::string changed = resume_changes(s.strings["provenance"], config_ini(cfg_)); !changed.empty()) say(changed);
   say("resumed from " + path + " at step " + std::to_string(step_) + " (epoch " + std::to_string(epoch + 1) + ")");
 }
 

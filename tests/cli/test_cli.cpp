@@ -68,6 +68,41 @@ TEST(Cli, UnknownCommandAndOptions) {
   EXPECT_NE(help.out.find("(=64)"), std::string::npos) << "defaults are shown";
 }
 
+// One configuration for every model: the model's own defaults and sections in --help, other
+// models' options refused naming both, and --print-config an INI that reproduces the run bitwise.
+TEST(Cli, OneConfigurationForEveryModel) {
+  Result gpt_help = run("train --model gpt --help");
+  EXPECT_EQ(gpt_help.code, 0) << gpt_help.out;
+  EXPECT_NE(gpt_help.out.find("Language model (--model gpt)"), std::string::npos) << gpt_help.out;
+  EXPECT_NE(gpt_help.out.find("--lr arg (=0.001)"), std::string::npos) << "the gpt's own default";
+  EXPECT_NE(run("train --help").out.find("--lr arg (=0.05)"), std::string::npos);
+  Result zero1 = run("train --model gpt --data x --zero1 true");
+  EXPECT_EQ(zero1.code, 2) << zero1.out;
+  EXPECT_NE(zero1.out.find("option --zero1 does not combine with --model gpt"), std::string::npos) << zero1.out;
+  Result tp = run("train --synthetic --tp 2");
+  EXPECT_EQ(tp.code, 2) << tp.out;
+  EXPECT_NE(tp.out.find("option --tp does not combine with --model simple_cnn"), std::string::npos) << tp.out;
+
+  std::string dir = dtrain::test::temp_dir("cli-print-config");
+  const std::string job = "train --synthetic --model mlp --hidden 16 --steps 12 --lr 0.07 --momentum 0.8 "
+                          "--threads 1 --progress off --seed ";
+  Result printed = run(job + "5 --print-config");
+  ASSERT_EQ(printed.code, 0) << printed.out;
+  EXPECT_NE(printed.out.find("\nlr = 0.07\n"), std::string::npos) << printed.out;
+  EXPECT_EQ(printed.out.find("layers ="), std::string::npos) << "no gpt option in an mlp's configuration";
+  std::ofstream(dir + "/run.ini") << printed.out;
+  ASSERT_EQ(run(job + "5 --checkpoint-dir " + dir + "/given").code, 0);
+  Result fed_back = run("train --config " + dir + "/run.ini --checkpoint-dir " + dir + "/fed-back");
+  ASSERT_EQ(fed_back.code, 0) << fed_back.out;
+  const std::string last = "/ckpt-step000000012.h5";
+  Result same = shell("h5diff " + dir + "/given" + last + " " + dir + "/fed-back" + last + " /param /param 2>&1");
+  EXPECT_EQ(same.code, 0) << same.out;
+  // The control: another seed is told apart.
+  ASSERT_EQ(run(job + "6 --checkpoint-dir " + dir + "/other").code, 0);
+  EXPECT_NE(shell("h5diff -q " + dir + "/given" + last + " " + dir + "/other" + last + " /param /param").code, 0);
+  fs::remove_all(dir);
+}
+
 TEST(Cli, MissingEmptyAndCorruptData) {
   std::string dir = dtrain::test::temp_dir("cli-data");
   EXPECT_FAILS_NAMING(run("train --data /nonexistent/shards"), "/nonexistent/shards");

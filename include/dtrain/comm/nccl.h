@@ -2,12 +2,14 @@
 // NCCL backend: device buffers, its own CUDA stream, the unique id broadcast with MPI. Compiled
 // whenever CUDA and NCCL are found (DTRAIN_WITH_NCCL); without them the factory throws.
 #include <memory>
+#include <string>
 
 #include "dtrain/comm/communicator.h"
 
 namespace dtrain::comm {
 
 bool nccl_compiled();     // built with NCCL
+std::string nccl_version();  // "2.28.3", or "" without NCCL
 int cuda_device_count();  // 0 without CUDA, driver or GPU
 
 // Collective over `bootstrap` (an MPI-backend communicator): every rank passes the CUDA device it

@@ -53,6 +53,8 @@ struct DeviceInfo {
   double peak_fp32 = 0, peak_tf32 = 0, peak_bf16 = 0;
 };
 DeviceInfo device_info(int device);
+// "CUDA runtime 13.0, driver 13.0, cuDNN 91300" (what this build runs on), for the provenance.
+std::string library_versions();
 
 // A host tensor in page-locked memory (cudaHostAlloc): the engine's copies from and to it are
 // asynchronous on the compute stream, so a batch's upload overlaps the work queued before it.

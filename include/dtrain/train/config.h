@@ -72,10 +72,31 @@ struct TrainConfig {
   int64_t accumulate = 1;           // micro-batches per optimizer step (gradients communicated on the last)
   bool zero1 = false;               // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
   bool sync_batchnorm = false;
+  // language model (model = gpt): the GPT's shape, validation and dp x tp x pp layout
+  int64_t layers = 4, heads = 4, width = 128, context = 128, vocab = 256;
+  int64_t seq_len = 0;           // tokens per sequence (0: the context)
+  int64_t eval_every = 200;      // steps between validation passes (0: at the end only)
+  int64_t eval_batches = 16;     // validation batches per pass (0: the whole validation stream)
+  int tp = 1, pp = 1;            // tensor-parallel ranks and pipeline stages (dp is the rest)
+  std::string pp_split;          // blocks per stage, e.g. "2,4" (empty: balanced by cost)
+  int64_t micro_batches = 0;     // pipeline micro-batches per step (0: 2 x pp)
+  std::string schedule = "1f1b";  // pipeline schedule: 1f1b or gpipe
+  bool checkpoint_activations = false;
+  bool print_config = false;  // print the effective configuration as INI and exit
 };
 
-// Parses `dtrain train` arguments (argv[0] is "train"). Returns false after printing --help.
-// Throws InputError naming the option (or the config file and line) for anything wrong.
+// The defaults of `model`'s options: the shared options have one default, except where a model's
+// recipe needs another (the GPT: AdamW's lr, batch, warm-up, decay, clipping; `--help` shows them
+// with --model gpt).
+TrainConfig model_defaults(const std::string& model);
+
+// Parses `dtrain train` arguments (argv[0] is "train") with the defaults of the model they name.
+// Returns false after printing --help. Throws InputError naming the option (or the config file and
+// line) for anything wrong, and naming both options for a combination that does not work.
 bool parse_train_config(int argc, char** argv, TrainConfig& cfg);
+
+// Every option of `cfg` as `key = value` lines (an INI file that `--config` reads back into the
+// same configuration), under a comment naming the model's sections.
+std::string config_ini(const TrainConfig& cfg);
 
 }  // namespace dtrain::train

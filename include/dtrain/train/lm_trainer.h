@@ -11,6 +11,7 @@
 #include "dtrain/comm/communicator.h"
 #include "dtrain/nn/gpt.h"
 #include "dtrain/train/checkpoint.h"
+#include "dtrain/train/config.h"
 
 namespace dtrain::train {
 
@@ -21,6 +22,7 @@ struct LmConfig {
   int64_t seq_len = 0;     // 0: the model's context
   int64_t steps = 1000;
   float lr = 1e-3f, min_lr = 1e-4f, weight_decay = 0.1f, clip_grad_norm = 1.f;
+  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;  // AdamW
   int64_t warmup_steps = 100;
   int64_t eval_every = 200;   // steps between validation passes (0: only at the end)
   int64_t eval_batches = 16;  // validation batches per pass (0: the whole validation stream)
@@ -46,6 +48,7 @@ struct LmConfig {
   // step, behind a checkpoint; the run returns preempted_by (dtrain exits with kExitPreempted).
   std::string preempt_signals = "TERM,USR1";
   int64_t preempt_check_every = 1;
+  std::string config_ini;  // the whole `dtrain train` configuration (config_ini), for the provenance
   bool quiet = false;
 };
 
@@ -70,6 +73,9 @@ struct LmResult {
   int64_t skipped_steps = 0;
   int preempted_by = 0;  // the signal that stopped the run after a checkpoint, or 0
 };
+
+// The language-model part of `dtrain train`'s one configuration (model = gpt).
+LmConfig lm_config(const TrainConfig& cfg);
 
 // `world` may be null (one rank). Every rank of `world` must call it: the ranks form a dp x tp x pp
 // grid (parallel::ProcessGrid); each dp group draws its own windows, the tp ranks and stages of a

@@ -76,6 +76,7 @@ class Trainer {
   std::unique_ptr<parallel::DataParallel> dp_;
   std::unique_ptr<optim::LossScaler> scaler_;  // fp16 only
   std::unique_ptr<MetricsWriter> metrics_;
+  JsonFields provenance_;  // the metrics file's first line and every checkpoint's "provenance"
   std::unique_ptr<Progress> progress_;
   int64_t step_ = 0, steps_per_epoch_ = 0, total_steps_ = 0, epochs_ = 0;
 };
