@@ -4,7 +4,8 @@
 
 namespace dtrain::optim {
 
-LARS::LARS(std::vector<nn::Parameter*> params, LarsOptions o) : Optimizer(std::move(params)), o_(o) {
+LARS::LARS(std::vector<nn::Parameter*> params, LarsOptions o)
+    : Optimizer({ParamGroup{std::move(params), o.weight_decay}}), o_(o) {
   DT_INPUT_CHECK(o.eta > 0.f, "lars: trust coefficient (--lars-eta) must be > 0");
   for (nn::Parameter* p : params_) buf_.push_back(zeros_on(p->value.shape(), p->value.device()));
 }
@@ -29,7 +30,8 @@ std::vector<StateTensor> LARS::state() {
   return s;
 }
 
-LAMB::LAMB(std::vector<nn::Parameter*> params, LambOptions o) : Optimizer(std::move(params)), o_(o) {
+LAMB::LAMB(std::vector<nn::Parameter*> params, LambOptions o)
+    : Optimizer({ParamGroup{std::move(params), o.weight_decay}}), o_(o) {
   DT_INPUT_CHECK(o.beta1 >= 0.f && o.beta1 < 1.f && o.beta2 >= 0.f && o.beta2 < 1.f, "lamb: betas must be in [0, 1)");
   for (nn::Parameter* p : params_) {
     m_.push_back(zeros_on(p->value.shape(), p->value.device()));

@@ -1,16 +1,38 @@
 #include "dtrain/optim/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace dtrain::optim {
 
-Optimizer::Optimizer(std::vector<nn::Parameter*> params) : params_(std::move(params)) {}
+std::vector<ParamGroup> decay_groups(const std::vector<nn::Parameter*>& params, float weight_decay,
+                                     const std::vector<std::string>& no_decay) {
+  ParamGroup decayed{{}, weight_decay}, plain{{}, 0.f};
+  for (nn::Parameter* p : params) {
+    const bool named = std::find(no_decay.begin(), no_decay.end(), p->name) != no_decay.end();
+    (p->value.dim() >= 2 && !named ? decayed : plain).params.push_back(p);
+  }
+  std::vector<ParamGroup> groups;
+  for (ParamGroup* g : {&decayed, &plain})
+    if (!g->params.empty()) groups.push_back(std::move(*g));
+  return groups;
+}
+
+Optimizer::Optimizer(std::vector<ParamGroup> groups) {
+  for (const ParamGroup& g : groups) {
+    DT_INPUT_CHECK(g.weight_decay >= 0.f, "weight decay must be >= 0, got " << g.weight_decay);
+    params_.insert(params_.end(), g.params.begin(), g.params.end());
+    weight_decay_.insert(weight_decay_.end(), g.params.size(), g.weight_decay);
+  }
+}
 
 void Optimizer::zero_grad() {
   for (nn::Parameter* p : params_) engine_for(p->grad.device()).fill(p->grad, 0.f);
 }
 
-SGD::SGD(std::vector<nn::Parameter*> params, SgdOptions o) : Optimizer(std::move(params)), o_(o) {
+SGD::SGD(std::vector<nn::Parameter*> params, SgdOptions o) : SGD({ParamGroup{std::move(params), o.weight_decay}}, o) {}
+
+SGD::SGD(std::vector<ParamGroup> groups, SgdOptions o) : Optimizer(std::move(groups)), o_(o) {
   DT_INPUT_CHECK(o.momentum >= 0.f && o.weight_decay >= 0.f, "sgd: momentum and weight decay must be >= 0");
   DT_INPUT_CHECK(!o.nesterov || (o.momentum > 0.f && o.dampening == 0.f),
                  "sgd: Nesterov momentum needs momentum > 0 and zero dampening");
@@ -24,7 +46,7 @@ void SGD::step(float lr) {
     nn::Parameter* p = params_[i];
     float damp = steps_ == 0 ? 0.f : o_.dampening;
     engine_for(p->value.device())
-        .sgd_update(p->value, p->grad, buf_[i], lr, o_.momentum, damp, o_.weight_decay, o_.nesterov);
+        .sgd_update(p->value, p->grad, buf_[i], lr, o_.momentum, damp, weight_decay_[i], o_.nesterov);
   }
   ++steps_;
 }
@@ -35,7 +57,10 @@ std::vector<StateTensor> SGD::state() {
   return s;
 }
 
-Adam::Adam(std::vector<nn::Parameter*> params, AdamOptions o) : Optimizer(std::move(params)), o_(o) {
+Adam::Adam(std::vector<nn::Parameter*> params, AdamOptions o)
+    : Adam({ParamGroup{std::move(params), o.weight_decay}}, o) {}
+
+Adam::Adam(std::vector<ParamGroup> groups, AdamOptions o) : Optimizer(std::move(groups)), o_(o) {
   DT_INPUT_CHECK(o.beta1 >= 0.f && o.beta1 < 1.f && o.beta2 >= 0.f && o.beta2 < 1.f,
                  "adam: betas must be in [0, 1), got " << o.beta1 << ", " << o.beta2);
   DT_INPUT_CHECK(o.eps > 0.f, "adam: eps must be > 0");
@@ -50,7 +75,7 @@ void Adam::step(float lr) {
   for (size_t i = 0; i < params_.size(); ++i) {
     nn::Parameter* p = params_[i];
     engine_for(p->value.device())
-        .adam_update(p->value, p->grad, m_[i], v_[i], lr, o_.beta1, o_.beta2, o_.eps, o_.weight_decay, o_.decoupled,
+        .adam_update(p->value, p->grad, m_[i], v_[i], lr, o_.beta1, o_.beta2, o_.eps, weight_decay_[i], o_.decoupled,
                      steps_);
   }
 }

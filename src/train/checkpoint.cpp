@@ -10,7 +10,9 @@
 #include <filesystem>
 #include <mutex>
 
+#include "dtrain/comm/communicator.h"
 #include "dtrain/core/error.h"
+#include "dtrain/parallel/data_parallel.h"
 #include "dtrain/kernels/engine.h"
 #include "dtrain/data/hdf5_util.h"
 
@@ -219,6 +221,64 @@ void prune_checkpoints(const std::string& dir, const std::string& just_written, 
     if (orphan || old)
       for (const fs::path& f : files) fs::remove(f);
   }
+}
+
+bool write_compression_parts(const std::string& main_file, const parallel::DataParallel* dp,
+                             comm::Communicator* world, int64_t step, const std::string& compression) {
+  if (!dp) return false;
+  const std::map<std::string, Tensor> state = dp->compression_state();
+  const int rank = world ? world->rank() : 0;
+  auto write = [&] {
+    if (state.empty()) return;
+    CheckpointState part;
+    for (const auto& [key, t] : state) part.tensors["compress/" + key] = t;
+    part.strings["compression"] = compression;
+    part.ints["step"] = step;
+    part.ints["rank"] = rank;
+    part.ints["world_size"] = world ? world->size() : 1;
+    save_checkpoint(rank_part_file(main_file, rank), part);
+  };
+  if (world)
+    comm::agree_on_inputs(*world, write);
+  else
+    write();
+  return !state.empty();
+}
+
+std::string load_compression_part(const CheckpointState& main, const std::string& main_file,
+                                  parallel::DataParallel* dp, int rank, int world, const std::string& compression,
+                                  bool same_layout) {
+  const auto ranks = main.ints.find("compression_ranks");
+  const auto kept = main.strings.find("compression");
+  if (ranks == main.ints.end() || ranks->second == 0) return "";
+  if (!dp || !dp->compressor())
+    return "resume: the checkpoint kept gradient compression state (--compression " +
+           (kept == main.strings.end() ? std::string("?") : kept->second) +
+           "); this run does not compress, so it is not used";
+  if (ranks->second != world || kept == main.strings.end() || kept->second != compression || !same_layout)
+    return "resume: --compression, the rank count or the layout changed since the checkpoint; error feedback "
+           "restarts from zero";
+  for (int r = 0; r < world; ++r) {
+    const std::string part = rank_part_file(main_file, r);
+    DT_INPUT_CHECK(fs::exists(part), "checkpoint '" << main_file << "' keeps rank " << r
+                                                    << "'s gradient compression state in '" << part
+                                                    << "', which is missing");
+  }
+  const std::string part = rank_part_file(main_file, rank);
+  CheckpointState cs = load_checkpoint(part);
+  const int64_t step = main.ints.at("step");
+  DT_INPUT_CHECK(cs.ints["step"] == step && cs.ints["rank"] == rank,
+                 "'" << part << "' is rank " << cs.ints["rank"] << "'s state at step " << cs.ints["step"]
+                     << ", not rank " << rank << "'s at step " << step);
+  std::map<std::string, Tensor> state;
+  for (auto& [key, t] : cs.tensors)
+    if (key.rfind("compress/", 0) == 0) state[key.substr(9)] = t;
+  try {
+    dp->load_compression_state(state);
+  } catch (const InputError& e) {
+    DT_INPUT_CHECK(false, "'" << part << "': " << e.what());
+  }
+  return "";
 }
 
 void check_finite_loss(double loss, int64_t step, int rank) {

@@ -169,17 +169,17 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(image, "lr-schedule", &c.lr_schedule, def.lr_schedule, "constant, step or cosine (per step, to --min-lr at the end; the gpt: cosine)");
   add(image, "lr-step-size", &c.lr_step_size, def.lr_step_size, "step schedule: steps between decays");
   add(image, "lr-gamma", &c.lr_gamma, def.lr_gamma, "step schedule: decay factor");
-  add(image, "progress", &c.progress, def.progress, "progress bar on rank 0: auto, on, off");
-  add_path(image, "trace", &c.trace, "write a Chrome trace (Perfetto) of each rank's data wait, compute, communication wait and optimizer to this JSON file");
-  add(image, "trace-steps", &c.trace_steps, def.trace_steps, "steps recorded by --trace, from the first");
+  add(common, "progress", &c.progress, def.progress, "progress bar on rank 0: auto, on, off");
+  add_path(common, "trace", &c.trace, "write a Chrome trace (Perfetto) of each rank's data wait, compute, communication wait and optimizer to this JSON file");
+  add(common, "trace-steps", &c.trace_steps, def.trace_steps, "steps recorded by --trace, from the first");
   add(image, "eval", &c.eval_each_epoch, def.eval_each_epoch, "evaluate on --test-data after each epoch");
-  add(image, "bucket-mb", &c.bucket_mb, def.bucket_mb, "data-parallel gradient bucket size (MiB)");
-  add(image, "overlap", &c.overlap, def.overlap, "start each bucket's allreduce while backward runs");
-  add(image, "compression", &c.compression, def.compression, "gradient compression: none, fp16, bf16, topk:RATIO, powersgd:RANK, onebit, qsgd:LEVELS");
-  add(image, "compression-warmup", &c.compression_warmup, def.compression_warmup, "compression warm-up steps (-1: one epoch, 0: none): top-k's kept fraction falls from 25 % to the target; PowerSGD sends uncompressed gradients until then");
-  add(image, "compression-on-engine", &c.compression_on_engine, def.compression_on_engine, "top-k through the compute engine's kernels (the path GPU buckets always take: CUB and NCCL) instead of the communication layer's compressor, also on the CPU");
+  add(common, "bucket-mb", &c.bucket_mb, def.bucket_mb, "data-parallel gradient bucket size (MiB)");
+  add(common, "overlap", &c.overlap, def.overlap, "start each bucket's allreduce while backward runs");
+  add(common, "compression", &c.compression, def.compression, "gradient compression: none, fp16, bf16, topk:RATIO, powersgd:RANK, onebit, qsgd:LEVELS");
+  add(common, "compression-warmup", &c.compression_warmup, def.compression_warmup, "compression warm-up steps (-1: one epoch, the gpt: --warmup-steps; 0: none): top-k's kept fraction falls from 25 % to the target; PowerSGD sends uncompressed gradients until then");
+  add(common, "compression-on-engine", &c.compression_on_engine, def.compression_on_engine, "top-k through the compute engine's kernels (the path GPU buckets always take: CUB and NCCL) instead of the communication layer's compressor, also on the CPU");
   add(image, "momentum-correction", &c.momentum_correction, def.momentum_correction, "top-k with SGD momentum: accumulate momentum, not raw gradients, in the compressor (Deep Gradient Compression); the optimizer then runs without momentum");
-  add(image, "accumulate", &c.accumulate, def.accumulate, "micro-batches per optimizer step (gradient accumulation)");
+  add(common, "accumulate", &c.accumulate, def.accumulate, "micro-batches per optimizer step (gradient accumulation)");
   add(image, "zero1", &c.zero1, def.zero1, "ZeRO stage 1: shard optimizer state over the data-parallel ranks");
   add(image, "sync-batchnorm", &c.sync_batchnorm, def.sync_batchnorm, "batch statistics over all data-parallel ranks");
 

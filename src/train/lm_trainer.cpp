@@ -28,6 +28,7 @@
 #include "dtrain/train/metrics.h"
 #include "dtrain/train/provenance.h"
 #include "dtrain/train/signals.h"
+#include "dtrain/train/trace.h"
 
 namespace dtrain::train {
 
@@ -190,6 +191,15 @@ LmConfig lm_config(const TrainConfig& t) {
   c.resume = t.resume;
   c.preempt_signals = t.preempt_signals;
   c.preempt_check_every = t.preempt_check_every;
+  c.compression = t.compression;
+  c.compression_warmup = t.compression_warmup;
+  c.compression_on_engine = t.compression_on_engine;
+  c.bucket_mb = t.bucket_mb;
+  c.overlap = t.overlap;
+  c.accumulate = t.accumulate;
+  c.trace = t.trace;
+  c.trace_steps = t.trace_steps;
+  c.progress = t.progress;
   c.config_ini = config_ini(t);
   return c;
 }
@@ -206,6 +216,10 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   const int micro = cfg.pp == 1 ? 1 : static_cast<int>(cfg.micro_batches > 0 ? cfg.micro_batches : 2 * cfg.pp);
   DT_INPUT_CHECK(cfg.batch_size % micro == 0,
                  "--micro-batches " << micro << " must divide --batch-size " << cfg.batch_size);
+  DT_INPUT_CHECK(cfg.accumulate >= 1, "option --accumulate must be >= 1, got " << cfg.accumulate);
+  DT_INPUT_CHECK(cfg.accumulate == 1 || cfg.pp == 1,
+                 "option --accumulate does not combine with --pp: a pipeline step already runs --micro-batches");
+  DT_INPUT_CHECK(cfg.trace.empty() || world_comm, "option --trace needs the MPI runtime (run under dtrain train)");
   const parallel::PipelineSchedule schedule = parallel::pipeline_schedule_from_name(cfg.schedule);
   std::unique_ptr<parallel::ProcessGrid> grid;
   if (world_comm) grid = std::make_unique<parallel::ProcessGrid>(*world_comm, cfg.tp, cfg.pp);
@@ -240,6 +254,10 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
                                               "CUDA-aware, so gradients cannot leave the GPU");
       gpu = std::max(0, topo.cuda_device);
     }
+    DT_INPUT_CHECK(cfg.compression == "none" || cfg.compression.rfind("topk", 0) == 0,
+                   "option --device cuda: --compression " << cfg.compression
+                                                          << " runs on the CPU engine only in this version (topk runs "
+                                                             "on the GPU)");
     dev = Device::cuda(gpu);
   };
   if (world_comm)
@@ -316,6 +334,12 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       grads = nccl.get();
     }
     parallel::DataParallelOptions dpo;
+    dpo.bucket_bytes = static_cast<int64_t>(cfg.bucket_mb * 1048576.0);
+    dpo.overlap = cfg.overlap;
+    dpo.compression = cfg.compression;  // PowerSGD per tensor: matrices factorised, vectors sent whole
+    dpo.compression_warmup_steps = cfg.compression_warmup >= 0 ? cfg.compression_warmup : cfg.warmup_steps;
+    dpo.engine_topk = cfg.compression_on_engine;
+    dpo.seed = derive_seed(cfg.seed, 77);
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
     if (!dev.is_cpu()) dpo.device_stream = cuda::compute_stream(dev.index);
 #endif
@@ -325,17 +349,12 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   std::unique_ptr<parallel::PipelineStage> pipe;
   if (pp_size > 1) pipe = std::make_unique<parallel::PipelineStage>(model, grid->pp(), schedule, micro);
   // AdamW; as GPT-2 and nanoGPT, no weight decay on biases, LayerNorm gains and position table.
-  std::vector<nn::Parameter*> decayed, plain;
-  for (nn::Parameter* p : model.parameters()) (p->value.dim() >= 2 && p->name != "wpe" ? decayed : plain).push_back(p);
   optim::AdamOptions ao;
   ao.beta1 = cfg.beta1;
   ao.beta2 = cfg.beta2;
   ao.eps = cfg.eps;
   ao.decoupled = true;
-  ao.weight_decay = cfg.weight_decay;
-  optim::Adam opt_decay(decayed, ao);
-  ao.weight_decay = 0.f;
-  optim::Adam opt_plain(plain, ao);
+  optim::Adam opt(optim::decay_groups(model.parameters(), cfg.weight_decay, {"wpe"}), ao);
   optim::ScheduleOptions so;
   so.kind = "cosine";
   so.base_lr = cfg.lr;
@@ -346,8 +365,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   // AdamW's moments by parameter name, for checkpoints: saved and loaded in the one-rank layout
   // like the parameters, so a run resumes in any layout.
   std::map<std::string, Tensor*> moments;
-  for (optim::Optimizer* o : {static_cast<optim::Optimizer*>(&opt_decay), static_cast<optim::Optimizer*>(&opt_plain)})
-    for (const optim::StateTensor& st : o->state()) moments[st.name] = st.value;
+  for (const optim::StateTensor& st : opt.state()) moments[st.name] = st.value;
   auto moment = [&moments](std::string which) -> parallel::ParameterTensor {
     return [&moments, which](nn::Parameter& p) -> Tensor& { return *moments.at(p.name + which); };
   };
@@ -355,6 +373,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   comm::Communicator* tp_comm = grid ? &grid->tp() : nullptr;
   int64_t start_step = 0;
   std::string resumed_provenance;  // the checkpoint's, to say what this run changed
+  std::string resume_note;         // what of the gradient compression state is not resumed
   // Every rank reads the checkpoint; one that cannot (a file its node does not see) fails them all.
   auto resume = [&] {
     if (cfg.resume.empty()) return;
@@ -382,12 +401,15 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       parallel::load_full(model, params, value);
       parallel::load_full(model, exp_avg, moment(".exp_avg"));
       parallel::load_full(model, exp_avg_sq, moment(".exp_avg_sq"));
+      const bool same_layout = st.ints.count("tp") && st.ints.at("tp") == tp_size && st.ints.count("pp_stages") &&
+                               st.ints.at("pp_stages") == pp_size;
+      resume_note = load_compression_part(st, file, ddp.get(), rank, world_comm ? world_comm->size() : 1,
+                                          cfg.compression, same_layout);
       start_step = st.ints.at("step");
       resumed_provenance = st.strings["provenance"];
       // AdamW's step count (bias correction) lags the run's by the steps fp16 skipped.
       const int64_t opt_steps = st.ints.count("optimizer_steps") ? st.ints.at("optimizer_steps") : start_step;
-      opt_decay.set_steps(opt_steps);
-      opt_plain.set_steps(opt_steps);
+      opt.set_steps(opt_steps);
       if (scaler && st.tensors.count("meta/loss_scale"))
         scaler->set_state(st.tensors.at("meta/loss_scale").f32()[0], st.ints.at("loss_scale_good_steps"),
                           st.ints.at("loss_scale_skipped_steps"));
@@ -399,6 +421,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     if (speak) {
       if (std::string changed = resume_changes(resumed_provenance, cfg.config_ini); !changed.empty())
         std::printf("%s\n", changed.c_str());
+      if (!resume_note.empty()) std::printf("%s\n", resume_note.c_str());
       std::printf("resumed from %s at step %lld\n", file.c_str(), static_cast<long long>(start_step));
     }
   };
@@ -446,7 +469,8 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   LmResult res;
   double interval_loss = 0, t_interval = now_s(), t_start = now_s(), bubble_sum = 0;
   int64_t interval_steps = 0;
-  const int64_t m = cfg.batch_size * cfg.seq_len, mbs = cfg.batch_size / micro;
+  // m: tokens of one micro-batch of --batch-size sequences; a step takes --accumulate of them.
+  const int64_t m = cfg.batch_size * cfg.seq_len, mbs = cfg.batch_size / micro, step_tokens = m * cfg.accumulate;
   // Shares the last stage's number with every stage (a pipeline's loss is known there only).
   auto from_last_stage = [&](double v) {
     if (pp_size == 1) return v;
@@ -454,6 +478,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     grid->pp().allreduce(t)->wait();
     return static_cast<double>(t.f32()[0]);
   };
+  Progress progress(cfg.progress, speak);  // a bar with ETA on a terminal, plain lines otherwise
   auto validate = [&](int64_t step) {
     if (pp_size == 1) {
       res.val_loss = eval_stream(model, val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, xent, dev);
@@ -481,7 +506,10 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     }
     res.val_bpb = res.val_loss / std::log(2.0);
     if (speak) {
-      std::printf("step %lld  val_loss %.4f  val_bpb %.4f\n", static_cast<long long>(step), res.val_loss, res.val_bpb);
+      char line[96];
+      std::snprintf(line, sizeof line, "step %lld  val_loss %.4f  val_bpb %.4f", static_cast<long long>(step),
+                    res.val_loss, res.val_bpb);
+      progress.line(line);
       std::fflush(stdout);
     }
     if (metrics) metrics->write({{"step", step}, {"val_loss", res.val_loss}, {"val_bpb", res.val_bpb}});
@@ -499,7 +527,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     for (auto& [n, t] : m2) st.tensors["optim/" + n + ".exp_avg_sq"] = t;
     st.strings["optimizer"] = "adamw";
     st.strings["provenance"] = to_json(provenance);
-    st.ints["optimizer_steps"] = opt_decay.steps();
+    st.ints["optimizer_steps"] = opt.steps();
     if (scaler) {
       st.tensors["meta/loss_scale"] = Tensor::from({1}, {scaler->scale()});
       st.ints["loss_scale_good_steps"] = scaler->good_steps();
@@ -511,6 +539,10 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     st.ints["end_block"] = starts[stage + 1];
     st.ints["tp"] = tp_size;
     st.ints["dp"] = dp_size;
+    // Each rank's gradient compression state first (parts before the main files).
+    const bool parts = write_compression_parts(file, ddp.get(), world_comm, step, cfg.compression);
+    st.ints["compression_ranks"] = parts ? (world_comm ? world_comm->size() : 1) : 0;
+    st.strings["compression"] = cfg.compression;
     const bool writer = dp_rank == 0 && tp_rank == 0;
     // A file one writer cannot write fails every rank alike (agree_on_inputs): no rank is left
     // waiting for it in a collective. The agreements double as the barriers between the parts.
@@ -528,12 +560,12 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
       save_checkpoint(file, st);
       prune_checkpoints(cfg.checkpoint_dir, file, cfg.keep_checkpoints);
     });  // nobody runs ahead of a checkpoint that may fail
-    if (speak) std::printf("checkpoint %s\n", file.c_str());
+    if (!progress.bar()) progress.line("checkpoint " + file);
     return file;
   };
   auto draw = [&](int64_t step) {  // step s's windows, from its own stream (resumed runs see the same)
     Rng rng(derive_seed(data_seed, static_cast<uint64_t>(step)));
-    return data::random_windows(train, cfg.batch_size, cfg.seq_len, rng);
+    return data::random_windows(train, cfg.batch_size * cfg.accumulate, cfg.seq_len, rng);
   };
   // On a GPU a batch goes through page-locked host buffers and the engine's copy stream: the next
   // step's windows are drawn and their upload queued before this step's forward, so the copy runs
@@ -549,8 +581,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     st.ready = true;
   };
   const std::vector<nn::Parameter*> step_params = model.parameters();
-  std::vector<nn::Parameter*> opt_params = opt_decay.params();  // each parameter once (a tied one too)
-  opt_params.insert(opt_params.end(), opt_plain.params().begin(), opt_plain.params().end());
+  const std::vector<nn::Parameter*>& opt_params = opt.params();  // each parameter once (a tied one too)
   // The GPU allocator's cudaMalloc count (0 on the CPU): the steps after the first two, which
   // sized every buffer and filled the cache, must not raise it (validation is not counted).
   auto gpu_mallocs = [&]() -> int64_t {
@@ -587,7 +618,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
           const XentStats st = xent_stats(host.slice0(i, i + 1).reshape({kXentStatsFloats}));
           DT_INPUT_CHECK(!st.bad_label,
                          "a target token of step " << at << " on rank " << rank << " is outside the vocabulary");
-          loss = st.loss_sum / static_cast<double>(m);
+          loss = st.loss_sum / static_cast<double>(step_tokens);
         }
         check_finite_loss(loss, at, rank);
         interval_loss += loss;
@@ -603,37 +634,56 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     gpu_rows = 0;
     cpu_losses.clear();
   };
+  ChromeTrace trace(cfg.trace, rank, cfg.trace_steps);
   PreemptionGuard preemption(parse_signal_list(cfg.preempt_signals, "preempt-signals"));
   int64_t step_end = start_step;  // steps done: cfg.steps, or fewer when preempted
   for (int64_t step = start_step; step < cfg.steps; ++step) {
     const bool on_gpu = !dev.is_cpu();
     const int64_t mallocs0 = gpu_mallocs();
     data::TokenBatch b;
+    const double t_data = now_s();
     if (!on_gpu) b = draw(step);
-    opt_decay.zero_grad();
-    opt_plain.zero_grad();
+    trace.span("data wait", t_data, now_s(), step);
+    opt.zero_grad();
     nn::update_working_copies(step_params, engine_for(dev).math_precision());  // the masters changed last step
     double step_loss = 0;
     const float loss_scale = scaler ? scaler->scale() : 1.f;  // fp16: the loss gradient is scaled up
-    if (on_gpu) {  // data parallel at most (checked above): no pipeline
-      Staged& st = staged[step % 2];
-      if (!st.ready) stage_batch(draw(step), st);
-      st.ready = false;
-      if (step + 1 < cfg.steps) stage_batch(draw(step + 1), staged[(step + 1) % 2]);  // copied beside this step
-      if (ddp) ddp->begin_backward(true);
-      Tensor ids = take_staged(st.ids), targets = take_staged(st.targets);
-      Tensor row = gpu_losses.slice0(gpu_rows, gpu_rows + 1).reshape({kXentStatsFloats});
-      xent.accumulate(model.forward(ids), targets.reshape({m}), row);
-      ++gpu_rows;
-      model.backward(xent.backward(loss_scale));
-    } else if (!pipe) {
-      if (ddp) ddp->begin_backward(true);
-      step_loss = xent.forward(model.forward(b.ids), b.targets.reshape({m}));
-      model.backward(xent.backward(loss_scale));
+    if (!pipe) {  // data parallel at most on a GPU (checked above)
+      Tensor ids = b.ids, targets = b.targets;
+      Tensor row;
+      if (on_gpu) {
+        Staged& st = staged[step % 2];
+        if (!st.ready) stage_batch(draw(step), st);
+        st.ready = false;
+        if (step + 1 < cfg.steps) stage_batch(draw(step + 1), staged[(step + 1) % 2]);  // copied beside this step
+        ids = take_staged(st.ids);
+        targets = take_staged(st.targets);
+        row = gpu_losses.slice0(gpu_rows, gpu_rows + 1).reshape({kXentStatsFloats});
+        ++gpu_rows;
+      }
+      // --accumulate micro-batches of batch_size rows each; gradients are exchanged after the last.
+      // Each loss is a mean over its tokens, so each gradient is scaled by 1/accumulate.
+      const int64_t a = cfg.accumulate;
+      const double ts = now_s();
+      for (int64_t k = 0; k < a; ++k) {
+        if (ddp) {
+          ddp->set_step(step);
+          ddp->begin_backward(k + 1 == a);
+        }
+        const Tensor x = a == 1 ? ids : ids.slice0(k * cfg.batch_size, (k + 1) * cfg.batch_size);
+        const Tensor y = (a == 1 ? targets : targets.slice0(k * cfg.batch_size, (k + 1) * cfg.batch_size)).reshape({m});
+        if (on_gpu)
+          xent.accumulate(model.forward(x), y, row);  // the step's row sums every micro-batch's tokens
+        else
+          step_loss += xent.forward(model.forward(x), y) / static_cast<double>(a);
+        model.backward(xent.backward(loss_scale / static_cast<float>(a)));
+      }
+      trace.span("forward+backward", ts, now_s(), step);
     } else {
       // Micro-batch k: rows [k*mbs, (k+1)*mbs) of the batch; each loss is a mean over its tokens, so
       // its gradient is scaled by 1/micro and the sum over micro-batches is the batch's gradient.
       double loss_sum = 0;
+      const double ts = now_s();
       pipe->train_step([&](int k) { return b.ids.slice0(k * mbs, (k + 1) * mbs); },
                        [&](const Tensor& out, int k) {
                          loss_sum +=
@@ -642,16 +692,22 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
                        },
                        {mbs, cfg.seq_len, cfg.model.width},
                        [&](int, bool last) {
-                         if (ddp) ddp->begin_backward(last);
+                         if (!ddp) return;
+                         ddp->set_step(step);
+                         ddp->begin_backward(last);
                        });
       step_loss = from_last_stage(loss_sum / micro);
       bubble_sum += pipe->stats().bubble;
+      trace.span("forward+backward", ts, now_s(), step);
     }
+    const double t_comm = now_s();
     if (ddp) {
       ddp->finish();
       if (scaler || cfg.clip_grad_norm > 0) ddp->settle();  // the host reads the gradients next
     }
     if (tied) tied->allreduce(tied_wte->grad)->wait();  // the embedding's and the head's parts
+    const double t_opt = now_s();
+    trace.span("communication wait", t_comm, t_opt, step);
     // fp16: unscale and check the complete gradients; the ranks of a tp/pp grid hold different
     // parameters, so the verdict is agreed over the world (a step is taken everywhere or nowhere).
     bool take_step = true;
@@ -673,12 +729,13 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     }
     float lr = sched.lr(step);
     if (take_step) {
-      opt_decay.step(lr);
-      opt_plain.step(lr);
+      opt.step(lr);
     }
     // On a GPU the optimizer step is now queued behind the exchange (an event); the host checks the
     // exchange before anything else can wait for the GPU, so a stuck peer times out naming the ranks.
     if (ddp) ddp->settle();
+    trace.span("optimizer", t_opt, now_s(), step);
+    trace.end_step();
     if (step >= start_step + 2) step_mallocs += gpu_mallocs() - mallocs0;
     if (on_gpu) {
       if (gpu_rows == gpu_losses.size(0)) read_losses(step, false);
@@ -695,15 +752,22 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     if (log_now) {
       double dt = now_s() - t_interval;
       res.train_loss = interval_loss / static_cast<double>(interval_steps);
-      double tps = static_cast<double>(interval_steps * m * dp_size) / dt;
+      double tps = static_cast<double>(interval_steps * step_tokens * dp_size) / dt;
       if (speak) {
-        std::printf("step %lld/%lld  loss %.4f  lr %.2e  %.0f tokens/s", static_cast<long long>(step + 1),
-                    static_cast<long long>(cfg.steps), res.train_loss, lr, tps);
-        if (scaler)
-          std::printf("  loss scale %g  skipped %lld", static_cast<double>(scaler->scale()),
-                      static_cast<long long>(scaler->skipped_steps()));
-        std::printf("\n");
-        std::fflush(stdout);
+        char stats[160];
+        std::snprintf(stats, sizeof stats, "loss %.4f  lr %.2e  %.0f tokens/s", res.train_loss, lr, tps);
+        std::string text = stats;
+        if (scaler) {
+          std::snprintf(stats, sizeof stats, "  loss scale %g  skipped %lld", static_cast<double>(scaler->scale()),
+                        static_cast<long long>(scaler->skipped_steps()));
+          text += stats;
+        }
+        if (progress.bar()) {
+          const double per_step = (now_s() - t_start) / static_cast<double>(step + 1 - start_step);
+          progress.update(1, 1, step + 1, cfg.steps, text, per_step * static_cast<double>(cfg.steps - step - 1));
+        } else {
+          progress.line("step " + std::to_string(step + 1) + "/" + std::to_string(cfg.steps) + "  " + text);
+        }
       }
       if (metrics) {
         JsonFields line{{"step", step + 1}, {"loss", res.train_loss}, {"lr", static_cast<double>(lr)}, {"tokens_per_s", tps}};
@@ -739,13 +803,16 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     }
   }
   const double train_s = now_s() - t_start;
+  if (world_comm) trace.write(*world_comm);  // collective; a part one rank cannot write fails every rank
+  if (speak && !cfg.trace.empty())
+    std::printf("trace of %d rank(s) written to %s\n", world_comm->size(), cfg.trace.c_str());
   const int64_t steps_run = step_end - start_step;
   res.steps = step_end;
   if (scaler) {
     res.loss_scale = scaler->scale();
     res.skipped_steps = scaler->skipped_steps();
   }
-  res.tokens_per_s = static_cast<double>(steps_run * m * dp_size) / train_s;
+  res.tokens_per_s = static_cast<double>(steps_run * step_tokens * dp_size) / train_s;
   if (pipe) {
     res.pp_bubble = bubble_sum / static_cast<double>(std::max<int64_t>(steps_run, 1));
     res.pp_ideal_bubble = parallel::pipeline_ideal_bubble(pp_size, micro);

@@ -26,11 +26,14 @@ std::string processor_name() {
     const size_t colon = line.find(':');
     if (colon == std::string::npos) continue;
     if (line.rfind("model name", 0) == 0) name = line.substr(colon + 2);
-    if (line.rfind("flags", 0) == 0) flags = " " + line.substr(colon + 1) + " ";
+    if (line.rfind("flags", 0) == 0) flags.assign(line, colon + 1).push_back(' ');  // " fpu ... avx2 ... "
   }
   std::string isa;
   for (const char* f : {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
-    if (flags.find(std::string(" ") + f + " ") != std::string::npos) isa += (isa.empty() ? "" : " ") + std::string(f);
+    if (flags.find(std::string(1, ' ').append(f).append(" ")) != std::string::npos) {
+      if (!isa.empty()) isa += ' ';
+      isa += f;
+    }
   return isa.empty() ? name : name + " (" + isa + ")";
 }
 
@@ -96,7 +99,8 @@ std::string resume_changes(const std::string& checkpoint_provenance, const std::
                           "global-batch-size", "accumulate", "compression", "optimizer"}) {
     auto a = then.find(key), b = now.find(key);
     if (a == then.end() || b == now.end() || a->second == b->second) continue;
-    changed += (changed.empty() ? "" : ", ") + std::string("--") + key + " " + a->second + " -> " + b->second;
+    if (!changed.empty()) changed += ", ";
+    changed.append("--").append(key).append(" ").append(a->second).append(" -> ").append(b->second);
   }
   return changed.empty() ? "" : "resume: changed since the checkpoint: " + changed;
 }

@@ -264,28 +264,11 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
     }
   }
   const fs::path path = checkpoint_file(cfg_.checkpoint_dir, step_);
-  // Gradient compression state differs between ranks (error-feedback residuals, PowerSGD's Q, top-k
-  // momentum): each rank writes its own next to the checkpoint, <checkpoint>.rank<r>, before rank 0
-  // writes the checkpoint itself, so a checkpoint that exists has all its parts.
-  const std::map<std::string, Tensor> cstate = dp_ ? dp_->compression_state() : std::map<std::string, Tensor>();
-  // A part one rank cannot write fails every rank alike (no rank left waiting in a collective).
-  auto write_part = [&] {
-    if (cstate.empty()) return;
-    CheckpointState cs;
-    for (const auto& [key, t] : cstate) cs.tensors["compress/" + key] = t;
-    cs.strings["compression"] = cfg_.compression;
-    cs.ints["step"] = step_;
-    cs.ints["rank"] = rank_;
-    cs.ints["world_size"] = world_;
-    save_checkpoint(rank_part_file(path.string(), rank_), cs);
-  };
-  if (dp_ && dp_->compressor())
-    comm::agree_on_inputs(comm_, write_part);
-  else
-    write_part();
+  // Each rank's gradient compression state first, so a checkpoint that exists has all its parts.
+  const bool parts = write_compression_parts(path.string(), dp_.get(), &comm_, step_, cfg_.compression);
   // Rank 0 writes the checkpoint (data parallel: every rank holds the same parameters); the
   // agreement doubles as the barrier that keeps every rank behind a checkpoint that may fail.
-  comm::agree_on_inputs(comm_, [&] { write_main(path, optim_state, cstate.empty(), epoch, batch_in_epoch); });
+  comm::agree_on_inputs(comm_, [&] { write_main(path, optim_state, !parts, epoch, batch_in_epoch); });
 }
 
 void Trainer::write_main(const fs::path& path, std::map<std::string, Tensor>& optim_state, bool no_parts,
@@ -374,36 +357,9 @@ void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
   step_ = need("step");
   // Each rank's gradient compression state, from its part of the checkpoint, when the run compresses
   // as the checkpointed one did on as many ranks; otherwise error feedback restarts from zero.
-  const auto cranks = s.ints.find("compression_ranks");
-  if (dp_ && dp_->compressor() && cranks != s.ints.end() && cranks->second > 0) {
-    if (cranks->second == world_ && s.strings["compression"] == cfg_.compression) {
-      // Every rank checks every part (one shared directory), so all ranks fail alike.
-      for (int r = 0; r < world_; ++r) {
-        const std::string part = rank_part_file(path, r);
-        DT_INPUT_CHECK(fs::exists(part), "checkpoint '" << path << "' keeps rank " << r
-                                                        << "'s gradient compression state in '" << part
-                                                        << "', which is missing");
-      }
-      const std::string part = rank_part_file(path, rank_);
-      CheckpointState cs = load_checkpoint(part);
-      DT_INPUT_CHECK(cs.ints["step"] == step_ && cs.ints["rank"] == rank_,
-                     "'" << part << "' is rank " << cs.ints["rank"] << "'s state at step " << cs.ints["step"]
-                         << ", not rank " << rank_ << "'s at step " << step_);
-      std::map<std::string, Tensor> cstate;
-      for (auto& [key, t] : cs.tensors)
-        if (key.rfind("compress/", 0) == 0) cstate[key.substr(9)] = t;
-      try {
-        dp_->load_compression_state(cstate);
-      } catch (const InputError& e) {
-        DT_INPUT_CHECK(false, "'" << part << "': " << e.what());
-      }
-    } else {
-      say("resume: --compression or the rank count changed since the checkpoint; error feedback restarts from zero");
-    }
-  } else if (cranks != s.ints.end() && cranks->second > 0) {
-    say("resume: the checkpoint kept gradient compression state (--compression " + s.strings["compression"] +
-        "); this run does not compress, so it is not used");
-  }
+  if (std::string note = load_compression_part(s, path, dp_.get(), rank_, world_, cfg_.compression, true);
+      !note.empty())
+    say(note);
   opt_->set_steps(need("optimizer_steps"));
   epoch = need("epoch");
   skip = need("batch_in_epoch");

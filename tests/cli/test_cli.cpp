@@ -234,6 +234,11 @@ TEST(CliMpi, GptConvertTrainTensorParallelAndGenerate) {
   EXPECT_EQ(gen.out.rfind("a small", 0), 0u) << gen.out;
   EXPECT_GE(gen.out.size(), 27u) << gen.out;
   EXPECT_FAILS_NAMING(run("train --model gpt --data " + dir + "/none"), "none");
+  // The progress bar with ETA (a terminal's default) for the GPT as for image models.
+  Result bar = run("train --config " + dir + "/gpt.ini --progress on --log-every 3");
+  ASSERT_EQ(bar.code, 0) << bar.out;
+  EXPECT_NE(bar.out.find("] 12/12 loss "), std::string::npos) << bar.out;
+  EXPECT_NE(bar.out.find(" ETA "), std::string::npos) << bar.out;
   fs::remove_all(dir);
 }
 

@@ -13,7 +13,7 @@ launch="$here/../../cluster/mpirun/launch.sh"
 rm -rf "$work" && mkdir -p "$work"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 export DTRAIN_BIN=$bin DTRAIN_NP=2 DTRAIN_MPIRUN_ARGS="--oversubscribe --bind-to none"
-fail() { echo "FAIL: $*"; exit 1; }
+source "$here/preempt_lib.sh"
 
 fortunes=/usr/share/games/fortunes
 [[ -d $fortunes ]] || { echo "SKIP: no $fortunes (Debian package fortunes)"; exit 77; }
@@ -23,16 +23,6 @@ args=(--model gpt --data "$work/tokens" --layers 2 --heads 2 --width 32 --contex
       --steps "$steps" --lr 0.003 --warmup-steps 20 --eval-every 0 --eval-batches 2 --log-every 1 --threads 1
       --checkpoint-every 1000)
 
-# Waits until the metrics file $1 holds a step past $2, so the signal lands mid-run.
-wait_for_step() {
-  for _ in $(seq 600); do
-    local last
-    last=$(grep -o '"step": [0-9]*' "$1" 2>/dev/null | tail -1 | grep -o '[0-9]*$' || true)
-    [[ -n "$last" && "$last" -gt "$2" ]] && return 0
-    sleep 0.1
-  done
-  fail "training did not pass step $2"
-}
 final() { echo "$1/ckpt/ckpt-step$(printf %09d "$steps").h5"; }
 
 # 1. The reference.
@@ -43,9 +33,7 @@ export DTRAIN_RUN_DIR=$work/preempted
 "$launch" "${args[@]}" >"$work/run1.log" 2>&1 &
 job=$!
 wait_for_step "$DTRAIN_RUN_DIR/metrics.jsonl" 250
-mpirun_pid=$(pgrep -P "$job" -x mpirun || pgrep -P "$job" | head -1)
-ranks=($(pgrep -P "$mpirun_pid" -f dtrain))
-[[ ${#ranks[@]} -eq 2 ]] || fail "expected 2 rank processes under mpirun, found ${#ranks[@]}"
+rank_pids "$job"
 kill -USR1 "${ranks[1]}"
 rc=0; wait "$job" || rc=$?
 cat "$work/run1.log"

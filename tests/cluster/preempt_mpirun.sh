@@ -13,26 +13,13 @@ export DTRAIN_BIN=$bin DTRAIN_RUN_DIR=$work DTRAIN_NP=2 DTRAIN_MPIRUN_ARGS="--ov
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 steps=4000
 args=(--synthetic --model mlp --steps "$steps" --log-every 50 --threads 1 --progress off)
-fail() { echo "FAIL: $*"; exit 1; }
-
-# Waits until the metrics file holds a step past $1, so the signal lands mid-run.
-wait_for_step() {
-  for _ in $(seq 600); do
-    local last
-    last=$(grep -o '"step": [0-9]*' "$work/metrics.jsonl" 2>/dev/null | tail -1 | grep -o '[0-9]*$' || true)
-    [[ -n "$last" && "$last" -gt "$1" ]] && return 0
-    sleep 0.1
-  done
-  fail "training did not pass step $1"
-}
+source "$here/preempt_lib.sh"
 
 # Phase 1: one rank gets SIGTERM.
 "$launch" "${args[@]}" >"$work/run1.log" 2>&1 &
 job=$!
-wait_for_step 0
-mpirun_pid=$(pgrep -P "$job" -x mpirun || pgrep -P "$job" | head -1)
-ranks=($(pgrep -P "$mpirun_pid" -f dtrain))
-[[ ${#ranks[@]} -eq 2 ]] || fail "expected 2 rank processes under mpirun, found ${#ranks[@]}"
+wait_for_step "$work/metrics.jsonl" 0
+rank_pids "$job"
 kill -TERM "${ranks[1]}"
 rc=0; wait "$job" || rc=$?
 cat "$work/run1.log"
@@ -44,7 +31,7 @@ ls "$work/ckpt/ckpt-step$(printf %09d "$step1").h5" >/dev/null || fail "phase 1:
 # Phase 2: resume, then SIGTERM to the launcher script.
 "$launch" "${args[@]}" >"$work/run2.log" 2>&1 &
 job=$!
-wait_for_step $((step1 + 50))
+wait_for_step "$work/metrics.jsonl" $((step1 + 50))
 kill -TERM "$job"
 rc=0; wait "$job" || rc=$?
 cat "$work/run2.log"

@@ -75,6 +75,27 @@ TEST(Adam, AdamWDecouplesWeightDecay) {
   EXPECT_NEAR(b.w(), 0.9f, 1e-6);
 }
 
+TEST(Adam, ParameterGroupsDecayEachByItsOwn) {
+  // One AdamW over two groups equals one AdamW per group: the matrix decays, the bias does not.
+  nn::Parameter w{"fc.weight", Tensor::full({2, 2}, 1.f), Tensor::full({2, 2}, 2.f)};
+  nn::Parameter b{"fc.bias", Tensor::full({2}, 1.f), Tensor::full({2}, 2.f)};
+  nn::Parameter pos{"wpe", Tensor::full({2, 2}, 1.f), Tensor::full({2, 2}, 2.f)};
+  std::vector<optim::ParamGroup> groups = optim::decay_groups({&w, &b, &pos}, 0.5f, {"wpe"});
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0].params, std::vector<nn::Parameter*>{&w});
+  EXPECT_FLOAT_EQ(groups[0].weight_decay, 0.5f);
+  EXPECT_EQ(groups[1].params, (std::vector<nn::Parameter*>{&b, &pos}));
+  EXPECT_FLOAT_EQ(groups[1].weight_decay, 0.f);
+  optim::Adam grouped(groups, {.decoupled = true});
+  EXPECT_EQ(grouped.params(), (std::vector<nn::Parameter*>{&w, &b, &pos}));
+  grouped.step(0.1f);  // decayed: 1 - 0.1*0.5*1 - 0.1*sign(2) = 0.85; not decayed: 0.9
+  EXPECT_NEAR(w.value.f32()[3], 0.85f, 1e-6);
+  EXPECT_NEAR(b.value.f32()[1], 0.9f, 1e-6);
+  EXPECT_NEAR(pos.value.f32()[0], 0.9f, 1e-6);
+  EXPECT_EQ(grouped.state().size(), 6u);  // exp_avg and exp_avg_sq of each parameter, by name
+  EXPECT_EQ(grouped.state()[0].name, "fc.weight.exp_avg");
+}
+
 TEST(Clip, GlobalNormScalesEverything) {
   nn::Parameter p{"a", Tensor::zeros({2}), Tensor::from({2}, {3.f, 0.f})};
   nn::Parameter q{"b", Tensor::zeros({1}), Tensor::from({1}, {4.f})};

@@ -14,9 +14,21 @@ struct StateTensor {
   Tensor* value;
 };
 
+// Parameters that share a weight decay (as PyTorch's parameter groups): an optimizer takes several,
+// e.g. the matrices decayed and the biases, gains and position table not.
+struct ParamGroup {
+  std::vector<nn::Parameter*> params;
+  float weight_decay = 0.f;
+};
+
+// The usual split: matrices (dim >= 2) decay by `weight_decay`; vectors (biases, norm gains) and the
+// parameters named in `no_decay` (e.g. a position table) do not. Empty groups are left out.
+std::vector<ParamGroup> decay_groups(const std::vector<nn::Parameter*>& params, float weight_decay,
+                                     const std::vector<std::string>& no_decay = {});
+
 class Optimizer {
  public:
-  explicit Optimizer(std::vector<nn::Parameter*> params);
+  explicit Optimizer(std::vector<ParamGroup> groups);
   virtual ~Optimizer() = default;
   virtual std::string kind() const = 0;
   // One update with learning rate `lr` (from the schedule) using the gradients as they are.
@@ -25,10 +37,11 @@ class Optimizer {
   int64_t steps() const { return steps_; }
   void set_steps(int64_t s) { steps_ = s; }
   virtual std::vector<StateTensor> state() = 0;
-  const std::vector<nn::Parameter*>& params() const { return params_; }
+  const std::vector<nn::Parameter*>& params() const { return params_; }  // every group's, in order
 
  protected:
   std::vector<nn::Parameter*> params_;
+  std::vector<float> weight_decay_;  // per parameter, from its group
   int64_t steps_ = 0;
 };
 
@@ -38,7 +51,8 @@ struct SgdOptions {
 };
 class SGD : public Optimizer {
  public:
-  SGD(std::vector<nn::Parameter*> params, SgdOptions o);
+  SGD(std::vector<nn::Parameter*> params, SgdOptions o);  // one group, decayed by o.weight_decay
+  SGD(std::vector<ParamGroup> groups, SgdOptions o);      // each group's own decay
   std::string kind() const override { return "sgd"; }
   void step(float lr) override;
   std::vector<StateTensor> state() override;
@@ -54,7 +68,8 @@ struct AdamOptions {
 };
 class Adam : public Optimizer {
  public:
-  Adam(std::vector<nn::Parameter*> params, AdamOptions o);
+  Adam(std::vector<nn::Parameter*> params, AdamOptions o);  // one group, decayed by o.weight_decay
+  Adam(std::vector<ParamGroup> groups, AdamOptions o);      // each group's own decay
   std::string kind() const override { return o_.decoupled ? "adamw" : "adam"; }
   void step(float lr) override;
   std::vector<StateTensor> state() override;

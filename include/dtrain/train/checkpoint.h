@@ -9,6 +9,13 @@
 #include "dtrain/core/tensor.h"
 #include "dtrain/nn/module.h"
 
+namespace dtrain::comm {
+class Communicator;
+}
+namespace dtrain::parallel {
+class DataParallel;
+}
+
 namespace dtrain::train {
 
 struct CheckpointState {
@@ -39,6 +46,21 @@ std::string rank_part_file(const std::string& main_file, int rank);
 // behind them) are left alone. Parts whose main file was never written (the job died in between)
 // are removed too, when they are older than `just_written`.
 void prune_checkpoints(const std::string& dir, const std::string& just_written, int keep);
+
+// Gradient compression state beside a checkpoint: it differs between ranks (error-feedback
+// residuals, PowerSGD's Q, top-k momentum, QSGD's streams), so each rank of `world` writes its own
+// to rank_part_file(main_file, rank) before the main file is written, inside an agreement (a part
+// one rank cannot write fails every rank). Returns whether parts were written (the main file
+// records that as "compression_ranks"); nothing without `dp` or without state. Collective.
+bool write_compression_parts(const std::string& main_file, const parallel::DataParallel* dp,
+                             comm::Communicator* world, int64_t step, const std::string& compression);
+// On resume: this rank's part goes back into `dp` when the checkpoint `main` (read from main_file)
+// holds parts of `world` ranks of the same --compression and `same_layout`; otherwise error feedback
+// restarts from zero and the returned line says so ("" when loaded or when there is nothing to
+// say). Every rank checks every part, so a missing part fails all ranks alike (InputError).
+std::string load_compression_part(const CheckpointState& main, const std::string& main_file,
+                                  parallel::DataParallel* dp, int rank, int world, const std::string& compression,
+                                  bool same_layout);
 
 // The finite checks before anything is kept: a non-finite training loss (checked where the
 // trainers read their losses) or non-finite weights (checked before every checkpoint) throw a

@@ -49,6 +49,17 @@ struct LmConfig {
   std::string preempt_signals = "TERM,USR1";
   int64_t preempt_check_every = 1;
   std::string config_ini;  // the whole `dtrain train` configuration (config_ini), for the provenance
+  // Data parallel, as for image models: gradient compression over the dp group (PowerSGD per weight
+  // matrix; vectors go uncompressed), its warm-up (-1: --warmup-steps), buckets and overlap.
+  std::string compression = "none";
+  int64_t compression_warmup = -1;
+  bool compression_on_engine = false;
+  double bucket_mb = 25;
+  bool overlap = true;
+  int64_t accumulate = 1;  // micro-batches of batch_size per optimizer step (not with pp > 1)
+  std::string trace;       // Chrome trace of each rank's steps (needs `world`)
+  int64_t trace_steps = 1000;
+  std::string progress = "auto";  // a progress bar with ETA on rank 0's terminal
   bool quiet = false;
 };
 
