@@ -12,8 +12,6 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
     : model_(model), comm_(comm), opt_(opt) {
   DT_INPUT_CHECK(opt.bucket_bytes > 0, "data parallel: bucket size must be positive");
   if (opt.compression != "none") {
-    DT_INPUT_CHECK(!opt.zero1, "option --compression " << opt.compression
-                                                       << " does not combine with --zero1 (which reduce-scatters)");
     try {
       compressor_ = comm::make_compressor(opt.compression, opt.seed);
     } catch (const InputError& e) {
@@ -176,8 +174,9 @@ void DataParallel::begin_backward(bool sync) {
 }
 
 void DataParallel::on_grad_ready(nn::Parameter& p) {
-  // ZeRO-1 reduce-scatters the whole flat gradient in finish(); without overlap, so does plain DP.
-  if (!syncing_ || opt_.zero1 || !opt_.overlap) return;
+  // ZeRO-1 without compression reduce-scatters the whole flat gradient in finish(); without
+  // overlap, every bucket goes out there too.
+  if (!syncing_ || (opt_.zero1 && !compressor_) || !opt_.overlap) return;
   auto it = bucket_of_.find(&p);
   DT_CHECK(it != bucket_of_.end(), "gradient of " << p.name << " is not in any data-parallel bucket");
   Bucket& b = buckets_[it->second];
@@ -210,7 +209,7 @@ void DataParallel::finish() {
     return;
   }
   double t0 = now_s();
-  if (opt_.zero1) {
+  if (opt_.zero1 && !compressor_) {
     comm_.reduce_scatter(flat_grad_, shard_.grad, comm::ReduceOp::Avg)->wait();
     stats_.bytes_reduced += static_cast<int64_t>(flat_grad_.nbytes());
     stats_.bytes_sent += static_cast<int64_t>(flat_grad_.nbytes());
@@ -225,6 +224,9 @@ void DataParallel::finish() {
       for (Bucket& b : buckets_) finish_engine_topk(b, engine_topk_state_[static_cast<size_t>(&b - buckets_.data())]);
     else if (host_reads_device_)
       engine_for(flat_grad_.device()).scale(flat_grad_, 1.f / static_cast<float>(comm_.size()));
+    // ZeRO-1 with compression: the compressed exchange (top-k's allgathers, PowerSGD's factors, ...)
+    // leaves the averaged gradient everywhere; the sharded optimizer takes this rank's slice.
+    if (opt_.zero1) shard_.grad.copy_from(own_slice(flat_grad_));
   }
   stats_.comm_wait_s += now_s() - t0;
   syncing_ = false;

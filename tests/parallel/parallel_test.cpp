@@ -81,6 +81,22 @@ void expect_same_training(const std::vector<std::string>& layout, const std::vec
   }
 }
 
+// Parameters of two layouts run on all ranks agree (relative 1e-5).
+void expect_layouts_agree(const std::vector<std::string>& a, const std::vector<std::string>& b) {
+  comm::Communicator& world = comm::Runtime::get().world();
+  auto first = train_params(config(a), world);
+  auto second = train_params(config(b), world);
+  ASSERT_EQ(first.size(), second.size());
+  for (auto& [name, r] : second) {
+    const auto& g = first[name];
+    ASSERT_EQ(g.size(), r.size()) << name;
+    double worst = 0;
+    for (size_t i = 0; i < r.size(); ++i)
+      worst = std::max(worst, std::abs(double(g[i]) - r[i]) / std::max(1.0, std::abs(double(r[i]))));
+    EXPECT_LE(worst, 1e-5) << name << " differs between the layouts by " << worst;
+  }
+}
+
 }  // namespace
 
 TEST(DataParallel, MatchesOneRankWithTheWholeBatch) {
@@ -98,6 +114,25 @@ TEST(DataParallel, Zero1MatchesPlainDataParallel) {
   expect_same_training({"--model", "simple_cnn", "--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01",
                         "--zero1", "true"},
                        {"--model", "simple_cnn", "--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01"});
+}
+
+// Compression with ZeRO-1: the compressed exchange leaves the averaged gradient on every rank and
+// the sharded optimizer takes its slice, so the run equals the same compression without ZeRO-1
+// (top-k with AdamW, top-k with SGD's momentum moved into the compressor, PowerSGD).
+TEST(DataParallel, CompressionWithZero1MatchesCompressionWithout) {
+  if (comm::Runtime::get().world().size() == 1) GTEST_SKIP() << "needs several ranks";
+  const std::vector<std::vector<std::string>> runs = {
+      {"--model", "simple_cnn", "--optimizer", "adamw", "--lr", "0.003", "--compression", "topk:0.05"},
+      {"--model", "simple_cnn", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05", "--compression", "topk:0.05"},
+      {"--model", "simple_cnn", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05", "--compression",
+       "powersgd:2"}};
+  for (std::vector<std::string> run : runs) {
+    run.insert(run.end(), {"--compression-warmup", "5"});
+    std::vector<std::string> sharded = run;
+    sharded.insert(sharded.end(), {"--zero1", "true"});
+    SCOPED_TRACE(run[run.size() - 3]);
+    expect_layouts_agree(sharded, run);
+  }
 }
 
 TEST(DataParallel, SyncBatchNormMatchesBatchNormOverTheWholeBatch) {

@@ -29,7 +29,9 @@ inline void expect_stopped_before_checkpoint(const std::string& what, const std:
     EXPECT_LT(std::stoi(name.substr(9)), bad) << name << " holds a step at or after the failing one: " << what;
     train::CheckpointState st = train::load_checkpoint(f.path().string());
     for (const auto& [key, t] : st.tensors)
-      if (key.rfind("param/", 0) == 0) EXPECT_TRUE(cpu_engine().all_finite(t)) << name << ": " << key;
+      if (key.rfind("param/", 0) == 0) {
+        EXPECT_TRUE(cpu_engine().all_finite(t)) << name << ": " << key;
+      }
   }
 }
 

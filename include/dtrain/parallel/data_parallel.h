@@ -11,6 +11,9 @@
 // ZeRO stage 1 (zero1): optimizer state is sharded. finish() reduce-scatters the flat gradient so
 // each rank holds the averaged gradient of its 1/world slice; the optimizer updates only that slice
 // (optimizer_params()), and after_step() all-gathers the updated slices into every rank's parameters.
+// With gradient compression the buckets go through the compressor as without ZeRO-1 (a compressed
+// reduce-scatter does not exist for top-k or PowerSGD), and each rank then keeps its slice of the
+// averaged gradient: the communication of the compressor, the optimizer memory of ZeRO-1.
 #include <map>
 #include <memory>
 #include <unordered_map>
@@ -27,7 +30,7 @@ struct DataParallelOptions {
   bool zero1 = false;
   bool overlap = true;  // false: every bucket goes out after backward (to measure what overlap hides)
   // Gradient compression per bucket ("none", "fp16", "bf16", "topk:0.01", "powersgd:2", "onebit",
-  // "qsgd:16"; see comm/compression.h). Not with zero1.
+  // "qsgd:16"; see comm/compression.h). With zero1 too (see above).
   std::string compression = "none";
   // Compression warm-up over these many optimizer steps (0: compress from the start). Top-k: the
   // kept fraction falls exponentially from 25 % to the target (Lin et al., Deep Gradient
