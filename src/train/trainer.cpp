@@ -363,17 +363,39 @@ void Trainer::restore(const std::string& where, int64_t& epoch, int64_t& skip) {
   opt_->set_steps(need("optimizer_steps"));
   epoch = need("epoch");
   skip = need("batch_in_epoch");
-  // The loader's position is in per-rank steps; a different layout restarts the epoch.
-  if (need("world_size") != world_ || need("per_rank_batch") != batch_ || need("accumulate") != cfg_.accumulate) {
-    if (skip > 0) say("resume: rank count or batch changed since the checkpoint; restarting its epoch");
-    skip = 0;
-  }
+  const int64_t then_world = need("world_size");
+  resume_position(then_world, need("per_rank_batch") * then_world * need("accumulate"), skip);
   if (skip >= steps_per_epoch_) {
     ++epoch;
     skip = 0;
   }
   if (std::string changed = resume_changes(s.strings["provenance"], config_ini(cfg_)); !changed.empty()) say(changed);
   say("resumed from " + path + " at step " + std::to_string(step_) + " (epoch " + std::to_string(epoch + 1) + ")");
+}
+
+// Resuming in another layout. Every layout walks the same shuffled order of an epoch, rank r taking
+// every world-th sample, so a step of global batch G covers the next G samples of that order
+// whatever the rank count: `skip` (steps done in the epoch, at the checkpoint's global batch
+// `then_global`) becomes the step of this layout at the same sample, and the log says what is
+// exact and what is not.
+void Trainer::resume_position(int64_t then_world, int64_t then_global, int64_t& skip) {
+  const int64_t global = batch_ * world_ * cfg_.accumulate;
+  if (then_world == world_ && then_global == global) return;
+  const int64_t samples = skip * then_global;
+  skip = samples / global;
+  std::string line = "resume: " + std::to_string(then_world) + " -> " + std::to_string(world_) + " rank(s), global batch " +
+                     std::to_string(then_global) + " -> " + std::to_string(global) + ": ";
+  if (then_global == global) {
+    line += "every step sees the samples it would have seen (sums in another order: equal within rounding, not bitwise)";
+  } else {
+    line += "continues at sample " + std::to_string(skip * global) + " of the epoch";
+    if (samples != skip * global) line += " (" + std::to_string(samples - skip * global) + " samples seen again)";
+    line += "; steps and the learning-rate schedule count the new global batch";
+  }
+  bool batchnorm = false;
+  for (nn::Buffer* b : model_->buffers()) batchnorm |= b->name.find("running_mean") != std::string::npos;
+  if (batchnorm && !cfg_.sync_batchnorm) line += "; BatchNorm statistics come from each rank's own batch";
+  say(line);
 }
 
 // ------------------------------------------------------------------ evaluation

@@ -57,6 +57,7 @@ class Trainer {
   void write_main(const std::filesystem::path& path, std::map<std::string, Tensor>& optim_state, bool no_parts,
                   int64_t epoch, int64_t batch_in_epoch);  // rank 0: the checkpoint itself, then pruning
   void restore(const std::string& path, int64_t& epoch, int64_t& skip);
+  void resume_position(int64_t then_world, int64_t then_global, int64_t& skip);
   void say(const std::string& s);
 
   TrainConfig cfg_;
