@@ -16,7 +16,6 @@
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/timer.h"
 #include "dtrain/data/text.h"
-#include "dtrain/kernels/cuda.h"
 #include "dtrain/optim/loss_scaler.h"
 #include "dtrain/optim/optimizer.h"
 #include "dtrain/optim/schedule.h"
@@ -28,6 +27,7 @@
 #include "dtrain/train/metrics.h"
 #include "dtrain/train/provenance.h"
 #include "dtrain/train/signals.h"
+#include "dtrain/train/step_support.h"
 #include "dtrain/train/trace.h"
 
 namespace dtrain::train {
@@ -273,13 +273,8 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
                  "option --loss-scale-init must be in [1, 2^24], got " << cfg.loss_scale_init);
   engine_for(dev).set_math_precision(math_precision_from_name(cfg.precision));
   // fp16: dynamic loss scaling (bf16 has fp32's exponent range and needs none).
-  std::unique_ptr<optim::LossScaler> scaler;
-  if (cfg.precision == "fp16") {
-    optim::LossScalerOptions lso;
-    lso.growth_interval = cfg.loss_scale_interval;
-    lso.init_scale = cfg.loss_scale_init;
-    scaler = std::make_unique<optim::LossScaler>(lso);
-  }
+  std::unique_ptr<optim::LossScaler> scaler =
+      make_loss_scaler(cfg.precision, cfg.loss_scale_interval, cfg.loss_scale_init);
 
   // Every rank reads the token files itself (without a shared file system a node may lack them):
   // the ranks agree on the outcome, so a file one rank cannot read fails every rank naming it,
@@ -323,16 +318,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   std::unique_ptr<parallel::DataParallel> ddp;
   std::unique_ptr<comm::Communicator> nccl;  // data parallel on GPUs
   if (dp_size > 1) {
-    comm::Communicator* grads = &grid->dp();
-    if (!dev.is_cpu() && comm::nccl_compiled()) {
-      // As the image trainer: NCCL on its own stream, each collective ordered after the work queued
-      // on the engine's compute stream by an event. Otherwise a CUDA-aware MPI takes the buckets.
-      nccl = comm::make_nccl_communicator(grid->dp(), dev.index, "lm-dp-nccl");
-#if defined(DTRAIN_WITH_CUDA_ENGINE)
-      comm::nccl_set_input_stream(*nccl, cuda::compute_stream(dev.index));
-#endif
-      grads = nccl.get();
-    }
+    nccl = gpu_gradient_communicator(grid->dp(), dev, "lm-dp-nccl");
     parallel::DataParallelOptions dpo;
     dpo.bucket_bytes = static_cast<int64_t>(cfg.bucket_mb * 1048576.0);
     dpo.overlap = cfg.overlap;
@@ -340,10 +326,8 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     dpo.compression_warmup_steps = cfg.compression_warmup >= 0 ? cfg.compression_warmup : cfg.warmup_steps;
     dpo.engine_topk = cfg.compression_on_engine;
     dpo.seed = derive_seed(cfg.seed, 77);
-#if defined(DTRAIN_WITH_CUDA_ENGINE)
-    if (!dev.is_cpu()) dpo.device_stream = cuda::compute_stream(dev.index);
-#endif
-    ddp = std::make_unique<parallel::DataParallel>(model, *grads, dpo);
+    dpo.device_stream = compute_stream_of(dev);
+    ddp = std::make_unique<parallel::DataParallel>(model, nccl ? *nccl : grid->dp(), dpo);
     ddp->broadcast_state(0);
   }
   std::unique_ptr<parallel::PipelineStage> pipe;
@@ -582,15 +566,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   };
   const std::vector<nn::Parameter*> step_params = model.parameters();
   const std::vector<nn::Parameter*>& opt_params = opt.params();  // each parameter once (a tied one too)
-  // The GPU allocator's cudaMalloc count (0 on the CPU): the steps after the first two, which
-  // sized every buffer and filled the cache, must not raise it (validation is not counted).
-  auto gpu_mallocs = [&]() -> int64_t {
-#if defined(DTRAIN_WITH_CUDA_ENGINE)
-    if (!dev.is_cpu()) return cuda::allocator_stats(dev.index).device_mallocs;
-#endif
-    return 0;
-  };
-  int64_t step_mallocs = 0;
+  int64_t step_mallocs = 0;  // cudaMalloc calls inside the steps after the first two (not validation)
   // On a GPU each step's loss stays on the device (a row of gpu_losses) until a log line, a
   // validation, a checkpoint or the end reads the rows since the last read, so no step waits for
   // its loss; the rows are read when they run out too. On the CPU the losses wait in cpu_losses.
@@ -639,7 +615,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   int64_t step_end = start_step;  // steps done: cfg.steps, or fewer when preempted
   for (int64_t step = start_step; step < cfg.steps; ++step) {
     const bool on_gpu = !dev.is_cpu();
-    const int64_t mallocs0 = gpu_mallocs();
+    const int64_t mallocs0 = gpu_malloc_count(dev);
     data::TokenBatch b;
     const double t_data = now_s();
     if (!on_gpu) b = draw(step);
@@ -710,16 +686,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     trace.span("communication wait", t_comm, t_opt, step);
     // fp16: unscale and check the complete gradients; the ranks of a tp/pp grid hold different
     // parameters, so the verdict is agreed over the world (a step is taken everywhere or nowhere).
-    bool take_step = true;
-    if (scaler) {
-      take_step = scaler->unscale(opt_params);
-      if (grid && grid->world().size() > 1) {
-        Tensor bad = Tensor::from({1}, {take_step ? 0.f : 1.f});
-        grid->world().allreduce(bad, comm::ReduceOp::Max)->wait();
-        take_step = bad.f32()[0] == 0.f;
-      }
-      scaler->update(take_step);
-    }
+    const bool take_step = unscale_and_agree(scaler.get(), opt_params, grid ? &grid->world() : nullptr);
     if (take_step && cfg.clip_grad_norm > 0) {
       if (grid)
         parallel::clip_grad_norm_tp(model, grid->tp(), cfg.clip_grad_norm, pp_size > 1 ? &grid->pp() : nullptr,
@@ -736,7 +703,7 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
     if (ddp) ddp->settle();
     trace.span("optimizer", t_opt, now_s(), step);
     trace.end_step();
-    if (step >= start_step + 2) step_mallocs += gpu_mallocs() - mallocs0;
+    if (step >= start_step + 2) step_mallocs += gpu_malloc_count(dev) - mallocs0;
     if (on_gpu) {
       if (gpu_rows == gpu_losses.size(0)) read_losses(step, false);
     } else {
@@ -856,16 +823,9 @@ LmResult train_lm(const LmConfig& cfg_in, comm::Communicator* world_comm) {
   if (speak && scaler)
     std::printf("fp16: loss scale %g, %lld of %lld steps skipped for inf/NaN gradients\n", res.loss_scale,
                 static_cast<long long>(res.skipped_steps), static_cast<long long>(step_end));
-#if defined(DTRAIN_WITH_CUDA_ENGINE)
   if (!dev.is_cpu() && steps_run > 2) res.gpu_step_mallocs = step_mallocs;
-  if (speak && !dev.is_cpu()) {
-    const cuda::AllocatorStats st = cuda::allocator_stats(dev.index);
-    std::string after = steps_run > 2 ? "; " + std::to_string(step_mallocs) +
-                                                         " cudaMalloc calls inside the steps after the first two"
-                                                   : "";
-    std::printf("GPU memory (rank 0, cuda:%d): %s%s\n", dev.index, cuda::format_stats(st).c_str(), after.c_str());
-  }
-#endif
+  if (const std::string gpu = gpu_memory_report(dev, steps_run, step_mallocs); speak && !gpu.empty())
+    progress.line("GPU memory (rank 0, cuda:" + std::to_string(dev.index) + "): " + gpu);
   return res;
 }
 

@@ -20,6 +20,7 @@
 #include "dtrain/parallel/sync_batchnorm.h"
 #include "dtrain/train/provenance.h"
 #include "dtrain/train/signals.h"
+#include "dtrain/train/step_support.h"
 #include "dtrain/train/trace.h"
 
 namespace fs = std::filesystem;
@@ -83,12 +84,7 @@ void Trainer::setup() {
   }
   if (cfg_.precision != "tf32") cpu_engine().set_math_precision(math_precision_from_name(cfg_.precision));
   engine_for(device_).set_math_precision(math_precision_from_name(cfg_.precision));
-  if (cfg_.precision == "fp16") {
-    optim::LossScalerOptions lso;
-    lso.growth_interval = cfg_.loss_scale_interval;
-    lso.init_scale = cfg_.loss_scale_init;
-    scaler_ = std::make_unique<optim::LossScaler>(lso);
-  }
+  scaler_ = make_loss_scaler(cfg_.precision, cfg_.loss_scale_interval, cfg_.loss_scale_init);
   std::string warn = topo.binding_warning(threads);
   if (!warn.empty() && topo.local_rank == 0)
     std::fprintf(stderr, "dtrain: warning (rank %d): %s\n", rank_, warn.c_str());
@@ -156,20 +152,9 @@ void Trainer::setup_exchange() {
     dpo.seed = derive_seed(cfg_.seed, 77);
     dpo.momentum_correction = topk_momentum_correction();
     dpo.engine_topk = cfg_.compression_on_engine;
-#if defined(DTRAIN_WITH_CUDA_ENGINE)
-    if (!device_.is_cpu()) dpo.device_stream = cuda::compute_stream(device_.index);
-#endif
-    comm::Communicator* grads = &comm_;
-    if (!device_.is_cpu() && world_ > 1 && comm::nccl_compiled()) {
-      // NCCL on its own stream; each collective first waits (by an event, not the host) for the
-      // work queued on the engine's compute stream, so a bucket goes out once its gradients exist.
-      nccl_ = comm::make_nccl_communicator(comm_, device_.index, "dp-nccl");
-#if defined(DTRAIN_WITH_CUDA_ENGINE)
-      comm::nccl_set_input_stream(*nccl_, cuda::compute_stream(device_.index));
-#endif
-      grads = nccl_.get();
-    }  // otherwise (CUDA-aware MPI) the world communicator takes device buffers as they are
-    dp_ = std::make_unique<parallel::DataParallel>(*model_, *grads, dpo);
+    dpo.device_stream = compute_stream_of(device_);
+    if (world_ > 1) nccl_ = gpu_gradient_communicator(comm_, device_, "dp-nccl");
+    dp_ = std::make_unique<parallel::DataParallel>(*model_, nccl_ ? *nccl_ : comm_, dpo);
   }
   build_optimizer();
 
@@ -520,15 +505,7 @@ TrainResult Trainer::run() {
   }
 
   nn::SoftmaxCrossEntropy ce;
-  // The GPU allocator's cudaMalloc count (0 on the CPU): the steps after the first two, which
-  // sized every buffer and filled the cache, must not raise it (evaluation is not counted).
-  auto gpu_mallocs = [&]() -> int64_t {
-#if defined(DTRAIN_WITH_CUDA_ENGINE)
-    if (!device_.is_cpu()) return cuda::allocator_stats(device_.index).device_mallocs;
-#endif
-    return 0;
-  };
-  int64_t step_mallocs = 0;
+  int64_t step_mallocs = 0;  // cudaMalloc calls inside the steps after the first two (not evaluation)
   StagedTensor dev_inputs, dev_labels;  // on a GPU: page-locked staging, asynchronous uploads
   // On a GPU with a data loader the micro-batch after this one is read and its upload queued on
   // the engine's copy stream before this one's forward, so the copy runs beside the compute; two
@@ -607,7 +584,7 @@ TrainResult Trainer::run() {
     while (step_ < total_steps_) {
       // One optimizer step: `accumulate` micro-batches, gradients exchanged on the last one only.
       double t0 = now_s(), wait = 0;
-      const int64_t mallocs0 = gpu_mallocs();
+      const int64_t mallocs0 = gpu_malloc_count(device_);
       float lr = sched_->lr(step_);
       std::vector<nn::Parameter*> params = model_->parameters();
       for (nn::Parameter* p : params) engine_for(p->grad.device()).fill(p->grad, 0.f);
@@ -676,16 +653,7 @@ TrainResult Trainer::run() {
       trace.span("communication wait", tw, to, step_);
       // fp16: unscale and check for inf/NaN after the exchange, so every rank decides alike (under
       // ZeRO-1 each rank holds a different slice, so the verdict is agreed on explicitly).
-      bool take_step = true;
-      if (scaler_) {
-        take_step = scaler_->unscale(opt_->params());
-        if (dp_ && dp_->zero1() && world_ > 1) {
-          Tensor bad = Tensor::from({1}, {take_step ? 0.f : 1.f});
-          comm_.allreduce(bad, comm::ReduceOp::Max)->wait();
-          take_step = bad.f32()[0] == 0.f;
-        }
-        scaler_->update(take_step);
-      }
+      const bool take_step = unscale_and_agree(scaler_.get(), opt_->params(), dp_ && dp_->zero1() ? &comm_ : nullptr);
       if (take_step && cfg_.clip_grad_norm > 0.f) {
         double norm = dp_ ? dp_->grad_norm() : optim::grad_norm(model_->parameters());
         if (norm > cfg_.clip_grad_norm) {
@@ -709,7 +677,7 @@ TrainResult Trainer::run() {
       trace.end_step();
       ++step_;
       ++batch_in_epoch;
-      if (step_ > 2) step_mallocs += gpu_mallocs() - mallocs0;
+      if (step_ > 2) step_mallocs += gpu_malloc_count(device_) - mallocs0;
       if (step_ == 1 || result.first_step_at_s == 0) {
         result.first_step_at_s = process_age_s();
         run_t0 = t1;
@@ -828,13 +796,10 @@ TrainResult Trainer::run() {
   double elapsed = now_s() - run_t0;
   double cpu = process_cpu_s() - run_cpu0;
   result.samples_per_s = elapsed > 0 ? static_cast<double>(run_samples) / elapsed : 0;
-  std::string gpu_memory;
+  const std::string gpu_memory = gpu_memory_report(device_, step_, step_mallocs);
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
   if (!device_.is_cpu()) {
     const cuda::AllocatorStats st = cuda::allocator_stats(device_.index);
-    gpu_memory = cuda::format_stats(st);
-    if (step_ > 2)
-      gpu_memory += "; " + std::to_string(step_mallocs) + " cudaMalloc calls inside the steps after the first two";
     result.gpu_peak_allocated_mib = static_cast<double>(st.peak_allocated) / 1048576.0;
     result.gpu_reserved_mib = static_cast<double>(st.reserved) / 1048576.0;
     result.gpu_mallocs_after_warmup = step_ > 2 ? step_mallocs : -1;
