@@ -64,37 +64,34 @@ std::map<std::string, std::vector<float>> train_params(const train::TrainConfig&
   return out;
 }
 
+using ParamValues = std::map<std::string, std::vector<float>>;
+
+// Every parameter and buffer of `got` within relative 1e-5 of `want`'s.
+void expect_params_close(const ParamValues& got, const ParamValues& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (const auto& [name, w] : want) {
+    const std::vector<float>& g = got.at(name);
+    ASSERT_EQ(g.size(), w.size()) << what << ": " << name;
+    double worst = 0;
+    for (size_t i = 0; i < w.size(); ++i)
+      worst = std::max(worst, std::abs(double(g[i]) - w[i]) / std::max(1.0, std::abs(double(w[i]))));
+    EXPECT_LE(worst, 1e-5) << what << ": " << name << " differs by " << worst;
+  }
+}
+
 // Parameters of `layout` on all ranks equal the single-rank run of `reference` (relative 1e-5).
 void expect_same_training(const std::vector<std::string>& layout, const std::vector<std::string>& reference) {
   comm::Communicator& world = comm::Runtime::get().world();
   auto solo = world.split(world.rank(), 0, "solo");
   auto ref = train_params(config(reference), *solo);
-  auto got = train_params(config(layout), world);
-  ASSERT_EQ(ref.size(), got.size());
-  for (auto& [name, r] : ref) {
-    const auto& g = got[name];
-    ASSERT_EQ(g.size(), r.size()) << name;
-    double worst = 0;
-    for (size_t i = 0; i < r.size(); ++i)
-      worst = std::max(worst, std::abs(double(g[i]) - r[i]) / std::max(1.0, std::abs(double(r[i]))));
-    EXPECT_LE(worst, 1e-5) << name << " differs from the single-rank run by " << worst;
-  }
+  expect_params_close(train_params(config(layout), world), ref, "against the single-rank run");
 }
 
 // Parameters of two layouts run on all ranks agree (relative 1e-5).
 void expect_layouts_agree(const std::vector<std::string>& a, const std::vector<std::string>& b) {
   comm::Communicator& world = comm::Runtime::get().world();
   auto first = train_params(config(a), world);
-  auto second = train_params(config(b), world);
-  ASSERT_EQ(first.size(), second.size());
-  for (auto& [name, r] : second) {
-    const auto& g = first[name];
-    ASSERT_EQ(g.size(), r.size()) << name;
-    double worst = 0;
-    for (size_t i = 0; i < r.size(); ++i)
-      worst = std::max(worst, std::abs(double(g[i]) - r[i]) / std::max(1.0, std::abs(double(r[i]))));
-    EXPECT_LE(worst, 1e-5) << name << " differs between the layouts by " << worst;
-  }
+  expect_params_close(first, train_params(config(b), world), "between the layouts");
 }
 
 }  // namespace
@@ -144,7 +141,7 @@ TEST(DataParallel, ResumesOnAnotherRankCount) {
   const std::string dir = dataset() + "-resume-" + std::to_string(world.size());
   const std::vector<std::string> run = {"--model", "simple_cnn", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05"};
   auto pair = world.split(world.rank() < 2 ? 0 : comm::Communicator::kNoColor, world.rank(), "pair");
-  std::map<std::string, std::vector<float>> whole;
+  ParamValues whole;
   if (pair) {
     std::vector<std::string> write = run;
     write.insert(write.end(), {"--checkpoint-dir", dir, "--checkpoint-every", "10"});
@@ -154,15 +151,8 @@ TEST(DataParallel, ResumesOnAnotherRankCount) {
   auto solo = world.split(world.rank(), 0, "solo");
   std::vector<std::string> resume = run;
   resume.insert(resume.end(), {"--resume", dir + "/ckpt-step000000010.h5"});
-  auto expect_equal = [&](const std::map<std::string, std::vector<float>>& got, const char* what) {
-    if (!pair) return;  // ranks 2 and 3 hold no uninterrupted run to compare with
-    for (auto& [name, want] : whole) {
-      const std::vector<float>& g = got.at(name);
-      double worst = 0;
-      for (size_t i = 0; i < want.size(); ++i)
-        worst = std::max(worst, std::abs(double(g[i]) - want[i]) / std::max(1.0, std::abs(double(want[i]))));
-      EXPECT_LE(worst, 1e-5) << what << ": " << name << " differs from the uninterrupted 2-rank run by " << worst;
-    }
+  auto expect_equal = [&](const ParamValues& got, const char* what) {
+    if (pair) expect_params_close(got, whole, what);  // ranks 2 and 3 hold no uninterrupted run
   };
   expect_equal(train_params(config(resume), *solo), "resumed on 1 rank");
   expect_equal(train_params(config(resume), world), "resumed on every rank");
