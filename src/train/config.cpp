@@ -221,7 +221,8 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.momentum >= 0.f && c.momentum < 1.f, "option --momentum must be in [0, 1), got " << c.momentum);
   DT_INPUT_CHECK(c.weight_decay >= 0.f, "option --weight-decay must be >= 0");
   DT_INPUT_CHECK(c.threads >= 0 && c.threads <= 1024, "option --threads must be in [0, 1024], got " << c.threads);
-  DT_INPUT_CHECK(c.log_every >= 1, "option --log-every must be >= 1");
+  DT_INPUT_CHECK(c.log_every >= 1 || (c.model == "gpt" && c.log_every == 0),
+                 "option --log-every must be >= 1 (the gpt also takes 0: one line at the end), got " << c.log_every);
   DT_INPUT_CHECK(c.preempt_check_every >= 1 && c.preempt_check_every <= 1000000,
                  "option --preempt-check-every must be in [1, 1000000], got " << c.preempt_check_every);
   parse_signal_list(c.preempt_signals, "preempt-signals");

@@ -81,6 +81,9 @@ TEST(Cli, OneConfigurationForEveryModel) {
   EXPECT_NE(zero1.out.find("option --zero1 does not combine with --model gpt"), std::string::npos) << zero1.out;
   Result tp = run("train --synthetic --tp 2");
   EXPECT_EQ(tp.code, 2) << tp.out;
+  // --log-every 0 (one line at the end) stays the GPT's, as benchmarks/pipeline/pipeline_memory.py uses it.
+  EXPECT_EQ(run("train --model gpt --data x --log-every 0 --print-config").code, 0);
+  EXPECT_FAILS_NAMING(run("train --synthetic --log-every 0"), "--log-every");
   EXPECT_NE(tp.out.find("option --tp does not combine with --model simple_cnn"), std::string::npos) << tp.out;
 
   std::string dir = dtrain::test::temp_dir("cli-print-config");
