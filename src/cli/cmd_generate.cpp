@@ -48,7 +48,7 @@ int cmd_generate(int argc, char** argv) {
   // clang-format on
   if (!parse_with_config(argc, argv, o, "usage: dtrain generate --checkpoint FILE|DIR [--prompt TEXT]")) return 0;
   if (comm::Runtime::get().world().rank() != 0) return 0;
-  auto model = train::gpt_from_checkpoint(train::load_gpt_checkpoint(train::resolve_checkpoint(ckpt, "checkpoint")));
+  auto model = train::gpt_from_checkpoint(train::load_checkpoint_set(train::resolve_checkpoint(ckpt, "checkpoint")));
   model->eval();
   const int64_t ctx = model->config().context, v = model->config().vocab;
   std::vector<int32_t> seq;

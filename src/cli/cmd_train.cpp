@@ -1,10 +1,9 @@
-// dtrain train: one configuration for every model; the model decides the task (image classifier or
-// the GPT), both run under the same preemption guard and exit statuses.
+// dtrain train: one configuration and one loop for every model; the model decides the task (image
+// classifier or the GPT).
 #include <cstdio>
 
 #include "commands.h"
 #include "dtrain/comm/runtime.h"
-#include "dtrain/train/lm_trainer.h"
 #include "dtrain/train/signals.h"
 #include "dtrain/train/trainer.h"
 
@@ -24,11 +23,7 @@ int cmd_train(int argc, char** argv) {
   if (rt.topology().rank == 0) std::printf("%s", rt.topology_table().c_str());
   else rt.topology_table();  // collective: every rank takes part
   // A preempted run has written its checkpoint; the job scripts requeue on this exit status.
-  int preempted_by = 0;
-  if (cfg.model == "gpt")
-    preempted_by = train::train_lm(train::lm_config(cfg), &rt.world()).preempted_by;
-  else
-    preempted_by = train::Trainer(cfg, rt).run().preempted_by;
+  const int preempted_by = train::Trainer(cfg, rt).run().preempted_by;
   return preempted_by != 0 ? kExitPreempted : kExitDone;
 }
 

@@ -160,6 +160,22 @@ CheckpointState load_checkpoint(const std::string& path) {
   return s;
 }
 
+CheckpointState load_checkpoint_set(const std::string& main_file) {
+  CheckpointState s = load_checkpoint(main_file);
+  auto it = s.ints.find("pp_stages");
+  const int64_t stages = it == s.ints.end() ? 1 : it->second;
+  for (int64_t st = 1; st < stages; ++st) {
+    const std::string f = stage_part_file(main_file, st);
+    DT_INPUT_CHECK(fs::exists(f), "checkpoint " << main_file << " is stage 0 of " << stages << " pipeline stages, but "
+                                                << f << " (stage " << st << ") is missing");
+    CheckpointState part = load_checkpoint(f);
+    DT_INPUT_CHECK(part.ints["step"] == s.ints["step"],
+                   f << " is from step " << part.ints["step"] << ", " << main_file << " from step " << s.ints["step"]);
+    for (auto& [name, t] : part.tensors) s.tensors.emplace(name, t);  // a tied weight's copy: stage 0's
+  }
+  return s;
+}
+
 std::string resolve_checkpoint(const std::string& p, const std::string& option) {
   DT_INPUT_CHECK(fs::exists(p), "option --" << option << ": '" << p << "' does not exist");
   if (!fs::is_directory(p)) return p;

@@ -46,7 +46,7 @@ ls "$DTRAIN_RUN_DIR/ckpt/ckpt-step$(printf %09d "$step1").h5" >/dev/null || fail
 "$launch" "${args[@]}" >"$work/run2.log" 2>&1 || { cat "$work/run2.log"; fail "the resumed run failed"; }
 cat "$work/run2.log"
 grep -q "resumed from .* at step $step1\$" "$work/run2.log" || fail "phase 3: did not resume at step $step1"
-grep -q "\"summary\": \"gpt\", \"steps\": $steps," "$DTRAIN_RUN_DIR/metrics.jsonl" || fail "phase 3: the run did not end at step $steps"
+grep -q "\"summary\": \"run\", \"steps\": $steps," "$DTRAIN_RUN_DIR/metrics.jsonl" || fail "phase 3: the run did not end at step $steps"
 for group in /param /optim; do
   h5diff "$(final "$work/reference")" "$(final "$DTRAIN_RUN_DIR")" $group $group ||
     fail "the resumed run's $group differs from the uninterrupted run's"

@@ -79,12 +79,12 @@ case "$mode" in
     bin=$2 work=$3
     rm -rf "$work" && mkdir -p "$work" && cd "$work"
     export DTRAIN_BIN=$bin
-    # preempt_job NAME SUMMARY STEPS ARGS...: submits train.sbatch on 2 tasks, signals the batch
+    # preempt_job NAME STEPS ARGS...: submits train.sbatch on 2 tasks, signals the batch
     # script as --signal=B:USR1@T does before the time limit, and checks that the job was
     # requeued once, resumed at the preempted step and finished at STEPS.
     preempt_job() {
-      local name=$1 summary=$2 steps=$3
-      shift 3
+      local name=$1 steps=$2
+      shift 2
       local id metrics out state step
       id=$(sbatch --parsable -n 2 --job-name="$name" "$root/cluster/slurm/train.sbatch" --steps "$steps" "$@")
       metrics="$work/runs/$name-$id/metrics.jsonl"
@@ -99,12 +99,12 @@ case "$mode" in
       [[ -n "$step" ]] || fail "$name: no preemption recorded"
       grep -Eq "resumed from .* at step $step( |\$)" "$out" || fail "$name: the requeued job did not resume at step $step"
       [[ $(scontrol show job "$id" | grep -o 'Restarts=[0-9]*') == Restarts=1 ]] || fail "$name: expected one restart"
-      grep -q "\"summary\": \"$summary\", \"steps\": $steps," "$metrics" || fail "$name: the run did not finish at step $steps"
+      grep -q "\"summary\": \"run\", \"steps\": $steps," "$metrics" || fail "$name: the run did not finish at step $steps"
       echo "PASS ($name): preempted at step $step, requeued, resumed, finished at step $steps"
     }
-    preempt_job dtrain run 6000 --synthetic --model mlp --threads 1 --progress off --log-every 50
+    preempt_job dtrain 6000 --synthetic --model mlp --threads 1 --progress off --log-every 50
     "$bin" convert text --inputs /usr/share/games/fortunes --out "$work/tokens" >/dev/null
-    preempt_job dtrain-gpt gpt 20000 --model gpt --data "$work/tokens" --layers 2 --heads 2 --width 32 --context 32 \
+    preempt_job dtrain-gpt 20000 --model gpt --data "$work/tokens" --layers 2 --heads 2 --width 32 --context 32 \
       --batch-size 4 --eval-every 0 --eval-batches 2 --log-every 100 --threads 1
     ;;
   *) fail "mode must be train or preempt" ;;

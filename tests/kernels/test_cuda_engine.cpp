@@ -567,27 +567,27 @@ TEST_F(CudaEngineTest, GptTrainsOnTheGpuLikeOnTheCpu) {
   small.layers = 2;
   small.heads = 2;
   small.width = 32;
-  train::LmConfig c = test::small_lm_config(dir / "tok", small);
+  train::TrainConfig c = test::small_lm_config(dir / "tok", small);
   c.steps = 12;
   c.log_every = 0;
-  train::LmResult cpu_run = train::train_lm(c, nullptr);
+  train::TrainResult cpu_run = train::train_lm(c, nullptr);
   c.device = "cuda";
   c.checkpoint_dir = (dir / "ckpt").string();
-  train::LmResult gpu_run = train::train_lm(c, nullptr);
+  train::TrainResult gpu_run = train::train_lm(c, nullptr);
   ASSERT_EQ(gpu_run.step_losses.size(), cpu_run.step_losses.size());
   for (size_t i = 0; i < cpu_run.step_losses.size(); ++i)
     EXPECT_NEAR(gpu_run.step_losses[i], cpu_run.step_losses[i], 1e-4 * cpu_run.step_losses[i]) << "step " << i;
-  EXPECT_NEAR(gpu_run.val_loss, cpu_run.val_loss, 1e-4 * cpu_run.val_loss);
-  EXPECT_EQ(gpu_run.gpu_step_mallocs, 0) << "the caching allocator went to cudaMalloc inside a step after warm-up";
-  auto model = train::gpt_from_checkpoint(train::load_gpt_checkpoint(gpu_run.checkpoint));
+  EXPECT_NEAR(gpu_run.last_eval.loss, cpu_run.last_eval.loss, 1e-4 * cpu_run.last_eval.loss);
+  EXPECT_EQ(gpu_run.gpu_mallocs_after_warmup, 0) << "the caching allocator went to cudaMalloc inside a step after warm-up";
+  auto model = train::gpt_from_checkpoint(train::load_checkpoint_set(gpu_run.checkpoint));
   double reloaded =
-      train::evaluate_lm(*model, (dir / "tok" / "val.h5").string(), c.batch_size, c.model.context, c.eval_batches);
-  EXPECT_NEAR(reloaded, gpu_run.val_loss, 1e-4 * gpu_run.val_loss);
+      train::evaluate_lm(*model, (dir / "tok" / "val.h5").string(), c.batch_size, c.context, c.eval_batches);
+  EXPECT_NEAR(reloaded, gpu_run.last_eval.loss, 1e-4 * gpu_run.last_eval.loss);
   // And back onto the GPU: resuming the GPU checkpoint there continues from the step it holds.
   c.resume = gpu_run.checkpoint;
   c.steps = 14;
   c.checkpoint_dir.clear();
-  train::LmResult more = train::train_lm(c, nullptr);
+  train::TrainResult more = train::train_lm(c, nullptr);
   EXPECT_EQ(more.step_losses.size(), 2u);
   // fp16 with loss scaling (half operands with the weights' working copies, f32 accumulation) on
   // both engines: the same operand rounding, only the summation order differs.
@@ -595,9 +595,9 @@ TEST_F(CudaEngineTest, GptTrainsOnTheGpuLikeOnTheCpu) {
   c.steps = 12;
   c.precision = "fp16";
   c.device = "cpu";
-  train::LmResult cpu16 = train::train_lm(c, nullptr);
+  train::TrainResult cpu16 = train::train_lm(c, nullptr);
   c.device = "cuda";
-  train::LmResult gpu16 = train::train_lm(c, nullptr);
+  train::TrainResult gpu16 = train::train_lm(c, nullptr);
   ASSERT_EQ(gpu16.step_losses.size(), cpu16.step_losses.size());
   for (size_t i = 0; i < cpu16.step_losses.size(); ++i)
     EXPECT_NEAR(gpu16.step_losses[i], cpu16.step_losses[i], 1e-3 * cpu16.step_losses[i]) << "fp16 step " << i;

@@ -50,14 +50,14 @@ struct Corpus {
     world().barrier();
     if (world().rank() == 0) std::filesystem::remove_all(dir);
   }
-  train::LmConfig config() const {
+  train::TrainConfig config() const {
     nn::GptConfig g;
     g.context = 16;
     g.layers = 2;
     g.heads = 2;
     g.width = 32;
     g.seed = 3;
-    train::LmConfig c = test::small_lm_config(dir / "tok", g);
+    train::TrainConfig c = test::small_lm_config(dir / "tok", g);
     c.steps = 200;
     c.lr = 3e-3f;
     c.warmup_steps = 5;
@@ -77,9 +77,9 @@ struct Corpus {
 // uncompressed run (the compression path adds nothing of its own).
 TEST(LmDataParallel, EveryCompressorTrainsNearTheUncompressedRun) {
   Corpus corpus("compress");
-  train::LmConfig c = corpus.config();
-  const train::LmResult plain = train::train_lm(c, &world());
-  ASSERT_LT(plain.val_loss, 3.0);
+  train::TrainConfig c = corpus.config();
+  const train::TrainResult plain = train::train_lm(c, &world());
+  ASSERT_LT(plain.last_eval.loss, 3.0);
   struct Kind {
     const char* compression;
     double tolerance;
@@ -87,13 +87,13 @@ TEST(LmDataParallel, EveryCompressorTrainsNearTheUncompressedRun) {
   for (const Kind& k : {Kind{"topk:1", 1e-5}, Kind{"fp16", 1e-3}, Kind{"bf16", 1e-3}, Kind{"topk:0.1", 0.30},
                         Kind{"powersgd:2", 0.12}, Kind{"powersgd:8", 0.02}, Kind{"onebit", 0.35}, Kind{"qsgd:16", 0.35}}) {
     c.compression = k.compression;
-    const train::LmResult got = train::train_lm(c, &world());
-    EXPECT_TRUE(std::isfinite(got.val_loss)) << k.compression;
-    EXPECT_LT(got.val_loss, std::log(256.0)) << k.compression;
-    EXPECT_NEAR(got.val_loss, plain.val_loss, k.tolerance * plain.val_loss) << k.compression;
+    const train::TrainResult got = train::train_lm(c, &world());
+    EXPECT_TRUE(std::isfinite(got.last_eval.loss)) << k.compression;
+    EXPECT_LT(got.last_eval.loss, std::log(256.0)) << k.compression;
+    EXPECT_NEAR(got.last_eval.loss, plain.last_eval.loss, k.tolerance * plain.last_eval.loss) << k.compression;
     if (world().rank() == 0)
-      std::printf("[ measured ] %-10s val_loss %.4f (uncompressed %.4f, %+.2f %%)\n", k.compression, got.val_loss,
-                  plain.val_loss, 100 * (got.val_loss / plain.val_loss - 1));
+      std::printf("[ measured ] %-10s val_loss %.4f (uncompressed %.4f, %+.2f %%)\n", k.compression, got.last_eval.loss,
+                  plain.last_eval.loss, 100 * (got.last_eval.loss / plain.last_eval.loss - 1));
   }
 }
 
@@ -102,19 +102,19 @@ TEST(LmDataParallel, EveryCompressorTrainsNearTheUncompressedRun) {
 TEST(LmDataParallel, CompressedRunsResumeExactly) {
   Corpus corpus("resume");
   for (const char* kind : {"topk:0.1", "powersgd:2"}) {
-    train::LmConfig c = corpus.config();
+    train::TrainConfig c = corpus.config();
     c.compression = kind;
     c.checkpoint_every = 100;
     c.checkpoint_dir = (corpus.dir / (std::string("ckpt-") + kind)).string();
-    const train::LmResult whole = train::train_lm(c, &world());
+    const train::TrainResult whole = train::train_lm(c, &world());
     c.resume = c.checkpoint_dir + "/ckpt-step000000100.h5";
     c.checkpoint_dir = (corpus.dir / (std::string("again-") + kind)).string();
-    const train::LmResult resumed = train::train_lm(c, &world());
+    const train::TrainResult resumed = train::train_lm(c, &world());
     if (world().rank() == 0) {
       ASSERT_EQ(resumed.step_losses.size(), 100u) << kind;
       for (size_t i = 0; i < 100; ++i) EXPECT_EQ(resumed.step_losses[i], whole.step_losses[100 + i]) << kind << " " << i;
     }
-    EXPECT_EQ(resumed.val_loss, whole.val_loss) << kind;
+    EXPECT_EQ(resumed.last_eval.loss, whole.last_eval.loss) << kind;
     // Without compression the parts are not used, and the run says so instead of failing.
     c.compression = "none";
     c.checkpoint_dir = (corpus.dir / (std::string("plain-") + kind)).string();
@@ -127,23 +127,23 @@ TEST(LmDataParallel, CompressedRunsResumeExactly) {
 // both final models give the same validation loss on the same windows within 1e-5.
 TEST(LmDataParallel, AccumulateMatchesTheLargerBatch) {
   Corpus corpus("accumulate");
-  train::LmConfig c = corpus.config();
+  train::TrainConfig c = corpus.config();
   c.steps = 20;
   c.batch_size = 8;
   c.checkpoint_dir = (corpus.dir / "big").string();
-  const train::LmResult big = train::train_lm(c, &world());
+  const train::TrainResult big = train::train_lm(c, &world());
   c.batch_size = 4;
   c.accumulate = 2;
   c.checkpoint_dir = (corpus.dir / "split").string();
-  const train::LmResult split = train::train_lm(c, &world());
+  const train::TrainResult split = train::train_lm(c, &world());
   if (world().rank() == 0) {
     ASSERT_EQ(split.step_losses.size(), big.step_losses.size());
     for (size_t i = 0; i < big.step_losses.size(); ++i)
       EXPECT_NEAR(split.step_losses[i], big.step_losses[i], 1e-5 * big.step_losses[i]) << "step " << i;
     const std::string val = (corpus.dir / "tok" / "val.h5").string();
-    auto validate = [&](const train::LmResult& r) {
-      auto model = train::gpt_from_checkpoint(train::load_gpt_checkpoint(r.checkpoint));
-      return train::evaluate_lm(*model, val, 8, c.model.context, 8);
+    auto validate = [&](const train::TrainResult& r) {
+      auto model = train::gpt_from_checkpoint(train::load_checkpoint_set(r.checkpoint));
+      return train::evaluate_lm(*model, val, 8, c.context, 8);
     };
     const double want = validate(big);
     EXPECT_NEAR(validate(split), want, 1e-5 * want);

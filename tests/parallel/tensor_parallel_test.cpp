@@ -260,19 +260,19 @@ TEST(TensorParallel, LmTrainerTp2MatchesOneRankAndCheckpointReloads) {
   std::filesystem::path dir = "/tmp/dtrain-tp-lm-" + std::to_string(pid);
   if (world().rank() == 0) test::write_lm_corpus(dir, "the quick brown fox", 600);
   world().barrier();
-  train::LmConfig c = test::small_lm_config(dir / "tok", small_gpt());
+  train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
   auto solo = world().split(world().rank(), 0, "solo");
-  train::LmResult ref = train::train_lm(c, solo.get());
+  train::TrainResult ref = train::train_lm(c, solo.get());
   c.tp = 2;
   c.checkpoint_dir = (dir / "ckpt").string();
-  train::LmResult got = train::train_lm(c, &world());
+  train::TrainResult got = train::train_lm(c, &world());
   EXPECT_NEAR(got.train_loss, ref.train_loss, 1e-5 * ref.train_loss);
-  EXPECT_NEAR(got.val_loss, ref.val_loss, 1e-5 * ref.val_loss);
+  EXPECT_NEAR(got.last_eval.loss, ref.last_eval.loss, 1e-5 * ref.last_eval.loss);
   if (world().rank() == 0) {
     auto one = train::gpt_from_checkpoint(train::load_checkpoint(got.checkpoint));
     double reloaded =
-        train::evaluate_lm(*one, (dir / "tok" / "val.h5").string(), c.batch_size, c.model.context, c.eval_batches);
-    EXPECT_NEAR(reloaded, got.val_loss, 1e-5 * got.val_loss);
+        train::evaluate_lm(*one, (dir / "tok" / "val.h5").string(), c.batch_size, c.context, c.eval_batches);
+    EXPECT_NEAR(reloaded, got.last_eval.loss, 1e-5 * got.last_eval.loss);
   }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
@@ -378,26 +378,26 @@ std::filesystem::path make_corpus(const std::string& tag) {
 // rank to the same validation loss.
 void expect_lm_layout_matches_one_rank(int tp, int pp, const std::string& schedule, bool recompute) {
   std::filesystem::path dir = make_corpus("lm-" + std::to_string(tp) + "x" + std::to_string(pp));
-  train::LmConfig c = test::small_lm_config(dir / "tok", small_gpt());
+  train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
   auto solo = world().split(world().rank(), 0, "solo");
-  train::LmResult ref = train::train_lm(c, solo.get());
+  train::TrainResult ref = train::train_lm(c, solo.get());
   c.tp = tp;
   c.pp = pp;
   c.schedule = schedule;
   c.checkpoint_activations = recompute;
   c.checkpoint_dir = (dir / "ckpt").string();
-  train::LmResult got = train::train_lm(c, &world());
+  train::TrainResult got = train::train_lm(c, &world());
   if (world().rank() == 0) {
     ASSERT_EQ(got.step_losses.size(), ref.step_losses.size());
     for (size_t i = 0; i < ref.step_losses.size(); ++i)
       EXPECT_NEAR(got.step_losses[i], ref.step_losses[i], 1e-5 * ref.step_losses[i]) << "step " << i;
   }
-  EXPECT_NEAR(got.val_loss, ref.val_loss, 1e-5 * ref.val_loss);
+  EXPECT_NEAR(got.last_eval.loss, ref.last_eval.loss, 1e-5 * ref.last_eval.loss);
   if (world().rank() == 0) {
-    auto one = train::gpt_from_checkpoint(train::load_gpt_checkpoint(got.checkpoint));
+    auto one = train::gpt_from_checkpoint(train::load_checkpoint_set(got.checkpoint));
     double reloaded =
-        train::evaluate_lm(*one, (dir / "tok" / "val.h5").string(), c.batch_size, c.model.context, c.eval_batches);
-    EXPECT_NEAR(reloaded, got.val_loss, 1e-5 * got.val_loss);
+        train::evaluate_lm(*one, (dir / "tok" / "val.h5").string(), c.batch_size, c.context, c.eval_batches);
+    EXPECT_NEAR(reloaded, got.last_eval.loss, 1e-5 * got.last_eval.loss);
   }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
@@ -408,40 +408,40 @@ void expect_lm_layout_matches_one_rank(int tp, int pp, const std::string& schedu
 // one rank the same way (parameters and AdamW moments go through the one-rank layout).
 void expect_resume_across_layouts(int tp, int pp) {
   std::filesystem::path dir = make_corpus("resume-" + std::to_string(tp) + "x" + std::to_string(pp));
-  train::LmConfig c = test::small_lm_config(dir / "tok", small_gpt());
+  train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
   c.checkpoint_every = 5;
   auto solo = world().split(world().rank(), 0, "solo");
-  train::LmConfig one = c;  // every rank runs it alone, into its own directory
+  train::TrainConfig one = c;  // every rank runs it alone, into its own directory
   one.checkpoint_dir = (dir / ("one" + std::to_string(world().rank()))).string();
-  train::LmResult ref = train::train_lm(one, solo.get());
+  train::TrainResult ref = train::train_lm(one, solo.get());
   ASSERT_EQ(ref.step_losses.size(), 10u);
   world().barrier();
 
-  train::LmConfig layout = c;
+  train::TrainConfig layout = c;
   layout.tp = tp;
   layout.pp = pp;
   layout.resume = (dir / "one0" / "ckpt-step000000005.h5").string();
   layout.checkpoint_dir = (dir / "layout").string();
-  train::LmResult got = train::train_lm(layout, &world());
+  train::TrainResult got = train::train_lm(layout, &world());
   if (world().rank() == 0) {
     ASSERT_EQ(got.step_losses.size(), 5u);
     for (size_t i = 0; i < 5; ++i)
       EXPECT_NEAR(got.step_losses[i], ref.step_losses[5 + i], 1e-5 * ref.step_losses[5 + i]) << "step " << 5 + i;
   }
-  EXPECT_NEAR(got.val_loss, ref.val_loss, 1e-5 * ref.val_loss);
+  EXPECT_NEAR(got.last_eval.loss, ref.last_eval.loss, 1e-5 * ref.last_eval.loss);
 
   // And back: the layout run, checkpointed at step 5, continued on one rank.
   layout.resume.clear();
   layout.checkpoint_dir = (dir / "layout2").string();
   train::train_lm(layout, &world());
-  train::LmConfig back = c;
+  train::TrainConfig back = c;
   back.checkpoint_every = 0;
   back.resume = (dir / "layout2" / "ckpt-step000000005.h5").string();
-  train::LmResult again = train::train_lm(back, solo.get());
+  train::TrainResult again = train::train_lm(back, solo.get());
   ASSERT_EQ(again.step_losses.size(), 5u);
   for (size_t i = 0; i < 5; ++i)
     EXPECT_NEAR(again.step_losses[i], ref.step_losses[5 + i], 1e-5 * ref.step_losses[5 + i]) << "step " << 5 + i;
-  EXPECT_NEAR(again.val_loss, ref.val_loss, 1e-5 * ref.val_loss);
+  EXPECT_NEAR(again.last_eval.loss, ref.last_eval.loss, 1e-5 * ref.last_eval.loss);
   // A checkpoint that is not there, or past --steps, is named.
   back.resume = (dir / "nothing.h5").string();
   EXPECT_THROW(train::train_lm(back, solo.get()), InputError);
@@ -481,7 +481,7 @@ TEST(Pipeline, LmResumesFromOneRankInTp2Pp2AndBack) {
 TEST(Pipeline, LmTokensOneRankCannotReadFailEveryRank) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2)";
   std::filesystem::path dir = make_corpus("lm-tokens-fail");
-  train::LmConfig c = test::small_lm_config(dir / "tok", small_gpt());
+  train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
   c.pp = 2;
   if (world().rank() == 1) c.data = (dir / "not-on-this-node").string();
   try {
@@ -497,7 +497,7 @@ TEST(Pipeline, LmTokensOneRankCannotReadFailEveryRank) {
 TEST(Pipeline, LmOneStagesCheckpointFailureFailsEveryRank) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2)";
   std::filesystem::path dir = make_corpus("lm-ckpt-fail");
-  train::LmConfig c = test::small_lm_config(dir / "tok", small_gpt());
+  train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
   c.pp = 2;
   c.checkpoint_every = 5;
   c.checkpoint_dir = (dir / "ckpt").string();
@@ -517,7 +517,7 @@ TEST(Pipeline, LmOneStagesCheckpointFailureFailsEveryRank) {
   world().barrier();
   train::train_lm(c, &world());
   world().barrier();
-  train::LmConfig r = c;
+  train::TrainConfig r = c;
   r.resume = main_file;
   r.checkpoint_dir.clear();
   if (world().rank() == 1) std::ofstream(part, std::ios::trunc) << "not a checkpoint";
@@ -529,7 +529,7 @@ TEST(Pipeline, LmOneStagesCheckpointFailureFailsEveryRank) {
     EXPECT_NE(std::string(e.what()).find("stage1.h5"), std::string::npos) << e.what();
   }
   // A metrics file only rank 0 opens, and cannot: every rank fails naming the option.
-  train::LmConfig m = c;
+  train::TrainConfig m = c;
   m.checkpoint_dir.clear();
   m.metrics = "/proc/dtrain-no-such-dir/metrics.jsonl";
   try {
@@ -552,12 +552,12 @@ TEST(Pipeline, LmBf16WeightCopiesChangeNoLoss) {
   nn::GptConfig g = small_gpt();
   g.width = 32;  // every GEMM at least 16 x 16: all of them multiply in bf16 and read the copies
   g.context = 16;
-  train::LmConfig c = test::small_lm_config(dir / "tok", g);
+  train::TrainConfig c = test::small_lm_config(dir / "tok", g);
   c.precision = "bf16";
   c.pp = 2;
   c.micro_batches = 4;
   c.eval_every = 5;
-  train::LmResult r[2];
+  train::TrainResult r[2];
   for (int copies = 0; copies < 2; ++copies) {
     ::setenv("DTRAIN_WORKING_COPIES", copies ? "1" : "0", 1);
     r[copies] = train::train_lm(c, &world());
@@ -568,7 +568,7 @@ TEST(Pipeline, LmBf16WeightCopiesChangeNoLoss) {
     ASSERT_EQ(r[0].step_losses.size(), 10u);
     ASSERT_EQ(r[1].step_losses.size(), 10u);
     for (size_t i = 0; i < 10; ++i) EXPECT_EQ(r[0].step_losses[i], r[1].step_losses[i]) << "step " << i;
-    EXPECT_EQ(r[0].val_loss, r[1].val_loss);
+    EXPECT_EQ(r[0].last_eval.loss, r[1].last_eval.loss);
   }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
@@ -583,14 +583,14 @@ TEST(Pipeline, LmFp16SkipsTheSameStepsAsOneRank) {
   nn::GptConfig g = small_gpt();
   g.width = 32;
   g.context = 16;
-  train::LmConfig c = test::small_lm_config(dir / "tok", g);
+  train::TrainConfig c = test::small_lm_config(dir / "tok", g);
   c.precision = "fp16";
   c.loss_scale_init = 16777216.f;
   auto solo = world().split(world().rank(), 0, "solo");
-  train::LmResult ref = train::train_lm(c, solo.get());
+  train::TrainResult ref = train::train_lm(c, solo.get());
   c.pp = 2;
   c.micro_batches = 4;
-  train::LmResult got = train::train_lm(c, &world());
+  train::TrainResult got = train::train_lm(c, &world());
   cpu_engine().set_math_precision(MathPrecision::F32);
   EXPECT_GE(ref.skipped_steps, 1);
   EXPECT_EQ(got.skipped_steps, ref.skipped_steps);
@@ -600,7 +600,7 @@ TEST(Pipeline, LmFp16SkipsTheSameStepsAsOneRank) {
     for (size_t i = 0; i < ref.step_losses.size(); ++i)
       EXPECT_NEAR(got.step_losses[i], ref.step_losses[i], 1e-5 * ref.step_losses[i]) << "step " << i;
   }
-  EXPECT_NEAR(got.val_loss, ref.val_loss, 1e-5 * ref.val_loss);
+  EXPECT_NEAR(got.last_eval.loss, ref.last_eval.loss, 1e-5 * ref.last_eval.loss);
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
@@ -619,16 +619,16 @@ TEST(DataParallel, LmOnGpusThroughNcclMatchesTheCpu) {
   nn::GptConfig g = small_gpt();
   g.width = 32;
   g.context = 16;
-  train::LmConfig c = test::small_lm_config(dir / "tok", g);
-  train::LmResult cpu = train::train_lm(c, &world());
+  train::TrainConfig c = test::small_lm_config(dir / "tok", g);
+  train::TrainResult cpu = train::train_lm(c, &world());
   c.device = "cuda";
-  train::LmResult gpu = train::train_lm(c, &world());
+  train::TrainResult gpu = train::train_lm(c, &world());
   if (world().rank() == 0) {
     ASSERT_EQ(gpu.step_losses.size(), cpu.step_losses.size());
     for (size_t i = 0; i < cpu.step_losses.size(); ++i)
       EXPECT_NEAR(gpu.step_losses[i], cpu.step_losses[i], 1e-4 * cpu.step_losses[i]) << "step " << i;
   }
-  EXPECT_NEAR(gpu.val_loss, cpu.val_loss, 1e-4 * cpu.val_loss);
+  EXPECT_NEAR(gpu.last_eval.loss, cpu.last_eval.loss, 1e-4 * cpu.last_eval.loss);
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }

@@ -1,6 +1,6 @@
 #pragma once
 // A small language-model run for tests: a text corpus of repeated lines converted to token files,
-// and the LmConfig the tests share (byte vocabulary, batch 4, 10 AdamW steps, evaluation at the end).
+// and the GPT configuration the tests share (byte vocabulary, batch 4, 10 AdamW steps, evaluation at the end).
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -20,11 +20,15 @@ inline void write_lm_corpus(const std::filesystem::path& dir, const std::string&
   data::convert_text({(dir / "text").string()}, (dir / "tok").string());
 }
 
-inline train::LmConfig small_lm_config(const std::filesystem::path& tokens, const nn::GptConfig& model) {
-  train::LmConfig c;
+inline train::TrainConfig small_lm_config(const std::filesystem::path& tokens, const nn::GptConfig& model) {
+  train::TrainConfig c = train::model_defaults("gpt");
   c.data = tokens.string();
-  c.model = model;
-  c.model.vocab = 256;
+  c.vocab = 256;
+  c.context = model.context;
+  c.layers = model.layers;
+  c.heads = model.heads;
+  c.width = model.width;
+  c.seed = model.seed;
   c.batch_size = 4;
   c.steps = 10;
   c.lr = 3e-3f;

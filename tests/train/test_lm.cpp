@@ -26,12 +26,12 @@ TEST(LanguageModel, LearnsPeriodicTextAndCheckpointReloads) {
   topt.block_bytes = 1024;
   data::convert_text({(dir / "text").string()}, (dir / "tok").string(), topt);
 
-  train::LmConfig c;
+  train::TrainConfig c = train::model_defaults("gpt");
   c.data = (dir / "tok").string();
-  c.model.layers = 1;
-  c.model.heads = 2;
-  c.model.width = 32;
-  c.model.context = 16;
+  c.layers = 1;
+  c.heads = 2;
+  c.width = 32;
+  c.context = 16;
   c.batch_size = 8;
   c.steps = 150;
   c.lr = 3e-3f;
@@ -42,16 +42,15 @@ TEST(LanguageModel, LearnsPeriodicTextAndCheckpointReloads) {
   c.log_every = 0;
   c.quiet = true;
   c.checkpoint_dir = (dir / "ckpt").string();
-  train::LmResult r = train::train_lm(c, nullptr);
-  EXPECT_LT(r.val_loss, 0.5) << "nats per byte; uniform is ln 256 = 5.55";
-  EXPECT_NEAR(r.val_bpb, r.val_loss / std::log(2.0), 1e-9);
-  EXPECT_GT(r.tokens_per_s, 0);
+  train::TrainResult r = train::train_lm(c, nullptr);
+  EXPECT_LT(r.last_eval.loss, 0.5) << "nats per byte; uniform is ln 256 = 5.55";
+  EXPECT_GT(r.units_per_s, 0);
   ASSERT_TRUE(fs::exists(r.checkpoint));
 
   auto model = train::gpt_from_checkpoint(train::load_checkpoint(r.checkpoint));
   EXPECT_EQ(model->config().width, 32);
   double reloaded = train::evaluate_lm(*model, (dir / "tok" / "val.h5").string(), c.batch_size, 16, c.eval_batches);
-  EXPECT_NEAR(reloaded, r.val_loss, 1e-6 * std::max(1.0, r.val_loss));
+  EXPECT_NEAR(reloaded, r.last_eval.loss, 1e-6 * std::max(1.0, r.last_eval.loss));
   fs::remove_all(dir);
 }
 
@@ -70,25 +69,25 @@ TEST(LanguageModel, Fp16LossScalingSkipsOverflowsAndResumesExactly) {
   g.heads = 2;
   g.width = 32;
   g.context = 16;
-  train::LmConfig c = test::small_lm_config(dir / "tok", g);
+  train::TrainConfig c = test::small_lm_config(dir / "tok", g);
   struct Restore {
     ~Restore() { cpu_engine().set_math_precision(MathPrecision::F32); }
   } restore;
-  train::LmResult fp32 = train::train_lm(c, nullptr);
+  train::TrainResult fp32 = train::train_lm(c, nullptr);
 
   c.precision = "fp16";
-  train::LmResult plain = train::train_lm(c, nullptr);
+  train::TrainResult plain = train::train_lm(c, nullptr);
   EXPECT_EQ(plain.skipped_steps, 0);
   EXPECT_EQ(plain.loss_scale, 65536.0);
   ASSERT_EQ(plain.step_losses.size(), fp32.step_losses.size());
   for (size_t i = 0; i < fp32.step_losses.size(); ++i)
     EXPECT_NEAR(plain.step_losses[i], fp32.step_losses[i], 2e-3 * fp32.step_losses[i]) << "step " << i;
-  EXPECT_NEAR(plain.val_loss, fp32.val_loss, 2e-3 * fp32.val_loss);
+  EXPECT_NEAR(plain.last_eval.loss, fp32.last_eval.loss, 2e-3 * fp32.last_eval.loss);
 
   c.loss_scale_init = 16777216.f;
   c.checkpoint_dir = (dir / "ckpt").string();
   c.checkpoint_every = 5;
-  train::LmResult big = train::train_lm(c, nullptr);
+  train::TrainResult big = train::train_lm(c, nullptr);
   EXPECT_GE(big.skipped_steps, 1);
   EXPECT_LT(big.skipped_steps, 10);
   EXPECT_EQ(big.loss_scale, 16777216.0 / std::pow(2.0, static_cast<double>(big.skipped_steps)));
@@ -98,13 +97,13 @@ TEST(LanguageModel, Fp16LossScalingSkipsOverflowsAndResumesExactly) {
 
   c.resume = (dir / "ckpt" / "ckpt-step000000005.h5").string();
   c.checkpoint_dir = (dir / "ckpt2").string();
-  train::LmResult resumed = train::train_lm(c, nullptr);
+  train::TrainResult resumed = train::train_lm(c, nullptr);
   ASSERT_EQ(resumed.step_losses.size(), 5u);
   for (size_t i = 0; i < 5; ++i)
     EXPECT_NEAR(resumed.step_losses[i], big.step_losses[5 + i], 1e-6 * big.step_losses[5 + i]) << "step " << 5 + i;
   EXPECT_EQ(resumed.skipped_steps, big.skipped_steps);
   EXPECT_EQ(resumed.loss_scale, big.loss_scale);
-  EXPECT_NEAR(resumed.val_loss, big.val_loss, 1e-6 * big.val_loss);
+  EXPECT_NEAR(resumed.last_eval.loss, big.last_eval.loss, 1e-6 * big.last_eval.loss);
   fs::remove_all(dir);
 }
 
@@ -121,7 +120,7 @@ TEST(LanguageModel, NonFiniteLossStopsBeforeItsCheckpoint) {
   g.heads = 2;
   g.width = 32;
   g.context = 16;
-  train::LmConfig c = test::small_lm_config(dir / "tok", g);
+  train::TrainConfig c = test::small_lm_config(dir / "tok", g);
   c.lr = 1e30f;
   c.warmup_steps = 0;
   c.steps = 12;

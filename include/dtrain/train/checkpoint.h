@@ -29,6 +29,10 @@ struct CheckpointState {
 void save_checkpoint(const std::string& path, const CheckpointState& s);
 // Throws InputError naming the file when it is missing, not HDF5, truncated or fails its checksum.
 CheckpointState load_checkpoint(const std::string& path);
+// A checkpoint set: the main file with every pipeline stage's part merged in (a model cut into
+// stages writes ckpt-stepN.h5 for stage 0 and ckpt-stepN.stage<s>.h5 for the others). Throws
+// InputError naming a missing part or one of another step.
+CheckpointState load_checkpoint_set(const std::string& main_file);
 // A file is returned as is; for a directory, its newest "ckpt-*.h5". Throws InputError naming
 // `option` (the option that gave the path: "resume", "checkpoint") when there is none.
 std::string resolve_checkpoint(const std::string& file_or_dir, const std::string& option = "resume");

@@ -83,6 +83,7 @@ struct TrainConfig {
   std::string schedule = "1f1b";  // pipeline schedule: 1f1b or gpipe
   bool checkpoint_activations = false;
   bool print_config = false;  // print the effective configuration as INI and exit
+  bool quiet = false;         // no log lines (tests; not an option)
 };
 
 // The defaults of `model`'s options: the shared options have one default, except where a model's

@@ -1,36 +1,47 @@
 #pragma once
-// The training loop: data (sharded HDF5 or synthetic) -> model forward/backward -> data-parallel
-// gradient exchange -> optimizer, with evaluation, metrics, progress and checkpoints.
-#include <filesystem>
+// The one training loop, for every model: a Task (image classifier or GPT) supplies data, model,
+// loss and validation; the loop owns the rest: device, dp x tp x pp layout, gradient exchange,
+// loss scaling and its agreed skip, clipping, optimizer, the agreed loss reads and divergence stop,
+// preemption, trace, progress, metrics and the checkpoint set.
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dtrain/comm/runtime.h"
-#include "dtrain/data/loader.h"
-#include "dtrain/nn/models.h"
+#include "dtrain/data/dataset.h"
+#include "dtrain/nn/module.h"
 #include "dtrain/optim/loss_scaler.h"
 #include "dtrain/optim/optimizer.h"
 #include "dtrain/optim/schedule.h"
 #include "dtrain/parallel/data_parallel.h"
+#include "dtrain/parallel/pipeline.h"
+#include "dtrain/parallel/process_grid.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/config.h"
 #include "dtrain/train/metrics.h"
+#include "dtrain/train/task.h"
+#include "dtrain/train/trace.h"
 
 namespace dtrain::train {
 
-struct EvalResult {
-  double loss = 0, accuracy = 0;
-  int64_t samples = 0;
-};
-
 struct TrainResult {
-  int64_t steps = 0;
-  double final_loss = 0;
-  EvalResult last_eval;
-  double samples_per_s = 0;    // global, over the run's steady state (after the first step)
-  double first_step_at_s = 0;  // seconds from process start to the end of the first step
-  int preempted_by = 0;        // the signal that stopped the run early after a checkpoint, or 0
+  int64_t steps = 0;               // the step the run ended at (fewer than asked when preempted)
+  double final_loss = 0;           // the last step's training loss (this rank's dp group)
+  double train_loss = 0;           // mean over the last log interval and the ranks
+  std::vector<double> step_losses;  // every step's training loss (this rank's dp group), for comparisons
+  EvalResult last_eval;            // the last validation (test set, or the GPT's validation windows)
+  double units_per_s = 0;          // samples or tokens, global, over the steady state (after the first step)
+  double first_step_at_s = 0;      // seconds from process start to the end of the first step
+  int preempted_by = 0;            // the signal that stopped the run early after a checkpoint, or 0
+  std::string checkpoint;          // the last checkpoint written, when any
+  // Pipeline (pp > 1), this rank's stage: measured bubble (mean over steps), the ideal one, and the
+  // most activation bytes held at once.
+  double pp_bubble = 0, pp_ideal_bubble = 0;
+  size_t pp_peak_activation_bytes = 0;
+  // fp16: the loss scale after the last step and the steps skipped for inf/NaN gradients.
+  double loss_scale = 1;
+  int64_t skipped_steps = 0;
   // On a GPU: the caching allocator's peak allocation and reservation (cache included) at the end,
   // and the cudaMalloc calls it made after the second step (0 when the steps allocate nothing new).
   double gpu_peak_allocated_mib = 0, gpu_reserved_mib = 0;
@@ -39,47 +50,73 @@ struct TrainResult {
 
 class Trainer {
  public:
-  // `dp` is the data-parallel communicator (default: the runtime's world).
-  Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* dp = nullptr);
+  // `world`: the ranks of this run (default: the runtime's world); they form the dp x tp x pp grid.
+  Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* world = nullptr);
   ~Trainer();
   TrainResult run();
-  EvalResult evaluate(const data::ShardedHdf5Dataset& ds);
 
-  nn::Module& model() { return *model_; }
+  nn::Module& model() { return task_->model(); }
   int64_t per_rank_batch() const { return batch_; }
 
  private:
-  void setup();           // options, data, model: the ranks agree on its outcome
-  void setup_exchange();  // data parallel (NCCL), optimizer, schedule, metrics: agreed in turn
+  void choose_device();   // threads, device and precision (agreed: a host short of GPUs fails all)
+  void check_layout();    // the batch and the grid's combinations
+  void setup_exchange();  // data parallel (NCCL), pipeline, optimizer, schedule, metrics
   void build_optimizer();
   float topk_momentum_correction() const;
-  void save(int64_t epoch, int64_t batch_in_epoch);
-  void write_main(const std::filesystem::path& path, std::map<std::string, Tensor>& optim_state, bool no_parts,
-                  int64_t epoch, int64_t batch_in_epoch);  // rank 0: the checkpoint itself, then pruning
-  void restore(const std::string& path, int64_t& epoch, int64_t& skip);
-  void resume_position(int64_t then_world, int64_t then_global, int64_t& skip);
   void say(const std::string& s);
+  void announce();
+  bool step_once(double& wait_s);  // false when the epoch ran out before the step
+  void forward_backward(float loss_scale);
+  void exchange();
+  bool update(float lr);
+  void clip_gradients();
+  void read_losses(bool before_save);
+  void log_interval(int64_t epoch, int64_t batch_in_epoch, float lr);
+  void validate(int64_t epoch, double epoch_s);
+  bool preempted(int64_t epoch, int64_t batch_in_epoch, bool saved);
+  void finish();
+  void report_pipeline();
+  // Checkpoints: the optimizer state per parameter in the one-rank layout, the set of files.
+  std::vector<std::string> state_kinds();
+  std::map<std::string, Tensor> optimizer_state_full();
+  void load_optimizer_state(CheckpointState& s);
+  void save(int64_t epoch, int64_t batch_in_epoch);
+  ResumePoint restore(const std::string& where);
 
   TrainConfig cfg_;
   comm::Runtime& rt_;
-  comm::Communicator& comm_;
-  int rank_ = 0, world_ = 1;
+  comm::Communicator& world_;
+  std::unique_ptr<Task> task_;
+  std::unique_ptr<parallel::ProcessGrid> grid_;
+  int rank_ = 0;
   int64_t batch_ = 0;
+  int parts_ = 1;                  // micro-batches of a step: --accumulate, or the pipeline's
   Device device_ = Device::cpu();  // where the model trains (--device)
-  std::shared_ptr<data::ShardedHdf5Dataset> train_ds_, test_ds_;
-  std::unique_ptr<data::DataLoader> loader_;
-  nn::ModelSpec spec_;
-  nn::ModulePtr model_;
+  std::unique_ptr<comm::Communicator> nccl_;  // data parallel on GPUs (declared before dp_, which uses it)
+  std::unique_ptr<parallel::DataParallel> dp_;
+  std::unique_ptr<parallel::PipelineStage> pipe_;
   std::unique_ptr<optim::Optimizer> opt_;
   std::unique_ptr<optim::LrSchedule> sched_;
-  // Data parallel on GPUs: gradients go through NCCL (declared before dp_, which uses it).
-  std::unique_ptr<comm::Communicator> nccl_;
-  std::unique_ptr<parallel::DataParallel> dp_;
   std::unique_ptr<optim::LossScaler> scaler_;  // fp16 only
   std::unique_ptr<MetricsWriter> metrics_;
   JsonFields provenance_;  // the metrics file's first line and every checkpoint's "provenance"
   std::unique_ptr<Progress> progress_;
-  int64_t step_ = 0, steps_per_epoch_ = 0, total_steps_ = 0, epochs_ = 0;
+  std::unique_ptr<ChromeTrace> trace_;
+  int64_t step_ = 0, start_step_ = 0, steps_per_epoch_ = 0, total_steps_ = 0, epochs_ = 0;
+  bool has_epochs_ = true;
+  TrainResult result_;
+  // The loss rows of the steps since the last read (on the model's device) and their units; the
+  // interval's sums since the last log line.
+  Tensor rows_;
+  std::vector<int64_t> row_units_;
+  struct Interval {
+    double loss = 0, wait = 0, comm = 0, fwd = 0, bwd = 0, opt = 0, t0 = 0;
+    int64_t steps = 0, hits = 0, units = 0, bytes0 = 0;
+  } iv_;
+  double train_t0_ = 0, eval_total_s_ = 0, run_t0_ = 0, run_cpu0_ = 0, ema_step_s_ = 0, bubble_sum_ = 0;
+  int64_t run_units_ = 0, step_mallocs_ = 0;
+  JsonFields last_validation_;
 };
 
 // Loss and accuracy of `model` over all of `ds`, its samples split over the ranks of `comm` (null:

@@ -1,0 +1,321 @@
+// The GPT task of the one loop: byte-token streams (dtrain convert text), each step B random
+// windows of T+1 tokens per dp rank, the model cut over tp and pp (a stage is a Gpt over a part of
+// it), mean cross-entropy per token (vocabulary-parallel under tp), validation loss and bits per byte.
+#include "dtrain/train/lm_trainer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <sstream>
+
+#include "dtrain/comm/runtime.h"
+#include "dtrain/core/error.h"
+#include "dtrain/core/rng.h"
+#include "dtrain/core/timer.h"
+#include "dtrain/data/text.h"
+#include "dtrain/parallel/pipeline.h"
+#include "dtrain/parallel/process_grid.h"
+#include "dtrain/parallel/tensor_parallel.h"
+#include "dtrain/train/task.h"
+#include "dtrain/train/trainer.h"
+
+namespace dtrain::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, int64_t max_batches,
+                   nn::SoftmaxCrossEntropy& xent, Device device = Device::cpu()) {
+  int64_t windows = data::window_count(s, t);
+  int64_t batches = windows / batch;
+  if (max_batches > 0) batches = std::min(batches, max_batches);
+  DT_INPUT_CHECK(batches > 0, "the validation stream (" << s.tokens.size() << " tokens) holds no batch of " << batch
+                                                        << " windows of " << t + 1 << " tokens");
+  nn::update_working_copies(model.parameters(), engine_for(device).math_precision());
+  bool was_training = model.training();
+  model.eval();
+  StagedTensor ids, targets;  // on a GPU: page-locked staging, reused by every batch
+  Tensor stats = zeros_on({kXentStatsFloats}, device);  // summed on the device, read once
+  for (int64_t k = 0; k < batches; ++k) {
+    data::TokenBatch b = data::sequential_windows(s, batch, t, k * batch);
+    xent.accumulate(model.forward(stage_to(b.ids, device, ids)),
+                    stage_to(b.targets, device, targets).reshape({batch * t}), stats);
+  }
+  model.train(was_training);
+  const XentStats st = xent_stats(to_host(stats));
+  DT_INPUT_CHECK(!st.bad_label, "a token of the validation stream is outside the vocabulary");
+  return st.loss_sum / static_cast<double>(batches * batch * t);
+}
+
+}  // namespace
+
+double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, int64_t seq_len, int64_t max_batches) {
+  data::TokenStream s = data::load_tokens(val_file);
+  nn::SoftmaxCrossEntropy xent;
+  return eval_stream(model, s, batch, seq_len, max_batches, xent);
+}
+
+std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s) {
+  auto it = s.strings.find("model");
+  DT_INPUT_CHECK(it != s.strings.end() && it->second == "gpt", "the checkpoint does not hold a gpt model");
+  auto cfg_it = s.int_lists.find("gpt");
+  DT_INPUT_CHECK(cfg_it != s.int_lists.end() && cfg_it->second.size() == 5, "the checkpoint lacks the gpt config");
+  nn::GptConfig cfg;
+  cfg.vocab = cfg_it->second[0];
+  cfg.context = cfg_it->second[1];
+  cfg.layers = cfg_it->second[2];
+  cfg.heads = cfg_it->second[3];
+  cfg.width = cfg_it->second[4];
+  auto model = std::make_unique<nn::Gpt>(cfg);
+  for (nn::Parameter* p : model->parameters()) {
+    auto t = s.tensors.find("param/" + p->name);
+    DT_INPUT_CHECK(t != s.tensors.end() && t->second.numel() == p->value.numel(),
+                   "the checkpoint lacks parameter " << p->name << " of " << p->value.str());
+    p->value.copy_from(t->second);
+  }
+  return model;
+}
+
+namespace {
+
+// "2,4": blocks per stage, each at least one, adding up to the layers.
+std::vector<int> split_starts(const std::string& split, int stages, int layers) {
+  std::vector<int> starts{0};
+  std::stringstream ss(split);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    int n = 0;
+    try {
+      n = std::stoi(item);
+    } catch (const std::exception&) {
+      DT_INPUT_CHECK(false, "--pp-split " << split << ": '" << item << "' is not a block count");
+    }
+    DT_INPUT_CHECK(n >= 1, "--pp-split " << split << ": every stage needs at least one block");
+    starts.push_back(starts.back() + n);
+  }
+  DT_INPUT_CHECK(static_cast<int>(starts.size()) == stages + 1 && starts.back() == layers,
+                 "--pp-split " << split << " must give " << stages << " block counts adding up to the " << layers
+                               << " layers");
+  return starts;
+}
+
+class GptTask final : public Task {
+ public:
+  void setup(const TaskSetup& s) override;
+  void connect() override;
+  nn::Module& model() override { return *model_; }
+  std::string describe() override;
+  std::string unit() const override { return "tokens"; }
+  std::string piece() const override { return "blocks"; }
+  std::vector<int> stage_starts() const override { return starts_; }
+  Shape stage_activation_shape(int64_t rows) const override { return {rows, seq_len_, cfg_->width}; }
+  int64_t steps_per_epoch() const override { return 0; }
+  void start_epoch(int64_t, int64_t) override { staged_.clear(); }
+  // As GPT-2 and nanoGPT: no weight decay on biases, LayerNorm gains and the position table.
+  std::vector<optim::ParamGroup> param_groups(const std::vector<nn::Parameter*>& params,
+                                              float weight_decay) const override {
+    return optim::decay_groups(params, weight_decay, {"wpe"});
+  }
+  bool load_step(int64_t step, double& wait_s) override;
+  Tensor micro_input(int k, int parts) override { return micro_rows(ids_, k, parts); }
+  Tensor micro_loss(const Tensor& out, int k, int parts, Tensor& stats, float grad_scale) override {
+    const Tensor targets = micro_rows(targets_, k, parts);
+    xent_->accumulate(out, targets.reshape({targets.numel()}), stats);
+    return xent_->backward(grad_scale);
+  }
+  int64_t step_units() const override { return cfg_->batch_size * cfg_->accumulate * seq_len_; }
+  std::string bad_label(int64_t step, int rank) const override {
+    return "a target token of step " + std::to_string(step) + " on rank " + std::to_string(rank) +
+           " is outside the vocabulary";
+  }
+  void after_exchange() override {
+    if (tied_) tied_->allreduce(tied_weight()->grad)->wait();  // the embedding's and the head's parts
+  }
+  const nn::Parameter* duplicate() const override { return model_->head_wte_copy(); }
+  bool validation_due(int64_t step, bool epoch_end) const override {
+    return epoch_end || (cfg_->eval_every > 0 && step % cfg_->eval_every == 0);
+  }
+  Validation validate(parallel::PipelineStage* pipe) override;
+  void write_fields(CheckpointState& s) const override;
+  void check_checkpoint(CheckpointState& s) const override;
+  ResumePoint resume_point(CheckpointState&, int64_t step) override {
+    DT_INPUT_CHECK(step < cfg_->steps, "it is at step " << step << ", not before --steps " << cfg_->steps);
+    return {0, step, ""};  // step s draws its windows from its own stream: nothing else to restore
+  }
+
+ private:
+  nn::Parameter* tied_weight() const {
+    return model_->embedding_wte() ? model_->embedding_wte() : model_->head_wte_copy();
+  }
+  std::vector<int> balanced_starts() const;
+  // Step s's windows, from a stream seeded by (seed, dp rank, s): a resumed run sees the same.
+  std::pair<Tensor, Tensor> draw(int64_t step) const {
+    Rng rng(derive_seed(data_seed_, static_cast<uint64_t>(step)));
+    data::TokenBatch b = data::random_windows(train_, cfg_->batch_size * cfg_->accumulate, seq_len_, rng);
+    return {b.ids, b.targets};
+  }
+  double pipeline_val_loss(parallel::PipelineStage& pipe, int64_t batches);
+
+  const TrainConfig* cfg_ = nullptr;
+  parallel::ProcessGrid* grid_ = nullptr;
+  Device device_ = Device::cpu();
+  int64_t seq_len_ = 0;
+  uint64_t data_seed_ = 0;
+  data::TokenStream train_, val_;
+  std::vector<int> starts_;
+  nn::GptConfig model_cfg_;
+  std::unique_ptr<nn::Gpt> model_;
+  std::unique_ptr<nn::SoftmaxCrossEntropy> xent_;
+  std::unique_ptr<comm::Communicator> tied_;  // first and last stage: the tied embedding's gradient
+  StagedSteps staged_;
+  std::vector<Tensor> ids_, targets_;  // the loaded step, on the device
+};
+
+void GptTask::setup(const TaskSetup& s) {
+  cfg_ = &s.cfg;
+  grid_ = &s.grid;
+  device_ = s.device;
+  const TrainConfig& c = s.cfg;
+  seq_len_ = c.seq_len > 0 ? c.seq_len : c.context;
+  DT_INPUT_CHECK(seq_len_ <= c.context, "--seq-len " << seq_len_ << " exceeds the context " << c.context);
+  DT_INPUT_CHECK(c.pp <= c.layers, "--pp " << c.pp << " must be between 1 and the " << c.layers << " layers");
+  DT_INPUT_CHECK(c.precision == "fp32" || c.precision == "bf16" || c.precision == "fp16" ||
+                     (!s.device.is_cpu() && c.precision == "tf32"),
+                 "--precision " << c.precision << " is not one of fp32, bf16, fp16"
+                                << (s.device.is_cpu() ? "" : ", tf32") << " for the language model on " << c.device);
+  // Every rank reads the token files itself (without a shared file system a node may lack them).
+  train_ = data::load_tokens((fs::path(c.data) / "train.h5").string());
+  val_ = data::load_tokens((fs::path(c.data) / "val.h5").string());
+  DT_INPUT_CHECK(train_.vocab <= c.vocab, "the tokens need a vocabulary of " << train_.vocab);
+  data_seed_ = derive_seed(c.seed, static_cast<uint64_t>(s.grid.dp_rank()));  // each dp group its own windows
+  model_cfg_ = nn::GptConfig{};
+  model_cfg_.vocab = c.vocab;
+  model_cfg_.context = c.context;
+  model_cfg_.layers = c.layers;
+  model_cfg_.heads = c.heads;
+  model_cfg_.width = c.width;
+  model_cfg_.seed = c.seed;
+  starts_ = c.pp > 1 ? balanced_starts() : std::vector<int>{0, static_cast<int>(c.layers)};
+  const int stage = s.grid.pp_rank(), tp = s.grid.tp_size();
+  nn::GptPart part{starts_[stage], starts_[stage + 1], stage == 0, stage == c.pp - 1};
+  // Under tensor parallelism the vocabulary is split too: embedding rows, logit columns, and the
+  // cross-entropy over them.
+  const nn::GptVocabShard vocab = tp > 1 ? parallel::vocab_parallel_shard(c.vocab, s.grid.tp()) : nn::GptVocabShard();
+  // Under bf16/fp16 the activations the blocks' GEMMs read are held in 16 bits
+  // (GptConfig::copy_gemm_inputs; the tensor-parallel blocks keep f32 references).
+  nn::GptConfig held = model_cfg_;
+  held.copy_gemm_inputs = (c.precision == "bf16" || c.precision == "fp16") && tp == 1;
+  model_ = std::make_unique<nn::Gpt>(
+      held, tp > 1 ? parallel::tensor_parallel_gpt_blocks(c.width, c.heads, s.grid.tp()) : nn::GptBlockFactory(), part,
+      c.checkpoint_activations, vocab);
+  model_->to(device_);  // drawn on the host (the same numbers everywhere), trained where the engine is
+  model_->train();
+  xent_ = tp > 1 ? std::make_unique<parallel::VocabParallelCrossEntropy>(s.grid.tp(), vocab.offset)
+                 : std::make_unique<nn::SoftmaxCrossEntropy>();
+}
+
+// The tied embedding lives on the first and the last stage: their gradients are summed.
+void GptTask::connect() {
+  const int pp = grid_->pp_size(), stage = grid_->pp_rank();
+  if (pp > 1)
+    tied_ = grid_->world().split(stage == 0 || stage == pp - 1 ? grid_->dp_rank() * grid_->tp_size() + grid_->tp_rank()
+                                                               : comm::Communicator::kNoColor,
+                                 stage, "tied-embedding");
+}
+
+// Which blocks each pipeline stage holds: given by --pp-split, or cut by cost (the embedding
+// counts with the first block, the head with the last).
+std::vector<int> GptTask::balanced_starts() const {
+  const int layers = static_cast<int>(cfg_->layers);
+  if (!cfg_->pp_split.empty()) return split_starts(cfg_->pp_split, cfg_->pp, layers);
+  nn::GptCosts k = nn::gpt_costs(model_cfg_, seq_len_);
+  std::vector<double> costs(layers, k.block);
+  costs.front() += k.embed;
+  costs.back() += k.head;
+  return parallel::balance_stages(costs, cfg_->pp);
+}
+
+std::string GptTask::describe() {
+  std::ostringstream o;
+  o << model_->kind() << ", " << model_->parameter_count() << " parameters on rank 0, batch " << cfg_->batch_size
+    << " x " << seq_len_ << " tokens per dp rank, " << train_.tokens.size() << " train / " << val_.tokens.size()
+    << " val tokens";
+  return o.str();
+}
+
+// On a GPU the next step's windows are drawn and their upload queued before this step's forward,
+// so the copy runs beside this step's compute.
+bool GptTask::load_step(int64_t step, double& wait_s) {
+  const double t0 = now_s();
+  if (!staged_.has(step)) staged_.put(step, {draw(step)}, device_);
+  staged_.take(step, ids_, targets_);
+  if (!device_.is_cpu() && step + 1 < cfg_->steps) staged_.put(step + 1, {draw(step + 1)}, device_);
+  wait_s = now_s() - t0;
+  return true;
+}
+
+Validation GptTask::validate(parallel::PipelineStage* pipe) {
+  int64_t batches = data::window_count(val_, seq_len_) / cfg_->batch_size;
+  if (cfg_->eval_batches > 0) batches = std::min(batches, cfg_->eval_batches);
+  DT_INPUT_CHECK(batches > 0, "the validation stream (" << val_.tokens.size() << " tokens) holds no batch of "
+                                                        << cfg_->batch_size << " windows of " << seq_len_ + 1
+                                                        << " tokens");
+  Validation v;
+  v.result.loss = pipe ? pipeline_val_loss(*pipe, batches)
+                       : eval_stream(*model_, val_, cfg_->batch_size, seq_len_, batches, *xent_, device_);
+  v.result.samples = batches * cfg_->batch_size;
+  const double bpb = v.result.loss / std::log(2.0);
+  char line[80];
+  std::snprintf(line, sizeof line, "val_loss %.4f  val_bpb %.4f", v.result.loss, bpb);
+  v.text = line;
+  v.fields = {{"val_loss", v.result.loss}, {"val_bpb", bpb}};
+  return v;
+}
+
+// The stages run the validation windows forwards only; the last stage's loss is shared with all.
+double GptTask::pipeline_val_loss(parallel::PipelineStage& pipe, int64_t batches) {
+  nn::update_working_copies(model_->parameters(), engine_for(device_).math_precision());
+  model_->eval();
+  double sum = 0;
+  const int64_t b = cfg_->batch_size;
+  auto window = [&](int k) { return data::sequential_windows(val_, b, seq_len_, k * b); };
+  pipe.forward_only([&](int k) { return window(k).ids; },
+                    [&](const Tensor& out, int k) {
+                      xent_->forward(out, window(k).targets.reshape({b * seq_len_}));
+                      sum += xent_->last_loss_sum();
+                    },
+                    stage_activation_shape(b), static_cast<int>(batches));
+  model_->train();
+  Tensor t = Tensor::full({1}, pipe.last() ? static_cast<float>(sum) : 0.f);
+  grid_->pp().allreduce(t)->wait();
+  return t.f32()[0] / static_cast<double>(batches * b * seq_len_);
+}
+
+void GptTask::write_fields(CheckpointState& s) const {
+  s.strings["model"] = "gpt";
+  s.strings["tokenizer"] = "bytes";
+  s.int_lists["gpt"] = {cfg_->vocab, cfg_->context, cfg_->layers, cfg_->heads, cfg_->width};
+  s.ints["first_block"] = starts_[grid_->pp_rank()];
+  s.ints["end_block"] = starts_[grid_->pp_rank() + 1];
+}
+
+void GptTask::check_checkpoint(CheckpointState& s) const {
+  auto g = s.int_lists.find("gpt");
+  const std::vector<int64_t> want{cfg_->vocab, cfg_->context, cfg_->layers, cfg_->heads, cfg_->width};
+  DT_INPUT_CHECK(s.strings["model"] == "gpt" && g != s.int_lists.end() && g->second == want,
+                 "its GPT (vocab, context, layers, heads, width) differs from this run's");
+}
+
+}  // namespace
+
+std::unique_ptr<Task> make_gpt_task() { return std::make_unique<GptTask>(); }
+
+TrainResult train_lm(const TrainConfig& cfg, comm::Communicator* world) {
+  comm::Runtime& rt = comm::Runtime::initialized() ? comm::Runtime::get() : comm::Runtime::init(nullptr, nullptr);
+  return Trainer(cfg, rt, world).run();
+}
+
+}  // namespace dtrain::train

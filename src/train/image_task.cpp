@@ -1,0 +1,327 @@
+// The image classifier task of the one loop: sharded HDF5 images (or synthetic batches), an
+// mlp / simple_cnn / resnet20, softmax cross-entropy, test-set evaluation at each epoch's end.
+#include <algorithm>
+#include <sstream>
+
+#include "dtrain/core/rng.h"
+#include "dtrain/data/loader.h"
+#include "dtrain/nn/models.h"
+#include "dtrain/parallel/process_grid.h"
+#include "dtrain/parallel/sync_batchnorm.h"
+#include "dtrain/train/task.h"
+#include "dtrain/train/trainer.h"
+
+namespace dtrain::train {
+
+namespace {
+
+std::string fixed(double v, int digits) {
+  std::ostringstream o;
+  o.setf(std::ios::fixed);
+  o.precision(digits);
+  o << v;
+  return o.str();
+}
+
+class ImageTask final : public Task {
+ public:
+  void setup(const TaskSetup& s) override;
+  void connect() override {
+    if (cfg_->sync_batchnorm) parallel::convert_sync_batchnorm(*model_, grid_->dp());
+  }
+  nn::Module& model() override { return *model_; }
+  std::string describe() override {
+    return "model " + spec_.name + " (" + std::to_string(model_->parameter_count()) + " parameters), " +
+           (cfg_->synthetic ? std::string("synthetic data") : "data " + cfg_->data);
+  }
+  std::string unit() const override { return "samples"; }
+  std::string piece() const override { return "layers"; }
+  Shape stage_activation_shape(int64_t) const override { return {}; }
+  int64_t steps_per_epoch() const override { return batches_per_epoch() / cfg_->accumulate; }
+  void start_epoch(int64_t epoch, int64_t steps_done) override {
+    if (loader_) loader_->start_epoch(epoch, steps_done * cfg_->accumulate);
+    staged_.clear();  // a step read ahead of the last epoch's end is dropped
+    ahead_ended_ = false;
+    steps_read_ = steps_done;
+  }
+  std::vector<optim::ParamGroup> param_groups(const std::vector<nn::Parameter*>& params,
+                                              float weight_decay) const override {
+    return {{params, weight_decay}};
+  }
+  bool load_step(int64_t step, double& wait_s) override;
+  Tensor micro_input(int k, int parts) override { return micro_rows(inputs_, k, parts); }
+  Tensor micro_loss(const Tensor& out, int k, int parts, Tensor& stats, float grad_scale) override {
+    ce_.accumulate(out, micro_rows(labels_, k, parts), stats);
+    return ce_.backward(grad_scale);
+  }
+  int64_t step_units() const override { return step_samples_; }
+  std::string bad_label(int64_t step, int rank) const override {
+    return "a label of the batch of step " + std::to_string(step) + " on rank " + std::to_string(rank) +
+           " is outside the model's classes";
+  }
+  bool validation_due(int64_t, bool epoch_end) const override {
+    return epoch_end && test_ds_ && cfg_->eval_each_epoch;
+  }
+  Validation validate(parallel::PipelineStage*) override;
+  void write_fields(CheckpointState& s) const override;
+  void check_checkpoint(CheckpointState& s) const override;
+  ResumePoint resume_point(CheckpointState& s, int64_t step) override;
+
+ private:
+  int64_t batches_per_epoch() const {
+    return loader_ ? loader_->batches_per_epoch() : std::max<int64_t>(cfg_->steps, 100) * cfg_->accumulate;
+  }
+  void make_synthetic_batches(int rank);
+  // Reads step `step`'s micro-batches from the loader (or the synthetic set) into `staged_`.
+  bool read_step(int64_t step);
+
+  const TrainConfig* cfg_ = nullptr;
+  parallel::ProcessGrid* grid_ = nullptr;
+  Device device_ = Device::cpu();
+  int64_t batch_ = 0;
+  std::shared_ptr<data::ShardedHdf5Dataset> train_ds_, test_ds_;
+  std::unique_ptr<data::DataLoader> loader_;
+  std::vector<data::Batch> synthetic_;  // a few fixed random batches, cycled (no data path at all)
+  nn::ModelSpec spec_;
+  nn::ModulePtr model_;
+  nn::SoftmaxCrossEntropy ce_;
+  StagedSteps staged_;
+  bool ahead_ended_ = false;  // the epoch ran out while reading a step ahead
+  int64_t steps_read_ = 0;  // steps of this epoch read from the loader or the synthetic set
+  double read_wait_s_ = 0;
+  int64_t step_samples_ = 0;
+  std::vector<Tensor> inputs_, labels_;  // the loaded step's micro-batches, on the device
+};
+
+void ImageTask::setup(const TaskSetup& s) {
+  cfg_ = &s.cfg;
+  grid_ = &s.grid;
+  device_ = s.device;
+  batch_ = s.batch;
+  DT_INPUT_CHECK(s.device.is_cpu() || !s.cfg.sync_batchnorm,
+                 "option --device cuda: --sync-batchnorm runs on the CPU engine only in this version");
+  Shape input;
+  int64_t classes;
+  if (s.cfg.synthetic) {
+    input = Shape(s.cfg.synthetic_shape.begin(), s.cfg.synthetic_shape.end());
+    classes = s.cfg.synthetic_classes;
+    DT_INPUT_CHECK(classes >= 2, "option --synthetic-classes must be >= 2");
+  } else {
+    train_ds_ = std::make_shared<data::ShardedHdf5Dataset>(s.cfg.data);
+    input = train_ds_->info().sample_shape;
+    classes = train_ds_->info().num_classes;
+    if (!s.cfg.test_data.empty()) {
+      test_ds_ = std::make_shared<data::ShardedHdf5Dataset>(s.cfg.test_data);
+      DT_INPUT_CHECK(test_ds_->info().sample_shape == input,
+                     "test data '" << s.cfg.test_data << "' has samples of shape "
+                                   << shape_str(test_ds_->info().sample_shape) << " but training data '" << s.cfg.data
+                                   << "' has " << shape_str(input));
+    }
+    data::LoaderOptions lo;
+    lo.batch_size = batch_;
+    lo.shuffle = true;
+    lo.drop_last = s.cfg.drop_last;
+    lo.seed = s.cfg.seed;
+    lo.threads = s.cfg.loader_threads;
+    lo.prefetch = s.cfg.prefetch;
+    lo.normalize = s.cfg.normalize;
+    lo.augment = s.cfg.augment;
+    lo.rank = s.grid.dp_rank();
+    lo.world = s.grid.dp_size();
+    loader_ = std::make_unique<data::DataLoader>(train_ds_, lo);
+  }
+  spec_ = nn::ModelSpec{s.cfg.model, input, classes, s.cfg.hidden, s.cfg.dropout, s.cfg.seed};
+  model_ = nn::make_model(spec_);
+  model_->set_needs_input_grad(false);  // nothing consumes d(input data)
+  model_->to(device_);  // drawn on the host, trained where the engine is
+  if (s.cfg.synthetic) make_synthetic_batches(s.grid.dp_rank());
+  // An optimizer step takes --accumulate micro-batches; a partial group at an epoch's end is dropped.
+  DT_INPUT_CHECK(steps_per_epoch() > 0, "option --accumulate " << s.cfg.accumulate << " exceeds the "
+                                                               << batches_per_epoch() << " batches of an epoch");
+}
+
+void ImageTask::make_synthetic_batches(int rank) {
+  Rng rng(derive_seed(cfg_->seed, 1000 + static_cast<uint64_t>(rank)));
+  Shape xs = spec_.input;
+  xs.insert(xs.begin(), batch_);
+  for (int i = 0; i < 4; ++i) {
+    data::Batch b;
+    b.inputs = Tensor::empty(xs);
+    for (int64_t j = 0; j < b.inputs.numel(); ++j) b.inputs.f32()[j] = rng.normal();
+    b.labels = Tensor::empty({batch_}, DType::I32);
+    for (int64_t j = 0; j < batch_; ++j) b.labels.data<int32_t>()[j] = static_cast<int32_t>(rng.below(spec_.classes));
+    synthetic_.push_back(std::move(b));
+  }
+}
+
+bool ImageTask::read_step(int64_t step) {
+  std::vector<std::pair<Tensor, Tensor>> chunks;
+  read_wait_s_ = 0;
+  for (int64_t micro = 0; micro < cfg_->accumulate; ++micro) {
+    data::Batch b;
+    if (loader_) {
+      if (!loader_->next(b)) return false;  // a partial step at the epoch's end is dropped
+    } else {
+      if (steps_read_ >= steps_per_epoch()) return false;
+      b = synthetic_[static_cast<size_t>((step * cfg_->accumulate + micro) % 4)];
+    }
+    read_wait_s_ += b.wait_s;
+    chunks.emplace_back(b.inputs, b.labels);
+  }
+  staged_.put(step, chunks, device_);
+  ++steps_read_;
+  return true;
+}
+
+bool ImageTask::load_step(int64_t step, double& wait_s) {
+  if (!staged_.has(step) && (ahead_ended_ || !read_step(step))) return false;
+  wait_s = read_wait_s_;
+  staged_.take(step, inputs_, labels_);
+  step_samples_ = 0;
+  for (const Tensor& l : labels_) step_samples_ += l.size(0);
+  // On a GPU with a loader the next step is read and its upload queued now, beside this step's
+  // compute (the loader's position for checkpoints counts steps, so a step read ahead and never
+  // used changes nothing).
+  if (loader_ && !device_.is_cpu()) {
+    double wait = read_wait_s_;
+    ahead_ended_ = !read_step(step + 1);
+    read_wait_s_ = wait;
+  }
+  return true;
+}
+
+Validation ImageTask::validate(parallel::PipelineStage*) {
+  EvalResult ev = evaluate_model(*model_, test_ds_, std::max<int64_t>(batch_, 256), cfg_->normalize,
+                                 grid_->dp_size() > 1 ? &grid_->dp() : nullptr, train_ds_->info().mean,
+                                 train_ds_->info().std);
+  Validation v;
+  v.result = ev;
+  v.text = "test loss " + fixed(ev.loss, 4) + ", test accuracy " + fixed(100 * ev.accuracy, 2) + "% (" +
+           std::to_string(ev.samples) + " samples)";
+  v.fields = {{"test_loss", ev.loss}, {"test_accuracy", ev.accuracy}, {"test_samples", ev.samples}};
+  return v;
+}
+
+void ImageTask::write_fields(CheckpointState& s) const {
+  s.strings["model"] = spec_.name;
+  s.ints["classes"] = spec_.classes;
+  s.int_lists["input_shape"] = std::vector<int64_t>(spec_.input.begin(), spec_.input.end());
+  s.int_lists["hidden"] = spec_.hidden;
+  if (train_ds_) {  // the input normalisation, so `dtrain eval` transforms inputs the same way
+    const auto& info = train_ds_->info();
+    s.tensors["meta/norm_mean"] = Tensor::from({static_cast<int64_t>(info.mean.size())}, info.mean);
+    s.tensors["meta/norm_std"] = Tensor::from({static_cast<int64_t>(info.std.size())}, info.std);
+  }
+}
+
+void ImageTask::check_checkpoint(CheckpointState& s) const {
+  DT_INPUT_CHECK(s.strings["model"] == spec_.name,
+                 "it holds model '" << s.strings["model"] << "', not --model " << spec_.name);
+  std::vector<int64_t> shape = s.int_lists["input_shape"];
+  DT_INPUT_CHECK(Shape(shape.begin(), shape.end()) == spec_.input,
+                 "it was trained on inputs " << shape_str(Shape(shape.begin(), shape.end())) << " but the data has "
+                                             << shape_str(spec_.input));
+}
+
+// Every layout walks the same shuffled order of an epoch, rank r taking every world-th sample, so a
+// step of global batch G covers the next G samples of that order whatever the rank count: the
+// checkpoint's steps done in the epoch (at its global batch) become this layout's step at the same
+// sample, and the log says what is exact and what is not.
+ResumePoint ImageTask::resume_point(CheckpointState& s, int64_t) {
+  ResumePoint at{s.ints["epoch"], s.ints["batch_in_epoch"], ""};
+  const int64_t then_world = s.ints["world_size"], world = grid_->dp_size();
+  const int64_t then_global = s.ints["per_rank_batch"] * then_world * s.ints["accumulate"];
+  const int64_t global = batch_ * world * cfg_->accumulate;
+  if (then_world != world || then_global != global) {
+    const int64_t samples = at.steps_done * then_global;
+    at.steps_done = samples / global;
+    std::string line = "resume: " + std::to_string(then_world) + " -> " + std::to_string(world) +
+                       " rank(s), global batch " + std::to_string(then_global) + " -> " + std::to_string(global) + ": ";
+    if (then_global == global) {
+      line += "every step sees the samples it would have seen (sums in another order: equal within rounding, not "
+              "bitwise)";
+    } else {
+      line += "continues at sample " + std::to_string(at.steps_done * global) + " of the epoch";
+      if (samples != at.steps_done * global)
+        line += " (" + std::to_string(samples - at.steps_done * global) + " samples seen again)";
+      line += "; steps and the learning-rate schedule count the new global batch";
+    }
+    bool batchnorm = false;
+    for (nn::Buffer* b : model_->buffers()) batchnorm |= b->name.find("running_mean") != std::string::npos;
+    if (batchnorm && !cfg_->sync_batchnorm) line += "; BatchNorm statistics come from each rank's own batch";
+    at.note = line;
+  }
+  if (at.steps_done >= steps_per_epoch()) {
+    ++at.epoch;
+    at.steps_done = 0;
+  }
+  return at;
+}
+
+}  // namespace
+
+EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::ShardedHdf5Dataset> ds, int64_t batch,
+                          bool normalize, comm::Communicator* comm, const std::vector<float>& mean,
+                          const std::vector<float>& std) {
+  int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
+  model.eval();
+  data::LoaderOptions lo;
+  lo.batch_size = batch;
+  lo.shuffle = false;
+  lo.normalize = normalize;
+  lo.mean = mean;
+  lo.std = std;
+  lo.rank = rank;
+  lo.world = world;
+  data::DataLoader loader(ds, lo);
+  // The sampler deals rank r the global positions r, r + world, ...; positions past the end are
+  // padding and are not counted.
+  int64_t mine = (ds->size() - rank + world - 1) / world;
+  nn::SoftmaxCrossEntropy ce;
+  double loss_sum = 0;
+  int64_t correct = 0, seen = 0;
+  const Device device = model.parameters().empty() ? Device::cpu() : model.parameters().front()->value.device();
+  nn::update_working_copies(model.parameters(), engine_for(device).math_precision());
+  StagedTensor inputs, labels;  // the batches on the model's device
+  loader.start_epoch(0);
+  data::Batch b;
+  // The loss and hits add up on the model's device and are read once at the end (a GPU is not
+  // synchronised per batch).
+  Tensor stats = zeros_on({kXentStatsFloats}, device);
+  while (seen < mine && loader.next(b)) {
+    int64_t rows = std::min<int64_t>(b.inputs.size(0), mine - seen);
+    ce.accumulate(model.forward(stage_to(b.inputs.slice0(0, rows), device, inputs)),
+                  stage_to(b.labels.slice0(0, rows), device, labels), stats);
+    seen += rows;
+  }
+  model.train();
+  // One rank's bad label fails every rank (the others would wait in the allreduce below).
+  auto read = [&] {
+    const XentStats st = xent_stats(to_host(stats));
+    DT_INPUT_CHECK(!st.bad_label, "a label of the evaluation data on rank " << rank << " is outside the model's classes");
+    loss_sum = st.loss_sum;
+    correct = static_cast<int64_t>(st.hits);
+  };
+  if (comm && world > 1)
+    comm::agree_on_inputs(*comm, read);
+  else
+    read();
+  // Sums in f64 words carried as two f32 tensors would lose counts past 2^24; use i64 + f32.
+  Tensor counts = Tensor::empty({2}, DType::I64);
+  counts.data<int64_t>()[0] = correct;
+  counts.data<int64_t>()[1] = seen;
+  Tensor loss = Tensor::from({1}, {static_cast<float>(loss_sum)});
+  if (world > 1) {
+    comm->allreduce(counts, comm::ReduceOp::Sum)->wait();
+    comm->allreduce(loss, comm::ReduceOp::Sum)->wait();
+  }
+  EvalResult r;
+  r.samples = counts.data<int64_t>()[1];
+  r.loss = loss.f32()[0] / static_cast<double>(std::max<int64_t>(r.samples, 1));
+  r.accuracy = static_cast<double>(counts.data<int64_t>()[0]) / static_cast<double>(std::max<int64_t>(r.samples, 1));
+  return r;
+}
+
+std::unique_ptr<Task> make_image_task() { return std::make_unique<ImageTask>(); }
+
+}  // namespace dtrain::train

@@ -1,0 +1,173 @@
+// The one loop's checkpoints: the parameters, buffers and optimizer state of any dp x tp x pp
+// layout gathered into the one-rank layout and written as one set of files; restored into any.
+#include <map>
+#include <string>
+
+#include "dtrain/parallel/tensor_parallel.h"
+#include "dtrain/train/provenance.h"
+#include "dtrain/train/trainer.h"
+
+namespace dtrain::train {
+
+// The optimizer's state per parameter ("<param>.<kind>") in the one-rank layout: tp shards
+// gathered (a collective over tp); under ZeRO-1 each state is a flat slice per rank, gathered over
+// dp and cut per parameter.
+std::map<std::string, Tensor> Trainer::optimizer_state_full() {
+  nn::Module& model = task_->model();
+  std::map<std::string, Tensor> out;
+  if (dp_ && dp_->zero1()) {
+    for (const optim::StateTensor& st : opt_->state()) {
+      Tensor full = dp_->gather_flat(*st.value);
+      const std::string kind = st.name.substr(st.name.find('.'));  // ".momentum", ".exp_avg", ...
+      for (nn::Parameter* p : model.parameters()) {
+        const int64_t off = dp_->offset_of(p);
+        out[p->name + kind] = full.slice0(off, off + p->value.numel()).reshape(p->value.shape()).clone();
+      }
+    }
+    return out;
+  }
+  std::map<std::string, Tensor*> by_name;
+  for (const optim::StateTensor& st : opt_->state()) by_name[st.name] = st.value;
+  for (const std::string& kind : state_kinds()) {
+    auto pick = [&](nn::Parameter& p) -> Tensor& { return *by_name.at(p.name + kind); };
+    for (auto& [name, t] : parallel::gather_full(model, &grid_->tp(), pick)) out[name + kind] = t;
+  }
+  return out;
+}
+
+// The kinds of state the optimizer keeps per parameter (".momentum"; ".exp_avg", ".exp_avg_sq").
+std::vector<std::string> Trainer::state_kinds() {
+  std::vector<std::string> kinds;
+  if (opt_->params().empty()) return kinds;
+  const std::string first = opt_->params().front()->name + ".";
+  for (const optim::StateTensor& st : opt_->state())
+    if (st.name.rfind(first, 0) == 0) kinds.push_back(st.name.substr(first.size() - 1));
+  return kinds;
+}
+
+void Trainer::load_optimizer_state(CheckpointState& s) {
+  nn::Module& model = task_->model();
+  std::map<std::string, Tensor> optim;
+  for (auto& [name, t] : s.tensors)
+    if (name.rfind("optim/", 0) == 0) optim[name.substr(6)] = t;
+  if (dp_ && dp_->zero1()) {  // the flat vector from the per-parameter tensors; this rank keeps its slice
+    for (const optim::StateTensor& st : opt_->state()) {
+      Tensor full = Tensor::zeros({dp_->flat_numel()});
+      const std::string kind = st.name.substr(st.name.find('.'));
+      for (nn::Parameter* p : model.parameters()) {
+        auto it = optim.find(p->name + kind);
+        DT_INPUT_CHECK(it != optim.end(), "it has no optimizer state " << p->name + kind);
+        const int64_t off = dp_->offset_of(p);
+        Tensor view = full.slice0(off, off + p->value.numel());
+        DT_INPUT_CHECK(it->second.numel() == view.numel(), "optimizer state " << p->name + kind << " has "
+                                                               << it->second.numel() << " numbers, the model needs "
+                                                               << view.numel());
+        copy_any(it->second.reshape({view.numel()}), view);
+      }
+      st.value->copy_from(dp_->own_slice(full));
+    }
+    return;
+  }
+  std::map<std::string, Tensor*> by_name;
+  for (const optim::StateTensor& st : opt_->state()) by_name[st.name] = st.value;
+  for (const std::string& kind : state_kinds()) {
+    std::map<std::string, Tensor> of_kind;
+    for (nn::Parameter* p : model.parameters())
+      if (auto it = optim.find(p->name + kind); it != optim.end()) of_kind[p->name] = it->second;
+    DT_INPUT_CHECK(!of_kind.empty(), "it holds no optimizer state " << kind);
+    parallel::load_full(model, of_kind, [&](nn::Parameter& p) -> Tensor& { return *by_name.at(p.name + kind); });
+  }
+}
+
+// A checkpoint of step_ (collective): parameters and optimizer state in the one-rank layout. Each
+// rank's gradient compression state first; then rank 0 of each stage (dp 0, tp 0) writes its
+// part, the other stages first, so stage 0's file, written last, says the whole set is there. The
+// agreements double as the barriers that keep every rank behind a checkpoint that may fail.
+void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
+  if (cfg_.checkpoint_dir.empty()) return;
+  nn::Module& model = task_->model();
+  CheckpointState s;
+  for (auto& [name, t] : parallel::gather_full_parameters(model, &grid_->tp())) s.tensors["param/" + name] = t;
+  for (auto& [name, t] : optimizer_state_full()) s.tensors["optim/" + name] = t;
+  for (nn::Buffer* b : model.buffers()) s.tensors["buffer/" + b->name] = to_host(b->value);
+  task_->write_fields(s);
+  s.strings["provenance"] = to_json(provenance_);
+  s.strings["optimizer"] = opt_->kind();
+  s.strings["compression"] = cfg_.compression;
+  s.ints["step"] = step_;
+  s.ints["optimizer_steps"] = opt_->steps();  // lags the run's by the steps fp16 skipped
+  s.ints["epoch"] = epoch;
+  s.ints["batch_in_epoch"] = batch_in_epoch;
+  s.ints["world_size"] = grid_->dp_size();
+  s.ints["per_rank_batch"] = batch_;
+  s.ints["accumulate"] = cfg_.accumulate;
+  s.ints["seed"] = static_cast<int64_t>(cfg_.seed);
+  s.ints["pp_stage"] = grid_->pp_rank();
+  s.ints["pp_stages"] = cfg_.pp;
+  s.ints["tp"] = cfg_.tp;
+  s.ints["dp"] = grid_->dp_size();
+  if (scaler_) {
+    s.tensors["meta/loss_scale"] = Tensor::from({1}, {scaler_->scale()});
+    s.ints["loss_scale_good_steps"] = scaler_->good_steps();
+    s.ints["loss_scale_skipped_steps"] = scaler_->skipped_steps();
+  }
+  const std::string file = checkpoint_file(cfg_.checkpoint_dir, step_);
+  const bool parts = write_compression_parts(file, dp_.get(), &world_, step_, cfg_.compression);
+  s.ints["compression_ranks"] = parts ? world_.size() : 0;  // ranks with a <checkpoint>.rank<r> part
+  const bool writer = grid_->dp_rank() == 0 && grid_->tp_rank() == 0, first = grid_->pp_rank() == 0;
+  comm::agree_on_inputs(world_, [&] {
+    if (writer && !first) save_checkpoint(stage_part_file(file, grid_->pp_rank()), s);
+  });
+  comm::agree_on_inputs(world_, [&] {
+    if (!writer || !first) return;
+    save_checkpoint(file, s);
+    prune_checkpoints(cfg_.checkpoint_dir, file, cfg_.keep_checkpoints);
+  });
+  result_.checkpoint = file;
+  if (!progress_->bar()) say("checkpoint " + file);
+}
+
+// Every rank reads the checkpoint set (any dp x tp x pp layout wrote it) and keeps its part.
+ResumePoint Trainer::restore(const std::string& where) {
+  const std::string file = resolve_checkpoint(where);
+  ResumePoint at;
+  std::string compression_note, changed;
+  try {
+    CheckpointState s = load_checkpoint_set(file);
+    task_->check_checkpoint(s);
+    DT_INPUT_CHECK(s.strings["optimizer"] == opt_->kind(),
+                   "it used optimizer " << s.strings["optimizer"] << ", not --optimizer " << opt_->kind());
+    nn::Module& model = task_->model();
+    std::map<std::string, Tensor> params;
+    for (auto& [name, t] : s.tensors)
+      if (name.rfind("param/", 0) == 0) params[name.substr(6)] = t;
+    parallel::load_full_parameters(model, params);
+    for (nn::Buffer* b : model.buffers()) {
+      auto it = s.tensors.find("buffer/" + b->name);
+      DT_INPUT_CHECK(it != s.tensors.end() && it->second.numel() == b->value.numel(),
+                     "it has no buffer " << b->name << " of " << b->value.str());
+      copy_any(it->second.reshape(b->value.shape()), b->value);
+    }
+    load_optimizer_state(s);
+    if (scaler_ && s.tensors.count("meta/loss_scale"))
+      scaler_->set_state(s.tensors["meta/loss_scale"].f32()[0], s.ints["loss_scale_good_steps"],
+                         s.ints["loss_scale_skipped_steps"]);
+    step_ = s.ints.at("step");
+    opt_->set_steps(s.ints.count("optimizer_steps") ? s.ints["optimizer_steps"] : step_);
+    const bool same_layout = s.ints["tp"] == cfg_.tp && s.ints["pp_stages"] == cfg_.pp;
+    compression_note =
+        load_compression_part(s, file, dp_.get(), rank_, world_.size(), cfg_.compression, same_layout);
+    at = task_->resume_point(s, step_);
+    changed = resume_changes(s.strings["provenance"], config_ini(cfg_));
+  } catch (const InputError& e) {
+    DT_INPUT_CHECK(false, "option --resume " << file << ": " << e.what());
+  }
+  for (const std::string& line : {changed, compression_note, at.note})
+    if (!line.empty()) say(line);
+  say("resumed from " + file + " at step " + std::to_string(step_) +
+      (has_epochs_ ? " (epoch " + std::to_string(at.epoch + 1) + ")" : std::string()));
+  return at;
+}
+
+
+}  // namespace dtrain::train
