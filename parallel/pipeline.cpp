@@ -1,7 +1,10 @@
 #include "dtrain/parallel/pipeline.h"
 
 #include <algorithm>
+#include <charconv>
 #include <limits>
+#include <optional>
+#include <sstream>
 
 #include "dtrain/core/error.h"
 #include "dtrain/core/timer.h"
@@ -64,6 +67,39 @@ std::vector<int> balance_stages(const std::vector<double>& costs, int stages) {
   return starts;
 }
 
+namespace {
+// One count of --pp-split, surrounding spaces allowed: a whole number or nothing.
+std::optional<int> split_count(const std::string& item) {
+  const size_t first = item.find_first_not_of(' '), last = item.find_last_not_of(' ');
+  if (first == std::string::npos) return std::nullopt;
+  int n = 0;
+  const char* end = item.data() + last + 1;
+  auto [ptr, ec] = std::from_chars(item.data() + first, end, n);
+  if (ec != std::errc() || ptr != end) return std::nullopt;
+  return n;
+}
+}  // namespace
+
+std::vector<int> parse_pp_split(const std::string& text, int stages, int layers) {
+  std::vector<int> starts{0};
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    std::optional<int> n = split_count(item);
+    DT_INPUT_CHECK(n, "--pp-split " << text << ": '" << item << "' is not a layer count");
+    DT_INPUT_CHECK(*n >= 1, "--pp-split " << text << ": every stage needs at least one layer, got " << *n);
+    DT_INPUT_CHECK(*n <= layers,
+                   "--pp-split " << text << ": " << *n << " layers in one stage, the model has " << layers);
+    starts.push_back(starts.back() + *n);
+  }
+  // getline drops an empty last item ("2,4,"): it must not pass for "2,4".
+  DT_INPUT_CHECK(!text.empty() && text.back() != ',', "--pp-split " << text << ": an empty layer count");
+  DT_INPUT_CHECK(static_cast<int>(starts.size()) == stages + 1 && starts.back() == layers,
+                 "--pp-split " << text << " must give " << stages << " layer counts adding up to the " << layers
+                               << " layers of the model");
+  return starts;
+}
+
 PipelineStage::PipelineStage(nn::Module& module, comm::Communicator& pp, PipelineSchedule schedule, int micro_batches)
     : module_(module),
       pp_(pp),
@@ -100,9 +136,20 @@ namespace {
 void ensure_shape(Tensor& t, const Shape& s) {
   if (!t.defined() || t.shape() != s) t = Tensor::empty(s);
 }
+
+// What a stage sends must have the shape its neighbour receives into, or both would be garbled.
+void check_sent(const Tensor& t, const Shape& expected, int stage, const char* what) {
+  DT_CHECK(t.defined() && t.shape() == expected,
+           "pipeline stage " << stage << " made " << what << " " << t.str() << ", expected " << shape_str(expected));
+}
 }  // namespace
 
 void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const Shape& act_shape,
+                               const BeforeBackwardFn& before_backward) {
+  train_step(input, loss, StageShapes{act_shape, act_shape}, before_backward);
+}
+
+void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const StageShapes& shapes,
                                const BeforeBackwardFn& before_backward) {
   const double t0 = now_s();
   stats_.recv_wait_s = 0;
@@ -116,7 +163,7 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
       if (first()) {
         x = input(mb);
       } else {
-        ensure_shape(act_in_[mb], act_shape);
+        ensure_shape(act_in_[mb], shapes.in);
         x = recv_from(stage_ - 1, act_in_[mb], 2 * mb);
       }
       wait(grad_send_);       // scratch buffers (the d(input) sent) may be rewritten by a forward too
@@ -134,9 +181,7 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
         ensure_shape(dout_[mb], d.shape());
         dout_[mb].copy_from(d);
       } else {
-        DT_CHECK(y.shape() == act_shape, "pipeline stage " << stage_ << " made " << y.str()
-                                                           << ", the next stage expects "
-                                                           << Tensor::empty(act_shape).str());
+        check_sent(y, shapes.out, stage_, "activation");
         send_to(y, stage_ + 1, 2 * mb, act_sends_[mb]);
       }
       stash_[mb] = module_.stash_activations();
@@ -147,7 +192,7 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
       if (last()) {
         dy = dout_[mb];
       } else {
-        ensure_shape(grad_in_, act_shape);
+        ensure_shape(grad_in_, shapes.out);
         dy = recv_from(stage_ + 1, grad_in_, 2 * mb + 1);
       }
       wait(act_sends_[mb]);  // this micro-batch's output buffer is reused after its backward
@@ -162,9 +207,7 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
         dx = module_.backward(dy);
       }
       if (!first()) {
-        DT_CHECK(dx.defined() && dx.shape() == act_shape, "pipeline stage " << stage_ << " gave d(input) " << dx.str()
-                                                                            << " for "
-                                                                            << Tensor::empty(act_shape).str());
+        check_sent(dx, shapes.in, stage_, "d(input)");
         send_to(dx, stage_ - 1, 2 * mb + 1, grad_send_);
       }
       spent_.push_back(module_.stash_activations());
@@ -178,6 +221,11 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
 
 void PipelineStage::forward_only(const InputFn& input, const std::function<void(const Tensor&, int)>& consume,
                                  const Shape& act_shape, int micro_batches) {
+  forward_only(input, consume, StageShapes{act_shape, act_shape}, micro_batches);
+}
+
+void PipelineStage::forward_only(const InputFn& input, const std::function<void(const Tensor&, int)>& consume,
+                                 const StageShapes& shapes, int micro_batches) {
   std::shared_ptr<comm::Work> pending;
   Tensor in;
   for (int mb = 0; mb < micro_batches; ++mb) {
@@ -185,15 +233,17 @@ void PipelineStage::forward_only(const InputFn& input, const std::function<void(
     if (first()) {
       x = input(mb);
     } else {
-      ensure_shape(in, act_shape);
+      ensure_shape(in, shapes.in);
       x = recv_from(stage_ - 1, in, 2 * mb);
     }
     wait(pending);  // the output buffer is rewritten by this forward
     Tensor y = module_.forward(x);
-    if (last())
+    if (last()) {
       consume(y, mb);
-    else
+    } else {
+      check_sent(y, shapes.out, stage_, "activation");
       send_to(y, stage_ + 1, 2 * mb, pending);
+    }
   }
   wait(pending);
 }

@@ -10,7 +10,7 @@ SyncBatchNorm::SyncBatchNorm(int64_t channels, comm::Communicator& comm, float e
   beta_ = &add_parameter("bias", Tensor::zeros({channels}));
   running_mean_ = &add_buffer("running_mean", Tensor::zeros({channels}));
   running_var_ = &add_buffer("running_var", Tensor::full({channels}, 1.f));
-  for (Tensor* t : {&invstd_, &scale_, &shift_, &neg_mean_, &resid_}) *t = Tensor::zeros({channels});
+  for (Tensor* t : {&scale_, &shift_, &neg_mean_}) *t = Tensor::zeros({channels});
   ones_ = Tensor::full({channels}, 1.f);
   stats_ = Tensor::zeros({2 * channels + 1});
 }
@@ -39,23 +39,29 @@ Tensor SyncBatchNorm::forward(const Tensor& x) {
   e.channel_sums(x, c_, s1, s2);
   stats_.f32()[2 * c_] = static_cast<float>(x.numel() / c_);
   comm_.allreduce(stats_, comm::ReduceOp::Sum)->wait();
-  count_ = stats_.f32()[2 * c_];
-  for (int64_t c = 0; c < c_; ++c) neg_mean_.f32()[c] = static_cast<float>(-s1.f32()[c] / count_);
+  const double count = stats_.f32()[2 * c_];
+  // What backward reads, [invstd (C) | mean of xc (C) | count], in a slot of its own: a pipeline's
+  // micro-batches in flight each keep theirs.
+  Tensor& saved = ensure(saved_, {2 * c_ + 1});
+  float* invstd = saved.f32();
+  float* resid = invstd + c_;
+  saved.f32()[2 * c_] = static_cast<float>(count);  // exact: an f32 sum of counts
+  for (int64_t c = 0; c < c_; ++c) neg_mean_.f32()[c] = static_cast<float>(-s1.f32()[c] / count);
   Tensor& xc = ensure(xc_, x.shape(), x.device());
   e.channel_affine(x, c_, ones_, neg_mean_, xc);
   e.channel_sums(xc, c_, s1, s2);
   stats_.f32()[2 * c_] = 0.f;
   comm_.allreduce(stats_, comm::ReduceOp::Sum)->wait();
   for (int64_t c = 0; c < c_; ++c) {
-    double d = s1.f32()[c] / count_;  // mean of xc
-    double var = std::max(0.0, s2.f32()[c] / count_ - d * d);
+    double d = s1.f32()[c] / count;  // mean of xc
+    double var = std::max(0.0, s2.f32()[c] / count - d * d);
     double mean = -static_cast<double>(neg_mean_.f32()[c]) + d;
     float inv = static_cast<float>(1.0 / std::sqrt(var + eps_));
-    resid_.f32()[c] = static_cast<float>(d);
-    invstd_.f32()[c] = inv;
+    resid[c] = static_cast<float>(d);
+    invstd[c] = inv;
     scale_.f32()[c] = g[c] * inv;
     shift_.f32()[c] = b[c] - static_cast<float>(d) * g[c] * inv;
-    double unbiased = count_ > 1 ? var * count_ / (count_ - 1) : var;  // running variance, as PyTorch
+    double unbiased = count > 1 ? var * count / (count - 1) : var;  // running variance, as PyTorch
     float* rm = running_mean_->value.f32();
     float* rv = running_var_->value.f32();
     rm[c] = (1.f - momentum_) * rm[c] + momentum_ * static_cast<float>(mean);
@@ -73,14 +79,17 @@ Tensor SyncBatchNorm::forward(const Tensor& x) {
 // every sample moved the statistics.
 Tensor SyncBatchNorm::backward(const Tensor& dy) {
   Engine& e = engine(dy);
+  const float* invstd = saved_.f32();
+  const float* resid = invstd + c_;
+  const double count = saved_.f32()[2 * c_];
   Tensor sdy = stats_.slice0(0, c_), sdyx = stats_.slice0(c_, 2 * c_), unused = Tensor::zeros({c_});
   e.channel_sums(dy, c_, sdy, unused);
   e.channel_dot(dy, xc_, c_, sdyx);
   stats_.f32()[2 * c_] = 0.f;
   for (int64_t c = 0; c < c_; ++c) {
     double s_dy = sdy.f32()[c];
-    double s_dx = sdyx.f32()[c] - resid_.f32()[c] * s_dy;
-    gamma_->grad.f32()[c] += static_cast<float>(s_dx * invstd_.f32()[c]);
+    double s_dx = sdyx.f32()[c] - resid[c] * s_dy;
+    gamma_->grad.f32()[c] += static_cast<float>(s_dx * invstd[c]);
     beta_->grad.f32()[c] += static_cast<float>(s_dy);
   }
   grad_ready(*gamma_);
@@ -89,14 +98,14 @@ Tensor SyncBatchNorm::backward(const Tensor& dy) {
   const float* g = gamma_->value.f32();
   Tensor a = Tensor::empty({c_}), zero = Tensor::zeros({c_}), bsc = Tensor::empty({c_}), csh = Tensor::empty({c_});
   for (int64_t c = 0; c < c_; ++c) {
-    double d = resid_.f32()[c], inv = invstd_.f32()[c];
+    double d = resid[c], inv = invstd[c];
     double s_dy = sdy.f32()[c];
     double s_dx = sdyx.f32()[c] - d * s_dy;
     double k = g[c] * inv;
-    double bcoef = -k * inv * inv * s_dx / count_;
+    double bcoef = -k * inv * inv * s_dx / count;
     a.f32()[c] = static_cast<float>(k);
     bsc.f32()[c] = static_cast<float>(bcoef);
-    csh.f32()[c] = static_cast<float>(-k * s_dy / count_ - bcoef * d);
+    csh.f32()[c] = static_cast<float>(-k * s_dy / count - bcoef * d);
   }
   Tensor& dx = ensure(dx_, xc_.shape(), dy.device());
   Tensor& t = ensure(tmp_, xc_.shape(), dy.device());

@@ -50,11 +50,13 @@ Tensor Dropout::backward(const Tensor& dy) {
   return dx;
 }
 
+// The input is kept (a reference: its producer holds it anyway) for its shape, as a slot, so a
+// pipeline's micro-batches each reshape to their own.
 Tensor Flatten::forward(const Tensor& x) {
-  in_shape_ = x.shape();
+  keep(x_, x);
   return x.reshape({x.size(0), -1});
 }
 
-Tensor Flatten::backward(const Tensor& dy) { return dy.reshape(in_shape_); }
+Tensor Flatten::backward(const Tensor& dy) { return dy.reshape(x_.shape()); }
 
 }  // namespace dtrain::nn

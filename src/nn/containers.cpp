@@ -2,6 +2,16 @@
 
 namespace dtrain::nn {
 
+std::unique_ptr<Sequential> Sequential::stage_of(std::unique_ptr<Sequential> whole, size_t begin, size_t end) {
+  DT_CHECK(whole && begin < end && end <= whole->size(),
+           "Sequential::stage_of: layers [" << begin << ", " << end << ") of " << (whole ? whole->size() : 0));
+  auto stage = std::make_unique<Sequential>();
+  for (size_t i = begin; i < end; ++i) stage->add(std::move(whole->layers_[i]));
+  stage->first_name_ = whole->first_name_ + begin;
+  stage->training_ = whole->training_;  // the layers keep their own flags
+  return stage;
+}
+
 Sequential& Sequential::add(ModulePtr m) {
   layers_.push_back(std::move(m));
   return *this;
@@ -37,8 +47,29 @@ Tensor Sequential::backward(const Tensor& dy) {
 
 std::vector<std::pair<std::string, Module*>> Sequential::children() {
   std::vector<std::pair<std::string, Module*>> out;
-  for (size_t i = 0; i < layers_.size(); ++i) out.emplace_back(std::to_string(i), layers_[i].get());
+  for (size_t i = 0; i < layers_.size(); ++i) out.emplace_back(std::to_string(first_name_ + i), layers_[i].get());
   return out;
+}
+
+// Between steps: the activations of an earlier forward are dropped.
+std::vector<Shape> layer_boundary_shapes(Sequential& model, const Shape& input) {
+  DT_CHECK(!input.empty() && input[0] >= 1, "layer_boundary_shapes: input " << shape_str(input) << " has no batch");
+  const bool was_training = model.training();
+  model.eval();  // no running statistics updated, no dropout drawn
+  Shape one = input;
+  one[0] = 1;
+  Tensor h = zeros_on(one, device_of(model));
+  std::vector<Shape> shapes{input};
+  for (size_t i = 0; i < model.size(); ++i) {
+    h = model[i].forward(h);
+    DT_CHECK(h.dim() >= 1 && h.size(0) == 1, model[i].kind() << " turned a batch of 1 into " << h.str());
+    Shape s = h.shape();
+    s[0] = input[0];
+    shapes.push_back(s);
+  }
+  model.release_activations();
+  model.train(was_training);
+  return shapes;
 }
 
 Residual::Residual(ModulePtr body, ModulePtr shortcut) : body_(std::move(body)), shortcut_(std::move(shortcut)) {}

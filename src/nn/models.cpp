@@ -6,7 +6,7 @@ namespace dtrain::nn {
 
 std::vector<std::string> model_names() { return {"mlp", "simple_cnn", "resnet20"}; }
 
-static ModulePtr make_mlp(const ModelSpec& s, Rng& rng) {
+static std::unique_ptr<Sequential> make_mlp(const ModelSpec& s, Rng& rng) {
   auto m = std::make_unique<Sequential>();
   m->add(std::make_unique<Flatten>());
   int64_t in = shape_numel(s.input);
@@ -24,7 +24,7 @@ static ModulePtr make_mlp(const ModelSpec& s, Rng& rng) {
 
 // conv 3x3 16 -> ReLU -> maxpool 2 -> conv 3x3 32 -> ReLU -> maxpool 2 -> linear to classes.
 // Convolutions pad by 1, so a 28x28 image becomes 32 x 7 x 7 before the classifier.
-static ModulePtr make_simple_cnn(const ModelSpec& s, Rng& rng) {
+static std::unique_ptr<Sequential> make_simple_cnn(const ModelSpec& s, Rng& rng) {
   DT_INPUT_CHECK(s.input.size() == 3 && s.input[1] >= 4 && s.input[2] >= 4,
                  "model simple_cnn needs image inputs (C, H, W) with H, W >= 4, got " << shape_str(s.input));
   auto m = std::make_unique<Sequential>();
@@ -62,7 +62,7 @@ static ModulePtr basic_block(int64_t in, int64_t out, int64_t stride, Rng& rng) 
   return block;
 }
 
-static ModulePtr make_resnet20(const ModelSpec& s, Rng& rng) {
+static std::unique_ptr<Sequential> make_resnet20(const ModelSpec& s, Rng& rng) {
   DT_INPUT_CHECK(s.input.size() == 3 && s.input[1] >= 8 && s.input[2] >= 8,
                  "model resnet20 needs image inputs (C, H, W) with H, W >= 8, got " << shape_str(s.input));
   auto m = std::make_unique<Sequential>();
@@ -82,7 +82,9 @@ static ModulePtr make_resnet20(const ModelSpec& s, Rng& rng) {
   return m;
 }
 
-ModulePtr make_model(const ModelSpec& s) {
+ModulePtr make_model(const ModelSpec& s) { return make_sequential_model(s); }
+
+std::unique_ptr<Sequential> make_sequential_model(const ModelSpec& s) {
   DT_INPUT_CHECK(s.classes >= 2, "model " << s.name << ": need at least 2 classes, got " << s.classes);
   DT_INPUT_CHECK(!s.input.empty() && shape_numel(s.input) > 0,
                  "model " << s.name << ": empty input shape " << shape_str(s.input));

@@ -95,6 +95,11 @@ void Module::to(Device device) {
   release_activations();
 }
 
+Device device_of(Module& m) {
+  const std::vector<Parameter*> params = m.parameters();
+  return params.empty() ? Device::cpu() : params.front()->value.device();
+}
+
 int64_t Module::parameter_count() {
   int64_t n = 0;
   for (Parameter* p : parameters()) n += p->value.numel();

@@ -12,18 +12,26 @@ std::string Pool2d::kind() const {
          ", s=" + std::to_string(stride_) + ")";
 }
 
+Pool2dGeom Pool2d::geom(const Tensor& x) const {
+  return Pool2dGeom{x.size(0), x.size(1), x.size(2), x.size(3), kernel_, stride_, pad_};
+}
+
+// The argmax (`state_`) and the input (for its geometry) are slots, so several micro-batches of a
+// pipeline can be in flight, each with its own.
 Tensor Pool2d::forward(const Tensor& x) {
   DT_CHECK(x.dim() == 4, kind() << " needs (N, C, H, W), got " << x.str());
-  g_ = Pool2dGeom{x.size(0), x.size(1), x.size(2), x.size(3), kernel_, stride_, pad_};
-  DT_CHECK(g_.out_h() > 0 && g_.out_w() > 0, kind() << ": input " << x.str() << " is smaller than the window");
-  Tensor& y = ensure(y_, {g_.n, g_.c, g_.out_h(), g_.out_w()}, x.device());
-  engine(x).pool2d_forward(g_, kind_, x, y, training_ ? &state_ : nullptr);
+  const Pool2dGeom g = geom(x);
+  DT_CHECK(g.out_h() > 0 && g.out_w() > 0, kind() << ": input " << x.str() << " is smaller than the window");
+  keep(x_, x);
+  Tensor& y = ensure(y_, {g.n, g.c, g.out_h(), g.out_w()}, x.device());
+  engine(x).pool2d_forward(g, kind_, x, y, training_ ? &engine_state(state_) : nullptr);
   return y;
 }
 
 Tensor Pool2d::backward(const Tensor& dy) {
-  Tensor& dx = ensure(dx_, {g_.n, g_.c, g_.h, g_.w}, dy.device());
-  engine(dy).pool2d_backward(g_, kind_, dy, state_, dx);
+  const Pool2dGeom g = geom(x_);
+  Tensor& dx = ensure(dx_, x_.shape(), dy.device());
+  engine(dy).pool2d_backward(g, kind_, dy, state_, dx);
   return dx;
 }
 
@@ -38,7 +46,7 @@ const Tensor& GlobalAvgPool::averaging(int64_t hw, Device device) {
 
 Tensor GlobalAvgPool::forward(const Tensor& x) {
   DT_CHECK(x.dim() == 4, "GlobalAvgPool needs (N, C, H, W), got " << x.str());
-  in_shape_ = x.shape();
+  keep(x_, x);
   int64_t n = x.size(0), c = x.size(1), hw = x.size(2) * x.size(3);
   Tensor& y = ensure(y_, {n, c}, x.device());
   // y (N*C, 1) = x (N*C, HW) . ones(HW, 1) / HW, as a GEMV on the engine.
@@ -47,8 +55,8 @@ Tensor GlobalAvgPool::forward(const Tensor& x) {
 }
 
 Tensor GlobalAvgPool::backward(const Tensor& dy) {
-  int64_t hw = in_shape_[2] * in_shape_[3];
-  Tensor& dx = ensure(dx_, in_shape_, dy.device());
+  int64_t hw = x_.size(2) * x_.size(3);
+  Tensor& dx = ensure(dx_, x_.shape(), dy.device());
   // dx (N*C, HW) = dy (N*C, 1) . ones(1, HW) / HW
   engine(dy).gemm(false, false, dy.numel(), hw, 1, 1.f, dy, averaging(hw, dy.device()), 0.f, dx);
   return dx;

@@ -318,3 +318,105 @@ TEST(Models, GradReadyHookFiresOncePerParameterInReverseOrder) {
   EXPECT_EQ(fired.front(), "7.weight");  // the classifier finishes first
   EXPECT_EQ(fired.back(), "0.bias");
 }
+
+// A pipeline holds several micro-batches between their forward and backward: every layer of the
+// image models must stash all its backward reads (the max pool's argmax, the shapes Flatten and
+// the pools restore), so a backward after another micro-batch's forward, here even of another
+// batch size, gives exactly that micro-batch's gradients. Dropout draws its mask in the first
+// forward in both models, so the masks agree.
+TEST(ActivationStash, ImageModelsBackwardOfAnEarlierMicroBatch) {
+  for (const nn::ModelSpec& spec :
+       {nn::ModelSpec{"simple_cnn", {1, 12, 12}, 5}, nn::ModelSpec{"resnet20", {3, 8, 8}, 5},
+        nn::ModelSpec{"mlp", {1, 6, 6}, 5, {16, 8}, 0.25f}}) {
+    auto a = nn::make_model(spec), ref = nn::make_model(spec);
+    Rng rng(21);
+    Shape s0{2}, s1{3};
+    s0.insert(s0.end(), spec.input.begin(), spec.input.end());
+    s1.insert(s1.end(), spec.input.begin(), spec.input.end());
+    Tensor x0 = random_tensor(s0, rng), x1 = random_tensor(s1, rng), r = random_tensor({2, 5}, rng);
+    a->forward(x0);
+    nn::ActivationStash first = a->stash_activations();
+    a->forward(x1);  // another micro-batch, of another size, in between
+    nn::ActivationStash second = a->stash_activations();
+    a->restore_activations(std::move(first));
+    ref->forward(x0);
+    Tensor dx, dx_ref;
+    {
+      nn::PhaseScope bwd(nn::Phase::Backward);  // as a pipeline runs backward
+      dx = a->backward(r).clone();
+      dx_ref = ref->backward(r).clone();
+    }
+    ASSERT_EQ(dx.shape(), dx_ref.shape()) << spec.name;
+    for (int64_t k = 0; k < dx.numel(); ++k) ASSERT_EQ(dx.f32()[k], dx_ref.f32()[k]) << spec.name << " d(input)";
+    auto pa = a->parameters(), pr = ref->parameters();
+    for (size_t i = 0; i < pa.size(); ++i)
+      for (int64_t k = 0; k < pa[i]->grad.numel(); ++k)
+        ASSERT_EQ(pa[i]->grad.f32()[k], pr[i]->grad.f32()[k]) << spec.name << " " << pa[i]->name;
+  }
+}
+
+// A stage of a Sequential names its parameters and buffers as the whole model does, and holds
+// the whole model's initial values: any pipeline layout starts from the one-rank weights.
+TEST(SequentialStage, KeepsTheWholeModelsNamesAndValues) {
+  const nn::ModelSpec spec{"resnet20", {3, 8, 8}, 10};
+  auto whole = nn::make_sequential_model(spec);
+  std::vector<std::pair<std::string, std::vector<float>>> want;
+  auto in_range = [](const std::string& name, int begin, int end) {
+    const int layer = std::stoi(name.substr(0, name.find('.')));
+    return layer >= begin && layer < end;
+  };
+  for (nn::Parameter* p : whole->parameters())
+    if (in_range(p->name, 4, 9))
+      want.emplace_back(p->name, std::vector<float>(p->value.f32(), p->value.f32() + p->value.numel()));
+  std::vector<std::string> want_buffers;
+  for (nn::Buffer* b : whole->buffers())
+    if (in_range(b->name, 4, 9)) want_buffers.push_back(b->name);
+  auto stage = nn::Sequential::stage_of(std::move(whole), 4, 9);
+  EXPECT_EQ(stage->size(), 5u);
+  std::vector<nn::Parameter*> got = stage->parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i]->name, want[i].first);
+    EXPECT_EQ(std::vector<float>(got[i]->value.f32(), got[i]->value.f32() + got[i]->value.numel()), want[i].second)
+        << got[i]->name;
+  }
+  std::vector<std::string> got_buffers;
+  for (nn::Buffer* b : stage->buffers()) got_buffers.push_back(b->name);
+  EXPECT_EQ(got_buffers, want_buffers);
+  EXPECT_EQ(want_buffers.front(), "4.0.body.1.running_mean");
+  // A stage of a stage still counts from the whole model.
+  auto inner = nn::Sequential::stage_of(std::move(stage), 2, 4);
+  EXPECT_EQ(inner->parameters().front()->name, "6.0.body.0.weight");
+}
+
+// The boundary shapes are those a training forward passes between the layers, and finding them
+// changes no state: running statistics, dropout streams and the training flag stay.
+TEST(SequentialStage, BoundaryShapesChangeNoState) {
+  auto cnn = nn::make_sequential_model({"simple_cnn", {1, 28, 28}, 10});
+  const std::vector<Shape> want{{4, 1, 28, 28},  {4, 16, 28, 28}, {4, 16, 28, 28}, {4, 16, 14, 14}, {4, 32, 14, 14},
+                                {4, 32, 14, 14}, {4, 32, 7, 7},   {4, 1568},       {4, 10}};
+  EXPECT_EQ(nn::layer_boundary_shapes(*cnn, {4, 1, 28, 28}), want);
+  nn::ModelSpec spec{"resnet20", {3, 8, 8}, 10};
+  auto resnet = nn::make_sequential_model(spec);
+  Rng rng(5);
+  resnet->forward(random_tensor({2, 3, 8, 8}, rng));  // running statistics away from their start
+  std::vector<std::vector<float>> before;
+  for (nn::Buffer* b : resnet->buffers()) before.emplace_back(b->value.f32(), b->value.f32() + b->value.numel());
+  const std::vector<Shape> shapes = nn::layer_boundary_shapes(*resnet, {6, 3, 8, 8});
+  ASSERT_EQ(shapes.size(), resnet->size() + 1);
+  EXPECT_EQ(shapes[3], (Shape{6, 16, 8, 8}));
+  EXPECT_EQ(shapes[10], (Shape{6, 64, 2, 2}));
+  EXPECT_EQ(shapes.back(), (Shape{6, 10}));
+  EXPECT_TRUE(resnet->training());
+  auto buffers = resnet->buffers();
+  for (size_t i = 0; i < buffers.size(); ++i)
+    EXPECT_EQ(std::vector<float>(buffers[i]->value.f32(), buffers[i]->value.f32() + buffers[i]->value.numel()),
+              before[i])
+        << buffers[i]->name;
+  auto mlp = nn::make_sequential_model({"mlp", {1, 4, 4}, 3, {8}, 0.5f});
+  std::vector<nn::Buffer*> rng_state = mlp->buffers();
+  ASSERT_EQ(rng_state.size(), 1u);
+  const std::vector<int64_t> stream(rng_state[0]->value.data<int64_t>(), rng_state[0]->value.data<int64_t>() + 4);
+  nn::layer_boundary_shapes(*mlp, {2, 1, 4, 4});
+  EXPECT_EQ(std::vector<int64_t>(rng_state[0]->value.data<int64_t>(), rng_state[0]->value.data<int64_t>() + 4), stream);
+}

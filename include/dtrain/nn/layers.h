@@ -68,10 +68,10 @@ class Pool2d : public Module {
   std::string kind() const override;
 
  private:
+  Pool2dGeom geom(const Tensor& x) const;
   PoolKind kind_;
   int64_t kernel_, stride_, pad_;
-  Pool2dGeom g_{};
-  Tensor y_, dx_, state_;
+  Tensor x_, y_, dx_, state_;  // x_ for its shape: the geometry of this micro-batch's backward
 };
 inline ModulePtr MaxPool2d(int64_t k, int64_t s, int64_t p = 0) {
   return std::make_unique<Pool2d>(PoolKind::Max, k, s, p);
@@ -89,8 +89,7 @@ class GlobalAvgPool : public Module {
 
  private:
   const Tensor& averaging(int64_t hw, Device device);
-  Shape in_shape_;
-  Tensor y_, dx_, ones_;
+  Tensor x_, y_, dx_, ones_;  // x_ for its shape (a slot, so each micro-batch has its own)
 };
 
 class Activation : public Module {
@@ -128,7 +127,7 @@ class Flatten : public Module {
   std::string kind() const override { return "Flatten"; }
 
  private:
-  Shape in_shape_;
+  Tensor x_;  // for its shape (a slot, so each micro-batch has its own)
 };
 
 class BatchNorm2d : public Module {
@@ -166,6 +165,11 @@ class LayerNorm : public Module {
 class Sequential : public Module {
  public:
   Sequential() = default;
+  // Layers [begin, end) of `whole` as a Sequential of their own (a pipeline stage); the other
+  // layers are dropped. The stage names its layers as `whole` did ("3", "4", ...), so parameters
+  // and buffers keep their names in the whole model ("3.weight", "4.0.body.1.running_mean") in any
+  // layout, and checkpoints and comparisons name the same tensors.
+  static std::unique_ptr<Sequential> stage_of(std::unique_ptr<Sequential> whole, size_t begin, size_t end);
   Sequential& add(ModulePtr m);
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
@@ -179,7 +183,15 @@ class Sequential : public Module {
 
  private:
   std::vector<ModulePtr> layers_;
+  size_t first_name_ = 0;  // the name of layers_[0]: its index in the whole model (see stage_of)
 };
+
+// The activation shapes at the layer boundaries of `model` for an input of shape `input` (batch
+// first): shapes[i] is the input of layer i, shapes[model.size()] the output. Found by a forward
+// in evaluation mode on a batch of 1 (every layer keeps the batch as dimension 0), so no state
+// changes: BatchNorm running statistics, dropout streams and the training flag stay as they were.
+// A pipeline stage of layers [b, e) receives shapes[b] and sends shapes[e].
+std::vector<Shape> layer_boundary_shapes(Sequential& model, const Shape& input);
 
 // y = body(x) + shortcut(x); shortcut is the identity when null.
 class Residual : public Module {

@@ -17,6 +17,9 @@ struct ModelSpec {
 
 // Builds a model; throws InputError naming the model when the name or input shape does not fit.
 ModulePtr make_model(const ModelSpec& spec);
+// The same model as what every image model is, a Sequential of layers: a pipeline cuts it into
+// stages (Sequential::stage_of) between these layers.
+std::unique_ptr<Sequential> make_sequential_model(const ModelSpec& spec);
 std::vector<std::string> model_names();
 
 }  // namespace dtrain::nn

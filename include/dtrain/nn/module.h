@@ -138,6 +138,12 @@ class Module {
     track(slot);
     slot = t;
   }
+  // Member `slot` as one of this module's slots, left as it is: for state an engine call makes
+  // (the max pool's argmax), which a pipeline must stash with the micro-batch's other activations.
+  Tensor& engine_state(Tensor& slot) {
+    track(slot);
+    return slot;
+  }
 
   bool training_ = true;
   bool needs_input_grad_ = true;
@@ -157,5 +163,8 @@ class Module {
 };
 
 using ModulePtr = std::unique_ptr<Module>;
+
+// Where `m`'s parameters are (the CPU for a module without any): where its inputs must be made.
+Device device_of(Module& m);
 
 }  // namespace dtrain::nn

@@ -22,6 +22,10 @@
 #include "dtrain/comm/communicator.h"
 #include "dtrain/nn/module.h"
 
+namespace dtrain::nn {
+class Sequential;
+}
+
 namespace dtrain::parallel {
 
 enum class PipelineSchedule { GPipe, OneFOneB };
@@ -41,12 +45,39 @@ double pipeline_ideal_bubble(int stages, int micro_batches);
 // largest group's cost. Returns the first layer of each stage, plus costs.size() at the end.
 std::vector<int> balance_stages(const std::vector<double>& costs, int stages);
 
+// --pp-split as given ("2,4": how many layers each stage holds, GPT blocks or image model layers),
+// in balance_stages' form: the first layer of each stage, plus `layers` at the end. Throws
+// InputError naming --pp-split unless the text is `stages` whole numbers >= 1 adding up to `layers`.
+std::vector<int> parse_pp_split(const std::string& text, int stages, int layers);
+
+// The costs to balance an image model's stages by: forward + backward seconds of each layer of
+// `model` on a batch of shape `input` (one micro-batch). Measured, not estimated from FLOPs: a
+// CNN's layer times follow memory traffic and how well the kernels fill the machine at that
+// channel count as much as arithmetic (ResNet-20's blocks have equal FLOPs at 16, 32 and 64
+// channels, yet on a CPU the 16-channel ones take about 1.3 times as long), and a GPU's small
+// layers cost their launches. Per layer the least of `repeats` timed passes after an untimed one
+// (oneDNN and cuDNN build their primitives on a shape's first call), then the least over the
+// ranks of `comm`: noise (a descheduled rank, another process) only ever adds time, and every
+// rank gets the same costs, so cuts the same stages. Collective over `comm`. Gradients and
+// buffers (BatchNorm statistics, dropout streams) are restored afterwards; call it before anything
+// hooks the model's backward (DataParallel would send the measuring passes' gradients).
+std::vector<double> measure_layer_costs(nn::Sequential& model, const Shape& input, comm::Communicator& comm,
+                                        int repeats = 3);
+
 struct PipelineStats {
   double step_s = 0;                 // wall time of the last train_step
   double recv_wait_s = 0;            // of which waiting for another stage's activations or gradients
   double bubble = 0;                 // recv_wait_s / step_s: the measured bubble of this stage
   size_t peak_activation_bytes = 0;  // most bytes of stashed activations at once, this stage
   int64_t bytes_sent = 0;            // activations and gradients sent in the last step
+};
+
+// The shapes (f32) of one micro-batch's activation at a pipeline stage's edges: `in` is received
+// from the stage before (unused on the first stage), `out` sent to the next (unused on the last);
+// their gradients travel back in the same shapes. A GPT passes [B, T, width] everywhere; an image
+// model's stages each have their own (nn::layer_boundary_shapes: {shapes[begin], shapes[end]}).
+struct StageShapes {
+  Shape in, out;
 };
 
 class PipelineStage {
@@ -68,10 +99,16 @@ class PipelineStage {
   using BeforeBackwardFn = std::function<void(int mb, bool last)>;
 
   // One training step's forwards and backwards; gradients accumulate in the module's parameters.
-  // `act_shape` is the shape of one micro-batch's activation passed between stages (f32).
+  // `input` is called once per micro-batch and must give each its own tensor (under GPipe every
+  // forward runs before the first backward, which reads its input again): slices of the batch.
+  void train_step(const InputFn& input, const LossFn& loss, const StageShapes& shapes,
+                  const BeforeBackwardFn& before_backward = nullptr);
+  // The same with one activation shape for every stage boundary (the GPT's).
   void train_step(const InputFn& input, const LossFn& loss, const Shape& act_shape,
                   const BeforeBackwardFn& before_backward = nullptr);
   // Forwards only (evaluation); the last stage gets each micro-batch's output.
+  void forward_only(const InputFn& input, const std::function<void(const Tensor& out, int mb)>& consume,
+                    const StageShapes& shapes, int micro_batches);
   void forward_only(const InputFn& input, const std::function<void(const Tensor& out, int mb)>& consume,
                     const Shape& act_shape, int micro_batches);
 

@@ -20,9 +20,11 @@ class SyncBatchNorm : public nn::Module {
   nn::Parameter *gamma_, *beta_;
   nn::Buffer *running_mean_, *running_var_;
   Tensor xc_, y_, dx_, tmp_;  // xc_: the input minus the (first-pass) global mean
-  Tensor invstd_, scale_, shift_, stats_;         // [C] each; stats_ [2C+1] for the allreduce
-  Tensor ones_, neg_mean_, resid_;                 // [C]: 1, -mean (first pass), mean of xc_ (second)
-  double count_ = 0;                               // samples per channel over all ranks
+  // [2C+1]: the inverse std, the mean of xc_ (the second pass's correction) and the samples per
+  // channel over all ranks; a slot, as xc_ is, so each micro-batch of a pipeline has its own.
+  Tensor saved_;
+  Tensor scale_, shift_, stats_;  // [C] each; stats_ [2C+1] for the allreduce
+  Tensor ones_, neg_mean_;        // [C]: 1, -mean (first pass)
 };
 
 // Replaces every BatchNorm2d below `root` (inside Sequential containers) by a SyncBatchNorm with the
