@@ -1,5 +1,6 @@
 #include "dtrain/parallel/data_parallel.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -80,12 +81,7 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
   }
 
   if (engine_topk_) engine_topk_state_.resize(buckets_.size());
-  if (opt_.zero1) {
-    int64_t shard = padded / world, r = comm.rank();
-    shard_.name = "zero1_shard";
-    shard_.value = flat_param_.slice0(r * shard, (r + 1) * shard).clone();
-    shard_.grad = zeros_on({shard}, dev);
-  }
+  if (opt_.zero1) make_shard(total);
   model_.set_grad_ready_hook([this](nn::Parameter& p) { on_grad_ready(p); });
 }
 
@@ -158,10 +154,7 @@ void DataParallel::broadcast_state(int root) {
   std::vector<std::shared_ptr<comm::Work>> works{comm_.broadcast(flat_param_, root)};
   for (nn::Buffer* b : model_.buffers()) works.push_back(comm_.broadcast(b->value, root));
   for (auto& w : works) w->wait();
-  if (opt_.zero1) {
-    int64_t shard = shard_.value.numel(), r = comm_.rank();
-    shard_.value.copy_from(flat_param_.slice0(r * shard, (r + 1) * shard));
-  }
+  if (opt_.zero1) shard_.value.copy_from(own_slice(flat_param_));
 }
 
 void DataParallel::begin_backward(bool sync) {
@@ -304,6 +297,108 @@ std::vector<nn::Parameter*> DataParallel::optimizer_params() {
   return model_.parameters();
 }
 
+std::pair<int64_t, int64_t> DataParallel::overlap(const nn::Parameter* p, int64_t begin, int64_t end) const {
+  const int64_t off = offset_.at(p);
+  return {std::max(begin, off), std::min(end, off + p->value.numel())};
+}
+
+// ZeRO-1: this rank's master slice and gradient slice, and the parameters' pieces in them.
+void DataParallel::make_shard(int64_t model_numel) {
+  // A slice of padding only would give its rank no optimizer state, and the state's collectives
+  // (gather_state) would not match over the ranks.
+  DT_INPUT_CHECK(flat_param_.numel() - model_numel < shard_numel(),
+                 "--zero1 over " << comm_.size() << " ranks: the model's " << model_numel
+                                 << " parameters leave the last rank's slice empty");
+  shard_.name = "zero1_shard";
+  shard_.value = own_slice(flat_param_).clone();
+  shard_.grad = zeros_on({shard_numel()}, flat_grad_.device());
+  const int64_t begin = slice_begin(), end = begin + shard_numel();
+  start_in_slice_[shard_.name] = 0;
+  const std::vector<nn::Parameter*> params = model_.parameters();
+  pieces_.reserve(params.size());
+  for (nn::Parameter* p : params) {
+    const auto [first, last] = overlap(p, begin, end);
+    if (first >= last) continue;
+    nn::Parameter& piece = pieces_.emplace_back();
+    piece.name = p->name;
+    piece.value = shard_.value.slice0(first - begin, last - begin);
+    piece.grad = shard_.grad.slice0(first - begin, last - begin);
+    piece_of_[p] = &piece;
+    start_in_slice_[p->name] = first - begin;
+  }
+}
+
+std::vector<optim::ParamGroup> DataParallel::optimizer_groups(const std::vector<optim::ParamGroup>& model_groups) {
+  if (!opt_.zero1) return model_groups;
+  std::vector<optim::ParamGroup> groups;
+  for (const optim::ParamGroup& g : model_groups) {
+    optim::ParamGroup& mine = groups.emplace_back(g);
+    mine.params.clear();
+    for (nn::Parameter* p : g.params) {
+      DT_CHECK(offset_.count(p), "optimizer_groups: " << p->name << " is not a parameter of the data-parallel model");
+      if (auto it = piece_of_.find(p); it != piece_of_.end()) mine.params.push_back(it->second);
+    }
+  }
+  return groups;
+}
+
+std::pair<int64_t, std::string> DataParallel::place_in_slice(const optim::StateTensor& st) const {
+  const size_t dot = st.name.rfind('.');
+  auto it = dot == std::string::npos ? start_in_slice_.end() : start_in_slice_.find(st.name.substr(0, dot));
+  DT_CHECK(it != start_in_slice_.end(),
+           "optimizer state " << st.name << " is of no parameter in this rank's ZeRO-1 slice (optimizer_groups)");
+  return {it->second, st.name.substr(dot + 1)};
+}
+
+std::map<std::string, Tensor> DataParallel::gather_state(const std::vector<optim::StateTensor>& state) {
+  if (!opt_.zero1) return optim::state_by_name(state);  // whole parameters already
+  // Each kind of state ("exp_avg", ...) as this rank's slice, assembled from its tensors (the
+  // padding stays zero), then gathered whole; std::map orders the kinds alike on every rank.
+  std::map<std::string, Tensor> slices;
+  for (const optim::StateTensor& st : state) {
+    const auto [start, kind] = place_in_slice(st);
+    Tensor& slice = slices[kind];
+    if (!slice.defined()) slice = zeros_on(shard_.value.shape(), shard_.value.device());
+    Tensor part = slice.slice0(start, start + st.value->numel());
+    copy_any(st.value->reshape({st.value->numel()}), part);
+  }
+  std::map<std::string, Tensor> full;
+  for (const auto& [kind, slice] : slices) {
+    const Tensor flat = to_host(gather_flat(slice));
+    for (nn::Parameter* p : model_.parameters()) {
+      const int64_t off = offset_.at(p);
+      full[p->name + "." + kind] = flat.slice0(off, off + p->value.numel()).reshape(p->value.shape()).clone();
+    }
+  }
+  return full;
+}
+
+void DataParallel::load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state) {
+  if (!opt_.zero1) {
+    optim::load_state_by_name(full, state);
+    return;
+  }
+  for (const optim::StateTensor& st : state) {
+    const auto [start, kind] = place_in_slice(st);
+    Tensor dst = st.value->reshape({st.value->numel()});
+    engine_for(dst.device()).fill(dst, 0.f);  // the padding's state (in the whole-slice tensor)
+    const int64_t begin = slice_begin() + start, end = begin + dst.numel();  // in the flat buffers
+    for (nn::Parameter* p : model_.parameters()) {
+      const auto [first, last] = overlap(p, begin, end);
+      if (first >= last) continue;
+      const std::string name = p->name + "." + kind;
+      auto it = full.find(name);
+      DT_INPUT_CHECK(it != full.end(), "no optimizer state " << name);
+      DT_INPUT_CHECK(it->second.shape() == p->value.shape(), "optimizer state " << name << " is " << it->second.str()
+                                                                                << ", parameter " << p->name << " is "
+                                                                                << p->value.str());
+      const int64_t off = offset_.at(p);
+      Tensor part = dst.slice0(first - begin, last - begin);
+      copy_any(it->second.reshape({p->value.numel()}).slice0(first - off, last - off), part);
+    }
+  }
+}
+
 void DataParallel::after_step() {
   if (!opt_.zero1) return;
   double t0 = now_s();
@@ -327,8 +422,7 @@ Tensor DataParallel::gather_flat(const Tensor& shard) {
 }
 
 Tensor DataParallel::own_slice(const Tensor& flat) const {
-  int64_t shard = flat_param_.numel() / comm_.size(), r = comm_.rank();
-  return flat.slice0(r * shard, (r + 1) * shard);
+  return flat.slice0(slice_begin(), slice_begin() + shard_numel());
 }
 
 double DataParallel::grad_norm() {

@@ -18,6 +18,23 @@ std::vector<ParamGroup> decay_groups(const std::vector<nn::Parameter*>& params, 
   return groups;
 }
 
+std::map<std::string, Tensor> state_by_name(const std::vector<StateTensor>& state) {
+  std::map<std::string, Tensor> out;
+  for (const StateTensor& st : state) out[st.name] = to_host(*st.value).clone();
+  return out;
+}
+
+void load_state_by_name(const std::map<std::string, Tensor>& saved, const std::vector<StateTensor>& state) {
+  for (const StateTensor& st : state) {
+    auto it = saved.find(st.name);
+    DT_INPUT_CHECK(it != saved.end(), "no optimizer state " << st.name);
+    DT_INPUT_CHECK(it->second.shape() == st.value->shape(), "optimizer state " << st.name << " is " << it->second.str()
+                                                                               << ", the optimizer holds "
+                                                                               << st.value->str());
+    copy_any(it->second, *st.value);
+  }
+}
+
 Optimizer::Optimizer(std::vector<ParamGroup> groups) {
   for (const ParamGroup& g : groups) {
     DT_INPUT_CHECK(g.weight_decay >= 0.f, "weight decay must be >= 0, got " << g.weight_decay);

@@ -1,6 +1,7 @@
 #pragma once
 // Optimizers over a model's parameters, fp32 master weights. Each parameter's state tensors are
 // named (for checkpoints) and live on the parameter's device.
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,6 +26,12 @@ struct ParamGroup {
 // parameters named in `no_decay` (e.g. a position table) do not. Empty groups are left out.
 std::vector<ParamGroup> decay_groups(const std::vector<nn::Parameter*>& params, float weight_decay,
                                      const std::vector<std::string>& no_decay = {});
+
+// Optimizer state by name ("<param>.<state>"), as host copies: what a checkpoint keeps of it.
+std::map<std::string, Tensor> state_by_name(const std::vector<StateTensor>& state);
+// The inverse: each state tensor takes the entry of its name (InputError naming it when the entry
+// is missing or has another shape).
+void load_state_by_name(const std::map<std::string, Tensor>& saved, const std::vector<StateTensor>& state);
 
 class Optimizer {
  public:

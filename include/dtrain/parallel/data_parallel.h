@@ -10,7 +10,10 @@
 //
 // ZeRO stage 1 (zero1): optimizer state is sharded. finish() reduce-scatters the flat gradient so
 // each rank holds the averaged gradient of its 1/world slice; the optimizer updates only that slice
-// (optimizer_params()), and after_step() all-gathers the updated slices into every rank's parameters.
+// (optimizer_groups()), and after_step() all-gathers the updated slices into every rank's parameters.
+// The optimizer sees the slice as the pieces of the parameters that fall into it, each in its
+// parameter's group (a decayed matrix and an undecayed bias may share a slice), and checkpoints see
+// its state per whole parameter in the one-rank layout (gather_state, load_state).
 // With gradient compression the buckets go through the compressor as without ZeRO-1 (a compressed
 // reduce-scatter does not exist for top-k or PowerSGD), and each rank then keeps its slice of the
 // averaged gradient: the communication of the compressor, the optimizer memory of ZeRO-1.
@@ -22,6 +25,7 @@
 #include "dtrain/comm/communicator.h"
 #include "dtrain/comm/compression.h"
 #include "dtrain/nn/module.h"
+#include "dtrain/optim/optimizer.h"
 
 namespace dtrain::parallel {
 
@@ -80,15 +84,34 @@ class DataParallel {
   // Waits on the host for exchanges finish() left to the device stream (see device_stream), and
   // throws their error; a no-op when none is outstanding.
   void settle();
-  // What the optimizer should update: the model's parameters, or (ZeRO-1) one flat slice.
+  // The optimizer's parameter groups in this layout, from groups over the model's parameters (form
+  // them on the model: optim::decay_groups decides by shape and name). Without ZeRO-1 they come
+  // back as they are. With ZeRO-1 each parameter's part inside this rank's slice takes its place: a
+  // 1-D Parameter named as the parameter (so state stays "<param>.exp_avg", ...) whose value and
+  // grad are views into the slice; a parameter outside the slice drops out (a group may end up
+  // empty), the padding is in no group, every group keeps its settings. The pieces live as long as
+  // this DataParallel. Optimizers with per-tensor trust ratios (LARS, LAMB) would take them per
+  // piece: ZeRO-1 is for element-wise optimizers (SGD, Adam/AdamW).
+  std::vector<optim::ParamGroup> optimizer_groups(const std::vector<optim::ParamGroup>& model_groups);
+  // Optimizer state in the one-rank layout, for checkpoints: every parameter's whole tensor of each
+  // kind, named "<param>.<kind>", as host copies on every rank (under ZeRO-1 a collective over the
+  // communicator: each slice is all-gathered). `state` is the optimizer's, built from
+  // optimizer_groups (or, until the image trainer moves to those, from optimizer_params).
+  std::map<std::string, Tensor> gather_state(const std::vector<optim::StateTensor>& state);
+  // The inverse: each rank takes its part of `full` (any ZeRO-1 layout's gather_state, or a one-rank
+  // run's state by name); InputError naming the tensor when one is missing or has another shape.
+  void load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state);
+  // The flat-slice interface the image trainer still uses (to be removed once it calls
+  // optimizer_groups, gather_state and load_state): the model's parameters, or (ZeRO-1) one
+  // Parameter over the whole slice, named "zero1_shard".
   std::vector<nn::Parameter*> optimizer_params();
   // ZeRO-1: gathers the updated slices into every rank's parameters. Plain DP: nothing.
   void after_step();
   // L2 norm of the averaged gradient over the whole model (a collective under ZeRO-1).
   double grad_norm();
 
-  // ZeRO-1 checkpoints: the whole flat vector from every rank's slice (a collective), and where
-  // each parameter lies in it, so sharded optimizer state is saved per parameter.
+  // ZeRO-1 checkpoints the flat-slice way (see optimizer_params): the whole flat vector from every
+  // rank's slice (a collective), and where each parameter lies in it.
   Tensor gather_flat(const Tensor& shard);
   Tensor own_slice(const Tensor& flat) const;  // this rank's slice of a flat (padded) vector
   int64_t offset_of(const nn::Parameter* p) const { return offset_.at(p); }
@@ -128,6 +151,14 @@ class DataParallel {
   std::shared_ptr<comm::Work> launch_engine_topk(Bucket& b, EngineTopK& st);
   void finish_engine_topk(Bucket& b, EngineTopK& st);
   void complete(const std::shared_ptr<comm::Work>& w);  // on the device stream where it can, else on the host
+  int64_t shard_numel() const { return flat_param_.numel() / comm_.size(); }  // a rank's ZeRO-1 slice
+  int64_t slice_begin() const { return comm_.rank() * shard_numel(); }        // in the flat buffers
+  // The elements of the flat buffers in [begin, end) that parameter p holds, as a range (empty
+  // when first >= second).
+  std::pair<int64_t, int64_t> overlap(const nn::Parameter* p, int64_t begin, int64_t end) const;
+  void make_shard(int64_t model_numel);
+  // Where optimizer state "<param>.<kind>" starts in this rank's slice, and its kind.
+  std::pair<int64_t, std::string> place_in_slice(const optim::StateTensor& st) const;
 
   nn::Module& model_;
   comm::Communicator& comm_;
@@ -139,6 +170,12 @@ class DataParallel {
   bool syncing_ = false;
   // ZeRO-1 shard of this rank: master copy of its parameters and its averaged gradient.
   nn::Parameter shard_;
+  // The parameters' parts inside the shard (1-D views into it, named as their parameters), what
+  // optimizer_groups hands out; reserved once, so the pointers stay valid.
+  std::vector<nn::Parameter> pieces_;
+  std::unordered_map<const nn::Parameter*, nn::Parameter*> piece_of_;
+  // Where each optimizer parameter (a piece, or shard_ itself) starts in the shard.
+  std::map<std::string, int64_t> start_in_slice_;
   std::unique_ptr<comm::Compressor> compressor_;  // null: plain allreduce
   double topk_target_ = 0;                        // the top-k ratio asked for (warm-up ends there)
   bool dense_phase_ = false;                      // PowerSGD warm-up: plain allreduce for now
