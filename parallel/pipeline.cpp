@@ -144,11 +144,6 @@ void check_sent(const Tensor& t, const Shape& expected, int stage, const char* w
 }
 }  // namespace
 
-void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const Shape& act_shape,
-                               const BeforeBackwardFn& before_backward) {
-  train_step(input, loss, StageShapes{act_shape, act_shape}, before_backward);
-}
-
 void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const StageShapes& shapes,
                                const BeforeBackwardFn& before_backward) {
   const double t0 = now_s();
@@ -217,11 +212,6 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
   wait(grad_send_);
   stats_.step_s = now_s() - t0;
   stats_.bubble = stats_.step_s > 0 ? stats_.recv_wait_s / stats_.step_s : 0;
-}
-
-void PipelineStage::forward_only(const InputFn& input, const std::function<void(const Tensor&, int)>& consume,
-                                 const Shape& act_shape, int micro_batches) {
-  forward_only(input, consume, StageShapes{act_shape, act_shape}, micro_batches);
 }
 
 void PipelineStage::forward_only(const InputFn& input, const std::function<void(const Tensor&, int)>& consume,

@@ -36,7 +36,7 @@ int cmd_eval(int argc, char** argv) {
   cpu_engine().set_threads(threads > 0 ? threads : std::max(1, topo.threads_per_rank));
 
   std::string path = train::resolve_checkpoint(ckpt, "checkpoint");
-  train::CheckpointState s = train::load_checkpoint(path);
+  train::CheckpointState s = train::load_checkpoint_set(path);  // every pipeline stage's part
   auto ds = std::make_shared<data::ShardedHdf5Dataset>(data_dir);
   nn::ModelSpec spec;
   spec.name = s.strings["model"];

@@ -180,7 +180,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(common, "compression-on-engine", &c.compression_on_engine, def.compression_on_engine, "top-k through the compute engine's kernels (the path GPU buckets always take: CUB and NCCL) instead of the communication layer's compressor, also on the CPU");
   add(image, "momentum-correction", &c.momentum_correction, def.momentum_correction, "top-k with SGD momentum: accumulate momentum, not raw gradients, in the compressor (Deep Gradient Compression); the optimizer then runs without momentum");
   add(common, "accumulate", &c.accumulate, def.accumulate, "micro-batches per optimizer step (gradient accumulation)");
-  add(image, "zero1", &c.zero1, def.zero1, "ZeRO stage 1: shard optimizer state over the data-parallel ranks");
+  add(common, "zero1", &c.zero1, def.zero1, "ZeRO stage 1: shard optimizer state over the data-parallel ranks (each parameter's piece keeps its optimizer group)");
   add(image, "sync-batchnorm", &c.sync_batchnorm, def.sync_batchnorm, "batch statistics over all data-parallel ranks");
 
   add(lm, "layers", &c.layers, def.layers, "transformer blocks");
@@ -192,10 +192,10 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(lm, "eval-every", &c.eval_every, def.eval_every, "steps between validation passes (0: at the end only)");
   add(lm, "eval-batches", &c.eval_batches, def.eval_batches, "validation batches per pass (0: all)");
   add(lm, "tp", &c.tp, def.tp, "tensor-parallel ranks (heads and MLP split; dp is the rest)");
-  add(lm, "pp", &c.pp, def.pp, "pipeline stages (blocks split by cost)");
-  add_path(lm, "pp-split", &c.pp_split, "blocks per pipeline stage, e.g. 2,4 (default: balanced by cost)");
-  add(lm, "micro-batches", &c.micro_batches, def.micro_batches, "pipeline micro-batches per step (0: 2 x --pp; divides --batch-size)");
-  add(lm, "schedule", &c.schedule, def.schedule, "pipeline schedule: 1f1b or gpipe");
+  add(common, "pp", &c.pp, def.pp, "pipeline stages: the model's layers (the gpt: blocks) cut into this many stages, balanced by measured layer costs (the gpt: by a cost model)");
+  add_path(common, "pp-split", &c.pp_split, "layers (the gpt: blocks) per pipeline stage, e.g. 2,4 (default: balanced by cost)");
+  add(common, "micro-batches", &c.micro_batches, def.micro_batches, "pipeline micro-batches per step (0: 2 x --pp; divides the per-rank batch)");
+  add(common, "schedule", &c.schedule, def.schedule, "pipeline schedule: 1f1b or gpipe");
   add_switch(lm, "checkpoint-activations", &c.checkpoint_activations, def.checkpoint_activations, "recompute each block's activations in backward (less memory)");
   // clang-format on
 }
@@ -250,6 +250,10 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(!c.zero1 || (c.optimizer != "lars" && c.optimizer != "lamb"),
                  "option --zero1 does not combine with --optimizer "
                      << c.optimizer << " (its per-layer trust ratios need whole tensors)");
+  DT_INPUT_CHECK(!c.zero1 || (c.tp == 1 && c.pp == 1),
+                 "option --zero1 does not combine with --" << (c.tp > 1 ? "tp" : "pp")
+                                                           << " in this version (clipping and the tied embedding read "
+                                                              "whole gradients)");
   DT_INPUT_CHECK(c.clip_grad_norm >= 0.f, "option --clip-grad-norm must be >= 0");
   DT_INPUT_CHECK(c.augment.crop_padding >= 0 && c.augment.crop_padding <= 64,
                  "option --augment-crop must be in [0, 64]");

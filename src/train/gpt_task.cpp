@@ -81,27 +81,6 @@ std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s) {
 
 namespace {
 
-// "2,4": blocks per stage, each at least one, adding up to the layers.
-std::vector<int> split_starts(const std::string& split, int stages, int layers) {
-  std::vector<int> starts{0};
-  std::stringstream ss(split);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    int n = 0;
-    try {
-      n = std::stoi(item);
-    } catch (const std::exception&) {
-      DT_INPUT_CHECK(false, "--pp-split " << split << ": '" << item << "' is not a block count");
-    }
-    DT_INPUT_CHECK(n >= 1, "--pp-split " << split << ": every stage needs at least one block");
-    starts.push_back(starts.back() + n);
-  }
-  DT_INPUT_CHECK(static_cast<int>(starts.size()) == stages + 1 && starts.back() == layers,
-                 "--pp-split " << split << " must give " << stages << " block counts adding up to the " << layers
-                               << " layers");
-  return starts;
-}
-
 class GptTask final : public Task {
  public:
   void setup(const TaskSetup& s) override;
@@ -111,7 +90,9 @@ class GptTask final : public Task {
   std::string unit() const override { return "tokens"; }
   std::string piece() const override { return "blocks"; }
   std::vector<int> stage_starts() const override { return starts_; }
-  Shape stage_activation_shape(int64_t rows) const override { return {rows, seq_len_, cfg_->width}; }
+  parallel::StageShapes stage_shapes(int64_t rows) const override {
+    return {{rows, seq_len_, cfg_->width}, {rows, seq_len_, cfg_->width}};
+  }
   int64_t steps_per_epoch() const override { return 0; }
   void start_epoch(int64_t, int64_t) override { staged_.clear(); }
   // As GPT-2 and nanoGPT: no weight decay on biases, LayerNorm gains and the position table.
@@ -126,7 +107,7 @@ class GptTask final : public Task {
     xent_->accumulate(out, targets.reshape({targets.numel()}), stats);
     return xent_->backward(grad_scale);
   }
-  int64_t step_units() const override { return cfg_->batch_size * cfg_->accumulate * seq_len_; }
+  int64_t step_units() const override { return batch_ * cfg_->accumulate * seq_len_; }
   std::string bad_label(int64_t step, int rank) const override {
     return "a target token of step " + std::to_string(step) + " on rank " + std::to_string(rank) +
            " is outside the vocabulary";
@@ -154,7 +135,7 @@ class GptTask final : public Task {
   // Step s's windows, from a stream seeded by (seed, dp rank, s): a resumed run sees the same.
   std::pair<Tensor, Tensor> draw(int64_t step) const {
     Rng rng(derive_seed(data_seed_, static_cast<uint64_t>(step)));
-    data::TokenBatch b = data::random_windows(train_, cfg_->batch_size * cfg_->accumulate, seq_len_, rng);
+    data::TokenBatch b = data::random_windows(train_, batch_ * cfg_->accumulate, seq_len_, rng);
     return {b.ids, b.targets};
   }
   double pipeline_val_loss(parallel::PipelineStage& pipe, int64_t batches);
@@ -162,7 +143,7 @@ class GptTask final : public Task {
   const TrainConfig* cfg_ = nullptr;
   parallel::ProcessGrid* grid_ = nullptr;
   Device device_ = Device::cpu();
-  int64_t seq_len_ = 0;
+  int64_t batch_ = 0, seq_len_ = 0;
   uint64_t data_seed_ = 0;
   data::TokenStream train_, val_;
   std::vector<int> starts_;
@@ -179,6 +160,7 @@ void GptTask::setup(const TaskSetup& s) {
   grid_ = &s.grid;
   device_ = s.device;
   const TrainConfig& c = s.cfg;
+  batch_ = s.batch;
   seq_len_ = c.seq_len > 0 ? c.seq_len : c.context;
   DT_INPUT_CHECK(seq_len_ <= c.context, "--seq-len " << seq_len_ << " exceeds the context " << c.context);
   DT_INPUT_CHECK(c.pp <= c.layers, "--pp " << c.pp << " must be between 1 and the " << c.layers << " layers");
@@ -230,7 +212,7 @@ void GptTask::connect() {
 // counts with the first block, the head with the last).
 std::vector<int> GptTask::balanced_starts() const {
   const int layers = static_cast<int>(cfg_->layers);
-  if (!cfg_->pp_split.empty()) return split_starts(cfg_->pp_split, cfg_->pp, layers);
+  if (!cfg_->pp_split.empty()) return parallel::parse_pp_split(cfg_->pp_split, cfg_->pp, layers);
   nn::GptCosts k = nn::gpt_costs(model_cfg_, seq_len_);
   std::vector<double> costs(layers, k.block);
   costs.front() += k.embed;
@@ -240,7 +222,7 @@ std::vector<int> GptTask::balanced_starts() const {
 
 std::string GptTask::describe() {
   std::ostringstream o;
-  o << model_->kind() << ", " << model_->parameter_count() << " parameters on rank 0, batch " << cfg_->batch_size
+  o << model_->kind() << ", " << model_->parameter_count() << " parameters on rank 0, batch " << batch_
     << " x " << seq_len_ << " tokens per dp rank, " << train_.tokens.size() << " train / " << val_.tokens.size()
     << " val tokens";
   return o.str();
@@ -258,15 +240,15 @@ bool GptTask::load_step(int64_t step, double& wait_s) {
 }
 
 Validation GptTask::validate(parallel::PipelineStage* pipe) {
-  int64_t batches = data::window_count(val_, seq_len_) / cfg_->batch_size;
+  int64_t batches = data::window_count(val_, seq_len_) / batch_;
   if (cfg_->eval_batches > 0) batches = std::min(batches, cfg_->eval_batches);
   DT_INPUT_CHECK(batches > 0, "the validation stream (" << val_.tokens.size() << " tokens) holds no batch of "
-                                                        << cfg_->batch_size << " windows of " << seq_len_ + 1
+                                                        << batch_ << " windows of " << seq_len_ + 1
                                                         << " tokens");
   Validation v;
   v.result.loss = pipe ? pipeline_val_loss(*pipe, batches)
-                       : eval_stream(*model_, val_, cfg_->batch_size, seq_len_, batches, *xent_, device_);
-  v.result.samples = batches * cfg_->batch_size;
+                       : eval_stream(*model_, val_, batch_, seq_len_, batches, *xent_, device_);
+  v.result.samples = batches * batch_;
   const double bpb = v.result.loss / std::log(2.0);
   char line[80];
   std::snprintf(line, sizeof line, "val_loss %.4f  val_bpb %.4f", v.result.loss, bpb);
@@ -280,14 +262,14 @@ double GptTask::pipeline_val_loss(parallel::PipelineStage& pipe, int64_t batches
   nn::update_working_copies(model_->parameters(), engine_for(device_).math_precision());
   model_->eval();
   double sum = 0;
-  const int64_t b = cfg_->batch_size;
+  const int64_t b = batch_;
   auto window = [&](int k) { return data::sequential_windows(val_, b, seq_len_, k * b); };
   pipe.forward_only([&](int k) { return window(k).ids; },
                     [&](const Tensor& out, int k) {
                       xent_->forward(out, window(k).targets.reshape({b * seq_len_}));
                       sum += xent_->last_loss_sum();
                     },
-                    stage_activation_shape(b), static_cast<int>(batches));
+                    stage_shapes(b), static_cast<int>(batches));
   model_->train();
   Tensor t = Tensor::full({1}, pipe.last() ? static_cast<float>(sum) : 0.f);
   grid_->pp().allreduce(t)->wait();

@@ -1,11 +1,13 @@
 // The image classifier task of the one loop: sharded HDF5 images (or synthetic batches), an
 // mlp / simple_cnn / resnet20, softmax cross-entropy, test-set evaluation at each epoch's end.
 #include <algorithm>
+#include <functional>
 #include <sstream>
 
 #include "dtrain/core/rng.h"
 #include "dtrain/data/loader.h"
 #include "dtrain/nn/models.h"
+#include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/process_grid.h"
 #include "dtrain/parallel/sync_batchnorm.h"
 #include "dtrain/train/task.h"
@@ -23,20 +25,87 @@ std::string fixed(double v, int digits) {
   return o.str();
 }
 
+// How a test set is read: batch rows, and the training set's normalisation (empty: the set's own).
+struct EvalData {
+  int64_t batch;
+  bool normalize;
+  std::vector<float> mean, std;
+};
+// Runs one batch (host inputs and labels) and adds its loss sum and hits into `stats`.
+using BatchForward = std::function<void(const Tensor& inputs, const Tensor& labels, Tensor& stats)>;
+
+// The sampler deals rank r of `dp` the global positions r, r + world, ...; positions past the end
+// are padding and are not counted. `forward` adds each batch's loss sum and hits into a row on
+// `device`, read once at the end (a GPU is not synchronised per batch); under a pipeline only the
+// last stage's row has them, and the stages of `pp` add their rows.
+EvalResult evaluate_batches(std::shared_ptr<const data::ShardedHdf5Dataset> ds, const EvalData& how, Device device,
+                            comm::Communicator* dp, comm::Communicator* pp, const BatchForward& forward) {
+  const int rank = dp ? dp->rank() : 0, world = dp ? dp->size() : 1;
+  data::LoaderOptions lo;
+  lo.batch_size = how.batch;
+  lo.shuffle = false;
+  lo.normalize = how.normalize;
+  lo.mean = how.mean;
+  lo.std = how.std;
+  lo.rank = rank;
+  lo.world = world;
+  data::DataLoader loader(ds, lo);
+  const int64_t mine = (ds->size() - rank + world - 1) / world;
+  Tensor stats = zeros_on({kXentStatsFloats}, device);
+  int64_t seen = 0;
+  loader.start_epoch(0);
+  data::Batch b;
+  while (seen < mine && loader.next(b)) {
+    const int64_t rows = std::min<int64_t>(b.inputs.size(0), mine - seen);
+    forward(b.inputs.slice0(0, rows), b.labels.slice0(0, rows), stats);
+    seen += rows;
+  }
+  Tensor host = to_host(stats).clone();
+  if (pp && pp->size() > 1) pp->allreduce(host)->wait();
+  // One rank's bad label fails every rank (the others would wait in the allreduce below).
+  XentStats st;
+  auto read = [&] {
+    st = xent_stats(host);
+    DT_INPUT_CHECK(!st.bad_label, "a label of the evaluation data on rank " << rank << " is outside the model's classes");
+  };
+  if (dp && world > 1)
+    comm::agree_on_inputs(*dp, read);
+  else
+    read();
+  // Sums in f64 words carried as two f32 tensors would lose counts past 2^24; use i64 + f32.
+  Tensor counts = Tensor::empty({2}, DType::I64);
+  counts.data<int64_t>()[0] = static_cast<int64_t>(st.hits);
+  counts.data<int64_t>()[1] = seen;
+  Tensor loss = Tensor::from({1}, {static_cast<float>(st.loss_sum)});
+  if (world > 1) {
+    dp->allreduce(counts, comm::ReduceOp::Sum)->wait();
+    dp->allreduce(loss, comm::ReduceOp::Sum)->wait();
+  }
+  EvalResult r;
+  r.samples = counts.data<int64_t>()[1];
+  r.loss = loss.f32()[0] / static_cast<double>(std::max<int64_t>(r.samples, 1));
+  r.accuracy = static_cast<double>(counts.data<int64_t>()[0]) / static_cast<double>(std::max<int64_t>(r.samples, 1));
+  return r;
+}
+
 class ImageTask final : public Task {
  public:
   void setup(const TaskSetup& s) override;
-  void connect() override {
-    if (cfg_->sync_batchnorm) parallel::convert_sync_batchnorm(*model_, grid_->dp());
-  }
+  void connect() override;
   nn::Module& model() override { return *model_; }
   std::string describe() override {
-    return "model " + spec_.name + " (" + std::to_string(model_->parameter_count()) + " parameters), " +
+    return "model " + spec_.name + " (" + std::to_string(model_->parameter_count()) + " parameters" +
+           (cfg_->pp > 1 ? " on rank 0's stage" : "") + "), " +
            (cfg_->synthetic ? std::string("synthetic data") : "data " + cfg_->data);
   }
   std::string unit() const override { return "samples"; }
   std::string piece() const override { return "layers"; }
-  Shape stage_activation_shape(int64_t) const override { return {}; }
+  std::vector<int> stage_starts() const override { return starts_; }
+  parallel::StageShapes stage_shapes(int64_t rows) const override {
+    const int stage = grid_->pp_rank();
+    return {with_rows(boundaries_[static_cast<size_t>(starts_[stage])], rows),
+            with_rows(boundaries_[static_cast<size_t>(starts_[stage + 1])], rows)};
+  }
   int64_t steps_per_epoch() const override { return batches_per_epoch() / cfg_->accumulate; }
   void start_epoch(int64_t epoch, int64_t steps_done) override {
     if (loader_) loader_->start_epoch(epoch, steps_done * cfg_->accumulate);
@@ -75,10 +144,20 @@ class ImageTask final : public Task {
   // Reads step `step`'s micro-batches from the loader (or the synthetic set) into `staged_`.
   bool read_step(int64_t step);
 
+  static Shape with_rows(Shape s, int64_t rows) {
+    s[0] = rows;
+    return s;
+  }
+  EvalResult pipeline_evaluate(parallel::PipelineStage& pipe);
+
   const TrainConfig* cfg_ = nullptr;
   parallel::ProcessGrid* grid_ = nullptr;
   Device device_ = Device::cpu();
   int64_t batch_ = 0;
+  int parts_ = 1;
+  std::unique_ptr<nn::Sequential> whole_;  // pp > 1: the whole model until connect() cuts this rank's stage
+  std::vector<Shape> boundaries_;           // pp > 1: the activation shape before each layer and after the last
+  std::vector<int> starts_{0, 1};
   std::shared_ptr<data::ShardedHdf5Dataset> train_ds_, test_ds_;
   std::unique_ptr<data::DataLoader> loader_;
   std::vector<data::Batch> synthetic_;  // a few fixed random batches, cycled (no data path at all)
@@ -130,14 +209,43 @@ void ImageTask::setup(const TaskSetup& s) {
     lo.world = s.grid.dp_size();
     loader_ = std::make_unique<data::DataLoader>(train_ds_, lo);
   }
+  parts_ = s.parts;
   spec_ = nn::ModelSpec{s.cfg.model, input, classes, s.cfg.hidden, s.cfg.dropout, s.cfg.seed};
-  model_ = nn::make_model(spec_);
-  model_->set_needs_input_grad(false);  // nothing consumes d(input data)
-  model_->to(device_);  // drawn on the host, trained where the engine is
+  if (s.cfg.pp > 1) {  // every rank draws the whole model; connect() keeps this rank's stage
+    whole_ = nn::make_sequential_model(spec_);
+    DT_INPUT_CHECK(static_cast<int>(whole_->size()) >= s.cfg.pp,
+                   "option --pp " << s.cfg.pp << ": model " << spec_.name << " has " << whole_->size() << " layers");
+    Shape x = spec_.input;
+    x.insert(x.begin(), batch_ / parts_);
+    boundaries_ = nn::layer_boundary_shapes(*whole_, x);
+    if (!s.cfg.pp_split.empty())
+      starts_ = parallel::parse_pp_split(s.cfg.pp_split, s.cfg.pp, static_cast<int>(whole_->size()));
+  } else {
+    model_ = nn::make_model(spec_);
+    model_->set_needs_input_grad(false);  // nothing consumes d(input data)
+    model_->to(device_);                  // drawn on the host, trained where the engine is
+  }
   if (s.cfg.synthetic) make_synthetic_batches(s.grid.dp_rank());
   // An optimizer step takes --accumulate micro-batches; a partial group at an epoch's end is dropped.
   DT_INPUT_CHECK(steps_per_epoch() > 0, "option --accumulate " << s.cfg.accumulate << " exceeds the "
                                                                << batches_per_epoch() << " batches of an epoch");
+}
+
+// Collective: a pipeline's cut (by layer costs measured on every rank, the least of each taken, so
+// every rank cuts alike; or --pp-split), then SyncBatchNorm over the data-parallel ranks.
+void ImageTask::connect() {
+  if (whole_) {
+    if (cfg_->pp_split.empty())
+      starts_ = parallel::balance_stages(parallel::measure_layer_costs(*whole_, boundaries_.front(), grid_->world()),
+                                         cfg_->pp);
+    const int stage = grid_->pp_rank();
+    std::unique_ptr<nn::Sequential> part = nn::Sequential::stage_of(
+        std::move(whole_), static_cast<size_t>(starts_[stage]), static_cast<size_t>(starts_[stage + 1]));
+    if (stage == 0) part->set_needs_input_grad(false);  // nothing consumes d(input data)
+    model_ = std::move(part);
+    model_->to(device_);
+  }
+  if (cfg_->sync_batchnorm) parallel::convert_sync_batchnorm(*model_, grid_->dp());
 }
 
 void ImageTask::make_synthetic_batches(int rank) {
@@ -190,16 +298,33 @@ bool ImageTask::load_step(int64_t step, double& wait_s) {
   return true;
 }
 
-Validation ImageTask::validate(parallel::PipelineStage*) {
-  EvalResult ev = evaluate_model(*model_, test_ds_, std::max<int64_t>(batch_, 256), cfg_->normalize,
-                                 grid_->dp_size() > 1 ? &grid_->dp() : nullptr, train_ds_->info().mean,
-                                 train_ds_->info().std);
+Validation ImageTask::validate(parallel::PipelineStage* pipe) {
+  EvalResult ev = pipe ? pipeline_evaluate(*pipe)
+                       : evaluate_model(*model_, test_ds_, std::max<int64_t>(batch_, 256), cfg_->normalize,
+                                        grid_->dp_size() > 1 ? &grid_->dp() : nullptr, train_ds_->info().mean,
+                                        train_ds_->info().std);
   Validation v;
   v.result = ev;
   v.text = "test loss " + fixed(ev.loss, 4) + ", test accuracy " + fixed(100 * ev.accuracy, 2) + "% (" +
            std::to_string(ev.samples) + " samples)";
   v.fields = {{"test_loss", ev.loss}, {"test_accuracy", ev.accuracy}, {"test_samples", ev.samples}};
   return v;
+}
+
+// The test set through the stages, one micro-batch per test batch: the first stage feeds the
+// images, the last adds loss and hits; each dp group takes its share of the test set.
+EvalResult ImageTask::pipeline_evaluate(parallel::PipelineStage& pipe) {
+  model_->eval();
+  nn::update_working_copies(model_->parameters(), engine_for(device_).math_precision());
+  EvalData how{batch_ / parts_, cfg_->normalize, train_ds_->info().mean, train_ds_->info().std};
+  EvalResult r = evaluate_batches(test_ds_, how, device_, grid_->dp_size() > 1 ? &grid_->dp() : nullptr,
+                                  &grid_->pp(), [&](const Tensor& x, const Tensor& y, Tensor& stats) {
+                                    pipe.forward_only([&](int) { return x; },
+                                                      [&](const Tensor& out, int) { ce_.accumulate(out, y, stats); },
+                                                      stage_shapes(x.size(0)), 1);
+                                  });
+  model_->train();
+  return r;
 }
 
 void ImageTask::write_fields(CheckpointState& s) const {
@@ -263,62 +388,17 @@ ResumePoint ImageTask::resume_point(CheckpointState& s, int64_t) {
 EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::ShardedHdf5Dataset> ds, int64_t batch,
                           bool normalize, comm::Communicator* comm, const std::vector<float>& mean,
                           const std::vector<float>& std) {
-  int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
-  model.eval();
-  data::LoaderOptions lo;
-  lo.batch_size = batch;
-  lo.shuffle = false;
-  lo.normalize = normalize;
-  lo.mean = mean;
-  lo.std = std;
-  lo.rank = rank;
-  lo.world = world;
-  data::DataLoader loader(ds, lo);
-  // The sampler deals rank r the global positions r, r + world, ...; positions past the end are
-  // padding and are not counted.
-  int64_t mine = (ds->size() - rank + world - 1) / world;
+  const Device device = nn::device_of(model);
   nn::SoftmaxCrossEntropy ce;
-  double loss_sum = 0;
-  int64_t correct = 0, seen = 0;
-  const Device device = model.parameters().empty() ? Device::cpu() : model.parameters().front()->value.device();
-  nn::update_working_copies(model.parameters(), engine_for(device).math_precision());
   StagedTensor inputs, labels;  // the batches on the model's device
-  loader.start_epoch(0);
-  data::Batch b;
-  // The loss and hits add up on the model's device and are read once at the end (a GPU is not
-  // synchronised per batch).
-  Tensor stats = zeros_on({kXentStatsFloats}, device);
-  while (seen < mine && loader.next(b)) {
-    int64_t rows = std::min<int64_t>(b.inputs.size(0), mine - seen);
-    ce.accumulate(model.forward(stage_to(b.inputs.slice0(0, rows), device, inputs)),
-                  stage_to(b.labels.slice0(0, rows), device, labels), stats);
-    seen += rows;
-  }
+  model.eval();
+  nn::update_working_copies(model.parameters(), engine_for(device).math_precision());
+  EvalResult r = evaluate_batches(ds, EvalData{batch, normalize, mean, std}, device, comm, nullptr,
+                                  [&](const Tensor& x, const Tensor& y, Tensor& stats) {
+                                    ce.accumulate(model.forward(stage_to(x, device, inputs)),
+                                                  stage_to(y, device, labels), stats);
+                                  });
   model.train();
-  // One rank's bad label fails every rank (the others would wait in the allreduce below).
-  auto read = [&] {
-    const XentStats st = xent_stats(to_host(stats));
-    DT_INPUT_CHECK(!st.bad_label, "a label of the evaluation data on rank " << rank << " is outside the model's classes");
-    loss_sum = st.loss_sum;
-    correct = static_cast<int64_t>(st.hits);
-  };
-  if (comm && world > 1)
-    comm::agree_on_inputs(*comm, read);
-  else
-    read();
-  // Sums in f64 words carried as two f32 tensors would lose counts past 2^24; use i64 + f32.
-  Tensor counts = Tensor::empty({2}, DType::I64);
-  counts.data<int64_t>()[0] = correct;
-  counts.data<int64_t>()[1] = seen;
-  Tensor loss = Tensor::from({1}, {static_cast<float>(loss_sum)});
-  if (world > 1) {
-    comm->allreduce(counts, comm::ReduceOp::Sum)->wait();
-    comm->allreduce(loss, comm::ReduceOp::Sum)->wait();
-  }
-  EvalResult r;
-  r.samples = counts.data<int64_t>()[1];
-  r.loss = loss.f32()[0] / static_cast<double>(std::max<int64_t>(r.samples, 1));
-  r.accuracy = static_cast<double>(counts.data<int64_t>()[0]) / static_cast<double>(std::max<int64_t>(r.samples, 1));
   return r;
 }
 

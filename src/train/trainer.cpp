@@ -61,7 +61,7 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
   grid_ = std::make_unique<parallel::ProcessGrid>(world_, cfg_.tp, cfg_.pp);  // the same check on every rank
   comm::agree_on_inputs(world_, [this] {
     check_layout();
-    task_->setup(TaskSetup{cfg_, *grid_, device_, batch_});
+    task_->setup(TaskSetup{cfg_, *grid_, device_, batch_, parts_});
   });
   task_->connect();
   comm::agree_on_inputs(world_, [this] { setup_exchange(); });
@@ -189,12 +189,12 @@ float Trainer::topk_momentum_correction() const {
   return cfg_.momentum;
 }
 
-// The task's parameter groups (the GPT: no decay on vectors and the position table); ZeRO-1 steps
-// this rank's flat slice as one group.
+// The task's parameter groups (the GPT: no decay on vectors and the position table); under ZeRO-1
+// each parameter's piece in this rank's slice, in its parameter's group.
 void Trainer::build_optimizer() {
-  std::vector<nn::Parameter*> params = dp_ ? dp_->optimizer_params() : task_->model().parameters();
-  std::vector<optim::ParamGroup> groups = dp_ && dp_->zero1() ? std::vector<optim::ParamGroup>{{params, cfg_.weight_decay}}
-                                                              : task_->param_groups(params, cfg_.weight_decay);
+  std::vector<nn::Parameter*> params = task_->model().parameters();
+  std::vector<optim::ParamGroup> groups = task_->param_groups(params, cfg_.weight_decay);
+  if (dp_) groups = dp_->optimizer_groups(groups);
   if (cfg_.optimizer == "lars") {
     opt_ = std::make_unique<optim::LARS>(params, optim::LarsOptions{cfg_.momentum, cfg_.weight_decay, cfg_.lars_eta});
   } else if (cfg_.optimizer == "lamb") {
@@ -269,7 +269,7 @@ void Trainer::forward_backward(float loss_scale) {
     const double t0 = now_s();  // forwards and backwards interleave: counted as forward
     pipe_->train_step([&](int k) { return task_->micro_input(k, parts_); },
                       [&](const Tensor& out, int k) { return task_->micro_loss(out, k, parts_, stats, grad_scale); },
-                      task_->stage_activation_shape(batch_ / parts_), before_backward);
+                      task_->stage_shapes(batch_ / parts_), before_backward);
     bubble_sum_ += pipe_->stats().bubble;
     iv_.fwd += now_s() - t0;
     return;

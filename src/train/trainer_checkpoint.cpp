@@ -9,28 +9,14 @@
 
 namespace dtrain::train {
 
-// The optimizer's state per parameter ("<param>.<kind>") in the one-rank layout: tp shards
-// gathered (a collective over tp); under ZeRO-1 each state is a flat slice per rank, gathered over
-// dp and cut per parameter.
+// The optimizer's state per parameter ("<param>.<kind>") in the one-rank layout: ZeRO-1 slices
+// gathered over dp, then tp shards over tp (collectives).
 std::map<std::string, Tensor> Trainer::optimizer_state_full() {
-  nn::Module& model = task_->model();
+  std::map<std::string, Tensor> local = dp_ ? dp_->gather_state(opt_->state()) : optim::state_by_name(opt_->state());
   std::map<std::string, Tensor> out;
-  if (dp_ && dp_->zero1()) {
-    for (const optim::StateTensor& st : opt_->state()) {
-      Tensor full = dp_->gather_flat(*st.value);
-      const std::string kind = st.name.substr(st.name.find('.'));  // ".momentum", ".exp_avg", ...
-      for (nn::Parameter* p : model.parameters()) {
-        const int64_t off = dp_->offset_of(p);
-        out[p->name + kind] = full.slice0(off, off + p->value.numel()).reshape(p->value.shape()).clone();
-      }
-    }
-    return out;
-  }
-  std::map<std::string, Tensor*> by_name;
-  for (const optim::StateTensor& st : opt_->state()) by_name[st.name] = st.value;
   for (const std::string& kind : state_kinds()) {
-    auto pick = [&](nn::Parameter& p) -> Tensor& { return *by_name.at(p.name + kind); };
-    for (auto& [name, t] : parallel::gather_full(model, &grid_->tp(), pick)) out[name + kind] = t;
+    auto pick = [&](nn::Parameter& p) -> Tensor& { return local.at(p.name + kind); };
+    for (auto& [name, t] : parallel::gather_full(task_->model(), &grid_->tp(), pick)) out[name + kind] = t;
   }
   return out;
 }
@@ -45,38 +31,24 @@ std::vector<std::string> Trainer::state_kinds() {
   return kinds;
 }
 
+// The inverse: this rank's tp shard of every parameter's state, then its ZeRO-1 part of that.
 void Trainer::load_optimizer_state(CheckpointState& s) {
   nn::Module& model = task_->model();
-  std::map<std::string, Tensor> optim;
-  for (auto& [name, t] : s.tensors)
-    if (name.rfind("optim/", 0) == 0) optim[name.substr(6)] = t;
-  if (dp_ && dp_->zero1()) {  // the flat vector from the per-parameter tensors; this rank keeps its slice
-    for (const optim::StateTensor& st : opt_->state()) {
-      Tensor full = Tensor::zeros({dp_->flat_numel()});
-      const std::string kind = st.name.substr(st.name.find('.'));
-      for (nn::Parameter* p : model.parameters()) {
-        auto it = optim.find(p->name + kind);
-        DT_INPUT_CHECK(it != optim.end(), "it has no optimizer state " << p->name + kind);
-        const int64_t off = dp_->offset_of(p);
-        Tensor view = full.slice0(off, off + p->value.numel());
-        DT_INPUT_CHECK(it->second.numel() == view.numel(), "optimizer state " << p->name + kind << " has "
-                                                               << it->second.numel() << " numbers, the model needs "
-                                                               << view.numel());
-        copy_any(it->second.reshape({view.numel()}), view);
-      }
-      st.value->copy_from(dp_->own_slice(full));
-    }
-    return;
-  }
-  std::map<std::string, Tensor*> by_name;
-  for (const optim::StateTensor& st : opt_->state()) by_name[st.name] = st.value;
+  std::map<std::string, Tensor> local;
   for (const std::string& kind : state_kinds()) {
-    std::map<std::string, Tensor> of_kind;
-    for (nn::Parameter* p : model.parameters())
-      if (auto it = optim.find(p->name + kind); it != optim.end()) of_kind[p->name] = it->second;
-    DT_INPUT_CHECK(!of_kind.empty(), "it holds no optimizer state " << kind);
-    parallel::load_full(model, of_kind, [&](nn::Parameter& p) -> Tensor& { return *by_name.at(p.name + kind); });
+    std::map<std::string, Tensor> full;
+    for (nn::Parameter* p : model.parameters()) {
+      auto it = s.tensors.find("optim/" + p->name + kind);
+      DT_INPUT_CHECK(it != s.tensors.end(), "it has no optimizer state " << p->name + kind);
+      full[p->name] = it->second;
+      local[p->name + kind] = Tensor::zeros(p->value.shape());
+    }
+    parallel::load_full(model, full, [&](nn::Parameter& p) -> Tensor& { return local.at(p.name + kind); });
   }
+  if (dp_)
+    dp_->load_state(local, opt_->state());
+  else
+    optim::load_state_by_name(local, opt_->state());
 }
 
 // A checkpoint of step_ (collective): parameters and optimizer state in the one-rank layout. Each

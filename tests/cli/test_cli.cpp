@@ -76,9 +76,11 @@ TEST(Cli, OneConfigurationForEveryModel) {
   EXPECT_NE(gpt_help.out.find("Language model (--model gpt)"), std::string::npos) << gpt_help.out;
   EXPECT_NE(gpt_help.out.find("--lr arg (=0.001)"), std::string::npos) << "the gpt's own default";
   EXPECT_NE(run("train --help").out.find("--lr arg (=0.05)"), std::string::npos);
-  Result zero1 = run("train --model gpt --data x --zero1 true");
-  EXPECT_EQ(zero1.code, 2) << zero1.out;
-  EXPECT_NE(zero1.out.find("option --zero1 does not combine with --model gpt"), std::string::npos) << zero1.out;
+  Result sync_bn = run("train --model gpt --data x --sync-batchnorm true");
+  EXPECT_EQ(sync_bn.code, 2) << sync_bn.out;
+  EXPECT_NE(sync_bn.out.find("option --sync-batchnorm does not combine with --model gpt"), std::string::npos)
+      << sync_bn.out;
+  EXPECT_FAILS_NAMING(run("train --model gpt --data x --zero1 true --pp 2"), "--zero1");
   Result tp = run("train --synthetic --tp 2");
   EXPECT_EQ(tp.code, 2) << tp.out;
   // --log-every 0 (one line at the end) stays the GPT's, as benchmarks/pipeline/pipeline_memory.py uses it.

@@ -169,7 +169,7 @@ void compare_grid_with_one_rank(bool sync, int tp, int pp, int steps,
                          sum += xent.forward(out, my_tg.slice0(k * mbs * t, (k + 1) * mbs * t));
                          return xent.backward(1.f / static_cast<float>(micro));
                        },
-                       {mbs, t, cfg.width},
+                       parallel::StageShapes{{mbs, t, cfg.width}, {mbs, t, cfg.width}},
                        [&](int, bool last) {
                          if (ddp) ddp->begin_backward(last);
                        });
@@ -354,7 +354,7 @@ TEST(Pipeline, OneFOneBHoldsFewerActivationsThanGPipe) {
                       xent.forward(out, tg.slice0(6 * k, 6 * k + 6));
                       return xent.backward();
                     },
-                    {1, 6, cfg.width});
+                    parallel::StageShapes{{1, 6, cfg.width}, {1, 6, cfg.width}});
     peak[i++] = pipe.stats().peak_activation_bytes;
   }
   ASSERT_GT(peak[1], 0u);

@@ -103,14 +103,9 @@ class PipelineStage {
   // forward runs before the first backward, which reads its input again): slices of the batch.
   void train_step(const InputFn& input, const LossFn& loss, const StageShapes& shapes,
                   const BeforeBackwardFn& before_backward = nullptr);
-  // The same with one activation shape for every stage boundary (the GPT's).
-  void train_step(const InputFn& input, const LossFn& loss, const Shape& act_shape,
-                  const BeforeBackwardFn& before_backward = nullptr);
   // Forwards only (evaluation); the last stage gets each micro-batch's output.
   void forward_only(const InputFn& input, const std::function<void(const Tensor& out, int mb)>& consume,
                     const StageShapes& shapes, int micro_batches);
-  void forward_only(const InputFn& input, const std::function<void(const Tensor& out, int mb)>& consume,
-                    const Shape& act_shape, int micro_batches);
 
   const PipelineStats& stats() const { return stats_; }
 

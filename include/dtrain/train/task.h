@@ -12,13 +12,13 @@
 #include "dtrain/core/tensor.h"
 #include "dtrain/nn/module.h"
 #include "dtrain/optim/optimizer.h"
+#include "dtrain/parallel/pipeline.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/config.h"
 #include "dtrain/train/metrics.h"
 
 namespace dtrain::parallel {
 class ProcessGrid;
-class PipelineStage;
 }  // namespace dtrain::parallel
 
 namespace dtrain::train {
@@ -29,6 +29,7 @@ struct TaskSetup {
   parallel::ProcessGrid& grid;  // dp x tp x pp over the run's ranks
   Device device;                // where the model trains
   int64_t batch = 0;            // this rank's rows per micro-batch of --accumulate (the global batch split)
+  int parts = 1;                // micro-batches per step: --accumulate, or the pipeline's --micro-batches
 };
 
 struct EvalResult {
@@ -68,8 +69,8 @@ class Task {
   virtual std::string piece() const = 0;
   // The first piece of each pipeline stage, and stages + 1 entries in all (the last is the count).
   virtual std::vector<int> stage_starts() const { return {0, 1}; }
-  // The activation one micro-batch of `rows` sends between pipeline stages.
-  virtual Shape stage_activation_shape(int64_t rows) const = 0;
+  // The activations one micro-batch of `rows` receives and sends at this rank's pipeline stage.
+  virtual parallel::StageShapes stage_shapes(int64_t rows) const = 0;
 
   // Optimizer steps in an epoch; 0: the task has no epochs (the run is --steps long, one "epoch").
   virtual int64_t steps_per_epoch() const = 0;
