@@ -363,7 +363,8 @@ TEST(Pipeline, ImageCheckpointResumesInAnotherLayout) {
   // The set holds the whole model (what `dtrain eval` reads): every parameter the one-rank run has.
   const train::CheckpointState set = train::load_checkpoint_set(dir + "/ckpt-step000000020.h5");
   for (const auto& [name, values] : resumed) {
-    if (name.rfind("buffer:", 0) != 0) EXPECT_TRUE(set.tensors.count("param/" + name)) << name;
+    if (name.rfind("buffer:", 0) == 0) continue;
+    EXPECT_TRUE(set.tensors.count("param/" + name)) << name;
   }
   world.barrier();
   if (world.rank() == 0) std::filesystem::remove_all(dir);
