@@ -292,11 +292,6 @@ void DataParallel::finish_engine_topk(Bucket& b, EngineTopK& st) {
   e.scale(view, 1.f / static_cast<float>(world));
 }
 
-std::vector<nn::Parameter*> DataParallel::optimizer_params() {
-  if (opt_.zero1) return {&shard_};
-  return model_.parameters();
-}
-
 std::pair<int64_t, int64_t> DataParallel::overlap(const nn::Parameter* p, int64_t begin, int64_t end) const {
   const int64_t off = offset_.at(p);
   return {std::max(begin, off), std::min(end, off + p->value.numel())};
@@ -309,11 +304,9 @@ void DataParallel::make_shard(int64_t model_numel) {
   DT_INPUT_CHECK(flat_param_.numel() - model_numel < shard_numel(),
                  "--zero1 over " << comm_.size() << " ranks: the model's " << model_numel
                                  << " parameters leave the last rank's slice empty");
-  shard_.name = "zero1_shard";
   shard_.value = own_slice(flat_param_).clone();
   shard_.grad = zeros_on({shard_numel()}, flat_grad_.device());
   const int64_t begin = slice_begin(), end = begin + shard_numel();
-  start_in_slice_[shard_.name] = 0;
   const std::vector<nn::Parameter*> params = model_.parameters();
   pieces_.reserve(params.size());
   for (nn::Parameter* p : params) {
@@ -381,7 +374,6 @@ void DataParallel::load_state(const std::map<std::string, Tensor>& full, const s
   for (const optim::StateTensor& st : state) {
     const auto [start, kind] = place_in_slice(st);
     Tensor dst = st.value->reshape({st.value->numel()});
-    engine_for(dst.device()).fill(dst, 0.f);  // the padding's state (in the whole-slice tensor)
     const int64_t begin = slice_begin() + start, end = begin + dst.numel();  // in the flat buffers
     for (nn::Parameter* p : model_.parameters()) {
       const auto [first, last] = overlap(p, begin, end);
@@ -412,12 +404,12 @@ void DataParallel::after_step() {
   stats_.comm_wait_s += now_s() - t0;
 }
 
-Tensor DataParallel::gather_flat(const Tensor& shard) {
+Tensor DataParallel::gather_flat(const Tensor& slice) {
   Tensor full = zeros_on(flat_param_.shape(), flat_param_.device());
   if (comm_.size() > 1)
-    comm_.allgather(shard, full)->wait();
+    comm_.allgather(slice, full)->wait();
   else
-    full.copy_from(shard);
+    full.copy_from(slice);
   return full;
 }
 

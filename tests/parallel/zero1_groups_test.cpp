@@ -36,10 +36,9 @@ nn::GptConfig tiny_gpt() {
   return c;
 }
 
-// How the optimizer sees the parameters: whole (plain data parallel), as the pieces in this rank's
-// ZeRO-1 slice (optimizer_groups), or as one Parameter over the slice (optimizer_params, the image
-// trainer's way until it moves to optimizer_groups; one group only).
-enum class Sharding { none, pieces, flat_slice };
+// How the optimizer sees the parameters: whole (plain data parallel), or as the pieces in this
+// rank's ZeRO-1 slice (optimizer_groups).
+enum class Sharding { none, pieces };
 
 // A data-parallel GPT with AdamW over `model_groups(parameters)`, stepped on fixed batches: step s
 // draws the same global batch in every run and each rank takes its rows, so two runs differ only
@@ -53,13 +52,7 @@ struct GptRun {
 
   GptRun(Sharding sharding, const Groups& model_groups)
       : dp(model, world(), options(sharding != Sharding::none)),
-        opt(optimizer_groups(sharding, model_groups), adamw()) {}
-
-  std::vector<optim::ParamGroup> optimizer_groups(Sharding sharding, const Groups& model_groups) {
-    std::vector<optim::ParamGroup> groups = model_groups(model.parameters());
-    if (sharding != Sharding::flat_slice) return dp.optimizer_groups(groups);
-    return {optim::ParamGroup{dp.optimizer_params(), groups.front().weight_decay}};
-  }
+        opt(dp.optimizer_groups(model_groups(model.parameters())), adamw()) {}
 
   static parallel::DataParallelOptions options(bool zero1) {
     parallel::DataParallelOptions o;
@@ -183,24 +176,21 @@ TEST(Zero1Groups, GptWithDecayGroupsMatchesPlainDataParallel) {
 }
 
 // Optimizer state saved at step 5 under ZeRO-1 continues in plain data parallel, and the reverse,
-// ending within 1e-5 of the uninterrupted run; the same for the whole-slice ZeRO-1 optimizer.
+// ending within 1e-5 of the uninterrupted run.
 TEST(Zero1Groups, StateMovesBetweenZero1AndPlainLayouts) {
   struct Move {
     Sharding from, to;
-    GptRun::Groups groups;
     const char* what;
   };
-  for (const Move& m : {Move{Sharding::pieces, Sharding::none, decay_matrices, "pieces, then plain"},
-                        Move{Sharding::none, Sharding::pieces, decay_matrices, "plain, then pieces"},
-                        Move{Sharding::flat_slice, Sharding::none, decay_everything, "whole slice, then plain"},
-                        Move{Sharding::none, Sharding::flat_slice, decay_everything, "plain, then whole slice"}}) {
-    GptRun whole(Sharding::none, m.groups);
-    whole.train(0, 10);
-    GptRun first(m.from, m.groups);
+  GptRun whole(Sharding::none, decay_matrices);
+  whole.train(0, 10);
+  for (const Move& m : {Move{Sharding::pieces, Sharding::none, "pieces, then plain"},
+                        Move{Sharding::none, Sharding::pieces, "plain, then pieces"}}) {
+    GptRun first(m.from, decay_matrices);
     first.train(0, 5);
     const std::map<std::string, Tensor> state = first.dp.gather_state(first.opt.state());
     EXPECT_EQ(state.size(), 2 * first.model.parameters().size()) << m.what;  // exp_avg and exp_avg_sq of each
-    GptRun second(m.to, m.groups);
+    GptRun second(m.to, decay_matrices);
     second.load_params(first.params());
     second.dp.load_state(state, second.opt.state());
     second.opt.set_steps(first.opt.steps());
@@ -211,7 +201,7 @@ TEST(Zero1Groups, StateMovesBetweenZero1AndPlainLayouts) {
 
 // A state tensor that does not fit its parameter is named.
 TEST(Zero1Groups, LoadStateNamesATensorThatDoesNotFit) {
-  for (const Sharding sharding : {Sharding::pieces, Sharding::none, Sharding::flat_slice}) {
+  for (const Sharding sharding : {Sharding::pieces, Sharding::none}) {
     GptRun run(sharding, decay_matrices);
     std::map<std::string, Tensor> state = run.dp.gather_state(run.opt.state());
     for (auto& [name, t] : state) t = Tensor::zeros({t.numel() + 1});

@@ -79,7 +79,7 @@ class DataParallel {
   // accumulation micro-step) nothing is sent and gradients keep accumulating locally.
   void begin_backward(bool sync = true);
   // Waits for the gradient exchange: plain DP leaves the averaged gradients in every parameter's
-  // grad; ZeRO-1 leaves this rank's averaged slice in optimizer_params()' grad.
+  // grad; ZeRO-1 leaves this rank's averaged slice in the grads of optimizer_groups' pieces.
   void finish();
   // Waits on the host for exchanges finish() left to the device stream (see device_stream), and
   // throws their error; a no-op when none is outstanding.
@@ -96,25 +96,16 @@ class DataParallel {
   // Optimizer state in the one-rank layout, for checkpoints: every parameter's whole tensor of each
   // kind, named "<param>.<kind>", as host copies on every rank (under ZeRO-1 a collective over the
   // communicator: each slice is all-gathered). `state` is the optimizer's, built from
-  // optimizer_groups (or, until the image trainer moves to those, from optimizer_params).
+  // optimizer_groups.
   std::map<std::string, Tensor> gather_state(const std::vector<optim::StateTensor>& state);
   // The inverse: each rank takes its part of `full` (any ZeRO-1 layout's gather_state, or a one-rank
   // run's state by name); InputError naming the tensor when one is missing or has another shape.
   void load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state);
-  // The flat-slice interface the image trainer still uses (to be removed once it calls
-  // optimizer_groups, gather_state and load_state): the model's parameters, or (ZeRO-1) one
-  // Parameter over the whole slice, named "zero1_shard".
-  std::vector<nn::Parameter*> optimizer_params();
   // ZeRO-1: gathers the updated slices into every rank's parameters. Plain DP: nothing.
   void after_step();
   // L2 norm of the averaged gradient over the whole model (a collective under ZeRO-1).
   double grad_norm();
 
-  // ZeRO-1 checkpoints the flat-slice way (see optimizer_params): the whole flat vector from every
-  // rank's slice (a collective), and where each parameter lies in it.
-  Tensor gather_flat(const Tensor& shard);
-  Tensor own_slice(const Tensor& flat) const;  // this rank's slice of a flat (padded) vector
-  int64_t offset_of(const nn::Parameter* p) const { return offset_.at(p); }
   // Checkpointing the gradient compression state of this rank (the compressor's buckets, or the
   // engine top-k path's residuals and momentum, copied to the host), as named host tensors; empty
   // without compression state. load_compression_state puts such a set back onto this rank's
@@ -129,7 +120,6 @@ class DataParallel {
   bool zero1() const { return opt_.zero1; }
   const comm::Compressor* compressor() const { return compressor_.get(); }
   size_t bucket_count() const { return buckets_.size(); }
-  int64_t flat_numel() const { return flat_param_.numel(); }
   DataParallelStats& stats() { return stats_; }
 
  private:
@@ -153,6 +143,9 @@ class DataParallel {
   void complete(const std::shared_ptr<comm::Work>& w);  // on the device stream where it can, else on the host
   int64_t shard_numel() const { return flat_param_.numel() / comm_.size(); }  // a rank's ZeRO-1 slice
   int64_t slice_begin() const { return comm_.rank() * shard_numel(); }        // in the flat buffers
+  Tensor own_slice(const Tensor& flat) const;  // this rank's slice of a flat (padded) vector
+  // The whole flat (padded) vector from every rank's slice of it (a collective over the communicator).
+  Tensor gather_flat(const Tensor& slice);
   // The elements of the flat buffers in [begin, end) that parameter p holds, as a range (empty
   // when first >= second).
   std::pair<int64_t, int64_t> overlap(const nn::Parameter* p, int64_t begin, int64_t end) const;
@@ -168,13 +161,14 @@ class DataParallel {
   std::unordered_map<nn::Parameter*, size_t> bucket_of_;
   std::unordered_map<const nn::Parameter*, int64_t> offset_;
   bool syncing_ = false;
-  // ZeRO-1 shard of this rank: master copy of its parameters and its averaged gradient.
+  // ZeRO-1 shard of this rank: master copy of its parameters and its averaged gradient (the
+  // buffers behind the pieces; reduce-scatter fills the grad, after_step all-gathers the value).
   nn::Parameter shard_;
   // The parameters' parts inside the shard (1-D views into it, named as their parameters), what
   // optimizer_groups hands out; reserved once, so the pointers stay valid.
   std::vector<nn::Parameter> pieces_;
   std::unordered_map<const nn::Parameter*, nn::Parameter*> piece_of_;
-  // Where each optimizer parameter (a piece, or shard_ itself) starts in the shard.
+  // Where each piece (by its parameter's name) starts in the shard.
   std::map<std::string, int64_t> start_in_slice_;
   std::unique_ptr<comm::Compressor> compressor_;  // null: plain allreduce
   double topk_target_ = 0;                        // the top-k ratio asked for (warm-up ends there)
