@@ -391,6 +391,10 @@ void DataParallel::load_state(const std::map<std::string, Tensor>& full, const s
   }
 }
 
+void DataParallel::reload_shard() {
+  if (opt_.zero1) shard_.value.copy_from(own_slice(flat_param_));
+}
+
 void DataParallel::after_step() {
   if (!opt_.zero1) return;
   double t0 = now_s();

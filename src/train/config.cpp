@@ -192,6 +192,12 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(lm, "eval-every", &c.eval_every, def.eval_every, "steps between validation passes (0: at the end only)");
   add(lm, "eval-batches", &c.eval_batches, def.eval_batches, "validation batches per pass (0: all)");
   add(lm, "tp", &c.tp, def.tp, "tensor-parallel ranks (heads and MLP split; dp is the rest)");
+  add(common, "prune-sparsity", &c.prune_sparsity, def.prune_sparsity, "magnitude pruning: the fraction of conv/Linear weights (with --prune-structured: of each layer's output channels) set to zero, in [0, 1) (0: off)");
+  add(common, "prune-start", &c.prune_start, def.prune_start, "pruning: the step the sparsity ramp starts at");
+  add(common, "prune-end", &c.prune_end, def.prune_end, "pruning: the step the ramp (cubic) reaches --prune-sparsity (-1: at 80 % of the run)");
+  add(common, "prune-every", &c.prune_every, def.prune_every, "pruning: steps between mask updates on the ramp");
+  add(common, "prune-structured", &c.prune_structured, def.prune_structured, "pruning: whole output channels / rows of each layer (not the output layer) instead of single weights");
+  add(common, "prune-scope", &c.prune_scope, def.prune_scope, "unstructured pruning: global (one magnitude threshold) or layer (each layer the same fraction)");
   add(common, "pp", &c.pp, def.pp, "pipeline stages: the model's layers (the gpt: blocks) cut into this many stages, balanced by measured layer costs (the gpt: by a cost model)");
   add_path(common, "pp-split", &c.pp_split, "layers (the gpt: blocks) per pipeline stage, e.g. 2,4 (default: balanced by cost)");
   add(common, "micro-batches", &c.micro_batches, def.micro_batches, "pipeline micro-batches per step (0: 2 x --pp; divides the per-rank batch)");
@@ -254,6 +260,16 @@ void check_ranges(const TrainConfig& c) {
                  "option --zero1 does not combine with --" << (c.tp > 1 ? "tp" : "pp")
                                                            << " in this version (clipping and the tied embedding read "
                                                               "whole gradients)");
+  DT_INPUT_CHECK(c.prune_sparsity >= 0.f && c.prune_sparsity < 1.f,
+                 "option --prune-sparsity must be in [0, 1), got " << c.prune_sparsity);
+  DT_INPUT_CHECK(c.prune_start >= 0 && c.prune_every >= 1 && (c.prune_end == -1 || c.prune_end >= c.prune_start),
+                 "options --prune-start >= 0, --prune-every >= 1 and --prune-end >= --prune-start (or -1) are needed");
+  DT_INPUT_CHECK(c.prune_scope == "global" || c.prune_scope == "layer",
+                 "option --prune-scope must be global or layer, got '" << c.prune_scope << "'");
+  DT_INPUT_CHECK(c.prune_sparsity == 0.f || (c.tp == 1 && c.pp == 1),
+                 "option --prune-sparsity does not combine with --" << (c.tp > 1 ? "tp" : "pp")
+                                                                     << " in this version (the magnitudes would be "
+                                                                        "split over ranks)");
   DT_INPUT_CHECK(c.clip_grad_norm >= 0.f, "option --clip-grad-norm must be >= 0");
   DT_INPUT_CHECK(c.augment.crop_padding >= 0 && c.augment.crop_padding <= 64,
                  "option --augment-crop must be in [0, 64]");

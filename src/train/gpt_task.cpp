@@ -100,6 +100,9 @@ class GptTask final : public Task {
                                               float weight_decay) const override {
     return optim::decay_groups(params, weight_decay, {"wpe"});
   }
+  bool prunable(const nn::Parameter& p) const override {  // the blocks' Linear weights, not the tables
+    return p.value.dim() >= 2 && p.name.find("wte") == std::string::npos && p.name.find("wpe") == std::string::npos;
+  }
   bool load_step(int64_t step, double& wait_s) override;
   Tensor micro_input(int k, int parts) override { return micro_rows(ids_, k, parts); }
   Tensor micro_loss(const Tensor& out, int k, int parts, Tensor& stats, float grad_scale) override {

@@ -155,6 +155,7 @@ void Trainer::setup_exchange() {
   }
   if (!has_epochs_) steps_per_epoch_ = total_steps_;  // one "epoch": the whole run
   DT_INPUT_CHECK(total_steps_ > 0, "option --steps must be positive");
+  if (cfg_.prune_sparsity > 0.f) build_pruner();
   // Top-k's sparsity warm-up and PowerSGD's uncompressed start: one epoch, or the lr warm-up.
   if (dp_) dp_->set_compression_warmup(cfg_.compression_warmup >= 0 ? cfg_.compression_warmup
                                        : has_epochs_                ? steps_per_epoch_
@@ -217,6 +218,31 @@ void Trainer::build_optimizer() {
   }
 }
 
+// Conv and Linear weights the task lets prune; structured pruning keeps the output layer whole (its
+// rows are the classes or the residual stream) and takes each weight's bias along.
+void Trainer::build_pruner() {
+  std::vector<nn::Parameter*> weights, biases;
+  std::map<std::string, nn::Parameter*> by_name;
+  for (nn::Parameter* p : task_->model().parameters()) {
+    by_name[p->name] = p;
+    if (task_->prunable(*p)) weights.push_back(p);
+  }
+  if (cfg_.prune_structured && !weights.empty()) weights.pop_back();
+  for (nn::Parameter* w : weights) {
+    const std::string bias = w->name.substr(0, w->name.rfind('.') + 1) + "bias";
+    auto it = by_name.find(bias);
+    biases.push_back(it != by_name.end() && it->second->value.numel() == w->value.size(0) ? it->second : nullptr);
+  }
+  optim::PruneOptions o;
+  o.sparsity = cfg_.prune_sparsity;
+  o.start = cfg_.prune_start;
+  o.end = cfg_.prune_end >= 0 ? cfg_.prune_end : std::max(cfg_.prune_start, total_steps_ * 4 / 5);
+  o.every = cfg_.prune_every;
+  o.structured = cfg_.prune_structured;
+  o.global = cfg_.prune_scope == "global";
+  pruner_ = std::make_unique<optim::MagnitudePruner>(weights, biases, o);
+}
+
 void Trainer::say(const std::string& s) { progress_->line(s); }
 
 void Trainer::announce() {
@@ -241,6 +267,11 @@ void Trainer::announce() {
       (dp_ ? ", " + std::to_string(dp_->bucket_count()) + " gradient bucket(s), compression " + cfg_.compression
            : std::string()) +
       (topk_momentum_correction() > 0 ? " with momentum correction" : ""));
+  if (pruner_)
+    say("pruning: " + fixed(100 * cfg_.prune_sparsity, 1) + " % of " +
+        (cfg_.prune_structured ? "each layer's output channels" : "the weights (" + cfg_.prune_scope + ")") +
+        ", cubic ramp from step " + std::to_string(cfg_.prune_start) + ", masks every " +
+        std::to_string(cfg_.prune_every) + " steps");
   if (pipe_) {
     const std::vector<int> starts = task_->stage_starts();
     std::ostringstream per;
@@ -326,6 +357,12 @@ bool Trainer::update(float lr) {
     // loss), so a stuck peer times out naming the ranks instead of hanging in a stream sync.
     dp_->settle();
     iv_.comm += dp_->stats().comm_wait_s - c0;
+  }
+  // Pruning masks after every step (every replica holds the same weights, so the same masks);
+  // ZeRO-1's slice then starts the next update from the masked weights.
+  if (pruner_) {
+    pruner_->after_step(step_ + 1);
+    if (dp_) dp_->reload_shard();
   }
   return take_step;
 }
@@ -440,12 +477,14 @@ void Trainer::log_interval(int64_t epoch, int64_t batch_in_epoch, float lr) {
                           {"bucket_count", dp_ ? static_cast<int64_t>(dp_->bucket_count()) : int64_t{0}},
                           {"train_time_s", now - train_t0_ - eval_total_s_}};
     f.insert(f.end(), rest.begin(), rest.end());
+    if (pruner_) f.push_back({"sparsity", pruner_->sparsity()});
     metrics_->write(f);
   }
   std::string stats = "loss " + fixed(mean_loss, 4) + " acc " + fixed(100 * acc, 1) + "% " + fixed(ups, 0) + " " +
                       unit + "/s wait " + fixed(1e3 * wait, 2) + " ms lr " + fixed(lr, 6);
   if (scaler_)
     stats += " loss scale " + fixed(scaler_->scale(), 0) + " skipped " + std::to_string(scaler_->skipped_steps());
+  if (pruner_) stats += " sparsity " + fixed(100 * pruner_->sparsity(), 1) + "%";
   if (progress_->bar()) {
     progress_->update(epoch + 1, epochs_, batch_in_epoch, steps_per_epoch_, stats,
                       ema_step_s_ * static_cast<double>(total_steps_ - step_));
@@ -596,6 +635,7 @@ void Trainer::finish() {
     result_.skipped_steps = scaler_->skipped_steps();
   }
   if (pipe_) report_pipeline();
+  if (pruner_) result_.sparsity = pruner_->sparsity();
   const double elapsed = now_s() - run_t0_, cpu = process_cpu_s() - run_cpu0_;
   result_.units_per_s = elapsed > 0 ? static_cast<double>(run_units_) / elapsed : 0;
   const std::string gpu_memory = gpu_memory_report(device_, step_ - start_step_, step_mallocs_);
@@ -625,6 +665,7 @@ void Trainer::finish() {
                {"final_loss", result_.final_loss},
                {"peak_rss_mib", peak_rss_mib()},
                {"skipped_steps", result_.skipped_steps}};
+  if (pruner_) f.push_back({"sparsity", result_.sparsity});
   f.insert(f.end(), last_validation_.begin(), last_validation_.end());
   if (!gpu_memory.empty()) {
     f.push_back({"gpu_peak_allocated_mib", result_.gpu_peak_allocated_mib});

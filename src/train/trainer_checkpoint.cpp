@@ -62,6 +62,8 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
   for (auto& [name, t] : parallel::gather_full_parameters(model, &grid_->tp())) s.tensors["param/" + name] = t;
   for (auto& [name, t] : optimizer_state_full()) s.tensors["optim/" + name] = t;
   for (nn::Buffer* b : model.buffers()) s.tensors["buffer/" + b->name] = to_host(b->value);
+  if (pruner_)
+    for (auto& [name, m] : pruner_->masks()) s.tensors["mask/" + name] = m;
   task_->write_fields(s);
   s.strings["provenance"] = to_json(provenance_);
   s.strings["optimizer"] = opt_->kind();
@@ -121,6 +123,12 @@ ResumePoint Trainer::restore(const std::string& where) {
       copy_any(it->second.reshape(b->value.shape()), b->value);
     }
     load_optimizer_state(s);
+    if (pruner_) {  // a checkpoint from before the pruning started has none: the masks stay ones
+      std::map<std::string, Tensor> masks;
+      for (auto& [name, t] : s.tensors)
+        if (name.rfind("mask/", 0) == 0) masks[name.substr(5)] = t;
+      if (!masks.empty()) pruner_->load_masks(masks);
+    }
     if (scaler_ && s.tensors.count("meta/loss_scale"))
       scaler_->set_state(s.tensors["meta/loss_scale"].f32()[0], s.ints["loss_scale_good_steps"],
                          s.ints["loss_scale_skipped_steps"]);

@@ -81,6 +81,8 @@ TEST(Cli, OneConfigurationForEveryModel) {
   EXPECT_NE(sync_bn.out.find("option --sync-batchnorm does not combine with --model gpt"), std::string::npos)
       << sync_bn.out;
   EXPECT_FAILS_NAMING(run("train --model gpt --data x --zero1 true --pp 2"), "--zero1");
+  EXPECT_FAILS_NAMING(run("train --synthetic --prune-sparsity 1"), "--prune-sparsity");
+  EXPECT_FAILS_NAMING(run("train --model gpt --data x --prune-sparsity 0.5 --tp 2"), "--prune-sparsity");
   Result tp = run("train --synthetic --tp 2");
   EXPECT_EQ(tp.code, 2) << tp.out;
   // --log-every 0 (one line at the end) stays the GPT's, as benchmarks/pipeline/pipeline_memory.py uses it.

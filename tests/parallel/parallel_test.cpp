@@ -370,6 +370,25 @@ TEST(Pipeline, ImageCheckpointResumesInAnotherLayout) {
   if (world.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// Magnitude pruning on every replica alike: plain data parallel and ZeRO-1 (whose slices restart
+// from the masked weights) end with the same weights, at least 80 % of them exactly zero.
+TEST(Pruning, PrunedWeightsStayZeroUnderDataParallelAndZero1) {
+  const std::vector<std::string> run = {"--model", "simple_cnn", "--optimizer", "adamw", "--lr", "0.003",
+                                        "--prune-sparsity", "0.8", "--prune-end", "10", "--prune-every", "5"};
+  std::vector<std::string> sharded = run;
+  sharded.insert(sharded.end(), {"--zero1", "true"});
+  comm::Communicator& world = comm::Runtime::get().world();
+  const ParamValues plain = train_params(config(run), world);
+  expect_params_close(train_params(config(sharded), world), plain, "ZeRO-1 against plain data parallel");
+  int64_t zero = 0, total = 0;
+  for (const auto& [name, values] : plain) {
+    if (name.rfind("buffer:", 0) == 0 || name.find("weight") == std::string::npos) continue;
+    for (float v : values) zero += v == 0.f;
+    total += static_cast<int64_t>(values.size());
+  }
+  EXPECT_GE(static_cast<double>(zero) / static_cast<double>(total), 0.799);
+}
+
 TEST(SyncBatchNorm, OneRankEqualsBatchNorm2d) {
   comm::Communicator& world = comm::Runtime::get().world();
   auto solo = world.split(world.rank(), 0, "solo");

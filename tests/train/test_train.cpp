@@ -180,6 +180,44 @@ TEST(Trainer, ResumeContinuesExactly) {
   fs::remove_all(dir);
 }
 
+// Magnitude pruning through checkpoints: the masks are saved beside the weights, and a run resumed
+// mid-ramp ends bitwise equal to the uninterrupted one with its pruned weights exactly zero.
+TEST(Trainer, PruningMasksResumeExactly) {
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("prune-resume");
+  test::make_band_dataset(dir + "/train", 256);
+  std::vector<std::string> base = {"--data", dir + "/train", "--model", "simple_cnn", "--epochs", "2",
+                                   "--batch-size", "16", "--threads", "1", "--progress", "off",
+                                   "--prune-sparsity", "0.7", "--prune-start", "5", "--prune-end", "25",
+                                   "--prune-every", "5"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return parse(a);
+  };
+  std::map<std::string, Tensor> straight;
+  {
+    train::Trainer t(with({"--checkpoint-dir", dir + "/a", "--checkpoint-every", "12", "--keep-checkpoints", "10"}), rt);
+    EXPECT_NEAR(t.run().sparsity, 0.7, 1e-3);
+    straight = params_of(t.model());
+  }
+  const train::CheckpointState ck = train::load_checkpoint(dir + "/a/ckpt-step000000012.h5");
+  EXPECT_TRUE(ck.tensors.count("mask/0.weight")) << "the masks are in the checkpoint";
+  train::Trainer resumed(with({"--resume", dir + "/a/ckpt-step000000012.h5"}), rt);
+  resumed.run();
+  auto after = params_of(resumed.model());
+  int64_t zero = 0, total = 0;
+  for (auto& [name, t] : straight) {
+    const Tensor& u = after[name];
+    for (int64_t i = 0; i < t.numel(); ++i) ASSERT_EQ(t.f32()[i], u.f32()[i]) << name << "[" << i << "]";
+    if (t.dim() < 2) continue;
+    for (int64_t i = 0; i < t.numel(); ++i) zero += t.f32()[i] == 0.f;
+    total += t.numel();
+  }
+  EXPECT_NEAR(static_cast<double>(zero) / static_cast<double>(total), 0.7, 1e-3) << "pruned weights are exactly 0";
+  fs::remove_all(dir);
+}
+
 // Resuming from an older checkpoint into a folder that holds later ones: pruning keeps the newest
 // of this run's own line and never removes the checkpoint it has just written.
 TEST(Trainer, PruningKeepsTheCheckpointJustWritten) {

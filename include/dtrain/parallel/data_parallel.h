@@ -103,6 +103,9 @@ class DataParallel {
   void load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state);
   // ZeRO-1: gathers the updated slices into every rank's parameters. Plain DP: nothing.
   void after_step();
+  // After the parameters changed outside the optimizer (pruning masks applied to the whole
+  // weights): ZeRO-1's slice is taken from them again, so the next update starts from there.
+  void reload_shard();
   // L2 norm of the averaged gradient over the whole model (a collective under ZeRO-1).
   double grad_norm();
 

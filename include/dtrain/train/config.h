@@ -72,6 +72,11 @@ struct TrainConfig {
   int64_t accumulate = 1;           // micro-batches per optimizer step (gradients communicated on the last)
   bool zero1 = false;               // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
   bool sync_batchnorm = false;
+  // magnitude pruning (optim::MagnitudePruner): the final sparsity, reached by a cubic ramp
+  float prune_sparsity = 0.f;  // 0: off
+  int64_t prune_start = 0, prune_end = -1, prune_every = 100;  // prune_end -1: at 80 % of the run
+  bool prune_structured = false;
+  std::string prune_scope = "global";  // global | layer (unstructured)
   // language model (model = gpt): the GPT's shape, validation and dp x tp x pp layout
   int64_t layers = 4, heads = 4, width = 128, context = 128, vocab = 256;
   int64_t seq_len = 0;           // tokens per sequence (0: the context)

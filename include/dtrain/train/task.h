@@ -79,6 +79,9 @@ class Task {
   virtual std::vector<optim::ParamGroup> param_groups(const std::vector<nn::Parameter*>& params,
                                                       float weight_decay) const = 0;
 
+  // Whether magnitude pruning may zero `p` (conv and Linear weights; not embedding tables).
+  virtual bool prunable(const nn::Parameter& p) const { return p.value.dim() >= 2; }
+
   // Reads step `step`'s data (all its micro-batches) onto the device; false when the epoch ran out
   // first. `wait_s`: seconds spent waiting for the data.
   virtual bool load_step(int64_t step, double& wait_s) = 0;

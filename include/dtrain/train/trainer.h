@@ -13,6 +13,7 @@
 #include "dtrain/nn/module.h"
 #include "dtrain/optim/loss_scaler.h"
 #include "dtrain/optim/optimizer.h"
+#include "dtrain/optim/pruning.h"
 #include "dtrain/optim/schedule.h"
 #include "dtrain/parallel/data_parallel.h"
 #include "dtrain/parallel/pipeline.h"
@@ -42,6 +43,7 @@ struct TrainResult {
   // fp16: the loss scale after the last step and the steps skipped for inf/NaN gradients.
   double loss_scale = 1;
   int64_t skipped_steps = 0;
+  double sparsity = 0;  // --prune-sparsity: the pruned fraction of the pruned weights at the end
   // On a GPU: the caching allocator's peak allocation and reservation (cache included) at the end,
   // and the cudaMalloc calls it made after the second step (0 when the steps allocate nothing new).
   double gpu_peak_allocated_mib = 0, gpu_reserved_mib = 0;
@@ -63,6 +65,7 @@ class Trainer {
   void check_layout();    // the batch and the grid's combinations
   void setup_exchange();  // data parallel (NCCL), pipeline, optimizer, schedule, metrics
   void build_optimizer();
+  void build_pruner();
   float topk_momentum_correction() const;
   void say(const std::string& s);
   void announce();
@@ -99,6 +102,7 @@ class Trainer {
   std::unique_ptr<optim::Optimizer> opt_;
   std::unique_ptr<optim::LrSchedule> sched_;
   std::unique_ptr<optim::LossScaler> scaler_;  // fp16 only
+  std::unique_ptr<optim::MagnitudePruner> pruner_;  // --prune-sparsity
   std::unique_ptr<MetricsWriter> metrics_;
   JsonFields provenance_;  // the metrics file's first line and every checkpoint's "provenance"
   std::unique_ptr<Progress> progress_;
