@@ -13,6 +13,9 @@ const std::vector<Knob>& knobs() {
       {"DTRAIN_LOADER_THREADS", "2", "background threads per rank that read and augment batches"},
       {"DTRAIN_PREFETCH", "4", "batches the loader keeps ready ahead of the step"},
       {"DTRAIN_PROGRESS", "auto", "progress bar on rank 0: auto (when stdout is a terminal), on, off"},
+      {"DTRAIN_TEST_FLIP_BIT", "",
+       "a test hook: RANK:STEP flips the top mantissa bit of the first weight on world rank RANK after step "
+       "STEP (a silent corruption for --check-replicas to find)"},
       {"DTRAIN_WORKING_COPIES", "1",
        "under --precision bf16/fp16, keep bf16/fp16 copies of the GEMM weights, made once per step (0: GEMMs round "
        "the fp32 masters on every call; the same numbers)"},

@@ -10,11 +10,14 @@
 #include <functional>
 #include <sstream>
 
+#include <zlib.h>
+
 #include "dtrain/comm/communicator.h"
 #include "dtrain/comm/nccl.h"
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
 #include "dtrain/kernels/cuda.h"
 #endif
+#include "dtrain/core/env.h"
 #include "dtrain/core/timer.h"
 #include "dtrain/data/loader.h"
 #include "dtrain/optim/large_batch.h"
@@ -524,6 +527,53 @@ void Trainer::validate(int64_t epoch, double epoch_s) {
   metrics_->write(f);
 }
 
+// The DTRAIN_TEST_FLIP_BIT hook ("RANK:STEP"): one bit of this rank's first weight flips after
+// step STEP, a silent corruption for check_replicas to find. (A flip of the lowest bit can vanish
+// again: the next update rounds it away.)
+void Trainer::flip_bit_if_asked() {
+  const std::string flip = env::get("DTRAIN_TEST_FLIP_BIT");
+  const auto colon = flip.find(':');
+  if (colon == std::string::npos || std::stol(flip.substr(0, colon)) != world_.rank() ||
+      std::stol(flip.substr(colon + 1)) != step_)
+    return;
+  Tensor& value = task_->model().parameters().front()->value;
+  Tensor host = to_host(value).clone();
+  uint32_t bits;
+  std::memcpy(&bits, host.f32(), 4);
+  bits ^= 1u << 22;  // the top mantissa bit: the value moves by up to half, as a memory error would leave it
+  std::memcpy(host.f32(), &bits, 4);
+  copy_any(host, value);
+}
+
+// Silent corruption: data-parallel replicas hold the same parameters after every step (ZeRO-1's
+// all-gather included), so a CRC-32 per parameter, gathered over the dp group, must agree. A
+// mismatch names the ranks and the first differing parameter on every rank of the world (the tp
+// and pp peers too) and stops the run here, before its next checkpoint could keep the bad weights.
+void Trainer::check_replicas() {
+  const std::vector<nn::Parameter*> params = task_->model().parameters();
+  const int dp = grid_->dp_size();
+  const auto n = static_cast<int64_t>(params.size());
+  Tensor mine = Tensor::empty({n}, DType::I32), all = Tensor::empty({n * dp}, DType::I32);
+  for (int64_t i = 0; i < n; ++i) {
+    const Tensor host = to_host(params[static_cast<size_t>(i)]->value);
+    mine.data<int32_t>()[i] = static_cast<int32_t>(crc32(0L, static_cast<const Bytef*>(host.raw()),
+                                                         static_cast<uInt>(host.nbytes())));
+  }
+  if (dp > 1) grid_->dp().allgather(mine, all)->wait();
+  comm::agree_on_inputs(world_, [&] {
+    const int32_t* h = all.data<int32_t>();
+    for (int64_t i = 0; i < n && dp > 1; ++i)
+      for (int r = 1; r < dp; ++r)
+        if (h[r * n + i] != h[i])
+          throw DivergenceError("the data-parallel replicas differ after step " + std::to_string(step_) +
+                                ": parameter " + params[static_cast<size_t>(i)]->name + " of dp rank " +
+                                std::to_string(r) + " (world rank " +
+                                std::to_string(grid_->rank_of(r, grid_->tp_rank(), grid_->pp_rank())) + ") is not dp rank 0's (world rank " +
+                                std::to_string(grid_->rank_of(0, grid_->tp_rank(), grid_->pp_rank())) +
+                                "): silent corruption (memory, network or a bug); stopped before the next checkpoint");
+  });
+}
+
 // A signal seen by any rank stops every rank after this same step, behind a checkpoint. Not on an
 // epoch's last step, so that its validation and checkpoint happen first.
 bool Trainer::preempted(int64_t epoch, int64_t batch_in_epoch, bool saved) {
@@ -571,6 +621,10 @@ TrainResult Trainer::run() {
       const bool epoch_end = batch_in_epoch == steps_per_epoch_ || step_ == total_steps_;
       if ((cfg_.log_every > 0 && step_ % cfg_.log_every == 0) || epoch_end) log_interval(epoch, batch_in_epoch, lr);
       if (!epoch_end && task_->validation_due(step_, false)) validate(epoch, -1);
+      if (cfg_.check_replicas > 0) {
+        flip_bit_if_asked();
+        if (step_ % cfg_.check_replicas == 0) check_replicas();
+      }
       const bool saved = cfg_.checkpoint_every > 0 && step_ % cfg_.checkpoint_every == 0;
       if (saved) {
         read_losses(true);  // a non-finite loss stops the run before it can replace a checkpoint

@@ -389,6 +389,36 @@ TEST(Pruning, PrunedWeightsStayZeroUnderDataParallelAndZero1) {
   EXPECT_GE(static_cast<double>(zero) / static_cast<double>(total), 0.799);
 }
 
+// --check-replicas: a bit flipped in one replica's weights (the DTRAIN_TEST_FLIP_BIT hook) is found
+// at the next check, on every rank alike, naming the rank and the parameter, before the checkpoint
+// of that step is written.
+TEST(ReplicaCheck, FindsABitFlippedInOneReplica) {
+  comm::Communicator& world = comm::Runtime::get().world();
+  if (world.size() == 1) GTEST_SKIP() << "needs several ranks";
+  const std::string dir = dataset() + "-replicas-" + std::to_string(world.size());
+  const std::vector<std::string> run = {"--model", "simple_cnn", "--check-replicas", "3", "--checkpoint-dir", dir,
+                                        "--checkpoint-every", "3", "--keep-checkpoints", "10"};
+  EXPECT_EQ(train_params(config(run), world).empty(), false) << "replicas that agree pass the check";
+  world.barrier();
+  if (world.rank() == 0) std::filesystem::remove_all(dir);
+  world.barrier();
+  ::setenv("DTRAIN_TEST_FLIP_BIT", "1:7", 1);  // world rank 1 (dp rank 1) after step 7
+  std::string message;
+  try {
+    train::Trainer(config(run), comm::Runtime::get(), &world).run();
+  } catch (const DivergenceError& e) {
+    message = e.what();
+  }
+  ::unsetenv("DTRAIN_TEST_FLIP_BIT");
+  EXPECT_NE(message.find("replicas differ after step 9"), std::string::npos) << message;
+  EXPECT_NE(message.find("(world rank 1)"), std::string::npos) << message;
+  EXPECT_NE(message.find("parameter 0.weight"), std::string::npos) << message;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/ckpt-step000000006.h5"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/ckpt-step000000009.h5")) << "the corrupted step was checkpointed";
+  world.barrier();
+  if (world.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST(SyncBatchNorm, OneRankEqualsBatchNorm2d) {
   comm::Communicator& world = comm::Runtime::get().world();
   auto solo = world.split(world.rank(), 0, "solo");

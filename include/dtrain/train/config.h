@@ -72,6 +72,7 @@ struct TrainConfig {
   int64_t accumulate = 1;           // micro-batches per optimizer step (gradients communicated on the last)
   bool zero1 = false;               // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
   bool sync_batchnorm = false;
+  int64_t check_replicas = 0;  // > 0: every this many steps the dp replicas compare parameter hashes
   // magnitude pruning (optim::MagnitudePruner): the final sparsity, reached by a cubic ramp
   float prune_sparsity = 0.f;  // 0: off
   int64_t prune_start = 0, prune_end = -1, prune_every = 100;  // prune_end -1: at 80 % of the run

@@ -78,6 +78,8 @@ class Trainer {
   void log_interval(int64_t epoch, int64_t batch_in_epoch, float lr);
   void validate(int64_t epoch, double epoch_s);
   bool preempted(int64_t epoch, int64_t batch_in_epoch, bool saved);
+  void check_replicas();
+  void flip_bit_if_asked();
   void finish();
   void report_pipeline();
   // Checkpoints: the optimizer state per parameter in the one-rank layout, the set of files.
