@@ -16,6 +16,9 @@ const std::vector<Knob>& knobs() {
       {"DTRAIN_TEST_FLIP_BIT", "",
        "a test hook: RANK:STEP flips the top mantissa bit of the first weight on world rank RANK after step "
        "STEP (a silent corruption for --check-replicas to find)"},
+      {"DTRAIN_TEST_SLOW", "",
+       "a test hook: RANK:SECTION:MS makes world rank RANK sleep MS milliseconds in SECTION (data, forward, "
+       "backward, optimizer) of every step, a straggler for --straggler-every to name"},
       {"DTRAIN_WORKING_COPIES", "1",
        "under --precision bf16/fp16, keep bf16/fp16 copies of the GEMM weights, made once per step (0: GEMMs round "
        "the fp32 masters on every call; the same numbers)"},

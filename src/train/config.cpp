@@ -192,6 +192,8 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(lm, "eval-every", &c.eval_every, def.eval_every, "steps between validation passes (0: at the end only)");
   add(lm, "eval-batches", &c.eval_batches, def.eval_batches, "validation batches per pass (0: all)");
   add(lm, "tp", &c.tp, def.tp, "tensor-parallel ranks (heads and MLP split; dp is the rest)");
+  add(common, "straggler-every", &c.straggler_every, def.straggler_every, "every this many steps the ranks compare their step-time split (data wait, forward, backward, optimizer); a rank slower than the median is named in the log and metrics with the section that makes it slow (0: off)");
+  add(common, "straggler-threshold", &c.straggler_threshold, def.straggler_threshold, "a straggler's busy time (step time without the exchange wait) exceeds the median rank's by more than this fraction (and by 1 ms per step)");
   add(common, "check-replicas", &c.check_replicas, def.check_replicas, "every this many steps the data-parallel replicas compare a hash of each parameter; a mismatch (silent corruption) names the ranks and the first differing parameter and stops the run before its next checkpoint (0: off)");
   add(common, "prune-sparsity", &c.prune_sparsity, def.prune_sparsity, "magnitude pruning: the fraction of conv/Linear weights (with --prune-structured: of each layer's output channels) set to zero, in [0, 1) (0: off)");
   add(common, "prune-start", &c.prune_start, def.prune_start, "pruning: the step the sparsity ramp starts at");
@@ -261,6 +263,8 @@ void check_ranges(const TrainConfig& c) {
                  "option --zero1 does not combine with --" << (c.tp > 1 ? "tp" : "pp")
                                                            << " in this version (clipping and the tied embedding read "
                                                               "whole gradients)");
+  DT_INPUT_CHECK(c.straggler_every >= 0 && c.straggler_threshold > 0,
+                 "option --straggler-every must be >= 0 and --straggler-threshold > 0");
   DT_INPUT_CHECK(c.check_replicas >= 0, "option --check-replicas must be >= 0, got " << c.check_replicas);
   DT_INPUT_CHECK(c.prune_sparsity >= 0.f && c.prune_sparsity < 1.f,
                  "option --prune-sparsity must be in [0, 1), got " << c.prune_sparsity);

@@ -3,12 +3,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <chrono>
 #include <sstream>
+#include <thread>
 
 #include <zlib.h>
 
@@ -59,6 +62,13 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
   rank_ = world_.rank();
   progress_ = std::make_unique<Progress>(cfg_.progress, rank_ == 0 && !cfg_.quiet);
   task_ = cfg_.model == "gpt" ? make_gpt_task() : make_image_task();
+  if (const std::string slow = env::get("DTRAIN_TEST_SLOW"); !slow.empty()) {  // RANK:SECTION:MS
+    const auto a = slow.find(':'), b = slow.rfind(':');
+    if (a != b && std::stoi(slow.substr(0, a)) == rank_) {
+      slow_section_ = slow.substr(a + 1, b - a - 1);
+      slow_ms_ = std::stoi(slow.substr(b + 1));
+    }
+  }
   // A host short of GPUs fails every rank alike, before any rank creates a communicator.
   comm::agree_on_inputs(world_, [this] { choose_device(); });
   grid_ = std::make_unique<parallel::ProcessGrid>(world_, cfg_.tp, cfg_.pp);  // the same check on every rank
@@ -311,9 +321,11 @@ void Trainer::forward_backward(float loss_scale) {
   for (int k = 0; k < parts_; ++k) {
     const double t0 = now_s();
     Tensor dout = task_->micro_loss(model.forward(task_->micro_input(k, parts_)), k, parts_, stats, grad_scale);
+    test_delay("forward");
     const double t1 = now_s();
     before_backward(k, k + 1 == parts_);
     model.backward(dout);
+    test_delay("backward");
     iv_.fwd += t1 - t0;
     iv_.bwd += now_s() - t1;
   }
@@ -352,6 +364,7 @@ bool Trainer::update(float lr) {
   const bool take_step = unscale_and_agree(scaler_.get(), opt_->params(), different ? &world_ : nullptr);
   if (take_step && cfg_.clip_grad_norm > 0.f) clip_gradients();
   if (take_step) opt_->step(lr);
+  test_delay("optimizer");
   if (dp_) {
     const double c0 = dp_->stats().comm_wait_s;
     if (take_step) dp_->after_step();
@@ -372,8 +385,10 @@ bool Trainer::update(float lr) {
 
 bool Trainer::step_once(double& wait_s) {
   ChromeTrace& trace = *trace_;
+  const Interval before = iv_;
   const double t0 = now_s();
   if (!task_->load_step(step_, wait_s)) return false;
+  test_delay("data");
   const double tc = now_s();
   trace.span("data wait", t0, tc, step_);
   const int64_t mallocs0 = gpu_malloc_count(device_);
@@ -404,6 +419,12 @@ bool Trainer::step_once(double& wait_s) {
   ema_step_s_ = ema_step_s_ == 0 ? (t1 - t0) : 0.9 * ema_step_s_ + 0.1 * (t1 - t0);
   iv_.wait += wait_s;
   ++iv_.steps;
+  const double data_s = tc - t0;  // reading and staging the step's data, waits included
+  split_[0] += data_s;
+  split_[1] += iv_.fwd - before.fwd;
+  split_[2] += iv_.bwd - before.bwd;
+  split_[3] += iv_.comm - before.comm;
+  split_[4] += iv_.opt - before.opt;
   if (static_cast<int64_t>(row_units_.size()) == rows_.size(0)) read_losses(false);  // the rows ran out
   return true;
 }
@@ -527,6 +548,55 @@ void Trainer::validate(int64_t epoch, double epoch_s) {
   metrics_->write(f);
 }
 
+void Trainer::test_delay(const char* section) const {
+  if (slow_ms_ > 0 && slow_section_ == section) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms_));
+}
+
+// Stragglers: the ranks share their step-time split since the last comparison; a rank whose busy
+// time (the step without the exchange wait, which a slow peer inflates on everyone else) exceeds
+// the median rank's by more than --straggler-threshold (and 1 ms a step) is named, with the section
+// furthest above that section's median.
+void Trainer::find_stragglers() {
+  static const char* kSections[] = {"data wait", "forward", "backward", "exchange wait", "optimizer"};
+  const int world = world_.size();
+  Tensor mine = Tensor::empty({5}), all = Tensor::empty({5 * static_cast<int64_t>(world)});
+  for (int i = 0; i < 5; ++i) mine.f32()[i] = static_cast<float>(split_[static_cast<size_t>(i)]);
+  split_.assign(5, 0.0);
+  if (world == 1) return;
+  world_.allgather(mine, all)->wait();
+  auto value = [&](int r, int i) { return static_cast<double>(all.f32()[r * 5 + i]); };
+  auto busy = [&](int r) { return value(r, 0) + value(r, 1) + value(r, 2) + value(r, 4); };
+  auto median = [&](const std::function<double(int)>& f) {
+    std::vector<double> v(static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) v[static_cast<size_t>(r)] = f(r);
+    const int mid = (world - 1) / 2;  // the lower median: of 2 ranks, the faster one is the reference
+    std::nth_element(v.begin(), v.begin() + mid, v.end());
+    return v[static_cast<size_t>(mid)];
+  };
+  const double typical = median(busy), steps = static_cast<double>(cfg_.straggler_every);
+  for (int r = 0; r < world; ++r) {
+    // Above the threshold, and by 1 ms a step at least: sub-millisecond jitter costs nothing.
+    if (busy(r) <= (1.0 + cfg_.straggler_threshold) * typical || busy(r) - typical < 1e-3 * steps) continue;
+    int worst = 0;
+    double excess = -1;
+    for (int i : {0, 1, 2, 4}) {
+      const double over = value(r, i) - median([&](int q) { return value(q, i); });
+      if (over > excess) excess = over, worst = i;
+    }
+    say("straggler: rank " + std::to_string(r) + " is busy " + fixed(1e3 * busy(r) / steps, 2) + " ms per step, " +
+        fixed(100 * (busy(r) / typical - 1), 0) + " % over the median rank, most in " + kSections[worst] + " (" +
+        fixed(1e3 * value(r, worst) / steps, 2) + " ms against " +
+        fixed(1e3 * median([&](int q) { return value(q, worst); }) / steps, 2) + " ms)");
+    if (metrics_)
+      metrics_->write({{"event", std::string("straggler")},
+                       {"step", step_},
+                       {"rank", static_cast<int64_t>(r)},
+                       {"section", std::string(kSections[worst])},
+                       {"busy_s_per_step", busy(r) / steps},
+                       {"median_busy_s_per_step", typical / steps}});
+  }
+}
+
 // The DTRAIN_TEST_FLIP_BIT hook ("RANK:STEP"): one bit of this rank's first weight flips after
 // step STEP, a silent corruption for check_replicas to find. (A flip of the lowest bit can vanish
 // again: the next update rounds it away.)
@@ -621,6 +691,7 @@ TrainResult Trainer::run() {
       const bool epoch_end = batch_in_epoch == steps_per_epoch_ || step_ == total_steps_;
       if ((cfg_.log_every > 0 && step_ % cfg_.log_every == 0) || epoch_end) log_interval(epoch, batch_in_epoch, lr);
       if (!epoch_end && task_->validation_due(step_, false)) validate(epoch, -1);
+      if (cfg_.straggler_every > 0 && step_ % cfg_.straggler_every == 0) find_stragglers();
       if (cfg_.check_replicas > 0) {
         flip_bit_if_asked();
         if (step_ % cfg_.check_replicas == 0) check_replicas();

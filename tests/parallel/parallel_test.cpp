@@ -419,6 +419,32 @@ TEST(ReplicaCheck, FindsABitFlippedInOneReplica) {
   if (world.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// A rank slowed in one section (the DTRAIN_TEST_SLOW hook: 15 ms of sleep in its backward of every
+// step) is named as the straggler with that section, in the log and in the metrics.
+TEST(Straggler, SlowRankIsNamedWithTheSlowSection) {
+  comm::Communicator& world = comm::Runtime::get().world();
+  if (world.size() == 1) GTEST_SKIP() << "needs several ranks";
+  const std::string metrics = dataset() + "-straggler-" + std::to_string(world.size()) + ".jsonl";
+  ::setenv("DTRAIN_TEST_SLOW", "1:backward:15", 1);
+  train_params(config({"--model", "mlp", "--straggler-every", "5", "--metrics", metrics}), world);
+  ::unsetenv("DTRAIN_TEST_SLOW");
+  if (world.rank() != 0) return;
+  std::ifstream in(metrics);
+  std::string line;
+  int named = 0, others = 0;
+  while (std::getline(in, line)) {
+    if (line.find("\"event\": \"straggler\"") == std::string::npos) continue;
+    if (line.find("\"rank\": 1,") == std::string::npos)
+      ++others;
+    else
+      named += line.find("\"section\": \"backward\"") != std::string::npos;
+  }
+  // Steps 10, 15 and 20 at least (the first window holds every rank's start-up as well).
+  EXPECT_GE(named, 3) << "the comparisons name rank 1's backward";
+  EXPECT_EQ(others, 0) << "only the slowed rank is named";
+  std::filesystem::remove(metrics);
+}
+
 TEST(SyncBatchNorm, OneRankEqualsBatchNorm2d) {
   comm::Communicator& world = comm::Runtime::get().world();
   auto solo = world.split(world.rank(), 0, "solo");

@@ -72,6 +72,8 @@ struct TrainConfig {
   int64_t accumulate = 1;           // micro-batches per optimizer step (gradients communicated on the last)
   bool zero1 = false;               // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
   bool sync_batchnorm = false;
+  int64_t straggler_every = 100;     // steps between the ranks' comparisons of their step times (0: off)
+  double straggler_threshold = 0.2;  // a rank busier than the median by more than this fraction is named
   int64_t check_replicas = 0;  // > 0: every this many steps the dp replicas compare parameter hashes
   // magnitude pruning (optim::MagnitudePruner): the final sparsity, reached by a cubic ramp
   float prune_sparsity = 0.f;  // 0: off

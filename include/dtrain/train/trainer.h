@@ -80,6 +80,8 @@ class Trainer {
   bool preempted(int64_t epoch, int64_t batch_in_epoch, bool saved);
   void check_replicas();
   void flip_bit_if_asked();
+  void find_stragglers();
+  void test_delay(const char* section) const;
   void finish();
   void report_pipeline();
   // Checkpoints: the optimizer state per parameter in the one-rank layout, the set of files.
@@ -120,6 +122,11 @@ class Trainer {
     double loss = 0, wait = 0, comm = 0, fwd = 0, bwd = 0, opt = 0, t0 = 0;
     int64_t steps = 0, hits = 0, units = 0, bytes0 = 0;
   } iv_;
+  // The step-time split since the last straggler comparison: data wait, forward, backward, exchange
+  // wait, optimizer (seconds summed over the steps).
+  std::vector<double> split_ = std::vector<double>(5, 0.0);
+  std::string slow_section_;  // DTRAIN_TEST_SLOW on this rank: the section it sleeps in
+  int slow_ms_ = 0;
   double train_t0_ = 0, eval_total_s_ = 0, run_t0_ = 0, run_cpu0_ = 0, ema_step_s_ = 0, bubble_sum_ = 0;
   int64_t run_units_ = 0, step_mallocs_ = 0;
   JsonFields last_validation_;
