@@ -17,14 +17,6 @@ namespace dtrain::train {
 
 namespace {
 
-std::string fixed(double v, int digits) {
-  std::ostringstream o;
-  o.setf(std::ios::fixed);
-  o.precision(digits);
-  o << v;
-  return o.str();
-}
-
 // How a test set is read: batch rows, and the training set's normalisation (empty: the set's own).
 struct EvalData {
   int64_t batch;

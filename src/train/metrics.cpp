@@ -5,10 +5,20 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <sstream>
 
 #include "dtrain/core/error.h"
 
 namespace dtrain::train {
+
+std::string fixed(double v, int digits) {
+  std::ostringstream o;
+  o.setf(std::ios::fixed);
+  o.precision(digits);
+  o << v;
+  return o.str();
+}
+
 
 static void json_string(std::string& out, const std::string& s) {
   out += '"';

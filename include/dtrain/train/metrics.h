@@ -13,6 +13,9 @@ using JsonValue = std::variant<int64_t, double, std::string>;
 using JsonFields = std::vector<std::pair<std::string, JsonValue>>;
 std::string to_json(const JsonFields& fields);
 
+// `v` with `digits` digits after the point, for log lines ("0.2526").
+std::string fixed(double v, int digits);
+
 class MetricsWriter {
  public:
   MetricsWriter() = default;
