@@ -11,6 +11,9 @@
 #   DTRAIN_METRICS     JSON-lines metrics (default: $DTRAIN_RUN_DIR/metrics.jsonl)
 #   DTRAIN_ARGS        extra `dtrain train` options, split on spaces (script arguments are added too)
 #   DTRAIN_PREEMPTED_EXIT  the exit status dtrain uses after a preemption checkpoint (default 42)
+#   DTRAIN_LAUNCHER_GRACE  seconds the launcher may live on after this node's ranks have all
+#                      exited before it is ended (default 60; 0: never). mpirun can hang tearing
+#                      down a job whose other node is unreachable; the job must still end.
 
 DTRAIN_PREEMPTED_EXIT=${DTRAIN_PREEMPTED_EXIT:-42}
 
@@ -71,6 +74,8 @@ dtrain_train_args() {
 dtrain_run_forwarding() {
   "$@" &
   local pid=$!
+  dtrain_end_lingering_launcher "$pid" &
+  local watchdog=$!
   # shellcheck disable=SC2064
   trap "dtrain_log 'signal received: asking the ranks to checkpoint'; kill -USR1 $pid 2>/dev/null" TERM USR1 INT
   local rc=0
@@ -81,5 +86,33 @@ dtrain_run_forwarding() {
     kill -0 "$pid" 2>/dev/null || break
   done
   trap - TERM USR1 INT
+  kill "$watchdog" 2>/dev/null
+  wait "$watchdog" 2>/dev/null
   return "$rc"
+}
+
+# dtrain_end_lingering_launcher PID: ends the launcher PID (TERM, then KILL) when the dtrain ranks it
+# started on this node (its child processes) have all exited and it is still running
+# DTRAIN_LAUNCHER_GRACE seconds later: after a rank aborted the job because a node was lost,
+# Open MPI's mpirun waits for that node's daemon forever. srun's ranks are not its children, so an
+# srun is never ended here (SLURM itself ends a job step on a lost node).
+dtrain_end_lingering_launcher() {
+  local pid=$1 grace=${DTRAIN_LAUNCHER_GRACE:-60} seen=0 since=0 name
+  [[ "$grace" =~ ^[0-9]+$ ]] && ((grace > 0)) || return 0
+  name=$(basename "${DTRAIN_BIN:-dtrain}" | cut -c1-15)
+  while kill -0 "$pid" 2>/dev/null; do
+    if pgrep -P "$pid" -x "$name" >/dev/null; then
+      seen=1 since=0
+    elif ((seen)); then
+      ((since == 0)) && since=$SECONDS
+      if ((SECONDS - since >= grace)); then
+        dtrain_log "the launcher is still running ${grace}s after the ranks on this node exited (a node lost?); ending it"
+        kill -TERM "$pid" 2>/dev/null
+        sleep 5
+        kill -KILL "$pid" 2>/dev/null
+        return 0
+      fi
+    fi
+    sleep 1
+  done
 }

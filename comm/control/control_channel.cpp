@@ -37,6 +37,16 @@ ControlChannel::ControlChannel(MPI_Comm comm, std::string comm_name) : name_(std
   DT_MPI_CHECK(MPI_Comm_set_errhandler(ctrl_, MPI_ERRORS_RETURN));
   DT_MPI_CHECK(MPI_Comm_rank(ctrl_, &rank_));
   DT_MPI_CHECK(MPI_Comm_size(ctrl_, &size_));
+  // Host names, for reports that name the node of a missing rank.
+  char mine[MPI_MAX_PROCESSOR_NAME] = {};
+  int len = 0;
+  DT_MPI_CHECK(MPI_Get_processor_name(mine, &len));
+  std::vector<char> all(static_cast<size_t>(size_) * MPI_MAX_PROCESSOR_NAME);
+  DT_MPI_CHECK(MPI_Allgather(mine, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, all.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, ctrl_));
+  for (int r = 0; r < size_; ++r) {
+    const char* name = all.data() + static_cast<size_t>(r) * MPI_MAX_PROCESSOR_NAME;
+    hosts_.emplace_back(name, strnlen(name, MPI_MAX_PROCESSOR_NAME));
+  }
 }
 
 ControlChannel::~ControlChannel() { release(); }
@@ -105,8 +115,11 @@ void ControlChannel::serve() {
 
 std::vector<PeerStatus> ControlChannel::query(double grace_s) {
   std::vector<PeerStatus> out(static_cast<size_t>(size_));
-  for (int r = 0; r < size_; ++r) out[static_cast<size_t>(r)].rank = r;
   out[static_cast<size_t>(rank_)] = self_status();
+  for (int r = 0; r < size_; ++r) {
+    out[static_cast<size_t>(r)].rank = r;
+    if (static_cast<size_t>(r) < hosts_.size()) out[static_cast<size_t>(r)].host = hosts_[static_cast<size_t>(r)];
+  }
   if (ctrl_ == MPI_COMM_NULL || size_ == 1) return out;
 
   int tag = next_tag_.fetch_add(1);
@@ -236,6 +249,30 @@ void control_service_remove(const ControlChannel* ch) {
 }
 
 // ---- the report ------------------------------------------------------------------------------
+namespace {
+
+// "2, 3 on node n2 (all of its ranks), 5 on node n3": the missing ranks grouped by node, nodes in
+// the order of their lowest missing rank; a node none of whose ranks arrived reads as lost.
+std::string missing_by_node(const std::vector<int>& miss, const std::vector<PeerStatus>& peers) {
+  std::vector<std::string> hosts;
+  for (int r : miss)
+    if (std::find(hosts.begin(), hosts.end(), peers[static_cast<size_t>(r)].host) == hosts.end())
+      hosts.push_back(peers[static_cast<size_t>(r)].host);
+  std::ostringstream os;
+  for (size_t h = 0; h < hosts.size(); ++h) {
+    int on_node = 0, missing = 0;
+    for (const PeerStatus& p : peers) on_node += p.host == hosts[h];
+    os << (h ? ", " : "");
+    for (int r : miss)
+      if (peers[static_cast<size_t>(r)].host == hosts[h]) os << (missing++ ? ", " : "") << r;
+    if (hosts[h].empty()) continue;
+    os << " on node " << hosts[h];
+    if (missing == on_node) os << " (all of its ranks)";  // never this rank's node: it answers itself
+  }
+  return os.str();
+}
+
+}  // namespace
 
 std::string format_timeout_report(const std::string& what, int comm_size, int64_t seq, int p2p_peer, double waited_s,
                                   double grace_s, const std::vector<PeerStatus>& peers, bool can_query,
@@ -255,7 +292,7 @@ std::string format_timeout_report(const std::string& what, int comm_size, int64_
     bool relevant = p2p_peer >= 0 ? p.rank == p2p_peer : (!p.responded || p.entered < seq);
     if (!relevant) continue;
     miss.push_back(p.rank);
-    detail << "\n  rank " << p.rank << ": ";
+    detail << "\n  rank " << p.rank << (p.host.empty() ? "" : " (" + p.host + ")") << ": ";
     if (!p.responded)
       detail << "no answer within " << grace_s << " s (exited, finalised, or hung outside MPI)";
     else
@@ -268,9 +305,7 @@ std::string format_timeout_report(const std::string& what, int comm_size, int64_
     os << "; every rank entered #" << seq << " but it did not finish: mismatched calls or a stuck transport?";
     for (const PeerStatus& p : peers) os << "\n  rank " << p.rank << ": " << p.current;
   } else {
-    os << "; ranks that did not arrive: ";
-    for (size_t i = 0; i < miss.size(); ++i) os << (i ? ", " : "") << miss[i];
-    os << detail.str();
+    os << "; ranks that did not arrive: " << missing_by_node(miss, peers) << detail.str();
   }
   if (missing) *missing = miss;
   return os.str();

@@ -19,7 +19,7 @@ namespace dtrain::comm::detail {
 
 class ControlChannel {
  public:
-  // Duplicates `comm` (collective over it).
+  // Duplicates `comm` and gathers every rank's host name (collective over it).
   ControlChannel(MPI_Comm comm, std::string comm_name);
   ~ControlChannel();
   ControlChannel(const ControlChannel&) = delete;
@@ -44,6 +44,7 @@ class ControlChannel {
   MPI_Comm ctrl_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   std::string name_;
+  std::vector<std::string> hosts_;  // index = rank
   mutable std::mutex state_mu_;
   int64_t entered_ = 0, completed_ = 0;
   std::string current_ = "idle";
@@ -65,7 +66,8 @@ bool control_service_running();
 [[noreturn]] void abort_job(int code, const std::string& message, double delay_s);
 
 // Builds the timeout report. `seq` > 0 for a collective (missing = ranks whose entered < seq or
-// that did not answer); for point-to-point pass seq 0 and the peer.
+// that did not answer); for point-to-point pass seq 0 and the peer. The missing ranks are named
+// with their nodes ("2, 3 on node n2 (all of its ranks)"), so a lost node reads as one.
 std::string format_timeout_report(const std::string& what, int comm_size, int64_t seq, int p2p_peer, double waited_s,
                                   double grace_s, const std::vector<PeerStatus>& peers, bool can_query,
                                   std::vector<int>* missing);

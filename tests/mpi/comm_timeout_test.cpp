@@ -5,6 +5,7 @@
 #include <chrono>
 #include <thread>
 
+#include "control/control_channel.h"
 #include "dtrain/comm/communicator.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/timer.h"
@@ -15,6 +16,24 @@ using namespace dtrain::comm;
 namespace {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// The report groups the missing ranks by node and marks a node none of whose ranks arrived.
+TEST(TimeoutReport, NamesTheNodesOfTheMissingRanks) {
+  std::vector<PeerStatus> peers(6);
+  const char* hosts[] = {"n1", "n1", "n2", "n2", "n3", "n3"};
+  for (int r = 0; r < 6; ++r) {
+    peers[r].rank = r;
+    peers[r].host = hosts[r];
+    peers[r].responded = r != 2 && r != 3;
+    peers[r].entered = r == 5 ? 6 : 7;
+  }
+  std::vector<int> missing;
+  std::string m = comm::detail::format_timeout_report("allreduce #7 f32[4] sum on 'dp'", 6, 7, -1, 10, 2.5, peers, true, &missing);
+  EXPECT_EQ(missing, (std::vector<int>{2, 3, 5}));
+  EXPECT_TRUE(contains(m, "ranks that did not arrive: 2, 3 on node n2 (all of its ranks), 5 on node n3\n")) << m;
+  EXPECT_TRUE(contains(m, "rank 2 (n2): no answer")) << m;
+  EXPECT_TRUE(contains(m, "rank 5 (n3): alive, last entered collective #6")) << m;
+}
 
 TEST(Timeout, LateRanksAreNamedAndTheCollectiveStillCompletes) {
   Communicator& w = Runtime::get().world();
@@ -33,7 +52,8 @@ TEST(Timeout, LateRanksAreNamedAndTheCollectiveStillCompletes) {
       EXPECT_TRUE(contains(m, "allreduce #1")) << m;
       EXPECT_TRUE(contains(m, "'late'")) << m;
       EXPECT_TRUE(contains(m, "ranks that did not arrive: 1")) << m;
-      EXPECT_TRUE(contains(m, "rank 1: alive, last entered collective #0")) << m;
+      const std::string host = Runtime::get().topology().host;
+      EXPECT_TRUE(contains(m, "rank 1 (" + host + "): alive, last entered collective #0")) << m;
       std::vector<int> want;
       for (int r = 1; r < c->size(); ++r) want.push_back(r);
       EXPECT_EQ(e.missing_ranks(), want);

@@ -24,48 +24,10 @@ if [[ -f "$dir/env.sh" ]] && [[ -f "$dir/slurmctld.pid" ]] && kill -0 "$(cat "$d
 fi
 
 rm -rf "$dir"
-mkdir -p "$dir"/{state,spool,log,munge}
-chmod 700 "$dir/munge"
-dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
-chmod 400 "$dir/munge/munge.key"
-
+mkdir -p "$dir"
+source "$(dirname "$0")/lib.sh"
 node=$(hostname -s)
-# The node's real shape (CPUs, sockets, memory) so slurmd registers without a mismatch.
-shape=$(slurmd -C | head -1 | sed -e 's/^NodeName=[^ ]* //')
-cat >"$dir/slurm.conf" <<CONF
-ClusterName=dtrain-local
-SlurmctldHost=$node(127.0.0.1)
-SlurmctldPort=$port
-SlurmdPort=$((port + 1))
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket=$dir/munge/munge.socket
-StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool/%n
-SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
-SlurmctldLogFile=$dir/log/slurmctld.log
-SlurmdLogFile=$dir/log/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-ReturnToService=2
-JobRequeue=1
-KillWait=30
-MinJobAge=600
-SlurmctldTimeout=30
-SlurmdTimeout=30
-NodeName=$node NodeAddr=127.0.0.1 $shape State=UNKNOWN
-PartitionName=local Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
-CONF
+slurm_local_write_conf "$dir" "$port" "$node(127.0.0.1)" "$dir/slurmd.pid" "$node:127.0.0.1"
 cat >"$dir/env.sh" <<ENV
 export SLURM_CONF=$dir/slurm.conf
 ENV
@@ -78,18 +40,9 @@ fail() {
   exit 1
 }
 
-munged --force --key-file="$dir/munge/munge.key" --socket="$dir/munge/munge.socket" \
-  --pid-file="$dir/munged.pid" --log-file="$dir/log/munged.log" --seed-file="$dir/munge/munged.seed" ||
-  fail "munged did not start"
+slurm_local_start_munge "$dir" || fail "munged did not start"
 slurmctld -f "$dir/slurm.conf" || fail "slurmctld did not start"
 slurmd -f "$dir/slurm.conf" -N "$node" || fail "slurmd did not start"
 
-for ((i = 0; i < timeout * 2; ++i)); do
-  state=$(sinfo -h -N -n "$node" -o '%T' 2>/dev/null || true)
-  case "$state" in
-    idle*) say "up in $dir ($node: idle); source $dir/env.sh"; exit 0 ;;
-    down* | drain*) scontrol update nodename="$node" state=resume 2>/dev/null || true ;;
-  esac
-  sleep 0.5
-done
-fail "node $node did not become idle in ${timeout}s (state '${state:-none}')"
+slurm_local_wait_idle "$timeout" "$node" || fail "node $node did not become idle in ${timeout}s"
+say "up in $dir ($node: idle); source $dir/env.sh"

@@ -6,13 +6,7 @@ set -uo pipefail
 dir=${1:-${DTRAIN_SLURM_DIR:-/tmp/dtrain-slurm}}
 [[ -d "$dir" ]] || exit 0
 if [[ -f "$dir/slurm.conf" ]]; then SLURM_CONF=$dir/slurm.conf scancel --full --quiet --user="$(id -un)" 2>/dev/null; fi
-for d in slurmd slurmctld munged; do
-  pidfile="$dir/$d.pid"
-  [[ -f "$pidfile" ]] || continue
-  pid=$(cat "$pidfile")
-  kill -TERM "$pid" 2>/dev/null || continue
-  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-  kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null
-done
+source "$(dirname "$0")/lib.sh"
+slurm_local_kill "$dir/slurmd.pid" "$dir/slurmctld.pid" "$dir/munged.pid"
 [[ "${DTRAIN_SLURM_KEEP:-0}" == "1" ]] || rm -rf "$dir"
 echo "slurm-local: stopped ($dir)" >&2

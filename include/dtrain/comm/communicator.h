@@ -29,6 +29,7 @@ enum class TimeoutAction { Abort, Throw };
 // What a peer answered when a wait timed out.
 struct PeerStatus {
   int rank = -1;
+  std::string host;       // MPI_Get_processor_name of that rank
   bool responded = false;
   int64_t entered = 0;    // sequence number of the last collective it entered (0: none yet)
   int64_t completed = 0;  // ... and of the last one it finished
