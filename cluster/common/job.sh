@@ -73,8 +73,9 @@ dtrain_train_args() {
 # mpirun would answer SIGTERM by killing the ranks before they checkpoint). Returns CMD's status.
 dtrain_run_forwarding() {
   "$@" &
-  local pid=$!
-  dtrain_end_lingering_launcher "$pid" &
+  local pid=$! ended
+  ended=$(mktemp)
+  dtrain_end_lingering_launcher "$pid" "$ended" &
   local watchdog=$!
   # shellcheck disable=SC2064
   trap "dtrain_log 'signal received: asking the ranks to checkpoint'; kill -USR1 $pid 2>/dev/null" TERM USR1 INT
@@ -88,16 +89,19 @@ dtrain_run_forwarding() {
   trap - TERM USR1 INT
   kill "$watchdog" 2>/dev/null
   wait "$watchdog" 2>/dev/null
+  # A launcher ended by the watchdog: the ranks' failure (status 1) is what the job reports.
+  [[ -s "$ended" ]] && rc=1
+  rm -f "$ended"
   return "$rc"
 }
 
-# dtrain_end_lingering_launcher PID: ends the launcher PID (TERM, then KILL) when the dtrain ranks it
+# dtrain_end_lingering_launcher PID FILE: ends the launcher PID (TERM, then KILL; writes FILE) when the dtrain ranks it
 # started on this node (its child processes) have all exited and it is still running
 # DTRAIN_LAUNCHER_GRACE seconds later: after a rank aborted the job because a node was lost,
 # Open MPI's mpirun waits for that node's daemon forever. srun's ranks are not its children, so an
 # srun is never ended here (SLURM itself ends a job step on a lost node).
 dtrain_end_lingering_launcher() {
-  local pid=$1 grace=${DTRAIN_LAUNCHER_GRACE:-60} seen=0 since=0 name
+  local pid=$1 ended=$2 grace=${DTRAIN_LAUNCHER_GRACE:-60} seen=0 since=0 name
   [[ "$grace" =~ ^[0-9]+$ ]] && ((grace > 0)) || return 0
   name=$(basename "${DTRAIN_BIN:-dtrain}" | cut -c1-15)
   while kill -0 "$pid" 2>/dev/null; do
@@ -107,6 +111,7 @@ dtrain_end_lingering_launcher() {
       ((since == 0)) && since=$SECONDS
       if ((SECONDS - since >= grace)); then
         dtrain_log "the launcher is still running ${grace}s after the ranks on this node exited (a node lost?); ending it"
+        echo "$grace" >"$ended"
         kill -TERM "$pid" 2>/dev/null
         sleep 5
         kill -KILL "$pid" 2>/dev/null

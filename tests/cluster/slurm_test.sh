@@ -25,22 +25,7 @@ trap '"$root/cluster/slurm/local/stop.sh" "$slurm_dir"' EXIT
 source "$slurm_dir/env.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 DTRAIN_HOME=$root
 
-# job_state ID: COMPLETED, FAILED, PENDING, ...
-job_state() { scontrol show job "$1" | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
-# wait_job ID SECONDS: waits for the job to end; a requeued job waiting out SLURM's requeue delay
-# is let start at once.
-wait_job() {
-  local s
-  for ((i = 0; i < $2; ++i)); do
-    s=$(job_state "$1")
-    case "$s" in
-      COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) echo "$s"; return 0 ;;
-      PENDING) scontrol update jobid="$1" StartTime=now 2>/dev/null || true ;;
-    esac
-    sleep 1
-  done
-  echo "TIMEOUT_WAITING"
-}
+source "$here/slurm_lib.sh"
 
 case "$mode" in
   train)
@@ -79,29 +64,6 @@ case "$mode" in
     bin=$2 work=$3
     rm -rf "$work" && mkdir -p "$work" && cd "$work"
     export DTRAIN_BIN=$bin
-    # preempt_job NAME STEPS ARGS...: submits train.sbatch on 2 tasks, signals the batch
-    # script as --signal=B:USR1@T does before the time limit, and checks that the job was
-    # requeued once, resumed at the preempted step and finished at STEPS.
-    preempt_job() {
-      local name=$1 steps=$2
-      shift 2
-      local id metrics out state step
-      id=$(sbatch --parsable -n 2 --job-name="$name" "$root/cluster/slurm/train.sbatch" --steps "$steps" "$@")
-      metrics="$work/runs/$name-$id/metrics.jsonl"
-      for ((i = 0; i < 600; ++i)); do grep -q '"step"' "$metrics" 2>/dev/null && break; sleep 0.2; done
-      scancel --batch --signal=USR1 "$id"
-      state=$(wait_job "$id" 600)
-      out="$work/dtrain-$id.out"
-      cat "$out"
-      [[ "$state" == COMPLETED ]] || fail "$name: job $id ended $state"
-      grep -q 'requeueing job' "$out" || fail "$name: the job was not requeued"
-      step=$(grep -o '"event": "preempted", "step": [0-9]*' "$metrics" | head -1 | grep -o '[0-9]*$' || true)
-      [[ -n "$step" ]] || fail "$name: no preemption recorded"
-      grep -Eq "resumed from .* at step $step( |\$)" "$out" || fail "$name: the requeued job did not resume at step $step"
-      [[ $(scontrol show job "$id" | grep -o 'Restarts=[0-9]*') == Restarts=1 ]] || fail "$name: expected one restart"
-      grep -q "\"summary\": \"run\", \"steps\": $steps," "$metrics" || fail "$name: the run did not finish at step $steps"
-      echo "PASS ($name): preempted at step $step, requeued, resumed, finished at step $steps"
-    }
     preempt_job dtrain 6000 --synthetic --model mlp --threads 1 --progress off --log-every 50
     "$bin" convert text --inputs /usr/share/games/fortunes --out "$work/tokens" >/dev/null
     preempt_job dtrain-gpt 20000 --model gpt --data "$work/tokens" --layers 2 --heads 2 --width 32 --context 32 \

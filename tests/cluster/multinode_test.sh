@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Multi-node tests on an emulated cluster (cluster/emulate/): 2 nodes, each a network namespace
+# with its own address and hostname, started for the test and stopped at its end (even when it
+# fails). Exit 77 (skipped) where the cluster cannot run (not root, no network namespaces);
+# DTRAIN_REQUIRE_MULTINODE=1 makes that a failure.
+#   multinode_test.sh mpirun    BIN DATA WORK  info --all-ranks; Fashion-MNIST on 2 nodes x 2 ranks
+#                                              (cluster/mpirun/launch.sh, hostfile) against 4 ranks
+#                                              on one node; cluster/pbs/train.pbs with a 2-host
+#                                              PBS_NODEFILE
+#   multinode_test.sh slurm     BIN WORK       train-multinode.sbatch -N 2 on a 2-node SLURM, then
+#                                              preemption and requeue across the 2 nodes
+#   multinode_test.sh node-loss BIN DATA WORK  a node's link goes down mid-run: the other node's
+#                                              ranks exit within the comm timeout naming the node,
+#                                              the job ends, the last checkpoint resumes
+set -euo pipefail
+mode=$1
+root=$(cd "$(dirname "$0")/../.." && pwd)
+fail() { echo "FAIL: $*"; exit 1; }
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 DTRAIN_HOME=$root
+
+# start_cluster ARGS...: the emulated cluster in $work/emu (a skip where it cannot run).
+start_cluster() {
+  local rc=0
+  "$root/cluster/emulate/start.sh" "$@" "$work/emu" || rc=$?
+  if [[ $rc -eq 77 ]]; then
+    [[ "${DTRAIN_REQUIRE_MULTINODE:-0}" == "1" ]] && fail "the emulated cluster cannot run here"
+    echo "SKIP: the emulated cluster cannot run here"
+    exit 77
+  fi
+  [[ $rc -eq 0 ]] || fail "the emulated cluster did not start (status $rc)"
+  trap '"$root/cluster/emulate/stop.sh" "$work/emu"' EXIT
+  source "$work/emu/env.sh"
+}
+# on NODE CMD...: CMD with its words quoted, run on NODE in the work folder.
+on() {
+  local node=$1
+  shift
+  "$root/cluster/emulate/on.sh" "$node" "cd $(printf '%q' "$work") && $(printf '%q ' "$@")"
+}
+# accuracy LOG: the last test accuracy the log reports, in percent.
+accuracy() { grep -o 'test accuracy [0-9.]*%' "$1" | tail -1 | grep -o '[0-9.]*'; }
+
+case "$mode" in
+  mpirun)
+    bin=$2 data=$3 work=$4
+    rm -rf "$work" && mkdir -p "$work"
+    start_cluster --nodes 2
+    on emu1 mpirun --host emu1:2,emu2:2 -n 4 --bind-to none "$bin" info --all-ranks >"$work/info.txt" 2>&1 ||
+      { cat "$work/info.txt"; fail "dtrain info across 2 nodes failed"; }
+    cat "$work/info.txt"
+    grep -q "dtrain: 4 ranks on 2 nodes" "$work/info.txt" || fail "info: not 4 ranks on 2 nodes"
+    for r in "0 emu1 0 0/2" "1 emu1 0 1/2" "2 emu2 1 0/2" "3 emu2 1 1/2"; do
+      grep -Eq "^ +$(echo "$r" | sed 's/ / +/g') " "$work/info.txt" || fail "info: no row 'rank host node local' = '$r'"
+    done
+    # One epoch of the reference recipe, 4 ranks of batch 64, on 2 nodes and on one node.
+    args=(--config "$root/examples/fashion_cnn.ini" --data "$data/train" --test-data "$data/test" --epochs 1
+      --threads 1 --progress off)
+    printf 'emu1 slots=2\nemu2 slots=2\n' >"$work/hosts-two-nodes"
+    printf 'emu1 slots=4\n' >"$work/hosts-one-node"
+    for name in two-nodes one-node; do
+      on emu1 env DTRAIN_HOSTFILE="$work/hosts-$name" DTRAIN_RUN_DIR="$work/$name" DTRAIN_BIN="$bin" \
+        DTRAIN_MPIRUN_ARGS="--bind-to none --oversubscribe" "$root/cluster/mpirun/launch.sh" "${args[@]}" \
+        >"$work/$name.log" 2>&1 || { cat "$work/$name.log"; fail "$name: launch.sh failed"; }
+      cat "$work/$name.log"
+    done
+    grep -q "dtrain: 4 ranks on 2 nodes" "$work/two-nodes.log" || fail "launch.sh: not 4 ranks on 2 nodes"
+    grep -q "dtrain: 4 ranks on 1 node" "$work/one-node.log" || fail "launch.sh: not 4 ranks on 1 node"
+    a2=$(accuracy "$work/two-nodes.log") a1=$(accuracy "$work/one-node.log")
+    echo "test accuracy after 1 epoch: $a2% on 2 nodes x 2 ranks, $a1% on 1 node x 4 ranks"
+    awk -v a="$a2" -v b="$a1" 'BEGIN { d = a - b; exit !(a > 80 && d <= 0.3 && d >= -0.3) }' ||
+      fail "2 nodes reached $a2%, 1 node $a1%: expected > 80% and within 0.3 points"
+    # PBS: one rank per line of PBS_NODEFILE, two hosts.
+    printf 'emu1\nemu1\nemu2\nemu2\n' >"$work/pbs-nodefile"
+    on emu1 env PBS_NODEFILE="$work/pbs-nodefile" PBS_O_WORKDIR="$work" PBS_JOBID=77.pbs PBS_JOBNAME=dtrain \
+      PBS_ENVIRONMENT=PBS_BATCH DTRAIN_BIN="$bin" DTRAIN_ARGS="--synthetic --model mlp --steps 200 --threads 1 --progress off --log-every 100" \
+      "$root/cluster/pbs/train.pbs" >"$work/pbs.log" 2>&1 || { cat "$work/pbs.log"; fail "train.pbs failed"; }
+    cat "$work/pbs.log"
+    grep -q "4 ranks on emu1,emu2" "$work/pbs.log" || fail "train.pbs: not 4 ranks from the 2-host PBS_NODEFILE"
+    grep -q "dtrain: 4 ranks on 2 nodes" "$work/pbs.log" || fail "train.pbs: dtrain did not run on 2 nodes"
+    echo "PASS: 4 ranks on 2 emulated nodes (mpirun, launch.sh with a hostfile, train.pbs); accuracy $a2% vs $a1%"
+    ;;
+  slurm)
+    bin=$2 work=$3
+    rm -rf "$work" && mkdir -p "$work"
+    start_cluster --nodes 2 --slurm
+    # SLURM's commands run on the first node, the login node of this cluster.
+    for c in sbatch scontrol scancel; do eval "$c() { on emu1 $c \"\$@\"; }"; done
+    source "$root/tests/cluster/slurm_lib.sh"
+    export DTRAIN_BIN=$bin
+    id=$(DTRAIN_GPUS_PER_TASK= sbatch --parsable -N 2 --ntasks-per-node=2 --gpus-per-task=0 --cpus-per-task=1 \
+      --job-name=dtrain-multinode "$root/cluster/slurm/train-multinode.sbatch" --synthetic --model mlp \
+      --steps 200 --threads 1 --progress off --log-every 100)
+    state=$(wait_job "$id" 300)
+    cat "$work/dtrain-$id.out"
+    [[ "$state" == COMPLETED ]] || fail "train-multinode.sbatch: job $id ended $state"
+    grep -q "dtrain: 4 ranks on 2 nodes; launcher SLURM" "$work/dtrain-$id.out" || fail "job $id: not 4 ranks on 2 nodes"
+    grep -q '"summary": "run", "steps": 200,' "$work/runs/dtrain-multinode-$id/metrics.jsonl" || fail "job $id: no summary"
+    echo "PASS (train-multinode.sbatch -N 2): job $id on 4 ranks, 2 nodes"
+    SBATCH_SHAPE="-N 2 --ntasks-per-node=2" preempt_job dtrain 600 --synthetic --model mlp --threads 1 --progress off \
+      --log-every 50
+    for out in "$work"/dtrain-*.out; do grep -q "dtrain: 4 ranks on 2 nodes" "$out" || fail "$out: not on 2 nodes"; done
+    ;;
+  node-loss)
+    bin=$2 data=$3 work=$4
+    rm -rf "$work" && mkdir -p "$work"
+    start_cluster --nodes 2
+    printf 'emu1 slots=2\nemu2 slots=2\n' >"$work/hosts"
+    timeout=10 grace=10
+    on emu1 env DTRAIN_HOSTFILE="$work/hosts" DTRAIN_RUN_DIR="$work/run" DTRAIN_BIN="$bin" DTRAIN_COMM_TIMEOUT=$timeout \
+      DTRAIN_LAUNCHER_GRACE=$grace "$root/cluster/mpirun/launch.sh" --data "$data/train" --model simple_cnn \
+      --epochs 3 --threads 1 --progress off --checkpoint-every 20 --log-every 20 >"$work/run.log" 2>&1 &
+    job=$!
+    for ((i = 0; i < 600; ++i)); do grep -q '^checkpoint ' "$work/run.log" 2>/dev/null && break; sleep 0.2; done
+    grep -q '^checkpoint ' "$work/run.log" || { cat "$work/run.log"; fail "no checkpoint before the node loss"; }
+    "$root/cluster/emulate/link.sh" emu2 down
+    lost=$SECONDS
+    # The surviving ranks time out after $timeout s, the launcher is ended $grace s after them.
+    for ((i = 0; i < 4 * (timeout + grace + 15); ++i)); do kill -0 "$job" 2>/dev/null || break; sleep 0.25; done
+    ended=$((SECONDS - lost))
+    kill -0 "$job" 2>/dev/null && { kill -KILL "$job"; cat "$work/run.log"; fail "the job still runs $ended s after the node loss"; }
+    rc=0; wait "$job" || rc=$?
+    cat "$work/run.log"
+    [[ $rc -ne 0 ]] || fail "the job ended with status 0 after losing a node"
+    for r in 0 1; do
+      grep -Eq "fatal \(rank $r on emu1\): comm timeout: .*ranks that did not arrive: 2, 3 on node emu2 \(all of its ranks\)" \
+        "$work/run.log" || fail "rank $r did not name the lost node emu2 and its ranks 2, 3"
+    done
+    echo "the job ended $ended s after emu2 was cut off (comm timeout $timeout s, launcher grace $grace s)"
+    # The last checkpoint resumes (on the node that is left).
+    last=$(ls "$work/run/ckpt"/ckpt-step*.h5 | tail -1)
+    step=$(basename "$last" .h5 | sed 's/ckpt-step0*//')
+    on emu1 mpirun --host emu1:2 -n 2 --bind-to none "$bin" train --data "$data/train" --model simple_cnn --threads 1 \
+      --progress off --resume "$work/run/ckpt" --steps $((step + 10)) --checkpoint-dir "$work/resumed" >"$work/resume.log" 2>&1 ||
+      { cat "$work/resume.log"; fail "the last checkpoint $last did not resume"; }
+    grep -q "resumed from $last at step $step" "$work/resume.log" || { cat "$work/resume.log"; fail "did not resume at step $step"; }
+    echo "PASS: node emu2 lost: ranks 2, 3 named with their node, the job ended in $ended s, resumed at step $step"
+    ;;
+  *) fail "mode must be mpirun, slurm or node-loss" ;;
+esac
