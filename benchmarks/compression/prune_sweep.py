@@ -10,30 +10,15 @@ usage: benchmarks/compression/prune_sweep.py [--dtrain build/dtrain] [--data dat
 """
 import argparse
 import csv
-import json
 import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from runs import add_common_args, train, write_table
 
 
-def train(args, sparsity, structured):
+def prune_run(args, sparsity, structured):
     tag = f"{'structured' if structured else 'unstructured'}-{sparsity:g}"
-    metrics = os.path.join(args.out, tag + ".jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)
-    cmd = ["mpirun", "-n", "2", "--bind-to", "none", args.dtrain, "train", "--config",
-           os.path.join(ROOT, "examples", "fashion_cnn.ini"), "--data", os.path.join(args.data, "train"),
-           "--test-data", os.path.join(args.data, "test"), "--global-batch-size", "64", "--epochs",
-           str(args.epochs), "--progress", "off", "--metrics", metrics, "--checkpoint-dir",
-           os.path.join(args.out, "ckpt-" + tag), "--prune-sparsity", str(sparsity),
-           "--prune-structured", "true" if structured else "false"]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        sys.exit(f"failed: {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
-    summary = [json.loads(l) for l in open(metrics) if '"summary"' in l][-1]
+    summary = train(args, tag, ["--prune-sparsity", sparsity, "--prune-structured",
+                                "true" if structured else "false"])
     return {"pruning": "structured" if structured else "unstructured", "sparsity": sparsity,
             "achieved": summary.get("sparsity", 0.0), "test_accuracy": summary["test_accuracy"],
             "samples_per_s": summary["samples_per_s"]}
@@ -41,15 +26,12 @@ def train(args, sparsity, structured):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtrain", default=os.path.join(ROOT, "build", "dtrain"))
-    p.add_argument("--data", default=os.path.join(ROOT, "data", "fashion-mnist"))
+    add_common_args(p, "prune_sweep")
     p.add_argument("--sparsity", type=float, nargs="+", default=[0, 0.5, 0.8, 0.9, 0.95])
     p.add_argument("--structured", type=float, nargs="*", default=[0.5])
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--out", default=os.path.join(ROOT, "runs", "prune_sweep"))
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    rows = [train(args, s, False) for s in args.sparsity] + [train(args, s, True) for s in args.structured]
+    rows = [prune_run(args, s, False) for s in args.sparsity] + [prune_run(args, s, True) for s in args.structured]
     dense = next((r["test_accuracy"] for r in rows if r["sparsity"] == 0), None)
     with open(os.path.join(args.out, "prune_sweep.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
@@ -61,10 +43,7 @@ def main():
         gap = f"{100 * (r['test_accuracy'] - dense):+.2f}" if dense is not None else "n/a"
         lines.append(f"| {r['pruning']} | {100 * r['sparsity']:.0f} % | {100 * r['achieved']:.1f} % | "
                      f"{100 * r['test_accuracy']:.2f} % | {gap} | {r['samples_per_s']:.0f} |")
-    table = "\n".join(lines)
-    print(table)
-    with open(os.path.join(args.out, "prune_sweep.md"), "w") as f:
-        f.write(table + "\n")
+    write_table(args.out, "prune_sweep.md", lines)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -39,30 +39,13 @@ int cmd_eval(int argc, char** argv) {
   train::CheckpointState s = train::load_checkpoint_set(path);  // every pipeline stage's part
   auto ds = std::make_shared<data::ShardedHdf5Dataset>(data_dir);
   nn::ModelSpec spec;
-  spec.name = s.strings["model"];
-  spec.input = Shape(s.int_lists["input_shape"].begin(), s.int_lists["input_shape"].end());
-  spec.classes = s.ints["classes"];
-  spec.hidden = s.int_lists["hidden"];
+  nn::ModulePtr model = train::image_model_from_checkpoint(s, path, &spec);
   DT_INPUT_CHECK(ds->info().sample_shape == spec.input,
                  "dataset '" << data_dir << "' has samples of shape " << shape_str(ds->info().sample_shape)
                              << " but checkpoint '" << path << "' holds a " << spec.name << " for inputs "
                              << shape_str(spec.input));
   DT_INPUT_CHECK(ds->info().num_classes <= spec.classes, "dataset '" << data_dir << "' has " << ds->info().num_classes
                                                                    << " classes, the model only " << spec.classes);
-  nn::ModulePtr model = nn::make_model(spec);
-  for (nn::Parameter* p : model->parameters()) {
-    auto it = s.tensors.find("param/" + p->name);
-    DT_INPUT_CHECK(it != s.tensors.end() && it->second.shape() == p->value.shape(),
-                   "checkpoint '" << path << "' does not hold parameter " << p->name << " of shape "
-                                  << shape_str(p->value.shape()));
-    p->value.copy_from(it->second);
-  }
-  for (nn::Buffer* b : model->buffers()) {
-    auto it = s.tensors.find("buffer/" + b->name);
-    DT_INPUT_CHECK(it != s.tensors.end(), "checkpoint '" << path << "' does not hold buffer " << b->name);
-    b->value.copy_from(it->second);
-  }
-  model->eval();
 
   std::vector<float> mean, std;  // the training set's normalisation, when the checkpoint has it
   if (s.tensors.count("meta/norm_mean") && s.tensors.count("meta/norm_std")) {

@@ -148,6 +148,9 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   image.add_options()("synthetic-shape", po::value<std::string>(&synthetic_shape)->default_value(join_dims(def.synthetic_shape)), "per-sample shape C,H,W for --synthetic");
   values_.emplace_back("synthetic-shape", [this] { return synthetic_shape; });
   add(image, "synthetic-classes", &c.synthetic_classes, def.synthetic_classes, "classes for --synthetic");
+  add_path(image, "teacher", &c.teacher, "knowledge distillation: a checkpoint of a trained image model with the same classes and inputs (any dtrain model); the student also learns its softened outputs on the same (augmented) batches");
+  add(image, "distill-temperature", &c.distill_temperature, def.distill_temperature, "distillation: the temperature T that softens both models' outputs");
+  add(image, "distill-weight", &c.distill_weight, def.distill_weight, "distillation: loss = w T^2 KL(teacher || student) + (1 - w) cross-entropy with the labels");
   add(image, "normalize", &c.normalize, def.normalize, "normalise inputs by the training set's per-channel mean/std");
   add(image, "augment-crop", &c.augment.crop_padding, def.augment.crop_padding, "random crop after zero padding by this many pixels (0: off)");
   add(image, "augment-flip", &c.augment.hflip, def.augment.hflip, "random horizontal flip");
@@ -276,6 +279,13 @@ void check_ranges(const TrainConfig& c) {
                  "option --prune-sparsity does not combine with --" << (c.tp > 1 ? "tp" : "pp")
                                                                      << " in this version (the magnitudes would be "
                                                                         "split over ranks)");
+  DT_INPUT_CHECK(c.distill_temperature > 0.f && c.distill_weight >= 0.f && c.distill_weight <= 1.f,
+                 "options --distill-temperature must be > 0 and --distill-weight in [0, 1], got "
+                     << c.distill_temperature << " and " << c.distill_weight);
+  DT_INPUT_CHECK(c.teacher.empty() || (c.pp == 1 && c.device == "cpu"),
+                 "option --teacher does not combine with --" << (c.pp > 1 ? "pp" : "device cuda")
+                                                             << " in this version (the teacher runs on the CPU "
+                                                                "beside a whole student)");
   DT_INPUT_CHECK(c.clip_grad_norm >= 0.f, "option --clip-grad-norm must be >= 0");
   DT_INPUT_CHECK(c.augment.crop_padding >= 0 && c.augment.crop_padding <= 64,
                  "option --augment-crop must be in [0, 64]");

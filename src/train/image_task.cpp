@@ -80,6 +80,40 @@ EvalResult evaluate_batches(std::shared_ptr<const data::ShardedHdf5Dataset> ds, 
   return r;
 }
 
+}  // namespace
+
+nn::ModulePtr image_model_from_checkpoint(const CheckpointState& s, const std::string& path, nn::ModelSpec* spec_out) {
+  auto model_name = s.strings.find("model");
+  DT_INPUT_CHECK(model_name != s.strings.end() && model_name->second != "gpt" && s.int_lists.count("input_shape") &&
+                     s.ints.count("classes"),
+                 "checkpoint '" << path << "' does not hold an image model"
+                                << (model_name != s.strings.end() ? " (it holds a " + model_name->second + ")" : ""));
+  nn::ModelSpec spec;
+  spec.name = model_name->second;
+  const std::vector<int64_t>& input = s.int_lists.at("input_shape");
+  spec.input = Shape(input.begin(), input.end());
+  spec.classes = s.ints.at("classes");
+  if (s.int_lists.count("hidden")) spec.hidden = s.int_lists.at("hidden");
+  nn::ModulePtr model = nn::make_model(spec);
+  for (nn::Parameter* p : model->parameters()) {
+    auto it = s.tensors.find("param/" + p->name);
+    DT_INPUT_CHECK(it != s.tensors.end() && it->second.shape() == p->value.shape(),
+                   "checkpoint '" << path << "' does not hold parameter " << p->name << " of shape "
+                                  << shape_str(p->value.shape()));
+    p->value.copy_from(it->second);
+  }
+  for (nn::Buffer* b : model->buffers()) {
+    auto it = s.tensors.find("buffer/" + b->name);
+    DT_INPUT_CHECK(it != s.tensors.end(), "checkpoint '" << path << "' does not hold buffer " << b->name);
+    b->value.copy_from(it->second);
+  }
+  model->eval();
+  if (spec_out) *spec_out = spec;
+  return model;
+}
+
+namespace {
+
 class ImageTask final : public Task {
  public:
   void setup(const TaskSetup& s) override;
@@ -88,7 +122,11 @@ class ImageTask final : public Task {
   std::string describe() override {
     return "model " + spec_.name + " (" + std::to_string(model_->parameter_count()) + " parameters" +
            (cfg_->pp > 1 ? " on rank 0's stage" : "") + "), " +
-           (cfg_->synthetic ? std::string("synthetic data") : "data " + cfg_->data);
+           (cfg_->synthetic ? std::string("synthetic data") : "data " + cfg_->data) +
+           (teacher_ ? ", teacher " + teacher_spec_.name + " (" + std::to_string(teacher_->parameter_count()) +
+                           " parameters) from " + cfg_->teacher + ", T " + fixed(cfg_->distill_temperature, 1) +
+                           " weight " + fixed(cfg_->distill_weight, 2)
+                     : "");
   }
   std::string unit() const override { return "samples"; }
   std::string piece() const override { return "layers"; }
@@ -111,9 +149,17 @@ class ImageTask final : public Task {
   }
   bool load_step(int64_t step, double& wait_s) override;
   Tensor micro_input(int k, int parts) override { return micro_rows(inputs_, k, parts); }
+  // The statistics (loss, hits) stay the hard-label cross-entropy's, so that runs with and without
+  // a teacher log the same quantity; the gradient is the distillation loss's.
   Tensor micro_loss(const Tensor& out, int k, int parts, Tensor& stats, float grad_scale) override {
     ce_.accumulate(out, micro_rows(labels_, k, parts), stats);
-    return ce_.backward(grad_scale);
+    if (!teacher_) return ce_.backward(grad_scale);
+    const float w = cfg_->distill_weight;
+    Tensor grad = ce_.backward(grad_scale * (1.f - w));
+    soft_targets_.forward(out, teacher_->forward(micro_rows(inputs_, k, parts)));
+    const Tensor& soft = soft_targets_.backward(grad_scale * w);
+    for (int64_t i = 0; i < grad.numel(); ++i) grad.f32()[i] += soft.f32()[i];
+    return grad;
   }
   int64_t step_units() const override { return step_samples_; }
   std::string bad_label(int64_t step, int rank) const override {
@@ -133,6 +179,7 @@ class ImageTask final : public Task {
     return loader_ ? loader_->batches_per_epoch() : std::max<int64_t>(cfg_->steps, 100) * cfg_->accumulate;
   }
   void make_synthetic_batches(int rank);
+  void load_teacher();
   // Reads step `step`'s micro-batches from the loader (or the synthetic set) into `staged_`.
   bool read_step(int64_t step);
 
@@ -156,6 +203,9 @@ class ImageTask final : public Task {
   nn::ModelSpec spec_;
   nn::ModulePtr model_;
   nn::SoftmaxCrossEntropy ce_;
+  nn::ModulePtr teacher_;  // --teacher: forward only, in eval mode
+  nn::ModelSpec teacher_spec_;
+  nn::SoftTargetLoss soft_targets_;
   StagedSteps staged_;
   bool ahead_ended_ = false;  // the epoch ran out while reading a step ahead
   int64_t steps_read_ = 0;  // steps of this epoch read from the loader or the synthetic set
@@ -218,6 +268,7 @@ void ImageTask::setup(const TaskSetup& s) {
     model_->to(device_);                  // drawn on the host, trained where the engine is
   }
   if (s.cfg.synthetic) make_synthetic_batches(s.grid.dp_rank());
+  if (!s.cfg.teacher.empty()) load_teacher();
   // An optimizer step takes --accumulate micro-batches; a partial group at an epoch's end is dropped.
   DT_INPUT_CHECK(steps_per_epoch() > 0, "option --accumulate " << s.cfg.accumulate << " exceeds the "
                                                                << batches_per_epoch() << " batches of an epoch");
@@ -238,6 +289,28 @@ void ImageTask::connect() {
     model_->to(device_);
   }
   if (cfg_->sync_batchnorm) parallel::convert_sync_batchnorm(*model_, grid_->dp());
+}
+
+// The teacher of --teacher: any image model of the student's inputs and classes, trained on inputs
+// normalised as the student's are.
+void ImageTask::load_teacher() {
+  const std::string path = resolve_checkpoint(cfg_->teacher, "teacher");
+  CheckpointState s = load_checkpoint_set(path);
+  teacher_ = image_model_from_checkpoint(s, path, &teacher_spec_);
+  DT_INPUT_CHECK(teacher_spec_.input == spec_.input && teacher_spec_.classes == spec_.classes,
+                 "option --teacher: checkpoint '" << path << "' holds a " << teacher_spec_.name << " for inputs "
+                                                  << shape_str(teacher_spec_.input) << " and "
+                                                  << teacher_spec_.classes << " classes, the student "
+                                                  << spec_.name << " has inputs " << shape_str(spec_.input)
+                                                  << " and " << spec_.classes << " classes");
+  const bool teacher_normalized = s.tensors.count("meta/norm_mean") > 0;
+  DT_INPUT_CHECK(cfg_->synthetic || teacher_normalized == cfg_->normalize,
+                 "option --teacher: checkpoint '" << path << "' was trained on inputs "
+                                                  << (teacher_normalized ? "" : "not ")
+                                                  << "normalised, the student's are " << (cfg_->normalize ? "" : "not ")
+                                                  << "(option --normalize)");
+  teacher_->set_needs_input_grad(false);
+  soft_targets_ = nn::SoftTargetLoss(cfg_->distill_temperature);
 }
 
 void ImageTask::make_synthetic_batches(int rank) {

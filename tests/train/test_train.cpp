@@ -218,6 +218,52 @@ TEST(Trainer, PruningMasksResumeExactly) {
   fs::remove_all(dir);
 }
 
+// Distillation: a teacher (any image model of the same inputs and classes) changes the student's
+// training exactly through its weighted term (weight 0 gives the plain run's parameters bitwise),
+// and a teacher of other classes is refused naming its file.
+TEST(Trainer, DistillationWeightZeroIsPlainTrainingAndBadTeachersAreNamed) {
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("distill");
+  test::make_band_dataset(dir + "/train", 128);
+  std::vector<std::string> base = {"--data", dir + "/train", "--epochs", "1", "--batch-size", "16",
+                                   "--threads", "1", "--progress", "off", "--seed", "5"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return parse(a);
+  };
+  train::Trainer(with({"--model", "mlp", "--checkpoint-dir", dir + "/teacher"}), rt).run();
+  std::map<std::string, Tensor> plain, weight0, taught;
+  for (auto [out, extra] : {std::pair{&plain, std::vector<std::string>{}},
+                            {&weight0, {"--teacher", dir + "/teacher", "--distill-weight", "0"}},
+                            {&taught, {"--teacher", dir + "/teacher", "--distill-weight", "0.5"}}}) {
+    extra.insert(extra.end(), {"--model", "simple_cnn"});
+    train::Trainer t(with(extra), rt);
+    t.run();
+    *out = params_of(t.model());
+  }
+  bool changed = false;
+  for (auto& [name, p] : plain) {
+    for (int64_t i = 0; i < p.numel(); ++i) {
+      ASSERT_EQ(p.f32()[i], weight0[name].f32()[i]) << name << "[" << i << "]";
+      changed |= p.f32()[i] != taught[name].f32()[i];
+    }
+  }
+  EXPECT_TRUE(changed) << "a teacher with weight 0.5 must change the student's training";
+  try {
+    train::Trainer(with({"--model", "simple_cnn", "--teacher", dir + "/teacher", "--synthetic",
+                         "--synthetic-shape", "1,28,28", "--synthetic-classes", "3", "--steps", "2"}),
+                   rt);
+    FAIL() << "a teacher of 10 classes cannot teach a student of 3";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("option --teacher: checkpoint '" + dir + "/teacher/ckpt-step"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("3 classes"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
 // Resuming from an older checkpoint into a folder that holds later ones: pruning keeps the newest
 // of this run's own line and never removes the checkpoint it has just written.
 TEST(Trainer, PruningKeepsTheCheckpointJustWritten) {

@@ -247,4 +247,21 @@ class SoftmaxCrossEntropy {
   double loss_sum_ = 0;
 };
 
+// Knowledge distillation's soft-target term: T^2 times the mean over rows of
+// KL(softmax(teacher / T) || softmax(student / T)) for logits (N, C) on the host. The T^2 keeps its
+// gradient, T (p_student - p_teacher) / N, on the scale of the hard-label cross-entropy's.
+class SoftTargetLoss {
+ public:
+  explicit SoftTargetLoss(float temperature = 4.f);
+  float temperature() const { return t_; }
+  // Returns the mean loss; `teacher` is read only here.
+  float forward(const Tensor& student, const Tensor& teacher);
+  // d(mean loss)/d(student logits), times `scale`.
+  Tensor backward(float scale = 1.f);
+
+ private:
+  float t_;
+  Tensor p_student_, p_teacher_, dlogits_;
+};
+
 }  // namespace dtrain::nn

@@ -80,6 +80,9 @@ struct TrainConfig {
   int64_t prune_start = 0, prune_end = -1, prune_every = 100;  // prune_end -1: at 80 % of the run
   bool prune_structured = false;
   std::string prune_scope = "global";  // global | layer (unstructured)
+  // knowledge distillation (image models): loss = w T^2 KL(soft teacher || soft student) + (1 - w) CE
+  std::string teacher;  // checkpoint of the teacher (empty: no distillation)
+  float distill_temperature = 2.f, distill_weight = 0.5f;
   // language model (model = gpt): the GPT's shape, validation and dp x tp x pp layout
   int64_t layers = 4, heads = 4, width = 128, context = 128, vocab = 256;
   int64_t seq_len = 0;           // tokens per sequence (0: the context)

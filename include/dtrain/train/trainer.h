@@ -10,6 +10,7 @@
 
 #include "dtrain/comm/runtime.h"
 #include "dtrain/data/dataset.h"
+#include "dtrain/nn/models.h"
 #include "dtrain/nn/module.h"
 #include "dtrain/optim/loss_scaler.h"
 #include "dtrain/optim/optimizer.h"
@@ -137,6 +138,11 @@ class Trainer {
 EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::ShardedHdf5Dataset> ds, int64_t batch,
                           bool normalize, comm::Communicator* comm, const std::vector<float>& mean = {},
                           const std::vector<float>& std = {});
+
+// The image model a checkpoint (set) holds: built from its spec (model, input shape, classes,
+// hidden widths), with its parameters and buffers, in eval mode. `path` names the file in the
+// InputError for a checkpoint that holds no image model or misses a tensor.
+nn::ModulePtr image_model_from_checkpoint(const CheckpointState& s, const std::string& path, nn::ModelSpec* spec = nullptr);
 
 // Seconds since this process started (from /proc), for the time-to-first-step figure.
 double process_age_s();
