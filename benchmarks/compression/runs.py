@@ -1,6 +1,7 @@
 """Shared by the compression benchmarks: one `dtrain train` run of the reference recipe
 (examples/fashion_cnn.ini on Fashion-MNIST, 2 ranks, global batch 64) with extra options, and its
-summary line."""
+summary line. With DTRAIN_BENCH_LOCK=FILE each run holds that lock (flock), so benchmarks sharing
+a machine take turns run by run."""
 import json
 import os
 import subprocess
@@ -23,7 +24,8 @@ def train(args, tag, options, epochs=None):
     metrics = os.path.join(args.out, tag + ".jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = ["mpirun", "-n", str(args.ranks), "--bind-to", "none", args.dtrain, "train", "--config",
+    lock = ["flock", os.environ["DTRAIN_BENCH_LOCK"]] if os.environ.get("DTRAIN_BENCH_LOCK") else []
+    cmd = lock + ["mpirun", "-n", str(args.ranks), "--bind-to", "none", args.dtrain, "train", "--config",
            os.path.join(ROOT, "examples", "fashion_cnn.ini"), "--data", os.path.join(args.data, "train"),
            "--test-data", os.path.join(args.data, "test"), "--global-batch-size", "64", "--epochs",
            str(epochs or args.epochs), "--progress", "off", "--metrics", metrics, "--checkpoint-dir",
