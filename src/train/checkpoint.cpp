@@ -4,11 +4,14 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <map>
 #include <filesystem>
 #include <mutex>
+#include <thread>
 
 #include "dtrain/comm/communicator.h"
 #include "dtrain/core/error.h"
@@ -93,6 +96,10 @@ void save_checkpoint(const std::string& path, const CheckpointState& s) {
     data::h5::write_attr_string(file.get(), "format", "dtrain-checkpoint-1");
     DT_CHECK(H5Fflush(file.get(), H5F_SCOPE_GLOBAL) >= 0, "flushing " << tmp);
   }
+  // Test hook: a pause with the file complete but not yet in place (a crash here must leave the
+  // previous checkpoint the newest loadable one).
+  if (const char* ms = std::getenv("DTRAIN_TEST_CHECKPOINT_RENAME_DELAY_MS"))
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
   fs::rename(tmp, final_path);  // atomic on one file system: the old checkpoint stays until this
 }
 

@@ -136,6 +136,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(common, "log-every", &c.log_every, def.log_every, "steps between log and metrics lines");
   add_path(common, "metrics", &c.metrics, "JSON-lines metrics file (written by rank 0; its first line is the run's provenance)");
   add_path(common, "checkpoint-dir", &c.checkpoint_dir, "write HDF5 checkpoints here");
+  add_switch(common, "checkpoint-async", &c.checkpoint_async, def.checkpoint_async, "write checkpoints in a background thread: the loop stalls only to copy the state (with --pp: written in the loop)");
   add(common, "checkpoint-every", &c.checkpoint_every, def.checkpoint_every, "steps between checkpoints (0: image models at each epoch end, the gpt at the end)");
   add(common, "keep-checkpoints", &c.keep_checkpoints, def.keep_checkpoints, "checkpoints kept in --checkpoint-dir");
   add_path(common, "resume", &c.resume, "resume from this checkpoint file (or the newest in this directory)");

@@ -548,7 +548,7 @@ bool Trainer::preempted(int64_t epoch, int64_t batch_in_epoch, bool saved) {
     return false;
   if (!saved) {
     read_losses(true);
-    save(epoch, batch_in_epoch);
+    save(epoch, batch_in_epoch, true);
   }
   say("preempted by " + signal_name(result_.preempted_by) + " at step " + std::to_string(step_) +
       (cfg_.checkpoint_dir.empty() ? std::string(": no --checkpoint-dir, nothing saved")
@@ -647,6 +647,7 @@ void Trainer::report_pipeline() {
 }
 
 void Trainer::finish() {
+  finish_pending_checkpoint();
   read_losses(false);  // steps after the last log line (a preempted run): final_loss, checks
   trace_->write(world_);
   if (!cfg_.trace.empty()) say("trace of " + std::to_string(world_.size()) + " rank(s) written to " + cfg_.trace);
@@ -687,6 +688,7 @@ void Trainer::finish() {
                {"peak_rss_mib", peak_rss_mib()},
                {"skipped_steps", result_.skipped_steps}};
   if (pruner_) f.push_back({"sparsity", result_.sparsity});
+  if (!cfg_.checkpoint_dir.empty()) f.push_back({"checkpoint_stall_s", result_.checkpoint_stall_s});
   f.insert(f.end(), last_validation_.begin(), last_validation_.end());
   if (!gpu_memory.empty()) {
     f.push_back({"gpu_peak_allocated_mib", result_.gpu_peak_allocated_mib});

@@ -3,7 +3,9 @@
 #include <map>
 #include <string>
 
+#include "dtrain/core/timer.h"
 #include "dtrain/parallel/tensor_parallel.h"
+#include "dtrain/train/metrics.h"
 #include "dtrain/train/provenance.h"
 #include "dtrain/train/trainer.h"
 
@@ -51,19 +53,17 @@ void Trainer::load_optimizer_state(CheckpointState& s) {
     optim::load_state_by_name(local, opt_->state());
 }
 
-// A checkpoint of step_ (collective): parameters and optimizer state in the one-rank layout. Each
-// rank's gradient compression state first; then rank 0 of each stage (dp 0, tp 0) writes its
-// part, the other stages first, so stage 0's file, written last, says the whole set is there. The
-// agreements double as the barriers that keep every rank behind a checkpoint that may fail.
-void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
-  if (cfg_.checkpoint_dir.empty()) return;
+// The state of step_ in the one-rank layout (collective: tp and ZeRO-1 gathers), every tensor a
+// copy on the host: a background write's snapshot while the loop goes on changing the state.
+CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch) {
+  auto host_copy = [](const Tensor& t) { return t.device().is_cpu() ? t.clone() : to_host(t); };
   nn::Module& model = task_->model();
   CheckpointState s;
   for (auto& [name, t] : parallel::gather_full_parameters(model, &grid_->tp())) s.tensors["param/" + name] = t;
   for (auto& [name, t] : optimizer_state_full()) s.tensors["optim/" + name] = t;
-  for (nn::Buffer* b : model.buffers()) s.tensors["buffer/" + b->name] = to_host(b->value);
+  for (nn::Buffer* b : model.buffers()) s.tensors["buffer/" + b->name] = host_copy(b->value);
   if (pruner_)
-    for (auto& [name, m] : pruner_->masks()) s.tensors["mask/" + name] = m;
+    for (auto& [name, m] : pruner_->masks()) s.tensors["mask/" + name] = host_copy(m);
   task_->write_fields(s);
   s.strings["provenance"] = to_json(provenance_);
   s.strings["optimizer"] = opt_->kind();
@@ -85,20 +85,74 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch) {
     s.ints["loss_scale_good_steps"] = scaler_->good_steps();
     s.ints["loss_scale_skipped_steps"] = scaler_->skipped_steps();
   }
+  return s;
+}
+
+// A checkpoint of step_ (collective). Each rank's gradient compression state first; then rank 0 of
+// each stage (dp 0, tp 0) writes its part, the other stages first, so stage 0's file, written last,
+// says the whole set is there. The agreements double as the barriers that keep every rank behind a
+// checkpoint that may fail. With --checkpoint-async (one stage) the loop stalls only while the
+// state is gathered and copied; the file is written by a thread and agreed on at the next
+// checkpoint or the end, so until then the previous checkpoint stays the newest loadable one.
+void Trainer::save(int64_t epoch, int64_t batch_in_epoch, bool wait) {
+  if (cfg_.checkpoint_dir.empty()) return;
+  finish_pending_checkpoint();
+  const double t0 = now_s();
+  CheckpointState s = checkpoint_state(epoch, batch_in_epoch);
   const std::string file = checkpoint_file(cfg_.checkpoint_dir, step_);
   const bool parts = write_compression_parts(file, dp_.get(), &world_, step_, cfg_.compression);
   s.ints["compression_ranks"] = parts ? world_.size() : 0;  // ranks with a <checkpoint>.rank<r> part
-  const bool writer = grid_->dp_rank() == 0 && grid_->tp_rank() == 0, first = grid_->pp_rank() == 0;
-  comm::agree_on_inputs(world_, [&] {
-    if (writer && !first) save_checkpoint(stage_part_file(file, grid_->pp_rank()), s);
-  });
-  comm::agree_on_inputs(world_, [&] {
-    if (!writer || !first) return;
-    save_checkpoint(file, s);
-    prune_checkpoints(cfg_.checkpoint_dir, file, cfg_.keep_checkpoints);
-  });
+  write_checkpoint_set(file, s, wait || !cfg_.checkpoint_async || cfg_.pp > 1);
+  const double stall = now_s() - t0;
+  result_.checkpoint_stall_s += stall;
+  if (pending_) {
+    pending_->stall_s = stall;
+    return;
+  }
   result_.checkpoint = file;
-  if (!progress_->bar()) say("checkpoint " + file);
+  if (!progress_->bar()) say("checkpoint " + file + " (" + fixed(stall, 3) + " s)");
+}
+
+void Trainer::write_checkpoint_set(const std::string& file, CheckpointState& s, bool wait) {
+  const bool writer = grid_->dp_rank() == 0 && grid_->tp_rank() == 0, first = grid_->pp_rank() == 0;
+  if (wait) {
+    comm::agree_on_inputs(world_, [&] {
+      if (writer && !first) save_checkpoint(stage_part_file(file, grid_->pp_rank()), s);
+    });
+    comm::agree_on_inputs(world_, [&] {
+      if (!writer || !first) return;
+      save_checkpoint(file, s);
+      prune_checkpoints(cfg_.checkpoint_dir, file, cfg_.keep_checkpoints);
+    });
+    return;
+  }
+  pending_ = std::make_unique<PendingCheckpoint>();
+  pending_->file = file;
+  if (!writer) return;
+  PendingCheckpoint* p = pending_.get();
+  p->writer = std::thread([this, p, file, s = std::move(s)] {
+    const double t0 = now_s();
+    try {
+      save_checkpoint(file, s);
+      prune_checkpoints(cfg_.checkpoint_dir, file, cfg_.keep_checkpoints);
+    } catch (...) {
+      p->error = std::current_exception();
+    }
+    p->write_s = now_s() - t0;
+  });
+}
+
+void Trainer::finish_pending_checkpoint() {
+  if (!pending_) return;
+  std::unique_ptr<PendingCheckpoint> p = std::move(pending_);
+  comm::agree_on_inputs(world_, [&] {
+    if (p->writer.joinable()) p->writer.join();
+    if (p->error) std::rethrow_exception(p->error);
+  });
+  result_.checkpoint = p->file;
+  if (!progress_->bar())
+    say("checkpoint " + p->file + " (" + fixed(p->stall_s, 3) + " s; written in the background in " +
+        fixed(p->write_s, 3) + " s)");
 }
 
 // Every rank reads the checkpoint set (any dp x tp x pp layout wrote it) and keeps its part.

@@ -1,4 +1,6 @@
 #include <gtest/gtest.h>
+
+#include <cstring>
 #include <unistd.h>
 
 #include <cmath>
@@ -261,6 +263,39 @@ TEST(Trainer, DistillationWeightZeroIsPlainTrainingAndBadTeachersAreNamed) {
         << e.what();
     EXPECT_NE(std::string(e.what()).find("3 classes"), std::string::npos) << e.what();
   }
+  fs::remove_all(dir);
+}
+
+// A checkpoint written in the background holds the same state as one written in the loop, and the
+// run goes on past it exactly as without checkpoints.
+TEST(Trainer, BackgroundCheckpointsHoldTheSameStateAsSynchronousOnes) {
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("ckpt-async");
+  test::make_band_dataset(dir + "/train", 128);
+  std::map<std::string, Tensor> final_params[2];
+  for (int async = 0; async < 2; ++async) {
+    const std::string out = dir + (async ? "/async" : "/sync");
+    train::Trainer t(parse({"--data", dir + "/train", "--model", "simple_cnn", "--epochs", "2", "--batch-size", "16",
+                            "--threads", "1", "--progress", "off", "--checkpoint-every", "5", "--keep-checkpoints",
+                            "10", "--checkpoint-async", async ? "true" : "false", "--checkpoint-dir", out}),
+                     rt);
+    train::TrainResult r = t.run();
+    EXPECT_EQ(r.checkpoint, out + "/ckpt-step000000016.h5");
+    final_params[async] = params_of(t.model());
+  }
+  for (const char* name : {"ckpt-step000000010.h5", "ckpt-step000000016.h5"}) {
+    const train::CheckpointState a = train::load_checkpoint(dir + "/sync/" + name);
+    const train::CheckpointState b = train::load_checkpoint(dir + "/async/" + name);
+    ASSERT_EQ(a.tensors.size(), b.tensors.size()) << name;
+    for (const auto& [key, t] : a.tensors) {
+      const Tensor& u = b.tensors.at(key);
+      ASSERT_EQ(t.nbytes(), u.nbytes()) << name << " " << key;
+      EXPECT_EQ(std::memcmp(t.raw(), u.raw(), t.nbytes()), 0) << name << " " << key;
+    }
+    EXPECT_EQ(a.ints.at("step"), b.ints.at("step"));
+  }
+  for (auto& [name, p] : final_params[0])
+    for (int64_t i = 0; i < p.numel(); ++i) ASSERT_EQ(p.f32()[i], final_params[1][name].f32()[i]) << name;
   fs::remove_all(dir);
 }
 

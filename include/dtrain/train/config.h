@@ -54,6 +54,7 @@ struct TrainConfig {
   std::string metrics;
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;  // steps; 0: at the end of each epoch only
+  bool checkpoint_async = true;  // snapshot, then write in a background thread (one pipeline stage)
   int keep_checkpoints = 2;
   std::string resume;
   // Preemption: these signals make every rank stop at a common step boundary, checkpoint and exit

@@ -3,9 +3,11 @@
 // loss and validation; the loop owns the rest: device, dp x tp x pp layout, gradient exchange,
 // loss scaling and its agreed skip, clipping, optimizer, the agreed loss reads and divergence stop,
 // preemption, trace, progress, metrics and the checkpoint set.
+#include <exception>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dtrain/comm/runtime.h"
@@ -37,6 +39,7 @@ struct TrainResult {
   double first_step_at_s = 0;      // seconds from process start to the end of the first step
   int preempted_by = 0;            // the signal that stopped the run early after a checkpoint, or 0
   std::string checkpoint;          // the last checkpoint written, when any
+  double checkpoint_stall_s = 0;   // the loop's time in checkpoints (with --checkpoint-async: the snapshots)
   // Pipeline (pp > 1), this rank's stage: measured bubble (mean over steps), the ideal one, and the
   // most activation bytes held at once.
   double pp_bubble = 0, pp_ideal_bubble = 0;
@@ -89,7 +92,13 @@ class Trainer {
   std::vector<std::string> state_kinds();
   std::map<std::string, Tensor> optimizer_state_full();
   void load_optimizer_state(CheckpointState& s);
-  void save(int64_t epoch, int64_t batch_in_epoch);
+  // A checkpoint of step_ (collective). `wait`: written before returning (preemption, the end);
+  // otherwise, with --checkpoint-async, the state is snapshotted and written in the background.
+  void save(int64_t epoch, int64_t batch_in_epoch, bool wait = false);
+  CheckpointState checkpoint_state(int64_t epoch, int64_t batch_in_epoch);
+  void write_checkpoint_set(const std::string& file, CheckpointState& s, bool wait);
+  // Waits for the background write and makes the ranks agree on its outcome (collective).
+  void finish_pending_checkpoint();
   ResumePoint restore(const std::string& where);
 
   TrainConfig cfg_;
@@ -112,6 +121,19 @@ class Trainer {
   JsonFields provenance_;  // the metrics file's first line and every checkpoint's "provenance"
   std::unique_ptr<Progress> progress_;
   std::unique_ptr<ChromeTrace> trace_;
+  // The checkpoint the writer rank writes in the background (--checkpoint-async); every rank keeps
+  // its name and when it started, to agree on it at the next checkpoint or the end.
+  struct PendingCheckpoint {
+    std::string file;
+    std::thread writer;
+    std::exception_ptr error;
+    double stall_s = 0;  // the loop's time taking the snapshot
+    double write_s = 0;  // the background write's duration
+    ~PendingCheckpoint() {
+      if (writer.joinable()) writer.join();
+    }
+  };
+  std::unique_ptr<PendingCheckpoint> pending_;
   int64_t step_ = 0, start_step_ = 0, steps_per_epoch_ = 0, total_steps_ = 0, epochs_ = 0;
   bool has_epochs_ = true;
   TrainResult result_;
