@@ -353,8 +353,11 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   if (!c.config_file.empty()) {
     std::filesystem::path base = std::filesystem::path(c.config_file).parent_path();
     auto rebase = [&](std::string& p, const char* key) {
-      if (!p.empty() && !vm[key].defaulted() && std::filesystem::path(p).is_relative() && !std::filesystem::exists(p) &&
-          std::filesystem::exists(base / p))
+      // Without throwing: a path the system cannot look up (a name too long) stays as given, and
+      // opening it later names it.
+      std::error_code ec;
+      if (!p.empty() && !vm[key].defaulted() && std::filesystem::path(p).is_relative() &&
+          !std::filesystem::exists(p, ec) && std::filesystem::exists(base / p, ec))
         p = (base / p).string();
     };
     rebase(c.data, "data");
