@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <limits>
 
 #include "dtrain/core/error.h"
 #include "dtrain/core/tensor.h"
@@ -73,12 +74,18 @@ bool write_attr_scalar_i64(hid_t obj, const char* name, int64_t value) {
 
 namespace {
 
-// prod(dims) * elem_bytes, or false when a dimension is absurd or the product overflows.
+// prod(dims) * elem_bytes, or false when a dimension is absurd or the product of the non-zero ones
+// passes int64: a dataset of no rows still has its sample's size computed (shape_numel), which
+// must fit.
 bool bytes_of(const std::vector<hsize_t>& dims, uint64_t elem_bytes, uint64_t& bytes) {
-  bytes = elem_bytes;
-  for (hsize_t d : dims)
-    if (d >= (hsize_t(1) << 48) || __builtin_mul_overflow(bytes, d, &bytes)) return false;
-  return true;
+  uint64_t nonzero = elem_bytes;
+  bool empty = false;
+  for (hsize_t d : dims) {
+    if (d >= (hsize_t(1) << 48) || __builtin_mul_overflow(nonzero, std::max<hsize_t>(d, 1), &nonzero)) return false;
+    empty = empty || d == 0;
+  }
+  bytes = empty ? 0 : nonzero;
+  return nonzero <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
 }
 
 }  // namespace
@@ -106,11 +113,11 @@ std::vector<int64_t> read_shape(hid_t dset, int64_t elem_bytes, const std::strin
   const uint64_t stored = std::min<uint64_t>(H5Dget_storage_size(dset), ec ? 0 : file_bytes);
   const std::vector<int64_t> shape(dims.begin(), dims.end());
   const bool backed = bytes == 0 || (bytes / kMaxInflation < stored && chunk_bytes / kMaxInflation < stored);
-  DT_INPUT_CHECK(fits && backed, "'" << path << "': dataset '" << name << "' declares "
-                                     << (fits ? shape_str(shape) : "a shape") << " of " << elem << "-byte elements ("
-                                     << (fits ? std::to_string(std::max(bytes, chunk_bytes)) : "too many")
-                                     << " bytes to read) but the file stores " << stored
-                                     << " bytes of it (corrupt or truncated?)");
+  DT_INPUT_CHECK(fits && backed, "'" << path << "': dataset '" << name << "' declares " << shape_str(shape) << " of "
+                                     << elem << "-byte elements ("
+                                     << (fits ? std::to_string(std::max(bytes, chunk_bytes)) + " bytes to read"
+                                              : std::string("sizes past 2^63 bytes"))
+                                     << ") but the file stores " << stored << " bytes of it (corrupt or truncated?)");
   return shape;
 }
 
