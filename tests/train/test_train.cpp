@@ -60,6 +60,23 @@ TEST(Config, FileThenCommandLineOverrides) {
   EXPECT_EQ(c.model, "mlp");
 }
 
+// --print-config's INI reads back as the same configuration, also where a value is empty and its
+// default is not: left out, it read back as the default (found by fuzz_config).
+TEST(Config, PrintedConfigReadsBackWithEmptyValues) {
+  std::string dir = test::temp_dir("cfg-empty");
+  std::ofstream(dir + "/job.ini") << "model = mlp\nsynthetic = true\npreempt-signals =\nhidden =\n";
+  train::TrainConfig c = parse({"--config", dir + "/job.ini"});
+  EXPECT_EQ(c.preempt_signals, "");
+  EXPECT_TRUE(c.hidden.empty());
+  const std::string ini = train::config_ini(c);
+  std::ofstream(dir + "/again.ini") << ini;
+  train::TrainConfig again = parse({"--config", dir + "/again.ini"});
+  EXPECT_EQ(again.preempt_signals, "") << ini;
+  EXPECT_TRUE(again.hidden.empty()) << ini;
+  EXPECT_EQ(train::config_ini(again), ini);
+  fs::remove_all(dir);
+}
+
 TEST(Config, EveryBadInputNamesTheOptionOrFile) {
   EXPECT_NE(input_error({"--synthetic", "--batch-size", "0"}).find("--batch-size"), std::string::npos);
   EXPECT_NE(input_error({"--synthetic", "--lr", "-1"}).find("--lr"), std::string::npos);
