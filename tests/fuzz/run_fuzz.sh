@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Runs one libFuzzer target as the CTest label `fuzz` does (tests/fuzz/CMakeLists.txt):
-#   run_fuzz.sh BINARY NAME SOURCE_DIR WORK_DIR                fuzz for DTRAIN_FUZZ_SECONDS (default 30)
+#   run_fuzz.sh BINARY NAME SOURCE_DIR WORK_DIR                fuzz for DTRAIN_FUZZ_SECONDS (default 60)
 #   run_fuzz.sh BINARY NAME SOURCE_DIR WORK_DIR --regressions  every kept input once
 # Fuzzing starts from the kept corpus (corpus/NAME/, regressions/NAME/) and what earlier runs found
 # (WORK_DIR/corpus, in the build tree: the kept corpus is never written). A finding in dtrain stops
 # the run and fails it, its input saved as WORK_DIR/artifacts/crash-* (or leak-, timeout-, oom-):
 # fix the reader, then keep the input under regressions/NAME/. A crash inside libhdf5 on memory it
-# allocated (triage.sh: HDF5 1.10.8's own bug on a malformed file, which dtrain cannot fix) is set
+# allocated, or libhdf5 running out of memory (triage.sh: HDF5 1.10.8's own bug on a malformed
+# file, which dtrain cannot fix), is set
 # aside in WORK_DIR/hdf5/ and fuzzing goes on; such inputs worth keeping go to known-hdf5/NAME/.
 # --regressions runs regressions/NAME/ (no finding allowed) and known-hdf5/NAME/ (a crash only
 # inside libhdf5 allowed). DTRAIN_FUZZ_ARGS adds libFuzzer options (e.g. -max_len=65536).
@@ -49,7 +50,8 @@ dirs=("$work/corpus")
 for d in "$src/corpus/$name" "$src/regressions/$name"; do
   if [[ -d $d ]]; then dirs+=("$d"); fi
 done
-end=$((SECONDS + ${DTRAIN_FUZZ_SECONDS:-30}))
+seconds=${DTRAIN_FUZZ_SECONDS:-60}
+end=$((SECONDS + seconds))
 runs=0 set_aside=0
 while ((SECONDS < end)); do
   start=$SECONDS
@@ -67,7 +69,7 @@ while ((SECONDS < end)); do
     mkdir -p "$work/hdf5"
     mv "$artifact" "$work/hdf5/"
     set_aside=$((set_aside + 1))
-    echo "run_fuzz: $name: a crash inside libhdf5 after $((SECONDS - start)) s (HDF5's own bug): $work/hdf5/$(basename "$artifact")"
+    echo "run_fuzz: $name: a crash or out-of-memory inside libhdf5 after $((SECONDS - start)) s (HDF5's own bug): $work/hdf5/$(basename "$artifact")"
     continue
   fi
   cat "$log"
@@ -75,6 +77,5 @@ while ((SECONDS < end)); do
     "tests/fuzz/regressions/$name/" >&2
   exit 1
 done
-seconds=${DTRAIN_FUZZ_SECONDS:-30}
 echo "run_fuzz: $name: $runs inputs in $seconds s ($((runs / (seconds > 0 ? seconds : 1))) exec/s)," \
   "$(find "$work/corpus" -type f | wc -l) in the work corpus, $set_aside crash(es) inside libhdf5 set aside"
