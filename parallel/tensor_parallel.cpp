@@ -291,7 +291,7 @@ void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, con
       shard = c->shard_of(it->second);
     else if (auto* r = dynamic_cast<RowParallelLinear*>(m); r && ends_with(p->name, "weight"))
       shard = r->shard_of(it->second);
-    DT_INPUT_CHECK(shard.numel() == dst.numel(),
+    DT_INPUT_CHECK(shard.numel() == dst.numel() && shard.dtype() == dst.dtype(),
                    "parameter " << p->name << ": " << it->second.str() << " does not fit " << dst.str());
     copy_any(shard, dst);
   }

@@ -72,6 +72,12 @@ std::shared_ptr<Work> PowerSgdCompressor::do_reduce(Tensor& bucket, Communicator
   {
     detail::ScopedSeconds t(stats_.compress_s);
     if (!st.residual.defined()) st.residual = Tensor::zeros({n});
+    // A Q loaded from a checkpoint part (Compressor::load_state_tensors) is checked here, where its
+    // shape is known: one of another size would be read and written past its end.
+    DT_INPUT_CHECK(!st.factor.defined() || st.factor.numel() == cols * step->r,
+                   name() << ": the kept state of bucket " << st.id << " holds a Q of " << st.factor.numel()
+                          << " values, but the bucket's is " << cols << " x " << step->r
+                          << " (a corrupt checkpoint part?)");
     if (!st.factor.defined()) {
       // The same seed on every rank: all ranks start from the same Q, as they must.
       st.factor = Tensor::empty({cols, step->r});

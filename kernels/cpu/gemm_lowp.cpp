@@ -2,6 +2,7 @@
 // brgemm kernels on these processors, about twice the fp32 rate), f32 accumulation and output.
 // f32 operands under MathPrecision::BF16 are rounded to bf16 into per-thread scratch first; the
 // rounding costs O(MK + KN) against the O(MNK) multiply.
+#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -116,7 +117,11 @@ bool has_avx2() {
   return yes;
 }
 bool has_f16c() {
-  static const bool yes = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  // CPUID leaf 1, ECX bit 29: clang before 16 does not know __builtin_cpu_supports("f16c").
+  static const bool yes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __builtin_cpu_supports("avx") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+  }();
   return yes;
 }
 

@@ -59,17 +59,19 @@ std::vector<int64_t> parse_idx(const std::vector<uint8_t>& bytes, const std::str
                                             << std::setw(8) << expect_magic);
   size_t header = 4 + 4 * static_cast<size_t>(expect_rank);
   DT_INPUT_CHECK(bytes.size() >= header, "'" << path << "' is truncated inside its idx header");
+  const size_t have = bytes.size() - header;
   std::vector<int64_t> dims;
-  int64_t payload = 1;
+  size_t payload = 1;  // stays <= have: each dimension is checked against it first, so it cannot overflow
   for (int i = 0; i < expect_rank; ++i) {
-    dims.push_back(be32(bytes.data() + 4 + 4 * i));
-    payload *= dims.back();
+    const uint32_t d = be32(bytes.data() + 4 + 4 * i);
+    DT_INPUT_CHECK(d > 0, "'" << path << "' has an empty dimension in its idx header");
+    DT_INPUT_CHECK(d <= have / payload, "'" << path << "' holds " << have << " data bytes but its idx header declares "
+                                            << "more (dimension " << i << " is " << d << "; truncated or wrong file?)");
+    payload *= d;
+    dims.push_back(d);
   }
-  DT_INPUT_CHECK(payload > 0, "'" << path << "' has an empty dimension in its idx header");
-  size_t have = bytes.size() - header;
-  DT_INPUT_CHECK(have == static_cast<size_t>(payload), "'" << path << "' holds " << have
-                                                           << " data bytes but its idx header declares " << payload
-                                                           << " (truncated or wrong file?)");
+  DT_INPUT_CHECK(have == payload, "'" << path << "' holds " << have << " data bytes but its idx header declares "
+                                      << payload << " (truncated or wrong file?)");
   return dims;
 }
 

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 
 #include "dtrain/core/error.h"
 #include "dtrain/data/hdf5_util.h"
@@ -39,14 +40,6 @@ std::vector<std::string> list_shards(const std::string& path) {
                  "dataset directory '" << path << "' holds no .h5 shards (convert data with `dtrain convert`)");
   std::sort(files.begin(), files.end());
   return files;
-}
-
-std::vector<hsize_t> dims_of(hid_t dset) {
-  h5::Handle sp = h5::space(H5Dget_space(dset));
-  int rank = H5Sget_simple_extent_ndims(sp.get());
-  std::vector<hsize_t> dims(rank > 0 ? rank : 0);
-  if (rank > 0) H5Sget_simple_extent_dims(sp.get(), dims.data(), nullptr);
-  return dims;
 }
 
 std::string with_detail(const std::string& detail) { return detail.empty() ? "" : " (HDF5: " + detail + ")"; }
@@ -89,11 +82,14 @@ ShardedHdf5Dataset::ShardedHdf5Dataset(const std::string& path, DatasetOptions o
             H5Tget_class(t.get()) == H5T_INTEGER && H5Tget_size(t.get()) == 1 && H5Tget_sign(t.get()) == H5T_SGN_NONE,
             "dataset 'inputs' in '" << file << "' is not of type u8 (unsigned 8-bit integers)");
       }
-      std::vector<hsize_t> idims = dims_of(shard->inputs.get());
+      // Sizes checked against the file before anything of their size is allocated.
+      const Shape idims = h5::read_shape(shard->inputs.get(), 1, file, "inputs");
       DT_INPUT_CHECK(idims.size() >= 2, "dataset 'inputs' in '" << file << "' has rank " << idims.size()
                                                                 << "; expected [N, C, H, W] (or at least [N, F])");
-      shard->rows = static_cast<int64_t>(idims[0]);
+      shard->rows = idims[0];
       Shape sample(idims.begin() + 1, idims.end());
+      DT_INPUT_CHECK(shape_numel(sample) > 0,
+                     "dataset 'inputs' in '" << file << "' has empty samples of shape " << shape_str(sample));
       if (first.empty()) {
         info_.sample_shape = sample;
         first = file;
@@ -116,9 +112,9 @@ ShardedHdf5Dataset::ShardedHdf5Dataset(const std::string& path, DatasetOptions o
         h5::Handle labels = open_dataset(f, "labels", file);
         h5::Handle t = h5::type(H5Dget_type(labels.get()));
         DT_INPUT_CHECK(H5Tget_class(t.get()) == H5T_INTEGER, "dataset 'labels' in '" << file << "' is not integer");
-        std::vector<hsize_t> ldims = dims_of(labels.get());
-        DT_INPUT_CHECK(ldims.size() == 1 && static_cast<int64_t>(ldims[0]) == shard->rows,
-                       "dataset 'labels' in '" << file << "' has shape " << shape_str(Shape(ldims.begin(), ldims.end()))
+        const Shape ldims = h5::read_shape(labels.get(), sizeof(int32_t), file, "labels");
+        DT_INPUT_CHECK(ldims.size() == 1 && ldims[0] == shard->rows,
+                       "dataset 'labels' in '" << file << "' has shape " << shape_str(ldims)
                                                << " but dataset 'inputs' holds " << shard->rows << " samples");
         size_t at = labels_.size();
         labels_.resize(at + shard->rows);
@@ -131,7 +127,8 @@ ShardedHdf5Dataset::ShardedHdf5Dataset(const std::string& path, DatasetOptions o
 
       std::vector<int64_t> classes;
       if (h5::read_attr_i64(f, "num_classes", classes) && !classes.empty()) {
-        DT_INPUT_CHECK(classes[0] > 0, "'" << file << "' attribute num_classes is " << classes[0]);
+        DT_INPUT_CHECK(classes[0] > 0 && classes[0] <= std::numeric_limits<int32_t>::max(),
+                       "'" << file << "' attribute num_classes is " << classes[0]);
         if (!have_classes) {
           info_.num_classes = static_cast<int>(classes[0]);
           have_classes = true;
@@ -170,8 +167,16 @@ ShardedHdf5Dataset::ShardedHdf5Dataset(const std::string& path, DatasetOptions o
     info_.mean.assign(info_.channels(), 0.0f);
     info_.std.assign(info_.channels(), 1.0f);
   }
-  const int32_t max_label = *std::max_element(labels_.begin(), labels_.end());
-  if (!have_classes) info_.num_classes = max_label + 1;
+  const auto max_at = std::max_element(labels_.begin(), labels_.end());
+  const int32_t max_label = *max_at;
+  if (!have_classes) {
+    const int64_t g = max_at - labels_.begin();
+    const size_t s = std::upper_bound(shard_begin_.begin(), shard_begin_.end(), g) - shard_begin_.begin() - 1;
+    DT_INPUT_CHECK(max_label < std::numeric_limits<int32_t>::max(),
+                   "dataset 'labels' in '" << shards_[s]->path << "' row " << g - shard_begin_[s] << " holds label "
+                                           << max_label << ": no class count above it fits (no num_classes attribute)");
+    info_.num_classes = max_label + 1;
+  }
   for (size_t s = 0; s < shards_.size(); ++s) {
     for (int64_t g = shard_begin_[s]; g < shard_begin_[s + 1]; ++g) {
       DT_INPUT_CHECK(labels_[g] >= 0 && labels_[g] < info_.num_classes,

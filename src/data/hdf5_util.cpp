@@ -1,5 +1,12 @@
 #include "dtrain/data/hdf5_util.h"
 
+#include <algorithm>
+#include <filesystem>
+#include <limits>
+
+#include "dtrain/core/error.h"
+#include "dtrain/core/tensor.h"
+
 namespace dtrain::data::h5 {
 
 std::mutex& mutex() {
@@ -65,6 +72,55 @@ bool write_attr_scalar_i64(hid_t obj, const char* name, int64_t value) {
   return a.valid() && H5Awrite(a.get(), H5T_NATIVE_INT64, &value) >= 0;
 }
 
+namespace {
+
+// prod(dims) * elem_bytes, or false when a dimension is absurd or the product of the non-zero ones
+// passes int64: a dataset of no rows still has its sample's size computed (shape_numel), which
+// must fit.
+bool bytes_of(const std::vector<hsize_t>& dims, uint64_t elem_bytes, uint64_t& bytes) {
+  uint64_t nonzero = elem_bytes;
+  bool empty = false;
+  for (hsize_t d : dims) {
+    if (d >= (hsize_t(1) << 48) || __builtin_mul_overflow(nonzero, std::max<hsize_t>(d, 1), &nonzero)) return false;
+    empty = empty || d == 0;
+  }
+  bytes = empty ? 0 : nonzero;
+  return nonzero <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+}
+
+}  // namespace
+
+std::vector<int64_t> read_shape(hid_t dset, int64_t elem_bytes, const std::string& path, const std::string& name) {
+  Handle sp = space(H5Dget_space(dset));
+  const int rank = sp.valid() ? H5Sget_simple_extent_ndims(sp.get()) : -1;
+  DT_INPUT_CHECK(rank >= 0, "'" << path << "': cannot read the shape of dataset '" << name << "' (" << last_error()
+                                << "; corrupt file?)");
+  std::vector<hsize_t> dims(static_cast<size_t>(rank));
+  if (rank > 0) H5Sget_simple_extent_dims(sp.get(), dims.data(), nullptr);
+  // HDF5 converts element by element through buffers of the file's element size, and reads a
+  // chunked dataset a whole chunk at a time: both count.
+  Handle t = type(H5Dget_type(dset));
+  const uint64_t elem = std::max<uint64_t>(static_cast<uint64_t>(elem_bytes), t.valid() ? H5Tget_size(t.get()) : 0);
+  uint64_t bytes = 0, chunk_bytes = 0;
+  bool fits = bytes_of(dims, elem, bytes);
+  Handle dcpl = plist(H5Dget_create_plist(dset));
+  if (fits && dcpl.valid() && H5Pget_layout(dcpl.get()) == H5D_CHUNKED) {
+    std::vector<hsize_t> chunk(static_cast<size_t>(rank));
+    fits = H5Pget_chunk(dcpl.get(), rank, chunk.data()) == rank && bytes_of(chunk, elem, chunk_bytes);
+  }
+  std::error_code ec;
+  const uint64_t file_bytes = std::filesystem::file_size(path, ec);
+  const uint64_t stored = std::min<uint64_t>(H5Dget_storage_size(dset), ec ? 0 : file_bytes);
+  const std::vector<int64_t> shape(dims.begin(), dims.end());
+  const bool backed = bytes == 0 || (bytes / kMaxInflation < stored && chunk_bytes / kMaxInflation < stored);
+  DT_INPUT_CHECK(fits && backed, "'" << path << "': dataset '" << name << "' declares " << shape_str(shape) << " of "
+                                     << elem << "-byte elements ("
+                                     << (fits ? std::to_string(std::max(bytes, chunk_bytes)) + " bytes to read"
+                                              : std::string("sizes past 2^63 bytes"))
+                                     << ") but the file stores " << stored << " bytes of it (corrupt or truncated?)");
+  return shape;
+}
+
 template <typename T>
 static bool read_attr_numeric(hid_t obj, const char* name, hid_t mem_type, std::vector<T>& out) {
   if (H5Aexists(obj, name) <= 0) return false;
@@ -94,6 +150,9 @@ bool read_attr_string(hid_t obj, const char* name, std::string& out) {
   if (!a.valid()) return false;
   Handle t = type(H5Aget_type(a.get()));
   if (H5Tget_class(t.get()) != H5T_STRING || H5Tis_variable_str(t.get()) > 0) return false;
+  // One string: H5Aread writes every element, so an array of them would overflow the buffer.
+  Handle sp = space(H5Aget_space(a.get()));
+  if (H5Sget_simple_extent_npoints(sp.get()) != 1) return false;
   size_t size = H5Tget_size(t.get());
   std::string buf(size, '\0');
   if (H5Aread(a.get(), t.get(), buf.data()) < 0) return false;

@@ -97,10 +97,9 @@ TokenStream load_tokens(const std::string& path) {
                  "'" << path << "' uses tokenizer '" << s.tokenizer << "'; only bytes is known");
   h5::Handle ds = h5::dataset(H5Dopen2(file.get(), "tokens", H5P_DEFAULT));
   DT_INPUT_CHECK(ds.valid(), "'" << path << "' has no dataset 'tokens'");
-  h5::Handle space = h5::space(H5Dget_space(ds.get()));
-  DT_INPUT_CHECK(H5Sget_simple_extent_ndims(space.get()) == 1, "'" << path << "': tokens must be 1-D");
-  hsize_t n = 0;
-  H5Sget_simple_extent_dims(space.get(), &n, nullptr);
+  const std::vector<int64_t> shape = h5::read_shape(ds.get(), 1, path, "tokens");
+  DT_INPUT_CHECK(shape.size() == 1, "'" << path << "': tokens must be 1-D");
+  const hsize_t n = static_cast<hsize_t>(shape[0]);
   std::vector<uint8_t> bytes(n);
   DT_INPUT_CHECK(n == 0 || H5Dread(ds.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes.data()) >= 0,
                  "cannot read the tokens of '" << path << "': " << h5::last_error());

@@ -165,8 +165,8 @@ void MagnitudePruner::load_masks(const std::map<std::string, Tensor>& masks) {
   auto load = [&](const nn::Parameter* p, Tensor& dst) {
     auto it = masks.find(p->name);
     DT_INPUT_CHECK(it != masks.end(), "no pruning mask for " << p->name);
-    DT_INPUT_CHECK(it->second.numel() == dst.numel(),
-                   "the pruning mask of " << p->name << " has " << it->second.numel() << " entries, not " << dst.numel());
+    DT_INPUT_CHECK(it->second.numel() == dst.numel() && it->second.dtype() == dst.dtype(),
+                   "the pruning mask of " << p->name << " is " << it->second.str() << ", not " << dst.str());
     copy_any(it->second.reshape(dst.shape()), dst);
   };
   for (size_t i = 0; i < weights_.size(); ++i) {

@@ -126,13 +126,16 @@ CheckpointState load_checkpoint(const std::string& path) {
       &walk, H5O_INFO_BASIC);
   for (const std::string& name : walk.names) {
     data::h5::Handle ds(H5Dopen2(file.get(), name.c_str(), H5P_DEFAULT), H5Dclose);
-    data::h5::Handle space(H5Dget_space(ds.get()), H5Sclose);
-    int rank = H5Sget_simple_extent_ndims(space.get());
-    std::vector<hsize_t> dims(static_cast<size_t>(std::max(rank, 0)));
-    H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
-    Shape shape(dims.begin(), dims.end());
-    std::string dt = attr_string(ds.get(), "dtype");
-    DType dtype = dt.empty() ? DType::F32 : dtype_from_name(dt);
+    DT_INPUT_CHECK(ds.valid(), "checkpoint '" << path << "': dataset " << name << " cannot be opened (corrupt file?)");
+    const std::string dt = attr_string(ds.get(), "dtype");
+    DType dtype = DType::F32;
+    try {
+      if (!dt.empty()) dtype = dtype_from_name(dt);
+    } catch (const InputError& e) {
+      DT_INPUT_CHECK(false, "checkpoint '" << path << "': dataset " << name << ": " << e.what());
+    }
+    // Its size checked against the file before the tensor is allocated.
+    const Shape shape = data::h5::read_shape(ds.get(), static_cast<int64_t>(dtype_size(dtype)), path, name);
     Tensor t = Tensor::empty(shape, dtype);
     DT_INPUT_CHECK(t.nbytes() == 0 || H5Dread(ds.get(), h5_type(dtype), H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()) >= 0,
                    "checkpoint '" << path << "': dataset " << name << " cannot be read (corrupt file?)");
@@ -289,7 +292,9 @@ std::string load_compression_part(const CheckpointState& main, const std::string
   }
   const std::string part = rank_part_file(main_file, rank);
   CheckpointState cs = load_checkpoint(part);
-  const int64_t step = main.ints.at("step");
+  const auto kept_step = main.ints.find("step");
+  DT_INPUT_CHECK(kept_step != main.ints.end(), "checkpoint '" << main_file << "' has no step attribute (corrupt file?)");
+  const int64_t step = kept_step->second;
   DT_INPUT_CHECK(cs.ints["step"] == step && cs.ints["rank"] == rank,
                  "'" << part << "' is rank " << cs.ints["rank"] << "'s state at step " << cs.ints["step"]
                      << ", not rank " << rank << "'s at step " << step);

@@ -82,13 +82,15 @@ class TrainOptions {
     a.add(common).add(image).add(lm);
     return a;
   }
-  // The options of `model`'s sections (a config file with another model's options is refused).
+  // The options of `model`'s sections (a config file with another model's options is refused). An
+  // empty value is left out where it is the default (a path not given), written as `name = ` where
+  // it is not, so that it does not read back as the default.
   std::string ini(const std::string& model) const {
     const po::options_description& other = model == "gpt" ? image : lm;
     std::string out;
-    for (const auto& [name, value] : values_) {
+    for (const auto& [name, value, def] : values_) {
       const std::string v = value();
-      if (!v.empty() && !other.find_nothrow(name, false)) out += name + " = " + v + "\n";
+      if ((!v.empty() || !def.empty()) && !other.find_nothrow(name, false)) out += name + " = " + v + "\n";
     }
     return out;
   }
@@ -97,19 +99,24 @@ class TrainOptions {
   template <class T>
   void add(po::options_description& g, const char* name, T* field, const T& def, const char* help) {
     g.add_options()(name, po::value<T>(field)->default_value(def, ini_text(def)), help);
-    values_.emplace_back(name, [field] { return ini_text(*field); });
+    values_.push_back({name, [field] { return ini_text(*field); }, ini_text(def)});
   }
   void add_path(po::options_description& g, const char* name, std::string* field, const char* help) {
     g.add_options()(name, po::value<std::string>(field), help);
-    values_.emplace_back(name, [field] { return *field; });
+    values_.push_back({name, [field] { return *field; }, ""});
   }
   // A switch: `--name` alone means true; `--name=false` and `name = false` in a config file work too.
   void add_switch(po::options_description& g, const char* name, bool* field, bool def, const char* help) {
     g.add_options()(name, po::value<bool>(field)->default_value(def, ini_text(def))->implicit_value(true, "true"), help);
-    values_.emplace_back(name, [field] { return ini_text(*field); });
+    values_.push_back({name, [field] { return ini_text(*field); }, ini_text(def)});
   }
 
-  std::vector<std::pair<std::string, std::function<std::string()>>> values_;
+  struct Value {
+    std::string name;
+    std::function<std::string()> text;
+    std::string default_text;
+  };
+  std::vector<Value> values_;
 };
 
 TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
@@ -147,7 +154,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add_path(image, "test-data", &c.test_data, "test data evaluated after each epoch (directory of shards)");
   add_switch(image, "synthetic", &c.synthetic, def.synthetic, "train on random batches of the model's input shape; reads no data");
   image.add_options()("synthetic-shape", po::value<std::string>(&synthetic_shape)->default_value(join_dims(def.synthetic_shape)), "per-sample shape C,H,W for --synthetic");
-  values_.emplace_back("synthetic-shape", [this] { return synthetic_shape; });
+  values_.push_back({"synthetic-shape", [this] { return synthetic_shape; }, join_dims(def.synthetic_shape)});
   add(image, "synthetic-classes", &c.synthetic_classes, def.synthetic_classes, "classes for --synthetic");
   add_path(image, "teacher", &c.teacher, "knowledge distillation: a checkpoint of a trained image model with the same classes and inputs (any dtrain model); the student also learns its softened outputs on the same (augmented) batches");
   add(image, "distill-temperature", &c.distill_temperature, def.distill_temperature, "distillation: the temperature T that softens both models' outputs");
@@ -159,7 +166,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(image, "loader-threads", &c.loader_threads, def.loader_threads, "loader threads per rank (-1: DTRAIN_LOADER_THREADS)");
   add(image, "prefetch", &c.prefetch, def.prefetch, "batches prepared ahead (-1: DTRAIN_PREFETCH)");
   image.add_options()("hidden", po::value<std::string>(&hidden)->default_value(join_dims(def.hidden)), "MLP hidden widths, comma separated");
-  values_.emplace_back("hidden", [this] { return hidden; });
+  values_.push_back({"hidden", [this] { return hidden; }, join_dims(def.hidden)});
   add(image, "dropout", &c.dropout, def.dropout, "MLP dropout probability");
   add(image, "epochs", &c.epochs, def.epochs, "passes over the training data");
   add(image, "global-batch-size", &c.global_batch_size, def.global_batch_size, "samples per optimizer step over all ranks and micro-steps (0: batch-size x ranks x accumulate); must divide evenly");
@@ -354,8 +361,11 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   if (!c.config_file.empty()) {
     std::filesystem::path base = std::filesystem::path(c.config_file).parent_path();
     auto rebase = [&](std::string& p, const char* key) {
-      if (!p.empty() && !vm[key].defaulted() && std::filesystem::path(p).is_relative() && !std::filesystem::exists(p) &&
-          std::filesystem::exists(base / p))
+      // Without throwing: a path the system cannot look up (a name too long) stays as given, and
+      // opening it later names it.
+      std::error_code ec;
+      if (!p.empty() && !vm[key].defaulted() && std::filesystem::path(p).is_relative() &&
+          !std::filesystem::exists(p, ec) && std::filesystem::exists(base / p, ec))
         p = (base / p).string();
     };
     rebase(c.data, "data");
@@ -366,7 +376,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
 
 std::string config_ini(const TrainConfig& cfg) {
   TrainConfig c = cfg;
-  TrainOptions o(c, c);
+  TrainOptions o(c, model_defaults(c.model));
   return "# dtrain train --config FILE: the effective configuration of --model " + c.model + "\n" + o.ini(c.model);
 }
 

@@ -172,7 +172,8 @@ ResumePoint Trainer::restore(const std::string& where) {
     parallel::load_full_parameters(model, params);
     for (nn::Buffer* b : model.buffers()) {
       auto it = s.tensors.find("buffer/" + b->name);
-      DT_INPUT_CHECK(it != s.tensors.end() && it->second.numel() == b->value.numel(),
+      DT_INPUT_CHECK(it != s.tensors.end() && it->second.numel() == b->value.numel() &&
+                         it->second.dtype() == b->value.dtype(),
                      "it has no buffer " << b->name << " of " << b->value.str());
       copy_any(it->second.reshape(b->value.shape()), b->value);
     }
@@ -183,10 +184,13 @@ ResumePoint Trainer::restore(const std::string& where) {
         if (name.rfind("mask/", 0) == 0) masks[name.substr(5)] = t;
       if (!masks.empty()) pruner_->load_masks(masks);
     }
-    if (scaler_ && s.tensors.count("meta/loss_scale"))
-      scaler_->set_state(s.tensors["meta/loss_scale"].f32()[0], s.ints["loss_scale_good_steps"],
-                         s.ints["loss_scale_skipped_steps"]);
-    step_ = s.ints.at("step");
+    if (const auto scale = s.tensors.find("meta/loss_scale"); scaler_ && scale != s.tensors.end()) {
+      DT_INPUT_CHECK(scale->second.numel() == 1 && scale->second.dtype() == DType::F32,
+                     "its loss scale is " << scale->second.str() << ", not one f32");
+      scaler_->set_state(scale->second.f32()[0], s.ints["loss_scale_good_steps"], s.ints["loss_scale_skipped_steps"]);
+    }
+    DT_INPUT_CHECK(s.ints.count("step"), "it has no step attribute");
+    step_ = s.ints["step"];
     opt_->set_steps(s.ints.count("optimizer_steps") ? s.ints["optimizer_steps"] : step_);
     const bool same_layout = s.ints["tp"] == cfg_.tp && s.ints["pp_stages"] == cfg_.pp;
     compression_note =

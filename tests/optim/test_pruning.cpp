@@ -78,5 +78,6 @@ TEST(Pruning, PrunedWeightsStayZeroAndMasksLoadBack) {
   q.apply();
   for (int64_t i = 0; i < 64; ++i) EXPECT_EQ(v.value.f32()[i] == 0.f, w.value.f32()[i] == 0.f) << i;
   EXPECT_THROW(q.load_masks({{"w", Tensor::zeros({3})}}), InputError);
+  EXPECT_THROW(q.load_masks({{"w", Tensor::zeros({8, 8}, DType::BF16)}}), InputError);  // a checkpoint's dtype
   EXPECT_THROW(optim::MagnitudePruner({&v}, {}, {1.f, 0, 0, 1, false, true}), InputError);
 }

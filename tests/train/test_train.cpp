@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 
 #include "dtrain/comm/runtime.h"
@@ -59,6 +60,23 @@ TEST(Config, FileThenCommandLineOverrides) {
   EXPECT_EQ(c.batch_size, 32);
   EXPECT_FLOAT_EQ(c.lr, 0.5f);  // the command line wins
   EXPECT_EQ(c.model, "mlp");
+}
+
+// --print-config's INI reads back as the same configuration, also where a value is empty and its
+// default is not: left out, it read back as the default (found by fuzz_config).
+TEST(Config, PrintedConfigReadsBackWithEmptyValues) {
+  std::string dir = test::temp_dir("cfg-empty");
+  std::ofstream(dir + "/job.ini") << "model = mlp\nsynthetic = true\npreempt-signals =\nhidden =\n";
+  train::TrainConfig c = parse({"--config", dir + "/job.ini"});
+  EXPECT_EQ(c.preempt_signals, "");
+  EXPECT_TRUE(c.hidden.empty());
+  const std::string ini = train::config_ini(c);
+  std::ofstream(dir + "/again.ini") << ini;
+  train::TrainConfig again = parse({"--config", dir + "/again.ini"});
+  EXPECT_EQ(again.preempt_signals, "") << ini;
+  EXPECT_TRUE(again.hidden.empty()) << ini;
+  EXPECT_EQ(train::config_ini(again), ini);
+  fs::remove_all(dir);
 }
 
 TEST(Config, EveryBadInputNamesTheOptionOrFile) {
@@ -356,6 +374,51 @@ TEST(Trainer, ResumeRejectsACheckpointOfAnotherModel) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("mlp"), std::string::npos) << e.what();
   }
+  fs::remove_all(dir);
+}
+
+// What a resume takes from a checkpoint beyond the parameters (the loss scale, the pruning masks,
+// the step) is checked against what it goes into: a file that holds another size or dtype there
+// (with a valid checksum) is an InputError naming the file, not a read past a buffer or an
+// internal error.
+TEST(Trainer, ResumeRefusesStateOfAnotherSizeOrType) {
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("resume-fit");
+  test::make_band_dataset(dir + "/train", 64);
+  std::vector<std::string> base = {"--data", dir + "/train", "--model", "mlp", "--hidden", "16", "--steps", "3",
+                                   "--batch-size", "16", "--threads", "1", "--progress", "off", "--precision", "fp16",
+                                   "--prune-sparsity", "0.5", "--prune-start", "1", "--prune-end", "1"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return parse(a);
+  };
+  train::Trainer(with({"--checkpoint-dir", dir + "/ck", "--checkpoint-every", "2"}), rt).run();
+  const train::CheckpointState good = train::load_checkpoint(dir + "/ck/ckpt-step000000002.h5");
+  ASSERT_TRUE(good.tensors.count("meta/loss_scale"));
+  ASSERT_TRUE(good.tensors.count("mask/1.weight"));
+  const std::map<std::string, std::function<void(train::CheckpointState&)>> edits = {
+      {"loss scale", [](train::CheckpointState& s) { s.tensors["meta/loss_scale"] = Tensor::empty({0}); }},
+      {"pruning mask of 1.weight",
+       [](train::CheckpointState& s) {
+         s.tensors["mask/1.weight"] = Tensor::zeros(s.tensors["mask/1.weight"].shape(), DType::BF16);
+       }},
+      {"no step", [](train::CheckpointState& s) { s.ints.erase("step"); }}};
+  for (const auto& [what, edit] : edits) {
+    train::CheckpointState s = good;
+    edit(s);
+    const std::string file = dir + "/bad/ckpt-step000000002.h5";
+    fs::create_directories(dir + "/bad");
+    train::save_checkpoint(file, s);
+    try {
+      train::Trainer(with({"--resume", file}), rt).run();
+      ADD_FAILURE() << "resumed from a checkpoint with a bad " << what;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
+  cpu_engine().set_math_precision(MathPrecision::F32);
   fs::remove_all(dir);
 }
 

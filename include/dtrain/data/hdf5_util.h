@@ -64,6 +64,16 @@ bool write_attr_i64(hid_t obj, const char* name, const std::vector<int64_t>& val
 bool write_attr_f64(hid_t obj, const char* name, const std::vector<double>& values);
 bool write_attr_scalar_i64(hid_t obj, const char* name, int64_t value);  // a scalar dataspace
 
+// The shape of dataset `dset` of file `path`, checked before a read of it as `elem_bytes`-byte
+// elements allocates anything: every dimension fits, so does the product of the non-zero ones (any
+// part of the shape, such as a sample of a dataset of no rows, has an int64 size), and the bytes
+// the read needs (also in the file's element size, and a whole chunk of a chunked dataset) are
+// backed by data in the file, at most kMaxInflation times what the file stores for the dataset
+// (HDF5 reads chunks that were never written as the fill value, so a small file may declare any
+// size). Throws InputError naming the file and `name`. Caller holds the lock.
+inline constexpr uint64_t kMaxInflation = 1100;  // deflate, dtrain's only filter, cannot exceed 1032:1
+std::vector<int64_t> read_shape(hid_t dset, int64_t elem_bytes, const std::string& path, const std::string& name);
+
 // Attribute readers: false when the attribute is missing or of an unreadable type. Caller holds the lock.
 bool read_attr_i64(hid_t obj, const char* name, std::vector<int64_t>& out);
 bool read_attr_f64(hid_t obj, const char* name, std::vector<double>& out);

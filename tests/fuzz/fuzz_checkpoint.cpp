@@ -1,0 +1,195 @@
+// Fuzz target: the checkpoint reader, as a resume reads a checkpoint set: the main file
+// ckpt-step000000007.h5, pipeline stage s's file ckpt-step000000007.stage<s>.h5 and rank r's gradient
+// compression part ckpt-step000000007.h5.rank<r>. fuzz_checkpoint: the input's first part is the main
+// file, a part tagged "stage<s>" or "rank<r>" that file. fuzz_checkpoint_h5: the input is a recipe of
+// the set: each file a checkpoint state (tensors of any dtype and shape, strings, ints, lists) that
+// save_checkpoint writes, so its checksum holds, then edited through HDF5's writer (fuzz_h5.h).
+// resolve_checkpoint must find the main file in the directory and load_checkpoint_set read the set;
+// when the main file says it kept compression parts, rank 0's part goes through load_compression_part
+// into rank 0 of a two-rank DataParallel (local_dp.h) with the compression the file names, which then
+// runs a step on the loaded state, as a resumed run's first step does.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "dtrain/core/error.h"
+#include "dtrain/train/checkpoint.h"
+#include "fuzz_util.h"
+#include "local_dp.h"
+#ifdef DTRAIN_FUZZ_H5_RECIPE
+#include "dtrain/data/hdf5_util.h"
+#include "fuzz_h5.h"
+#endif
+
+using namespace dtrain;
+
+namespace {
+
+// The compressions with per-rank state; a file naming another one is loaded into a top-k run
+// (load_compression_part then says that the compression changed). A fresh run per input, so that
+// every input is reproduced alone.
+std::unique_ptr<fuzz::LocalDataParallel> run_for(const std::string& kept) {
+  static const char* const known[] = {"topk:0.5", "powersgd:1", "qsgd:4", "onebit"};
+  std::string c = "topk:0.5";
+  for (const char* k : known)
+    if (kept == k) c = k;
+  return std::make_unique<fuzz::LocalDataParallel>(c);
+}
+
+// "stage3" -> 3 for prefix "stage"; -1 when the tag is not prefix + a number in [0, limit).
+[[maybe_unused]] int tag_number(const std::string& tag, const std::string& prefix, int limit) {
+  if (tag.size() <= prefix.size() || tag.size() > prefix.size() + 2 || tag.rfind(prefix, 0) != 0) return -1;
+  int n = 0;
+  for (size_t i = prefix.size(); i < tag.size(); ++i) {
+    if (tag[i] < '0' || tag[i] > '9') return -1;
+    n = n * 10 + (tag[i] - '0');
+  }
+  return n < limit ? n : -1;
+}
+
+#ifdef DTRAIN_FUZZ_H5_RECIPE
+const fuzz::H5Vocabulary kVocabulary{
+    {{"param/1.weight", H5T_IEEE_F32LE, 2},
+     {"compress/bucket0.factor", H5T_IEEE_F32LE, 1},
+     {"compress/bucket0.rng", H5T_STD_U8LE, 1}},
+    {{"format", H5T_C_S1, 0},
+     {"checksum", H5T_STD_I64LE, 1},
+     {"step", H5T_STD_I64LE, 1},
+     {"pp_stages", H5T_STD_I64LE, 1},
+     {"compression_ranks", H5T_STD_I64LE, 1},
+     {"compression", H5T_C_S1, 0},
+     {"rank", H5T_STD_I64LE, 1},
+     {"list:input_shape", H5T_STD_I64LE, 1},
+     {"dtype", H5T_C_S1, 0}},
+    {"dtrain-checkpoint-1", "f32", "bf16", "f16", "i32", "i64", "u8", "f64", "topk:0.5", "powersgd:1", "qsgd:4"}};
+
+// What the files of one set agree on most of the time, so that a recipe reaches the checks behind
+// the first ones (the stages' step, the compression parts' rank and step, their tensors' sizes).
+struct SetPlan {
+  int64_t step;
+  std::string compression;
+  int stages, ranks;
+};
+
+int64_t any_int(FuzzedDataProvider& in) {
+  return in.ConsumeBool() ? in.PickValueInArray<int64_t>({0, 1, 2, 3, 7, -1, INT64_MAX, INT64_MIN})
+                          : in.ConsumeIntegral<int64_t>();
+}
+
+// A checkpoint state drawn from `in`: what save_checkpoint writes for any model and layout. `part`
+// is "main", "stage" or "rank<r>".
+train::CheckpointState state_recipe(FuzzedDataProvider& in, const SetPlan& plan, const std::string& part) {
+  static const std::vector<std::string> tensors = {"param/1.weight",
+                                                   "param/1.bias",
+                                                   "param/wte",
+                                                   "buffer/2.rng",
+                                                   "compress/bucket0.residual",
+                                                   "compress/bucket0.factor",
+                                                   "compress/bucket1.factor",
+                                                   "compress/bucket2.factor",
+                                                   "compress/bucket3.factor",
+                                                   "compress/bucket0.velocity",
+                                                   "compress/bucket0.rng",
+                                                   "compress/bucket1.rng",
+                                                   "compress/bucket4.residual",
+                                                   "compress/bucket0.bogus",
+                                                   "compress/bucket-1.residual",
+                                                   "compress/bucketx.residual"};
+  static const std::vector<std::string> ints = {"step", "pp_stages",  "compression_ranks",
+                                                "rank", "world_size", "stage"};
+  train::CheckpointState s;
+  for (int n = in.ConsumeIntegralInRange(0, 6); n > 0; --n) {
+    const std::string name = tensors[in.ConsumeIntegralInRange<size_t>(0, tensors.size() - 1)];
+    const DType dtype = in.ConsumeIntegralInRange(0, 3) != 0
+                            ? DType::F32
+                            : in.PickValueInArray({DType::BF16, DType::F16, DType::I32, DType::I64, DType::U8});
+    Shape shape;
+    if (in.ConsumeBool())
+      shape = {in.ConsumeIntegralInRange(0, 64)};
+    else
+      for (int r = in.ConsumeIntegralInRange(0, 3); r > 0; --r) shape.push_back(in.ConsumeIntegralInRange(0, 6));
+    Tensor t = Tensor::zeros(shape, dtype);
+    const std::vector<uint8_t> bytes = in.ConsumeBytes<uint8_t>(t.nbytes());
+    if (!bytes.empty()) std::memcpy(t.raw(), bytes.data(), bytes.size());
+    s.tensors[name] = t;
+  }
+  const bool follow = in.ConsumeIntegralInRange(0, 7) != 0;  // most files follow the plan
+  if (follow) {
+    s.ints["step"] = plan.step;
+    if (part == "main") {
+      if (plan.stages > 0) s.ints["pp_stages"] = plan.stages + 1;
+      s.ints["compression_ranks"] = plan.ranks;
+      s.strings["compression"] = plan.compression;
+    } else if (part.rfind("rank", 0) == 0) {
+      s.ints["rank"] = std::stoi(part.substr(4));
+      s.strings["compression"] = plan.compression;
+    }
+  }
+  for (int n = in.ConsumeIntegralInRange(0, follow ? 2 : 6); n > 0; --n)
+    s.ints[ints[in.ConsumeIntegralInRange<size_t>(0, ints.size() - 1)]] = any_int(in);
+  if (in.ConsumeIntegralInRange(0, 7) == 0)
+    s.strings[in.PickValueInArray({"model", "compression"})] = in.ConsumeRandomLengthString(16);
+  if (in.ConsumeBool()) s.int_lists["input_shape"] = {in.ConsumeIntegral<int8_t>(), 2, 2};
+  return s;
+}
+
+// One file of the set: a state saved with its checksum, then up to three HDF5 edits.
+void write_part(FuzzedDataProvider& in, const SetPlan& plan, const std::string& part, const std::string& path) {
+  train::save_checkpoint(path, state_recipe(in, plan, part));
+  auto lock = data::h5::lock();
+  data::h5::Handle file = data::h5::file(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+  if (!file.valid()) fuzz::fail("cannot reopen " + path);
+  fuzz::add_h5_objects(in, file.get(), kVocabulary, in.ConsumeIntegralInRange(0, 3), false);
+}
+#endif
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const fuzz::fs::path dir = fuzz::fresh_scratch() / "ckpt";
+  const std::string main_file = train::checkpoint_file(dir.string(), 7);
+#ifdef DTRAIN_FUZZ_H5_RECIPE
+  FuzzedDataProvider in(data, size);
+  SetPlan plan;
+  plan.step = in.ConsumeBool() ? 7 : any_int(in);
+  plan.compression = in.PickValueInArray<std::string>({"topk:0.5", "powersgd:1", "qsgd:4", "onebit", "fp16"});
+  plan.stages = in.ConsumeIntegralInRange(0, 2);
+  plan.ranks = in.PickValueInArray({0, 2, 2, 1, 3});
+  write_part(in, plan, "main", main_file);
+  for (int s = 1; s <= plan.stages; ++s) write_part(in, plan, "stage", train::stage_part_file(main_file, s));
+  for (int r = 0; r < std::min(plan.ranks, 2); ++r)
+    write_part(in, plan, "rank" + std::to_string(r), train::rank_part_file(main_file, r));
+#else
+  const std::vector<fuzz::Part> parts = fuzz::split_parts(data, size);
+  fuzz::write_file(main_file, parts[0].bytes);
+  for (size_t i = 1; i < parts.size(); ++i) {
+    if (const int s = tag_number(parts[i].tag, "stage", 8); s >= 1)
+      fuzz::write_file(train::stage_part_file(main_file, s), parts[i].bytes);
+    else if (const int r = tag_number(parts[i].tag, "rank", 4); r >= 0)
+      fuzz::write_file(train::rank_part_file(main_file, r), parts[i].bytes);
+    else
+      return -1;  // a part of no known role
+  }
+#endif
+  try {
+    if (train::resolve_checkpoint(dir.string()) != main_file) fuzz::fail("resolve_checkpoint missed the main file");
+    train::CheckpointState s = train::load_checkpoint_set(main_file);
+    const auto kept = s.strings.find("compression");
+    const auto ranks = s.ints.find("compression_ranks");
+    if (ranks != s.ints.end() && ranks->second != 0) {
+      auto run = run_for(kept == s.strings.end() ? "" : kept->second);
+      const std::string note = train::load_compression_part(s, main_file, run->dp.get(), 0, 2, run->compression, true);
+      if (note.empty())
+        run->step();
+      else
+        fuzz::rejected(std::runtime_error(note));
+    }
+  } catch (const InputError& e) {
+    fuzz::rejected(e);
+  }
+  fuzz::expect_no_open_hdf5_objects("load_checkpoint_set");
+  return 0;
+}
