@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "dtrain/core/rng.h"
+#include "dtrain/core/timer.h"
 #include "dtrain/data/loader.h"
 #include "dtrain/nn/models.h"
 #include "dtrain/parallel/pipeline.h"
@@ -392,6 +393,54 @@ EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::Sharded
                                   });
   model.train();
   return r;
+}
+
+EvalResult evaluate_forward(const HostForward& forward, std::shared_ptr<const data::ShardedHdf5Dataset> ds,
+                            int64_t batch, comm::Communicator* comm, const std::vector<float>& mean,
+                            const std::vector<float>& std, double* forward_s) {
+  nn::SoftmaxCrossEntropy ce;
+  double spent = 0;
+  EvalResult r = evaluate_batches(ds, EvalData{batch, true, mean, std}, Device::cpu(), comm, nullptr,
+                                  [&](const Tensor& x, const Tensor& y, Tensor& stats) {
+                                    const double t0 = now_s();
+                                    Tensor logits = forward(x);
+                                    spent += now_s() - t0;
+                                    ce.accumulate(logits, y, stats);
+                                  });
+  if (forward_s) *forward_s = spent;
+  return r;
+}
+
+ImageCheckpoint image_model_from_checkpoint(const std::string& path, CheckpointState& s) {
+  ImageCheckpoint c;
+  c.spec.name = s.strings["model"];
+  c.spec.input = Shape(s.int_lists["input_shape"].begin(), s.int_lists["input_shape"].end());
+  c.spec.classes = s.ints["classes"];
+  c.spec.hidden = s.int_lists["hidden"];
+  DT_INPUT_CHECK(!c.spec.name.empty(), "checkpoint '" << path << "' holds no image model");
+  c.model = nn::make_sequential_model(c.spec);
+  for (nn::Parameter* p : c.model->parameters()) {
+    auto it = s.tensors.find("param/" + p->name);
+    DT_INPUT_CHECK(it != s.tensors.end() && it->second.shape() == p->value.shape(),
+                   "checkpoint '" << path << "' does not hold parameter " << p->name << " of shape "
+                                  << shape_str(p->value.shape()));
+    p->value.copy_from(it->second);
+  }
+  for (nn::Buffer* b : c.model->buffers()) {
+    auto it = s.tensors.find("buffer/" + b->name);
+    DT_INPUT_CHECK(it != s.tensors.end(), "checkpoint '" << path << "' does not hold buffer " << b->name);
+    b->value.copy_from(it->second);
+  }
+  c.model->eval();
+  checkpoint_normalisation(s, c.mean, c.std);
+  return c;
+}
+
+void checkpoint_normalisation(const CheckpointState& s, std::vector<float>& mean, std::vector<float>& std) {
+  auto m = s.tensors.find("meta/norm_mean"), d = s.tensors.find("meta/norm_std");
+  if (m == s.tensors.end() || d == s.tensors.end()) return;
+  mean.assign(m->second.f32(), m->second.f32() + m->second.numel());
+  std.assign(d->second.f32(), d->second.f32() + d->second.numel());
 }
 
 std::unique_ptr<Task> make_image_task() { return std::make_unique<ImageTask>(); }
