@@ -180,6 +180,9 @@ class CpuEngine final : public Engine {
   }
   void set_threads(int threads) override;
   int threads() const override { return threads_; }
+  // The oneDNN engine and stream every CPU primitive runs on (the int8 primitives of int8.cpp too).
+  dnnl::engine& dnnl_engine() { return eng_; }
+  dnnl::stream& dnnl_stream() { return strm_; }
 
   void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const Tensor& a, const Tensor& b,
             float beta, Tensor& c) override;

@@ -1,31 +1,58 @@
 // dtrain eval --checkpoint FILE --data DIR: rebuilds the model the checkpoint describes and
-// reports loss and accuracy on the dataset (samples split over the ranks, counts summed).
+// reports loss and accuracy on the dataset (samples split over the ranks, counts summed). With
+// --int8 the fp32 model is quantized (calibrated on --calibration-data) and both are reported side
+// by side with their forward throughput; an int8 checkpoint (dtrain quantize) runs in int8 only.
 #include <boost/program_options.hpp>
 #include <iostream>
 
 #include "commands.h"
-#include "dtrain/train/options.h"
 #include "dtrain/comm/communicator.h"
 #include "dtrain/comm/runtime.h"
-#include "dtrain/data/loader.h"
 #include "dtrain/nn/models.h"
 #include "dtrain/train/checkpoint.h"
+#include "dtrain/train/options.h"
+#include "dtrain/train/quantize.h"
 #include "dtrain/train/trainer.h"
 
 namespace po = boost::program_options;
 
 namespace dtrain::cli {
 
+namespace {
+
+void check_dataset(const data::ShardedHdf5Dataset& ds, const std::string& dir, const Shape& input, int64_t classes,
+                   const std::string& model, const std::string& path) {
+  DT_INPUT_CHECK(ds.info().sample_shape == input, "dataset '" << dir << "' has samples of shape "
+                                                              << shape_str(ds.info().sample_shape) << " but checkpoint '"
+                                                              << path << "' holds a " << model << " for inputs "
+                                                              << shape_str(input));
+  DT_INPUT_CHECK(ds.info().num_classes <= classes,
+                 "dataset '" << dir << "' has " << ds.info().num_classes << " classes, the model only " << classes);
+}
+
+void report(const char* what, const train::EvalResult& r, double forward_s) {
+  std::printf("%-5s accuracy %.2f%%, loss %.4f, %lld samples, forward %.3f s, %.0f samples/s\n", what,
+              100.0 * r.accuracy, r.loss, static_cast<long long>(r.samples), forward_s,
+              forward_s > 0 ? r.samples / forward_s : 0.0);
+}
+
+}  // namespace
+
 int cmd_eval(int argc, char** argv) {
-  std::string ckpt, data_dir;
-  int64_t batch = 256;
+  std::string ckpt, data_dir, calib_dir;
+  int64_t batch = 256, calib_batches = 10;
   int threads = 0;
+  bool int8 = false;
   po::options_description opts("Options");
-  opts.add_options()("checkpoint", po::value<std::string>(&ckpt),
-                                                  "checkpoint file, or a directory (its newest)")(
+  opts.add_options()("checkpoint", po::value<std::string>(&ckpt), "checkpoint file, or a directory (its newest)")(
       "data", po::value<std::string>(&data_dir), "directory of HDF5 shards to evaluate on")(
       "batch-size", po::value<int64_t>(&batch)->default_value(256), "samples per batch per rank")(
-      "threads", po::value<int>(&threads)->default_value(0), "compute threads per rank (0: cores / ranks on node)");
+      "threads", po::value<int>(&threads)->default_value(0), "compute threads per rank (0: cores / ranks on node)")(
+      "int8", po::bool_switch(&int8), "also run the model quantized to int8 (CPU, oneDNN), side by side with fp32")(
+      "calibration-batches", po::value<int64_t>(&calib_batches)->default_value(10),
+      "with --int8: batches of --calibration-data that calibrate the activation ranges")(
+      "calibration-data", po::value<std::string>(&calib_dir),
+      "with --int8: directory of HDF5 shards to calibrate on (the training set; default --data)");
   po::variables_map vm;
   if (!train::parse_options(argc, argv, opts, "usage: dtrain eval --checkpoint FILE --data DIR [options]", vm)) return 0;
   DT_INPUT_CHECK(!ckpt.empty(), "option --checkpoint is required");
@@ -34,31 +61,52 @@ int cmd_eval(int argc, char** argv) {
   comm::Runtime& rt = comm::Runtime::get();
   const comm::Topology& topo = rt.topology();
   cpu_engine().set_threads(threads > 0 ? threads : std::max(1, topo.threads_per_rank));
+  comm::Communicator* world = topo.size > 1 ? &rt.world() : nullptr;
 
   std::string path = train::resolve_checkpoint(ckpt, "checkpoint");
   train::CheckpointState s = train::load_checkpoint_set(path);  // every pipeline stage's part
   auto ds = std::make_shared<data::ShardedHdf5Dataset>(data_dir);
-  nn::ModelSpec spec;
-  nn::ModulePtr model = train::image_model_from_checkpoint(s, path, &spec);
-  DT_INPUT_CHECK(ds->info().sample_shape == spec.input,
-                 "dataset '" << data_dir << "' has samples of shape " << shape_str(ds->info().sample_shape)
-                             << " but checkpoint '" << path << "' holds a " << spec.name << " for inputs "
-                             << shape_str(spec.input));
-  DT_INPUT_CHECK(ds->info().num_classes <= spec.classes, "dataset '" << data_dir << "' has " << ds->info().num_classes
-                                                                   << " classes, the model only " << spec.classes);
-
-  std::vector<float> mean, std;  // the training set's normalisation, when the checkpoint has it
-  if (s.tensors.count("meta/norm_mean") && s.tensors.count("meta/norm_std")) {
-    const Tensor& m = s.tensors["meta/norm_mean"];
-    const Tensor& d = s.tensors["meta/norm_std"];
-    mean.assign(m.f32(), m.f32() + m.numel());
-    std.assign(d.f32(), d.f32() + d.numel());
+  if (train::is_int8_checkpoint(s)) {  // quantized already: no fp32 model to compare with
+    nn::Int8Spec spec = train::read_int8_fields(s, path);
+    nn::Int8Model q(spec);
+    check_dataset(*ds, data_dir, spec.input, q.classes(), s.strings["model"] + " (int8)", path);
+    std::vector<float> mean, std;
+    train::checkpoint_normalisation(s, mean, std);
+    double t = 0;
+    train::EvalResult r =
+        train::evaluate_forward([&](const Tensor& x) { return q.forward(x); }, ds, batch, world, mean, std, &t);
+    if (topo.rank == 0) {
+      std::printf("eval %s (int8) on %s\n", path.c_str(), data_dir.c_str());
+      report("int8", r, t);
+    }
+    return 0;
   }
-  train::EvalResult r =
-      train::evaluate_model(*model, ds, batch, true, topo.size > 1 ? &rt.world() : nullptr, mean, std);
-  if (topo.rank == 0)
-    std::printf("eval %s on %s: %lld samples, loss %.4f, accuracy %.2f%%\n", path.c_str(), data_dir.c_str(),
-                static_cast<long long>(r.samples), r.loss, 100.0 * r.accuracy);
+  train::ImageCheckpoint c = train::image_model_from_checkpoint(path, s);
+  check_dataset(*ds, data_dir, c.spec.input, c.spec.classes, c.spec.name, path);
+  if (!int8) {
+    train::EvalResult r = train::evaluate_model(*c.model, ds, batch, true, world, c.mean, c.std);
+    if (topo.rank == 0)
+      std::printf("eval %s on %s: %lld samples, loss %.4f, accuracy %.2f%%\n", path.c_str(), data_dir.c_str(),
+                  static_cast<long long>(r.samples), r.loss, 100.0 * r.accuracy);
+    return 0;
+  }
+  auto calib = calib_dir.empty() ? ds : std::make_shared<data::ShardedHdf5Dataset>(calib_dir);
+  if (!calib_dir.empty()) check_dataset(*calib, calib_dir, c.spec.input, c.spec.classes, c.spec.name, path);
+  nn::Int8Model q(train::quantize_image_model(c, calib, batch, calib_batches));
+  double t32 = 0, t8 = 0;
+  train::EvalResult r32 = train::evaluate_forward([&](const Tensor& x) { return c.model->forward(x); }, ds, batch,
+                                                  world, c.mean, c.std, &t32);
+  train::EvalResult r8 =
+      train::evaluate_forward([&](const Tensor& x) { return q.forward(x); }, ds, batch, world, c.mean, c.std, &t8);
+  if (topo.rank == 0) {
+    std::printf("eval %s on %s, int8 calibrated on %lld batches of %s (%d threads)\n", path.c_str(),
+                data_dir.c_str(), static_cast<long long>(calib_batches),
+                (calib_dir.empty() ? data_dir : calib_dir).c_str(), cpu_engine().threads());
+    report("fp32", r32, t32);
+    report("int8", r8, t8);
+    std::printf("int8 - fp32: %+.2f points, forward speed-up %.2fx\n", 100.0 * (r8.accuracy - r32.accuracy),
+                t8 > 0 ? t32 / t8 : 0.0);
+  }
   return 0;
 }
 

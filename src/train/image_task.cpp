@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "dtrain/core/rng.h"
+#include "dtrain/core/timer.h"
 #include "dtrain/data/loader.h"
 #include "dtrain/nn/models.h"
 #include "dtrain/parallel/pipeline.h"
@@ -79,40 +80,6 @@ EvalResult evaluate_batches(std::shared_ptr<const data::ShardedHdf5Dataset> ds, 
   r.accuracy = static_cast<double>(counts.data<int64_t>()[0]) / static_cast<double>(std::max<int64_t>(r.samples, 1));
   return r;
 }
-
-}  // namespace
-
-nn::ModulePtr image_model_from_checkpoint(const CheckpointState& s, const std::string& path, nn::ModelSpec* spec_out) {
-  auto model_name = s.strings.find("model");
-  DT_INPUT_CHECK(model_name != s.strings.end() && model_name->second != "gpt" && s.int_lists.count("input_shape") &&
-                     s.ints.count("classes"),
-                 "checkpoint '" << path << "' does not hold an image model"
-                                << (model_name != s.strings.end() ? " (it holds a " + model_name->second + ")" : ""));
-  nn::ModelSpec spec;
-  spec.name = model_name->second;
-  const std::vector<int64_t>& input = s.int_lists.at("input_shape");
-  spec.input = Shape(input.begin(), input.end());
-  spec.classes = s.ints.at("classes");
-  if (s.int_lists.count("hidden")) spec.hidden = s.int_lists.at("hidden");
-  nn::ModulePtr model = nn::make_model(spec);
-  for (nn::Parameter* p : model->parameters()) {
-    auto it = s.tensors.find("param/" + p->name);
-    DT_INPUT_CHECK(it != s.tensors.end() && it->second.shape() == p->value.shape(),
-                   "checkpoint '" << path << "' does not hold parameter " << p->name << " of shape "
-                                  << shape_str(p->value.shape()));
-    p->value.copy_from(it->second);
-  }
-  for (nn::Buffer* b : model->buffers()) {
-    auto it = s.tensors.find("buffer/" + b->name);
-    DT_INPUT_CHECK(it != s.tensors.end(), "checkpoint '" << path << "' does not hold buffer " << b->name);
-    b->value.copy_from(it->second);
-  }
-  model->eval();
-  if (spec_out) *spec_out = spec;
-  return model;
-}
-
-namespace {
 
 class ImageTask final : public Task {
  public:
@@ -296,14 +263,16 @@ void ImageTask::connect() {
 void ImageTask::load_teacher() {
   const std::string path = resolve_checkpoint(cfg_->teacher, "teacher");
   CheckpointState s = load_checkpoint_set(path);
-  teacher_ = image_model_from_checkpoint(s, path, &teacher_spec_);
+  ImageCheckpoint teacher = image_model_from_checkpoint(path, s);
+  teacher_ = std::move(teacher.model);
+  teacher_spec_ = teacher.spec;
   DT_INPUT_CHECK(teacher_spec_.input == spec_.input && teacher_spec_.classes == spec_.classes,
                  "option --teacher: checkpoint '" << path << "' holds a " << teacher_spec_.name << " for inputs "
                                                   << shape_str(teacher_spec_.input) << " and "
                                                   << teacher_spec_.classes << " classes, the student "
                                                   << spec_.name << " has inputs " << shape_str(spec_.input)
                                                   << " and " << spec_.classes << " classes");
-  const bool teacher_normalized = s.tensors.count("meta/norm_mean") > 0;
+  const bool teacher_normalized = !teacher.mean.empty();
   DT_INPUT_CHECK(cfg_->synthetic || teacher_normalized == cfg_->normalize,
                  "option --teacher: checkpoint '" << path << "' was trained on inputs "
                                                   << (teacher_normalized ? "" : "not ")
@@ -465,6 +434,58 @@ EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::Sharded
                                   });
   model.train();
   return r;
+}
+
+EvalResult evaluate_forward(const HostForward& forward, std::shared_ptr<const data::ShardedHdf5Dataset> ds,
+                            int64_t batch, comm::Communicator* comm, const std::vector<float>& mean,
+                            const std::vector<float>& std, double* forward_s) {
+  nn::SoftmaxCrossEntropy ce;
+  double spent = 0;
+  EvalResult r = evaluate_batches(ds, EvalData{batch, true, mean, std}, Device::cpu(), comm, nullptr,
+                                  [&](const Tensor& x, const Tensor& y, Tensor& stats) {
+                                    const double t0 = now_s();
+                                    Tensor logits = forward(x);
+                                    spent += now_s() - t0;
+                                    ce.accumulate(logits, y, stats);
+                                  });
+  if (forward_s) *forward_s = spent;
+  return r;
+}
+
+ImageCheckpoint image_model_from_checkpoint(const std::string& path, CheckpointState& s) {
+  DT_INPUT_CHECK(s.strings.count("model") && s.strings["model"] != "gpt" && s.int_lists.count("input_shape") &&
+                     s.ints.count("classes"),
+                 "checkpoint '" << path << "' does not hold an image model"
+                                << (s.strings.count("model") ? " (it holds a " + s.strings["model"] + ")" : ""));
+  ImageCheckpoint c;
+  c.spec.name = s.strings["model"];
+  c.spec.input = Shape(s.int_lists["input_shape"].begin(), s.int_lists["input_shape"].end());
+  c.spec.classes = s.ints["classes"];
+  c.spec.hidden = s.int_lists["hidden"];
+  DT_INPUT_CHECK(!c.spec.name.empty(), "checkpoint '" << path << "' holds no image model");
+  c.model = nn::make_sequential_model(c.spec);
+  for (nn::Parameter* p : c.model->parameters()) {
+    auto it = s.tensors.find("param/" + p->name);
+    DT_INPUT_CHECK(it != s.tensors.end() && it->second.shape() == p->value.shape(),
+                   "checkpoint '" << path << "' does not hold parameter " << p->name << " of shape "
+                                  << shape_str(p->value.shape()));
+    p->value.copy_from(it->second);
+  }
+  for (nn::Buffer* b : c.model->buffers()) {
+    auto it = s.tensors.find("buffer/" + b->name);
+    DT_INPUT_CHECK(it != s.tensors.end(), "checkpoint '" << path << "' does not hold buffer " << b->name);
+    b->value.copy_from(it->second);
+  }
+  c.model->eval();
+  checkpoint_normalisation(s, c.mean, c.std);
+  return c;
+}
+
+void checkpoint_normalisation(const CheckpointState& s, std::vector<float>& mean, std::vector<float>& std) {
+  auto m = s.tensors.find("meta/norm_mean"), d = s.tensors.find("meta/norm_std");
+  if (m == s.tensors.end() || d == s.tensors.end()) return;
+  mean.assign(m->second.f32(), m->second.f32() + m->second.numel());
+  std.assign(d->second.f32(), d->second.f32() + d->second.numel());
 }
 
 std::unique_ptr<Task> make_image_task() { return std::make_unique<ImageTask>(); }

@@ -51,6 +51,13 @@ class Conv2d : public Module {
   Tensor forward(const Tensor& x) override;  // (N, C, H, W) -> (N, K, P, Q)
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override;
+  int64_t in_channels() const { return in_; }
+  int64_t out_channels() const { return out_; }
+  int64_t kernel() const { return kernel_; }
+  int64_t stride() const { return stride_; }
+  int64_t pad() const { return pad_; }
+  Parameter& weight() { return *w_; }  // (K, C, R, S)
+  Parameter* bias() { return b_; }
 
  private:
   Conv2dGeom geom(const Tensor& x) const;
@@ -66,6 +73,10 @@ class Pool2d : public Module {
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override;
+  PoolKind pool_kind() const { return kind_; }
+  int64_t kernel() const { return kernel_; }
+  int64_t stride() const { return stride_; }
+  int64_t pad() const { return pad_; }
 
  private:
   Pool2dGeom geom(const Tensor& x) const;
@@ -98,6 +109,7 @@ class Activation : public Module {
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override { return op_ == Unary::Relu ? "ReLU" : "GELU"; }
+  Unary op() const { return op_; }
 
  private:
   Unary op_;

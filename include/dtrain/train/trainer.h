@@ -4,6 +4,7 @@
 // loss scaling and its agreed skip, clipping, optimizer, the agreed loss reads and divergence stop,
 // preemption, trace, progress, metrics and the checkpoint set.
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -161,10 +162,24 @@ EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::Sharded
                           bool normalize, comm::Communicator* comm, const std::vector<float>& mean = {},
                           const std::vector<float>& std = {});
 
-// The image model a checkpoint (set) holds: built from its spec (model, input shape, classes,
-// hidden widths), with its parameters and buffers, in eval mode. `path` names the file in the
-// InputError for a checkpoint that holds no image model or misses a tensor.
-nn::ModulePtr image_model_from_checkpoint(const CheckpointState& s, const std::string& path, nn::ModelSpec* spec = nullptr);
+// The same over any host forward (x f32 batch -> logits f32): an int8 model, or an fp32 one timed
+// beside it. `forward_s`, when given, receives the seconds spent inside `forward`.
+using HostForward = std::function<Tensor(const Tensor&)>;
+EvalResult evaluate_forward(const HostForward& forward, std::shared_ptr<const data::ShardedHdf5Dataset> ds,
+                            int64_t batch, comm::Communicator* comm, const std::vector<float>& mean,
+                            const std::vector<float>& std, double* forward_s = nullptr);
+
+// An image classifier rebuilt from a checkpoint `path` (loaded as `s`): the model with its
+// parameters and buffers, in evaluation mode, and the training set's input normalisation.
+struct ImageCheckpoint {
+  nn::ModelSpec spec;
+  std::unique_ptr<nn::Sequential> model;
+  std::vector<float> mean, std;  // empty when the checkpoint has none
+};
+ImageCheckpoint image_model_from_checkpoint(const std::string& path, CheckpointState& s);
+// The training set's input normalisation a checkpoint keeps ("meta/norm_mean", "meta/norm_std");
+// mean and std stay empty when it has none.
+void checkpoint_normalisation(const CheckpointState& s, std::vector<float>& mean, std::vector<float>& std);
 
 // Seconds since this process started (from /proc), for the time-to-first-step figure.
 double process_age_s();

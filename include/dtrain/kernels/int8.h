@@ -1,0 +1,74 @@
+#pragma once
+// Int8 inference primitives on the CPU, through oneDNN's int8 convolution and pooling.
+//
+// Activations are channels-last (N, H, W, C), quantized symmetrically with zero point 0: a value v
+// is held as q = round(v / scale) (round to nearest even, saturated), u8 after a ReLU, s8 otherwise.
+// Weights are s8 with one scale per output channel. A Linear layer is the convolution whose kernel
+// covers its whole input: (K, C*H*W) weights over a flattened NCHW image are (K, C, H, W) weights
+// with no padding, so one primitive serves both and the flatten needs no permutation.
+//
+// The arithmetic of Int8Conv2d, which tests reproduce exactly:
+//   acc[n,p,q,k] = sum over c, r, s of x_q * w_q                       (int32)
+//   v            = out_scale[k] * (acc + bias_acc[k])                  (f32; bias in accumulator units)
+//   y            = saturate(round_even(relu ? max(v, 0) : v))          (u8 / s8), or v itself (f32)
+// For a u8/s8 output out_scale[k] = x_scale * w_scale[k] / y_scale; for an f32 output (logits)
+// out_scale[k] = x_scale * w_scale[k]. bias_acc[k] = bias[k] / (x_scale * w_scale[k]).
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace dtrain::int8 {
+
+enum class QType : uint8_t { U8, S8, F32 };
+const char* qtype_name(QType t);
+size_t qtype_size(QType t);
+
+struct ConvShape {
+  int64_t c, h, w;                // input channels and image
+  int64_t k, r, s, stride, pad;   // output channels, kernel, stride, padding (both sides)
+  int64_t out_h() const { return (h + 2 * pad - r) / stride + 1; }
+  int64_t out_w() const { return (w + 2 * pad - s) / stride + 1; }
+};
+
+class Int8Conv2d {
+ public:
+  // weights (K, C, R, S) s8; bias_acc and out_scales (K). Primitives are built per batch size on
+  // first use and kept (the last, short batch of an epoch gets its own).
+  Int8Conv2d(const ConvShape& g, QType in, QType out, bool relu, std::vector<int8_t> weights,
+             std::vector<float> bias_acc, std::vector<float> out_scales);
+  ~Int8Conv2d();
+  Int8Conv2d(Int8Conv2d&&) noexcept;
+  // x (N, H, W, C) of type `in`; y (N, P, Q, K) of type `out`.
+  void forward(int64_t n, const void* x, void* y);
+  const ConvShape& shape() const { return g_; }
+  QType out_type() const { return out_; }
+
+ private:
+  struct Impl;
+  ConvShape g_;
+  QType out_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Max pooling of u8 or s8 channels-last images (no padding): exact, the scale passes through.
+class Int8MaxPool {
+ public:
+  Int8MaxPool(int64_t c, int64_t h, int64_t w, int64_t kernel, int64_t stride, QType type);
+  ~Int8MaxPool();
+  Int8MaxPool(Int8MaxPool&&) noexcept;
+  void forward(int64_t n, const void* x, void* y);  // (N, H, W, C) -> (N, P, Q, C)
+  int64_t out_h() const { return (h_ - kernel_) / stride_ + 1; }
+  int64_t out_w() const { return (w_ - kernel_) / stride_ + 1; }
+
+ private:
+  struct Impl;
+  int64_t c_, h_, w_, kernel_, stride_;
+  QType type_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// x (N, C, H, W) f32 -> y (N, H, W, C) of `type` (U8 or S8): y = saturate(round_even(x * inv_scale)).
+void quantize_nchw_to_nhwc(const float* x, int64_t n, int64_t c, int64_t h, int64_t w, float inv_scale, QType type,
+                           void* y);
+
+}  // namespace dtrain::int8

@@ -1,0 +1,74 @@
+#pragma once
+// Post-training int8 quantization of an image classifier for CPU inference (oneDNN int8 kernels,
+// include/dtrain/kernels/int8.h).
+//
+// What is quantized: Conv2d and Linear become s8-weight convolutions (one symmetric scale per output
+// channel), each with the ReLU that follows it fused (its output then u8); MaxPool2d runs on the
+// int8 values; Flatten and Dropout (identity in evaluation) vanish; the last Conv2d/Linear writes
+// f32 logits. Activations are quantized symmetrically with the scale max|x| / 127 (s8) or / 255 (u8,
+// after a ReLU), max|x| measured at every layer boundary over the calibration batches (a maximum, so
+// the same batches give bitwise the same ranges in any order or thread count). Any other layer
+// (BatchNorm2d, Residual blocks, GlobalAvgPool, GELU, ...) is refused with an InputError naming it.
+#include <vector>
+
+#include "dtrain/kernels/int8.h"
+#include "dtrain/nn/layers.h"
+
+namespace dtrain::nn {
+
+// One step of the int8 forward: a convolution (a Linear is the one whose kernel covers its whole
+// input, see int8.h) or a max pool.
+struct Int8Layer {
+  enum class Kind : uint8_t { Conv, MaxPool };
+  Kind kind = Kind::Conv;
+  std::string name;  // the fp32 model's layer ("3: Conv2d(16, 32, k=3, s=1, p=1)"), for messages
+  // Conv: geometry, weights (K, C, R, S) s8 with their scales (K), bias (K, model units, f32),
+  // whether a ReLU is fused; output u8 after a ReLU, f32 for the last layer, s8 otherwise.
+  int8::ConvShape conv{};
+  bool relu = false;
+  std::vector<int8_t> weights;
+  std::vector<float> weight_scales, bias;
+  // MaxPool: kernel and stride over a (c, h, w) input.
+  int64_t pool_c = 0, pool_h = 0, pool_w = 0, pool_kernel = 0, pool_stride = 0;
+  // max |y| calibrated at the step's output (a conv's); 0 for the f32 logits and for a pool,
+  // which keeps its input's scale.
+  float out_range = 0.f;
+};
+
+struct Int8Spec {
+  Shape input;              // per sample, (C, H, W) or (F)
+  float input_range = 0.f;  // max |x| of the (normalised) input
+  std::vector<Int8Layer> layers;
+};
+
+// max |x| at every layer boundary of `model` (size() + 1 values: the input, then each layer's
+// output) over `batches`, in evaluation mode (no state changes).
+std::vector<float> calibrate_ranges(Sequential& model, const std::vector<Tensor>& batches);
+
+// The int8 form of `model` (inputs of shape `input`, per sample) with the boundary ranges of
+// calibrate_ranges. Throws InputError naming the first layer int8 cannot run.
+Int8Spec quantize_model(Sequential& model, const Shape& input, const std::vector<float>& ranges);
+
+// Runs an Int8Spec. Not thread-safe (buffers and primitives are reused between calls).
+class Int8Model {
+ public:
+  explicit Int8Model(const Int8Spec& spec);
+  // x (N, ...input) f32 -> logits (N, classes) f32.
+  Tensor forward(const Tensor& x);
+  int64_t classes() const { return classes_; }
+
+ private:
+  Shape input_;
+  float input_inv_scale_;
+  struct Step {
+    std::unique_ptr<int8::Int8Conv2d> conv;
+    std::unique_ptr<int8::Int8MaxPool> pool;
+    int64_t out_per_sample;  // output elements per sample
+  };
+  std::vector<Step> steps_;
+  int8::QType input_type_ = int8::QType::S8;
+  int64_t classes_ = 0;
+  std::vector<uint8_t> a_, b_;  // ping-pong activation buffers
+};
+
+}  // namespace dtrain::nn
