@@ -11,11 +11,14 @@
 # aside in WORK_DIR/hdf5/ and fuzzing goes on; such inputs worth keeping go to known-hdf5/NAME/.
 # --regressions runs regressions/NAME/ (no finding allowed) and known-hdf5/NAME/ (a crash only
 # inside libhdf5 allowed). DTRAIN_FUZZ_ARGS adds libFuzzer options (e.g. -max_len=65536).
+# DTRAIN_FUZZ_SEED=N makes the run repeatable (libFuzzer's -seed, N + k after the k-th set-aside
+# crash); without it every run draws its own seed and explores further.
 set -euo pipefail
 bin=$(realpath "$1") name=$2 src=$3 work=$4
 root=$(cd "$src/../.." && pwd)
 mkdir -p "$work/corpus" "$work/artifacts"
-log=$work/last.log
+# fuzz_NAME and fuzz_NAME_regressions share WORK_DIR and may run at once (ctest -j): one log each.
+log=$work/last${5:+-regressions}.log
 # A hang is an input that runs 20 s; a resident set above 2 GiB is a finding too.
 opts=(-timeout=20 -rss_limit_mb=2048 -artifact_prefix="$work/artifacts/")
 if [[ -f $src/dict/$name.dict ]]; then opts+=(-dict="$src/dict/$name.dict"); fi
@@ -55,7 +58,9 @@ end=$((SECONDS + seconds))
 runs=0 set_aside=0
 while ((SECONDS < end)); do
   start=$SECONDS
-  if "$bin" "${opts[@]}" -max_total_time=$((end - SECONDS)) -print_final_stats=1 ${DTRAIN_FUZZ_ARGS:-} "${dirs[@]}" \
+  seed=()
+  if [[ -n ${DTRAIN_FUZZ_SEED:-} ]]; then seed=(-seed=$((DTRAIN_FUZZ_SEED + set_aside))); fi
+  if "$bin" "${opts[@]}" "${seed[@]}" -max_total_time=$((end - SECONDS)) -print_final_stats=1 ${DTRAIN_FUZZ_ARGS:-} "${dirs[@]}" \
     >"$log" 2>&1; then
     status=0
   else
