@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstring>
 
+#include "algorithms/node_allreduce.h"
 #include "dtrain/comm/mpi_check.h"
 #include "dtrain/core/env.h"
 
@@ -27,6 +28,28 @@ ReduceOp reduce_op_from_name(const std::string& name) {
   for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min})
     if (name == reduce_op_name(op)) return op;
   DT_INPUT_CHECK(false, "unknown reduce op '" << name << "' (expected sum, avg, max or min)");
+  __builtin_unreachable();
+}
+
+const char* allreduce_algorithm_name(AllreduceAlgorithm a) {
+  switch (a) {
+    case AllreduceAlgorithm::Auto:
+      return "auto";
+    case AllreduceAlgorithm::Mpi:
+      return "mpi";
+    case AllreduceAlgorithm::Shm:
+      return "shm";
+    case AllreduceAlgorithm::Hier:
+      return "hier";
+  }
+  return "?";
+}
+
+AllreduceAlgorithm allreduce_algorithm_from_name(const std::string& name) {
+  for (AllreduceAlgorithm a :
+       {AllreduceAlgorithm::Auto, AllreduceAlgorithm::Mpi, AllreduceAlgorithm::Shm, AllreduceAlgorithm::Hier})
+    if (name == allreduce_algorithm_name(a)) return a;
+  DT_INPUT_CHECK(false, "unknown allreduce algorithm '" << name << "' (expected auto, mpi, shm or hier)");
   __builtin_unreachable();
 }
 
@@ -72,7 +95,11 @@ std::shared_ptr<Work> make_completed_work(std::string description) {
 }
 
 Communicator::Communicator(int rank, int size, std::string name)
-    : timeout_s_(env::get_double("DTRAIN_COMM_TIMEOUT")), rank_(rank), size_(size), name_(std::move(name)) {}
+    : timeout_s_(env::get_double("DTRAIN_COMM_TIMEOUT")),
+      allreduce_algorithm_(allreduce_algorithm_from_name(env::get("DTRAIN_ALLREDUCE"))),
+      rank_(rank),
+      size_(size),
+      name_(std::move(name)) {}
 
 Communicator::~Communicator() = default;
 
@@ -137,6 +164,18 @@ std::unique_ptr<Communicator> Communicator::split(int color, int key, const std:
   DT_CHECK(color >= 0 || color == kNoColor, "split: color " << color << " must be >= 0 or kNoColor");
   std::string n = name.empty() ? name_ + "/" + (color == kNoColor ? std::string("none") : std::to_string(color)) : name;
   return do_split(color, key, n);
+}
+
+NodeSplit split_by_node(Communicator& c) {
+  NodeSplit s;
+  s.node = c.split(detail::node_color(), c.rank(), c.name() + "/node");
+  s.cross = c.split(s.node->rank(), c.rank(), c.name() + "/cross");
+  Tensor sizes = Tensor::empty({2}, DType::I32);  // max of L and of -L: equal when uniform
+  sizes.data<int32_t>()[0] = s.node->size();
+  sizes.data<int32_t>()[1] = -s.node->size();
+  c.allreduce(sizes, ReduceOp::Max)->wait();
+  s.uniform = sizes.data<int32_t>()[0] == -sizes.data<int32_t>()[1];
+  return s;
 }
 
 double alg_bandwidth(double bytes, double seconds) { return seconds > 0 ? bytes / seconds : 0.0; }

@@ -19,6 +19,9 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
       throw InputError(std::string("option --compression: ") + e.what());
     }
   }
+  DT_INPUT_CHECK(opt.compression_scope == "all" || opt.compression_scope == "inter-node",
+                 "option --compression-scope must be all or inter-node, got '" << opt.compression_scope << "'");
+  if (compressor_ && opt.compression_scope == "inter-node") setup_inter_node_scope();
   auto* topk = dynamic_cast<comm::TopKCompressor*>(compressor_.get());
   if (opt.momentum_correction > 0) {
     DT_INPUT_CHECK(topk, "momentum correction belongs to top-k compression, not --compression " << opt.compression);
@@ -157,6 +160,17 @@ void DataParallel::broadcast_state(int root) {
   if (opt_.zero1) shard_.value.copy_from(own_slice(flat_param_));
 }
 
+void DataParallel::setup_inter_node_scope() {
+  DT_INPUT_CHECK(!opt_.zero1 && !opt_.engine_topk,
+                 "option --compression-scope inter-node does not combine with --zero1 or --compression-on-engine");
+  comm::NodeSplit split = comm::split_by_node(comm_);
+  DT_INPUT_CHECK(split.uniform, "option --compression-scope inter-node needs as many data-parallel ranks on every "
+                                "node; this job's nodes hold different counts");
+  node_comm_ = std::move(split.node);
+  cross_comm_ = std::move(split.cross);
+  if (cross_comm_->size() == 1) compressor_.reset();  // one node: nothing crosses a network
+}
+
 void DataParallel::begin_backward(bool sync) {
   settle();
   syncing_ = sync && comm_.size() > 1;
@@ -180,6 +194,8 @@ void DataParallel::launch(Bucket& b) {
   Tensor view = flat_grad_.slice0(b.begin, b.end);
   if (engine_topk_) {
     b.work = launch_engine_topk(b, engine_topk_state_[static_cast<size_t>(&b - buckets_.data())]);
+  } else if (compressor_ && !dense_phase_ && cross_comm_) {
+    b.work = node_comm_->allreduce(view, comm::ReduceOp::Avg);  // compressed between nodes in finish()
   } else if (compressor_ && !dense_phase_) {
     int64_t before = compressor_->stats().bytes_sent;
     b.work = compressor_->reduce(view, comm_, comm::ReduceOp::Avg, static_cast<int>(&b - buckets_.data()), b.rows);
@@ -213,6 +229,7 @@ void DataParallel::finish() {
     for (Bucket& b : buckets_)
       if (!b.work) launch(b);
     for (Bucket& b : buckets_) complete(b.work);
+    if (compressor_ && !dense_phase_ && cross_comm_) exchange_between_nodes();
     if (engine_topk_)
       for (Bucket& b : buckets_) finish_engine_topk(b, engine_topk_state_[static_cast<size_t>(&b - buckets_.data())]);
     else if (host_reads_device_)
@@ -223,6 +240,19 @@ void DataParallel::finish() {
   }
   stats_.comm_wait_s += now_s() - t0;
   syncing_ = false;
+}
+
+// --compression-scope inter-node: the buckets hold their node's average; the compressor averages
+// them over the nodes.
+void DataParallel::exchange_between_nodes() {
+  for (Bucket& b : buckets_) {
+    Tensor view = flat_grad_.slice0(b.begin, b.end);
+    const int64_t before = compressor_->stats().bytes_sent;
+    b.work = compressor_->reduce(view, *cross_comm_, comm::ReduceOp::Avg, static_cast<int>(&b - buckets_.data()),
+                                 b.rows);
+    stats_.bytes_sent += compressor_->stats().bytes_sent - before;
+  }
+  for (Bucket& b : buckets_) complete(b.work);
 }
 
 void DataParallel::complete(const std::shared_ptr<comm::Work>& w) {

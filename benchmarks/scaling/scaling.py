@@ -502,14 +502,15 @@ def cmd_sweep(args):
 
 # ----------------------------------------------------------------------------------- the model
 def parse_bench(text):
-    """(ranks, nodes, [(bytes, seconds)]) from `dtrain bench allreduce` output: dtrain rows, f32, sum."""
+    """(ranks, nodes, [(bytes, seconds)]) from `dtrain bench allreduce` output: dtrain rows (impl
+    dtrain:ALGORITHM, the algorithm training's buckets take at that size), f32, sum."""
     m = re.search(r"bench allreduce: (\d+) ranks(?: on (\d+) node)?", text)
     if not m:
         raise SystemExit("not `dtrain bench allreduce` output (no '<n> ranks' header)")
     pts = []
     for line in text.splitlines():
         f = line.split()
-        if len(f) >= 6 and f[0].isdigit() and f[4] == "dtrain":
+        if len(f) >= 6 and f[0].isdigit() and f[4].startswith("dtrain"):
             pts.append((int(f[0]), float(f[5]) * 1e-6))
     if len(pts) < 2:
         raise SystemExit("fewer than 2 allreduce rows to fit")

@@ -24,6 +24,7 @@ std::set<MpiCommunicator*>& live() {
   static auto* s = new std::set<MpiCommunicator*>;
   return *s;
 }
+std::atomic<uint64_t> communicators_made{0};
 
 int comm_rank(MPI_Comm c) {
   int r = 0;
@@ -218,7 +219,10 @@ void MpiWork::on_timeout(double limit_s, double waited_s) {
 // ---- MpiCommunicator -------------------------------------------------------------------------
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, bool threaded)
-    : Communicator(comm_rank(comm), comm_size(comm), std::move(name)), comm_(comm), threaded_(threaded) {
+    : Communicator(comm_rank(comm), comm_size(comm), std::move(name)),
+      comm_(comm),
+      threaded_(threaded),
+      creation_index_(communicators_made++) {
   channel_ = std::make_shared<ControlChannel>(comm_, this->name());
   if (threaded_) {
     control_service_add(channel_);
@@ -303,16 +307,61 @@ void check_device_reduction(const Tensor& t, ReduceOp op, const char* what) {
 }
 }  // namespace
 
+// Least message (bytes per rank) from which auto leaves MPI_Allreduce, by layout; measured with
+// `dtrain bench allreduce --allreduce mpi|shm|hier` (docs/comm.md).
+constexpr int64_t kAutoShmFromBytes = 256 << 10;
+constexpr int64_t kAutoHierFromBytes = 1 << 20;
+
+NodeAllreduce& MpiCommunicator::node_layout() {
+  if (!node_) {
+    auto made = std::make_shared<std::unique_ptr<NodeAllreduce>>();
+    MPI_Comm c = comm_;
+    double timeout = timeout_s_;
+    collective("node_layout", [c, timeout, made] { *made = std::make_unique<NodeAllreduce>(c, timeout); })->wait();
+    node_ = std::move(*made);
+  }
+  return *node_;
+}
+
+AllreduceAlgorithm MpiCommunicator::allreduce_plan(const Tensor& t, ReduceOp /*op: all four run on f32*/) {
+  const AllreduceAlgorithm want = allreduce_algorithm();
+  if (want == AllreduceAlgorithm::Mpi || size() == 1 || t.dtype() != DType::F32 || !t.device().is_cpu())
+    return AllreduceAlgorithm::Mpi;
+  if (want == AllreduceAlgorithm::Auto && t.nbytes() < kAutoShmFromBytes) return AllreduceAlgorithm::Mpi;
+  const NodeAllreduce& layout = node_layout();
+  const bool one_node = layout.node_count() == 1;
+  const bool hier_fits = !one_node && layout.uniform() && layout.local_size() > 1;
+  switch (want) {
+    case AllreduceAlgorithm::Shm:
+      return one_node ? AllreduceAlgorithm::Shm : AllreduceAlgorithm::Mpi;
+    case AllreduceAlgorithm::Hier:
+      return one_node ? AllreduceAlgorithm::Shm : hier_fits ? AllreduceAlgorithm::Hier : AllreduceAlgorithm::Mpi;
+    default:
+      if (one_node) return AllreduceAlgorithm::Shm;
+      return hier_fits && t.nbytes() >= kAutoHierFromBytes ? AllreduceAlgorithm::Hier : AllreduceAlgorithm::Mpi;
+  }
+}
+
 std::shared_ptr<Work> MpiCommunicator::do_allreduce(Tensor& t, ReduceOp op) {
   check_device_reduction(t, op, "allreduce");
   MPI_Comm c = comm_;
   int n = size();
+  const AllreduceAlgorithm algorithm = allreduce_plan(t, op);
+  std::string what = "allreduce " + buf_str(t) + " " + reduce_op_name(op);
+  if (algorithm != AllreduceAlgorithm::Mpi) {
+    NodeAllreduce* layout = node_.get();
+    const bool across_nodes = algorithm == AllreduceAlgorithm::Hier;
+    auto body = [t, op, n, layout, across_nodes] {
+      layout->allreduce(static_cast<float*>(t.raw()), t.numel(), op, across_nodes, n);
+    };
+    return collective(what + " " + allreduce_algorithm_name(algorithm), std::move(body));
+  }
   auto body = [t, op, c, n] {
     DT_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, t.raw(), static_cast<int>(t.numel()), mpi_datatype(t.dtype()),
                                mpi_op(op, t.dtype()), c));
     if (op == ReduceOp::Avg) divide_by(t.raw(), t.numel(), t.dtype(), n);
   };
-  return collective("allreduce " + buf_str(t) + " " + reduce_op_name(op), std::move(body));
+  return collective(what, std::move(body));
 }
 
 std::shared_ptr<Work> MpiCommunicator::do_broadcast(Tensor& t, int root) {
@@ -393,6 +442,7 @@ std::unique_ptr<Communicator> MpiCommunicator::do_split(int color, int key, cons
   if (*result == MPI_COMM_NULL) return nullptr;
   DT_MPI_CHECK(MPI_Comm_set_errhandler(*result, MPI_ERRORS_RETURN));
   auto sub = std::make_unique<MpiCommunicator>(*result, name, threaded_);
+  sub->set_allreduce_algorithm(allreduce_algorithm());
   sub->set_timeout(timeout_s_);
   sub->set_timeout_action(timeout_action_);
   return sub;
@@ -427,6 +477,7 @@ void MpiCommunicator::shutdown() {
   }
   control_service_remove(channel_.get());
   if (!stuck) {
+    node_.reset();  // MPI_Win_free synchronises the node: every rank frees in creation order
     channel_->release();
     if (!mpi_finalized()) MPI_Comm_free(&comm_);
   }
@@ -440,6 +491,9 @@ void shutdown_all_mpi_communicators() {
     std::lock_guard<std::mutex> lock(live_mu());
     all.assign(live().begin(), live().end());
   }
+  // Newest first, in the same order on every rank (a window's free waits for the whole node).
+  std::sort(all.begin(), all.end(),
+            [](const MpiCommunicator* a, const MpiCommunicator* b) { return a->creation_index() > b->creation_index(); });
   for (MpiCommunicator* c : all) c->shutdown();
 }
 

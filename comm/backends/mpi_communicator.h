@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "algorithms/node_allreduce.h"
 #include "control/control_channel.h"
 #include "dtrain/comm/communicator.h"
 
@@ -74,7 +75,9 @@ class MpiCommunicator final : public Communicator {
 
   const char* backend() const override { return "mpi"; }
   bool supports(Device device) const override;
+  AllreduceAlgorithm allreduce_plan(const Tensor& t, ReduceOp op) override;
   MPI_Comm mpi_comm() const { return comm_; }
+  uint64_t creation_index() const { return creation_index_; }
   // Finishes the queued work, stops the worker, frees the MPI objects. Idempotent.
   void shutdown();
 
@@ -92,6 +95,8 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<MpiWork> collective(const std::string& what, std::function<void()> body);
   std::shared_ptr<MpiWork> point_to_point(MpiWork::Kind kind, const Tensor& t, int peer, int tag);
   void worker_loop();
+  NodeAllreduce& node_layout();  // made by a collective on first use
+
 
   MPI_Comm comm_;
   std::shared_ptr<ControlChannel> channel_;
@@ -106,6 +111,8 @@ class MpiCommunicator final : public Communicator {
   bool stop_ = false;
   bool shut_ = false;
   int64_t p2p_count_ = 0;
+  std::unique_ptr<NodeAllreduce> node_;  // the node layout and shared window of shm / hier
+  uint64_t creation_index_;              // the same on every rank of an SPMD program: orders shutdown
 };
 
 // Called by Runtime::finalize: shuts down every MPI communicator still alive.

@@ -18,7 +18,3 @@ int cmd_bench(int argc, char** argv) {
 }
 
 }  // namespace dtrain::cli
-// TEMPORARY-WEAK: removed once comm lands cmd_bench_allreduce.cpp
-namespace dtrain::cli {
-[[gnu::weak]] int cmd_bench_allreduce(int, char**) { throw InputError("allreduce benchmark not built"); }
-}  // namespace dtrain::cli

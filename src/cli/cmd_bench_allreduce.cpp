@@ -1,6 +1,7 @@
 // dtrain bench allreduce: nccl-tests-style bandwidth table for dtrain's allreduce, one dtype and
-// size at a time, with raw MPI_Allreduce on the same buffers as the baseline row, and a table for
-// each gradient compressor (bytes sent, encode/decode cost per MiB). Run under mpirun.
+// size at a time, one row per --allreduce algorithm (the impl column names the one that ran:
+// auto resolves per size) and raw MPI_Allreduce on the same buffers as the baseline row, and a
+// table for each gradient compressor (bytes sent, encode/decode cost per MiB). Run under mpirun.
 //
 //   algBw = bytes / time;  busBw = algBw * 2 (n - 1) / n   (nccl-tests' definitions)
 // time: per iteration the slowest rank's, then the median over the iterations.
@@ -103,12 +104,13 @@ struct Options {
   ReduceOp op;
   bool check, baseline;
   std::string backend;
+  std::vector<comm::AllreduceAlgorithm> algorithms;
 };
 
 }  // namespace
 
 int cmd_bench_allreduce(int argc, char** argv) {
-  std::string min_s, max_s, dtypes_s, comps_s, op_s, backend, comp_max_s;
+  std::string min_s, max_s, dtypes_s, comps_s, op_s, backend, comp_max_s, algorithms_s;
   Options o{};
   po::options_description desc("dtrain bench allreduce [options]   (run under mpirun / srun)");
   desc.add_options()("help,h", "this help")("min-bytes,b", po::value(&min_s)->default_value("4"),
@@ -125,6 +127,9 @@ int cmd_bench_allreduce(int argc, char** argv) {
                           "largest bucket for the compressor table")(
       "compressor-iters", po::value(&o.compressor_iters)->default_value(3), "timed iterations per compressor row")(
       "backend", po::value(&backend)->default_value("mpi"), "mpi or nccl (device buffers)")(
+      "allreduce", po::value(&algorithms_s)->default_value(""),
+      "comma list of the MPI backend's allreduce algorithms to time side by side: auto, mpi, shm, hier (default: "
+      "DTRAIN_ALLREDUCE, auto)")(
       "check", po::bool_switch(&o.check), "verify one extra allreduce per row; #wrong counts bad elements")(
       "no-baseline", po::bool_switch(), "skip the raw MPI_Allreduce rows");
   po::variables_map vm;
@@ -153,6 +158,13 @@ int cmd_bench_allreduce(int argc, char** argv) {
     o.dtypes.push_back(dtype_from_name(d));
   o.compressors = split_list(comps_s == "all" ? "none,fp16,bf16,topk:0.01,powersgd:4,sign,qsgd:16" : comps_s);
   if (o.check) DT_INPUT_CHECK(o.op == ReduceOp::Sum, "--check verifies op sum only");
+  for (const std::string& a : split_list(algorithms_s)) {
+    try {
+      o.algorithms.push_back(comm::allreduce_algorithm_from_name(a));
+    } catch (const InputError& e) {
+      throw InputError(std::string("option --allreduce: ") + e.what());
+    }
+  }
 
   std::unique_ptr<Communicator> nccl;
   Communicator* c = &rt.world();
@@ -164,9 +176,11 @@ int cmd_bench_allreduce(int argc, char** argv) {
     c = nccl.get();
     dev = Device::cuda(rt.topology().cuda_device);
     o.baseline = false;
+    DT_INPUT_CHECK(o.algorithms.empty(), "--allreduce chooses among the MPI backend's algorithms (NCCL has its own)");
   } else {
     DT_INPUT_CHECK(backend == "mpi", "--backend '" << backend << "' (expected mpi or nccl)");
   }
+  if (o.algorithms.empty()) o.algorithms.push_back(c->allreduce_algorithm());
   MPI_Comm raw = MPI_COMM_NULL;
   MPI_Comm_dup(MPI_COMM_WORLD, &raw);
   const double bus = comm::bus_bandwidth_factor("allreduce", ranks);
@@ -175,10 +189,12 @@ int cmd_bench_allreduce(int argc, char** argv) {
     std::printf("# dtrain bench allreduce: %d ranks on %d node(s), backend %s, op %s, iters %d, warmup %d\n", ranks,
                 rt.topology().node_count, backend.c_str(), comm::reduce_op_name(o.op), o.iters, o.warmup);
     std::printf("# %s\n#\n", rt.topology().mpi_library.c_str());
-    std::printf("# %12s %12s %6s %6s %8s %12s %12s %12s %8s\n", "size", "count", "type", "redop", "impl", "time(us)",
+    std::printf("# %12s %12s %6s %6s %12s %12s %12s %12s %8s\n", "size", "count", "type", "redop", "impl", "time(us)",
                 "algbw(GB/s)", "busbw(GB/s)", "#wrong");
   }
-  double sum_dtrain_bw = 0, sum_raw_bw = 0;  // busBw at >= 64 MiB, f32
+  // busBw summed over the f32 rows of >= 64 MiB, per algorithm and of the raw baseline
+  std::vector<double> best_bw(o.algorithms.size(), 0.0);
+  double sum_raw_bw = 0;
   int64_t total_wrong = 0;
   for (DType dt : o.dtypes) {
     const size_t esize = dtype_size(dt);
@@ -189,63 +205,66 @@ int cmd_bench_allreduce(int argc, char** argv) {
       fill(host, rank);
       Tensor buf = dev.is_cpu() ? host : Tensor::empty({count}, dt, dev);
       if (!dev.is_cpu()) buf.copy_from(host);
-      // dtrain's allreduce (launch + wait per iteration, as a training step uses it) and the
-      // baseline, raw MPI_Allreduce on the same buffer from this thread (bf16/f16 with the same
-      // user-defined op; avg as sum, without dtrain's division). The two alternate iteration by
-      // iteration so that both see the same machine: on a shared node the load drifts.
+      // dtrain's allreduce by each algorithm (launch + wait per iteration, as a training step uses
+      // it) and the baseline, raw MPI_Allreduce into the same buffer from this thread (bf16/f16
+      // with the same user-defined op; avg as sum, without dtrain's division). They take turns
+      // iteration by iteration so that all see the same machine: on a shared node the load drifts.
+      // The baseline reads a separate input: Open MPI 4.1.4's hierarchical component (HAN)
+      // crashes on MPI_IN_PLACE past its first segment.
       MPI_Datatype mt = comm::mpi_datatype_of(dt);
       MPI_Op mop = comm::mpi_op_of(o.op, dt);
-      auto raw_once = [&] { MPI_Allreduce(MPI_IN_PLACE, buf.raw(), static_cast<int>(count), mt, mop, raw); };
-      bool base = o.baseline;
-      for (int i = 0; i < o.warmup; ++i) {
+      const Tensor raw_input = o.baseline ? host.clone() : Tensor();
+      auto raw_once = [&] {
+        MPI_Allreduce(raw_input.raw(), buf.raw(), static_cast<int>(count), mt, mop, raw);
+      };
+      const size_t impls = o.algorithms.size() + (o.baseline ? 1 : 0);
+      auto run = [&](size_t impl) {
+        if (impl == o.algorithms.size()) return raw_once();
+        c->set_allreduce_algorithm(o.algorithms[impl]);
         c->allreduce(buf, o.op)->wait();
-        if (base) raw_once();
-      }
-      std::vector<double> td(static_cast<size_t>(o.iters)), tr(static_cast<size_t>(o.iters), 0.0);
-      for (int i = 0; i < o.iters; ++i) {
-        MPI_Barrier(raw);
-        double t0 = now_s();
-        c->allreduce(buf, o.op)->wait();
-        td[static_cast<size_t>(i)] = now_s() - t0;
-        if (base) {
+      };
+      for (int i = 0; i < o.warmup; ++i)
+        for (size_t k = 0; k < impls; ++k) run(k);
+      std::vector<std::vector<double>> times(impls, std::vector<double>(static_cast<size_t>(o.iters)));
+      for (int i = 0; i < o.iters; ++i)
+        for (size_t k = 0; k < impls; ++k) {
           MPI_Barrier(raw);
-          t0 = now_s();
-          raw_once();
-          tr[static_cast<size_t>(i)] = now_s() - t0;
+          double t0 = now_s();
+          run(k);
+          times[k][static_cast<size_t>(i)] = now_s() - t0;
         }
-      }
-      double t = slowest_rank_median(td, raw), t_raw = slowest_rank_median(tr, raw);
-      int64_t wrong = -1;
-      if (o.check) {
-        fill(host, rank);
-        if (!dev.is_cpu()) buf.copy_from(host);
-        c->allreduce(buf, o.op)->wait();
-        if (!dev.is_cpu()) host.copy_from(buf);
-        wrong = count_wrong(host, ranks);
-        MPI_Allreduce(MPI_IN_PLACE, &wrong, 1, MPI_INT64_T, MPI_SUM, raw);
-        total_wrong += wrong;
-      }
-      double alg = comm::alg_bandwidth(static_cast<double>(nbytes), t) / 1e9;
-      double algr = comm::alg_bandwidth(static_cast<double>(nbytes), t_raw) / 1e9;
-      if (rank == 0) {
-        std::printf("  %12lld %12lld %6s %6s %8s %12.1f %12.3f %12.3f %8s\n", static_cast<long long>(nbytes),
-                    static_cast<long long>(count), dtype_name(dt), comm::reduce_op_name(o.op), "dtrain", t * 1e6, alg,
-                    alg * bus, o.check ? std::to_string(wrong).c_str() : "-");
-        if (base)
-          std::printf("  %12lld %12lld %6s %6s %8s %12.1f %12.3f %12.3f %8s\n", static_cast<long long>(nbytes),
-                      static_cast<long long>(count), dtype_name(dt), comm::reduce_op_name(o.op), "mpi-raw", t_raw * 1e6,
-                      algr, algr * bus, "-");
-      }
-      if (dt == DType::F32 && nbytes >= (int64_t{64} << 20) && base) {
-        sum_dtrain_bw += alg * bus;
-        sum_raw_bw += algr * bus;
+      for (size_t k = 0; k < impls; ++k) {
+        const bool is_raw = k == o.algorithms.size();
+        const double t = slowest_rank_median(times[k], raw);
+        std::string impl = "mpi-raw";
+        int64_t wrong = -1;
+        if (!is_raw) {
+          c->set_allreduce_algorithm(o.algorithms[k]);
+          impl = std::string("dtrain:") + comm::allreduce_algorithm_name(c->allreduce_plan(buf, o.op));
+          if (o.check) {
+            fill(host, rank);
+            if (!dev.is_cpu()) buf.copy_from(host);
+            c->allreduce(buf, o.op)->wait();
+            if (!dev.is_cpu()) host.copy_from(buf);
+            wrong = count_wrong(host, ranks);
+            MPI_Allreduce(MPI_IN_PLACE, &wrong, 1, MPI_INT64_T, MPI_SUM, raw);
+            total_wrong += wrong;
+          }
+        }
+        const double alg = comm::alg_bandwidth(static_cast<double>(nbytes), t) / 1e9;
+        if (rank == 0)
+          std::printf("  %12lld %12lld %6s %6s %12s %12.1f %12.3f %12.3f %8s\n", static_cast<long long>(nbytes),
+                      static_cast<long long>(count), dtype_name(dt), comm::reduce_op_name(o.op), impl.c_str(), t * 1e6,
+                      alg, alg * bus, o.check && !is_raw ? std::to_string(wrong).c_str() : "-");
+        if (dt == DType::F32 && nbytes >= (int64_t{64} << 20) && o.baseline) (is_raw ? sum_raw_bw : best_bw[k]) += alg * bus;
       }
       if (bytes > o.max_bytes / o.factor) break;  // no overflow past the last row
     }
   }
   if (rank == 0 && sum_raw_bw > 0)
-    std::printf("# f32 busBw at >= 64 MiB: dtrain / raw MPI_Allreduce = %.1f %% (target >= 95 %%)\n",
-                100.0 * sum_dtrain_bw / sum_raw_bw);
+    for (size_t k = 0; k < o.algorithms.size(); ++k)
+      std::printf("# f32 busBw at >= 64 MiB: dtrain --allreduce %s / raw MPI_Allreduce = %.2fx\n",
+                  comm::allreduce_algorithm_name(o.algorithms[k]), best_bw[k] / sum_raw_bw);
 
   if (!o.compressors.empty()) {
     DT_INPUT_CHECK(dev.is_cpu(), "--compressor: the compressors work on host buckets (use --backend mpi)");

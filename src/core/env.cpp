@@ -9,13 +9,21 @@ namespace dtrain::env {
 
 const std::vector<Knob>& knobs() {
   static const std::vector<Knob> k = {
+      {"DTRAIN_ALLREDUCE", "auto",
+       "allreduce algorithm of the MPI backend for f32 host buffers: auto, mpi, shm (one node's shared memory), "
+       "hier (shm within nodes, MPI between them); --allreduce sets it for a run"},
       {"DTRAIN_COMM_TIMEOUT", "300", "seconds any collective or point-to-point wait may take before the job aborts"},
       {"DTRAIN_LOADER_THREADS", "2", "background threads per rank that read and augment batches"},
       {"DTRAIN_PREFETCH", "4", "batches the loader keeps ready ahead of the step"},
       {"DTRAIN_PROGRESS", "auto", "progress bar on rank 0: auto (when stdout is a terminal), on, off"},
+      {"DTRAIN_SHM_CHUNK_MB", "4",
+       "MiB per chunk of the shared-memory allreduce (each rank's window holds two chunks)"},
       {"DTRAIN_TEST_FLIP_BIT", "",
        "a test hook: RANK:STEP flips the top mantissa bit of the first weight on world rank RANK after step "
        "STEP (a silent corruption for --check-replicas to find)"},
+      {"DTRAIN_TEST_RANKS_PER_NODE", "",
+       "a test hook: N makes the topology-aware allreduce treat world ranks [kN, (k+1)N) as node k, so one host "
+       "runs the hierarchical algorithm for real"},
       {"DTRAIN_TEST_SLOW", "",
        "a test hook: RANK:SECTION:MS makes world rank RANK sleep MS milliseconds in SECTION (data, forward, "
        "backward, optimizer) of every step, a straggler for --straggler-every to name"},

@@ -186,7 +186,9 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(image, "eval", &c.eval_each_epoch, def.eval_each_epoch, "evaluate on --test-data after each epoch");
   add(common, "bucket-mb", &c.bucket_mb, def.bucket_mb, "data-parallel gradient bucket size (MiB)");
   add(common, "overlap", &c.overlap, def.overlap, "start each bucket's allreduce while backward runs");
+  add(common, "allreduce", &c.allreduce, def.allreduce, "allreduce algorithm of the MPI backend: auto (by size and layout), mpi, shm (one node's shared memory), hier (shm within nodes, MPI between them); empty: DTRAIN_ALLREDUCE, auto");
   add(common, "compression", &c.compression, def.compression, "gradient compression: none, fp16, bf16, topk:RATIO, powersgd:RANK, onebit, qsgd:LEVELS");
+  add(common, "compression-scope", &c.compression_scope, def.compression_scope, "where --compression applies: all (every data-parallel exchange), inter-node (gradients averaged exactly within each node, compressed only between nodes; on one node nothing is compressed)");
   add(common, "compression-warmup", &c.compression_warmup, def.compression_warmup, "compression warm-up steps (-1: one epoch, the gpt: --warmup-steps; 0: none): top-k's kept fraction falls from 25 % to the target; PowerSGD sends uncompressed gradients until then");
   add(common, "compression-on-engine", &c.compression_on_engine, def.compression_on_engine, "top-k through the compute engine's kernels (the path GPU buckets always take: CUB and NCCL) instead of the communication layer's compressor, also on the CPU");
   add(image, "momentum-correction", &c.momentum_correction, def.momentum_correction, "top-k with SGD momentum: accumulate momentum, not raw gradients, in the compressor (Deep Gradient Compression); the optimizer then runs without momentum");
@@ -301,6 +303,9 @@ void check_ranges(const TrainConfig& c) {
                  "option --augment-rotate must be in [0, 180]");
   DT_INPUT_CHECK(c.keep_checkpoints >= 1, "option --keep-checkpoints must be >= 1");
   DT_INPUT_CHECK(c.bucket_mb > 0, "option --bucket-mb must be > 0");
+  DT_INPUT_CHECK(c.allreduce.empty() || c.allreduce == "auto" || c.allreduce == "mpi" || c.allreduce == "shm" ||
+                     c.allreduce == "hier",
+                 "option --allreduce must be auto, mpi, shm or hier, got '" << c.allreduce << "'");
   DT_INPUT_CHECK(c.synthetic || !c.data.empty(), "no training data: give --data DIR (or --synthetic)");
   DT_INPUT_CHECK(c.synthetic_shape.size() == 3 || c.synthetic_shape.size() == 1,
                  "option --synthetic-shape needs C,H,W (or one size for flat inputs)");

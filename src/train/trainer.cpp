@@ -63,6 +63,8 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
   }
   // A host short of GPUs fails every rank alike, before any rank creates a communicator.
   comm::agree_on_inputs(world_, [this] { choose_device(); });
+  // Every communicator of the grid is split from the world and inherits its allreduce algorithm.
+  if (!cfg_.allreduce.empty()) world_.set_allreduce_algorithm(comm::allreduce_algorithm_from_name(cfg_.allreduce));
   grid_ = std::make_unique<parallel::ProcessGrid>(world_, cfg_.tp, cfg_.pp);  // the same check on every rank
   comm::agree_on_inputs(world_, [this] {
     check_layout();
@@ -139,6 +141,7 @@ void Trainer::setup_exchange() {
     dpo.zero1 = cfg_.zero1;
     dpo.overlap = cfg_.overlap;
     dpo.compression = cfg_.compression;  // PowerSGD per tensor: matrices factorised, vectors sent whole
+    dpo.compression_scope = cfg_.compression_scope;
     dpo.seed = derive_seed(cfg_.seed, 77);
     dpo.momentum_correction = topk_momentum_correction();
     dpo.engine_topk = cfg_.compression_on_engine;
@@ -188,10 +191,13 @@ void Trainer::setup_exchange() {
 
 // The momentum top-k compression takes over from SGD (Deep Gradient Compression's momentum
 // correction), or 0 where it does not apply: another compressor or optimizer, Nesterov momentum,
-// or --momentum-correction false.
+// --momentum-correction false, or --compression-scope inter-node (the exact exchange within a node
+// keeps SGD's own momentum, and a job on one node compresses nothing).
 float Trainer::topk_momentum_correction() const {
   bool topk = cfg_.compression.rfind("topk", 0) == 0;
-  if (!topk || !cfg_.momentum_correction || cfg_.optimizer != "sgd" || cfg_.nesterov) return 0.f;
+  if (!topk || !cfg_.momentum_correction || cfg_.optimizer != "sgd" || cfg_.nesterov ||
+      cfg_.compression_scope != "all")
+    return 0.f;
   return cfg_.momentum;
 }
 

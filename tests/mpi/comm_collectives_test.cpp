@@ -3,11 +3,15 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstring>
 #include <thread>
 
 #include "comm_test_util.h"
 #include "dtrain/comm/communicator.h"
 #include "dtrain/comm/runtime.h"
+#include "dtrain/core/env.h"
+#include "dtrain/core/rng.h"
 #include "dtrain/core/timer.h"
 
 using namespace dtrain;
@@ -43,18 +47,108 @@ double expected(ReduceOp op, DType dt, int n, int64_t i) {
   return expected_k(op, dt, n, static_cast<double>(i % 7 + 1));
 }
 
+// Sets the allreduce algorithm of a communicator for one scope.
+class AlgorithmScope {
+ public:
+  AlgorithmScope(Communicator& c, AllreduceAlgorithm a) : c_(c), before_(c.allreduce_algorithm()) {
+    c.set_allreduce_algorithm(a);
+  }
+  ~AlgorithmScope() { c_.set_allreduce_algorithm(before_); }
+
+ private:
+  Communicator& c_;
+  AllreduceAlgorithm before_;
+};
+
+const AllreduceAlgorithm kAlgorithms[] = {AllreduceAlgorithm::Auto, AllreduceAlgorithm::Mpi, AllreduceAlgorithm::Shm,
+                                          AllreduceAlgorithm::Hier};
+
 class AllreduceTest : public ::testing::TestWithParam<std::tuple<DType, ReduceOp>> {};
 
 TEST_P(AllreduceTest, ExactOnEveryRank) {
   auto [dt, op] = GetParam();
   Communicator& c = world();
-  for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{1} << 18}) {
-    Tensor t = make_filled(n, dt, [&](int64_t i) { return input(c.rank(), i); });
-    c.allreduce(t, op)->wait();
-    std::string first;
-    int64_t wrong = count_wrong(
-        t, [&](int64_t i) { return expected(op, dt, c.size(), i); }, &first);
-    EXPECT_EQ(wrong, 0) << dtype_name(dt) << " " << reduce_op_name(op) << " n=" << n << ": " << first;
+  for (AllreduceAlgorithm algorithm : kAlgorithms) {
+    AlgorithmScope scope(c, algorithm);
+    // Sizes below, within and over several shared-memory chunks (CTest sets DTRAIN_SHM_CHUNK_MB
+    // small), one not a multiple of the 64-byte cuts.
+    for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{100003}, int64_t{1} << 18}) {
+      Tensor t = make_filled(n, dt, [&](int64_t i) { return input(c.rank(), i); });
+      c.allreduce(t, op)->wait();
+      std::string first;
+      int64_t wrong = count_wrong(
+          t, [&](int64_t i) { return expected(op, dt, c.size(), i); }, &first);
+      EXPECT_EQ(wrong, 0) << dtype_name(dt) << " " << reduce_op_name(op) << " n=" << n << " by "
+                          << allreduce_algorithm_name(c.allreduce_plan(t, op)) << ": " << first;
+    }
+  }
+}
+
+// What the layout is: nodes of DTRAIN_TEST_RANKS_PER_NODE world ranks where the hook is set.
+struct Layout {
+  int nodes = 1;
+  bool uniform = true;  // every node holds as many ranks, more than one
+};
+Layout layout_of(const Communicator& c) {
+  const long per_node = env::get_long("DTRAIN_TEST_RANKS_PER_NODE");
+  const Topology& topo = Runtime::get().topology();
+  if (per_node <= 0) return {topo.node_count, topo.size % topo.node_count == 0 && topo.local_size > 1};
+  return {static_cast<int>((c.size() + per_node - 1) / per_node), c.size() % per_node == 0 && per_node > 1};
+}
+
+TEST(TopologyAllreduce, PlanFollowsTheLayout) {
+  Communicator& c = world();
+  if (c.size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  const Layout layout = layout_of(c);
+  using A = AllreduceAlgorithm;
+  const A across = layout.nodes == 1 ? A::Shm : layout.uniform ? A::Hier : A::Mpi;
+  Tensor big = Tensor::zeros({1 << 20});  // 4 MiB
+  Tensor small = Tensor::zeros({16});
+  Tensor ints = Tensor::zeros({1 << 20}, DType::I32);
+  const std::pair<A, A> want[] = {{A::Mpi, A::Mpi}, {A::Shm, layout.nodes == 1 ? A::Shm : A::Mpi}, {A::Hier, across},
+                                  {A::Auto, across}};
+  for (auto [set, expect] : want) {
+    AlgorithmScope scope(c, set);
+    EXPECT_EQ(c.allreduce_plan(big, ReduceOp::Sum), expect)
+        << allreduce_algorithm_name(set) << " on " << layout.nodes << " node(s)";
+    EXPECT_EQ(c.allreduce_plan(ints, ReduceOp::Sum), A::Mpi) << "i32 always goes through MPI";
+  }
+  AlgorithmScope scope(c, A::Auto);
+  EXPECT_EQ(c.allreduce_plan(small, ReduceOp::Sum), A::Mpi) << "auto keeps small messages on MPI_Allreduce";
+  // A split communicator keeps the algorithm.
+  c.set_allreduce_algorithm(A::Shm);
+  EXPECT_EQ(c.split(0, c.rank())->allreduce_algorithm(), A::Shm);
+}
+
+TEST(TopologyAllreduce, EveryRankGetsTheSameBits) {
+  // Random values: each element is folded once, by one rank, so every rank must hold the same
+  // bits; on 2 ranks x0 + x1 is also MPI's own result.
+  Communicator& c = world();
+  const int64_t n = 300001;
+  Rng rng(1234 + static_cast<uint64_t>(c.rank()));
+  Tensor x = Tensor::empty({n});
+  for (int64_t i = 0; i < n; ++i) x.f32()[i] = static_cast<float>(rng.normal());
+  Tensor by_mpi = x.clone();
+  {
+    AlgorithmScope scope(c, AllreduceAlgorithm::Mpi);
+    c.allreduce(by_mpi, ReduceOp::Sum)->wait();
+  }
+  for (AllreduceAlgorithm algorithm : kAlgorithms) {
+    AlgorithmScope scope(c, algorithm);
+    Tensor t = x.clone();
+    c.allreduce(t, ReduceOp::Sum)->wait();
+    Tensor all = Tensor::empty({n * c.size()});
+    c.allgather(t, all)->wait();
+    int64_t differ = 0, far = 0;
+    for (int r = 0; r < c.size(); ++r)
+      differ += std::memcmp(all.f32() + r * n, t.f32(), n * sizeof(float)) != 0;
+    for (int64_t i = 0; i < n; ++i) far += std::abs(t.f32()[i] - by_mpi.f32()[i]) > 1e-5f * (1 + std::abs(t.f32()[i]));
+    const char* name = allreduce_algorithm_name(c.allreduce_plan(t, ReduceOp::Sum));
+    EXPECT_EQ(differ, 0) << name << ": ranks hold different sums";
+    EXPECT_EQ(far, 0) << name << ": sums away from MPI_Allreduce's";
+    if (c.size() == 2) {
+      EXPECT_EQ(std::memcmp(t.f32(), by_mpi.f32(), n * sizeof(float)), 0) << name;
+    }
   }
 }
 

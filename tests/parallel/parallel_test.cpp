@@ -4,6 +4,7 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -188,6 +189,36 @@ TEST(DataParallel, PowerSgdWarmUpSendsUncompressedGradients) {
   expect_same_training({"--model", "simple_cnn", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05",
                         "--compression", "powersgd:2", "--compression-warmup", "20"},
                        {"--model", "simple_cnn", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05"});
+}
+
+// --compression-scope inter-node: on one node the exchange is exact, so the run equals one rank with
+// the whole batch; on 2 nodes of 2 ranks (the DTRAIN_TEST_RANKS_PER_NODE hook, np 4) the nodes'
+// averages go through top-k, so the run departs from the exact one while every replica stays the
+// same, and --check-replicas agrees.
+TEST(DataParallel, CompressionScopeInterNodeIsExactWithinANode) {
+  comm::Communicator& world = comm::Runtime::get().world();
+  if (world.size() == 1) GTEST_SKIP() << "needs several ranks";
+  const std::vector<std::string> exact = {"--model", "mlp", "--hidden", "64,32", "--optimizer", "sgd",
+                                          "--momentum", "0.9", "--lr", "0.05"};
+  std::vector<std::string> scoped = exact;
+  for (const char* a : {"--compression", "topk:0.05", "--compression-scope", "inter-node", "--check-replicas", "5"})
+    scoped.push_back(a);
+  expect_same_training(scoped, exact);
+  if (world.size() != 4) return;
+  ::setenv("DTRAIN_TEST_RANKS_PER_NODE", "2", 1);
+  const ParamValues two_nodes = train_params(config(scoped), world);
+  ::unsetenv("DTRAIN_TEST_RANKS_PER_NODE");
+  const ParamValues plain = train_params(config(exact), world);
+  double departs = 0;
+  for (const auto& [name, v] : plain)
+    for (size_t i = 0; i < v.size(); ++i) departs = std::max(departs, std::abs(double(two_nodes.at(name)[i]) - v[i]));
+  EXPECT_GT(departs, 1e-4) << "top-k between the nodes changed nothing";
+  const std::vector<float>& w = two_nodes.begin()->second;
+  Tensor mine = Tensor::empty({static_cast<int64_t>(w.size())});
+  std::copy(w.begin(), w.end(), mine.f32());
+  Tensor first = mine.clone();
+  world.broadcast(first, 0)->wait();
+  EXPECT_EQ(std::memcmp(first.f32(), mine.f32(), mine.nbytes()), 0) << "replicas differ";
 }
 
 TEST(DataParallel, TopKThroughEngineOpsMatchesTheCompressor) {

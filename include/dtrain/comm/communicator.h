@@ -26,6 +26,16 @@ ReduceOp reduce_op_from_name(const std::string& name);  // throws InputError nam
 
 enum class TimeoutAction { Abort, Throw };
 
+// How the MPI backend moves an allreduce of f32 host buffers (other dtypes, ops on device memory
+// and the NCCL backend always take the library's own): mpi = MPI_Allreduce; shm = the ranks of one
+// node through a shared-memory window; hier = shm within each node, MPI between the ranks of the
+// same local rank on every node, shm again; auto = the faster of these for the message size and
+// the layout (a table measured by `dtrain bench allreduce`, docs/comm.md). An algorithm the layout
+// cannot run (shm over several nodes, hier over nodes of unequal rank counts) falls back to mpi.
+enum class AllreduceAlgorithm { Auto, Mpi, Shm, Hier };
+const char* allreduce_algorithm_name(AllreduceAlgorithm a);                  // "auto"
+AllreduceAlgorithm allreduce_algorithm_from_name(const std::string& name);  // throws InputError
+
 // What a peer answered when a wait timed out.
 struct PeerStatus {
   int rank = -1;
@@ -106,6 +116,12 @@ class Communicator {
   void set_timeout_action(TimeoutAction a) { timeout_action_ = a; }
   TimeoutAction timeout_action() const { return timeout_action_; }
   int64_t collectives_issued() const { return collectives_issued_; }
+  // Inherited by split() communicators; the default comes from DTRAIN_ALLREDUCE.
+  void set_allreduce_algorithm(AllreduceAlgorithm a) { allreduce_algorithm_ = a; }
+  AllreduceAlgorithm allreduce_algorithm() const { return allreduce_algorithm_; }
+  // What an allreduce of `t` by `op` runs as (never Auto). Collective on its first call that needs
+  // the node layout: call it on every rank alike, as an allreduce.
+  virtual AllreduceAlgorithm allreduce_plan(const Tensor& /*t*/, ReduceOp /*op*/) { return AllreduceAlgorithm::Mpi; }
 
  protected:
   Communicator(int rank, int size, std::string name);
@@ -122,6 +138,7 @@ class Communicator {
   int64_t next_sequence() { return ++collectives_issued_; }
   double timeout_s_;
   TimeoutAction timeout_action_ = TimeoutAction::Abort;
+  AllreduceAlgorithm allreduce_algorithm_;
 
  private:
   void check_buffer(const Tensor& t, const char* what, const char* call) const;
@@ -148,6 +165,15 @@ MPI_Op mpi_op_of(ReduceOp op, DType t);
 // of the lowest failing rank, instead of ranks that return while the others wait for them in their
 // next collective. Collective: every rank must call it.
 void agree_on_inputs(Communicator& comm, const std::function<void()>& fn);
+
+// The ranks of `c` grouped by node (collective over c): `node` holds the ranks of this rank's node,
+// `cross` the ranks of this rank's local rank on every node (ordered by node). `uniform`: every node
+// holds as many ranks of c. Nodes follow DTRAIN_TEST_RANKS_PER_NODE where that test hook is set.
+struct NodeSplit {
+  std::unique_ptr<Communicator> node, cross;
+  bool uniform = true;
+};
+NodeSplit split_by_node(Communicator& c);
 
 // nccl-tests' bandwidths for one collective of `bytes` per rank that took `seconds`:
 // algBw = bytes / time; busBw = algBw * factor, factor 2(n-1)/n for allreduce,

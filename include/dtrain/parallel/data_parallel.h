@@ -41,6 +41,11 @@ struct DataParallelOptions {
   // Compression). PowerSGD: the gradients go uncompressed until then (as PyTorch's PowerSGD hook
   // does for its first start_powerSGD_iter steps), so the factorisation starts from trained layers.
   int64_t compression_warmup_steps = 0;
+  // "all": the compressor runs over every data-parallel rank. "inter-node": the gradients are
+  // averaged exactly within each node, then the compressor runs between the ranks of the same local
+  // rank on every node (each local rank holds the node's average, so all of them exchange the same
+  // compressed messages in parallel); on one node nothing is compressed.
+  std::string compression_scope = "all";
   // Top-k only: SGD's momentum coefficient, moved into the compressor (DGC's momentum correction;
   // see comm::TopKCompressor). The optimizer must then run without momentum. 0: off.
   float momentum_correction = 0.f;
@@ -141,6 +146,8 @@ class DataParallel {
   };
   void on_grad_ready(nn::Parameter& p);
   void launch(Bucket& b);
+  void setup_inter_node_scope();
+  void exchange_between_nodes();
   std::shared_ptr<comm::Work> launch_engine_topk(Bucket& b, EngineTopK& st);
   void finish_engine_topk(Bucket& b, EngineTopK& st);
   void complete(const std::shared_ptr<comm::Work>& w);  // on the device stream where it can, else on the host
@@ -158,6 +165,8 @@ class DataParallel {
 
   nn::Module& model_;
   comm::Communicator& comm_;
+  // --compression-scope inter-node: this node's ranks (exact average) and the compressor's group.
+  std::unique_ptr<comm::Communicator> node_comm_, cross_comm_;
   DataParallelOptions opt_;
   Tensor flat_param_, flat_grad_;  // padded to a multiple of world for reduce-scatter
   std::vector<Bucket> buckets_;

@@ -65,8 +65,10 @@ struct TrainConfig {
   int64_t trace_steps = 1000;  // steps recorded in the trace
   bool eval_each_epoch = true;
   double bucket_mb = 25;  // data-parallel gradient bucket size in MiB
+  std::string allreduce;  // auto, mpi, shm, hier (comm::AllreduceAlgorithm); empty: DTRAIN_ALLREDUCE
   bool overlap = true;    // start each bucket's allreduce during backward
   std::string compression = "none";
+  std::string compression_scope = "all";  // all, inter-node (exact within a node, compressed between nodes)
   int64_t compression_warmup = -1;  // top-k sparsity / PowerSGD uncompressed warm-up steps; -1: one epoch
   bool momentum_correction = true;  // top-k under SGD momentum: the compressor keeps the momentum (DGC)
   bool compression_on_engine = false;  // top-k through the compute engine's ops also on the CPU
