@@ -52,13 +52,17 @@ for c in none ${compressors//,/ }; do
   name=${c//:/-}
   extra="--compression $c"
   [[ $c != none ]] && extra+=" --compression-scope inter-node"
-  "$emulate/on.sh" emu1 mpirun --host emu1:2,emu2:2 -n 4 --bind-to none "$bin" $args $extra \
-    --metrics "$out/$name.jsonl" >"$out/$name.log" 2>&1 || { cat "$out/$name.log"; exit 1; }
+  # A finished run (its metrics end with the summary) is kept: delete OUT/NAME.jsonl to rerun it.
+  if ! grep -q '"summary"' "$out/$name.jsonl" 2>/dev/null; then
+    rm -f "$out/$name.jsonl"
+    "$emulate/on.sh" emu1 mpirun --host emu1:2,emu2:2 -n 4 --bind-to none "$bin" $args $extra \
+      --metrics "$out/$name.jsonl" >"$out/$name.log" 2>&1 || { cat "$out/$name.log"; exit 1; }
+  fi
   /usr/bin/python3 - "$out/$name.jsonl" "$target" "$c" <<'EOF'
 import json, sys
 path, target, name = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 rows = [json.loads(l) for l in open(path) if l.strip()]
-evals = [r for r in rows if "test_accuracy" in r]
+evals = [r for r in rows if "test_accuracy" in r and "train_time_s" in r]
 hit = next((r for r in evals if 100 * r["test_accuracy"] >= target), None)
 last = evals[-1]
 per_step = last["train_time_s"] / last["step"]

@@ -309,7 +309,7 @@ void check_device_reduction(const Tensor& t, ReduceOp op, const char* what) {
 
 // Least message (bytes per rank) from which auto leaves MPI_Allreduce, by layout; measured with
 // `dtrain bench allreduce --allreduce mpi|shm|hier` (docs/comm.md).
-constexpr int64_t kAutoShmFromBytes = 256 << 10;
+constexpr int64_t kAutoShmFromBytes = 64 << 10;
 constexpr int64_t kAutoHierFromBytes = 1 << 20;
 
 NodeAllreduce& MpiCommunicator::node_layout() {
