@@ -181,6 +181,27 @@ TEST(Cli, PruneExportGivesASmallerModelThatEvaluatesTheSame) {
   fs::remove_all(dir);
 }
 
+// ResNet-20 in int8: eval --int8 beside fp32, and its int8 checkpoint (buffers and residual steps
+// stored) evaluates as the int8 model it was written from.
+TEST(Cli, ResNet20RunsInInt8) {
+  std::string dir = dtrain::test::temp_dir("cli-resnet-int8");
+  dtrain::test::make_band_dataset(dir + "/data", 64, 8);
+  Result t = run("train --model resnet20 --data " + dir + "/data --steps 2 --batch-size 16 --threads 1 "
+                 "--progress off --checkpoint-dir " + dir + "/ck");
+  ASSERT_EQ(t.code, 0) << t.out;
+  Result side = run("eval --checkpoint " + dir + "/ck --data " + dir + "/data --batch-size 16 --int8 "
+                    "--calibration-batches 2");
+  ASSERT_EQ(side.code, 0) << side.out;
+  Result q = run("quantize --checkpoint " + dir + "/ck --data " + dir + "/data --out " + dir + "/r8.h5 "
+                 "--batch-size 16 --calibration-batches 2");
+  ASSERT_EQ(q.code, 0) << q.out;
+  EXPECT_NE(q.out.find("22 int8 steps"), std::string::npos) << q.out;
+  Result q_eval = run("eval --checkpoint " + dir + "/r8.h5 --data " + dir + "/data");
+  ASSERT_EQ(q_eval.code, 0) << q_eval.out;
+  EXPECT_EQ(scores(q_eval.out, "int8"), scores(side.out, "int8"));
+  fs::remove_all(dir);
+}
+
 TEST(CliMpi, BadOptionFailsEveryRankWithOneMessage) {
   Result r = mpirun(2, "train --synthetic --lr -1 --progress off");
   EXPECT_NE(r.code, 0) << r.out;
