@@ -130,6 +130,14 @@ std::string describe(const std::string& path, const Module& m) { return "layer "
                    "pool, a ReLU right after either, Residual blocks, MaxPool2d without padding, Flatten and Dropout)");
 }
 
+// The children of a Sequential being translated, with their paths.
+struct Children {
+  std::string prefix;
+  std::vector<std::pair<std::string, Module*>> list;
+  Module* at(size_t j) const { return j < list.size() ? list[j].second : nullptr; }
+  std::string path(size_t j) const { return join(prefix, list[j].first); }
+};
+
 // Walks the model, emitting int8 steps into `spec`; `image_` is the (C, H, W) of the activation
 // being translated, `flat_` whether it is read as one vector (after Flatten or a Linear).
 class Translator {
@@ -142,10 +150,16 @@ class Translator {
 
   // The layers of the Sequential `m` (path `prefix`) reading buffer `in`; the buffers in `busy` hold
   // values still needed and are not written. Returns the buffer of the output.
-  int sequence(Module& m, const std::string& prefix, int in, std::vector<int> busy);
+  int sequence(Module& m, const std::string& prefix, int in, const std::vector<int>& busy);
 
  private:
+  // A Conv2d, a Linear, or a GlobalAvgPool and the Linear reading it, at child i, with the
+  // BatchNorm2d after a Conv2d folded; appends its step and returns how many children it took.
+  size_t weighted(const Children& c, size_t i, int& cur, const std::vector<int>& busy);
+  void max_pool(const Pool2d& p, const std::string& path, int& cur, const std::vector<int>& busy);
   int residual(Residual& r, const std::string& path, int x, std::vector<int> busy);
+  // A ReLU at child j fuses into the last step (its output then u8 with the ReLU's range).
+  bool fuse_relu(const Children& c, size_t j);
   // Appends `l` reading buffer `src`, writing the lowest buffer neither `src` nor busy; returns it.
   int push(Int8Layer l, int src, const std::vector<int>& busy);
   float range(const std::string& path) const {
@@ -168,70 +182,80 @@ int Translator::push(Int8Layer l, int src, const std::vector<int>& busy) {
   return spec_.layers.back().dst;
 }
 
-int Translator::sequence(Module& seq, const std::string& prefix, int in, std::vector<int> busy) {
-  if (!dynamic_cast<Sequential*>(&seq)) refuse(prefix, seq, "a residual branch must be a Sequential");
-  const auto kids = seq.children();
-  auto at = [&](size_t j) -> Module* { return j < kids.size() ? kids[j].second : nullptr; };
-  auto path_of = [&](size_t j) { return join(prefix, kids[j].first); };
+bool Translator::fuse_relu(const Children& c, size_t j) {
+  auto* act = dynamic_cast<Activation*>(c.at(j));
+  if (!act || act->op() != Unary::Relu) return false;
+  spec_.layers.back().relu = true;
+  spec_.layers.back().out_range = range(c.path(j));
+  return true;
+}
+
+int Translator::sequence(Module& m, const std::string& prefix, int in, const std::vector<int>& busy) {
+  if (!dynamic_cast<Sequential*>(&m)) refuse(prefix, m, "a residual branch must be a Sequential");
+  const Children c{prefix, m.children()};
   int cur = in;
-  for (size_t i = 0; i < kids.size();) {
-    Module& m = *kids[i].second;
-    const std::string path = path_of(i);
-    auto* conv = dynamic_cast<Conv2d*>(&m);
-    auto* lin = dynamic_cast<Linear*>(&m);
-    auto* gap = dynamic_cast<GlobalAvgPool*>(&m);
-    auto* pool = dynamic_cast<Pool2d*>(&m);
-    size_t used = 1;  // children this step takes
-    if ((conv && !flat_) || (lin && flat_) || (gap && !flat_)) {
-      Linear* reader = lin ? lin : gap ? dynamic_cast<Linear*>(at(i + 1)) : nullptr;
-      if (gap && !reader) refuse(path, m, "a global average pool is supported right before a Linear");
-      const int64_t reads = gap ? image_[0] : shape_numel(image_);
-      if (reader && reader->weight().value.size(1) != reads) refuse(path, m, "its input is not the layer before's");
-      if (conv && conv->in_channels() != image_[0]) refuse(path, m, "its input is not the layer before's");
-      FloatConv f = conv ? from_conv(*conv, image_) : from_linear(*reader, image_, gap != nullptr);
-      used += gap ? 1 : 0;
-      if (auto* bn = dynamic_cast<BatchNorm2d*>(at(i + used)); bn && conv) {
-        fold_batchnorm(*bn, f);
-        ++used;
-      }
-      Int8Layer l = quantized(f);
-      l.name = gap ? describe(path_of(i + 1), *reader) : describe(path, m);
-      if (auto* act = dynamic_cast<Activation*>(at(i + used)); act && act->op() == Unary::Relu) {
-        l.relu = true;
-        ++used;
-      }
-      l.out_range = range(path_of(i + used - 1));
-      image_ = {f.g.k, f.g.out_h(), f.g.out_w()};
-      flat_ = !conv;
-      cur = push(std::move(l), cur, busy);
-    } else if (pool && pool->pool_kind() == PoolKind::Max && pool->pad() == 0 && !flat_) {
-      Int8Layer l;
-      l.kind = Int8Layer::Kind::MaxPool;
-      l.name = describe(path, m);
-      l.pool_c = image_[0], l.pool_h = image_[1], l.pool_w = image_[2];
-      l.pool_kernel = pool->kernel(), l.pool_stride = pool->stride();
-      image_ = {image_[0], (image_[1] - l.pool_kernel) / l.pool_stride + 1,
-                (image_[2] - l.pool_kernel) / l.pool_stride + 1};
-      cur = push(std::move(l), cur, busy);
-    } else if (dynamic_cast<Flatten*>(&m)) {
-      flat_ = true;  // the same bytes, read whole by the next Linear
-    } else if (dynamic_cast<Dropout*>(&m)) {
-      // identity in evaluation
-    } else if (auto* res = dynamic_cast<Residual*>(&m); res && !flat_) {
-      cur = residual(*res, path, cur, busy);
-      if (auto* act = dynamic_cast<Activation*>(at(i + 1)); act && act->op() == Unary::Relu) {
-        spec_.layers.back().relu = true;
-        spec_.layers.back().out_range = range(path_of(i + 1));
-        ++used;
-      }
-    } else if (dynamic_cast<Sequential*>(&m)) {
-      cur = sequence(m, path, cur, busy);
-    } else {
-      refuse(path, m);
+  for (size_t i = 0; i < c.list.size();) {
+    Module& layer = *c.list[i].second;
+    const std::string path = c.path(i);
+    auto* pool = dynamic_cast<Pool2d*>(&layer);
+    auto* res = dynamic_cast<Residual*>(&layer);
+    if ((dynamic_cast<Conv2d*>(&layer) && !flat_) || (dynamic_cast<Linear*>(&layer) && flat_) ||
+        (dynamic_cast<GlobalAvgPool*>(&layer) && !flat_)) {
+      i += weighted(c, i, cur, busy);
+      continue;
     }
-    i += used;
+    if (pool && pool->pool_kind() == PoolKind::Max && pool->pad() == 0 && !flat_) {
+      max_pool(*pool, path, cur, busy);
+    } else if (dynamic_cast<Flatten*>(&layer)) {
+      flat_ = true;  // the same bytes, read whole by the next Linear
+    } else if (dynamic_cast<Dropout*>(&layer)) {
+      // identity in evaluation
+    } else if (res && !flat_) {
+      cur = residual(*res, path, cur, busy);
+      i += fuse_relu(c, i + 1);
+    } else if (dynamic_cast<Sequential*>(&layer)) {
+      cur = sequence(layer, path, cur, busy);
+    } else {
+      refuse(path, layer);
+    }
+    ++i;
   }
   return cur;
+}
+
+size_t Translator::weighted(const Children& c, size_t i, int& cur, const std::vector<int>& busy) {
+  Module& m = *c.at(i);
+  auto* conv = dynamic_cast<Conv2d*>(&m);
+  const bool averaged = dynamic_cast<GlobalAvgPool*>(&m) != nullptr;
+  auto* lin = dynamic_cast<Linear*>(averaged ? c.at(i + 1) : &m);
+  if (averaged && !lin) refuse(c.path(i), m, "a global average pool is supported right before a Linear");
+  const int64_t reads = averaged ? image_[0] : shape_numel(image_);
+  if ((lin && lin->weight().value.size(1) != reads) || (conv && conv->in_channels() != image_[0]))
+    refuse(c.path(i), m, "its input is not the layer before's");
+  FloatConv f = conv ? from_conv(*conv, image_) : from_linear(*lin, image_, averaged);
+  size_t used = averaged ? 2 : 1;
+  if (auto* bn = dynamic_cast<BatchNorm2d*>(c.at(i + used)); bn && conv) {
+    fold_batchnorm(*bn, f);
+    ++used;
+  }
+  Int8Layer l = quantized(f);
+  l.name = averaged ? describe(c.path(i + 1), *lin) : describe(c.path(i), m);
+  l.out_range = range(c.path(i + used - 1));
+  image_ = {f.g.k, f.g.out_h(), f.g.out_w()};
+  flat_ = !conv;
+  cur = push(std::move(l), cur, busy);
+  return used + (fuse_relu(c, i + used) ? 1 : 0);
+}
+
+void Translator::max_pool(const Pool2d& p, const std::string& path, int& cur, const std::vector<int>& busy) {
+  Int8Layer l;
+  l.kind = Int8Layer::Kind::MaxPool;
+  l.name = describe(path, p);
+  l.pool_c = image_[0], l.pool_h = image_[1], l.pool_w = image_[2];
+  l.pool_kernel = p.kernel(), l.pool_stride = p.stride();
+  image_ = {image_[0], (image_[1] - l.pool_kernel) / l.pool_stride + 1,
+            (image_[2] - l.pool_kernel) / l.pool_stride + 1};
+  cur = push(std::move(l), cur, busy);
 }
 
 // The shortcut (into a fresh buffer, or x itself) first, then the body, whose last convolution
