@@ -26,6 +26,7 @@ static cpu::CpuEngine& engine() { return static_cast<cpu::CpuEngine&>(engine_for
 struct Int8Conv2d::Impl {
   QType in;
   bool relu;
+  Int8Add add;
   std::vector<int8_t> w;  // (K, C, R, S), plain
   std::vector<float> bias, scales;
   struct Prim {
@@ -46,11 +47,11 @@ struct Int8Conv2d::Impl {
                                       {g.pad, g.pad});
     dnnl::primitive_attr attr;
     attr.set_output_scales(1 << 1, scales);  // one scale per output channel (dimension 1 of y)
-    if (relu) {
-      dnnl::post_ops po;
-      po.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, 0.f, 0.f);
-      attr.set_post_ops(po);
-    }
+    dnnl::post_ops po;
+    // The addend is read from y as its own type (a reinterpretation: s8 under a u8 output is allowed).
+    if (add.type != QType::F32) po.append_sum(add.scale, dnnl_type(add.type));
+    if (relu) po.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+    attr.set_post_ops(po);
     dnnl::convolution_forward::primitive_desc pd(d, attr, eng);
     p.conv = dnnl::convolution_forward(pd);
     p.wts = memory(pd.weights_desc(), eng);
@@ -63,18 +64,31 @@ struct Int8Conv2d::Impl {
 };
 
 Int8Conv2d::Int8Conv2d(const ConvShape& g, QType in, QType out, bool relu, std::vector<int8_t> weights,
-                       std::vector<float> bias_acc, std::vector<float> out_scales)
+                       std::vector<float> bias_acc, std::vector<float> out_scales, Int8Add add)
     : g_(g), out_(out), impl_(std::make_unique<Impl>()) {
   DT_CHECK(in != QType::F32, "int8 convolution: the input must be u8 or s8");
+  DT_CHECK(add.type == QType::F32 || out != QType::F32, "int8 convolution: an addend needs a u8 or s8 output");
   DT_CHECK(static_cast<int64_t>(weights.size()) == g.k * g.c * g.r * g.s, "int8 convolution: weights hold "
                                                                               << weights.size() << " values");
   DT_CHECK(static_cast<int64_t>(bias_acc.size()) == g.k && static_cast<int64_t>(out_scales.size()) == g.k,
            "int8 convolution: need one bias and one scale per output channel");
+  for (int8_t v : weights)
+    DT_CHECK(v >= -kWeightMax && v <= kWeightMax,
+             "int8 convolution: weight " << int{v} << " outside the 7 bits [-63, 63]");
   impl_->in = in;
   impl_->relu = relu;
+  impl_->add = add;
   impl_->w = std::move(weights);
   impl_->bias = std::move(bias_acc);
   impl_->scales = std::move(out_scales);
+  // oneDNN's kernels without VNNI shift an s8 input to u8 and halve the weights to keep their 16-bit
+  // pair sums inside: doubled weights come back exact, and on VNNI processors the doubled weights
+  // with half the scale give bitwise the same (acc + bias) * scale (powers of two scale exactly).
+  if (in == QType::S8) {
+    for (int8_t& v : impl_->w) v = static_cast<int8_t>(2 * v);
+    for (float& b : impl_->bias) b *= 2.f;
+    for (float& sc : impl_->scales) sc *= 0.5f;
+  }
 }
 Int8Conv2d::~Int8Conv2d() = default;
 Int8Conv2d::Int8Conv2d(Int8Conv2d&&) noexcept = default;

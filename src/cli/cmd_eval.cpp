@@ -84,10 +84,13 @@ int cmd_eval(int argc, char** argv) {
   train::ImageCheckpoint c = train::image_model_from_checkpoint(path, s);
   check_dataset(*ds, data_dir, c.spec.input, c.spec.classes, c.spec.name, path);
   if (!int8) {
-    train::EvalResult r = train::evaluate_model(*c.model, ds, batch, true, world, c.mean, c.std);
-    if (topo.rank == 0)
-      std::printf("eval %s on %s: %lld samples, loss %.4f, accuracy %.2f%%\n", path.c_str(), data_dir.c_str(),
-                  static_cast<long long>(r.samples), r.loss, 100.0 * r.accuracy);
+    double t = 0;
+    train::EvalResult r = train::evaluate_forward([&](const Tensor& x) { return c.model->forward(x); }, ds, batch,
+                                                  world, c.mean, c.std, &t);
+    if (topo.rank == 0) {
+      std::printf("eval %s on %s (%d threads)\n", path.c_str(), data_dir.c_str(), cpu_engine().threads());
+      report("fp32", r, t);
+    }
     return 0;
   }
   auto calib = calib_dir.empty() ? ds : std::make_shared<data::ShardedHdf5Dataset>(calib_dir);

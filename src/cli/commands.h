@@ -8,6 +8,7 @@ namespace dtrain::cli {
 int cmd_train(int argc, char** argv);            // src/cli/cmd_train.cpp
 int cmd_eval(int argc, char** argv);             // src/cli/cmd_eval.cpp
 int cmd_quantize(int argc, char** argv);         // src/cli/cmd_quantize.cpp (int8 checkpoint)
+int cmd_prune_export(int argc, char** argv);     // src/cli/cmd_prune_export.cpp (pruned channels cut out)
 int cmd_info(int argc, char** argv);             // src/cli/cmd_info.cpp
 int cmd_convert(int argc, char** argv);          // src/cli/cmd_convert.cpp   (dtrain convert idx|cifar10 ...)
 int cmd_bench(int argc, char** argv);            // src/cli/cmd_bench.cpp     (dispatches the bench kinds)

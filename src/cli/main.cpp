@@ -18,13 +18,14 @@ void usage() {
       "dtrain: distributed deep-learning training for HPC clusters\n\n"
       "usage: dtrain <command> [options]   (dtrain <command> --help for each command's options)\n\n"
       "commands:\n"
-      "  train     train a model (data from HDF5 shards, or --synthetic)\n"
-      "  eval      evaluate a checkpoint on a dataset (--int8: beside its int8 form)\n"
-      "  quantize  post-training int8 quantization of an image classifier checkpoint\n"
-      "  convert   convert idx (MNIST/Fashion-MNIST) or CIFAR-10 files into HDF5 shards, or text into tokens\n"
-      "  generate  sample text from a GPT checkpoint\n"
-      "  bench     micro-benchmarks: gemm, allreduce\n"
-      "  info      what was compiled in, library versions, devices\n\n"
+      "  train         train a model (data from HDF5 shards, or --synthetic)\n"
+      "  eval          evaluate a checkpoint on a dataset (--int8: beside its int8 form)\n"
+      "  quantize      post-training int8 quantization of an image classifier checkpoint\n"
+      "  prune-export  cut the channels structured pruning zeroed out of a checkpoint's model\n"
+      "  convert       convert idx (MNIST/Fashion-MNIST) or CIFAR-10 files into HDF5 shards, or text into tokens\n"
+      "  generate      sample text from a GPT checkpoint\n"
+      "  bench         micro-benchmarks: gemm, allreduce\n"
+      "  info          what was compiled in, library versions, devices\n\n"
       "launch on several ranks with mpirun -n N dtrain train ... or srun dtrain train ...\n");
 }
 
@@ -63,7 +64,9 @@ int main(int argc, char** argv) {
     else if (cmd == "quantize") {
       // One file is written: under mpirun only rank 0 quantizes.
       if (comm::Runtime::get().topology().rank == 0) code = cli::cmd_quantize(sub_argc, sub_argv);
-    }    else if (cmd == "convert") {
+    } else if (cmd == "prune-export") {
+      if (comm::Runtime::get().topology().rank == 0) code = cli::cmd_prune_export(sub_argc, sub_argv);
+    } else if (cmd == "convert") {
       // Conversion is serial: under mpirun only rank 0 writes, the others have nothing to do.
       if (comm::Runtime::get().topology().rank == 0) code = cli::cmd_convert(sub_argc, sub_argv);
     } else if (cmd == "bench")
@@ -73,7 +76,7 @@ int main(int argc, char** argv) {
     else if (cmd == "generate")
       code = cli::cmd_generate(sub_argc, sub_argv);
     else
-      throw InputError("unknown command '" + cmd + "' (commands: train, eval, quantize, convert, generate, bench, info)");
+      throw InputError("unknown command '" + cmd + "' (commands: train, eval, quantize, prune-export, convert, generate, bench, info)");
   } catch (const InputError& e) {
     // Input errors are found the same way on every rank (same options, same files, or agreed by
     // comm::agree_on_inputs), so rank 0 speaks for all and every rank exits without tearing MPI down.

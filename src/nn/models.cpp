@@ -23,19 +23,23 @@ static std::unique_ptr<Sequential> make_mlp(const ModelSpec& s, Rng& rng) {
 }
 
 // conv 3x3 16 -> ReLU -> maxpool 2 -> conv 3x3 32 -> ReLU -> maxpool 2 -> linear to classes.
-// Convolutions pad by 1, so a 28x28 image becomes 32 x 7 x 7 before the classifier.
+// Convolutions pad by 1, so a 28x28 image becomes 32 x 7 x 7 before the classifier. `channels`
+// replaces 16 and 32 (a model shrunk by prune-export).
 static std::unique_ptr<Sequential> make_simple_cnn(const ModelSpec& s, Rng& rng) {
   DT_INPUT_CHECK(s.input.size() == 3 && s.input[1] >= 4 && s.input[2] >= 4,
                  "model simple_cnn needs image inputs (C, H, W) with H, W >= 4, got " << shape_str(s.input));
+  DT_INPUT_CHECK(s.channels.size() == 2 && s.channels[0] > 0 && s.channels[1] > 0,
+                 "model simple_cnn needs two positive convolution widths, got " << shape_str(s.channels));
+  const int64_t c1 = s.channels[0], c2 = s.channels[1];
   auto m = std::make_unique<Sequential>();
-  m->add(std::make_unique<Conv2d>(s.input[0], 16, 3, 1, 1, true, rng));
+  m->add(std::make_unique<Conv2d>(s.input[0], c1, 3, 1, 1, true, rng));
   m->add(ReLU());
   m->add(MaxPool2d(2, 2));
-  m->add(std::make_unique<Conv2d>(16, 32, 3, 1, 1, true, rng));
+  m->add(std::make_unique<Conv2d>(c1, c2, 3, 1, 1, true, rng));
   m->add(ReLU());
   m->add(MaxPool2d(2, 2));
   m->add(std::make_unique<Flatten>());
-  m->add(std::make_unique<Linear>(32 * (s.input[1] / 4) * (s.input[2] / 4), s.classes, true, rng));
+  m->add(std::make_unique<Linear>(c2 * (s.input[1] / 4) * (s.input[2] / 4), s.classes, true, rng));
   return m;
 }
 
@@ -80,6 +84,18 @@ static std::unique_ptr<Sequential> make_resnet20(const ModelSpec& s, Rng& rng) {
   m->add(std::make_unique<GlobalAvgPool>());
   m->add(std::make_unique<Linear>(64, s.classes, true, rng));
   return m;
+}
+
+ModelSpec with_widths(const ModelSpec& spec, const std::vector<int64_t>& widths) {
+  ModelSpec s = spec;
+  const bool cnn = s.name == "simple_cnn" || s.name == "simplecnn";
+  DT_INPUT_CHECK(cnn || s.name == "mlp", "model " << s.name << ": its layer widths are fixed (only mlp and "
+                                                  << "simple_cnn take other widths)");
+  std::vector<int64_t>& dst = cnn ? s.channels : s.hidden;
+  DT_INPUT_CHECK(widths.size() == dst.size(), "model " << s.name << " has " << dst.size() << " hidden widths, not "
+                                                       << widths.size());
+  dst = widths;
+  return s;
 }
 
 ModulePtr make_model(const ModelSpec& s) { return make_sequential_model(s); }

@@ -366,6 +366,7 @@ void ImageTask::write_fields(CheckpointState& s) const {
   s.ints["classes"] = spec_.classes;
   s.int_lists["input_shape"] = std::vector<int64_t>(spec_.input.begin(), spec_.input.end());
   s.int_lists["hidden"] = spec_.hidden;
+  s.int_lists["channels"] = spec_.channels;
   if (train_ds_) {  // the input normalisation, so `dtrain eval` transforms inputs the same way
     const auto& info = train_ds_->info();
     s.tensors["meta/norm_mean"] = Tensor::from({static_cast<int64_t>(info.mean.size())}, info.mean);
@@ -380,6 +381,10 @@ void ImageTask::check_checkpoint(CheckpointState& s) const {
   DT_INPUT_CHECK(Shape(shape.begin(), shape.end()) == spec_.input,
                  "it was trained on inputs " << shape_str(Shape(shape.begin(), shape.end())) << " but the data has "
                                              << shape_str(spec_.input));
+  auto ch = s.int_lists.find("channels");
+  DT_INPUT_CHECK(ch == s.int_lists.end() || spec_.name != "simple_cnn" || ch->second == spec_.channels,
+                 "it holds a simple_cnn of channels " << shape_str(ch->second) << " (shrunk by dtrain prune-export), "
+                                                      << "training builds " << shape_str(spec_.channels));
 }
 
 // Every layout walks the same shuffled order of an epoch, rank r taking every world-th sample, so a
@@ -462,6 +467,7 @@ ImageCheckpoint image_model_from_checkpoint(const std::string& path, CheckpointS
   c.spec.input = Shape(s.int_lists["input_shape"].begin(), s.int_lists["input_shape"].end());
   c.spec.classes = s.ints["classes"];
   c.spec.hidden = s.int_lists["hidden"];
+  if (auto ch = s.int_lists.find("channels"); ch != s.int_lists.end()) c.spec.channels = ch->second;
   DT_INPUT_CHECK(!c.spec.name.empty(), "checkpoint '" << path << "' holds no image model");
   c.model = nn::make_sequential_model(c.spec);
   for (nn::Parameter* p : c.model->parameters()) {
@@ -479,6 +485,22 @@ ImageCheckpoint image_model_from_checkpoint(const std::string& path, CheckpointS
   c.model->eval();
   checkpoint_normalisation(s, c.mean, c.std);
   return c;
+}
+
+CheckpointState image_model_checkpoint(const ImageCheckpoint& c) {
+  CheckpointState s;
+  s.strings["model"] = c.spec.name;
+  s.ints["classes"] = c.spec.classes;
+  s.int_lists["input_shape"] = std::vector<int64_t>(c.spec.input.begin(), c.spec.input.end());
+  s.int_lists["hidden"] = c.spec.hidden;
+  s.int_lists["channels"] = c.spec.channels;
+  for (nn::Parameter* p : c.model->parameters()) s.tensors["param/" + p->name] = to_host(p->value).clone();
+  for (nn::Buffer* b : c.model->buffers()) s.tensors["buffer/" + b->name] = to_host(b->value).clone();
+  if (!c.mean.empty()) {
+    s.tensors["meta/norm_mean"] = Tensor::from({static_cast<int64_t>(c.mean.size())}, c.mean);
+    s.tensors["meta/norm_std"] = Tensor::from({static_cast<int64_t>(c.std.size())}, c.std);
+  }
+  return s;
 }
 
 void checkpoint_normalisation(const CheckpointState& s, std::vector<float>& mean, std::vector<float>& std) {

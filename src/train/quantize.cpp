@@ -1,11 +1,15 @@
 // Int8 checkpoint fields and calibration batches (include/dtrain/train/quantize.h).
 #include "dtrain/train/quantize.h"
 
+#include <algorithm>
+
 #include "dtrain/data/loader.h"
 
 namespace dtrain::train {
 
-static const char* kInt8Format = "dtrain-int8-1";
+// Format 2: 7-bit weights, each step's buffers (src, dst) and the residual flag. Format 1 files
+// hold 8-bit weights, which overflow oneDNN's kernels without VNNI: they are refused.
+static const char* kInt8Format = "dtrain-int8-2";
 
 static Tensor f32_tensor(const std::vector<float>& v) { return Tensor::from({static_cast<int64_t>(v.size())}, v); }
 
@@ -21,6 +25,7 @@ void write_int8_fields(const nn::Int8Spec& spec, CheckpointState& s) {
                                                             l.conv.s, l.conv.stride, l.conv.pad, l.relu}
                                      : std::vector<int64_t>{1, l.pool_c, l.pool_h, l.pool_w, l.pool_kernel,
                                                             l.pool_stride};
+    geom.insert(geom.end(), {l.src, l.dst, l.residual});
     Tensor g = Tensor::empty({static_cast<int64_t>(geom.size())}, DType::I64);
     std::copy(geom.begin(), geom.end(), g.data<int64_t>());
     s.tensors[k + "geometry"] = g;
@@ -54,8 +59,12 @@ static nn::Int8Layer read_layer(const CheckpointState& s, const std::string& pat
   nn::Int8Layer l;
   l.name = "int8 step " + std::to_string(j);
   l.out_range = entry(s, path, k + "out_range", DType::F32, 1).f32()[0];
-  DT_INPUT_CHECK(g.numel() == (v[0] == 0 ? 10 : 6), "int8 checkpoint '" << path << "': " << k << "geometry is "
-                                                                         << g.str());
+  const int64_t own = g.numel() > 0 && v[0] == 0 ? 10 : 6;  // values before the buffers
+  DT_INPUT_CHECK(g.numel() == own + 3, "int8 checkpoint '" << path << "': " << k << "geometry is " << g.str());
+  const int64_t* b = v + own;  // src, dst, residual (Int8Model checks that the steps chain)
+  l.src = static_cast<int>(std::clamp<int64_t>(b[0], -1, 1 << 10));
+  l.dst = static_cast<int>(std::clamp<int64_t>(b[1], -1, 1 << 10));
+  l.residual = b[2] != 0;
   if (v[0] == 1) {
     l.kind = nn::Int8Layer::Kind::MaxPool;
     l.pool_c = v[1], l.pool_h = v[2], l.pool_w = v[3], l.pool_kernel = v[4], l.pool_stride = v[5];
@@ -65,6 +74,9 @@ static nn::Int8Layer read_layer(const CheckpointState& s, const std::string& pat
   l.relu = v[9] != 0;
   const Tensor& w = entry(s, path, k + "weight_s8", DType::U8, l.conv.k * l.conv.c * l.conv.r * l.conv.s);
   l.weights.assign(w.data<int8_t>(), w.data<int8_t>() + w.numel());
+  for (int8_t q : l.weights)
+    DT_INPUT_CHECK(q >= -int8::kWeightMax && q <= int8::kWeightMax,
+                   "int8 checkpoint '" << path << "': " << k << "weight_s8 holds " << int{q} << ", outside [-63, 63]");
   l.weight_scales = floats(entry(s, path, k + "weight_scale", DType::F32, l.conv.k));
   l.bias = floats(entry(s, path, k + "bias", DType::F32, l.conv.k));
   return l;
@@ -72,8 +84,10 @@ static nn::Int8Layer read_layer(const CheckpointState& s, const std::string& pat
 
 nn::Int8Spec read_int8_fields(const CheckpointState& s, const std::string& path) {
   auto f = s.strings.find("int8");
-  DT_INPUT_CHECK(f != s.strings.end() && f->second == kInt8Format,
-                 "checkpoint '" << path << "' is not an int8 checkpoint (make one with dtrain quantize)");
+  DT_INPUT_CHECK(f != s.strings.end(), "checkpoint '" << path << "' is not an int8 checkpoint (make one with dtrain "
+                                                     << "quantize)");
+  DT_INPUT_CHECK(f->second == kInt8Format, "int8 checkpoint '" << path << "' is of format " << f->second << ", not "
+                                                               << kInt8Format << ": quantize its fp32 checkpoint again");
   nn::Int8Spec spec;
   auto shape = s.int_lists.find("input_shape");
   auto count = s.ints.find("int8_layers");
@@ -112,7 +126,8 @@ CheckpointState int8_checkpoint(const CheckpointState& fp32, const nn::Int8Spec&
   CheckpointState s;
   for (const char* k : {"model"}) s.strings[k] = fp32.strings.at(k);
   s.ints["classes"] = fp32.ints.at("classes");
-  for (const char* k : {"input_shape", "hidden"}) s.int_lists[k] = fp32.int_lists.at(k);
+  for (const char* k : {"input_shape", "hidden", "channels"})
+    if (fp32.int_lists.count(k)) s.int_lists[k] = fp32.int_lists.at(k);
   for (const char* k : {"meta/norm_mean", "meta/norm_std"})
     if (fp32.tensors.count(k)) s.tensors[k] = fp32.tensors.at(k);
   write_int8_fields(spec, s);

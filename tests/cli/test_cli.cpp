@@ -141,6 +141,67 @@ TEST(Cli, ShapeThatDoesNotFitTheModel) {
   fs::remove_all(dir);
 }
 
+// "accuracy 56.25%, loss 1.2345" of an eval report line starting with `what` ("fp32", "int8").
+std::string scores(const std::string& out, const std::string& what) {
+  const size_t at = out.find(what + "  accuracy");
+  if (at == std::string::npos) return "no " + what + " line in: " + out;
+  const size_t end = out.find(", ", out.find("loss", at));
+  return out.substr(at + what.size() + 2, end - at - what.size() - 2);
+}
+
+// Structured pruning made physical: prune-export's smaller model evaluates exactly as the masked one
+// (the same accuracy and loss to 4 decimals), and eval, eval --int8 and quantize read it; a
+// checkpoint without pruned channels is refused naming the option that makes them.
+TEST(Cli, PruneExportGivesASmallerModelThatEvaluatesTheSame) {
+  std::string dir = dtrain::test::temp_dir("cli-prune-export");
+  dtrain::test::make_band_dataset(dir + "/data", 64, 8);
+  const std::string train = "train --model simple_cnn --data " + dir + "/data --steps 3 --batch-size 16 --threads 1 "
+                            "--progress off --checkpoint-dir ";
+  Result t = run(train + dir + "/ck --prune-sparsity 0.5 --prune-structured true --prune-start 0 --prune-end 0");
+  ASSERT_EQ(t.code, 0) << t.out;
+  Result ex = run("prune-export --checkpoint " + dir + "/ck --out " + dir + "/small.h5");
+  ASSERT_EQ(ex.code, 0) << ex.out;
+  EXPECT_NE(ex.out.find("16 -> 8 output channels"), std::string::npos) << ex.out;
+  EXPECT_NE(ex.out.find("32 -> 16 output channels"), std::string::npos) << ex.out;
+  Result dense = run("eval --checkpoint " + dir + "/ck --data " + dir + "/data --batch-size 16");
+  Result small = run("eval --checkpoint " + dir + "/small.h5 --data " + dir + "/data --batch-size 16 --int8");
+  ASSERT_EQ(small.code, 0) << small.out;
+  EXPECT_EQ(scores(small.out, "fp32"), scores(dense.out, "fp32"));
+  Result q = run("quantize --checkpoint " + dir + "/small.h5 --data " + dir + "/data --batch-size 16 --out " + dir +
+                 "/small8.h5");
+  ASSERT_EQ(q.code, 0) << q.out;
+  Result q_eval = run("eval --checkpoint " + dir + "/small8.h5 --data " + dir + "/data");
+  EXPECT_EQ(q_eval.code, 0) << q_eval.out;
+  EXPECT_EQ(scores(q_eval.out, "int8"), scores(small.out, "int8")) << "the int8 checkpoint runs as eval --int8";
+  Result u = run(train + dir + "/ck-dense");
+  ASSERT_EQ(u.code, 0) << u.out;
+  EXPECT_FAILS_NAMING(run("prune-export --checkpoint " + dir + "/ck-dense --out " + dir + "/x.h5"),
+                      "--prune-structured");
+  EXPECT_FAILS_NAMING(run("prune-export --checkpoint " + dir + "/small8.h5 --out " + dir + "/x.h5"), "int8");
+  fs::remove_all(dir);
+}
+
+// ResNet-20 in int8: eval --int8 beside fp32, and its int8 checkpoint (buffers and residual steps
+// stored) evaluates as the int8 model it was written from.
+TEST(Cli, ResNet20RunsInInt8) {
+  std::string dir = dtrain::test::temp_dir("cli-resnet-int8");
+  dtrain::test::make_band_dataset(dir + "/data", 64, 8);
+  Result t = run("train --model resnet20 --data " + dir + "/data --steps 2 --batch-size 16 --threads 1 "
+                 "--progress off --checkpoint-dir " + dir + "/ck");
+  ASSERT_EQ(t.code, 0) << t.out;
+  Result side = run("eval --checkpoint " + dir + "/ck --data " + dir + "/data --batch-size 16 --int8 "
+                    "--calibration-batches 2");
+  ASSERT_EQ(side.code, 0) << side.out;
+  Result q = run("quantize --checkpoint " + dir + "/ck --data " + dir + "/data --out " + dir + "/r8.h5 "
+                 "--batch-size 16 --calibration-batches 2");
+  ASSERT_EQ(q.code, 0) << q.out;
+  EXPECT_NE(q.out.find("22 int8 steps"), std::string::npos) << q.out;
+  Result q_eval = run("eval --checkpoint " + dir + "/r8.h5 --data " + dir + "/data");
+  ASSERT_EQ(q_eval.code, 0) << q_eval.out;
+  EXPECT_EQ(scores(q_eval.out, "int8"), scores(side.out, "int8"));
+  fs::remove_all(dir);
+}
+
 TEST(CliMpi, BadOptionFailsEveryRankWithOneMessage) {
   Result r = mpirun(2, "train --synthetic --lr -1 --progress off");
   EXPECT_NE(r.code, 0) << r.out;

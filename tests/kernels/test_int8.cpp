@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dtrain/core/error.h"
 #include "dtrain/core/rng.h"
 #include "dtrain/kernels/int8.h"
 
@@ -20,10 +21,11 @@ using int8::QType;
 
 namespace {
 
-// x (N, H, W, C) as ints; w (K, C, R, S). Returns y (N, P, Q, K) as floats holding the output values.
+// x (N, H, W, C) as ints; w (K, C, R, S); `add` empty or (N, P, Q, K) as ints, times add_scale.
+// Returns y (N, P, Q, K) as floats holding the output values.
 std::vector<float> reference_conv(const ConvShape& g, int64_t n, const std::vector<int>& x, const std::vector<int8_t>& w,
                                   const std::vector<float>& bias, const std::vector<float>& scales, bool relu,
-                                  QType out) {
+                                  QType out, const std::vector<int>& add = {}, float add_scale = 0.f) {
   const int64_t P = g.out_h(), Q = g.out_w();
   std::vector<float> y(static_cast<size_t>(n * P * Q * g.k));
   for (int64_t i = 0; i < n; ++i)
@@ -38,13 +40,15 @@ std::vector<float> reference_conv(const ConvShape& g, int64_t n, const std::vect
                 if (h < 0 || h >= g.h || ww < 0 || ww >= g.w) continue;
                 acc += x[((i * g.h + h) * g.w + ww) * g.c + c] * w[((k * g.c + c) * g.r + r) * g.s + s];
               }
+          const size_t at = static_cast<size_t>(((i * P + p) * Q + q) * g.k + k);
           float v = scales[k] * (static_cast<float>(acc) + bias[k]);
+          if (!add.empty()) v += add_scale * static_cast<float>(add[at]);
           if (relu) v = std::max(v, 0.f);
           if (out != QType::F32) {
             v = std::nearbyint(v);
             v = out == QType::U8 ? std::clamp(v, 0.f, 255.f) : std::clamp(v, -128.f, 127.f);
           }
-          y[((i * P + p) * Q + q) * g.k + k] = v;
+          y[at] = v;
         }
   return y;
 }
@@ -75,12 +79,14 @@ TEST_P(Int8ConvTest, MatchesTheQuantizedArithmetic) {
     x[i] = in == QType::U8 ? static_cast<int>(rng.below(256)) : static_cast<int>(rng.below(256)) - 128;
     xb[i] = static_cast<uint8_t>(x[i]);
   }
+  // Weights over the whole 7-bit range: 2 x 255 x 63 is the largest pair sum a kernel without VNNI
+  // holds in 16 bits (int8.h), so every case would overflow there with 8-bit weights.
   std::vector<int8_t> w(static_cast<size_t>(g.k * g.c * g.r * g.s));
-  for (auto& v : w) v = static_cast<int8_t>(static_cast<int>(rng.below(255)) - 127);
+  for (auto& v : w) v = static_cast<int8_t>(static_cast<int>(rng.below(127)) - 63);
   std::vector<float> bias(g.k), scales(g.k);
-  // Accumulators spread about sd = sqrt(C*R*S) * rms(x) * rms(w) (rms 147 for u8, 74 for s8 and the
-  // weights); scales put them about 50 output steps wide, the bias shifts by up to half of that.
-  const float sd = std::sqrt(static_cast<float>(g.c * g.r * g.s)) * (in == QType::U8 ? 147.f : 74.f) * 74.f;
+  // Accumulators spread about sd = sqrt(C*R*S) * rms(x) * rms(w) (rms 147 for u8, 74 for s8, 37 for
+  // the weights); scales put them about 50 output steps wide, the bias shifts by up to half of that.
+  const float sd = std::sqrt(static_cast<float>(g.c * g.r * g.s)) * (in == QType::U8 ? 147.f : 74.f) * 37.f;
   for (int64_t k = 0; k < g.k; ++k) {
     bias[k] = rng.uniform(-0.5f, 0.5f) * sd;
     scales[k] = rng.uniform(0.5f, 2.f) * 50.f / sd;
@@ -131,6 +137,55 @@ INSTANTIATE_TEST_SUITE_P(Int8, Int8ConvTest,
                                             ::testing::Values(QType::U8, QType::S8, QType::F32),
                                             ::testing::Values(false, true)),
                          case_name);
+
+// The convolution that ends a residual block: the shortcut held in y (u8 or s8, as its own type
+// under a u8 or s8 output) is scaled and added before the ReLU.
+TEST(Int8Conv2d, AddsTheShortcutHeldInItsOutput) {
+  const ConvShape g{8, 6, 6, 8, 3, 3, 1, 1};
+  const int64_t n = 2, out_elems = n * 6 * 6 * 8;
+  Rng rng(23);
+  std::vector<int> x(static_cast<size_t>(n * 6 * 6 * 8));
+  std::vector<uint8_t> xb(x.size());
+  for (size_t i = 0; i < x.size(); ++i) xb[i] = static_cast<uint8_t>(x[i] = static_cast<int>(rng.below(256)));
+  std::vector<int8_t> w(static_cast<size_t>(8 * 8 * 9));
+  for (auto& v : w) v = static_cast<int8_t>(static_cast<int>(rng.below(127)) - 63);
+  const float sd = std::sqrt(72.f) * 147.f * 37.f;
+  std::vector<float> bias(8), scales(8);
+  for (int k = 0; k < 8; ++k) {
+    bias[k] = rng.uniform(-0.5f, 0.5f) * sd;
+    scales[k] = rng.uniform(0.5f, 2.f) * 40.f / sd;
+  }
+  for (QType add_type : {QType::U8, QType::S8})
+    for (QType out : {QType::U8, QType::S8})
+      for (bool relu : {false, true}) {
+        std::vector<int> a(static_cast<size_t>(out_elems));
+        std::vector<uint8_t> y(a.size());
+        for (size_t i = 0; i < a.size(); ++i) {
+          a[i] = add_type == QType::U8 ? static_cast<int>(rng.below(256)) : static_cast<int>(rng.below(256)) - 128;
+          y[i] = static_cast<uint8_t>(a[i]);
+        }
+        const float add_scale = 0.3f;
+        const std::vector<float> want = reference_conv(g, n, x, w, bias, scales, relu, out, a, add_scale);
+        int8::Int8Conv2d conv(g, QType::U8, out, relu, w, bias, scales, {add_type, add_scale});
+        conv.forward(n, xb.data(), y.data());
+        int64_t off_by_one = 0;
+        for (size_t i = 0; i < want.size(); ++i) {
+          const float got = value_at(y, out, i);
+          ASSERT_LE(std::fabs(got - want[i]), 1.f) << int8::qtype_name(add_type) << " into " << int8::qtype_name(out)
+                                                   << (relu ? " relu" : "") << " at " << i;
+          off_by_one += got != want[i];
+        }
+        EXPECT_LE(off_by_one, static_cast<int64_t>(want.size() / 100)) << "more than 1 % of the outputs 1 LSB off";
+      }
+}
+
+TEST(Int8Conv2d, RefusesWeightsBeyondSevenBits) {
+  const ConvShape g{1, 3, 3, 1, 3, 3, 1, 1};
+  std::vector<int8_t> w(9, 63);
+  EXPECT_NO_THROW(int8::Int8Conv2d(g, QType::U8, QType::F32, false, w, {0.f}, {1.f}));
+  w[4] = -64;
+  EXPECT_THROW(int8::Int8Conv2d(g, QType::U8, QType::F32, false, w, {0.f}, {1.f}), Error);
+}
 
 TEST(Int8MaxPool, IsTheMaximumOfEachWindow) {
   const int64_t n = 2, c = 5, h = 6, w = 6;

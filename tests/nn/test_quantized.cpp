@@ -29,16 +29,32 @@ std::vector<Tensor> batches(int count, uint64_t seed) {
   return b;
 }
 
-TEST(QuantizeModel, NamesTheFirstUnsupportedLayer) {
-  auto m = model("resnet20");
-  std::vector<float> ranges(m->size() + 1, 1.f);
+void expect_refused(nn::Sequential& m, const Shape& input, const std::string& what) {
+  Shape batch{4};
+  batch.insert(batch.end(), input.begin(), input.end());
+  Rng rng(1);
+  const nn::Int8Ranges ranges = nn::calibrate_ranges(m, {random_tensor(batch, rng)});
   try {
-    nn::quantize_model(*m, {1, 28, 28}, ranges);
-    FAIL() << "resnet20 was quantized";
+    nn::quantize_model(m, input, ranges);
+    FAIL() << "quantized, though " << what << " is not supported";
   } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("layer 1 (BatchNorm2d(16)) is not supported"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find(what + " is not supported"), std::string::npos) << e.what();
   }
+}
+
+TEST(QuantizeModel, NamesTheFirstUnsupportedLayer) {
+  Rng rng(1);
+  nn::Sequential bn_after_relu;  // a BatchNorm2d folds only into the Conv2d right before it
+  bn_after_relu.add(std::make_unique<nn::Conv2d>(1, 4, 3, 1, 1, true, rng));
+  bn_after_relu.add(nn::ReLU());
+  bn_after_relu.add(std::make_unique<nn::BatchNorm2d>(4));
+  bn_after_relu.add(std::make_unique<nn::Flatten>());
+  bn_after_relu.add(std::make_unique<nn::Linear>(4 * 8 * 8, 3, true, rng));
+  expect_refused(bn_after_relu, {1, 8, 8}, "layer 2 (BatchNorm2d(4))");
+  nn::Sequential gap_last;  // a global average pool runs only as the input of a Linear
+  gap_last.add(std::make_unique<nn::Conv2d>(1, 4, 3, 1, 1, true, rng));
+  gap_last.add(std::make_unique<nn::GlobalAvgPool>());
+  expect_refused(gap_last, {1, 8, 8}, "layer 1 (GlobalAvgPool)");
 }
 
 TEST(QuantizeModel, RefusesAReluThatNoConvolutionPrecedes) {
@@ -47,26 +63,51 @@ TEST(QuantizeModel, RefusesAReluThatNoConvolutionPrecedes) {
   m.add(std::make_unique<nn::Flatten>());
   m.add(nn::ReLU());
   m.add(std::make_unique<nn::Linear>(784, 10, true, rng));
-  EXPECT_THROW(nn::quantize_model(m, {1, 28, 28}, std::vector<float>(4, 1.f)), InputError);
+  expect_refused(m, {1, 28, 28}, "layer 1 (ReLU)");
 }
 
 TEST(QuantizeModel, CalibrationIsBitwiseReproducibleAndOrderFree) {
   auto m = model("simple_cnn");
   std::vector<Tensor> b = batches(3, 5);
-  const std::vector<float> r1 = nn::calibrate_ranges(*m, b);
+  const nn::Int8Ranges r1 = nn::calibrate_ranges(*m, b);
   std::vector<Tensor> reversed(b.rbegin(), b.rend());
-  const std::vector<float> r2 = nn::calibrate_ranges(*m, reversed);
-  ASSERT_EQ(r1.size(), m->size() + 1);
-  EXPECT_EQ(0, std::memcmp(r1.data(), r2.data(), r1.size() * sizeof(float)));
-  for (float r : r1) EXPECT_GT(r, 0.f);
+  const nn::Int8Ranges r2 = nn::calibrate_ranges(*m, reversed);
+  ASSERT_EQ(r1.size(), m->size() + 1);  // every layer's output and the input
+  EXPECT_EQ(r1, r2);
+  for (const auto& [path, r] : r1) EXPECT_GT(r, 0.f) << path;
   const nn::Int8Spec s1 = nn::quantize_model(*m, {1, 28, 28}, r1), s2 = nn::quantize_model(*m, {1, 28, 28}, r2);
   ASSERT_EQ(s1.layers.size(), 5u);  // conv+relu, pool, conv+relu, pool, linear
   for (size_t i = 0; i < s1.layers.size(); ++i) {
     EXPECT_EQ(s1.layers[i].weights, s2.layers[i].weights);
     EXPECT_EQ(s1.layers[i].weight_scales, s2.layers[i].weight_scales);
     EXPECT_EQ(s1.layers[i].out_range, s2.layers[i].out_range);
+    EXPECT_EQ(s1.layers[i].src, static_cast<int>(i % 2)) << "a chain alternates between two buffers";
   }
   EXPECT_TRUE(s1.layers[0].relu && s1.layers[2].relu && !s1.layers[4].relu);
+}
+
+// ResNet-20: BatchNorm folded (22 convolutions: the stem, two per block, two projections, the
+// classifier over the average pool), each block's second convolution adding its shortcut in the
+// shortcut's buffer, three buffers at most.
+TEST(QuantizeModel, ResNet20FoldsBatchNormAndAddsEachShortcut) {
+  auto m = model("resnet20");
+  const nn::Int8Spec s = nn::quantize_model(*m, {1, 28, 28}, nn::calibrate_ranges(*m, batches(1, 3)));
+  ASSERT_EQ(s.layers.size(), 22u);
+  int residual = 0, most = 0;
+  for (const nn::Int8Layer& l : s.layers) {
+    EXPECT_EQ(l.kind, nn::Int8Layer::Kind::Conv) << l.name;
+    residual += l.residual;
+    most = std::max({most, l.src, l.dst});
+    if (l.residual) {
+      EXPECT_TRUE(l.relu) << l.name << ": the ReLU after the block is fused";
+    }
+  }
+  EXPECT_EQ(residual, 9);
+  EXPECT_LE(most, 2);
+  const nn::Int8Layer& head = s.layers.back();  // Linear(64, 10) over the 7x7 average
+  EXPECT_EQ(head.conv.r, 7);
+  EXPECT_EQ(head.conv.c, 64);
+  EXPECT_EQ(head.name, "layer 13 (Linear(64, 10))");
 }
 
 // The int8 logits of a model against its fp32 logits on calibrated data: errors of a few
@@ -74,6 +115,7 @@ TEST(QuantizeModel, CalibrationIsBitwiseReproducibleAndOrderFree) {
 void expect_close_to_fp32(const std::string& name) {
   auto m = model(name, 7);
   std::vector<Tensor> b = batches(4, 11);
+  for (int i = 0; i < 20; ++i) m->forward(b[i % 4]);  // BatchNorm statistics of the data, as after training
   nn::Int8Model q(nn::quantize_model(*m, {1, 28, 28}, nn::calibrate_ranges(*m, b)));
   m->eval();
   double err = 0, mag = 0;
@@ -101,5 +143,34 @@ void expect_close_to_fp32(const std::string& name) {
 
 TEST(Int8Model, SimpleCnnFollowsItsFp32Logits) { expect_close_to_fp32("simple_cnn"); }
 TEST(Int8Model, MlpFollowsItsFp32Logits) { expect_close_to_fp32("mlp"); }
+TEST(Int8Model, ResNet20FollowsItsFp32Logits) { expect_close_to_fp32("resnet20"); }
+
+// A folded BatchNorm with statistics far from (0, 1): the int8 convolution computes what the
+// Conv2d and BatchNorm2d compute, to a few quantization steps.
+TEST(Int8Model, FoldedBatchNormFollowsTheFp32Layers) {
+  Rng rng(4);
+  nn::Sequential m;
+  m.add(std::make_unique<nn::Conv2d>(1, 6, 3, 1, 1, false, rng));
+  m.add(std::make_unique<nn::BatchNorm2d>(6));
+  m.add(nn::ReLU());
+  m.add(std::make_unique<nn::Flatten>());
+  m.add(std::make_unique<nn::Linear>(6 * 8 * 8, 4, true, rng));
+  for (nn::Parameter* p : m.parameters())
+    if (p->name.rfind("1.", 0) == 0) p->value.copy_from(random_tensor({6}, rng, 0.5f));
+  for (nn::Buffer* b : m.buffers()) {
+    const bool var = b->name == "1.running_var";
+    for (int64_t c = 0; c < 6; ++c) b->value.f32()[c] = var ? 0.05f + 0.5f * static_cast<float>(c) : 0.3f * rng.normal();
+  }
+  Tensor x = random_tensor({16, 1, 8, 8}, rng);
+  nn::Int8Model q(nn::quantize_model(m, {1, 8, 8}, nn::calibrate_ranges(m, {x})));
+  m.eval();
+  const Tensor want = m.forward(x).clone(), got = q.forward(x);
+  double err = 0, mag = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    err = std::max(err, static_cast<double>(std::fabs(want.f32()[i] - got.f32()[i])));
+    mag = std::max(mag, static_cast<double>(std::fabs(want.f32()[i])));
+  }
+  EXPECT_LT(err, 0.03 * mag) << "largest logit error " << err << " against logits up to " << mag;
+}
 
 }  // namespace

@@ -3,9 +3,13 @@
 //
 // Activations are channels-last (N, H, W, C), quantized symmetrically with zero point 0: a value v
 // is held as q = round(v / scale) (round to nearest even, saturated), u8 after a ReLU, s8 otherwise.
-// Weights are s8 with one scale per output channel. A Linear layer is the convolution whose kernel
-// covers its whole input: (K, C*H*W) weights over a flattened NCHW image are (K, C, H, W) weights
-// with no padding, so one primitive serves both and the flatten needs no permutation.
+// Weights are s8 in 7 bits, [-63, 63], with one scale per output channel: oneDNN's kernels on
+// processors without VNNI (AVX2; AVX-512 before Cascade Lake) multiply u8 by s8 in pairs summed into
+// 16 bits (vpmaddubsw), which 2 x 255 x 127 overflows and 2 x 255 x 63 does not, and the same
+// weights give the same results on every processor (an int8 checkpoint runs anywhere). A Linear
+// layer is the convolution whose kernel covers its whole input: (K, C*H*W) weights over a flattened
+// NCHW image are (K, C, H, W) weights with no padding, so one primitive serves both and the flatten
+// needs no permutation.
 //
 // The arithmetic of Int8Conv2d, which tests reproduce exactly:
 //   acc[n,p,q,k] = sum over c, r, s of x_q * w_q                       (int32)
@@ -13,6 +17,9 @@
 //   y            = saturate(round_even(relu ? max(v, 0) : v))          (u8 / s8), or v itself (f32)
 // For a u8/s8 output out_scale[k] = x_scale * w_scale[k] / y_scale; for an f32 output (logits)
 // out_scale[k] = x_scale * w_scale[k]. bias_acc[k] = bias[k] / (x_scale * w_scale[k]).
+// A convolution that ends a residual block adds what its output buffer holds on entry (the
+// shortcut, a_q of type add.type) before the ReLU, in place (oneDNN's sum post-op):
+//   v            = out_scale[k] * (acc + bias_acc[k]) + add.scale * a_q    (add.scale = a_scale / y_scale)
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -20,6 +27,7 @@
 namespace dtrain::int8 {
 
 enum class QType : uint8_t { U8, S8, F32 };
+constexpr int kWeightMax = 63;  // weights in [-kWeightMax, kWeightMax]
 const char* qtype_name(QType t);
 size_t qtype_size(QType t);
 
@@ -30,15 +38,21 @@ struct ConvShape {
   int64_t out_w() const { return (w + 2 * pad - s) / stride + 1; }
 };
 
+// The addend of a residual convolution: its type (u8 or s8, held in the output buffer) and scale.
+struct Int8Add {
+  QType type = QType::F32;  // F32: no addend
+  float scale = 0.f;
+};
+
 class Int8Conv2d {
  public:
-  // weights (K, C, R, S) s8; bias_acc and out_scales (K). Primitives are built per batch size on
+  // weights (K, C, R, S) s8 in [-63, 63]; bias_acc and out_scales (K). Primitives are built per batch size on
   // first use and kept (the last, short batch of an epoch gets its own).
   Int8Conv2d(const ConvShape& g, QType in, QType out, bool relu, std::vector<int8_t> weights,
-             std::vector<float> bias_acc, std::vector<float> out_scales);
+             std::vector<float> bias_acc, std::vector<float> out_scales, Int8Add add = {});
   ~Int8Conv2d();
   Int8Conv2d(Int8Conv2d&&) noexcept;
-  // x (N, H, W, C) of type `in`; y (N, P, Q, K) of type `out`.
+  // x (N, H, W, C) of type `in`; y (N, P, Q, K) of type `out` (with an addend: holding it on entry).
   void forward(int64_t n, const void* x, void* y);
   const ConvShape& shape() const { return g_; }
   QType out_type() const { return out_; }

@@ -151,6 +151,11 @@ class BatchNorm2d : public Module {
   int64_t channels() const { return c_; }
   float eps() const { return eps_; }
   float momentum() const { return momentum_; }
+  // Evaluation mode's per-channel affine map, y = gamma (x - mean) / sqrt(var + eps) + beta.
+  const Tensor& gamma() const { return gamma_->value; }
+  const Tensor& beta() const { return beta_->value; }
+  const Tensor& running_mean() const { return running_mean_->value; }
+  const Tensor& running_var() const { return running_var_->value; }
 
  private:
   int64_t c_;
@@ -213,6 +218,8 @@ class Residual : public Module {
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override { return "Residual"; }
   std::vector<std::pair<std::string, Module*>> children() override;
+  Module& body() { return *body_; }
+  Module* shortcut() { return shortcut_.get(); }  // null: the identity
 
  private:
   ModulePtr body_, shortcut_;

@@ -13,6 +13,7 @@ struct ModelSpec {
   std::vector<int64_t> hidden{256, 128};  // MLP widths
   float dropout = 0.f;         // MLP dropout between hidden layers
   uint64_t seed = 1;
+  std::vector<int64_t> channels{16, 32};  // simple_cnn's convolution widths (fewer after dtrain prune-export)
 };
 
 // Builds a model; throws InputError naming the model when the name or input shape does not fit.
@@ -21,5 +22,9 @@ ModulePtr make_model(const ModelSpec& spec);
 // stages (Sequential::stage_of) between these layers.
 std::unique_ptr<Sequential> make_sequential_model(const ModelSpec& spec);
 std::vector<std::string> model_names();
+// `spec` with the widths of its hidden layers replaced: one per Conv2d/Linear but the output layer,
+// in order (the mlp's hidden widths, simple_cnn's channels). Throws InputError naming a model whose
+// widths are not free (resnet20) or a count that does not fit.
+ModelSpec with_widths(const ModelSpec& spec, const std::vector<int64_t>& widths);
 
 }  // namespace dtrain::nn

@@ -2,13 +2,21 @@
 // Post-training int8 quantization of an image classifier for CPU inference (oneDNN int8 kernels,
 // include/dtrain/kernels/int8.h).
 //
-// What is quantized: Conv2d and Linear become s8-weight convolutions (one symmetric scale per output
-// channel), each with the ReLU that follows it fused (its output then u8); MaxPool2d runs on the
-// int8 values; Flatten and Dropout (identity in evaluation) vanish; the last Conv2d/Linear writes
-// f32 logits. Activations are quantized symmetrically with the scale max|x| / 127 (s8) or / 255 (u8,
-// after a ReLU), max|x| measured at every layer boundary over the calibration batches (a maximum, so
-// the same batches give bitwise the same ranges in any order or thread count). Any other layer
-// (BatchNorm2d, Residual blocks, GlobalAvgPool, GELU, ...) is refused with an InputError naming it.
+// What is quantized: Conv2d and Linear become s8-weight convolutions (7-bit weights, one symmetric
+// scale per output channel, see int8.h), each with the BatchNorm2d right after a Conv2d folded into
+// its weights and bias (evaluation mode's affine map) and the ReLU that follows fused (its output
+// then u8); MaxPool2d runs on the int8 values; a GlobalAvgPool followed by a Linear becomes one
+// convolution whose kernel covers the whole image with the Linear's weights / (H W) at every
+// position (exact, no rounding of the average); a Residual block's shortcut (identity, or a Conv2d
+// + BatchNorm2d) is added by the body's last convolution before the ReLU after the block (int8.h's
+// addend); Flatten and Dropout (identity in evaluation) vanish; the last Conv2d/Linear writes f32
+// logits. Activations are quantized symmetrically with the scale max|x| / 127 (s8) or / 255 (u8,
+// after a ReLU), max|x| measured at every module's output over the calibration batches (a maximum,
+// so the same batches give bitwise the same ranges in any order or thread count). Any other layer
+// (a BatchNorm2d not after a Conv2d, GELU, LayerNorm, average pooling, ...) is refused with an
+// InputError naming it.
+#include <map>
+#include <string>
 #include <vector>
 
 #include "dtrain/kernels/int8.h"
@@ -17,15 +25,18 @@
 namespace dtrain::nn {
 
 // One step of the int8 forward: a convolution (a Linear is the one whose kernel covers its whole
-// input, see int8.h) or a max pool.
+// input, see int8.h) or a max pool, reading activation buffer `src` and writing buffer `dst`.
+// Buffer 0 holds the quantized input; the last step writes the logits instead of a buffer.
 struct Int8Layer {
   enum class Kind : uint8_t { Conv, MaxPool };
   Kind kind = Kind::Conv;
-  std::string name;  // the fp32 model's layer ("3: Conv2d(16, 32, k=3, s=1, p=1)"), for messages
+  std::string name;  // the fp32 model's layer ("layer 4.0.body.0 (Conv2d(16, 16, k=3, s=1, p=1))"), for messages
+  int src = 0, dst = 1;
   // Conv: geometry, weights (K, C, R, S) s8 with their scales (K), bias (K, model units, f32),
   // whether a ReLU is fused; output u8 after a ReLU, f32 for the last layer, s8 otherwise.
   int8::ConvShape conv{};
   bool relu = false;
+  bool residual = false;  // adds what `dst` holds (a block's shortcut) before the ReLU
   std::vector<int8_t> weights;
   std::vector<float> weight_scales, bias;
   // MaxPool: kernel and stride over a (c, h, w) input.
@@ -41,17 +52,22 @@ struct Int8Spec {
   std::vector<Int8Layer> layers;
 };
 
-// max |x| at every layer boundary of `model` (size() + 1 values: the input, then each layer's
-// output) over `batches`, in evaluation mode (no state changes).
-std::vector<float> calibrate_ranges(Sequential& model, const std::vector<Tensor>& batches);
+// max |y| at the output of every module of a model, by its path ("3", "4.0.body.1", as parameter
+// names spell it), and max |x| of the input under "input".
+using Int8Ranges = std::map<std::string, float>;
 
-// The int8 form of `model` (inputs of shape `input`, per sample) with the boundary ranges of
+// The ranges of `model` over `batches`, in evaluation mode (no state changes).
+Int8Ranges calibrate_ranges(Sequential& model, const std::vector<Tensor>& batches);
+
+// The int8 form of `model` (inputs of shape `input`, per sample) with the ranges of
 // calibrate_ranges. Throws InputError naming the first layer int8 cannot run.
-Int8Spec quantize_model(Sequential& model, const Shape& input, const std::vector<float>& ranges);
+Int8Spec quantize_model(Sequential& model, const Shape& input, const Int8Ranges& ranges);
 
 // Runs an Int8Spec. Not thread-safe (buffers and primitives are reused between calls).
 class Int8Model {
  public:
+  // Throws InputError when the steps do not chain (a step reading a buffer no step wrote, shapes
+  // that do not meet): what a damaged int8 checkpoint gives.
   explicit Int8Model(const Int8Spec& spec);
   // x (N, ...input) f32 -> logits (N, classes) f32.
   Tensor forward(const Tensor& x);
@@ -63,12 +79,13 @@ class Int8Model {
   struct Step {
     std::unique_ptr<int8::Int8Conv2d> conv;
     std::unique_ptr<int8::Int8MaxPool> pool;
-    int64_t out_per_sample;  // output elements per sample
+    int src, dst;
   };
   std::vector<Step> steps_;
   int8::QType input_type_ = int8::QType::S8;
   int64_t classes_ = 0;
-  std::vector<uint8_t> a_, b_;  // ping-pong activation buffers
+  int64_t most_ = 0;                        // elements per sample of the largest activation
+  std::vector<std::vector<uint8_t>> bufs_;  // activation buffers, by Int8Layer::src / dst
 };
 
 }  // namespace dtrain::nn

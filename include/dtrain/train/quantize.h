@@ -1,13 +1,15 @@
 #pragma once
 // Int8 checkpoints and calibration data for `dtrain quantize` and `dtrain eval --int8`.
 //
-// An int8 checkpoint is a dtrain checkpoint file whose attribute "int8" is "dtrain-int8-1"; it
+// An int8 checkpoint is a dtrain checkpoint file whose attribute "int8" is "dtrain-int8-2"; it
 // keeps the fp32 model's "model", "classes" and "input_shape" fields and its input normalisation
 // ("meta/norm_mean", "meta/norm_std"), and per int8 step j (nn::Int8Layer) the tensors
 // "int8/<j>/geometry" (i64: kind, then c h w k r s stride pad relu for a conv, c h w kernel stride
-// for a max pool), "int8/<j>/weight_s8" (the s8 weights (K, C, R, S), stored as their bytes in a u8
-// dataset: HDF5 checkpoints have no s8 dtype), "int8/<j>/weight_scale" (K), "int8/<j>/bias" (K)
-// and "int8/<j>/out_range" (1); "int8/input_range" (1) is the input's calibrated max |x|.
+// for a max pool, then the buffers src dst and the residual flag), "int8/<j>/weight_s8" (the s8
+// weights (K, C, R, S) in [-63, 63], stored as their bytes in a u8 dataset: HDF5 checkpoints have
+// no s8 dtype), "int8/<j>/weight_scale" (K), "int8/<j>/bias" (K) and "int8/<j>/out_range" (1);
+// "int8/input_range" (1) is the input's calibrated max |x|. Format 1 (8-bit weights, two buffers
+// in turn) is refused: such weights overflow oneDNN's kernels on processors without VNNI.
 #include <memory>
 #include <string>
 #include <vector>

@@ -177,6 +177,9 @@ struct ImageCheckpoint {
   std::vector<float> mean, std;  // empty when the checkpoint has none
 };
 ImageCheckpoint image_model_from_checkpoint(const std::string& path, CheckpointState& s);
+// The inverse: a checkpoint of only the model (spec fields, parameters, buffers, normalisation),
+// which image_model_from_checkpoint, `dtrain eval` and `dtrain quantize` read (prune-export's output).
+CheckpointState image_model_checkpoint(const ImageCheckpoint& c);
 // The training set's input normalisation a checkpoint keeps ("meta/norm_mean", "meta/norm_std");
 // mean and std stay empty when it has none.
 void checkpoint_normalisation(const CheckpointState& s, std::vector<float>& mean, std::vector<float>& std);
