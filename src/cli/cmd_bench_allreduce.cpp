@@ -129,7 +129,7 @@ int cmd_bench_allreduce(int argc, char** argv) {
       "backend", po::value(&backend)->default_value("mpi"), "mpi or nccl (device buffers)")(
       "allreduce", po::value(&algorithms_s)->default_value(""),
       "comma list of the MPI backend's allreduce algorithms to time side by side: auto, mpi, shm, hier (default: "
-      "DTRAIN_ALLREDUCE, auto)")(
+      "DTRAIN_ALLREDUCE, mpi)")(
       "check", po::bool_switch(&o.check), "verify one extra allreduce per row; #wrong counts bad elements")(
       "no-baseline", po::bool_switch(), "skip the raw MPI_Allreduce rows");
   po::variables_map vm;

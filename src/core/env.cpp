@@ -9,9 +9,9 @@ namespace dtrain::env {
 
 const std::vector<Knob>& knobs() {
   static const std::vector<Knob> k = {
-      {"DTRAIN_ALLREDUCE", "auto",
-       "allreduce algorithm of the MPI backend for f32 host buffers: auto, mpi, shm (one node's shared memory), "
-       "hier (shm within nodes, MPI between them); --allreduce sets it for a run"},
+      {"DTRAIN_ALLREDUCE", "mpi",
+       "allreduce algorithm of the MPI backend for f32 host buffers: mpi, auto (by size and layout), shm (one "
+       "node's shared memory), hier (shm within nodes, MPI between them); --allreduce sets it for a run"},
       {"DTRAIN_COMM_TIMEOUT", "300", "seconds any collective or point-to-point wait may take before the job aborts"},
       {"DTRAIN_LOADER_THREADS", "2", "background threads per rank that read and augment batches"},
       {"DTRAIN_PREFETCH", "4", "batches the loader keeps ready ahead of the step"},

@@ -186,7 +186,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(image, "eval", &c.eval_each_epoch, def.eval_each_epoch, "evaluate on --test-data after each epoch");
   add(common, "bucket-mb", &c.bucket_mb, def.bucket_mb, "data-parallel gradient bucket size (MiB)");
   add(common, "overlap", &c.overlap, def.overlap, "start each bucket's allreduce while backward runs");
-  add(common, "allreduce", &c.allreduce, def.allreduce, "allreduce algorithm of the MPI backend: auto (by size and layout), mpi, shm (one node's shared memory), hier (shm within nodes, MPI between them); empty: DTRAIN_ALLREDUCE, auto");
+  add(common, "allreduce", &c.allreduce, def.allreduce, "allreduce algorithm of the MPI backend: auto (by size and layout), mpi, shm (one node's shared memory), hier (shm within nodes, MPI between them); empty: DTRAIN_ALLREDUCE, mpi");
   add(common, "compression", &c.compression, def.compression, "gradient compression: none, fp16, bf16, topk:RATIO, powersgd:RANK, onebit, qsgd:LEVELS");
   add(common, "compression-scope", &c.compression_scope, def.compression_scope, "where --compression applies: all (every data-parallel exchange), inter-node (gradients averaged exactly within each node, compressed only between nodes; on one node nothing is compressed)");
   add(common, "compression-warmup", &c.compression_warmup, def.compression_warmup, "compression warm-up steps (-1: one epoch, the gpt: --warmup-steps; 0: none): top-k's kept fraction falls from 25 % to the target; PowerSGD sends uncompressed gradients until then");
