@@ -20,6 +20,13 @@ namespace {
 
 constexpr int64_t kCutAlign = 16;  // floats: parts start on 64-byte lines, so ranks never share one
 constexpr size_t kControlBytes = 256;
+// MPI_Win_allocate_shared promises no alignment (Open MPI 4.1 starts the segments 8 bytes past a
+// line), while Control's alignas(64) and the 64-byte parts need lines: every segment holds one spare
+// line and is used from its first line boundary on.
+constexpr uintptr_t kLineBytes = 64;
+char* line_aligned(char* p) {
+  return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + kLineBytes - 1) & ~(kLineBytes - 1));
+}
 constexpr int64_t kFoldBlock = 1024;  // floats per rank in the fold's scratch (L x 4 KiB, in L1/L2)
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, long timeout_ns) {
@@ -88,7 +95,8 @@ NodeAllreduce::NodeAllreduce(MPI_Comm comm, double timeout_s) : timeout_s_(timeo
   chunk_floats_ = std::max<int64_t>(kCutAlign * local_size_,
                                     static_cast<int64_t>(env::get_double("DTRAIN_SHM_CHUNK_MB") * (1 << 20) / 4));
   chunk_floats_ -= chunk_floats_ % kCutAlign;
-  MPI_Aint bytes = static_cast<MPI_Aint>(2 * chunk_floats_ * sizeof(float)) + (local_rank_ == 0 ? kControlBytes : 0);
+  MPI_Aint bytes = static_cast<MPI_Aint>(2 * chunk_floats_ * sizeof(float) + kLineBytes) +
+                   (local_rank_ == 0 ? kControlBytes : 0);
   void* base = nullptr;
   DT_MPI_CHECK(MPI_Win_allocate_shared(bytes, 1, MPI_INFO_NULL, node_comm_, &base, &window_));
   slots_.resize(local_size_);
@@ -99,6 +107,7 @@ NodeAllreduce::NodeAllreduce(MPI_Comm comm, double timeout_s) : timeout_s_(timeo
     int unit = 0;
     char* seg = nullptr;
     DT_MPI_CHECK(MPI_Win_shared_query(window_, p, &size, &unit, &seg));
+    seg = line_aligned(seg);
     if (p == 0) {
       control_base = seg;
       seg += kControlBytes;
