@@ -1,11 +1,14 @@
 #include "dtrain/comm/communicator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstring>
 
 #include "algorithms/node_allreduce.h"
+#include "control/flight_recorder.h"
 #include "dtrain/comm/mpi_check.h"
+#include "dtrain/comm/runtime.h"
 #include "dtrain/core/env.h"
 
 namespace dtrain::comm {
@@ -99,7 +102,8 @@ Communicator::Communicator(int rank, int size, std::string name)
       allreduce_algorithm_(allreduce_algorithm_from_name(env::get("DTRAIN_ALLREDUCE"))),
       rank_(rank),
       size_(size),
-      name_(std::move(name)) {}
+      name_(std::move(name)),
+      recorder_(detail::make_flight_recorder(name_, rank_, size_)) {}
 
 Communicator::~Communicator() = default;
 
@@ -111,16 +115,45 @@ void Communicator::check_buffer(const Tensor& t, const char* what, const char* c
                                       << "split it into buckets");
 }
 
+namespace {
+// The DTRAIN_TEST_SKIP_COLLECTIVE hook ("RANK:COMM:STEP"): world rank RANK does not issue its first
+// collective on communicator COMM in the body of step STEP, as if its code took another branch.
+bool skipped_for_test(const std::string& comm, int64_t phase) {
+  static const std::string hook = env::get("DTRAIN_TEST_SKIP_COLLECTIVE");
+  static std::atomic<bool> done{false};
+  if (hook.empty() || done.load() || !Runtime::initialized()) return false;
+  const auto a = hook.find(':'), b = hook.rfind(':');
+  if (a == b || std::stoi(hook.substr(0, a)) != Runtime::get().topology().rank ||
+      hook.substr(a + 1, b - a - 1) != comm || phase != 1 + 2 * std::stoll(hook.substr(b + 1)))
+    return false;
+  return !done.exchange(true);
+}
+}  // namespace
+
+std::shared_ptr<Work> Communicator::issue(const detail::CollectiveCall& call,
+                                          const std::function<std::shared_ptr<Work>()>& run) {
+  if (call.kind != detail::CollectiveKind::Split && skipped_for_test(name_, detail::current_phase()))
+    return make_completed_work(std::string(detail::collective_kind_name(call.kind)) + " skipped on '" + name_ +
+                               "' (DTRAIN_TEST_SKIP_COLLECTIVE)");
+  const double t = detail::wall_s();
+  const int64_t before = collectives_issued_;
+  std::shared_ptr<Work> w = run();
+  // A backend takes one sequence number per collective (NCCL's split takes none on itself).
+  if (collectives_issued_ == before + 1) recorder_->issued(collectives_issued_, call, recorder_->phase_now(), t);
+  return w;
+}
+
 std::shared_ptr<Work> Communicator::allreduce(Tensor& t, ReduceOp op) {
   check_buffer(t, "t", "allreduce");
-  return do_allreduce(t, op);
+  return issue({detail::CollectiveKind::Allreduce, t.dtype(), t.numel(), static_cast<int32_t>(op)},
+               [&] { return do_allreduce(t, op); });
 }
 
 std::shared_ptr<Work> Communicator::broadcast(Tensor& t, int root) {
   check_buffer(t, "t", "broadcast");
   DT_CHECK(root >= 0 && root < size_,
            "broadcast: root " << root << " is not a rank of '" << name_ << "' (size " << size_ << ")");
-  return do_broadcast(t, root);
+  return issue({detail::CollectiveKind::Broadcast, t.dtype(), t.numel(), root}, [&] { return do_broadcast(t, root); });
 }
 
 std::shared_ptr<Work> Communicator::allgather(const Tensor& in, Tensor& out) {
@@ -129,7 +162,7 @@ std::shared_ptr<Work> Communicator::allgather(const Tensor& in, Tensor& out) {
   DT_CHECK(in.dtype() == out.dtype(), "allgather: in " << in.str() << " and out " << out.str() << " differ in dtype");
   DT_CHECK(out.numel() == in.numel() * size_, "allgather: out " << out.str() << " must hold size() * in.numel() = "
                                                                 << size_ << " * " << in.numel() << " elements");
-  return do_allgather(in, out);
+  return issue({detail::CollectiveKind::Allgather, in.dtype(), in.numel(), 0}, [&] { return do_allgather(in, out); });
 }
 
 std::shared_ptr<Work> Communicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
@@ -139,7 +172,8 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const Tensor& in, Tensor& out
            "reduce_scatter: in " << in.str() << " and out " << out.str() << " differ in dtype");
   DT_CHECK(in.numel() == out.numel() * size_, "reduce_scatter: in " << in.str() << " must hold size() * out.numel() = "
                                                                     << size_ << " * " << out.numel() << " elements");
-  return do_reduce_scatter(in, out, op);
+  return issue({detail::CollectiveKind::ReduceScatter, in.dtype(), in.numel(), static_cast<int32_t>(op)},
+               [&] { return do_reduce_scatter(in, out, op); });
 }
 
 std::shared_ptr<Work> Communicator::send(const Tensor& t, int peer, int tag) {
@@ -158,12 +192,21 @@ std::shared_ptr<Work> Communicator::recv(Tensor& t, int peer, int tag) {
   return do_recv(t, peer, tag);
 }
 
-void Communicator::barrier() { do_barrier()->wait(); }
+void Communicator::barrier() {
+  issue({detail::CollectiveKind::Barrier, DType::U8, 0, 0}, [&] { return do_barrier(); })->wait();
+}
 
 std::unique_ptr<Communicator> Communicator::split(int color, int key, const std::string& name) {
   DT_CHECK(color >= 0 || color == kNoColor, "split: color " << color << " must be >= 0 or kNoColor");
   std::string n = name.empty() ? name_ + "/" + (color == kNoColor ? std::string("none") : std::to_string(color)) : name;
-  return do_split(color, key, n);
+  std::unique_ptr<Communicator> sub;
+  // Colours and keys differ between ranks by design: the record holds neither.
+  issue({detail::CollectiveKind::Split, DType::U8, 0, 0}, [&] {
+    sub = do_split(color, key, n);
+    return make_completed_work("split");
+  });
+  if (sub) sub->track_step_phases(recorder_->tracks_phases());
+  return sub;
 }
 
 NodeSplit split_by_node(Communicator& c) {
@@ -177,6 +220,7 @@ NodeSplit split_by_node(Communicator& c) {
   s.uniform = sizes.data<int32_t>()[0] == -sizes.data<int32_t>()[1];
   return s;
 }
+void Communicator::track_step_phases(bool on) { recorder_->track_phases(on); }
 
 double alg_bandwidth(double bytes, double seconds) { return seconds > 0 ? bytes / seconds : 0.0; }
 

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "backends/mpi_types.h"
+#include "control/sequence_check.h"
 #include "dtrain/comm/mpi_check.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/timer.h"
@@ -145,6 +146,7 @@ void MpiWork::wait(double timeout_s) {
   double limit = timeout_s < 0 ? timeout_s_ : timeout_s;
   double start = now_s();
   double deadline = limit > 0 ? start + limit : 1e300;
+  StallWatch stall(limit);  // a desync found by any rank ends the wait; a long one asks for a check
   if (kind_ == Kind::Collective) {
     std::unique_lock<std::mutex> lock(mu_);
     while (!done_.load(std::memory_order_acquire)) {
@@ -153,7 +155,8 @@ void MpiWork::wait(double timeout_s) {
         lock.unlock();
         on_timeout(limit, now_s() - start);
       }
-      cv_.wait_for(lock, std::chrono::duration<double>(std::min(left, 1.0)));
+      cv_.wait_for(lock, std::chrono::duration<double>(std::min(left, 0.1)));
+      if (!done_.load(std::memory_order_acquire)) stall.tick(now_s() - start);
     }
   } else {
     // Periodic testing: the waiter drives the transfer (the worker also polls when idle).
@@ -161,6 +164,7 @@ void MpiWork::wait(double timeout_s) {
     // burn a core).
     for (int polls = 0; !poll(); ++polls) {
       if (now_s() >= deadline) on_timeout(limit, now_s() - start);
+      if (polls >= 2000) stall.tick(now_s() - start);
       if (polls < 2000)
         std::this_thread::yield();
       else
@@ -188,6 +192,7 @@ void MpiWork::on_timeout(double limit_s, double waited_s) {
   std::string report = format_timeout_report(what, channel_->size(), target, kind_ == Kind::Collective ? -1 : peer_,
                                              waited_s, grace, peers, can_query, &missing);
   if (action_ == TimeoutAction::Abort) {
+    report += channel_->hang_forensics(report, kind_ == Kind::Collective ? target : 0, peers, grace);
     // Every waiting rank times out at about the same moment; the lowest one that answered aborts
     // first (see abort_job).
     int before_me = 0;
@@ -223,7 +228,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, bool threaded)
       comm_(comm),
       threaded_(threaded),
       creation_index_(communicators_made++) {
-  channel_ = std::make_shared<ControlChannel>(comm_, this->name());
+  channel_ = std::make_shared<ControlChannel>(comm_, this->name(), recorder());
   if (threaded_) {
     control_service_add(channel_);
     worker_ = std::thread([this] { worker_loop(); });
@@ -453,7 +458,7 @@ void MpiCommunicator::shutdown() {
     std::unique_lock<std::mutex> lock(mu_);
     if (shut_) return;
     shut_ = true;
-    if (threaded_) {
+    if (threaded_ && !desync_noted()) {  // after a desync they may never match: the job ends anyway
       // Let queued collectives finish (peers are issuing the same ones), within the timeout.
       auto done = [this] { return queue_.empty() && !running_op_; };
       if (timeout_s_ > 0)

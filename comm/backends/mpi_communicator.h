@@ -78,6 +78,7 @@ class MpiCommunicator final : public Communicator {
   AllreduceAlgorithm allreduce_plan(const Tensor& t, ReduceOp op) override;
   MPI_Comm mpi_comm() const { return comm_; }
   uint64_t creation_index() const { return creation_index_; }
+  const std::shared_ptr<ControlChannel>& channel() const { return channel_; }
   // Finishes the queued work, stops the worker, frees the MPI objects. Idempotent.
   void shutdown();
 

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "control/control_channel.h"
+#include "control/sequence_check.h"
 #include "dtrain/comm/mpi_check.h"
 #include "dtrain/comm/nccl.h"
 #include "dtrain/comm/runtime.h"
@@ -137,9 +138,11 @@ class NcclWork final : public Work {
   void wait(double timeout_s) override {
     double limit = timeout_s < 0 ? timeout_s_ : timeout_s;
     double start = now_s();
+    StallWatch stall(limit);  // a desync found by any rank ends the wait; a long one asks for a check
     while (!test()) {
       double waited = now_s() - start;
       if (limit > 0 && waited >= limit) on_timeout(limit, waited);
+      stall.tick(waited);
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
@@ -166,8 +169,10 @@ class NcclWork final : public Work {
                                                waited, grace, peers, can_query, &missing);
     // The NCCL kernels may spin forever: abort the communicator so the GPU is released.
     ncclCommAbort(comm_);
-    if (action_ == TimeoutAction::Abort)
+    if (action_ == TimeoutAction::Abort) {
+      report += channel_->hang_forensics(report, seq_, peers, grace);
       abort_job(1, "comm timeout: " + report + "\naborting the job", 0.25 * channel_->rank());
+    }
     done_ = true;
     err_ = report + " (NCCL communicator aborted)";
     throw CommTimeoutError(report, missing, __FILE__, __LINE__);
@@ -197,7 +202,7 @@ class NcclCommunicator final : public Communicator {
     DT_COMM_CUDA_CHECK(cudaSetDevice(device_));
     DT_COMM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     DT_COMM_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(float)));
-    channel_ = std::make_shared<ControlChannel>(mpi_comm_of(*shadow_), this->name());
+    channel_ = std::make_shared<ControlChannel>(mpi_comm_of(*shadow_), this->name(), recorder());
     if (Runtime::initialized() && Runtime::get().threaded_progress()) control_service_add(channel_);
     timeout_s_ = shadow_->timeout();
   }

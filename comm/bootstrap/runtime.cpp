@@ -147,7 +147,9 @@ void Runtime::bootstrap(int* argc, char*** argv) {
   MPI_Comm world = MPI_COMM_NULL;
   DT_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &world));
   DT_MPI_CHECK(MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN));
-  world_ = std::make_unique<detail::MpiCommunicator>(world, "world", threaded_);
+  auto mpi_world = std::make_unique<detail::MpiCommunicator>(world, "world", threaded_);
+  if (threaded_) detail::control_service_set_world(mpi_world->channel());  // the desync check's channel
+  world_ = std::move(mpi_world);
   if (!threaded_ && t.rank == 0)
     std::fprintf(stderr,
                  "dtrain: warning: MPI granted thread level %s, not MULTIPLE: communication runs on the caller's "

@@ -13,6 +13,9 @@ const std::vector<Knob>& knobs() {
        "allreduce algorithm of the MPI backend for f32 host buffers: mpi, auto (by size and layout), shm (one "
        "node's shared memory), hier (shm within nodes, MPI between them); --allreduce sets it for a run"},
       {"DTRAIN_COMM_TIMEOUT", "300", "seconds any collective or point-to-point wait may take before the job aborts"},
+      {"DTRAIN_FLIGHT_RECORDER", "512",
+       "collectives each communicator's flight recorder keeps (printed in the hang forensics, compared by the "
+       "desync check)"},
       {"DTRAIN_LOADER_THREADS", "2", "background threads per rank that read and augment batches"},
       {"DTRAIN_PREFETCH", "4", "batches the loader keeps ready ahead of the step"},
       {"DTRAIN_PROGRESS", "auto", "progress bar on rank 0: auto (when stdout is a terminal), on, off"},
@@ -24,9 +27,15 @@ const std::vector<Knob>& knobs() {
       {"DTRAIN_TEST_RANKS_PER_NODE", "",
        "a test hook: N makes the topology-aware allreduce treat world ranks [kN, (k+1)N) as node k, so one host "
        "runs the hierarchical algorithm for real"},
+      {"DTRAIN_TEST_SKIP_COLLECTIVE", "",
+       "a test hook: RANK:COMM:STEP makes world rank RANK not issue its first collective on communicator COMM "
+       "(world, dp, tp, pp, ...) in step STEP, a desync for the desync check to name"},
       {"DTRAIN_TEST_SLOW", "",
        "a test hook: RANK:SECTION:MS makes world rank RANK sleep MS milliseconds in SECTION (data, forward, "
        "backward, optimizer) of every step, a straggler for --straggler-every to name"},
+      {"DTRAIN_TEST_STOP", "",
+       "a test hook: RANK:STEP stops world rank RANK with SIGSTOP after step STEP, a hung rank for the comm "
+       "timeout and its hang forensics"},
       {"DTRAIN_WORKING_COPIES", "1",
        "under --precision bf16/fp16, keep bf16/fp16 copies of the GEMM weights, made once per step (0: GEMMs round "
        "the fp32 masters on every call; the same numbers)"},

@@ -6,7 +6,8 @@
 // Every wait has a timeout (DTRAIN_COMM_TIMEOUT, default 300 s, 0 = none). On expiry the waiting
 // rank asks its peers, on a side channel, which collective each one last entered, and reports the
 // collective, its sequence number and the ranks that did not arrive; then the job aborts (or, with
-// TimeoutAction::Throw, a CommTimeoutError is thrown).
+// TimeoutAction::Throw, a CommTimeoutError is thrown). Each communicator keeps a flight recorder of
+// its last collectives for the hang forensics and the desync check (forensics.h).
 #include <mpi.h>
 
 #include <cstdint>
@@ -19,6 +20,10 @@
 #include "dtrain/core/tensor.h"
 
 namespace dtrain::comm {
+namespace detail {
+class FlightRecorder;
+struct CollectiveCall;
+}  // namespace detail
 
 enum class ReduceOp { Sum, Avg, Max, Min };
 const char* reduce_op_name(ReduceOp op);                // "sum"
@@ -54,6 +59,14 @@ class CommTimeoutError : public Error {
 
  private:
   std::vector<int> missing_;
+};
+
+// The ranks' collective sequences differ: a rank skipped, added or changed a collective (the
+// message names the communicator, the first differing collective and the ranks). Thrown on every
+// rank by the next wait or check; collectives may be stuck in flight, so the job must end.
+class DesyncError : public Error {
+ public:
+  DesyncError(const std::string& message, const char* file, int line);
 };
 
 // An operation in flight. Not thread-safe: one thread waits on a given Work.
@@ -122,6 +135,10 @@ class Communicator {
   // What an allreduce of `t` by `op` runs as (never Auto). Collective on its first call that needs
   // the node layout: call it on every rank alike, as an allreduce.
   virtual AllreduceAlgorithm allreduce_plan(const Tensor& /*t*/, ReduceOp /*op*/) { return AllreduceAlgorithm::Mpi; }
+  // Whether this communicator's collectives carry the trainer's step phase (forensics.h), which
+  // lets the desync check name a rank that skipped one; split() passes it on. For the ranks that
+  // run one trainer loop together: its world, while the trainer lives.
+  void track_step_phases(bool on);
 
  protected:
   Communicator(int rank, int size, std::string name);
@@ -136,16 +153,21 @@ class Communicator {
   virtual std::unique_ptr<Communicator> do_split(int color, int key, const std::string& name) = 0;
 
   int64_t next_sequence() { return ++collectives_issued_; }
+  // The collectives issued here, for the backend's control channel (start and end times).
+  const std::shared_ptr<detail::FlightRecorder>& recorder() const { return recorder_; }
   double timeout_s_;
   TimeoutAction timeout_action_ = TimeoutAction::Abort;
   AllreduceAlgorithm allreduce_algorithm_;
 
  private:
   void check_buffer(const Tensor& t, const char* what, const char* call) const;
+  // Runs the backend's call and records it (or skips it for the DTRAIN_TEST_SKIP_COLLECTIVE hook).
+  std::shared_ptr<Work> issue(const detail::CollectiveCall& call, const std::function<std::shared_ptr<Work>()>& run);
 
   int rank_, size_;
   std::string name_;
   int64_t collectives_issued_ = 0;
+  std::shared_ptr<detail::FlightRecorder> recorder_;
 };
 
 // MPI backend over a duplicate of `comm` (collective over comm). Requires Runtime::init().
