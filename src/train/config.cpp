@@ -208,6 +208,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(common, "straggler-every", &c.straggler_every, def.straggler_every, "every this many steps the ranks compare their step-time split (data wait, forward, backward, optimizer); a rank slower than the median is named in the log and metrics with the section that makes it slow (0: off)");
   add(common, "straggler-threshold", &c.straggler_threshold, def.straggler_threshold, "a straggler's busy time (step time without the exchange wait) exceeds the median rank's by more than this fraction (and by 1 ms per step)");
   add(common, "check-replicas", &c.check_replicas, def.check_replicas, "every this many steps the data-parallel replicas compare a hash of each parameter; a mismatch (silent corruption) names the ranks and the first differing parameter and stops the run before its next checkpoint (0: off)");
+  add(common, "desync-check-every", &c.desync_check_every, def.desync_check_every, "every this many steps each rank compares its sequence of collectives (kind, size, dtype, op, step) on every communicator with a neighbour rank's, on the comm control thread; a rank that skipped, added or changed a collective is named on every rank before the mismatch can hang the run (0: off; a stalled wait checks anyway)");
   add(common, "prune-sparsity", &c.prune_sparsity, def.prune_sparsity, "magnitude pruning: the fraction of conv/Linear weights (with --prune-structured: of each layer's output channels) set to zero, in [0, 1) (0: off)");
   add(common, "prune-start", &c.prune_start, def.prune_start, "pruning: the step the sparsity ramp starts at");
   add(common, "prune-end", &c.prune_end, def.prune_end, "pruning: the step the ramp (cubic) reaches --prune-sparsity (-1: at 80 % of the run)");
@@ -279,6 +280,7 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.straggler_every >= 0 && c.straggler_threshold > 0,
                  "option --straggler-every must be >= 0 and --straggler-threshold > 0");
   DT_INPUT_CHECK(c.check_replicas >= 0, "option --check-replicas must be >= 0, got " << c.check_replicas);
+  DT_INPUT_CHECK(c.desync_check_every >= 0, "option --desync-check-every must be >= 0, got " << c.desync_check_every);
   DT_INPUT_CHECK(c.prune_sparsity >= 0.f && c.prune_sparsity < 1.f,
                  "option --prune-sparsity must be in [0, 1), got " << c.prune_sparsity);
   DT_INPUT_CHECK(c.prune_start >= 0 && c.prune_every >= 1 && (c.prune_end == -1 || c.prune_end >= c.prune_start),

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <functional>
 #include <cmath>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include <zlib.h>
 
 #include "dtrain/comm/communicator.h"
+#include "dtrain/comm/forensics.h"
 #include "dtrain/comm/nccl.h"
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
 #include "dtrain/kernels/cuda.h"
@@ -50,17 +52,15 @@ double process_age_s() {
 
 // ------------------------------------------------------------------ set-up
 Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* world)
-    : cfg_(cfg), rt_(rt), world_(world ? *world : rt.world()) {
+    : cfg_(cfg), rt_(rt), world_(world ? *world : rt.world()), phases_(world_) {
   rank_ = world_.rank();
   progress_ = std::make_unique<Progress>(cfg_.progress, rank_ == 0 && !cfg_.quiet);
   task_ = cfg_.model == "gpt" ? make_gpt_task() : make_image_task();
-  if (const std::string slow = env::get("DTRAIN_TEST_SLOW"); !slow.empty()) {  // RANK:SECTION:MS
-    const auto a = slow.find(':'), b = slow.rfind(':');
-    if (a != b && std::stoi(slow.substr(0, a)) == rank_) {
-      slow_section_ = slow.substr(a + 1, b - a - 1);
-      slow_ms_ = std::stoi(slow.substr(b + 1));
-    }
-  }
+  parse_test_hooks();
+  // A hang's forensics files go with the run: its checkpoints, else its metrics file.
+  comm::set_run_dir(!cfg_.checkpoint_dir.empty() ? cfg_.checkpoint_dir
+                    : !cfg_.metrics.empty()      ? fs::path(cfg_.metrics).parent_path().string()
+                                                 : std::string("."));
   // A host short of GPUs fails every rank alike, before any rank creates a communicator.
   comm::agree_on_inputs(world_, [this] { choose_device(); });
   // Every communicator of the grid is split from the world and inherits its allreduce algorithm.
@@ -147,6 +147,7 @@ void Trainer::setup_exchange() {
     dpo.engine_topk = cfg_.compression_on_engine;
     dpo.device_stream = compute_stream_of(device_);
     if (grid_->dp_size() > 1) nccl_ = gpu_gradient_communicator(grid_->dp(), device_, "dp-nccl");
+    if (nccl_) nccl_->track_step_phases(true);
     dp_ = std::make_unique<parallel::DataParallel>(model, nccl_ ? *nccl_ : grid_->dp(), dpo);
   }
   if (cfg_.pp > 1)
@@ -390,6 +391,7 @@ bool Trainer::step_once(double& wait_s) {
   const double tc = now_s();
   trace.span("data wait", t0, tc, step_);
   const int64_t mallocs0 = gpu_malloc_count(device_);
+  comm::set_step_phase(step_ + 1, false);  // tags this step's collectives for the desync check
   const float lr = sched_->lr(step_);
   for (nn::Parameter* p : task_->model().parameters()) engine_for(p->grad.device()).fill(p->grad, 0.f);
   nn::update_working_copies(task_->model().parameters(), engine_for(device_).math_precision());  // masters changed
@@ -406,6 +408,7 @@ bool Trainer::step_once(double& wait_s) {
   iv_.opt += t1 - to;
   row_units_.push_back(task_->step_units());
   ++step_;
+  comm::set_step_phase(step_, true);  // what follows the step: reads, logs, checks, checkpoints
   if (step_ > start_step_ + 2) step_mallocs_ += gpu_malloc_count(device_) - mallocs0;
   if (step_ == start_step_ + 1) {
     result_.first_step_at_s = process_age_s();
@@ -591,6 +594,8 @@ TrainResult Trainer::run() {
       ++batch_in_epoch;
       const float lr = sched_->lr(step_ - 1);
       const bool epoch_end = batch_in_epoch == steps_per_epoch_ || step_ == total_steps_;
+      if (cfg_.desync_check_every > 0 && step_ % cfg_.desync_check_every == 0) comm::check_collective_sequences();
+      if (step_ == stop_after_) std::raise(SIGSTOP);  // the DTRAIN_TEST_STOP hook: a hung rank
       if ((cfg_.log_every > 0 && step_ % cfg_.log_every == 0) || epoch_end) log_interval(epoch, batch_in_epoch, lr);
       if (!epoch_end && task_->validation_due(step_, false)) validate(epoch, -1);
       if (cfg_.straggler_every > 0 && step_ % cfg_.straggler_every == 0) find_stragglers();

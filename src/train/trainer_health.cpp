@@ -1,5 +1,5 @@
 // The one loop's health checks: stragglers named by their step-time split, replicas compared by
-// parameter hashes (silent corruption), and the test hooks that provoke both.
+// parameter hashes (silent corruption), and the test hooks that provoke them and hangs.
 #include <zlib.h>
 
 #include <algorithm>
@@ -13,6 +13,22 @@
 #include "dtrain/train/trainer.h"
 
 namespace dtrain::train {
+
+// The test hooks that make this rank a straggler (DTRAIN_TEST_SLOW, RANK:SECTION:MS) or a hung
+// rank (DTRAIN_TEST_STOP, RANK:STEP); DTRAIN_TEST_FLIP_BIT is read where it acts.
+void Trainer::parse_test_hooks() {
+  if (const std::string slow = env::get("DTRAIN_TEST_SLOW"); !slow.empty()) {
+    const auto a = slow.find(':'), b = slow.rfind(':');
+    if (a != b && std::stoi(slow.substr(0, a)) == rank_) {
+      slow_section_ = slow.substr(a + 1, b - a - 1);
+      slow_ms_ = std::stoi(slow.substr(b + 1));
+    }
+  }
+  if (const std::string stop = env::get("DTRAIN_TEST_STOP"); !stop.empty()) {
+    const auto a = stop.find(':');
+    if (a != std::string::npos && std::stoi(stop.substr(0, a)) == rank_) stop_after_ = std::stol(stop.substr(a + 1));
+  }
+}
 
 void Trainer::test_delay(const char* section) const {
   if (slow_ms_ > 0 && slow_section_ == section) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms_));

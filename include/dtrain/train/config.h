@@ -78,6 +78,7 @@ struct TrainConfig {
   int64_t straggler_every = 100;     // steps between the ranks' comparisons of their step times (0: off)
   double straggler_threshold = 0.2;  // a rank busier than the median by more than this fraction is named
   int64_t check_replicas = 0;  // > 0: every this many steps the dp replicas compare parameter hashes
+  int64_t desync_check_every = 20;  // steps between comparisons of the ranks' collective sequences (0: off)
   // magnitude pruning (optim::MagnitudePruner): the final sparsity, reached by a cubic ramp
   float prune_sparsity = 0.f;  // 0: off
   int64_t prune_start = 0, prune_end = -1, prune_every = 100;  // prune_end -1: at 80 % of the run

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "dtrain/comm/forensics.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/data/dataset.h"
 #include "dtrain/nn/models.h"
@@ -87,6 +88,7 @@ class Trainer {
   void flip_bit_if_asked();
   void find_stragglers();
   void test_delay(const char* section) const;
+  void parse_test_hooks();
   void finish();
   void report_pipeline();
   // Checkpoints: the optimizer state per parameter in the one-rank layout, the set of files.
@@ -105,6 +107,7 @@ class Trainer {
   TrainConfig cfg_;
   comm::Runtime& rt_;
   comm::Communicator& world_;
+  comm::StepPhaseScope phases_;  // the desync check's step phases on world_ and its splits
   std::unique_ptr<Task> task_;
   std::unique_ptr<parallel::ProcessGrid> grid_;
   int rank_ = 0;
@@ -151,6 +154,7 @@ class Trainer {
   std::vector<double> split_ = std::vector<double>(5, 0.0);
   std::string slow_section_;  // DTRAIN_TEST_SLOW on this rank: the section it sleeps in
   int slow_ms_ = 0;
+  int64_t stop_after_ = -1;  // DTRAIN_TEST_STOP on this rank: the step after which it stops (SIGSTOP)
   double train_t0_ = 0, eval_total_s_ = 0, run_t0_ = 0, run_cpu0_ = 0, ema_step_s_ = 0, bubble_sum_ = 0;
   int64_t run_units_ = 0, step_mallocs_ = 0;
   JsonFields last_validation_;
