@@ -66,7 +66,9 @@ const AllreduceAlgorithm kAlgorithms[] = {AllreduceAlgorithm::Auto, AllreduceAlg
 class AllreduceTest : public ::testing::TestWithParam<std::tuple<DType, ReduceOp>> {};
 
 TEST_P(AllreduceTest, ExactOnEveryRank) {
-  auto [dt, op] = GetParam();
+  // Not a structured binding: clang 14 (the sanitizer builds) cannot capture one in a lambda.
+  const DType dt = std::get<0>(GetParam());
+  const ReduceOp op = std::get<1>(GetParam());
   Communicator& c = world();
   for (AllreduceAlgorithm algorithm : kAlgorithms) {
     AlgorithmScope scope(c, algorithm);

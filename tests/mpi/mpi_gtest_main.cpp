@@ -30,7 +30,7 @@ class RankFailurePrinter : public testing::EmptyTestEventListener {
 // After each test, the ranks exchange pass/fail, so rank 0 can name a failure seen elsewhere.
 class RankAgreement : public testing::EmptyTestEventListener {
  public:
-  RankAgreement(MPI_Comm comm, int rank, int size) : comm_(comm), rank_(rank), size_(size) {}
+  RankAgreement(MPI_Comm comm, int size) : comm_(comm), size_(size) {}
   void OnTestEnd(const testing::TestInfo& info) override {
     int failed = info.result()->Failed() ? 1 : 0;
     std::vector<int> all(static_cast<size_t>(size_));
@@ -48,7 +48,7 @@ class RankAgreement : public testing::EmptyTestEventListener {
 
  private:
   MPI_Comm comm_;
-  int rank_, size_;
+  int size_;
   std::vector<std::string> failures_;
 };
 
@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new RankFailurePrinter(rank));
   }
-  auto* agreement = new RankAgreement(agree, rank, size);
+  auto* agreement = new RankAgreement(agree, size);
   listeners.Append(agreement);  // owned by gtest
 
   int local = RUN_ALL_TESTS();
