@@ -321,7 +321,10 @@ NodeAllreduce& MpiCommunicator::node_layout() {
   if (!node_) {
     auto made = std::make_shared<std::unique_ptr<NodeAllreduce>>();
     MPI_Comm c = comm_;
-    double timeout = timeout_s_;
+    // Twice the communicator's timeout: a barrier that waits as long as the collective's waiter
+    // would race it, and when it won (seen under TSan with a rank gone), a bare "did not reach the
+    // barrier" error replaced the timeout report that names the missing ranks.
+    double timeout = 2 * timeout_s_;
     collective("node_layout", [c, timeout, made] { *made = std::make_unique<NodeAllreduce>(c, timeout); })->wait();
     node_ = std::move(*made);
   }
