@@ -16,6 +16,12 @@
 #if defined(DTRAIN_COMM_WITH_CUDART)
 #include <cuda_runtime_api.h>
 #endif
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define DTRAIN_WITH_LSAN 1
+#include <sanitizer/lsan_interface.h>
+#endif
+#endif
 
 #include "backends/mpi_communicator.h"
 #include "backends/mpi_types.h"
@@ -28,6 +34,28 @@
 namespace dtrain::comm {
 
 namespace {
+// LeakSanitizer (scripts/sanitize.sh's ASan build). Open MPI 4.1 keeps some of what MPI_Init
+// allocates unfreed, also in components it loads, queries and unloads during MPI_Init, and it
+// unloads the rest in MPI_Finalize: leaks whose code is gone cannot be matched to a suppression
+// and would read as dtrain's. So what MPI_Init allocates on this thread is not tracked, and the
+// leak check runs just before MPI_Finalize, with every library still loaded (it then exits on a leak,
+// and the check at exit is skipped).
+void lsan_disable() {
+#if defined(DTRAIN_WITH_LSAN)
+  __lsan_disable();
+#endif
+}
+void lsan_enable() {
+#if defined(DTRAIN_WITH_LSAN)
+  __lsan_enable();
+#endif
+}
+void lsan_check_now() {
+#if defined(DTRAIN_WITH_LSAN)
+  __lsan_do_leak_check();
+#endif
+}
+
 std::mutex g_mu;
 std::unique_ptr<Runtime> g_runtime;
 std::atomic<bool> g_ready{false};
@@ -65,7 +93,9 @@ void Runtime::bootstrap(int* argc, char*** argv) {
   MPI_Initialized(&inited);
   int provided = MPI_THREAD_SINGLE;
   if (!inited) {
+    lsan_disable();
     int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+    lsan_enable();
     if (rc != MPI_SUCCESS) {
       char text[MPI_MAX_ERROR_STRING];
       int len = 0;
@@ -188,7 +218,10 @@ void Runtime::finalize() {
   if (!fin) {
     detail::free_user_ops();
     if (rt.internal_ != MPI_COMM_NULL) MPI_Comm_free(&rt.internal_);
-    if (rt.owns_mpi_) MPI_Finalize();
+    if (rt.owns_mpi_) {
+      lsan_check_now();
+      MPI_Finalize();
+    }
   }
   g_runtime.reset();
   g_finalized = true;
