@@ -4,8 +4,11 @@
 # scripts on a real one-node SLURM started and stopped by the tests themselves (label slurm), then
 # the fuzz label: the file readers under libFuzzer + ASan/UBSan in their own clang build
 # (scripts/fuzz.sh, build-fuzz/), each target for DTRAIN_FUZZ_SECONDS (15 here, from the fixed
-# DTRAIN_FUZZ_SEED 1; DTRAIN_FUZZ_SEED= draws seeds) and every kept crash input once. DTRAIN_TEST_LABELS="-L unit" (ctest arguments) narrows the run to those tests
-# of build/ and leaves the fuzz stage out; DTRAIN_FUZZ=0 leaves it out of a whole run.
+# DTRAIN_FUZZ_SEED 1; DTRAIN_FUZZ_SEED= draws seeds) and every kept crash input once; then the
+# sanitizer stage (scripts/sanitize.sh): the unit and mpi tests under ASan+UBSan in build-fuzz/, the
+# threaded comm and loader tests under TSan in build-tsan/. DTRAIN_TEST_LABELS="-L unit" (ctest
+# arguments) narrows the run to those tests of build/ and leaves both stages out; DTRAIN_FUZZ=0 and
+# DTRAIN_SANITIZE=0 leave one out of a whole run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
@@ -15,5 +18,8 @@ status=0
 if [[ -z ${DTRAIN_TEST_LABELS:-} && ${DTRAIN_FUZZ:-1} != 0 ]]; then
   # A fixed seed: the suite's verdict repeats on the same tree; scripts/fuzz.sh alone explores.
   DTRAIN_FUZZ_SEED=${DTRAIN_FUZZ_SEED-1} DTRAIN_FUZZ_SECONDS=${DTRAIN_FUZZ_SECONDS:-15} ./scripts/fuzz.sh || status=$?
+fi
+if [[ -z ${DTRAIN_TEST_LABELS:-} && ${DTRAIN_SANITIZE:-all} != 0 ]]; then
+  ./scripts/sanitize.sh || status=$?
 fi
 exit $status
