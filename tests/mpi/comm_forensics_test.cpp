@@ -23,6 +23,13 @@ using namespace dtrain;
 using namespace dtrain::comm;
 using namespace dtrain::comm::detail;
 
+// Outside the anonymous namespace: an exported symbol, so that dladdr names it where the frames are
+// named without libbacktrace (the clang sanitizer build links this test with -rdynamic).
+[[gnu::noinline]] void parked_in_a_test_function(std::mutex& mu, std::condition_variable& cv, const bool& go) {
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return go; });
+}
+
 namespace {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
@@ -107,11 +114,6 @@ TEST(SequenceDifference, NoneWhenOnlyTheProgressDiffers) {
   EXPECT_EQ(first_sequence_difference("pp", 2, view_of(a, 0, kStep2), view_of(b, 1, kAfterStep1), 0), "");
   EXPECT_EQ(first_sequence_difference("pp", 2, view_of(b, 1, kAfterStep1), view_of(a, 0, kStep2), 0), "");
   EXPECT_EQ(first_sequence_difference("pp", 2, view_of(a, 0, 0), view_of(b, 1, 0), 0), "") << "outside a trainer";
-}
-
-[[gnu::noinline]] void parked_in_a_test_function(std::mutex& mu, std::condition_variable& cv, const bool& go) {
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return go; });
 }
 
 // The file: the reason, every communicator's recorder and every thread's stack, once per process.
