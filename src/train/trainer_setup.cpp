@@ -1,0 +1,285 @@
+// The trainer's set-up: device, layout, gradient exchange, optimizer, pruner, the opening lines.
+#include "dtrain/train/trainer.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <functional>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <chrono>
+#include <sstream>
+#include <thread>
+
+#include <zlib.h>
+
+#include "dtrain/comm/communicator.h"
+#include "dtrain/comm/forensics.h"
+#include "dtrain/comm/nccl.h"
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+#include "dtrain/kernels/cuda.h"
+#endif
+#include "dtrain/core/env.h"
+#include "dtrain/core/timer.h"
+#include "dtrain/data/loader.h"
+#include "dtrain/optim/large_batch.h"
+#include "dtrain/parallel/tensor_parallel.h"
+#include "dtrain/train/provenance.h"
+#include "dtrain/train/signals.h"
+#include "dtrain/train/step_support.h"
+#include "dtrain/train/trace.h"
+
+namespace fs = std::filesystem;
+
+namespace dtrain::train {
+
+// ------------------------------------------------------------------ set-up
+Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* world)
+    : cfg_(cfg), rt_(rt), world_(world ? *world : rt.world()), phases_(world_) {
+  rank_ = world_.rank();
+  progress_ = std::make_unique<Progress>(cfg_.progress, rank_ == 0 && !cfg_.quiet);
+  task_ = cfg_.model == "gpt" ? make_gpt_task() : make_image_task();
+  parse_test_hooks();
+  // A hang's forensics files go with the run: its checkpoints, else its metrics file.
+  comm::set_run_dir(!cfg_.checkpoint_dir.empty() ? cfg_.checkpoint_dir
+                    : !cfg_.metrics.empty()      ? fs::path(cfg_.metrics).parent_path().string()
+                                                 : std::string("."));
+  // A host short of GPUs fails every rank alike, before any rank creates a communicator.
+  comm::agree_on_inputs(world_, [this] { choose_device(); });
+  // Every communicator of the grid is split from the world and inherits its allreduce algorithm.
+  if (!cfg_.allreduce.empty()) world_.set_allreduce_algorithm(comm::allreduce_algorithm_from_name(cfg_.allreduce));
+  grid_ = std::make_unique<parallel::ProcessGrid>(world_, cfg_.tp, cfg_.pp);  // the same check on every rank
+  comm::agree_on_inputs(world_, [this] {
+    check_layout();
+    task_->setup(TaskSetup{cfg_, *grid_, device_, batch_, parts_});
+  });
+  task_->connect();
+  comm::agree_on_inputs(world_, [this] { setup_exchange(); });
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::choose_device() {
+  const comm::Topology& topo = rt_.topology();
+  // Threads: by default the node's cores shared among the ranks on it.
+  const int threads = cfg_.threads > 0 ? cfg_.threads : std::max(1, topo.threads_per_rank);
+  cpu_engine().set_threads(threads);
+  if (cfg_.device == "cuda") {
+    DT_INPUT_CHECK(enable_cuda() > 0, "option --device cuda: no GPU is visible, or this dtrain was built without CUDA");
+    const int ranks = world_.size();
+    DT_INPUT_CHECK(cfg_.tp == 1 && cfg_.pp == 1, "option --device cuda runs data parallel only (one GPU per rank); "
+                                                 "--tp and --pp run on the CPU engine in this version");
+    // One GPU per rank: the bootstrap bound local rank r to GPU r % count; NCCL refuses two ranks
+    // of a communicator on one GPU, so a node must have as many GPUs as ranks.
+    DT_INPUT_CHECK(ranks == 1 || topo.local_size <= topo.cuda_device_count,
+                   "option --device cuda: " << topo.local_size << " ranks on host " << topo.host << " share "
+                                            << topo.cuda_device_count
+                                            << " GPU(s); data parallel on GPUs needs one GPU per rank");
+    DT_INPUT_CHECK(ranks == 1 || comm::nccl_compiled() || topo.cuda_aware_mpi,
+                   "option --device cuda with " << ranks
+                                                << " ranks: this dtrain was built without NCCL and the MPI library is "
+                                                   "not CUDA-aware, so gradients cannot leave the GPU");
+    DT_INPUT_CHECK(!cfg_.zero1 && (cfg_.compression == "none" || cfg_.compression.rfind("topk", 0) == 0),
+                   "option --device cuda: --zero1 and --compression other than topk run on the CPU engine only in "
+                   "this version");
+    device_ = Device::cuda(std::max(0, topo.cuda_device));
+  }
+  if (cfg_.precision != "tf32") cpu_engine().set_math_precision(math_precision_from_name(cfg_.precision));
+  engine_for(device_).set_math_precision(math_precision_from_name(cfg_.precision));
+  scaler_ = make_loss_scaler(cfg_.precision, cfg_.loss_scale_interval, cfg_.loss_scale_init);
+  std::string warn = topo.binding_warning(threads);
+  if (!warn.empty() && topo.local_rank == 0 && !cfg_.quiet)
+    std::fprintf(stderr, "dtrain: warning (rank %d): %s\n", rank_, warn.c_str());
+}
+
+// --batch-size is each rank's micro-batch; --global-batch-size the samples of one optimizer step
+// over all dp ranks and accumulation micro-steps, which must split evenly. A pipeline step cuts
+// the batch into --micro-batches instead.
+void Trainer::check_layout() {
+  const int dp = grid_->dp_size();
+  batch_ = cfg_.batch_size;
+  if (cfg_.global_batch_size > 0) {
+    const int64_t parts = dp * cfg_.accumulate;
+    DT_INPUT_CHECK(cfg_.global_batch_size % parts == 0,
+                   "option --global-batch-size " << cfg_.global_batch_size << " does not divide evenly over " << dp
+                                                 << " ranks x " << cfg_.accumulate << " micro-steps");
+    batch_ = cfg_.global_batch_size / parts;
+  }
+  DT_INPUT_CHECK(batch_ > 0, "option --batch-size must be positive");
+  DT_INPUT_CHECK(cfg_.accumulate == 1 || cfg_.pp == 1,
+                 "option --accumulate does not combine with --pp: a pipeline step already runs --micro-batches");
+  parts_ = cfg_.pp > 1 ? static_cast<int>(cfg_.micro_batches > 0 ? cfg_.micro_batches : 2 * cfg_.pp)
+                       : static_cast<int>(cfg_.accumulate);
+  DT_INPUT_CHECK(cfg_.pp == 1 || batch_ % parts_ == 0,
+                 "--micro-batches " << parts_ << " must divide --batch-size " << batch_);
+  DT_INPUT_CHECK(cfg_.trace.empty() || cfg_.trace_steps > 0, "option --trace-steps must be positive");
+}
+
+// After the ranks agreed on the inputs: creates the NCCL communicator, which every rank must reach.
+void Trainer::setup_exchange() {
+  nn::Module& model = task_->model();
+  if (grid_->dp_size() > 1 || cfg_.zero1 || cfg_.compression != "none") {
+    parallel::DataParallelOptions dpo;
+    dpo.bucket_bytes = static_cast<int64_t>(cfg_.bucket_mb * 1048576.0);
+    dpo.zero1 = cfg_.zero1;
+    dpo.overlap = cfg_.overlap;
+    dpo.compression = cfg_.compression;  // PowerSGD per tensor: matrices factorised, vectors sent whole
+    dpo.compression_scope = cfg_.compression_scope;
+    dpo.seed = derive_seed(cfg_.seed, 77);
+    dpo.momentum_correction = topk_momentum_correction();
+    dpo.engine_topk = cfg_.compression_on_engine;
+    dpo.device_stream = compute_stream_of(device_);
+    if (grid_->dp_size() > 1) nccl_ = gpu_gradient_communicator(grid_->dp(), device_, "dp-nccl");
+    if (nccl_) nccl_->track_step_phases(true);
+    dp_ = std::make_unique<parallel::DataParallel>(model, nccl_ ? *nccl_ : grid_->dp(), dpo);
+  }
+  if (cfg_.pp > 1)
+    pipe_ = std::make_unique<parallel::PipelineStage>(model, grid_->pp(),
+                                                      parallel::pipeline_schedule_from_name(cfg_.schedule), parts_);
+  build_optimizer();
+  steps_per_epoch_ = task_->steps_per_epoch();
+  has_epochs_ = steps_per_epoch_ > 0;
+  epochs_ = has_epochs_ ? cfg_.epochs : 1;
+  total_steps_ = has_epochs_ ? steps_per_epoch_ * epochs_ : cfg_.steps;
+  if (has_epochs_ && cfg_.steps > 0 && (cfg_.steps < total_steps_ || cfg_.synthetic)) {
+    total_steps_ = cfg_.steps;
+    epochs_ = (total_steps_ + steps_per_epoch_ - 1) / steps_per_epoch_;
+  }
+  if (!has_epochs_) steps_per_epoch_ = total_steps_;  // one "epoch": the whole run
+  DT_INPUT_CHECK(total_steps_ > 0, "option --steps must be positive");
+  if (cfg_.prune_sparsity > 0.f) build_pruner();
+  // Top-k's sparsity warm-up and PowerSGD's uncompressed start: one epoch, or the lr warm-up.
+  if (dp_) dp_->set_compression_warmup(cfg_.compression_warmup >= 0 ? cfg_.compression_warmup
+                                       : has_epochs_                ? steps_per_epoch_
+                                                                    : cfg_.warmup_steps);
+  optim::ScheduleOptions so;
+  so.kind = cfg_.lr_schedule;
+  so.base_lr = cfg_.lr;
+  if (cfg_.lr_scaling == "linear")  // Goyal et al.: lr grows with the global batch (pair with warm-up)
+    so.base_lr = cfg_.lr * static_cast<float>(batch_ * grid_->dp_size() * cfg_.accumulate) /
+                 static_cast<float>(cfg_.base_batch_size);
+  so.total_steps = total_steps_;
+  so.step_size = cfg_.lr_step_size;
+  so.gamma = cfg_.lr_gamma;
+  so.min_lr = cfg_.min_lr;
+  so.warmup_steps = cfg_.warmup_steps;
+  sched_ = std::make_unique<optim::LrSchedule>(so);
+  provenance_ = run_provenance(std::to_string(world_.size()) + " rank(s): dp " + std::to_string(grid_->dp_size()) +
+                                   " x tp " + std::to_string(cfg_.tp) + " x pp " + std::to_string(cfg_.pp),
+                               config_ini(cfg_));
+  if (rank_ == 0 && !cfg_.metrics.empty()) {
+    metrics_ = std::make_unique<MetricsWriter>(cfg_.metrics, !cfg_.resume.empty());  // a resumed run adds to its file
+    metrics_->write(provenance_);
+  }
+}
+
+// The momentum top-k compression takes over from SGD (Deep Gradient Compression's momentum
+// correction), or 0 where it does not apply: another compressor or optimizer, Nesterov momentum,
+// --momentum-correction false, or --compression-scope inter-node (the exact exchange within a node
+// keeps SGD's own momentum, and a job on one node compresses nothing).
+float Trainer::topk_momentum_correction() const {
+  bool topk = cfg_.compression.rfind("topk", 0) == 0;
+  if (!topk || !cfg_.momentum_correction || cfg_.optimizer != "sgd" || cfg_.nesterov ||
+      cfg_.compression_scope != "all")
+    return 0.f;
+  return cfg_.momentum;
+}
+
+// The task's parameter groups (the GPT: no decay on vectors and the position table); under ZeRO-1
+// each parameter's piece in this rank's slice, in its parameter's group.
+void Trainer::build_optimizer() {
+  std::vector<nn::Parameter*> params = task_->model().parameters();
+  std::vector<optim::ParamGroup> groups = task_->param_groups(params, cfg_.weight_decay);
+  if (dp_) groups = dp_->optimizer_groups(groups);
+  if (cfg_.optimizer == "lars") {
+    opt_ = std::make_unique<optim::LARS>(params, optim::LarsOptions{cfg_.momentum, cfg_.weight_decay, cfg_.lars_eta});
+  } else if (cfg_.optimizer == "lamb") {
+    opt_ =
+        std::make_unique<optim::LAMB>(params, optim::LambOptions{cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay});
+  } else if (cfg_.optimizer == "sgd") {
+    optim::SgdOptions o;
+    // With top-k's momentum correction the compressor keeps the momentum; what arrives here is
+    // already the momentum update (weight decay is then added without momentum).
+    o.momentum = topk_momentum_correction() > 0 ? 0.f : cfg_.momentum;
+    o.nesterov = cfg_.nesterov;
+    opt_ = std::make_unique<optim::SGD>(groups, o);
+  } else {
+    optim::AdamOptions o;
+    o.beta1 = cfg_.beta1;
+    o.beta2 = cfg_.beta2;
+    o.eps = cfg_.eps;
+    o.decoupled = cfg_.optimizer == "adamw";
+    opt_ = std::make_unique<optim::Adam>(groups, o);
+  }
+}
+
+// Conv and Linear weights the task lets prune; structured pruning keeps the output layer whole (its
+// rows are the classes or the residual stream) and takes each weight's bias along.
+void Trainer::build_pruner() {
+  std::vector<nn::Parameter*> weights, biases;
+  std::map<std::string, nn::Parameter*> by_name;
+  for (nn::Parameter* p : task_->model().parameters()) {
+    by_name[p->name] = p;
+    if (task_->prunable(*p)) weights.push_back(p);
+  }
+  if (cfg_.prune_structured && !weights.empty()) weights.pop_back();
+  for (nn::Parameter* w : weights) {
+    const std::string bias = w->name.substr(0, w->name.rfind('.') + 1) + "bias";
+    auto it = by_name.find(bias);
+    biases.push_back(it != by_name.end() && it->second->value.numel() == w->value.size(0) ? it->second : nullptr);
+  }
+  optim::PruneOptions o;
+  o.sparsity = cfg_.prune_sparsity;
+  o.start = cfg_.prune_start;
+  o.end = cfg_.prune_end >= 0 ? cfg_.prune_end : std::max(cfg_.prune_start, total_steps_ * 4 / 5);
+  o.every = cfg_.prune_every;
+  o.structured = cfg_.prune_structured;
+  o.global = cfg_.prune_scope == "global";
+  pruner_ = std::make_unique<optim::MagnitudePruner>(weights, biases, o);
+}
+
+void Trainer::say(const std::string& s) { progress_->line(s); }
+
+void Trainer::announce() {
+  if (rank_ != 0) return;
+  std::ostringstream o;
+  o << "dtrain: " << task_->describe() << ", " << world_.size() << " rank" << (world_.size() > 1 ? "s" : "")
+    << " (dp " << grid_->dp_size() << " x tp " << cfg_.tp << " x pp " << cfg_.pp << ") x " << cpu_engine().threads()
+    << " thread(s), batch " << batch_ << "/rank"
+    << (cfg_.accumulate > 1 ? " x " + std::to_string(cfg_.accumulate) + " micro-steps" : std::string()) << " ("
+    << batch_ * grid_->dp_size() * cfg_.accumulate << " global), "
+    << (has_epochs_ ? std::to_string(steps_per_epoch_) + " steps/epoch, " : std::string()) << total_steps_
+    << " steps, " << opt_->kind() << " lr " << cfg_.lr << " " << cfg_.lr_schedule << ", precision " << cfg_.precision;
+  say(o.str());
+  if (std::string note = engine_for(device_).precision_note(); !note.empty()) say("precision: " + note);
+  // Training state per rank: parameters and gradients whole, optimizer state sharded by ZeRO-1.
+  double state = 0;
+  for (const optim::StateTensor& st : opt_->state()) state += static_cast<double>(st.value->nbytes());
+  const double mib = 1.0 / 1048576.0, params = static_cast<double>(task_->model().parameter_count()) * 4;
+  say("memory per rank: parameters " + fixed(params * mib, 2) + " MiB, gradients " + fixed(params * mib, 2) +
+      " MiB, optimizer state " + fixed(state * mib, 2) + " MiB" +
+      (cfg_.zero1 ? " (ZeRO-1: 1/" + std::to_string(grid_->dp_size()) + " of it)" : std::string()) +
+      (dp_ ? ", " + std::to_string(dp_->bucket_count()) + " gradient bucket(s), compression " + cfg_.compression
+           : std::string()) +
+      (topk_momentum_correction() > 0 ? " with momentum correction" : ""));
+  if (pruner_)
+    say("pruning: " + fixed(100 * cfg_.prune_sparsity, 1) + " % of " +
+        (cfg_.prune_structured ? "each layer's output channels" : "the weights (" + cfg_.prune_scope + ")") +
+        ", cubic ramp from step " + std::to_string(cfg_.prune_start) + ", masks every " +
+        std::to_string(cfg_.prune_every) + " steps");
+  if (pipe_) {
+    const std::vector<int> starts = task_->stage_starts();
+    std::ostringstream per;
+    for (int s = 0; s < cfg_.pp; ++s) per << (s ? "," : " ") << starts[s + 1] - starts[s];
+    say("pipeline: " + std::to_string(cfg_.pp) + " stages, " + task_->piece() + " per stage" + per.str() + ", " +
+        std::to_string(parts_) + " micro-batches of " + std::to_string(batch_ / parts_) + ", " +
+        parallel::pipeline_schedule_name(parallel::pipeline_schedule_from_name(cfg_.schedule)) +
+        " schedule, ideal bubble " + fixed(100 * parallel::pipeline_ideal_bubble(cfg_.pp, parts_), 1) + " %");
+  }
+}
+
+}  // namespace dtrain::train
