@@ -10,6 +10,7 @@
 #include "commands.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/error.h"
+#include "dtrain/train/signals.h"
 
 namespace {
 
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
   // MiB with this set). A fixed trim threshold keeps the default 128 KiB mmap threshold, so large
   // buffers go back to the system when freed.
   mallopt(M_TRIM_THRESHOLD, 1 << 20);
+  dtrain::train::take_preemption_signals_on_own_thread();  // before any thread starts
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "help")) {
     usage();
     return argc < 2 ? 2 : 0;

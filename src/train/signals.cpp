@@ -1,8 +1,14 @@
 #include "dtrain/train/signals.h"
 
+#include <pthread.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <csignal>
 #include <cstring>
+#include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "dtrain/core/error.h"
 
@@ -10,12 +16,15 @@ namespace dtrain::train {
 
 namespace {
 
-// Written by the handler, read by the step loop: sig_atomic_t is the only type a handler may store.
-volatile std::sig_atomic_t g_received = 0;
+// Written by the handler (on the signal thread where dtrain's main set one up), read by the step
+// loop: a lock-free atomic is safe in a handler and between threads.
+std::atomic<int> g_received{0};
+static_assert(std::atomic<int>::is_always_lock_free);
 int g_active = 0;  // guards alive (the CLI's around the whole command, the trainer's around its loop)
 
 extern "C" void on_preemption_signal(int sig) {
-  if (g_received == 0) g_received = sig;
+  int none = 0;
+  g_received.compare_exchange_strong(none, sig);
 }
 
 struct NamedSignal {
@@ -47,6 +56,20 @@ PreemptionGuard::~PreemptionGuard() {
     sigaction(signals_[i], old, nullptr);
     delete old;
   }
+}
+
+void take_preemption_signals_on_own_thread() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    sigset_t set;
+    sigemptyset(&set);
+    for (const NamedSignal& s : kSignals) sigaddset(&set, s.number);
+    pthread_sigmask(SIG_BLOCK, &set, nullptr);  // this thread, and every thread it starts from now on
+    std::thread([set] {
+      pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
+      for (;;) pause();  // the handler (or the default action: end the process) runs here
+    }).detach();
+  });
 }
 
 int PreemptionGuard::received() { return g_received; }

@@ -2,6 +2,9 @@
 // previous handler. The multi-rank agreement is tested end to end by preempt_mpirun.sh.
 #include <gtest/gtest.h>
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include <csignal>
 
 #include "dtrain/core/error.h"
@@ -43,4 +46,36 @@ TEST(Signals, GuardRecordsTheFirstSignalAndRestoresThePreviousHandler) {
   std::raise(SIGUSR2);
   EXPECT_EQ(g_outer, SIGUSR2);
   std::signal(SIGUSR2, SIG_DFL);
+}
+
+// In a child process (the mask it sets must not reach the other tests): after
+// take_preemption_signals_on_own_thread, this thread blocks the signal, and one sent to the process
+// reaches the guard through the signal thread.
+TEST(SignalsDeathTest, TheSignalThreadTakesWhatTheMainThreadBlocks) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        take_preemption_signals_on_own_thread();
+        PreemptionGuard guard({SIGUSR1});
+        sigset_t mask;
+        pthread_sigmask(SIG_BLOCK, nullptr, &mask);
+        if (!sigismember(&mask, SIGUSR1)) std::_Exit(3);
+        kill(getpid(), SIGUSR1);
+        for (int i = 0; i < 500 && PreemptionGuard::received() == 0; ++i) usleep(10000);
+        std::_Exit(PreemptionGuard::received() == SIGUSR1 ? 0 : 4);
+      },
+      testing::ExitedWithCode(0), "");
+}
+
+// Without a guard the signal keeps its default action: the process ends by it.
+TEST(SignalsDeathTest, WithoutAGuardTheSignalStillEndsTheProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        take_preemption_signals_on_own_thread();
+        kill(getpid(), SIGTERM);
+        sleep(10);
+        std::_Exit(5);
+      },
+      testing::KilledBySignal(SIGTERM), "");
 }
