@@ -17,9 +17,14 @@ int cmd_train(int argc, char** argv) {
     if (rt.topology().rank == 0) std::printf("%s", train::config_ini(cfg).c_str());
     return kExitDone;
   }
-  // Around the whole command: a signal during set-up stops the run at its first step, one after
-  // the last step no longer kills a finished run.
-  train::PreemptionGuard preemption(train::parse_signal_list(cfg.preempt_signals, "preempt-signals"));
+  // From here to the end of the process (never destroyed; reachable, so no leak): a signal during
+  // set-up stops the run at its first step, and one after the last step, or during MPI's finalize,
+  // no longer kills a rank that has finished or checkpointed. That late signal happens: srun
+  // forwards SIGUSR1 to another node's tasks after the first node's ranks may have agreed on the
+  // preemption through the first copies, and a rank dead of it turned a requeue into a failed job.
+  static const train::PreemptionGuard* const preemption =
+      new train::PreemptionGuard(train::parse_signal_list(cfg.preempt_signals, "preempt-signals"));
+  (void)preemption;
   if (rt.topology().rank == 0) std::printf("%s", rt.topology_table().c_str());
   else rt.topology_table();  // collective: every rank takes part
   // A preempted run has written its checkpoint; the job scripts requeue on this exit status.
