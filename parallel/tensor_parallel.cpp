@@ -250,7 +250,8 @@ bool is_tensor_parallel_shard(nn::Module& model, const std::string& name) {
   return dynamic_cast<RowParallelLinear*>(m) && ends_with(name, "weight");
 }
 
-std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator* tp, const ParameterTensor& pick) {
+std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator* tp, const ParameterTensor& pick,
+                                          const NamedTensors* reuse) {
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
   std::map<std::string, Tensor> full;
@@ -266,14 +267,17 @@ std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator*
       full[p->name] = c->gather_full(t);
     else if (auto* r = dynamic_cast<RowParallelLinear*>(m))
       full[p->name] = r->gather_full(t);
-    else  // a copy on the host (checkpoints are written from there)
-      full[p->name] = t.device().is_cpu() ? t.clone() : to_host(t);
+    else {  // a copy on the host (checkpoints are written from there)
+      const auto old = reuse ? reuse->find(p->name) : NamedTensors::const_iterator{};
+      full[p->name] = host_copy(t, reuse && old != reuse->end() ? &old->second : nullptr);
+    }
   }
   return full;
 }
 
-std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Communicator* tp) {
-  return gather_full(model, tp, [](nn::Parameter& p) -> Tensor& { return p.value; });
+std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Communicator* tp,
+                                                    const NamedTensors* reuse) {
+  return gather_full(model, tp, [](nn::Parameter& p) -> Tensor& { return p.value; }, reuse);
 }
 
 void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, const ParameterTensor& pick) {

@@ -104,6 +104,16 @@ Tensor to_host(const Tensor& t) {
   return h;
 }
 
+Tensor host_copy(const Tensor& src, const Tensor* reuse) {
+  if (reuse && reuse->defined() && reuse->device().is_cpu() && reuse->shape() == src.shape() &&
+      reuse->dtype() == src.dtype()) {
+    Tensor out = *reuse;
+    copy_any(src, out);
+    return out;
+  }
+  return src.device().is_cpu() ? src.clone() : to_host(src);
+}
+
 Tensor stage_to(const Tensor& host, Device device, StagedTensor& st) {
   if (device.is_cpu()) return host;
 #if defined(DTRAIN_WITH_CUDA_ENGINE)

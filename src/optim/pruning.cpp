@@ -16,8 +16,6 @@ Tensor ones_like(const Tensor& t) {
   return m;
 }
 
-Tensor host_copy(const Tensor& t) { return t.device().is_cpu() ? t.clone() : to_host(t); }
-
 // The k-th smallest of `v` (k < v.size()): values at or below it are pruned.
 float kth_smallest(std::vector<float> v, size_t k) {
   std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());

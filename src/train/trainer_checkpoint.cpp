@@ -2,6 +2,7 @@
 // layout gathered into the one-rank layout and written as one set of files; restored into any.
 #include <map>
 #include <string>
+#include <utility>
 
 #include "dtrain/core/timer.h"
 #include "dtrain/parallel/tensor_parallel.h"
@@ -11,14 +12,39 @@
 
 namespace dtrain::train {
 
-// The optimizer's state per parameter ("<param>.<kind>") in the one-rank layout: ZeRO-1 slices
-// gathered over dp, then tp shards over tp (collectives).
-std::map<std::string, Tensor> Trainer::optimizer_state_full() {
-  std::map<std::string, Tensor> local = dp_ ? dp_->gather_state(opt_->state()) : optim::state_by_name(opt_->state());
+namespace {
+
+// The tensors of `snapshot` whose names start with `prefix`, by the rest of their names.
+std::map<std::string, Tensor> entries_under(const std::map<std::string, Tensor>& snapshot, const std::string& prefix) {
+  std::map<std::string, Tensor> out;
+  for (auto it = snapshot.lower_bound(prefix); it != snapshot.end() && it->first.rfind(prefix, 0) == 0; ++it)
+    out[it->first.substr(prefix.size())] = it->second;
+  return out;
+}
+
+const Tensor* entry(const std::map<std::string, Tensor>& snapshot, const std::string& name) {
+  const auto it = snapshot.find(name);
+  return it == snapshot.end() ? nullptr : &it->second;
+}
+
+}  // namespace
+
+// The optimizer's state per parameter ("<param>.<kind>") in the one-rank layout, as host copies
+// (into `reuse`'s tensors where they fit): ZeRO-1 slices gathered over dp, then tp shards over tp
+// (collectives). Without ZeRO-1 the live state is copied once, by gather_full.
+std::map<std::string, Tensor> Trainer::optimizer_state_full(const std::map<std::string, Tensor>& reuse) {
+  std::map<std::string, Tensor> local;
+  if (dp_ && dp_->zero1())
+    local = dp_->gather_state(opt_->state());
+  else
+    for (const optim::StateTensor& st : opt_->state()) local[st.name] = *st.value;
   std::map<std::string, Tensor> out;
   for (const std::string& kind : state_kinds()) {
     auto pick = [&](nn::Parameter& p) -> Tensor& { return local.at(p.name + kind); };
-    for (auto& [name, t] : parallel::gather_full(task_->model(), &grid_->tp(), pick)) out[name + kind] = t;
+    std::map<std::string, Tensor> old;
+    for (nn::Parameter* p : task_->model().parameters())
+      if (const Tensor* t = entry(reuse, p->name + kind)) old[p->name] = *t;
+    for (auto& [name, t] : parallel::gather_full(task_->model(), &grid_->tp(), pick, &old)) out[name + kind] = t;
   }
   return out;
 }
@@ -55,15 +81,18 @@ void Trainer::load_optimizer_state(CheckpointState& s) {
 
 // The state of step_ in the one-rank layout (collective: tp and ZeRO-1 gathers), every tensor a
 // copy on the host: a background write's snapshot while the loop goes on changing the state.
-CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch) {
-  auto host_copy = [](const Tensor& t) { return t.device().is_cpu() ? t.clone() : to_host(t); };
+// Copied into the tensors of `reuse` (the previous snapshot) where they fit, so that the loop's
+// stall is the copy alone, not allocation and first-touch page faults.
+CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch, const std::map<std::string, Tensor>& reuse) {
   nn::Module& model = task_->model();
   CheckpointState s;
-  for (auto& [name, t] : parallel::gather_full_parameters(model, &grid_->tp())) s.tensors["param/" + name] = t;
-  for (auto& [name, t] : optimizer_state_full()) s.tensors["optim/" + name] = t;
-  for (nn::Buffer* b : model.buffers()) s.tensors["buffer/" + b->name] = host_copy(b->value);
+  const std::map<std::string, Tensor> old_params = entries_under(reuse, "param/");
+  for (auto& [name, t] : parallel::gather_full_parameters(model, &grid_->tp(), &old_params)) s.tensors["param/" + name] = t;
+  for (auto& [name, t] : optimizer_state_full(entries_under(reuse, "optim/"))) s.tensors["optim/" + name] = t;
+  for (nn::Buffer* b : model.buffers())
+    s.tensors["buffer/" + b->name] = host_copy(b->value, entry(reuse, "buffer/" + b->name));
   if (pruner_)
-    for (auto& [name, m] : pruner_->masks()) s.tensors["mask/" + name] = host_copy(m);
+    for (auto& [name, m] : pruner_->masks()) s.tensors["mask/" + name] = host_copy(m, entry(reuse, "mask/" + name));
   task_->write_fields(s);
   s.strings["provenance"] = to_json(provenance_);
   s.strings["optimizer"] = opt_->kind();
@@ -96,9 +125,9 @@ CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch)
 // checkpoint or the end, so until then the previous checkpoint stays the newest loadable one.
 void Trainer::save(int64_t epoch, int64_t batch_in_epoch, bool wait) {
   if (cfg_.checkpoint_dir.empty()) return;
+  const double t0 = now_s();  // the stall counts a wait for the previous background write
   finish_pending_checkpoint();
-  const double t0 = now_s();
-  CheckpointState s = checkpoint_state(epoch, batch_in_epoch);
+  CheckpointState s = checkpoint_state(epoch, batch_in_epoch, std::exchange(snapshot_arena_, {}));
   const std::string file = checkpoint_file(cfg_.checkpoint_dir, step_);
   const bool parts = write_compression_parts(file, dp_.get(), &world_, step_, cfg_.compression);
   s.ints["compression_ranks"] = parts ? world_.size() : 0;  // ranks with a <checkpoint>.rank<r> part
@@ -128,12 +157,13 @@ void Trainer::write_checkpoint_set(const std::string& file, CheckpointState& s, 
   }
   pending_ = std::make_unique<PendingCheckpoint>();
   pending_->file = file;
+  pending_->snapshot = std::move(s);
   if (!writer) return;
   PendingCheckpoint* p = pending_.get();
-  p->writer = std::thread([this, p, file, s = std::move(s)] {
+  p->writer = std::thread([this, p, file] {
     const double t0 = now_s();
     try {
-      save_checkpoint(file, s);
+      save_checkpoint(file, p->snapshot);
       prune_checkpoints(cfg_.checkpoint_dir, file, cfg_.keep_checkpoints);
     } catch (...) {
       p->error = std::current_exception();
@@ -149,6 +179,7 @@ void Trainer::finish_pending_checkpoint() {
     if (p->writer.joinable()) p->writer.join();
     if (p->error) std::rethrow_exception(p->error);
   });
+  snapshot_arena_ = std::move(p->snapshot.tensors);  // the next snapshot is copied into these
   result_.checkpoint = p->file;
   if (!progress_->bar())
     say("checkpoint " + p->file + " (" + fixed(p->stall_s, 3) + " s; written in the background in " +

@@ -213,6 +213,10 @@ Tensor zeros_on(const Shape& shape, Device device, DType dtype = DType::F32);
 // and dtype. to_host returns a host tensor with t's contents (t itself when it is on the host).
 void copy_any(const Tensor& src, Tensor& dst);
 Tensor to_host(const Tensor& t);
+// A host copy of `src` that shares nothing with it (a checkpoint's snapshot): written into `reuse`
+// when that is a host tensor of src's shape and dtype (no allocation and no page faults: how a
+// snapshot arena is reused between checkpoints), otherwise a new tensor.
+Tensor host_copy(const Tensor& src, const Tensor* reuse = nullptr);
 // A host batch on `device` through a page-locked staging buffer (kept in `st`): stage_async then
 // take_staged, so the upload is asynchronous and the buffer is rewritten only after the previous
 // upload left it (no device sync between batches needed); on the CPU it is `host` itself.

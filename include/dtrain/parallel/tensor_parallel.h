@@ -88,12 +88,17 @@ class VocabParallelCrossEntropy : public nn::SoftmaxCrossEntropy {
 // layout, so they load into any tp size): every parameter as its full one-rank tensor (collective
 // over the tp communicator of the layers), and the inverse, which keeps this rank's shards.
 // A vocabulary-parallel embedding is gathered over `tp` (required when the model has one).
-std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Communicator* tp = nullptr);
+std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Communicator* tp = nullptr,
+                                                    const std::map<std::string, Tensor>* reuse = nullptr);
 void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>& full);
 // The same for any tensor of a parameter's shape and layout (optimizer state): `pick` gives it,
-// the maps are keyed by parameter name.
+// the maps are keyed by parameter name. Every tensor returned is a new host copy, or, for a
+// parameter not split over tp ranks, written into `reuse`'s tensor of its name where that fits
+// (host_copy: a checkpoint snapshot arena).
 using ParameterTensor = std::function<Tensor&(nn::Parameter&)>;
-std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator* tp, const ParameterTensor& pick);
+using NamedTensors = std::map<std::string, Tensor>;
+std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator* tp, const ParameterTensor& pick,
+                                          const NamedTensors* reuse = nullptr);
 void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, const ParameterTensor& pick);
 // Whether parameter `name` of `model` is split over tp ranks (its gradient norm adds over them).
 bool is_tensor_parallel_shard(nn::Module& model, const std::string& name);

@@ -93,12 +93,12 @@ class Trainer {
   void report_pipeline();
   // Checkpoints: the optimizer state per parameter in the one-rank layout, the set of files.
   std::vector<std::string> state_kinds();
-  std::map<std::string, Tensor> optimizer_state_full();
+  std::map<std::string, Tensor> optimizer_state_full(const std::map<std::string, Tensor>& reuse);
   void load_optimizer_state(CheckpointState& s);
   // A checkpoint of step_ (collective). `wait`: written before returning (preemption, the end);
   // otherwise, with --checkpoint-async, the state is snapshotted and written in the background.
   void save(int64_t epoch, int64_t batch_in_epoch, bool wait = false);
-  CheckpointState checkpoint_state(int64_t epoch, int64_t batch_in_epoch);
+  CheckpointState checkpoint_state(int64_t epoch, int64_t batch_in_epoch, const std::map<std::string, Tensor>& reuse);
   void write_checkpoint_set(const std::string& file, CheckpointState& s, bool wait);
   // Waits for the background write and makes the ranks agree on its outcome (collective).
   void finish_pending_checkpoint();
@@ -129,6 +129,7 @@ class Trainer {
   // its name and when it started, to agree on it at the next checkpoint or the end.
   struct PendingCheckpoint {
     std::string file;
+    CheckpointState snapshot;  // what the writer thread writes
     std::thread writer;
     std::exception_ptr error;
     double stall_s = 0;  // the loop's time taking the snapshot
@@ -138,6 +139,9 @@ class Trainer {
     }
   };
   std::unique_ptr<PendingCheckpoint> pending_;
+  // With --checkpoint-async, the last snapshot's host tensors, kept between checkpoints (memory:
+  // one host copy of the parameters and optimizer state) so the next snapshot is only a copy.
+  std::map<std::string, Tensor> snapshot_arena_;
   int64_t step_ = 0, start_step_ = 0, steps_per_epoch_ = 0, total_steps_ = 0, epochs_ = 0;
   bool has_epochs_ = true;
   TrainResult result_;
