@@ -4,6 +4,7 @@
 // (format_tag::any, which also adds the compensation an s8 input needs).
 #include "dtrain/kernels/int8.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -154,6 +155,50 @@ void quantize_nchw_to_nhwc(const float* x, int64_t n, int64_t c, int64_t h, int6
     quantize_rows(x, n, c, h * w, inv_scale, static_cast<uint8_t*>(y), 0.f, 255.f);
   else
     quantize_rows(x, n, c, h * w, inv_scale, static_cast<int8_t*>(y), -128.f, 127.f);
+}
+
+void quantize_rows_symmetric(const float* w, int64_t rows, int64_t cols, int qmax, int8_t* q, float* scales) {
+  const auto top = static_cast<float>(qmax);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = w + r * cols;
+    float m = 0.f;
+    for (int64_t c = 0; c < cols; ++c) m = std::max(m, std::fabs(row[c]));
+    const float s = m > 0.f ? m / top : 1.f;
+    scales[r] = s;
+    for (int64_t c = 0; c < cols; ++c)
+      q[r * cols + c] = static_cast<int8_t>(std::clamp(std::nearbyint(row[c] / s), -top, top));
+  }
+}
+
+WeightOnlyInt8 WeightOnlyInt8::from(const float* w, int64_t rows, int64_t cols) {
+  WeightOnlyInt8 out;
+  out.rows = rows;
+  out.cols = cols;
+  out.q.resize(static_cast<size_t>(rows * cols));
+  out.scale.resize(static_cast<size_t>(rows));
+  quantize_rows_symmetric(w, rows, cols, 127, out.q.data(), out.scale.data());
+  return out;
+}
+
+void gemm_weight_only_int8(const float* x, int64_t m, const WeightOnlyInt8& w, float* y) {
+  constexpr int64_t kPanelFloats = 32 * 1024;  // 128 KiB of f32 weights per GEMM: stays in L2
+  constexpr int64_t kManyRows = 64;
+  const int64_t k = w.cols, n = w.rows;
+  const int64_t rows = m >= kManyRows ? n : std::clamp<int64_t>(kPanelFloats / std::max<int64_t>(k, 1), 1, n);
+  thread_local std::vector<float> panel;
+  if (panel.size() < static_cast<size_t>(rows * k)) panel.resize(static_cast<size_t>(rows * k));
+  for (int64_t n0 = 0; n0 < n; n0 += rows) {
+    const int64_t np = std::min(rows, n - n0);
+    for (int64_t r = 0; r < np; ++r) {
+      const int8_t* q = w.q.data() + (n0 + r) * k;
+      const float s = w.scale[static_cast<size_t>(n0 + r)];
+      float* p = panel.data() + r * k;
+      for (int64_t c = 0; c < k; ++c) p[c] = s * static_cast<float>(q[c]);
+    }
+    // y[:, n0:n0+np] = x (m, k) . panel (np, k)^T, row-major with ldc = n
+    const dnnl_status_t st = dnnl_sgemm('N', 'T', m, np, k, 1.f, x, k, panel.data(), k, 0.f, y + n0, n);
+    DT_CHECK(st == dnnl_success, "dnnl_sgemm failed with status " << static_cast<int>(st));
+  }
 }
 
 }  // namespace dtrain::int8

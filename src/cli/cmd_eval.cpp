@@ -2,12 +2,18 @@
 // reports loss and accuracy on the dataset (samples split over the ranks, counts summed). With
 // --int8 the fp32 model is quantized (calibrated on --calibration-data) and both are reported side
 // by side with their forward throughput; an int8 checkpoint (dtrain quantize) runs in int8 only.
+// A GPT checkpoint is evaluated on its text's validation stream (bits per byte), on rank 0; with
+// --int8 beside its weight-only int8 form.
 #include <boost/program_options.hpp>
+#include <cmath>
+#include <filesystem>
 #include <iostream>
 
 #include "commands.h"
 #include "dtrain/comm/communicator.h"
 #include "dtrain/comm/runtime.h"
+#include "dtrain/core/timer.h"
+#include "dtrain/train/lm_trainer.h"
 #include "dtrain/nn/models.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/options.h"
@@ -36,6 +42,35 @@ void report(const char* what, const train::EvalResult& r, double forward_s) {
               forward_s > 0 ? r.samples / forward_s : 0.0);
 }
 
+// A GPT checkpoint on the validation stream of `data_dir` (dtrain convert text's val.h5), on rank 0:
+// loss and bits per byte, and with `int8` the same with weight-only int8 Linear layers beside it.
+void eval_gpt(const train::CheckpointState& s, const std::string& path, const std::string& data_dir, int64_t batch,
+              bool int8) {
+  const std::string val = (std::filesystem::path(data_dir) / "val.h5").string();
+  DT_INPUT_CHECK(std::filesystem::is_regular_file(val), "checkpoint '" << path << "' holds a gpt: --data must be a "
+                                                        "folder of dtrain convert text with val.h5; '" << val << "' is missing");
+  auto model = train::gpt_from_checkpoint(s);
+  const int64_t ctx = model->config().context;
+  auto run = [&](const char* what) {
+    train::evaluate_lm(*model, val, batch, ctx, 1);  // warm-up: oneDNN's primitives and buffers, outside the timing
+    const double t0 = now_s();
+    const double nats = train::evaluate_lm(*model, val, batch, ctx, 0);
+    const double t = now_s() - t0;
+    std::printf("%-5s loss %.4f nats/token, %.4f bits/byte, forward %.3f s\n", what, nats, nats / std::log(2.0), t);
+    return std::pair{nats, t};
+  };
+  std::printf("eval %s (gpt) on %s, windows of %lld, batch %lld (%d threads)\n", path.c_str(), val.c_str(),
+              static_cast<long long>(ctx), static_cast<long long>(batch), cpu_engine().threads());
+  const auto [nats32, t32] = run("fp32");
+  if (!int8) return;
+  const nn::WeightOnlyReport w = nn::quantize_linear_weights_int8(*model);
+  const auto [nats8, t8] = run("int8");
+  std::printf("int8 weights (weight-only, per output row) in %lld Linear layers: %.2f MiB -> %.2f MiB; "
+              "int8 - fp32: %+.4f bits/byte, forward speed-up %.2fx\n",
+              static_cast<long long>(w.layers), w.f32_bytes / 1048576.0, w.int8_bytes / 1048576.0,
+              (nats8 - nats32) / std::log(2.0), t8 > 0 ? t32 / t8 : 0.0);
+}
+
 }  // namespace
 
 int cmd_eval(int argc, char** argv) {
@@ -48,7 +83,7 @@ int cmd_eval(int argc, char** argv) {
       "data", po::value<std::string>(&data_dir), "directory of HDF5 shards to evaluate on")(
       "batch-size", po::value<int64_t>(&batch)->default_value(256), "samples per batch per rank")(
       "threads", po::value<int>(&threads)->default_value(0), "compute threads per rank (0: cores / ranks on node)")(
-      "int8", po::bool_switch(&int8), "also run the model quantized to int8 (CPU, oneDNN), side by side with fp32")(
+      "int8", po::bool_switch(&int8), "also run the model quantized to int8 (CPU, oneDNN), side by side with fp32 (a gpt: weight-only int8)")(
       "calibration-batches", po::value<int64_t>(&calib_batches)->default_value(10),
       "with --int8: batches of --calibration-data that calibrate the activation ranges")(
       "calibration-data", po::value<std::string>(&calib_dir),
@@ -65,6 +100,10 @@ int cmd_eval(int argc, char** argv) {
 
   std::string path = train::resolve_checkpoint(ckpt, "checkpoint");
   train::CheckpointState s = train::load_checkpoint_set(path);  // every pipeline stage's part
+  if (s.strings["model"] == "gpt") {
+    if (topo.rank == 0) eval_gpt(s, path, data_dir, batch, int8);
+    return 0;
+  }
   auto ds = std::make_shared<data::ShardedHdf5Dataset>(data_dir);
   if (train::is_int8_checkpoint(s)) {  // quantized already: no fp32 model to compare with
     nn::Int8Spec spec = train::read_int8_fields(s, path);

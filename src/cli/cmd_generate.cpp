@@ -15,6 +15,7 @@
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/lm_trainer.h"
 #include "dtrain/train/options.h"
+#include "dtrain/nn/quantized.h"
 #include "dtrain/train/signals.h"
 
 namespace dtrain::cli {
@@ -36,6 +37,8 @@ int cmd_generate(int argc, char** argv) {
   int64_t tokens = 200, top_k = 0;
   float temperature = 0.8f;
   uint64_t seed = 1;
+  bool int8 = false;
+  int threads = 0;
   po::options_description o("sampling");
   // clang-format off
   o.add_options()
@@ -44,12 +47,20 @@ int cmd_generate(int argc, char** argv) {
     ("tokens", po::value(&tokens)->default_value(tokens), "bytes to generate")
     ("temperature", po::value(&temperature)->default_value(temperature), "softmax temperature (0: greedy)")
     ("top-k", po::value(&top_k)->default_value(top_k), "sample among the k likeliest (0: all)")
-    ("seed", po::value(&seed)->default_value(seed), "sampling seed");
+    ("seed", po::value(&seed)->default_value(seed), "sampling seed")
+    ("threads", po::value(&threads)->default_value(threads), "compute threads (0: cores / ranks on the node)")
+    ("int8", po::bool_switch(&int8), "multiply by int8 weights (weight-only, one scale per output row): the Linear layers' weights in a quarter of the memory");
   // clang-format on
   if (!parse_with_config(argc, argv, o, "usage: dtrain generate --checkpoint FILE|DIR [--prompt TEXT]")) return 0;
   if (comm::Runtime::get().world().rank() != 0) return 0;
+  cpu_engine().set_threads(threads > 0 ? threads : std::max(1, comm::Runtime::get().topology().threads_per_rank));
   auto model = train::gpt_from_checkpoint(train::load_checkpoint_set(train::resolve_checkpoint(ckpt, "checkpoint")));
   model->eval();
+  if (int8) {
+    const nn::WeightOnlyReport w = nn::quantize_linear_weights_int8(*model);
+    std::fprintf(stderr, "int8 weights in %lld Linear layers: %.2f MiB -> %.2f MiB\n", static_cast<long long>(w.layers),
+                 w.f32_bytes / 1048576.0, w.int8_bytes / 1048576.0);
+  }
   const int64_t ctx = model->config().context, v = model->config().vocab;
   std::vector<int32_t> seq;
   for (unsigned char ch : prompt) seq.push_back(ch);

@@ -1,5 +1,6 @@
 #include <cmath>
 
+#include "dtrain/kernels/int8.h"
 #include "dtrain/nn/layers.h"
 
 namespace dtrain::nn {
@@ -58,6 +59,11 @@ Tensor& Linear::project(const Tensor& x) {
   Shape ys = x.shape();
   ys.back() = out_;
   Tensor& y = ensure_output(y_, ys, x.device());
+  if (w8_) {
+    DT_CHECK(x.device().is_cpu() && x.dtype() == DType::F32, kind() << " with int8 weights takes f32 on the CPU, got " << x.str());
+    int8::gemm_weight_only_int8(x.f32(), m, *w8_, y.f32());
+    return y;
+  }
   e.gemm(false, true, m, out_, in_, 1.f, reads_copy(e, m, out_) ? x_copy_ : x, gemm_operand(e, *w_, m, out_), 0.f, y);
   return y;
 }
@@ -71,6 +77,17 @@ bool Linear::reads_copy(const Engine& e, int64_t m, int64_t n) const {
 
 void Linear::add_bias(Tensor& y) {
   if (b_) engine(y).add_row_bias(y, b_->value);
+}
+
+std::pair<int64_t, int64_t> Linear::quantize_weights_int8() {
+  DT_CHECK(!w8_, kind() << ": weights are int8 already");
+  DT_INPUT_CHECK(w_->value.device().is_cpu() && w_->value.dtype() == DType::F32,
+                 "int8 weights: " << kind() << " holds " << w_->value.str() << " (f32 on the CPU needed)");
+  w8_ = std::make_shared<int8::WeightOnlyInt8>(int8::WeightOnlyInt8::from(w_->value.f32(), out_, in_));
+  const int64_t before = w_->value.nbytes();
+  w_->value = Tensor();
+  x_ = Tensor();
+  return {before, static_cast<int64_t>(w8_->q.size() + 4 * w8_->scale.size())};
 }
 
 Tensor Linear::forward(const Tensor& x) {
@@ -89,6 +106,7 @@ const Tensor& Linear::saved_input(Device dev) {
 
 // dW (out, in) += dy^T (out, M) . x (M, in); db += sum_rows dy; dx (M, in) = dy (M, out) . W (out, in)
 Tensor Linear::backward(const Tensor& dy) {
+  DT_CHECK(!w8_, kind() << ": no backward through int8 weights (inference only)");
   Engine& e = engine(dy);
   const int64_t m = (copy_input_ ? x_copy_ : x_).numel() / in_;
   DT_CHECK(dy.numel() == m * out_, kind() << " backward got " << dy.str());

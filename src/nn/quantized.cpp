@@ -107,18 +107,10 @@ Int8Layer quantized(const FloatConv& f) {
   Int8Layer l;
   l.conv = f.g;
   l.bias = f.b;
-  const auto k = static_cast<size_t>(f.g.k), per = f.w.size() / k;
+  const int64_t k = f.g.k, per = static_cast<int64_t>(f.w.size()) / k;
   l.weights.resize(f.w.size());
-  l.weight_scales.resize(k);
-  for (size_t o = 0; o < k; ++o) {
-    float m = 0.f;
-    for (size_t i = 0; i < per; ++i) m = std::max(m, std::fabs(f.w[o * per + i]));
-    const auto qmax = static_cast<float>(int8::kWeightMax);
-    const float s = m > 0.f ? m / qmax : 1.f;
-    l.weight_scales[o] = s;
-    for (size_t i = 0; i < per; ++i)
-      l.weights[o * per + i] = static_cast<int8_t>(std::clamp(std::nearbyint(f.w[o * per + i] / s), -qmax, qmax));
-  }
+  l.weight_scales.resize(static_cast<size_t>(k));
+  int8::quantize_rows_symmetric(f.w.data(), k, per, int8::kWeightMax, l.weights.data(), l.weight_scales.data());
   return l;
 }
 
@@ -403,6 +395,21 @@ Tensor Int8Model::forward(const Tensor& x) {
       s.pool->forward(n, bufs_[s.src].data(), dst);
   }
   return logits;
+}
+
+WeightOnlyReport quantize_linear_weights_int8(Module& model) {
+  WeightOnlyReport r;
+  if (auto* linear = dynamic_cast<Linear*>(&model)) {
+    const auto [before, after] = linear->quantize_weights_int8();
+    return {1, before, after};
+  }
+  for (auto& [name, child] : model.children()) {
+    const WeightOnlyReport c = quantize_linear_weights_int8(*child);
+    r.layers += c.layers;
+    r.f32_bytes += c.f32_bytes;
+    r.int8_bytes += c.int8_bytes;
+  }
+  return r;
 }
 
 }  // namespace dtrain::nn

@@ -301,6 +301,23 @@ TEST(CliMpi, GptConvertTrainTensorParallelAndGenerate) {
   ASSERT_EQ(gen.code, 0) << gen.out;
   EXPECT_EQ(gen.out.rfind("a small", 0), 0u) << gen.out;
   EXPECT_GE(gen.out.size(), 27u) << gen.out;
+  // Weight-only int8: the four Linear layers of the block, a quarter of their bytes (plus scales),
+  // and bits per byte within 2 % of fp32's on the validation stream.
+  Result gen8 = run("generate --checkpoint " + dir + "/ckpt --prompt 'a small' --tokens 20 --int8");
+  ASSERT_EQ(gen8.code, 0) << gen8.out;
+  EXPECT_NE(gen8.out.find("int8 weights in 4 Linear layers"), std::string::npos) << gen8.out;
+  Result ev = run("eval --checkpoint " + dir + "/ckpt --data " + dir + "/tok --batch-size 8 --int8");
+  ASSERT_EQ(ev.code, 0) << ev.out;
+  auto loss_of = [&](const std::string& what) {
+    const std::string lead = what + " loss ";
+    const size_t at = ev.out.find(lead);
+    return at == std::string::npos ? -1.0 : std::stod(ev.out.substr(at + lead.size()));
+  };
+  const double l32 = loss_of("fp32 "), l8 = loss_of("int8 ");
+  EXPECT_GT(l32, 1.0) << ev.out;
+  EXPECT_NEAR(l8, l32, 0.02 * l32) << ev.out;
+  EXPECT_NE(ev.out.find("in 4 Linear layers"), std::string::npos) << ev.out;
+  EXPECT_FAILS_NAMING(run("eval --checkpoint " + dir + "/ckpt --data " + dir + "/text"), "val.h5");
   EXPECT_FAILS_NAMING(run("train --model gpt --data " + dir + "/none"), "none");
   // The progress bar with ETA (a terminal's default) for the GPT as for image models.
   Result bar = run("train --config " + dir + "/gpt.ini --progress on --log-every 3");

@@ -218,3 +218,41 @@ TEST(Int8Quantize, RoundsToEvenSaturatesAndMovesChannelsLast) {
 }
 
 }  // namespace
+
+// Weight-only int8: rows quantized symmetrically, and the GEMM against the same dequantized weights
+// multiplied in one reference loop (double), and against the f32 weights within the rounding bound:
+// panel by panel for 5 rows of x (over panel boundaries: n not a multiple of the panel's rows), the
+// whole matrix at once for 70.
+class WeightOnlyInt8Rows : public testing::TestWithParam<int64_t> {};
+INSTANTIATE_TEST_SUITE_P(FewAndMany, WeightOnlyInt8Rows, testing::Values(5, 70));
+TEST_P(WeightOnlyInt8Rows, QuantizesRowsAndMultiplies) {
+  const int64_t m = GetParam(), k = 1000, n = 70;  // 1000 columns: 32 rows a panel, so 3 panels (32, 32, 6)
+  Rng rng(7);
+  std::vector<float> w(static_cast<size_t>(n * k)), x(static_cast<size_t>(m * k));
+  for (float& v : w) v = rng.uniform(-0.5f, 0.5f);
+  for (float& v : x) v = rng.uniform(-1.f, 1.f);
+  std::fill(w.begin() + 3 * k, w.begin() + 4 * k, 0.f);  // a zero row
+  const int8::WeightOnlyInt8 q = int8::WeightOnlyInt8::from(w.data(), n, k);
+  EXPECT_EQ(q.scale[3], 1.f);
+  for (int64_t r = 0; r < n; ++r) {
+    if (r == 3) continue;
+    const auto row = q.q.begin() + r * k;
+    EXPECT_EQ(std::max(std::abs(*std::max_element(row, row + k)), std::abs(*std::min_element(row, row + k))), 127) << r;
+  }
+  std::vector<float> y(static_cast<size_t>(m * n), -1.f);
+  int8::gemm_weight_only_int8(x.data(), m, q, y.data());
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double dq = 0, f32 = 0, bound = 0;
+      for (int64_t c = 0; c < k; ++c) {
+        const double xv = x[static_cast<size_t>(i * k + c)];
+        dq += xv * q.scale[static_cast<size_t>(j)] * q.q[static_cast<size_t>(j * k + c)];
+        f32 += xv * w[static_cast<size_t>(j * k + c)];
+        bound += std::fabs(xv) * q.scale[static_cast<size_t>(j)] / 2;
+      }
+      const float got = y[static_cast<size_t>(i * n + j)];
+      ASSERT_NEAR(got, dq, 1e-4) << i << "," << j;
+      ASSERT_NEAR(got, f32, bound + 1e-4) << i << "," << j;
+    }
+}
+

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "dtrain/nn/gpt.h"
+#include "dtrain/nn/quantized.h"
 #include "gradcheck.h"
 
 using namespace dtrain;
@@ -364,3 +365,31 @@ TEST(ActivationStash, BackwardOfAnEarlierMicroBatch) {
     for (int64_t k = 0; k < pa[i]->grad.numel(); ++k)
       ASSERT_EQ(pa[i]->grad.f32()[k], pr[i]->grad.f32()[k]) << pa[i]->name;
 }
+
+// Weight-only int8 of a GPT: every block's four Linear layers (qkv, proj and the MLP's two), a
+// quarter of their bytes plus one scale per row; the logits stay close to fp32's, and backward is
+// refused instead of using weights that are gone.
+TEST(WeightOnlyInt8, GptLogitsStayCloseAndBackwardIsRefused) {
+  nn::GptConfig cfg = tiny_gpt(13, 8, 2, 2, 16, 6);
+  nn::Gpt gpt(cfg);
+  gpt.eval();
+  Rng rng(5);
+  Tensor ids = Tensor::empty({2, 6}, DType::I32);
+  for (int64_t i = 0; i < ids.numel(); ++i) ids.data<int32_t>()[i] = static_cast<int32_t>(rng.below(13));
+  const Tensor ref = gpt.forward(ids).clone();
+  const nn::WeightOnlyReport r = nn::quantize_linear_weights_int8(gpt);
+  EXPECT_EQ(r.layers, 4 * cfg.layers);
+  const int64_t w = cfg.width, f32_bytes = cfg.layers * 4 * (3 * w * w + w * w + 4 * w * w + 4 * w * w);
+  EXPECT_EQ(r.f32_bytes, f32_bytes);
+  EXPECT_EQ(r.int8_bytes, cfg.layers * ((3 * w * w + w * w + 8 * w * w) + 4 * (3 * w + w + 4 * w + w)));
+  const Tensor got = gpt.forward(ids);
+  double err = 0, size = 0;
+  for (int64_t i = 0; i < ref.numel(); ++i) {
+    err = std::max(err, std::abs(static_cast<double>(got.f32()[i]) - ref.f32()[i]));
+    size = std::max(size, std::abs(static_cast<double>(ref.f32()[i])));
+  }
+  EXPECT_GT(err, 0.0) << "the int8 weights were not used";
+  EXPECT_LT(err, 0.02 * size);
+  EXPECT_THROW(gpt.backward(Tensor::zeros(got.shape())), Error);
+}
+

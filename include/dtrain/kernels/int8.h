@@ -81,6 +81,26 @@ class Int8MaxPool {
   std::unique_ptr<Impl> impl_;
 };
 
+// Symmetric per-row quantization of w (rows, cols): scales[r] = max |w[r, :]| / qmax (1 for a zero
+// row), q[r, c] = round_even(w[r, c] / scales[r]) in [-qmax, qmax].
+void quantize_rows_symmetric(const float* w, int64_t rows, int64_t cols, int qmax, int8_t* q, float* scales);
+
+// Weight-only int8 (activations stay f32): a (N, K) weight matrix held as s8 in 8 bits, [-127, 127],
+// one scale per row; a quarter of the f32 bytes.
+struct WeightOnlyInt8 {
+  int64_t rows = 0, cols = 0;
+  std::vector<int8_t> q;     // (rows, cols)
+  std::vector<float> scale;  // (rows)
+  static WeightOnlyInt8 from(const float* w, int64_t rows, int64_t cols);
+};
+
+// y (M, N) = x (M, K) . dequant(w)^T, w (N, K), by oneDNN's f32 GEMM on dequantized rows. Few rows
+// of x (M < 64: generation, bound by reading the weights): rows of w a cache-sized panel at a time,
+// one GEMM per panel, so the weights cross memory as int8. Many rows (bound by arithmetic): all of w
+// at once and one GEMM. The dequantized rows go to one scratch buffer per thread, shared by every
+// layer (at most one layer's f32 weights). Threads: oneDNN's.
+void gemm_weight_only_int8(const float* x, int64_t m, const WeightOnlyInt8& w, float* y);
+
 // x (N, C, H, W) f32 -> y (N, H, W, C) of `type` (U8 or S8): y = saturate(round_even(x * inv_scale)).
 void quantize_nchw_to_nhwc(const float* x, int64_t n, int64_t c, int64_t h, int64_t w, float inv_scale, QType type,
                            void* y);

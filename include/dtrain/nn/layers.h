@@ -1,9 +1,15 @@
 #pragma once
 // The layers. Shapes: Linear (..., in) -> (..., out); images NCHW; conv weights (K, C, R, S).
+#include <memory>
 #include <utility>
+#include <vector>
 
 #include "dtrain/core/rng.h"
 #include "dtrain/nn/module.h"
+
+namespace dtrain::int8 {
+struct WeightOnlyInt8;
+}
 
 namespace dtrain::nn {
 
@@ -19,6 +25,11 @@ class Linear : public Module {
   // in bf16/f16 when the engine multiplies in that type (the GEMM rounds its operands to it anyway, so
   // nothing changes but the bytes held): the producer's output can then be a temporary.
   void set_copy_input(bool on) { copy_input_ = on; }
+  // Inference with int8 weights (weight-only, int8.h's WeightOnlyInt8; activations stay f32): the f32
+  // weight is quantized per output row and released, forward multiplies through the int8 copy, and
+  // backward is refused. CPU only. Returns the weight bytes before and after.
+  std::pair<int64_t, int64_t> quantize_weights_int8();
+  bool weights_int8() const { return w8_ != nullptr; }
 
   // PyTorch's default initialisation of a full in -> out layer: weight [out, in] then bias [out]
   // (undefined when `bias` is false), both U(-1/sqrt(in), 1/sqrt(in)), drawn in that order.
@@ -43,6 +54,7 @@ class Linear : public Module {
   const Tensor& saved_input(Device dev);
   bool reads_copy(const Engine& e, int64_t m, int64_t n) const;
   Tensor dy_low_;  // dy rounded once for both backward GEMMs (scratch)
+  std::shared_ptr<int8::WeightOnlyInt8> w8_;  // set by quantize_weights_int8
 };
 
 class Conv2d : public Module {

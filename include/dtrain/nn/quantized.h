@@ -1,6 +1,6 @@
 #pragma once
 // Post-training int8 quantization of an image classifier for CPU inference (oneDNN int8 kernels,
-// include/dtrain/kernels/int8.h).
+// include/dtrain/kernels/int8.h); at the end, weight-only int8 for any model's Linear layers (the GPT).
 //
 // What is quantized: Conv2d and Linear become s8-weight convolutions (7-bit weights, one symmetric
 // scale per output channel, see int8.h), each with the BatchNorm2d right after a Conv2d folded into
@@ -87,5 +87,13 @@ class Int8Model {
   int64_t most_ = 0;                        // elements per sample of the largest activation
   std::vector<std::vector<uint8_t>> bufs_;  // activation buffers, by Int8Layer::src / dst
 };
+
+// Weight-only int8 of every Linear layer in `model` (the GPT's attention and MLP projections; the
+// tied embedding and unembedding stay f32): for `dtrain generate --int8` and `dtrain eval --int8`
+// of a GPT. Returns the weight bytes of those layers before and after.
+struct WeightOnlyReport {
+  int64_t layers = 0, f32_bytes = 0, int8_bytes = 0;
+};
+WeightOnlyReport quantize_linear_weights_int8(nn::Module& model);
 
 }  // namespace dtrain::nn
