@@ -13,9 +13,11 @@
 #include "dtrain/comm/communicator.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/timer.h"
+#include "dtrain/data/text.h"
 #include "dtrain/train/lm_trainer.h"
 #include "dtrain/nn/models.h"
 #include "dtrain/train/checkpoint.h"
+#include "dtrain/train/export.h"
 #include "dtrain/train/options.h"
 #include "dtrain/train/quantize.h"
 #include "dtrain/train/trainer.h"
@@ -42,10 +44,17 @@ void report(const char* what, const train::EvalResult& r, double forward_s) {
               forward_s > 0 ? r.samples / forward_s : 0.0);
 }
 
+// --save-batch: the first batch rank 0 evaluated, its inputs (as the model took them: normalised
+// images, or token ids) and the model's logits, as safetensors, so another framework can check its
+// predictions on the same batch (benchmarks/peers/check_export.py).
+void save_batch(const std::string& path, const Tensor& inputs, const Tensor& logits) {
+  train::write_safetensors(path, {{"inputs", inputs}, {"logits", logits}}, {{"format", "dtrain-batch-1"}});
+}
+
 // A GPT checkpoint on the validation stream of `data_dir` (dtrain convert text's val.h5), on rank 0:
 // loss and bits per byte, and with `int8` the same with weight-only int8 Linear layers beside it.
 void eval_gpt(const train::CheckpointState& s, const std::string& path, const std::string& data_dir, int64_t batch,
-              bool int8) {
+              bool int8, const std::string& batch_file) {
   const std::string val = (std::filesystem::path(data_dir) / "val.h5").string();
   DT_INPUT_CHECK(std::filesystem::is_regular_file(val), "checkpoint '" << path << "' holds a gpt: --data must be a "
                                                         "folder of dtrain convert text with val.h5; '" << val << "' is missing");
@@ -61,6 +70,14 @@ void eval_gpt(const train::CheckpointState& s, const std::string& path, const st
   };
   std::printf("eval %s (gpt) on %s, windows of %lld, batch %lld (%d threads)\n", path.c_str(), val.c_str(),
               static_cast<long long>(ctx), static_cast<long long>(batch), cpu_engine().threads());
+  if (!batch_file.empty()) {  // the first `batch` windows of the stream, as evaluate_lm cuts them
+    const data::TokenStream stream = data::load_tokens(val);
+    const int64_t rows = std::min<int64_t>(batch, static_cast<int64_t>(stream.tokens.size() - 1) / ctx);
+    DT_INPUT_CHECK(rows > 0, "'" << val << "' holds no window of " << ctx << " tokens");
+    Tensor ids = Tensor::empty({rows, ctx}, DType::I32);
+    std::copy(stream.tokens.begin(), stream.tokens.begin() + rows * ctx, ids.data<int32_t>());
+    save_batch(batch_file, ids, model->forward(ids).clone());
+  }
   const auto [nats32, t32] = run("fp32");
   if (!int8) return;
   const nn::WeightOnlyReport w = nn::quantize_linear_weights_int8(*model);
@@ -78,6 +95,7 @@ int cmd_eval(int argc, char** argv) {
   int64_t batch = 256, calib_batches = 10;
   int threads = 0;
   bool int8 = false;
+  std::string batch_file;
   po::options_description opts("Options");
   opts.add_options()("checkpoint", po::value<std::string>(&ckpt), "checkpoint file, or a directory (its newest)")(
       "data", po::value<std::string>(&data_dir), "directory of HDF5 shards to evaluate on")(
@@ -87,7 +105,9 @@ int cmd_eval(int argc, char** argv) {
       "calibration-batches", po::value<int64_t>(&calib_batches)->default_value(10),
       "with --int8: batches of --calibration-data that calibrate the activation ranges")(
       "calibration-data", po::value<std::string>(&calib_dir),
-      "with --int8: directory of HDF5 shards to calibrate on (the training set; default --data)");
+      "with --int8: directory of HDF5 shards to calibrate on (the training set; default --data)")(
+      "save-batch", po::value<std::string>(&batch_file),
+      "write the first batch's inputs (as the model takes them) and fp32 logits to this safetensors file");
   po::variables_map vm;
   if (!train::parse_options(argc, argv, opts, "usage: dtrain eval --checkpoint FILE --data DIR [options]", vm)) return 0;
   DT_INPUT_CHECK(!ckpt.empty(), "option --checkpoint is required");
@@ -101,7 +121,7 @@ int cmd_eval(int argc, char** argv) {
   std::string path = train::resolve_checkpoint(ckpt, "checkpoint");
   train::CheckpointState s = train::load_checkpoint_set(path);  // every pipeline stage's part
   if (s.strings["model"] == "gpt") {
-    if (topo.rank == 0) eval_gpt(s, path, data_dir, batch, int8);
+    if (topo.rank == 0) eval_gpt(s, path, data_dir, batch, int8, batch_file);
     return 0;
   }
   auto ds = std::make_shared<data::ShardedHdf5Dataset>(data_dir);
@@ -122,10 +142,19 @@ int cmd_eval(int argc, char** argv) {
   }
   train::ImageCheckpoint c = train::image_model_from_checkpoint(path, s);
   check_dataset(*ds, data_dir, c.spec.input, c.spec.classes, c.spec.name, path);
+  Tensor first_inputs, first_logits;
+  auto fp32_forward = [&](const Tensor& x) {
+    Tensor y = c.model->forward(x);
+    if (!batch_file.empty() && !first_inputs.defined()) {
+      first_inputs = x.clone();
+      first_logits = y.clone();
+    }
+    return y;
+  };
   if (!int8) {
     double t = 0;
-    train::EvalResult r = train::evaluate_forward([&](const Tensor& x) { return c.model->forward(x); }, ds, batch,
-                                                  world, c.mean, c.std, &t);
+    train::EvalResult r = train::evaluate_forward(fp32_forward, ds, batch, world, c.mean, c.std, &t);
+    if (topo.rank == 0 && first_inputs.defined()) save_batch(batch_file, first_inputs, first_logits);
     if (topo.rank == 0) {
       std::printf("eval %s on %s (%d threads)\n", path.c_str(), data_dir.c_str(), cpu_engine().threads());
       report("fp32", r, t);
@@ -136,8 +165,8 @@ int cmd_eval(int argc, char** argv) {
   if (!calib_dir.empty()) check_dataset(*calib, calib_dir, c.spec.input, c.spec.classes, c.spec.name, path);
   nn::Int8Model q(train::quantize_image_model(c, calib, batch, calib_batches));
   double t32 = 0, t8 = 0;
-  train::EvalResult r32 = train::evaluate_forward([&](const Tensor& x) { return c.model->forward(x); }, ds, batch,
-                                                  world, c.mean, c.std, &t32);
+  train::EvalResult r32 = train::evaluate_forward(fp32_forward, ds, batch, world, c.mean, c.std, &t32);
+  if (topo.rank == 0 && first_inputs.defined()) save_batch(batch_file, first_inputs, first_logits);
   train::EvalResult r8 =
       train::evaluate_forward([&](const Tensor& x) { return q.forward(x); }, ds, batch, world, c.mean, c.std, &t8);
   if (topo.rank == 0) {

@@ -25,6 +25,7 @@ void usage() {
       "  prune-export  cut the channels structured pruning zeroed out of a checkpoint's model\n"
       "  convert       convert idx (MNIST/Fashion-MNIST) or CIFAR-10 files into HDF5 shards, or text into tokens\n"
       "  generate      sample text from a GPT checkpoint\n"
+      "  export        a checkpoint's weights as safetensors or HDF5, with PyTorch's names\n"
       "  bench         micro-benchmarks: gemm, allreduce\n"
       "  info          what was compiled in, library versions, devices\n\n"
       "launch on several ranks with mpirun -n N dtrain train ... or srun dtrain train ...\n");
@@ -77,8 +78,10 @@ int main(int argc, char** argv) {
       code = cli::cmd_info(sub_argc, sub_argv);
     else if (cmd == "generate")
       code = cli::cmd_generate(sub_argc, sub_argv);
+    else if (cmd == "export")
+      code = cli::cmd_export(sub_argc, sub_argv);
     else
-      throw InputError("unknown command '" + cmd + "' (commands: train, eval, quantize, prune-export, convert, generate, bench, info)");
+      throw InputError("unknown command '" + cmd + "' (commands: train, eval, quantize, prune-export, convert, generate, export, bench, info)");
   } catch (const InputError& e) {
     // Input errors are found the same way on every rank (same options, same files, or agreed by
     // comm::agree_on_inputs), so rank 0 speaks for all and every rank exits without tearing MPI down.

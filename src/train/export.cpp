@@ -1,0 +1,158 @@
+#include "dtrain/train/export.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include "dtrain/core/error.h"
+
+namespace dtrain::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// (rows, cols) -> (cols, rows), a new tensor.
+Tensor transposed(const Tensor& t, const std::string& name) {
+  DT_INPUT_CHECK(t.dim() == 2 && t.dtype() == DType::F32, "export: " << name << " is " << t.str() << ", not an f32 matrix");
+  const int64_t r = t.size(0), c = t.size(1);
+  Tensor out = Tensor::empty({c, r});
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t j = 0; j < c; ++j) out.f32()[j * r + i] = t.f32()[i * c + j];
+  return out;
+}
+
+// A GPT parameter's GPT-2 name, and whether its matrix is transposed to GPT-2's (in, out).
+// dtrain's block i is blocks.i.0 (Residual: LayerNorm, attention) and blocks.i.1 (Residual:
+// LayerNorm, Linear, GELU, Linear).
+std::pair<std::string, bool> gpt2_name(const std::string& name) {
+  if (name == "wte" || name == "wpe") return {"transformer." + name + ".weight", false};
+  if (name == "ln_f.weight" || name == "ln_f.bias") return {"transformer." + name, false};
+  static const std::regex block(R"(blocks\.(\d+)\.([01])\.body\.(0|1\.qkv|1\.proj|1|3)\.(weight|bias))");
+  std::smatch m;
+  DT_INPUT_CHECK(std::regex_match(name, m, block), "export: GPT parameter '" << name << "' has no GPT-2 name");
+  const bool attn = m[2] == "0";
+  const std::string part = m[3], what = m[4];
+  std::string gpt2;
+  if (part == "0")
+    gpt2 = attn ? "ln_1" : "ln_2";
+  else if (part == "1.qkv" && attn)
+    gpt2 = "attn.c_attn";
+  else if (part == "1.proj" && attn)
+    gpt2 = "attn.c_proj";
+  else if (part == "1" && !attn)
+    gpt2 = "mlp.c_fc";
+  else if (part == "3" && !attn)
+    gpt2 = "mlp.c_proj";
+  DT_INPUT_CHECK(!gpt2.empty(), "export: GPT parameter '" << name << "' has no GPT-2 name");
+  return {"transformer.h." + std::string(m[1]) + "." + gpt2 + "." + what, part != "0" && what == "weight"};
+}
+
+// ASCII names only, without the characters JSON would need escaped.
+void check_name(const std::string& name) {
+  DT_INPUT_CHECK(!name.empty() && std::all_of(name.begin(), name.end(),
+                                              [](char c) { return c > 0x20 && c < 0x7f && c != '"' && c != '\\'; }),
+                 "export: tensor name '" << name << "' cannot be written");
+}
+
+const char* safetensors_dtype(DType t) {
+  switch (t) {
+    case DType::F32: return "F32";
+    case DType::BF16: return "BF16";
+    case DType::F16: return "F16";
+    case DType::I32: return "I32";
+    case DType::I64: return "I64";
+    case DType::U8: return "U8";
+  }
+  return "?";
+}
+
+}  // namespace
+
+NamedTensorList export_tensors(const CheckpointState& s, ExportNames names) {
+  const auto model = s.strings.find("model");
+  const bool gpt = model != s.strings.end() && model->second == "gpt";
+  std::map<std::string, Tensor> out;
+  for (const auto& [key, t] : s.tensors) {
+    const bool param = key.rfind("param/", 0) == 0, buffer = key.rfind("buffer/", 0) == 0;
+    if (!param && !buffer) continue;
+    const std::string name = key.substr(param ? 6 : 7);
+    if (names == ExportNames::Dtrain) {
+      out[name] = t;
+    } else if (gpt) {
+      const auto [gpt2, transpose] = gpt2_name(name);
+      out[gpt2] = transpose ? transposed(t, name) : t;
+    } else if (ends_with(name, ".rng_state")) {
+      continue;  // Dropout's RNG state: PyTorch's Dropout has none
+    } else {
+      out[name] = t;
+      if (ends_with(name, ".running_mean")) {
+        Tensor count = Tensor::empty({}, DType::I64);
+        count.data<int64_t>()[0] = 0;
+        out[name.substr(0, name.size() - 12) + "num_batches_tracked"] = count;
+      }
+    }
+  }
+  DT_INPUT_CHECK(!out.empty(), "export: the checkpoint holds no parameters");
+  return {out.begin(), out.end()};
+}
+
+void write_safetensors(const std::string& path, const NamedTensorList& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::ostringstream header;
+  header << "{\"__metadata__\":{";
+  bool first = true;
+  for (const auto& [k, v] : metadata) {
+    check_name(k);
+    DT_CHECK(v.find_first_of("\"\\\n") == std::string::npos, "export metadata " << k << " needs escaping: " << v);
+    header << (first ? "" : ",") << '"' << k << "\":\"" << v << '"';
+    first = false;
+  }
+  header << '}';
+  size_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    check_name(name);
+    DT_CHECK(t.device().is_cpu(), "export: " << name << " is not on the host");
+    header << ",\"" << name << "\":{\"dtype\":\"" << safetensors_dtype(t.dtype()) << "\",\"shape\":[";
+    for (int64_t d = 0; d < t.dim(); ++d) header << (d ? "," : "") << t.size(d);
+    header << "],\"data_offsets\":[" << offset << ',' << offset + t.nbytes() << "]}";
+    offset += t.nbytes();
+  }
+  header << '}';
+  std::string h = header.str();
+  h.append((8 - h.size() % 8) % 8, ' ');
+  const std::string tmp = path + ".tmp";
+  if (fs::path(path).has_parent_path()) fs::create_directories(fs::path(path).parent_path());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    DT_INPUT_CHECK(f, "export: cannot create '" << tmp << "'");
+    unsigned char size[8];
+    for (int i = 0; i < 8; ++i) size[i] = static_cast<unsigned char>((static_cast<uint64_t>(h.size()) >> (8 * i)) & 0xff);
+    f.write(reinterpret_cast<const char*>(size), 8);
+    f.write(h.data(), static_cast<std::streamsize>(h.size()));
+    for (const auto& [name, t] : tensors) f.write(static_cast<const char*>(t.raw()), static_cast<std::streamsize>(t.nbytes()));
+    f.flush();
+    DT_INPUT_CHECK(f, "export: writing '" << tmp << "' failed (disk full?)");
+  }
+  fs::rename(tmp, path);
+}
+
+void write_hdf5_tensors(const std::string& path, const NamedTensorList& tensors,
+                        const std::map<std::string, std::string>& metadata) {
+  CheckpointState s;
+  for (const auto& [name, t] : tensors) {
+    DT_INPUT_CHECK(name.find('/') == std::string::npos, "export: tensor name '" << name << "' has a '/'");
+    s.tensors[name] = t;
+  }
+  s.strings = metadata;
+  save_checkpoint(path, s);
+}
+
+}  // namespace dtrain::train
