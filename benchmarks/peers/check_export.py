@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """A dtrain checkpoint in PyTorch: `dtrain export` (safetensors, PyTorch names) loaded into the
-PyTorch definition of the same model (torch_simple_cnn.py's SimpleCNN, an MLP as nn.Sequential, or
+PyTorch definition of the same model (torch_simple_cnn.py's SimpleCNN, an MLP or ResNet-20 as
+nn.Sequential with dtrain's module paths, or
 torch_gpt.py's GPT, whose names the GPT-2 ones of the export are mapped onto), then checked
   - on one batch: `dtrain eval --save-batch` writes the inputs the model took and dtrain's logits;
     PyTorch's logits on the same inputs must be within --tolerance (max abs difference, 1e-5), or,
@@ -69,7 +70,45 @@ def image_model(torch, tensors, meta):
                 for gap in range(at + 2, linear[i + 1]):
                     layers[str(gap)] = nn.Dropout(0.0)
         return nn.Sequential(layers)
+    if meta["model"] == "resnet20":
+        return resnet20(torch, tensors)
     raise SystemExit(f"check_export: no PyTorch definition here for model {meta['model']}")
+
+
+def resnet20(torch, tensors):
+    """dtrain's ResNet-20 as PyTorch modules with its module paths: conv, BN, ReLU, then one
+    Sequential(Residual(body, shortcut), ReLU) per block (stride 2 where the channels grow, a 1x1
+    conv + BN shortcut there), global average pool, Linear."""
+    nn = torch.nn
+
+    class Residual(nn.Module):
+        def __init__(self, body, shortcut):
+            super().__init__()
+            self.body = body
+            if shortcut is not None:
+                self.shortcut = shortcut
+
+        def forward(self, x):
+            return self.body(x) + (self.shortcut(x) if hasattr(self, "shortcut") else x)
+
+    first = tensors["0.weight"].shape
+    layers = collections.OrderedDict([("0", nn.Conv2d(first[1], first[0], 3, 1, 1, bias=False)),
+                                      ("1", nn.BatchNorm2d(first[0])), ("2", nn.ReLU())])
+    blocks = sorted({int(k.split(".")[0]) for k in tensors if ".0.body.0." in k})
+    for i in blocks:
+        out_c, in_c = tensors[f"{i}.0.body.0.weight"].shape[:2]
+        stride = 1 if in_c == out_c else 2
+        body = nn.Sequential(nn.Conv2d(in_c, out_c, 3, stride, 1, bias=False), nn.BatchNorm2d(out_c), nn.ReLU(),
+                             nn.Conv2d(out_c, out_c, 3, 1, 1, bias=False), nn.BatchNorm2d(out_c))
+        shortcut = None
+        if f"{i}.0.shortcut.0.weight" in tensors:
+            shortcut = nn.Sequential(nn.Conv2d(in_c, out_c, 1, stride, 0, bias=False), nn.BatchNorm2d(out_c))
+        layers[str(i)] = nn.Sequential(Residual(body, shortcut), nn.ReLU())
+    head = max(int(k.split(".")[0]) for k in tensors)
+    layers[str(head - 1)] = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    classes, features = tensors[f"{head}.weight"].shape
+    layers[str(head)] = nn.Linear(features, classes)
+    return nn.Sequential(layers)
 
 
 def gpt_model(torch, tensors, meta):
