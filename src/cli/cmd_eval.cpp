@@ -60,10 +60,11 @@ void eval_gpt(const train::CheckpointState& s, const std::string& path, const st
                                                         "folder of dtrain convert text with val.h5; '" << val << "' is missing");
   auto model = train::gpt_from_checkpoint(s);
   const int64_t ctx = model->config().context;
+  const data::TokenStream stream = data::load_tokens(val);  // read once: the timings are forward passes only
   auto run = [&](const char* what) {
-    train::evaluate_lm(*model, val, batch, ctx, 1);  // warm-up: oneDNN's primitives and buffers, outside the timing
+    train::evaluate_lm(*model, stream, batch, ctx, 1);  // warm-up: oneDNN's primitives and buffers, outside the timing
     const double t0 = now_s();
-    const double nats = train::evaluate_lm(*model, val, batch, ctx, 0);
+    const double nats = train::evaluate_lm(*model, stream, batch, ctx, 0);
     const double t = now_s() - t0;
     std::printf("%-5s loss %.4f nats/token, %.4f bits/byte, forward %.3f s\n", what, nats, nats / std::log(2.0), t);
     return std::pair{nats, t};
@@ -71,11 +72,9 @@ void eval_gpt(const train::CheckpointState& s, const std::string& path, const st
   std::printf("eval %s (gpt) on %s, windows of %lld, batch %lld (%d threads)\n", path.c_str(), val.c_str(),
               static_cast<long long>(ctx), static_cast<long long>(batch), cpu_engine().threads());
   if (!batch_file.empty()) {  // the first `batch` windows of the stream, as evaluate_lm cuts them
-    const data::TokenStream stream = data::load_tokens(val);
-    const int64_t rows = std::min<int64_t>(batch, static_cast<int64_t>(stream.tokens.size() - 1) / ctx);
-    DT_INPUT_CHECK(rows > 0, "'" << val << "' holds no window of " << ctx << " tokens");
-    Tensor ids = Tensor::empty({rows, ctx}, DType::I32);
-    std::copy(stream.tokens.begin(), stream.tokens.begin() + rows * ctx, ids.data<int32_t>());
+    const int64_t rows = std::min(batch, data::window_count(stream, ctx));
+    DT_INPUT_CHECK(rows > 0, "'" << val << "' holds no window of " << ctx + 1 << " tokens");
+    const Tensor ids = data::sequential_windows(stream, rows, ctx, 0).ids;
     save_batch(batch_file, ids, model->forward(ids).clone());
   }
   const auto [nats32, t32] = run("fp32");

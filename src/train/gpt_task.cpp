@@ -53,9 +53,12 @@ double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, in
 }  // namespace
 
 double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, int64_t seq_len, int64_t max_batches) {
-  data::TokenStream s = data::load_tokens(val_file);
+  return evaluate_lm(model, data::load_tokens(val_file), batch, seq_len, max_batches);
+}
+
+double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, int64_t seq_len, int64_t max_batches) {
   nn::SoftmaxCrossEntropy xent;
-  return eval_stream(model, s, batch, seq_len, max_batches, xent);
+  return eval_stream(model, val, batch, seq_len, max_batches, xent);
 }
 
 std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s) {

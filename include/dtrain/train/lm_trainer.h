@@ -6,6 +6,7 @@
 #include <string>
 
 #include "dtrain/comm/communicator.h"
+#include "dtrain/data/text.h"
 #include "dtrain/nn/gpt.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/config.h"
@@ -22,6 +23,8 @@ TrainResult train_lm(const TrainConfig& cfg, comm::Communicator* world);
 // Mean cross-entropy (nats per token) of `model` over up to `max_batches` (0: all) consecutive
 // non-overlapping windows of `tokens`.
 double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, int64_t seq_len, int64_t max_batches);
+// The same on a stream already loaded (data::load_tokens), for callers that evaluate it repeatedly.
+double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, int64_t seq_len, int64_t max_batches);
 
 // The one-rank GPT of a checkpoint set (load_checkpoint_set: every stage's parameters, tp shards
 // gathered): the config as the int list "gpt", parameters under "param/".
