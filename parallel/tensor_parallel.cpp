@@ -226,13 +226,9 @@ void owners(nn::Module& m, const std::string& prefix, std::map<std::string, nn::
   for (auto& [name, child] : m.children()) owners(*child, nn::Module::child_prefix(prefix, name), out);
 }
 
-bool ends_with(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
-
 // The vocabulary shard when `name` (owned by `m`) is a token embedding split over tp ranks.
 const nn::GptVocabShard* vocab_shard_of(nn::Module* m, const std::string& name) {
-  if (!ends_with(name, "wte")) return nullptr;
+  if (!name.ends_with("wte")) return nullptr;
   const nn::GptVocabShard* s = nullptr;
   if (auto* e = dynamic_cast<nn::GptEmbedding*>(m)) s = &e->shard();
   if (auto* h = dynamic_cast<nn::GptHead*>(m)) s = &h->shard();
@@ -247,7 +243,7 @@ bool is_tensor_parallel_shard(nn::Module& model, const std::string& name) {
   nn::Module* m = own.at(name);
   if (vocab_shard_of(m, name)) return true;
   if (dynamic_cast<ColumnParallelLinear*>(m)) return true;
-  return dynamic_cast<RowParallelLinear*>(m) && ends_with(name, "weight");
+  return dynamic_cast<RowParallelLinear*>(m) && name.ends_with("weight");
 }
 
 std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator* tp, const ParameterTensor& pick,
@@ -293,7 +289,7 @@ void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, con
       shard = it->second.slice0(v->offset, v->offset + v->rows);
     else if (auto* c = dynamic_cast<ColumnParallelLinear*>(m))
       shard = c->shard_of(it->second);
-    else if (auto* r = dynamic_cast<RowParallelLinear*>(m); r && ends_with(p->name, "weight"))
+    else if (auto* r = dynamic_cast<RowParallelLinear*>(m); r && p->name.ends_with("weight"))
       shard = r->shard_of(it->second);
     DT_INPUT_CHECK(shard.numel() == dst.numel() && shard.dtype() == dst.dtype(),
                    "parameter " << p->name << ": " << it->second.str() << " does not fit " << dst.str());
@@ -314,7 +310,7 @@ double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_n
     if (p == skip) continue;
     nn::Module* m = own.at(p->name);
     bool sharded = dynamic_cast<ColumnParallelLinear*>(m) ||
-                   (dynamic_cast<RowParallelLinear*>(m) && ends_with(p->name, "weight")) || vocab_shard_of(m, p->name);
+                   (dynamic_cast<RowParallelLinear*>(m) && p->name.ends_with("weight")) || vocab_shard_of(m, p->name);
     (sharded ? split : replicated) += engine_for(p->grad.device()).sum_squares(p->grad);
   }
   if (tp.size() > 1) {

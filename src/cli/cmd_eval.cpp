@@ -114,7 +114,7 @@ int cmd_eval(int argc, char** argv) {
   DT_INPUT_CHECK(batch > 0, "option --batch-size must be > 0");
   comm::Runtime& rt = comm::Runtime::get();
   const comm::Topology& topo = rt.topology();
-  cpu_engine().set_threads(threads > 0 ? threads : std::max(1, topo.threads_per_rank));
+  cpu_engine().set_threads(topo.compute_threads(threads));
   comm::Communicator* world = topo.size > 1 ? &rt.world() : nullptr;
 
   std::string path = train::resolve_checkpoint(ckpt, "checkpoint");

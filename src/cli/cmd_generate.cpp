@@ -53,7 +53,7 @@ int cmd_generate(int argc, char** argv) {
   // clang-format on
   if (!parse_with_config(argc, argv, o, "usage: dtrain generate --checkpoint FILE|DIR [--prompt TEXT]")) return 0;
   if (comm::Runtime::get().world().rank() != 0) return 0;
-  cpu_engine().set_threads(threads > 0 ? threads : std::max(1, comm::Runtime::get().topology().threads_per_rank));
+  cpu_engine().set_threads(comm::Runtime::get().topology().compute_threads(threads));
   auto model = train::gpt_from_checkpoint(train::load_checkpoint_set(train::resolve_checkpoint(ckpt, "checkpoint")));
   model->eval();
   if (int8) {

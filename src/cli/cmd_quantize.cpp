@@ -35,7 +35,7 @@ int cmd_quantize(int argc, char** argv) {
   DT_INPUT_CHECK(!out.empty(), "option --out is required");
   DT_INPUT_CHECK(batch > 0, "option --batch-size must be > 0");
   const comm::Topology& topo = comm::Runtime::get().topology();
-  cpu_engine().set_threads(threads > 0 ? threads : std::max(1, topo.threads_per_rank));
+  cpu_engine().set_threads(topo.compute_threads(threads));
   const std::string path = train::resolve_checkpoint(ckpt, "checkpoint");
   train::CheckpointState s = train::load_checkpoint_set(path);
   DT_INPUT_CHECK(!train::is_int8_checkpoint(s), "checkpoint '" << path << "' is quantized already");

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "dtrain/core/error.h"
+#include "dtrain/kernels/engine.h"
 
 namespace dtrain::train {
 
@@ -15,17 +16,12 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool ends_with(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
-
-// (rows, cols) -> (cols, rows), a new tensor.
+// (rows, cols) -> (cols, rows), a new tensor: the engine's axis swap on [1, rows, cols, 1].
 Tensor transposed(const Tensor& t, const std::string& name) {
   DT_INPUT_CHECK(t.dim() == 2 && t.dtype() == DType::F32, "export: " << name << " is " << t.str() << ", not an f32 matrix");
   const int64_t r = t.size(0), c = t.size(1);
   Tensor out = Tensor::empty({c, r});
-  for (int64_t i = 0; i < r; ++i)
-    for (int64_t j = 0; j < c; ++j) out.f32()[j * r + i] = t.f32()[i * c + j];
+  cpu_engine().permute_0213(t, 1, r, c, 1, out);
   return out;
 }
 
@@ -89,11 +85,11 @@ NamedTensorList export_tensors(const CheckpointState& s, ExportNames names) {
     } else if (gpt) {
       const auto [gpt2, transpose] = gpt2_name(name);
       out[gpt2] = transpose ? transposed(t, name) : t;
-    } else if (ends_with(name, ".rng_state")) {
+    } else if (name.ends_with(".rng_state")) {
       continue;  // Dropout's RNG state: PyTorch's Dropout has none
     } else {
       out[name] = t;
-      if (ends_with(name, ".running_mean")) {
+      if (name.ends_with(".running_mean")) {
         Tensor count = Tensor::empty({}, DType::I64);
         count.data<int64_t>()[0] = 0;
         out[name.substr(0, name.size() - 12) + "num_batches_tracked"] = count;

@@ -66,7 +66,7 @@ Trainer::~Trainer() = default;
 void Trainer::choose_device() {
   const comm::Topology& topo = rt_.topology();
   // Threads: by default the node's cores shared among the ranks on it.
-  const int threads = cfg_.threads > 0 ? cfg_.threads : std::max(1, topo.threads_per_rank);
+  const int threads = topo.compute_threads(cfg_.threads);
   cpu_engine().set_threads(threads);
   if (cfg_.device == "cuda") {
     DT_INPUT_CHECK(enable_cuda() > 0, "option --device cuda: no GPU is visible, or this dtrain was built without CUDA");

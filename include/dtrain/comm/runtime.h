@@ -26,6 +26,9 @@ struct Topology {
 
   // "rank 3/4 node 0 (local 3/4) host node07 cuda -1 threads 1 bound 2 cores"
   std::string describe() const;
+  // The compute threads of a `--threads` option: `requested` when > 0, else this rank's share of
+  // the node's cores (threads_per_rank).
+  int compute_threads(int requested) const { return requested > 0 ? requested : threads_per_rank; }
   // Non-empty when `threads` compute threads would outnumber the cores this rank is bound to.
   std::string binding_warning(int threads) const;
 };
