@@ -121,6 +121,25 @@ std::vector<int64_t> read_shape(hid_t dset, int64_t elem_bytes, const std::strin
   return shape;
 }
 
+namespace {
+
+// Throws InputError when attribute `name` of `obj` declares more bytes (`count` elements of
+// `elem_bytes` each) than its whole file holds: a corrupt header must not size an allocation.
+void check_attr_backed(hid_t obj, const char* name, uint64_t count, uint64_t elem_bytes) {
+  Handle f = file(H5Iget_file_id(obj));
+  hsize_t file_bytes = 0;
+  if (f.valid() && H5Fget_filesize(f.get(), &file_bytes) < 0) file_bytes = 0;
+  if (count <= file_bytes / std::max<uint64_t>(elem_bytes, 1)) return;
+  std::string path(256, '\0');
+  const ssize_t len = f.valid() ? H5Fget_name(f.get(), path.data(), path.size()) : -1;
+  path.resize(len > 0 ? std::min<size_t>(static_cast<size_t>(len), path.size() - 1) : 0);
+  throw InputError(DT_STR("'" << path << "': attribute '" << name << "' declares " << count << " element(s) of "
+                               << elem_bytes << " bytes but the whole file holds " << file_bytes
+                               << " bytes (corrupt file?)"));
+}
+
+}  // namespace
+
 template <typename T>
 static bool read_attr_numeric(hid_t obj, const char* name, hid_t mem_type, std::vector<T>& out) {
   if (H5Aexists(obj, name) <= 0) return false;
@@ -132,6 +151,7 @@ static bool read_attr_numeric(hid_t obj, const char* name, hid_t mem_type, std::
   Handle t = type(H5Aget_type(a.get()));
   H5T_class_t cls = H5Tget_class(t.get());
   if (cls != H5T_INTEGER && cls != H5T_FLOAT) return false;
+  check_attr_backed(obj, name, static_cast<uint64_t>(n), H5Tget_size(t.get()));
   out.assign(static_cast<size_t>(n), T{});
   return H5Aread(a.get(), mem_type, out.data()) >= 0;
 }
@@ -154,6 +174,7 @@ bool read_attr_string(hid_t obj, const char* name, std::string& out) {
   Handle sp = space(H5Aget_space(a.get()));
   if (H5Sget_simple_extent_npoints(sp.get()) != 1) return false;
   size_t size = H5Tget_size(t.get());
+  check_attr_backed(obj, name, 1, size);
   std::string buf(size, '\0');
   if (H5Aread(a.get(), t.get(), buf.data()) < 0) return false;
   out = buf.substr(0, buf.find('\0'));

@@ -89,6 +89,39 @@ TEST(Dataset, LabelOutsideNumClasses) {
   expect_input_error([&] { ShardedHdf5Dataset ds(tmp / "d"); }, {"shard-00000.h5", "'labels'", "outside [0, 2)"});
 }
 
+// An attribute whose dataspace declares 2^61 + 291 elements: times 8 bytes that wraps to the 2328
+// bytes the file stores, so HDF5 opens it, and its reader must not size a vector by the count.
+TEST(Dataset, AttributeDeclaringMoreThanTheFile) {
+  TempDir tmp;
+  make_dataset(tmp / "d", 10);
+  const std::string shard = tmp / "d/shard-00000.h5";
+  hid_t f = H5Fopen(shard.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  H5Adelete(f, "num_classes");
+  const hsize_t n = 0x123;
+  const std::vector<int64_t> threes(n, 3);
+  hid_t sp = H5Screate_simple(1, &n, nullptr);
+  hid_t a = H5Acreate2(f, "num_classes", H5T_STD_I64LE, sp, H5P_DEFAULT, H5P_DEFAULT);
+  ASSERT_GE(H5Awrite(a, H5T_NATIVE_INT64, threes.data()), 0);
+  H5Aclose(a);
+  H5Sclose(sp);
+  H5Fclose(f);
+
+  std::string bytes;
+  {
+    std::ifstream in(shard, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const std::string dims("\x23\x01\0\0\0\0\0\0", 8);
+  int patched = 0;
+  for (size_t at = bytes.find(dims); at != std::string::npos; at = bytes.find(dims, at + 8), ++patched)
+    bytes[at + 7] = '\x20';
+  ASSERT_GE(patched, 1);
+  std::ofstream(shard, std::ios::binary | std::ios::trunc) << bytes;
+  expect_input_error([&] { ShardedHdf5Dataset ds(tmp / "d"); },
+                     {"shard-00000.h5", "attribute 'num_classes'", "2305843009213694243 element(s)", "corrupt"});
+}
+
 TEST(Dataset, SingleFileAndHiddenTemporariesIgnored) {
   TempDir tmp;
   ImageSet set = make_dataset(tmp / "d", 25);
