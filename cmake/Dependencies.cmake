@@ -13,6 +13,8 @@ find_package(dnnl REQUIRED)
 set(BLA_VENDOR OpenBLAS)
 find_package(BLAS REQUIRED)
 find_package(ZLIB REQUIRED)
+find_package(JPEG REQUIRED)  # dtrain convert images: libjpeg-turbo
+find_package(PNG REQUIRED)
 find_path(DTRAIN_CBLAS_INCLUDE_DIR cblas.h PATH_SUFFIXES openblas openblas-pthread REQUIRED)
 
 # HDF5's variables become one imported target.

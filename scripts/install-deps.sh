@@ -10,6 +10,7 @@ PACKAGES=(
   libboost-program-options-dev
   libopenblas-dev libdnnl-dev ocl-icd-opencl-dev opencl-c-headers  # dnnl-config.cmake looks for OpenCL
   zlib1g-dev
+  libjpeg62-turbo-dev libpng-dev  # dtrain convert images
   libgtest-dev libbenchmark-dev
   clang libclang-rt-14-dev libomp-dev  # the fuzz targets (scripts/fuzz.sh): libFuzzer, ASan/UBSan, OpenMP for clang
   dataset-fashion-mnist
@@ -29,7 +30,8 @@ if [[ "${DTRAIN_WITH_SLURM:-$([[ $(id -u) -eq 0 ]] && echo 1 || echo 0)}" == "1"
 fi
 # The scaling harness (benchmarks/scaling/) and its test: numpy, and matplotlib for the plots; h5py for the
 # test that reads a converted shard with an independent HDF5 reader.
-if [[ "${DTRAIN_WITH_PLOTS:-1}" == "1" ]]; then OPTIONAL+=(python3-numpy python3-matplotlib python3-h5py); fi
+# PIL for the test that checks dtrain convert images against it.
+if [[ "${DTRAIN_WITH_PLOTS:-1}" == "1" ]]; then OPTIONAL+=(python3-numpy python3-matplotlib python3-h5py python3-pil); fi
 
 missing=()
 missing_optional=()

@@ -29,6 +29,7 @@
 #include "control/control_channel.h"
 #include "dtrain/comm/communicator.h"
 #include "dtrain/comm/mpi_check.h"
+#include "dtrain/core/cores.h"
 #include "dtrain/core/error.h"
 
 namespace dtrain::comm {
@@ -143,8 +144,8 @@ void Runtime::bootstrap(int* argc, char*** argv) {
     if (r < leader) ++t.node_index;
   }
 
-  t.node_cores = detail::online_cores();
-  t.bound_cores = detail::affinity_cores();
+  t.node_cores = online_cores();
+  t.bound_cores = affinity_cores();
   t.threads_per_rank = std::max(1, t.node_cores / t.local_size);
   t.launcher = detail::detect_launcher();
   char lib[MPI_MAX_LIBRARY_VERSION_STRING];

@@ -1,5 +1,4 @@
 // Topology: what one rank knows about where it runs, and the one-screen table rank 0 prints.
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -65,19 +64,6 @@ std::string detect_launcher() {
   if (has("PBS_JOBID")) l += ", PBS job " + std::string(std::getenv("PBS_JOBID"));
   if (has("SLURM_JOB_ID") && l.rfind("SLURM", 0) != 0) l += ", SLURM job " + std::string(std::getenv("SLURM_JOB_ID"));
   return l;
-}
-
-int online_cores() {
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n > 0 ? static_cast<int>(n) : 1;
-}
-
-int affinity_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return online_cores();
-  int n = CPU_COUNT(&set);
-  return n > 0 ? n : 1;
 }
 
 std::string format_topology_table(const Topology& me, const std::vector<TopologyRow>& rows, bool threaded) {

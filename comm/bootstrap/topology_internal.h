@@ -9,9 +9,6 @@
 namespace dtrain::comm::detail {
 
 std::string detect_launcher();
-int online_cores();
-int affinity_cores();
-
 // One rank's row of the topology table: fixed-size so that ranks can MPI_Gather it as bytes.
 struct TopologyRow {
   int32_t rank, node_index, local_rank, local_size, cuda_device, threads, bound, node_cores;

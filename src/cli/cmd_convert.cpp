@@ -1,6 +1,9 @@
-// dtrain convert idx|cifar10|fashion-mnist: classic image files to a directory of HDF5 shards;
+// dtrain convert idx|cifar10|fashion-mnist|images: image files to a directory of HDF5 shards;
 // dtrain convert text: text files to byte-token files for language models.
+#include <unistd.h>
+
 #include <boost/program_options.hpp>
+#include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <string>
@@ -10,6 +13,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/core/timer.h"
 #include "dtrain/data/convert.h"
+#include "dtrain/data/image_folder.h"
 #include "dtrain/data/text.h"
 
 namespace dtrain::cli {
@@ -22,16 +26,20 @@ namespace {
 constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
 
 struct ConvertArgs {
-  std::string images, labels, out, source = kFashionMnistDir;
+  std::string images, labels, out, source = kFashionMnistDir, root;
   std::vector<std::string> inputs;
   int num_classes = 0;
   data::ShardWriterOptions writer;
+  data::ImageFolderOptions folder;
 };
 
-void add_writer_options(po::options_description& d, ConvertArgs& a) {
+// Image folders: shards of about this many bytes of pixels unless --shard-size says otherwise.
+constexpr int64_t kImageShardBytes = int64_t(256) << 20;
+
+void add_writer_options(po::options_description& d, ConvertArgs& a, const char* shard_size_help = "samples per shard") {
   d.add_options()                                                                                               //
       ("out", po::value(&a.out)->required(), "output directory for the shards (created if missing)")            //
-      ("shard-size", po::value(&a.writer.shard_size)->default_value(a.writer.shard_size), "samples per shard")  //
+      ("shard-size", po::value(&a.writer.shard_size)->default_value(a.writer.shard_size), shard_size_help)  //
       ("chunk", po::value(&a.writer.chunk_rows)->default_value(a.writer.chunk_rows),
        "HDF5 chunk size along the sample dimension, in samples")  //
       ("compress", po::value(&a.writer.compress_level)->default_value(a.writer.compress_level),
@@ -67,6 +75,63 @@ po::options_description fashion_options(ConvertArgs& a) {
   return d;
 }
 
+po::options_description images_options(ConvertArgs& a) {
+  po::options_description d("dtrain convert images (a folder of class folders of JPEG and PNG images)");
+  a.writer.shard_size = 0;
+  // clang-format off
+  d.add_options()
+    ("root", po::value(&a.root)->required(), "folder holding one subfolder of images per class (ROOT/CLASS/*.jpg)")
+    ("size", po::value(&a.folder.size)->required(), "output side S: the shorter side is resized to S, the centre S x S kept")
+    ("channels", po::value(&a.folder.channels)->default_value(a.folder.channels), "3 (RGB) or 1 (grey)")
+    ("val-fraction", po::value(&a.folder.val_fraction)->default_value(a.folder.val_fraction),
+     "share of each class held out: OUT/train and OUT/val (0: all in OUT)")
+    ("seed", po::value(&a.folder.seed)->default_value(a.folder.seed), "seed of the split and of the sample order")
+    ("threads", po::value(&a.folder.threads)->default_value(0), "decoding threads (0: every core this process may use)")
+    ("strict", po::bool_switch(&a.folder.strict), "fail on the first unreadable image instead of skipping it");
+  // clang-format on
+  add_writer_options(d, a, "samples per shard (0: about 256 MiB of pixels per shard)");
+  return d;
+}
+
+// A progress bar on stderr: redrawn in place on a terminal, a line per tenth elsewhere (job logs).
+class ProgressBar {
+ public:
+  void operator()(int64_t done, int64_t total) {
+    const double now = now_s();
+    const int tenth = total > 0 ? static_cast<int>(10 * done / total) : 10;
+    if (!terminal_ && tenth == last_tenth_ && done < total) return;
+    last_tenth_ = tenth;
+    const int width = 30, filled = total > 0 ? static_cast<int>(width * done / total) : width;
+    std::fprintf(stderr, "%s[%s%s] %3d %% %lld/%lld images, %.0f images/s%s", terminal_ ? "\r" : "",
+                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                 total > 0 ? static_cast<int>(100 * done / total) : 100, static_cast<long long>(done),
+                 static_cast<long long>(total), done / std::max(now - start_, 1e-9),
+                 terminal_ && done < total ? "" : "\n");
+    std::fflush(stderr);
+  }
+
+ private:
+  bool terminal_ = ::isatty(STDERR_FILENO) == 1;
+  double start_ = now_s();
+  int last_tenth_ = -1;
+};
+
+int convert_images(const ConvertArgs& a) {
+  data::ImageFolderOptions opt = a.folder;
+  opt.writer = a.writer;
+  const int64_t sample_bytes = static_cast<int64_t>(opt.channels) * opt.size * opt.size;
+  if (opt.writer.shard_size == 0) opt.writer.shard_size = std::max<int64_t>(1, kImageShardBytes / std::max<int64_t>(sample_bytes, 1));
+  ProgressBar bar;
+  opt.progress = std::ref(bar);
+  const data::ImageFolderSummary s = data::convert_image_folder(a.root, a.out, opt);
+  for (const data::SkippedImage& skip : s.skipped) std::cerr << "dtrain convert images: skipped: " << skip.reason << "\n";
+  for (const data::ConvertSummary& split : s.splits) std::cout << split.str() << "\n";
+  std::cout << s.classes.size() << " classes (" << s.classes.front() << " ... " << s.classes.back() << "); "
+            << s.skipped.size() << " unreadable image(s) skipped; " << s.ignored_files
+            << " other file(s) ignored\n";
+  return 0;
+}
+
 // Parses argv (argv[0] is the kind); false when --help was given (and printed).
 bool parse(int argc, char** argv, const po::options_description& d, const std::string& kind) {
   po::variables_map vm;
@@ -95,11 +160,13 @@ std::string idx_file(const std::string& dir, const std::string& stem) {
 void print_help(std::ostream& os) {
   ConvertArgs a;
   os << "usage: dtrain convert KIND [options]\n"
-        "  KIND is idx, cifar10 or fashion-mnist (writes OUT/shard-00000.h5, ..., format: docs/data.md),\n"
-        "  or text (writes OUT/train.h5 and OUT/val.h5 of byte tokens; see dtrain convert text --help).\n\n"
+        "  KIND is idx, cifar10, fashion-mnist (writes OUT/shard-00000.h5, ..., format: docs/data.md),\n"
+        "  images (a folder of class folders of JPEG/PNG images), or text (writes OUT/train.h5 and\n"
+        "  OUT/val.h5 of byte tokens; see dtrain convert text --help).\n\n"
      << idx_options(a) << "\n"
      << cifar10_options(a) << "\n"
-     << fashion_options(a) << "\n";
+     << fashion_options(a) << "\n"
+     << images_options(a) << "\n";
 }
 
 }  // namespace
@@ -139,7 +206,7 @@ int cmd_convert_text(int argc, char** argv) {
 
 int cmd_convert(int argc, char** argv) {
   DT_INPUT_CHECK(argc >= 2,
-                 "dtrain convert: missing KIND (idx, cifar10, fashion-mnist or text); see dtrain convert --help");
+                 "dtrain convert: missing KIND (idx, cifar10, fashion-mnist, images or text); see dtrain convert --help");
   if (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
     print_help(std::cout);
     return 0;
@@ -155,6 +222,10 @@ int cmd_convert(int argc, char** argv) {
     done.push_back(std::move(s));
   };
   if (kind == "text") return cmd_convert_text(argc - 1, argv + 1);
+  if (kind == "images") {
+    const po::options_description d = images_options(a);
+    return parse(argc - 1, argv + 1, d, kind) ? convert_images(a) : 0;
+  }
   if (kind == "idx") {
     if (!parse(argc - 1, argv + 1, idx_options(a), kind)) return 0;
     data::ImageSet set = data::read_idx(a.images, a.labels);
@@ -181,7 +252,7 @@ int cmd_convert(int argc, char** argv) {
     }
   } else {
     DT_INPUT_CHECK(false,
-                   "dtrain convert: unknown kind '" << kind << "' (expected idx, cifar10, fashion-mnist or text)");
+                   "dtrain convert: unknown kind '" << kind << "' (expected idx, cifar10, fashion-mnist, images or text)");
   }
   for (const data::ConvertSummary& s : done) std::cout << s.str() << "\n";
   return 0;

@@ -23,7 +23,7 @@ void usage() {
       "  eval          evaluate a checkpoint on a dataset (--int8: beside its int8 form)\n"
       "  quantize      post-training int8 quantization of an image classifier checkpoint\n"
       "  prune-export  cut the channels structured pruning zeroed out of a checkpoint's model\n"
-      "  convert       convert idx (MNIST/Fashion-MNIST) or CIFAR-10 files into HDF5 shards, or text into tokens\n"
+      "  convert       convert idx (MNIST/Fashion-MNIST), CIFAR-10 or image folders into HDF5 shards, or text into tokens\n"
       "  generate      sample text from a GPT checkpoint\n"
       "  export        a checkpoint's weights as safetensors or HDF5, with PyTorch's names\n"
       "  bench         micro-benchmarks: gemm, allreduce\n"

@@ -81,11 +81,11 @@ std::string shard_name(int64_t i) {
   return buf;
 }
 
-// Writes rows [begin, end) of `set` to `path`. Caller holds the HDF5 lock.
-void write_one_shard(const ImageSet& set, int64_t begin, int64_t end, const std::string& path, int64_t shard_index,
-                     int64_t num_shards, int num_classes, const std::vector<double>& mean,
-                     const std::vector<double>& stdev, const ShardWriterOptions& opt) {
-  const int64_t rows = end - begin;
+// Writes `rows` samples, the split's `first_sample`.. onwards, to `path` with the attributes of this
+// shard alone (those of the whole split come at ShardWriter::finish). Caller holds the HDF5 lock.
+void write_one_shard(const ImageSet& split, const uint8_t* inputs, const int32_t* labels, int64_t rows,
+                     int64_t first_sample, int64_t shard_index, const std::string& path,
+                     const ShardWriterOptions& opt) {
   h5::Handle file = h5::file(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT));
   DT_INPUT_CHECK(file.valid(), "cannot create '" << path << "': " << h5::last_error());
   auto fail = [&](const char* what) {
@@ -95,7 +95,7 @@ void write_one_shard(const ImageSet& set, int64_t begin, int64_t end, const std:
   const hsize_t chunk_rows = static_cast<hsize_t>(std::clamp<int64_t>(opt.chunk_rows, 1, rows));
   std::vector<hsize_t> dims = {static_cast<hsize_t>(rows)};
   std::vector<hsize_t> chunk = {chunk_rows};
-  for (int64_t d : set.sample_shape) {
+  for (int64_t d : split.sample_shape) {
     dims.push_back(static_cast<hsize_t>(d));
     chunk.push_back(static_cast<hsize_t>(d));
   }
@@ -111,8 +111,7 @@ void write_one_shard(const ImageSet& set, int64_t begin, int64_t end, const std:
     h5::Handle ds =
         h5::dataset(H5Dcreate2(file.get(), "inputs", H5T_STD_U8LE, sp.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT));
     if (!ds.valid()) fail("dataset 'inputs'");
-    const uint8_t* src = set.inputs.data() + begin * set.sample_bytes();
-    if (H5Dwrite(ds.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, src) < 0) fail("dataset 'inputs'");
+    if (H5Dwrite(ds.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, inputs) < 0) fail("dataset 'inputs'");
   }
   {  // labels: i32 [N]
     h5::Handle dcpl = h5::plist(H5Pcreate(H5P_DATASET_CREATE));
@@ -123,23 +122,35 @@ void write_one_shard(const ImageSet& set, int64_t begin, int64_t end, const std:
     h5::Handle ds =
         h5::dataset(H5Dcreate2(file.get(), "labels", H5T_STD_I32LE, sp.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT));
     if (!ds.valid()) fail("dataset 'labels'");
-    if (H5Dwrite(ds.get(), H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, set.labels.data() + begin) < 0)
-      fail("dataset 'labels'");
+    if (H5Dwrite(ds.get(), H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, labels) < 0) fail("dataset 'labels'");
   }
 
   hid_t root = file.get();  // attributes on the file id land on the root group "/"
   bool ok = h5::write_attr_string(root, "format", "dtrain-shards-1") &&
-            h5::write_attr_i64(root, "sample_shape", set.sample_shape) && h5::write_attr_string(root, "dtype", "u8") &&
-            h5::write_attr_string(root, "label_dtype", "i32") &&
-            h5::write_attr_scalar_i64(root, "num_classes", num_classes) && h5::write_attr_f64(root, "mean", mean) &&
-            h5::write_attr_f64(root, "std", stdev) && h5::write_attr_scalar_i64(root, "num_samples", rows) &&
-            h5::write_attr_scalar_i64(root, "first_sample", begin) &&
+            h5::write_attr_i64(root, "sample_shape", split.sample_shape) &&
+            h5::write_attr_string(root, "dtype", "u8") && h5::write_attr_string(root, "label_dtype", "i32") &&
+            h5::write_attr_scalar_i64(root, "num_samples", rows) &&
+            h5::write_attr_scalar_i64(root, "first_sample", first_sample) &&
             h5::write_attr_scalar_i64(root, "shard_index", shard_index) &&
-            h5::write_attr_scalar_i64(root, "num_shards", num_shards) &&
-            h5::write_attr_scalar_i64(root, "total_samples", set.size()) &&
-            h5::write_attr_string(root, "source", set.source);
+            h5::write_attr_string(root, "source", split.source);
   if (!ok) fail("attributes");
   hid_t id = file.release();  // closed here, where a failure (e.g. a full disk while flushing) is reported
+  DT_INPUT_CHECK(H5Fclose(id) >= 0, "closing '" << path << "' failed: " << h5::last_error());
+}
+
+// Adds the attributes that describe the whole split to the complete shard at `path`. Caller holds
+// the HDF5 lock.
+void write_split_attributes(const std::string& path, const ImageSet& split, int num_classes, int64_t num_shards,
+                            int64_t total_samples, const std::vector<double>& mean, const std::vector<double>& stdev) {
+  h5::Handle file = h5::file(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+  DT_INPUT_CHECK(file.valid(), "cannot reopen '" << path << "': " << h5::last_error());
+  hid_t root = file.get();
+  bool ok = h5::write_attr_scalar_i64(root, "num_classes", num_classes) && h5::write_attr_f64(root, "mean", mean) &&
+            h5::write_attr_f64(root, "std", stdev) && h5::write_attr_scalar_i64(root, "num_shards", num_shards) &&
+            h5::write_attr_scalar_i64(root, "total_samples", total_samples) &&
+            (split.class_names.empty() || h5::write_attr_strings(root, "class_names", split.class_names));
+  DT_INPUT_CHECK(ok, "writing attributes to '" << path << "' failed: " << h5::last_error());
+  hid_t id = file.release();
   DT_INPUT_CHECK(H5Fclose(id) >= 0, "closing '" << path << "' failed: " << h5::last_error());
 }
 
@@ -189,35 +200,6 @@ ImageSet read_cifar10(const std::vector<std::string>& files) {
   return set;
 }
 
-void channel_stats(const ImageSet& set, std::vector<double>& mean, std::vector<double>& stdev) {
-  DT_CHECK(!set.sample_shape.empty(), "channel_stats: sample shape is empty");
-  const int64_t channels = set.sample_shape[0];
-  const int64_t plane = set.sample_bytes() / channels;
-  std::vector<uint64_t> sum(channels, 0), sumsq(channels, 0);
-  for (int64_t i = 0; i < set.size(); ++i) {
-    const uint8_t* s = set.inputs.data() + i * set.sample_bytes();
-    for (int64_t c = 0; c < channels; ++c) {
-      uint64_t a = 0, b = 0;
-      for (int64_t k = 0; k < plane; ++k) {
-        uint32_t v = s[c * plane + k];
-        a += v;
-        b += v * v;
-      }
-      sum[c] += a;
-      sumsq[c] += b;
-    }
-  }
-  const double count = static_cast<double>(set.size()) * static_cast<double>(plane);
-  mean.assign(channels, 0.0);
-  stdev.assign(channels, 0.0);
-  for (int64_t c = 0; c < channels; ++c) {
-    double m = static_cast<double>(sum[c]) / count / 255.0;
-    double m2 = static_cast<double>(sumsq[c]) / count / (255.0 * 255.0);
-    mean[c] = m;
-    stdev[c] = std::sqrt(std::max(0.0, m2 - m * m));
-  }
-}
-
 std::string ConvertSummary::str() const {
   std::ostringstream os;
   os << std::fixed << std::setprecision(4) << "converted " << num_samples << " samples " << shape_str(sample_shape)
@@ -229,69 +211,133 @@ std::string ConvertSummary::str() const {
   return os.str();
 }
 
-ConvertSummary write_shards(const ImageSet& set, const std::string& out_dir, const ShardWriterOptions& opt) {
-  const double t0 = now_s();
-  DT_INPUT_CHECK(set.size() > 0, "nothing to convert into '" << out_dir << "': the input holds no samples");
-  DT_INPUT_CHECK(set.sample_shape.size() == 3, "sample shape " << shape_str(set.sample_shape) << " is not [C, H, W]");
-  DT_CHECK(static_cast<int64_t>(set.inputs.size()) == set.size() * set.sample_bytes(),
-           "ImageSet holds " << set.inputs.size() << " bytes for " << set.size() << " samples");
+ShardWriter::ShardWriter(const std::string& out_dir, const ImageSet& split, const ShardWriterOptions& opt)
+    : out_dir_(out_dir), opt_(opt), start_s_(now_s()) {
+  DT_INPUT_CHECK(split.sample_shape.size() == 3 && shape_numel(split.sample_shape) > 0,
+                 "sample shape " << shape_str(split.sample_shape) << " is not [C, H, W]");
   DT_INPUT_CHECK(opt.shard_size > 0, "--shard-size must be positive, got " << opt.shard_size);
   DT_INPUT_CHECK(opt.chunk_rows > 0, "--chunk must be positive, got " << opt.chunk_rows);
   DT_INPUT_CHECK(opt.compress_level >= 0 && opt.compress_level <= 9,
                  "--compress must be a deflate level 0..9, got " << opt.compress_level);
-
-  int32_t min_label = *std::min_element(set.labels.begin(), set.labels.end());
-  int32_t max_label = *std::max_element(set.labels.begin(), set.labels.end());
-  DT_INPUT_CHECK(min_label >= 0, "input from " << set.source << " has a negative label " << min_label);
-  int num_classes = set.num_classes > 0 ? set.num_classes : max_label + 1;
-  DT_INPUT_CHECK(max_label < num_classes,
-                 "input from " << set.source << " has label " << max_label << " but " << num_classes << " classes");
-
+  DT_CHECK(split.class_names.empty() || static_cast<int>(split.class_names.size()) == split.num_classes,
+           split.class_names.size() << " class names for " << split.num_classes << " classes");
+  split_.sample_shape = split.sample_shape;
+  split_.num_classes = split.num_classes;
+  split_.class_names = split.class_names;
+  split_.source = split.source;
+  channel_sum_.assign(split.sample_shape[0], 0);
+  channel_sum_sq_.assign(split.sample_shape[0], 0);
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   DT_INPUT_CHECK(!ec && fs::is_directory(out_dir),
                  "cannot create output directory '" << out_dir << "': " << ec.message());
+}
 
-  ConvertSummary sum;
-  sum.out_dir = out_dir;
-  sum.num_samples = set.size();
-  sum.num_shards = (set.size() + opt.shard_size - 1) / opt.shard_size;
-  sum.num_classes = num_classes;
-  sum.sample_shape = set.sample_shape;
-  channel_stats(set, sum.mean, sum.std);
+ShardWriter::~ShardWriter() {
+  if (finished_) return;
+  std::error_code ec;
+  for (const std::string& p : tmp_paths_) fs::remove(p, ec);
+}
 
-  // Write every shard under a hidden temporary name first; only complete shards get their final name.
-  std::vector<std::string> tmp_paths;
-  const std::string tag = ".tmp-" + std::to_string(::getpid());
-  try {
-    for (int64_t s = 0; s < sum.num_shards; ++s) {
-      int64_t begin = s * opt.shard_size;
-      int64_t end = std::min(set.size(), begin + opt.shard_size);
-      std::string tmp = (fs::path(out_dir) / ("." + shard_name(s) + tag)).string();
-      tmp_paths.push_back(tmp);
-      auto lock = h5::lock();
-      write_one_shard(set, begin, end, tmp, s, sum.num_shards, num_classes, sum.mean, sum.std, opt);
+void ShardWriter::add(const uint8_t* inputs, const int32_t* labels, int64_t n) {
+  const int64_t sample_bytes = split_.sample_bytes();
+  const int64_t plane = sample_bytes / split_.sample_shape[0];
+  for (int64_t i = 0; i < n; ++i) {
+    DT_INPUT_CHECK(labels[i] >= 0, "input from " << split_.source << " has a negative label " << labels[i]);
+    DT_INPUT_CHECK(split_.num_classes == 0 || labels[i] < split_.num_classes,
+                   "input from " << split_.source << " has label " << labels[i] << " but " << split_.num_classes
+                                 << " classes");
+    max_label_ = std::max(max_label_, labels[i]);
+    const uint8_t* sample = inputs + i * sample_bytes;
+    for (size_t c = 0; c < channel_sum_.size(); ++c) {
+      uint64_t sum = 0, sum_sq = 0;
+      for (const uint8_t* p = sample + c * plane; p != sample + (c + 1) * plane; ++p) {
+        sum += *p;
+        sum_sq += uint32_t(*p) * *p;
+      }
+      channel_sum_[c] += sum;
+      channel_sum_sq_[c] += sum_sq;
     }
-  } catch (...) {
-    for (const std::string& p : tmp_paths) fs::remove(p, ec);
-    throw;
   }
+  // Whole shards straight from the caller's memory when nothing is pending, else through the buffer.
+  int64_t at = 0;
+  while (at < n) {
+    const int64_t take = std::min(n - at, opt_.shard_size - pending_rows());
+    if (pending_rows() == 0 && take == opt_.shard_size) {
+      write_shard(inputs + at * sample_bytes, labels + at, take);
+    } else {
+      pending_inputs_.insert(pending_inputs_.end(), inputs + at * sample_bytes, inputs + (at + take) * sample_bytes);
+      pending_labels_.insert(pending_labels_.end(), labels + at, labels + at + take);
+      if (pending_rows() == opt_.shard_size) {
+        write_shard(pending_inputs_.data(), pending_labels_.data(), pending_rows());
+        pending_inputs_.clear();
+        pending_labels_.clear();
+      }
+    }
+    at += take;
+  }
+}
+
+void ShardWriter::write_shard(const uint8_t* inputs, const int32_t* labels, int64_t rows) {
+  const int64_t index = static_cast<int64_t>(tmp_paths_.size());
+  tmp_paths_.push_back((fs::path(out_dir_) / ("." + shard_name(index) + ".tmp-" + std::to_string(::getpid()))).string());
+  auto lock = h5::lock();
+  write_one_shard(split_, inputs, labels, rows, written_, index, tmp_paths_.back(), opt_);
+  written_ += rows;
+}
+
+ConvertSummary ShardWriter::finish() {
+  DT_CHECK(!finished_, "ShardWriter::finish called twice");
+  if (pending_rows() > 0) write_shard(pending_inputs_.data(), pending_labels_.data(), pending_rows());
+  pending_inputs_ = {};
+  pending_labels_ = {};
+  DT_INPUT_CHECK(written_ > 0, "nothing to convert into '" << out_dir_ << "': the input holds no samples");
+  ConvertSummary sum;
+  sum.out_dir = out_dir_;
+  sum.num_samples = written_;
+  sum.num_shards = static_cast<int64_t>(tmp_paths_.size());
+  sum.num_classes = split_.num_classes > 0 ? split_.num_classes : max_label_ + 1;
+  sum.sample_shape = split_.sample_shape;
+  const double count = static_cast<double>(written_) * static_cast<double>(split_.sample_bytes() / split_.sample_shape[0]);
+  for (size_t c = 0; c < channel_sum_.size(); ++c) {
+    const double m = static_cast<double>(channel_sum_[c]) / count / 255.0;
+    const double m2 = static_cast<double>(channel_sum_sq_[c]) / count / (255.0 * 255.0);
+    sum.mean.push_back(m);
+    const double stdev = std::sqrt(std::max(0.0, m2 - m * m));
+    sum.std.push_back(stdev > 0 ? stdev : 1.0);  // a constant channel: normalising only subtracts the mean
+  }
+  {
+    auto lock = h5::lock();
+    for (const std::string& p : tmp_paths_)
+      write_split_attributes(p, split_, sum.num_classes, sum.num_shards, written_, sum.mean, sum.std);
+  }
+  std::error_code ec;
   for (int64_t s = 0; s < sum.num_shards; ++s) {
-    std::string final_path = (fs::path(out_dir) / shard_name(s)).string();
-    fs::rename(tmp_paths[s], final_path, ec);
-    DT_INPUT_CHECK(!ec, "cannot rename '" << tmp_paths[s] << "' to '" << final_path << "': " << ec.message());
+    std::string final_path = (fs::path(out_dir_) / shard_name(s)).string();
+    fs::rename(tmp_paths_[s], final_path, ec);
+    DT_INPUT_CHECK(!ec, "cannot rename '" << tmp_paths_[s] << "' to '" << final_path << "': " << ec.message());
     sum.files.push_back(final_path);
   }
+  finished_ = true;
   // Shards beyond ours, left from an earlier conversion with more shards, would be read as part of
   // this dataset: remove them.
   static const std::regex shard_re(R"(shard-(\d+)\.h5)");
-  for (const auto& entry : fs::directory_iterator(out_dir)) {
+  for (const auto& entry : fs::directory_iterator(out_dir_)) {
     std::smatch m;
     std::string name = entry.path().filename().string();
     if (std::regex_match(name, m, shard_re) && std::stoll(m[1].str()) >= sum.num_shards) fs::remove(entry.path(), ec);
   }
-  sum.seconds = now_s() - t0;
+  sum.seconds = now_s() - start_s_;
   return sum;
+}
+
+ConvertSummary write_shards(const ImageSet& set, const std::string& out_dir, const ShardWriterOptions& opt) {
+  DT_INPUT_CHECK(set.size() > 0, "nothing to convert into '" << out_dir << "': the input holds no samples");
+  DT_CHECK(static_cast<int64_t>(set.inputs.size()) == set.size() * set.sample_bytes(),
+           "ImageSet holds " << set.inputs.size() << " bytes for " << set.size() << " samples");
+  ShardWriter writer(out_dir, set, opt);
+  writer.add(set);
+  return writer.finish();
 }
 
 }  // namespace dtrain::data

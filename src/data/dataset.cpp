@@ -137,6 +137,7 @@ ShardedHdf5Dataset::ShardedHdf5Dataset(const std::string& path, DatasetOptions o
                                                               << " but earlier shards say " << info_.num_classes);
         }
       }
+      if (info_.class_names.empty()) h5::read_attr_strings(f, "class_names", info_.class_names);
       if (!info_.has_normalization) {
         std::vector<double> mean, stdev;
         if (h5::read_attr_f64(f, "mean", mean) && h5::read_attr_f64(f, "std", stdev)) {
@@ -177,6 +178,9 @@ ShardedHdf5Dataset::ShardedHdf5Dataset(const std::string& path, DatasetOptions o
                                            << max_label << ": no class count above it fits (no num_classes attribute)");
     info_.num_classes = max_label + 1;
   }
+  DT_INPUT_CHECK(info_.class_names.empty() || static_cast<int>(info_.class_names.size()) == info_.num_classes,
+                 "dataset '" << path << "' has " << info_.class_names.size() << " class names for "
+                             << info_.num_classes << " classes");
   for (size_t s = 0; s < shards_.size(); ++s) {
     for (int64_t g = shard_begin_[s]; g < shard_begin_[s + 1]; ++g) {
       DT_INPUT_CHECK(labels_[g] >= 0 && labels_[g] < info_.num_classes,

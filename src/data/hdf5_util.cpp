@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <limits>
+#include <string_view>
 
 #include "dtrain/core/error.h"
 #include "dtrain/core/tensor.h"
@@ -46,12 +47,18 @@ static bool write_attr(hid_t obj, const char* name, hid_t file_type, hid_t mem_t
   return a.valid() && H5Awrite(a.get(), mem_type, data) >= 0;
 }
 
+// A fixed-length string type of `size` bytes, NUL-terminated.
+static Handle string_type(size_t size) {
+  Handle t = type(H5Tcopy(H5T_C_S1));
+  H5Tset_size(t.get(), std::max<size_t>(size, 1));
+  H5Tset_strpad(t.get(), H5T_STR_NULLTERM);
+  return t;
+}
+
 bool write_attr_string(hid_t obj, const char* name, const std::string& value) {
   if (H5Aexists(obj, name) > 0) H5Adelete(obj, name);
   // A fixed-length, NUL-terminated scalar string: h5py returns it as bytes/str.
-  Handle t = type(H5Tcopy(H5T_C_S1));
-  H5Tset_size(t.get(), value.size() + 1);
-  H5Tset_strpad(t.get(), H5T_STR_NULLTERM);
+  Handle t = string_type(value.size() + 1);
   Handle sp = space(H5Screate(H5S_SCALAR));
   Handle a = attr(H5Acreate2(obj, name, t.get(), sp.get(), H5P_DEFAULT, H5P_DEFAULT));
   return a.valid() && H5Awrite(a.get(), t.get(), value.c_str()) >= 0;
@@ -63,6 +70,19 @@ bool write_attr_i64(hid_t obj, const char* name, const std::vector<int64_t>& val
 
 bool write_attr_f64(hid_t obj, const char* name, const std::vector<double>& values) {
   return write_attr(obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, values.size(), values.data());
+}
+
+bool write_attr_strings(hid_t obj, const char* name, const std::vector<std::string>& values) {
+  if (H5Aexists(obj, name) > 0) H5Adelete(obj, name);
+  size_t width = 1;
+  for (const std::string& v : values) width = std::max(width, v.size() + 1);
+  std::vector<char> packed(values.size() * width, '\0');
+  for (size_t i = 0; i < values.size(); ++i) std::copy(values[i].begin(), values[i].end(), packed.begin() + i * width);
+  Handle t = string_type(width);
+  const hsize_t n = values.size();
+  Handle sp = space(H5Screate_simple(1, &n, nullptr));
+  Handle a = attr(H5Acreate2(obj, name, t.get(), sp.get(), H5P_DEFAULT, H5P_DEFAULT));
+  return a.valid() && H5Awrite(a.get(), t.get(), packed.data()) >= 0;
 }
 
 bool write_attr_scalar_i64(hid_t obj, const char* name, int64_t value) {
@@ -178,6 +198,27 @@ bool read_attr_string(hid_t obj, const char* name, std::string& out) {
   std::string buf(size, '\0');
   if (H5Aread(a.get(), t.get(), buf.data()) < 0) return false;
   out = buf.substr(0, buf.find('\0'));
+  return true;
+}
+
+bool read_attr_strings(hid_t obj, const char* name, std::vector<std::string>& out) {
+  if (H5Aexists(obj, name) <= 0) return false;
+  Handle a = attr(H5Aopen(obj, name, H5P_DEFAULT));
+  if (!a.valid()) return false;
+  Handle t = type(H5Aget_type(a.get()));
+  if (H5Tget_class(t.get()) != H5T_STRING || H5Tis_variable_str(t.get()) > 0) return false;
+  Handle sp = space(H5Aget_space(a.get()));
+  const hssize_t n = H5Sget_simple_extent_npoints(sp.get());
+  const size_t width = H5Tget_size(t.get());
+  if (n < 0 || width == 0) return false;
+  check_attr_backed(obj, name, static_cast<uint64_t>(n), width);
+  std::string packed(static_cast<size_t>(n) * width, '\0');
+  if (n > 0 && H5Aread(a.get(), t.get(), packed.data()) < 0) return false;
+  out.clear();
+  for (hssize_t i = 0; i < n; ++i) {
+    const std::string_view v(packed.data() + i * width, width);
+    out.emplace_back(v.substr(0, v.find('\0')));
+  }
   return true;
 }
 

@@ -29,7 +29,7 @@ std::vector<int64_t> DistributedSampler::epoch_order(int64_t epoch) const {
   std::iota(order.begin(), order.end(), int64_t{0});
   if (shuffle_) {
     Rng rng(derive_seed(derive_seed(seed_, kSamplerStream), static_cast<uint64_t>(epoch)));
-    for (int64_t i = size_ - 1; i > 0; --i) std::swap(order[i], order[rng.below(static_cast<uint64_t>(i) + 1)]);
+    shuffle(order, rng);
   }
   const int64_t total = total_size();
   if (total <= size_) {

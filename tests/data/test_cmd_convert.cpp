@@ -7,6 +7,7 @@
 #include "commands.h"
 #include "data_test_util.h"
 #include "dtrain/data/dataset.h"
+#include "image_test_util.h"
 
 namespace dtrain::data {
 namespace {
@@ -92,6 +93,34 @@ TEST(CmdConvert, IdxAndFashionMnistKinds) {
         run({"fashion-mnist", "--source", tmp / "nowhere", "--out", tmp / "x"});
       },
       {"nowhere"});
+}
+
+TEST(CmdConvert, ImagesKind) {
+  TempDir tmp;
+  std::string out;
+  EXPECT_EQ(run({"images", "--help"}, &out), 0);
+  for (const char* opt : {"--root", "--size", "--channels", "--val-fraction", "--strict", "--threads", "--shard-size"})
+    EXPECT_NE(out.find(opt), std::string::npos) << opt;
+  for (const char* name : {"cat", "dog"}) {
+    fs::create_directories(tmp / ("pets/" + std::string(name)));
+    for (int i = 0; i < 3; ++i)
+      testing::write_png(tmp / ("pets/" + std::string(name) + "/" + std::to_string(i) + ".png"), 6, 4, 3,
+                         testing::solid(6, 4, {uint8_t(40 * i), 90, 200}));
+  }
+  std::ofstream(tmp / "pets/dog/broken.jpg") << "broken";
+  EXPECT_EQ(run({"images", "--root", tmp / "pets", "--size", "4", "--out", tmp / "out", "--val-fraction", "0.34"}, &out),
+            0);
+  EXPECT_NE(out.find("2 classes (cat ... dog); 1 unreadable image(s) skipped; 0 other file(s) ignored"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(ShardedHdf5Dataset(tmp / "out/train").size() + ShardedHdf5Dataset(tmp / "out/val").size(), 6);
+  EXPECT_EQ(ShardedHdf5Dataset(tmp / "out/val").info().class_names, (std::vector<std::string>{"cat", "dog"}));
+  testing::expect_input_error([&] { run({"images", "--root", tmp / "pets", "--out", tmp / "x"}); }, {"size"});
+  testing::expect_input_error(
+      [&] {
+        run({"images", "--root", tmp / "pets", "--size", "4", "--out", tmp / "x", "--strict"});
+      },
+      {"broken.jpg", "--strict"});
 }
 
 }  // namespace

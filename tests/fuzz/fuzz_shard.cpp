@@ -54,7 +54,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                               {"dtype", H5T_C_S1, 0},
                                               {"num_classes", H5T_STD_I64LE, 0},
                                               {"mean", H5T_IEEE_F64LE, 1},
-                                              {"std", H5T_IEEE_F64LE, 1}},
+                                              {"std", H5T_IEEE_F64LE, 1},
+                                              {"class_names", H5T_C_S1, 1}},
                                              {"dtrain-shards-1", "u8", "i32", "f32"}};
   FuzzedDataProvider in(data, size);
   const bool cached = in.ConsumeBool();

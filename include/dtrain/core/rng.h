@@ -2,7 +2,9 @@
 // A small counter-friendly RNG (xoshiro256**, seeded by splitmix64). Its whole state is four
 // 64-bit words, saved in checkpoints so that a resumed run draws the same numbers.
 #include <array>
+#include <cstddef>
 #include <cstdint>
+#include <utility>
 
 namespace dtrain {
 
@@ -20,6 +22,12 @@ class Rng {
  private:
   std::array<uint64_t, 4> s_{};
 };
+
+// Fisher-Yates: a uniform permutation of `items` drawn from `rng`.
+template <typename Vector>
+void shuffle(Vector& items, Rng& rng) {
+  for (std::size_t i = items.size(); i > 1; --i) std::swap(items[i - 1], items[rng.below(i)]);
+}
 
 // Seeds derived from one seed: distinct, reproducible streams per (seed, stream) pair.
 uint64_t derive_seed(uint64_t seed, uint64_t stream);

@@ -30,6 +30,7 @@ struct DatasetInfo {
   Shape sample_shape;               // e.g. [1, 28, 28]
   int64_t num_samples = 0;          // over all shards
   int num_classes = 0;
+  std::vector<std::string> class_names;  // one per class when the shards carry `class_names`, else empty
   std::vector<float> mean;         // per channel, pixel/255 units; 0 when the shards carry no `mean`
   std::vector<float> std;          // per channel; 1 when the shards carry no `std`
   bool has_normalization = false;  // the shards carried `mean` and `std`

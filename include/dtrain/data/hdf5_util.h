@@ -63,6 +63,8 @@ bool write_attr_string(hid_t obj, const char* name, const std::string& value);
 bool write_attr_i64(hid_t obj, const char* name, const std::vector<int64_t>& values);
 bool write_attr_f64(hid_t obj, const char* name, const std::vector<double>& values);
 bool write_attr_scalar_i64(hid_t obj, const char* name, int64_t value);  // a scalar dataspace
+// A 1-D array of fixed-length NUL-terminated strings (h5py reads it as an array of bytes).
+bool write_attr_strings(hid_t obj, const char* name, const std::vector<std::string>& values);
 
 // The shape of dataset `dset` of file `path`, checked before a read of it as `elem_bytes`-byte
 // elements allocates anything: every dimension fits, so does the product of the non-zero ones (any
@@ -74,9 +76,11 @@ bool write_attr_scalar_i64(hid_t obj, const char* name, int64_t value);  // a sc
 inline constexpr uint64_t kMaxInflation = 1100;  // deflate, dtrain's only filter, cannot exceed 1032:1
 std::vector<int64_t> read_shape(hid_t dset, int64_t elem_bytes, const std::string& path, const std::string& name);
 
-// Attribute readers: false when the attribute is missing or of an unreadable type. Caller holds the lock.
+// Attribute readers: false when the attribute is missing or of an unreadable type; an InputError
+// naming the file when it declares more bytes than the whole file holds. Caller holds the lock.
 bool read_attr_i64(hid_t obj, const char* name, std::vector<int64_t>& out);
 bool read_attr_f64(hid_t obj, const char* name, std::vector<double>& out);
 bool read_attr_string(hid_t obj, const char* name, std::string& out);
+bool read_attr_strings(hid_t obj, const char* name, std::vector<std::string>& out);  // as write_attr_strings writes
 
 }  // namespace dtrain::data::h5
