@@ -11,6 +11,7 @@ PACKAGES=(
   libopenblas-dev libdnnl-dev ocl-icd-opencl-dev opencl-c-headers  # dnnl-config.cmake looks for OpenCL
   zlib1g-dev
   libjpeg62-turbo-dev libpng-dev  # dtrain convert images
+  libsentencepiece-dev  # dtrain convert text --tokenizer bpe
   libgtest-dev libbenchmark-dev
   clang libclang-rt-14-dev libomp-dev  # the fuzz targets (scripts/fuzz.sh): libFuzzer, ASan/UBSan, OpenMP for clang
   dataset-fashion-mnist

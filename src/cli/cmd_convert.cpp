@@ -171,12 +171,12 @@ void print_help(std::ostream& os) {
 
 }  // namespace
 
-// dtrain convert text: byte tokens (vocabulary 256) in <out>/train.h5 and <out>/val.h5.
+// dtrain convert text: byte tokens (vocabulary 256) or BPE pieces in <out>/train.h5 and <out>/val.h5.
 int cmd_convert_text(int argc, char** argv) {
   std::vector<std::string> inputs;
   std::string out;
   data::TextConvertOptions opt;
-  po::options_description o("dtrain convert text (any text files; byte tokens, vocabulary 256)");
+  po::options_description o("dtrain convert text (any text files; byte tokens, vocabulary 256, or BPE pieces)");
   // clang-format off
   o.add_options()
     ("help,h", "show this help")
@@ -184,7 +184,11 @@ int cmd_convert_text(int argc, char** argv) {
     ("out", po::value(&out)->required(), "output directory: train.h5 and val.h5")
     ("val-fraction", po::value(&opt.val_fraction)->default_value(opt.val_fraction), "share of text held out for validation")
     ("block-bytes", po::value(&opt.block_bytes)->default_value(opt.block_bytes), "the held-out split is by blocks of this size")
-    ("seed", po::value(&opt.seed)->default_value(opt.seed), "seed of the split");
+    ("seed", po::value(&opt.seed)->default_value(opt.seed), "seed of the split")
+    ("tokenizer", po::value(&opt.tokenizer)->default_value(opt.tokenizer),
+     "bytes (vocabulary 256) or bpe (SentencePiece BPE trained on the training text, stored in the token files)")
+    ("vocab-size", po::value(&opt.vocab_size)->default_value(opt.vocab_size), "pieces of the BPE vocabulary")
+    ("threads", po::value(&opt.threads)->default_value(opt.threads), "BPE training threads (0: every core this process may use)");
   // clang-format on
   po::variables_map vm;
   try {
@@ -198,9 +202,11 @@ int cmd_convert_text(int argc, char** argv) {
     throw InputError("dtrain convert text: " + std::string(e.what()) + " (see dtrain convert text --help)");
   }
   data::TextConvertSummary s = data::convert_text(inputs, out, opt);
-  std::printf("%lld file(s): %lld train tokens, %lld validation tokens -> %s/{train,val}.h5\n",
+  std::printf("%lld file(s): %lld train tokens (%lld bytes), %lld validation tokens (%lld bytes), tokenizer %s, "
+              "vocabulary %lld -> %s/{train,val}.h5\n",
               static_cast<long long>(s.files), static_cast<long long>(s.train_tokens),
-              static_cast<long long>(s.val_tokens), out.c_str());
+              static_cast<long long>(s.train_bytes), static_cast<long long>(s.val_tokens),
+              static_cast<long long>(s.val_bytes), s.tokenizer.c_str(), static_cast<long long>(s.vocab), out.c_str());
   return 0;
 }
 

@@ -66,8 +66,9 @@ void eval_gpt(const train::CheckpointState& s, const std::string& path, const st
     const double t0 = now_s();
     const double nats = train::evaluate_lm(*model, stream, batch, ctx, 0);
     const double t = now_s() - t0;
-    std::printf("%-5s loss %.4f nats/token, %.4f bits/byte, forward %.3f s\n", what, nats, nats / std::log(2.0), t);
-    return std::pair{nats, t};
+    const double bpb = train::bits_per_byte(stream, nats, data::window_count(stream, ctx) / batch * batch, ctx);
+    std::printf("%-5s loss %.4f nats/token, %.4f bits/byte, forward %.3f s\n", what, nats, bpb, t);
+    return std::pair{bpb, t};
   };
   std::printf("eval %s (gpt) on %s, windows of %lld, batch %lld (%d threads)\n", path.c_str(), val.c_str(),
               static_cast<long long>(ctx), static_cast<long long>(batch), cpu_engine().threads());
@@ -77,14 +78,14 @@ void eval_gpt(const train::CheckpointState& s, const std::string& path, const st
     const Tensor ids = data::sequential_windows(stream, rows, ctx, 0).ids;
     save_batch(batch_file, ids, model->forward(ids).clone());
   }
-  const auto [nats32, t32] = run("fp32");
+  const auto [bpb32, t32] = run("fp32");
   if (!int8) return;
   const nn::WeightOnlyReport w = nn::quantize_linear_weights_int8(*model);
-  const auto [nats8, t8] = run("int8");
+  const auto [bpb8, t8] = run("int8");
   std::printf("int8 weights (weight-only, per output row) in %lld Linear layers: %.2f MiB -> %.2f MiB; "
               "int8 - fp32: %+.4f bits/byte, forward speed-up %.2fx\n",
               static_cast<long long>(w.layers), w.f32_bytes / 1048576.0, w.int8_bytes / 1048576.0,
-              (nats8 - nats32) / std::log(2.0), t8 > 0 ? t32 / t8 : 0.0);
+              bpb8 - bpb32, t8 > 0 ? t32 / t8 : 0.0);
 }
 
 }  // namespace

@@ -44,7 +44,7 @@ int cmd_generate(int argc, char** argv) {
   o.add_options()
     ("checkpoint", po::value(&ckpt)->required(), "GPT checkpoint file, or the directory of the newest")
     ("prompt", po::value(&prompt)->default_value(prompt), "text the sample continues")
-    ("tokens", po::value(&tokens)->default_value(tokens), "bytes to generate")
+    ("tokens", po::value(&tokens)->default_value(tokens), "tokens to generate (bytes, or BPE pieces)")
     ("temperature", po::value(&temperature)->default_value(temperature), "softmax temperature (0: greedy)")
     ("top-k", po::value(&top_k)->default_value(top_k), "sample among the k likeliest (0: all)")
     ("seed", po::value(&seed)->default_value(seed), "sampling seed")
@@ -54,7 +54,10 @@ int cmd_generate(int argc, char** argv) {
   if (!parse_with_config(argc, argv, o, "usage: dtrain generate --checkpoint FILE|DIR [--prompt TEXT]")) return 0;
   if (comm::Runtime::get().world().rank() != 0) return 0;
   cpu_engine().set_threads(comm::Runtime::get().topology().compute_threads(threads));
-  auto model = train::gpt_from_checkpoint(train::load_checkpoint_set(train::resolve_checkpoint(ckpt, "checkpoint")));
+  const std::string file = train::resolve_checkpoint(ckpt, "checkpoint");
+  const train::CheckpointState state = train::load_checkpoint_set(file);
+  auto model = train::gpt_from_checkpoint(state);
+  const data::Tokenizer tokenizer = train::tokenizer_from_checkpoint(state, file);
   model->eval();
   if (int8) {
     const nn::WeightOnlyReport w = nn::quantize_linear_weights_int8(*model);
@@ -62,9 +65,10 @@ int cmd_generate(int argc, char** argv) {
                  w.f32_bytes / 1048576.0, w.int8_bytes / 1048576.0);
   }
   const int64_t ctx = model->config().context, v = model->config().vocab;
-  std::vector<int32_t> seq;
-  for (unsigned char ch : prompt) seq.push_back(ch);
+  std::vector<int32_t> seq = tokenizer.encode(prompt);
   DT_INPUT_CHECK(!seq.empty(), "--prompt must not be empty");
+  DT_INPUT_CHECK(tokenizer.vocab() <= v, "'" << file << "': its tokenizer has " << tokenizer.vocab()
+                                             << " tokens, its model " << v);
   std::fwrite(prompt.data(), 1, prompt.size(), stdout);
   Rng rng(seed);
   std::vector<double> p(static_cast<size_t>(v));
@@ -72,7 +76,7 @@ int cmd_generate(int argc, char** argv) {
     int64_t t = std::min<int64_t>(ctx, static_cast<int64_t>(seq.size()));
     Tensor ids = Tensor::empty({1, t}, DType::I32);
     std::copy(seq.end() - t, seq.end(), ids.data<int32_t>());
-    Tensor logits = model->forward(ids);  // [t, V]; the last row predicts the next byte
+    Tensor logits = model->forward(ids);  // [t, V]; the last row predicts the next token
     const float* last = logits.f32() + (t - 1) * v;
     int64_t best = 0;
     for (int64_t j = 1; j < v; ++j)
@@ -97,7 +101,8 @@ int cmd_generate(int argc, char** argv) {
       }
     }
     seq.push_back(static_cast<int32_t>(next));
-    std::fputc(static_cast<int>(next), stdout);
+    // A model wider than its tokenizer (--vocab above the data's) may pick an id it never saw.
+    if (next < tokenizer.vocab()) std::fputs(tokenizer.piece_text(static_cast<int32_t>(next)).c_str(), stdout);
   }
   std::fputc('\n', stdout);
   return 0;

@@ -1,4 +1,4 @@
-// Byte-level text conversion to HDF5 token files and the windows a language model trains on.
+// Text conversion to HDF5 token files (bytes or BPE pieces) and the windows a language model trains on.
 #include "dtrain/data/text.h"
 
 #include <algorithm>
@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iterator>
 
+#include "dtrain/core/cores.h"
 #include "dtrain/core/error.h"
 #include "dtrain/data/hdf5_util.h"
 
@@ -15,24 +16,49 @@ namespace fs = std::filesystem;
 
 namespace {
 
-void write_token_file(const std::string& path, const std::vector<uint8_t>& bytes, int64_t files) {
+// The narrowest HDF5 integer type that holds every token of a vocabulary.
+hid_t token_type(int64_t vocab) {
+  return vocab <= 256 ? H5T_STD_U8LE : vocab <= 65536 ? H5T_STD_U16LE : H5T_STD_I32LE;
+}
+
+void write_token_file(const std::string& path, const std::vector<int32_t>& tokens, int64_t text_bytes,
+                      const Tokenizer& tokenizer, int64_t files) {
   auto lock = h5::lock();
   std::string tmp = path + ".tmp";
   {
     h5::Handle file = h5::file(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT));
     DT_INPUT_CHECK(file.valid(), "cannot create '" << tmp << "'");
-    hsize_t n = bytes.size();
-    h5::Handle space = h5::space(H5Screate_simple(1, &n, nullptr));
-    h5::Handle ds = h5::dataset(
-        H5Dcreate2(file.get(), "tokens", H5T_NATIVE_UINT8, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
-    DT_CHECK(ds.valid(), "creating dataset tokens in " << tmp << ": " << h5::last_error());
-    DT_CHECK(H5Dwrite(ds.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes.data()) >= 0,
-             "writing tokens to " << tmp << ": " << h5::last_error());
-    h5::write_attr_string(file.get(), "tokenizer", "bytes");
-    h5::write_attr_scalar_i64(file.get(), "vocab", 256);
+    auto write_1d = [&](const char* name, hid_t file_type, hid_t mem_type, size_t n, const void* data) {
+      const hsize_t dims = n;
+      h5::Handle space = h5::space(H5Screate_simple(1, &dims, nullptr));
+      h5::Handle ds =
+          h5::dataset(H5Dcreate2(file.get(), name, file_type, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+      DT_CHECK(ds.valid(), "creating dataset " << name << " in " << tmp << ": " << h5::last_error());
+      DT_CHECK(n == 0 || H5Dwrite(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) >= 0,
+               "writing " << name << " to " << tmp << ": " << h5::last_error());
+    };
+    write_1d("tokens", token_type(tokenizer.vocab()), H5T_NATIVE_INT32, tokens.size(), tokens.data());
+    if (!tokenizer.model().empty())
+      write_1d("tokenizer_model", H5T_STD_U8LE, H5T_NATIVE_UINT8, tokenizer.model().size(), tokenizer.model().data());
+    h5::write_attr_string(file.get(), "tokenizer", tokenizer.name());
+    h5::write_attr_scalar_i64(file.get(), "vocab", tokenizer.vocab());
+    h5::write_attr_scalar_i64(file.get(), "text_bytes", text_bytes);
     h5::write_attr_scalar_i64(file.get(), "sources", files);
   }
   fs::rename(tmp, path);
+}
+
+// The whole 1-D dataset `name` of `file`, converted to `mem_type` (the C type T).
+template <typename T>
+std::vector<T> read_1d(hid_t file, const char* name, hid_t mem_type, const std::string& path) {
+  h5::Handle ds = h5::dataset(H5Dopen2(file, name, H5P_DEFAULT));
+  DT_INPUT_CHECK(ds.valid(), "'" << path << "' has no dataset '" << name << "'");
+  const std::vector<int64_t> shape = h5::read_shape(ds.get(), sizeof(T), path, name);
+  DT_INPUT_CHECK(shape.size() == 1, "'" << path << "': dataset '" << name << "' must be 1-D");
+  std::vector<T> out(static_cast<size_t>(shape[0]));
+  DT_INPUT_CHECK(out.empty() || H5Dread(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) >= 0,
+                 "cannot read dataset '" << name << "' of '" << path << "': " << h5::last_error());
+  return out;
 }
 
 }  // namespace
@@ -41,6 +67,10 @@ TextConvertSummary convert_text(const std::vector<std::string>& inputs, const st
                                 const TextConvertOptions& opt) {
   DT_INPUT_CHECK(opt.val_fraction >= 0 && opt.val_fraction < 1, "--val-fraction must be in [0, 1)");
   DT_INPUT_CHECK(opt.block_bytes > 0, "--block-bytes must be positive");
+  DT_INPUT_CHECK(opt.tokenizer == kBytesTokenizer || opt.tokenizer == "bpe",
+                 "--tokenizer must be bytes or bpe, got '" << opt.tokenizer << "'");
+  DT_INPUT_CHECK(opt.tokenizer == "bpe" || opt.vocab_size == 0,
+                 "--vocab-size is for --tokenizer bpe (bytes have a vocabulary of 256)");
   std::vector<fs::path> files;
   for (const std::string& in : inputs) {
     DT_INPUT_CHECK(fs::exists(in), "text input '" << in << "' does not exist");
@@ -79,10 +109,26 @@ TextConvertSummary convert_text(const std::vector<std::string>& inputs, const st
     val.assign(train.begin() + static_cast<std::ptrdiff_t>(cut), train.end());
     train.resize(cut);
   }
+  const std::string_view train_text(reinterpret_cast<const char*>(train.data()), train.size());
+  const std::string_view val_text(reinterpret_cast<const char*>(val.data()), val.size());
+  const Tokenizer tokenizer = opt.tokenizer == "bpe"
+                                  ? Tokenizer::train_bpe(train_text, opt.vocab_size,
+                                                         opt.threads > 0 ? opt.threads : affinity_cores())
+                                  : Tokenizer();
+  TextConvertSummary sum;
+  sum.files = used;
+  sum.tokenizer = tokenizer.name();
+  sum.vocab = tokenizer.vocab();
+  sum.train_bytes = static_cast<int64_t>(train.size());
+  sum.val_bytes = static_cast<int64_t>(val.size());
   fs::create_directories(out_dir);
-  write_token_file((fs::path(out_dir) / "train.h5").string(), train, used);
-  write_token_file((fs::path(out_dir) / "val.h5").string(), val, used);
-  return {used, static_cast<int64_t>(train.size()), static_cast<int64_t>(val.size())};
+  const std::vector<int32_t> train_tokens = tokenizer.encode(train_text);
+  const std::vector<int32_t> val_tokens = tokenizer.encode(val_text);
+  sum.train_tokens = static_cast<int64_t>(train_tokens.size());
+  sum.val_tokens = static_cast<int64_t>(val_tokens.size());
+  write_token_file((fs::path(out_dir) / "train.h5").string(), train_tokens, sum.train_bytes, tokenizer, used);
+  write_token_file((fs::path(out_dir) / "val.h5").string(), val_tokens, sum.val_bytes, tokenizer, used);
+  return sum;
 }
 
 TokenStream load_tokens(const std::string& path) {
@@ -91,21 +137,37 @@ TokenStream load_tokens(const std::string& path) {
   h5::Handle file = h5::file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
   DT_INPUT_CHECK(file.valid(), "'" << path << "' is not an HDF5 file");
   TokenStream s;
-  DT_INPUT_CHECK(h5::read_attr_string(file.get(), "tokenizer", s.tokenizer),
+  std::string tokenizer;
+  DT_INPUT_CHECK(h5::read_attr_string(file.get(), "tokenizer", tokenizer),
                  "'" << path << "' has no tokenizer attribute: not a token file from dtrain convert text");
-  DT_INPUT_CHECK(s.tokenizer == "bytes",
-                 "'" << path << "' uses tokenizer '" << s.tokenizer << "'; only bytes is known");
-  h5::Handle ds = h5::dataset(H5Dopen2(file.get(), "tokens", H5P_DEFAULT));
-  DT_INPUT_CHECK(ds.valid(), "'" << path << "' has no dataset 'tokens'");
-  const std::vector<int64_t> shape = h5::read_shape(ds.get(), 1, path, "tokens");
-  DT_INPUT_CHECK(shape.size() == 1, "'" << path << "': tokens must be 1-D");
-  const hsize_t n = static_cast<hsize_t>(shape[0]);
-  std::vector<uint8_t> bytes(n);
-  DT_INPUT_CHECK(n == 0 || H5Dread(ds.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes.data()) >= 0,
-                 "cannot read the tokens of '" << path << "': " << h5::last_error());
-  s.tokens.assign(bytes.begin(), bytes.end());
-  s.vocab = 256;
+  std::string model;
+  if (tokenizer != kBytesTokenizer) {
+    const std::vector<uint8_t> bytes = read_1d<uint8_t>(file.get(), "tokenizer_model", H5T_NATIVE_UINT8, path);
+    model.assign(bytes.begin(), bytes.end());
+  }
+  s.tokenizer = Tokenizer::from_model(tokenizer, model, path);
+  s.vocab = s.tokenizer.vocab();
+  std::vector<int64_t> vocab;
+  DT_INPUT_CHECK(!h5::read_attr_i64(file.get(), "vocab", vocab) || (vocab.size() == 1 && vocab[0] == s.vocab),
+                 "'" << path << "': attribute vocab disagrees with its " << tokenizer << " tokenizer's " << s.vocab);
+  s.tokens = read_1d<int32_t>(file.get(), "tokens", H5T_NATIVE_INT32, path);
+  for (size_t i = 0; i < s.tokens.size(); ++i)
+    DT_INPUT_CHECK(s.tokens[i] >= 0 && s.tokens[i] < s.vocab, "'" << path << "': token " << i << " is " << s.tokens[i]
+                                                                 << ", outside the vocabulary [0, " << s.vocab << ")");
+  std::vector<int64_t> text_bytes;
+  s.text_bytes = h5::read_attr_i64(file.get(), "text_bytes", text_bytes) && text_bytes.size() == 1
+                     ? text_bytes[0]
+                     : s.bytes_of(0, static_cast<int64_t>(s.tokens.size()));
   return s;
+}
+
+int64_t TokenStream::bytes_of(int64_t first, int64_t count) const {
+  DT_CHECK(first >= 0 && count >= 0 && first + count <= static_cast<int64_t>(tokens.size()),
+           "tokens [" << first << ", " << first + count << ") of " << tokens.size());
+  int64_t bytes = 0;
+  for (int64_t i = first; i < first + count; ++i)
+    bytes += static_cast<int64_t>(tokenizer.piece_text(tokens[static_cast<size_t>(i)]).size());
+  return bytes;
 }
 
 namespace {

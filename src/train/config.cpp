@@ -200,7 +200,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(lm, "heads", &c.heads, def.heads, "attention heads (divide --width)");
   add(lm, "width", &c.width, def.width, "model width C");
   add(lm, "context", &c.context, def.context, "longest sequence (position table rows)");
-  add(lm, "vocab", &c.vocab, def.vocab, "vocabulary (256: bytes)");
+  add(lm, "vocab", &c.vocab, def.vocab, "vocabulary (0: the token files', 256 for bytes)");
   add(lm, "seq-len", &c.seq_len, def.seq_len, "tokens per sequence (0: --context)");
   add(lm, "eval-every", &c.eval_every, def.eval_every, "steps between validation passes (0: at the end only)");
   add(lm, "eval-batches", &c.eval_batches, def.eval_batches, "validation batches per pass (0: all)");
@@ -312,8 +312,9 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.synthetic_shape.size() == 3 || c.synthetic_shape.size() == 1,
                  "option --synthetic-shape needs C,H,W (or one size for flat inputs)");
   for (auto [name, v] : {std::pair<const char*, int64_t>{"layers", c.layers}, {"heads", c.heads}, {"width", c.width},
-                         {"context", c.context}, {"vocab", c.vocab}, {"tp", c.tp}, {"pp", c.pp}})
+                         {"context", c.context}, {"tp", c.tp}, {"pp", c.pp}})
     DT_INPUT_CHECK(v >= 1, "option --" << name << " must be >= 1, got " << v);
+  DT_INPUT_CHECK(c.vocab >= 0, "option --vocab must be >= 0 (0: the token files' vocabulary), got " << c.vocab);
   DT_INPUT_CHECK(c.seq_len >= 0 && c.eval_every >= 0 && c.eval_batches >= 0 && c.micro_batches >= 0,
                  "options --seq-len, --eval-every, --eval-batches and --micro-batches must be >= 0");
   DT_INPUT_CHECK(c.schedule == "1f1b" || c.schedule == "gpipe",

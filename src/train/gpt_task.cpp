@@ -61,6 +61,23 @@ double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, 
   return eval_stream(model, val, batch, seq_len, max_batches, xent);
 }
 
+double bits_per_byte(const data::TokenStream& s, double nats_per_token, int64_t windows, int64_t seq_len) {
+  const int64_t targets = windows * seq_len;
+  const int64_t bytes = s.bytes_of(1, targets);
+  return bytes > 0 ? nats_per_token * static_cast<double>(targets) / static_cast<double>(bytes) / std::log(2.0) : 0.0;
+}
+
+data::Tokenizer tokenizer_from_checkpoint(const CheckpointState& s, const std::string& where) {
+  const auto name = s.strings.find("tokenizer");
+  if (name == s.strings.end()) return data::Tokenizer();  // checkpoints from before BPE: bytes
+  std::string model;
+  if (const auto t = s.tensors.find("meta/tokenizer_model"); t != s.tensors.end()) {
+    DT_INPUT_CHECK(t->second.dtype() == DType::U8, "'" << where << "': its tokenizer model is " << t->second.str());
+    model.assign(t->second.data<char>(), static_cast<size_t>(t->second.numel()));
+  }
+  return data::Tokenizer::from_model(name->second, model, where);
+}
+
 std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s) {
   auto it = s.strings.find("model");
   DT_INPUT_CHECK(it != s.strings.end() && it->second == "gpt", "the checkpoint does not hold a gpt model");
@@ -177,10 +194,14 @@ void GptTask::setup(const TaskSetup& s) {
   // Every rank reads the token files itself (without a shared file system a node may lack them).
   train_ = data::load_tokens((fs::path(c.data) / "train.h5").string());
   val_ = data::load_tokens((fs::path(c.data) / "val.h5").string());
-  DT_INPUT_CHECK(train_.vocab <= c.vocab, "the tokens need a vocabulary of " << train_.vocab);
+  DT_INPUT_CHECK(val_.tokenizer.name() == train_.tokenizer.name() && val_.tokenizer.model() == train_.tokenizer.model(),
+                 "'" << c.data << "': train.h5 and val.h5 were made with different tokenizers");
+  DT_INPUT_CHECK(c.vocab == 0 || train_.vocab <= c.vocab, "the tokens of '" << c.data << "' need a vocabulary of "
+                                                                          << train_.vocab << ", not --vocab "
+                                                                          << c.vocab << " (0: theirs)");
   data_seed_ = derive_seed(c.seed, static_cast<uint64_t>(s.grid.dp_rank()));  // each dp group its own windows
   model_cfg_ = nn::GptConfig{};
-  model_cfg_.vocab = c.vocab;
+  model_cfg_.vocab = c.vocab > 0 ? c.vocab : train_.vocab;
   model_cfg_.context = c.context;
   model_cfg_.layers = c.layers;
   model_cfg_.heads = c.heads;
@@ -191,7 +212,7 @@ void GptTask::setup(const TaskSetup& s) {
   nn::GptPart part{starts_[stage], starts_[stage + 1], stage == 0, stage == c.pp - 1};
   // Under tensor parallelism the vocabulary is split too: embedding rows, logit columns, and the
   // cross-entropy over them.
-  const nn::GptVocabShard vocab = tp > 1 ? parallel::vocab_parallel_shard(c.vocab, s.grid.tp()) : nn::GptVocabShard();
+  const nn::GptVocabShard vocab = tp > 1 ? parallel::vocab_parallel_shard(model_cfg_.vocab, s.grid.tp()) : nn::GptVocabShard();
   // Under bf16/fp16 the activations the blocks' GEMMs read are held in 16 bits
   // (GptConfig::copy_gemm_inputs; the tensor-parallel blocks keep f32 references).
   nn::GptConfig held = model_cfg_;
@@ -255,7 +276,7 @@ Validation GptTask::validate(parallel::PipelineStage* pipe) {
   v.result.loss = pipe ? pipeline_val_loss(*pipe, batches)
                        : eval_stream(*model_, val_, batch_, seq_len_, batches, *xent_, device_);
   v.result.samples = batches * batch_;
-  const double bpb = v.result.loss / std::log(2.0);
+  const double bpb = bits_per_byte(val_, v.result.loss, batches * batch_, seq_len_);
   char line[80];
   std::snprintf(line, sizeof line, "val_loss %.4f  val_bpb %.4f", v.result.loss, bpb);
   v.text = line;
@@ -284,15 +305,20 @@ double GptTask::pipeline_val_loss(parallel::PipelineStage& pipe, int64_t batches
 
 void GptTask::write_fields(CheckpointState& s) const {
   s.strings["model"] = "gpt";
-  s.strings["tokenizer"] = "bytes";
-  s.int_lists["gpt"] = {cfg_->vocab, cfg_->context, cfg_->layers, cfg_->heads, cfg_->width};
+  s.strings["tokenizer"] = train_.tokenizer.name();
+  if (const std::string& m = train_.tokenizer.model(); !m.empty()) {
+    Tensor model = Tensor::empty({static_cast<int64_t>(m.size())}, DType::U8);
+    std::copy(m.begin(), m.end(), model.data<char>());
+    s.tensors["meta/tokenizer_model"] = model;
+  }
+  s.int_lists["gpt"] = {model_cfg_.vocab, cfg_->context, cfg_->layers, cfg_->heads, cfg_->width};
   s.ints["first_block"] = starts_[grid_->pp_rank()];
   s.ints["end_block"] = starts_[grid_->pp_rank() + 1];
 }
 
 void GptTask::check_checkpoint(CheckpointState& s) const {
   auto g = s.int_lists.find("gpt");
-  const std::vector<int64_t> want{cfg_->vocab, cfg_->context, cfg_->layers, cfg_->heads, cfg_->width};
+  const std::vector<int64_t> want{model_cfg_.vocab, cfg_->context, cfg_->layers, cfg_->heads, cfg_->width};
   DT_INPUT_CHECK(s.strings["model"] == "gpt" && g != s.int_lists.end() && g->second == want,
                  "its GPT (vocab, context, layers, heads, width) differs from this run's");
 }

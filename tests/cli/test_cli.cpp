@@ -46,6 +46,16 @@ size_t count(const std::string& hay, const std::string& needle) {
   return c;
 }
 
+// The last validation loss of a metrics file, or -1.
+double last_val_loss(const std::string& file) {
+  std::ifstream in(file);
+  std::string line, last;
+  while (std::getline(in, line))
+    if (line.find("\"val_loss\"") != std::string::npos) last = line;
+  auto p = last.find("\"val_loss\": ");
+  return p == std::string::npos ? -1.0 : std::stod(last.substr(p + 12));
+}
+
 #define EXPECT_FAILS_NAMING(r, what)                             \
   do {                                                           \
     EXPECT_NE((r).code, 0) << (r).out;                           \
@@ -286,15 +296,7 @@ TEST(CliMpi, GptConvertTrainTensorParallelAndGenerate) {
   ASSERT_EQ(one.code, 0) << one.out;
   ASSERT_EQ(two.code, 0) << two.out;
   EXPECT_NE(one.out.find("val_bpb"), std::string::npos) << one.out;
-  auto val_loss = [](const std::string& file) {
-    std::ifstream in(file);
-    std::string line, last;
-    while (std::getline(in, line))
-      if (line.find("\"val_loss\"") != std::string::npos) last = line;
-    auto p = last.find("\"val_loss\": ");
-    return p == std::string::npos ? -1.0 : std::stod(last.substr(p + 12));
-  };
-  double l1 = val_loss(dir + "/one.jsonl"), l2 = val_loss(dir + "/two.jsonl");
+  double l1 = last_val_loss(dir + "/one.jsonl"), l2 = last_val_loss(dir + "/two.jsonl");
   EXPECT_GT(l1, 0);
   EXPECT_NEAR(l1, l2, 1e-4 * l1) << one.out << two.out;
   Result gen = run("generate --checkpoint " + dir + "/ckpt --prompt 'a small' --tokens 20");
@@ -324,6 +326,45 @@ TEST(CliMpi, GptConvertTrainTensorParallelAndGenerate) {
   ASSERT_EQ(bar.code, 0) << bar.out;
   EXPECT_NE(bar.out.find("] 12/12 loss "), std::string::npos) << bar.out;
   EXPECT_NE(bar.out.find(" ETA "), std::string::npos) << bar.out;
+  fs::remove_all(dir);
+}
+
+// A BPE vocabulary end to end: convert trains it and stores it in the token files, the GPT takes its
+// size from them (vocabulary-parallel on 2 tp ranks, the same loss as one rank), the checkpoint
+// carries it, so generate encodes a prompt with characters the text never had and eval reports
+// bits per byte over the bytes the pieces stand for.
+TEST(CliMpi, GptOnABpeVocabulary) {
+  std::string dir = dtrain::test::temp_dir("cli-gpt-bpe");
+  fs::create_directories(dir + "/text");
+  {
+    std::ofstream out(dir + "/text/a.txt");
+    const char* words[] = {"alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"};
+    for (int i = 0; i < 3000; ++i) out << words[(i * 5) % 8] << (i % 9 == 8 ? "\n" : " ");
+  }
+  Result conv = run("convert text --inputs " + dir + "/text --out " + dir + "/tok --tokenizer bpe --vocab-size 300");
+  ASSERT_EQ(conv.code, 0) << conv.out;
+  EXPECT_NE(conv.out.find("tokenizer sentencepiece-bpe, vocabulary 300"), std::string::npos) << conv.out;
+  {
+    std::ofstream ini(dir + "/gpt.ini");
+    ini << "model = gpt\ndata = " << dir << "/tok\nlayers = 1\nheads = 2\nwidth = 16\ncontext = 16\n"
+        << "batch-size = 4\nsteps = 10\nlog-every = 5\neval-batches = 2\nthreads = 1\nwarmup-steps = 2\n";
+  }
+  Result one =
+      mpirun(1, "train --config " + dir + "/gpt.ini --metrics " + dir + "/one.jsonl --checkpoint-dir " + dir + "/ckpt");
+  Result two = mpirun(2, "train --config " + dir + "/gpt.ini --tp 2 --metrics " + dir + "/two.jsonl");
+  ASSERT_EQ(one.code, 0) << one.out;
+  ASSERT_EQ(two.code, 0) << two.out;
+  EXPECT_NE(one.out.find("vocab=300"), std::string::npos) << one.out;
+  const double l1 = last_val_loss(dir + "/one.jsonl");
+  EXPECT_GT(l1, 0);
+  EXPECT_NEAR(l1, last_val_loss(dir + "/two.jsonl"), 1e-4 * l1) << one.out << two.out;
+  Result gen = run("generate --checkpoint " + dir + "/ckpt --prompt 'gamma \xE2\x82\xAC' --tokens 12");
+  ASSERT_EQ(gen.code, 0) << gen.out;
+  EXPECT_EQ(gen.out.rfind("gamma \xE2\x82\xAC", 0), 0u) << gen.out;
+  Result ev = run("eval --checkpoint " + dir + "/ckpt --data " + dir + "/tok --batch-size 8");
+  ASSERT_EQ(ev.code, 0) << ev.out;
+  EXPECT_NE(ev.out.find(" bits/byte"), std::string::npos) << ev.out;
+  EXPECT_FAILS_NAMING(mpirun(1, "train --config " + dir + "/gpt.ini --vocab 256"), "need a vocabulary of 300");
   fs::remove_all(dir);
 }
 

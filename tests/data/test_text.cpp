@@ -1,4 +1,4 @@
-// Text to byte tokens: which files are read, the held-out split, and the training windows.
+// Text to tokens (bytes, BPE): which files are read, the held-out split, the tokenizers, the windows.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -7,6 +7,7 @@
 #include "data_test_util.h"
 #include "dtrain/core/error.h"
 #include "dtrain/data/text.h"
+#include "dtrain/data/tokenizer.h"
 
 namespace dtrain::data {
 namespace {
@@ -38,11 +39,70 @@ TEST(Text, ConvertSkipsLinksAndBinaryFilesAndSplitsByBlocks) {
   EXPECT_EQ(static_cast<int64_t>(train.tokens.size()), s.train_tokens);
   EXPECT_EQ(static_cast<int64_t>(val.tokens.size()), s.val_tokens);
   EXPECT_EQ(train.vocab, 256);
-  EXPECT_EQ(train.tokenizer, "bytes");
+  EXPECT_EQ(train.tokenizer.name(), "bytes");
   for (int32_t t : train.tokens) EXPECT_TRUE(t == 'a' || t == 'b');
   // Same seed, same split.
   TextConvertSummary again = convert_text({tmp / "in"}, tmp / "out2", opt);
   EXPECT_EQ(again.val_tokens, s.val_tokens);
+}
+
+// English-like text with what a tokenizer may mangle: runs of spaces, tabs, leading spaces, empty
+// lines, CRLF, UTF-8, and characters absent from the training text.
+std::string awkward_text(int paragraphs) {
+  std::string text;
+  const char* words[] = {"the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "caf\xC3\xA9", "na\xC3\xAFve"};
+  for (int p = 0; p < paragraphs; ++p) {
+    for (int w = 0; w < 40; ++w) {
+      text += words[(p * 7 + w * 3) % 10];
+      text += (w % 11 == 10) ? "\n" : (w % 7 == 6) ? "  " : (w % 13 == 12) ? "\t" : " ";
+    }
+    text += p % 3 == 0 ? "\r\n\n   indented\n" : "\n";
+  }
+  return text;
+}
+
+TEST(Tokenizer, BpeDecodesExactlyWhatItEncoded) {
+  const std::string train = awkward_text(200);
+  const Tokenizer bpe = Tokenizer::train_bpe(train, 340, 2);
+  EXPECT_EQ(bpe.name(), kBpeTokenizer);
+  EXPECT_EQ(bpe.vocab(), 340);
+  const std::string unseen = " \xE2\x82\xAC{~}  \n\n\tthe quick  dog\n\xF0\x9F\x98\x80 end";  // euro sign, emoji: never seen
+  for (const std::string& text : {train, unseen, std::string("\n"), std::string(" ")}) {
+    const std::vector<int32_t> ids = bpe.encode(text);
+    EXPECT_EQ(bpe.decode(ids), text);
+    int64_t bytes = 0;
+    for (int32_t id : ids) bytes += static_cast<int64_t>(bpe.piece_text(id).size());
+    EXPECT_EQ(bytes, static_cast<int64_t>(text.size()));
+  }
+  EXPECT_LT(bpe.encode(train).size(), train.size() / 2) << "merges should shorten English-like text";
+  // The model travels as bytes and comes back the same.
+  const Tokenizer again = Tokenizer::from_model(kBpeTokenizer, bpe.model(), "test");
+  EXPECT_EQ(again.encode(unseen), bpe.encode(unseen));
+  testing::expect_input_error([&] { Tokenizer::from_model(kBpeTokenizer, "garbage", "x.h5"); }, {"x.h5", "does not load"});
+  testing::expect_input_error([&] { Tokenizer::from_model("wordpiece", "", "x.h5"); }, {"x.h5", "wordpiece"});
+  testing::expect_input_error([&] { Tokenizer::train_bpe(train, 100, 1); }, {"--vocab-size"});
+}
+
+TEST(Text, BpeTokenFilesCarryTheirModel) {
+  TempDir tmp;
+  write_file(tmp / "in/a.txt", awkward_text(300));
+  TextConvertOptions opt;
+  opt.tokenizer = "bpe";
+  opt.vocab_size = 320;
+  opt.block_bytes = 1000;
+  const TextConvertSummary s = convert_text({tmp / "in"}, tmp / "out", opt);
+  EXPECT_EQ(s.vocab, 320);
+  EXPECT_LT(s.train_tokens, s.train_bytes);
+  const TokenStream train = load_tokens(tmp / "out/train.h5"), val = load_tokens(tmp / "out/val.h5");
+  EXPECT_EQ(train.vocab, 320);
+  EXPECT_EQ(train.tokenizer.model(), val.tokenizer.model());
+  EXPECT_EQ(train.text_bytes, s.train_bytes);
+  EXPECT_EQ(val.bytes_of(0, static_cast<int64_t>(val.tokens.size())), s.val_bytes);
+  EXPECT_EQ(static_cast<int64_t>(val.tokens.size()), s.val_tokens);
+  opt.vocab_size = 0;
+  testing::expect_input_error([&] { convert_text({tmp / "in"}, tmp / "out2", opt); }, {"--vocab-size"});
+  opt.tokenizer = "words";
+  testing::expect_input_error([&] { convert_text({tmp / "in"}, tmp / "out2", opt); }, {"--tokenizer", "words"});
 }
 
 TEST(Text, WindowsAreShiftedTargets) {

@@ -1,15 +1,18 @@
 #pragma once
 // Text as token streams for language models. `dtrain convert text` writes <out>/train.h5 and
-// <out>/val.h5, each one HDF5 file with a 1-D dataset `tokens` and root attributes `tokenizer`
-// ("bytes": token = byte, vocabulary 256; a BPE tokenizer would name itself and store its
-// vocabulary next to the tokens), `vocab` and `sources` (file count). The stream is small enough to
-// be held in memory (fortunes: ~3 MB); batches are windows of T+1 tokens at random offsets.
+// <out>/val.h5, each one HDF5 file with a 1-D dataset `tokens` (u8, u16 or i32: the narrowest that
+// holds the vocabulary) and root attributes `tokenizer` ("bytes": token = byte, vocabulary 256;
+// "sentencepiece-bpe": subword pieces, the serialized SentencePiece model in the u8 dataset
+// `tokenizer_model`), `vocab`, `text_bytes` (the bytes of text the tokens encode) and `sources`
+// (file count). The stream is small enough to be held in memory (fortunes: ~3 MB); batches are
+// windows of T+1 tokens at random offsets.
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "dtrain/core/rng.h"
 #include "dtrain/core/tensor.h"
+#include "dtrain/data/tokenizer.h"
 
 namespace dtrain::data {
 
@@ -17,10 +20,14 @@ struct TextConvertOptions {
   double val_fraction = 0.1;   // share of blocks held out for validation
   int64_t block_bytes = 4096;  // the split is by whole blocks, so validation text is unseen text
   uint64_t seed = 1;
+  std::string tokenizer = kBytesTokenizer;  // or "bpe": a SentencePiece BPE model trained on the training text
+  int vocab_size = 0;                       // pieces of the BPE model
+  int threads = 0;                          // BPE training threads (0: every core this process may use)
 };
 
 struct TextConvertSummary {
-  int64_t files = 0, train_tokens = 0, val_tokens = 0;
+  int64_t files = 0, train_tokens = 0, val_tokens = 0, train_bytes = 0, val_bytes = 0, vocab = 0;
+  std::string tokenizer;
 };
 
 // Reads every regular file in `inputs` (files, or directories walked recursively in sorted order,
@@ -32,7 +39,11 @@ TextConvertSummary convert_text(const std::vector<std::string>& inputs, const st
 struct TokenStream {
   std::vector<int32_t> tokens;
   int64_t vocab = 256;
-  std::string tokenizer = "bytes";
+  Tokenizer tokenizer;     // bytes unless the file carries a model
+  int64_t text_bytes = 0;  // bytes of text the tokens encode
+
+  // Bytes of text that tokens [first, first + count) stand for (bits per byte of a loss over them).
+  int64_t bytes_of(int64_t first, int64_t count) const;
 };
 
 // Loads <path> (a file written by convert_text). Throws InputError naming the file when it is

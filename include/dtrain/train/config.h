@@ -88,7 +88,7 @@ struct TrainConfig {
   std::string teacher;  // checkpoint of the teacher (empty: no distillation)
   float distill_temperature = 2.f, distill_weight = 0.5f;
   // language model (model = gpt): the GPT's shape, validation and dp x tp x pp layout
-  int64_t layers = 4, heads = 4, width = 128, context = 128, vocab = 256;
+  int64_t layers = 4, heads = 4, width = 128, context = 128, vocab = 0;  // vocab 0: the token files'
   int64_t seq_len = 0;           // tokens per sequence (0: the context)
   int64_t eval_every = 200;      // steps between validation passes (0: at the end only)
   int64_t eval_batches = 16;     // validation batches per pass (0: the whole validation stream)

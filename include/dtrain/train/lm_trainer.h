@@ -1,5 +1,5 @@
 #pragma once
-// The GPT on byte-token streams (dtrain convert text): the language-model task of the one loop
+// The GPT on token streams (dtrain convert text: bytes or BPE pieces): the language-model task of the one loop
 // (train::Trainer with model = gpt), its evaluation, and its checkpoints for `dtrain generate`.
 #include <cstdint>
 #include <memory>
@@ -25,6 +25,14 @@ TrainResult train_lm(const TrainConfig& cfg, comm::Communicator* world);
 double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, int64_t seq_len, int64_t max_batches);
 // The same on a stream already loaded (data::load_tokens), for callers that evaluate it repeatedly.
 double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, int64_t seq_len, int64_t max_batches);
+
+// Bits per byte of text of a mean loss of `nats_per_token` over the targets of the first `windows`
+// consecutive windows of `seq_len` tokens of `s` (as evaluate_lm cuts them): per token for bytes,
+// weighted by the bytes each target piece stands for under BPE.
+double bits_per_byte(const data::TokenStream& s, double nats_per_token, int64_t windows, int64_t seq_len);
+
+// The tokenizer a GPT checkpoint was trained with ("tokenizer", and "meta/tokenizer_model" for BPE).
+data::Tokenizer tokenizer_from_checkpoint(const CheckpointState& s, const std::string& where);
 
 // The one-rank GPT of a checkpoint set (load_checkpoint_set: every stage's parameters, tp shards
 // gathered): the config as the int list "gpt", parameters under "param/".
