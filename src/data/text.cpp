@@ -158,6 +158,7 @@ TokenStream load_tokens(const std::string& path) {
   s.text_bytes = h5::read_attr_i64(file.get(), "text_bytes", text_bytes) && text_bytes.size() == 1
                      ? text_bytes[0]
                      : s.bytes_of(0, static_cast<int64_t>(s.tokens.size()));
+  DT_INPUT_CHECK(s.text_bytes >= 0, "'" << path << "': attribute text_bytes is " << s.text_bytes);
   return s;
 }
 

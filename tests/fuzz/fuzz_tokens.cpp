@@ -17,9 +17,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const fuzz::fs::path file = fuzz::fresh_scratch() / "train.h5";
 #ifdef DTRAIN_FUZZ_H5_RECIPE
   static const fuzz::H5Vocabulary vocabulary{
-      {{"tokens", H5T_STD_U8LE, 1}},
-      {{"tokenizer", H5T_C_S1, 0}, {"vocab", H5T_STD_I64LE, 0}, {"sources", H5T_STD_I64LE, 0}},
-      {"bytes", "bpe"}};
+      {{"tokens", H5T_STD_U8LE, 1}, {"tokenizer_model", H5T_STD_U8LE, 1}},
+      {{"tokenizer", H5T_C_S1, 0},
+       {"vocab", H5T_STD_I64LE, 0},
+       {"sources", H5T_STD_I64LE, 0},
+       {"text_bytes", H5T_STD_I64LE, 0}},
+      {"bytes", "bpe", "sentencepiece-bpe"}};
   FuzzedDataProvider in(data, size);
   fuzz::write_h5_recipe(in, file, vocabulary, 4);
 #else
