@@ -184,23 +184,6 @@ bool read_attr_f64(hid_t obj, const char* name, std::vector<double>& out) {
   return read_attr_numeric(obj, name, H5T_NATIVE_DOUBLE, out);
 }
 
-bool read_attr_string(hid_t obj, const char* name, std::string& out) {
-  if (H5Aexists(obj, name) <= 0) return false;
-  Handle a = attr(H5Aopen(obj, name, H5P_DEFAULT));
-  if (!a.valid()) return false;
-  Handle t = type(H5Aget_type(a.get()));
-  if (H5Tget_class(t.get()) != H5T_STRING || H5Tis_variable_str(t.get()) > 0) return false;
-  // One string: H5Aread writes every element, so an array of them would overflow the buffer.
-  Handle sp = space(H5Aget_space(a.get()));
-  if (H5Sget_simple_extent_npoints(sp.get()) != 1) return false;
-  size_t size = H5Tget_size(t.get());
-  check_attr_backed(obj, name, 1, size);
-  std::string buf(size, '\0');
-  if (H5Aread(a.get(), t.get(), buf.data()) < 0) return false;
-  out = buf.substr(0, buf.find('\0'));
-  return true;
-}
-
 bool read_attr_strings(hid_t obj, const char* name, std::vector<std::string>& out) {
   if (H5Aexists(obj, name) <= 0) return false;
   Handle a = attr(H5Aopen(obj, name, H5P_DEFAULT));
@@ -219,6 +202,14 @@ bool read_attr_strings(hid_t obj, const char* name, std::vector<std::string>& ou
     const std::string_view v(packed.data() + i * width, width);
     out.emplace_back(v.substr(0, v.find('\0')));
   }
+  return true;
+}
+
+// One string: an array of them (or none) is not this attribute.
+bool read_attr_string(hid_t obj, const char* name, std::string& out) {
+  std::vector<std::string> values;
+  if (!read_attr_strings(obj, name, values) || values.size() != 1) return false;
+  out = std::move(values.front());
   return true;
 }
 
