@@ -143,7 +143,7 @@ nn::GptBlockFactory tensor_parallel_gpt_blocks(int64_t width, int64_t heads, com
     auto proj = std::make_unique<RowParallelLinear>(width, width, true, rng, tp);
     auto attn = std::make_unique<nn::Sequential>();
     attn->add(std::make_unique<nn::LayerNorm>(width));
-    attn->add(std::make_unique<nn::CausalSelfAttention>(std::move(qkv), std::move(proj), width, heads / tp.size(), hd));
+    attn->add(std::make_unique<nn::SelfAttention>(std::move(qkv), std::move(proj), width, heads / tp.size(), hd));
     auto mlp = std::make_unique<nn::Sequential>();
     mlp->add(std::make_unique<nn::LayerNorm>(width));
     mlp->add(std::make_unique<ColumnParallelLinear>(width, 4 * width, true, rng, tp));

@@ -19,7 +19,7 @@ PACKAGES=(
 )
 # The side-by-side peer benchmarks need PyTorch; the tests do not.
 if [[ "${DTRAIN_WITH_PEERS:-0}" == "1" ]]; then
-  PACKAGES+=(python3-torch python3-h5py python3-numpy time)
+  PACKAGES+=(python3-torch python3-torchvision python3-h5py python3-numpy time)
 fi
 
 # A real one-node SLURM for the `slurm` tests (cluster/slurm/local/start.sh). Only as root by

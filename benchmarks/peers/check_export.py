@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """A dtrain checkpoint in PyTorch: `dtrain export` (safetensors, PyTorch names) loaded into the
 PyTorch definition of the same model (torch_simple_cnn.py's SimpleCNN, an MLP or ResNet-20 as
-nn.Sequential with dtrain's module paths, or
+nn.Sequential with dtrain's module paths, torchvision's resnet18, resnet50 and VisionTransformer
+for examples/models/resnet18.json, resnet50.json and vit_mini.json, or
 torch_gpt.py's GPT, whose names the GPT-2 ones of the export are mapped onto), then checked
   - on one batch: `dtrain eval --save-batch` writes the inputs the model took and dtrain's logits;
     PyTorch's logits on the same inputs must be within --tolerance (max abs difference, 1e-5), or,
@@ -72,7 +73,34 @@ def image_model(torch, tensors, meta):
         return nn.Sequential(layers)
     if meta["model"] == "resnet20":
         return resnet20(torch, tensors)
+    if "transformer_block" in meta.get("model_definition", ""):
+        return vision_transformer(torch, meta)
+    if meta["model"] in ("resnet18", "resnet50"):  # examples/models/resnet*.json, torchvision's names
+        import torchvision
+        model = getattr(torchvision.models, meta["model"])(num_classes=int(meta["classes"]))
+        channels = ints(meta, "input_shape")[0]
+        if channels != 3:  # the same stem for the data's channels
+            model.conv1 = nn.Conv2d(channels, 64, 7, 2, 3, bias=False)
+        return model
     raise SystemExit(f"check_export: no PyTorch definition here for model {meta['model']}")
+
+
+def vision_transformer(torch, meta):
+    """torchvision's VisionTransformer of a model file's shape (examples/models/vit_mini.json: a patch
+    convolution conv_proj, tokens, the position embedding, transformer blocks, encoder.ln, heads.head)."""
+    import torchvision
+    layers = json.loads(meta["model_definition"])["layers"]
+    layers = layers.values() if isinstance(layers, dict) else layers  # an INI file's numbered sections
+    proj = next(l for l in layers if l.get("name") == "conv_proj")
+    blocks = [l for l in layers if l["type"] == "transformer_block"]
+    channels, size, _ = ints(meta, "input_shape")
+    hidden = int(proj["out"])
+    model = torchvision.models.VisionTransformer(
+        image_size=size, patch_size=int(proj["kernel"]), num_layers=len(blocks), num_heads=int(blocks[0]["heads"]),
+        hidden_dim=hidden, mlp_dim=int(blocks[0].get("mlp", 4 * hidden)), num_classes=int(meta["classes"]))
+    if channels != 3:
+        model.conv_proj = torch.nn.Conv2d(channels, hidden, int(proj["kernel"]), int(proj["kernel"]))
+    return model
 
 
 def resnet20(torch, tensors):

@@ -309,6 +309,8 @@ static void vec2(const Tensor& a, const Tensor& b, Tensor& y,
 void CpuEngine::unary_forward(Unary op, const Tensor& x, Tensor& y) {
   if (op == Unary::Relu)
     map1(x, y, fn::Relu{});
+  else if (op == Unary::GeluExact)
+    map1(x, y, fn::GeluExact{});
   else
     vec1(x, y, simd::active().gelu_forward);
 }
@@ -316,6 +318,8 @@ void CpuEngine::unary_forward(Unary op, const Tensor& x, Tensor& y) {
 void CpuEngine::unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) {
   if (op == Unary::Relu)
     map2(x, dy, dx, fn::ReluGrad{});
+  else if (op == Unary::GeluExact)
+    map2(x, dy, dx, fn::GeluExactGrad{});
   else
     vec2(x, dy, dx, simd::active().gelu_backward);
 }

@@ -96,9 +96,10 @@ void layernorm_backward(const float* x, const float* dy, const float* gamma, con
   }
 }
 
-void causal_softmax_forward(const float* ps, float* pp, int64_t row0, int64_t rows, int64_t t, float scale) {
+void attention_softmax_forward(const float* ps, float* pp, int64_t row0, int64_t rows, int64_t t, float scale,
+                               bool causal) {
   for (int64_t r = 0; r < rows; ++r) {
-    int64_t i = (row0 + r) % t;  // query position: keys 0..i are visible
+    int64_t i = causal ? (row0 + r) % t : t - 1;  // keys 0..i are visible
     const float* s = ps + r * t;
     float* p = pp + r * t;
     float mx = s[0] * scale;
@@ -114,10 +115,10 @@ void causal_softmax_forward(const float* ps, float* pp, int64_t row0, int64_t ro
   }
 }
 
-void causal_softmax_backward(const float* pp, const float* pd, float* pg, int64_t row0, int64_t rows, int64_t t,
-                             float scale) {
+void attention_softmax_backward(const float* pp, const float* pd, float* pg, int64_t row0, int64_t rows, int64_t t,
+                                float scale, bool causal) {
   for (int64_t r = 0; r < rows; ++r) {
-    int64_t i = (row0 + r) % t;
+    int64_t i = causal ? (row0 + r) % t : t - 1;
     const float* p = pp + r * t;
     const float* dp = pd + r * t;
     float* g = pg + r * t;
@@ -164,8 +165,8 @@ const Kernels& reference() {
                          .row_bias_grad = row_bias_grad,
                          .layernorm_forward = layernorm_forward,
                          .layernorm_backward = layernorm_backward,
-                         .causal_softmax_forward = causal_softmax_forward,
-                         .causal_softmax_backward = causal_softmax_backward,
+                         .attention_softmax_forward = attention_softmax_forward,
+                         .attention_softmax_backward = attention_softmax_backward,
                          .adam_update = adam_update,
                          .sum_squares = sum_squares};
   return k;

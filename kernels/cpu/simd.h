@@ -31,12 +31,13 @@ struct Kernels {
   // (accumulated) when dgamma is not null. The engine runs the accumulation on one thread.
   void (*layernorm_backward)(const float* x, const float* dy, const float* gamma, const float* mean, const float* rstd,
                              float* dx, float* dgamma, float* dbeta, int64_t m, int64_t d);
-  // Causal softmax of `rows` rows of length t, the first being row `row0` of [N*T, T] (row r is query
-  // position r % t: keys 0..r%t are visible, the rest of the row is written as 0). scale is fused:
-  // p = softmax(scale * s); ds = scale * p * (dp - sum(p * dp)).
-  void (*causal_softmax_forward)(const float* s, float* p, int64_t row0, int64_t rows, int64_t t, float scale);
-  void (*causal_softmax_backward)(const float* p, const float* dp, float* ds, int64_t row0, int64_t rows, int64_t t,
-                                  float scale);
+  // Attention softmax of `rows` rows of length t, the first being row `row0` of [N*T, T]. Causal:
+  // row r is query position r % t, keys 0..r%t are visible, the rest of the row is written as 0;
+  // otherwise every key is. scale is fused: p = softmax(scale * s); ds = scale * p * (dp - sum(p * dp)).
+  void (*attention_softmax_forward)(const float* s, float* p, int64_t row0, int64_t rows, int64_t t, float scale,
+                                    bool causal);
+  void (*attention_softmax_backward)(const float* p, const float* dp, float* ds, int64_t row0, int64_t rows, int64_t t,
+                                     float scale, bool causal);
   // Adam/AdamW on n elements (fn::AdamStep's arithmetic).
   void (*adam_update)(float* p, const float* g, float* m, float* v, int64_t n, const fn::AdamStep& f);
   // Sum of squares with a double accumulator (gradient clipping).

@@ -252,11 +252,12 @@ inline void zero_tail(float* row, int64_t from, int64_t t) {
   for (int64_t j = from; j < t; j += kW) store(row + j, _mm256_setzero_ps(), span_mask(j, t));
 }
 
-void causal_softmax_forward(const float* ps, float* pp, int64_t row0, int64_t rows, int64_t t, float scale) {
+void attention_softmax_forward(const float* ps, float* pp, int64_t row0, int64_t rows, int64_t t, float scale,
+                               bool causal) {
   const __m256 vs = _mm256_set1_ps(scale);
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t len = (row0 + r) % t + 1;  // visible keys
+    const int64_t len = causal ? (row0 + r) % t + 1 : t;  // visible keys
     const float* s = ps + r * t;
     float* p = pp + r * t;
     __m256 mx = neg_inf;
@@ -285,11 +286,11 @@ void causal_softmax_forward(const float* ps, float* pp, int64_t row0, int64_t ro
   }
 }
 
-void causal_softmax_backward(const float* pp, const float* pd, float* pg, int64_t row0, int64_t rows, int64_t t,
-                             float scale) {
+void attention_softmax_backward(const float* pp, const float* pd, float* pg, int64_t row0, int64_t rows, int64_t t,
+                                float scale, bool causal) {
   const __m256 vs = _mm256_set1_ps(scale);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t len = (row0 + r) % t + 1;
+    const int64_t len = causal ? (row0 + r) % t + 1 : t;
     const float* p = pp + r * t;
     const float* dp = pd + r * t;
     float* g = pg + r * t;
@@ -366,8 +367,8 @@ const Kernels& avx2_table() {
                          .row_bias_grad = row_bias_grad,
                          .layernorm_forward = layernorm_forward,
                          .layernorm_backward = layernorm_backward,
-                         .causal_softmax_forward = causal_softmax_forward,
-                         .causal_softmax_backward = causal_softmax_backward,
+                         .attention_softmax_forward = attention_softmax_forward,
+                         .attention_softmax_backward = attention_softmax_backward,
                          .adam_update = adam_update,
                          .sum_squares = sum_squares};
   return k;

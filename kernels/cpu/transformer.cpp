@@ -43,7 +43,7 @@ void CpuEngine::permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, i
         std::memcpy(py + ((i * c + k) * b + j) * d, px + ((i * b + j) * c + k) * d, sizeof(float) * d);
 }
 
-void CpuEngine::causal_softmax_forward(const Tensor& scores, int64_t t, float scale, Tensor& probs) {
+void CpuEngine::attention_softmax_forward(const Tensor& scores, int64_t t, float scale, bool causal, Tensor& probs) {
   DT_CHECK(t > 0 && scores.numel() % (t * t) == 0,
            "causal_softmax: " << scores.str() << " is not [N, " << t << ", " << t << "]");
   check_f32_numel(probs, scores.numel(), "causal_softmax probs");
@@ -51,12 +51,13 @@ void CpuEngine::causal_softmax_forward(const Tensor& scores, int64_t t, float sc
   const int64_t rows = scores.numel() / t;
   const float* ps = scores.f32();
   float* pp = probs.f32();
-  auto kernel = simd::active().causal_softmax_forward;
-  for_slices(rows, kGrain / t, 1, [&](int64_t r, int64_t n) { kernel(ps + r * t, pp + r * t, r, n, t, scale); });
+  auto kernel = simd::active().attention_softmax_forward;
+  for_slices(rows, kGrain / t, 1,
+             [&](int64_t r, int64_t n) { kernel(ps + r * t, pp + r * t, r, n, t, scale, causal); });
 }
 
-void CpuEngine::causal_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
-                                        Tensor& dscores) {
+void CpuEngine::attention_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
+                                           bool causal, Tensor& dscores) {
   DT_CHECK(t > 0 && probs.numel() % (t * t) == 0,
            "causal_softmax_backward: " << probs.str() << " is not [N, " << t << ", " << t << "]");
   check_f32_numel(probs, probs.numel(), "causal_softmax_backward probs");
@@ -66,9 +67,9 @@ void CpuEngine::causal_softmax_backward(const Tensor& probs, const Tensor& dprob
   const float* pp = probs.f32();
   const float* pd = dprobs.f32();
   float* pg = dscores.f32();
-  auto kernel = simd::active().causal_softmax_backward;
+  auto kernel = simd::active().attention_softmax_backward;
   for_slices(rows, kGrain / t, 1,
-             [&](int64_t r, int64_t n) { kernel(pp + r * t, pd + r * t, pg + r * t, r, n, t, scale); });
+             [&](int64_t r, int64_t n) { kernel(pp + r * t, pd + r * t, pg + r * t, r, n, t, scale, causal); });
 }
 
 void CpuEngine::row_max(const Tensor& x, Tensor& out) {

@@ -85,8 +85,8 @@ class CudaEngine final : public Engine {
   void softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) override;
 
   void permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, int64_t d, Tensor& y) override;
-  void causal_softmax_forward(const Tensor& scores, int64_t t, float scale, Tensor& probs) override;
-  void causal_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
+  void attention_softmax_forward(const Tensor& scores, int64_t t, float scale, bool causal, Tensor& probs) override;
+  void attention_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale, bool causal,
                                Tensor& dscores) override;
   void row_max(const Tensor& x, Tensor& out) override;
   void vocab_xent_partials(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,

@@ -23,24 +23,25 @@ void CudaEngine::permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, 
   k::permute_0213(x.f32(), y.f32(), a, b, c, d, compute_);
 }
 
-void CudaEngine::causal_softmax_forward(const Tensor& scores, int64_t t, float scale, Tensor& probs) {
+void CudaEngine::attention_softmax_forward(const Tensor& scores, int64_t t, float scale, bool causal, Tensor& probs) {
   DT_CHECK(t > 0 && scores.numel() % (t * t) == 0,
            "causal_softmax: " << scores.str() << " is not [N, " << t << ", " << t << "]");
   check_dev_numel(scores, scores.numel(), "causal_softmax scores", index_);
   check_dev_numel(probs, scores.numel(), "causal_softmax probs", index_);
   bind();
-  k::causal_softmax_forward(scores.f32(), probs.f32(), scores.numel() / t, t, scale, compute_);
+  k::attention_softmax_forward(scores.f32(), probs.f32(), scores.numel() / t, t, scale, causal, compute_);
 }
 
-void CudaEngine::causal_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
-                                         Tensor& dscores) {
+void CudaEngine::attention_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
+                                            bool causal, Tensor& dscores) {
   DT_CHECK(t > 0 && probs.numel() % (t * t) == 0,
            "causal_softmax_backward: " << probs.str() << " is not [N, " << t << ", " << t << "]");
   check_dev_numel(probs, probs.numel(), "causal_softmax_backward probs", index_);
   check_dev_numel(dprobs, probs.numel(), "causal_softmax_backward dprobs", index_);
   check_dev_numel(dscores, probs.numel(), "causal_softmax_backward dscores", index_);
   bind();
-  k::causal_softmax_backward(probs.f32(), dprobs.f32(), dscores.f32(), probs.numel() / t, t, scale, compute_);
+  k::attention_softmax_backward(probs.f32(), dprobs.f32(), dscores.f32(), probs.numel() / t, t, scale, causal,
+                               compute_);
 }
 
 void CudaEngine::embedding_forward(const Tensor& ids, const Tensor& table, int64_t offset, Tensor& y) {

@@ -124,12 +124,16 @@ __global__ void check_finite_kernel(const float* x, int64_t n, float* found_inf)
 void unary_forward(Unary op, const float* x, float* y, int64_t n, cudaStream_t s) {
   if (op == Unary::Relu)
     map1(x, y, n, fn::Relu{}, s);
+  else if (op == Unary::GeluExact)
+    map1(x, y, n, fn::GeluExact{}, s);
   else
     map1(x, y, n, fn::Gelu{}, s);
 }
 void unary_backward(Unary op, const float* x, const float* dy, float* dx, int64_t n, cudaStream_t s) {
   if (op == Unary::Relu)
     map2(x, dy, dx, n, fn::ReluGrad{}, s);
+  else if (op == Unary::GeluExact)
+    map2(x, dy, dx, n, fn::GeluExactGrad{}, s);
   else
     map2(x, dy, dx, n, fn::GeluGrad{}, s);
 }

@@ -61,9 +61,10 @@ void channel_affine(const float* x, const float* scale, const float* shift, floa
 // y[i,k,j,:] = x[i,j,k,:] for x [a,b,c,d].
 void permute_0213(const float* x, float* y, int64_t a, int64_t b, int64_t c, int64_t d, cudaStream_t s);
 // probs/scores [rows = N*T, T]; row r is query position r % T.
-void causal_softmax_forward(const float* scores, float* probs, int64_t rows, int64_t t, float scale, cudaStream_t s);
-void causal_softmax_backward(const float* probs, const float* dprobs, float* dscores, int64_t rows, int64_t t,
-                             float scale, cudaStream_t s);
+void attention_softmax_forward(const float* scores, float* probs, int64_t rows, int64_t t, float scale, bool causal,
+                               cudaStream_t s);
+void attention_softmax_backward(const float* probs, const float* dprobs, float* dscores, int64_t rows, int64_t t,
+                                float scale, bool causal, cudaStream_t s);
 // table [v,c] holds vocabulary rows [offset, offset+v); ids [n]; y/dy [n,c].
 void embedding_forward(const int32_t* ids, const float* table, float* y, int64_t n, int64_t v, int64_t c,
                        int64_t offset, cudaStream_t s);

@@ -24,12 +24,13 @@ __global__ void permute_0213_kernel(const float* x, float* y, int64_t a, int64_t
   y[idx] = x[((i * b + j) * c + k) * d + e];
 }
 
-// One warp per row of T scores; row r is query position r % t, so keys 0..i are visible.
-__global__ void causal_softmax_forward_kernel(const float* scores, float* probs, int64_t rows, int64_t t, float scale) {
+// One warp per row of T scores; causal: row r is query position r % t, so keys 0..i are visible.
+__global__ void attention_softmax_forward_kernel(const float* scores, float* probs, int64_t rows, int64_t t, float scale,
+                                                 bool causal) {
   int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
   int lane = threadIdx.x & 31;
   if (row >= rows) return;
-  int64_t i = row % t;
+  int64_t i = causal ? row % t : t - 1;
   const float* s = scores + row * t;
   float* p = probs + row * t;
   float mx = -FLT_MAX;
@@ -42,12 +43,12 @@ __global__ void causal_softmax_forward_kernel(const float* scores, float* probs,
   for (int64_t j = lane; j < t; j += 32) p[j] = j <= i ? expf(s[j] * scale - mx) * inv : 0.f;
 }
 
-__global__ void causal_softmax_backward_kernel(const float* probs, const float* dprobs, float* dscores, int64_t rows,
-                                               int64_t t, float scale) {
+__global__ void attention_softmax_backward_kernel(const float* probs, const float* dprobs, float* dscores, int64_t rows,
+                                                  int64_t t, float scale, bool causal) {
   int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
   int lane = threadIdx.x & 31;
   if (row >= rows) return;
-  int64_t i = row % t;
+  int64_t i = causal ? row % t : t - 1;
   const float* p = probs + row * t;
   const float* dp = dprobs + row * t;
   float* g = dscores + row * t;
@@ -86,16 +87,18 @@ void permute_0213(const float* x, float* y, int64_t a, int64_t b, int64_t c, int
   DT_CUDA_LAUNCHED();
 }
 
-void causal_softmax_forward(const float* scores, float* probs, int64_t rows, int64_t t, float scale, cudaStream_t s) {
+void attention_softmax_forward(const float* scores, float* probs, int64_t rows, int64_t t, float scale, bool causal,
+                               cudaStream_t s) {
   if (rows == 0) return;
-  causal_softmax_forward_kernel<<<blocks_for(rows * 32), kThreads, 0, s>>>(scores, probs, rows, t, scale);
+  attention_softmax_forward_kernel<<<blocks_for(rows * 32), kThreads, 0, s>>>(scores, probs, rows, t, scale, causal);
   DT_CUDA_LAUNCHED();
 }
 
-void causal_softmax_backward(const float* probs, const float* dprobs, float* dscores, int64_t rows, int64_t t,
-                             float scale, cudaStream_t s) {
+void attention_softmax_backward(const float* probs, const float* dprobs, float* dscores, int64_t rows, int64_t t,
+                                float scale, bool causal, cudaStream_t s) {
   if (rows == 0) return;
-  causal_softmax_backward_kernel<<<blocks_for(rows * 32), kThreads, 0, s>>>(probs, dprobs, dscores, rows, t, scale);
+  attention_softmax_backward_kernel<<<blocks_for(rows * 32), kThreads, 0, s>>>(probs, dprobs, dscores, rows, t, scale,
+                                                                               causal);
   DT_CUDA_LAUNCHED();
 }
 

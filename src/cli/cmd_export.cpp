@@ -30,7 +30,8 @@ std::string joined(const T* v, int64_t n) {
 
 std::map<std::string, std::string> export_metadata(const train::CheckpointState& s, const std::string& names) {
   std::map<std::string, std::string> m{{"format", "dtrain-export-1"}, {"names", names}};
-  if (auto it = s.strings.find("model"); it != s.strings.end()) m["model"] = it->second;
+  for (const char* k : {"model", "model_definition"})  // the definition: a model file's layers (JSON)
+    if (auto it = s.strings.find(k); it != s.strings.end()) m[k] = it->second;
   for (const auto& [k, v] : s.int_lists) m[k] = joined(v.data(), static_cast<int64_t>(v.size()));
   for (const char* k : {"classes", "step"})
     if (auto it = s.ints.find(k); it != s.ints.end()) m[k] = std::to_string(it->second);

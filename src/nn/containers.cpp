@@ -6,14 +6,15 @@ std::unique_ptr<Sequential> Sequential::stage_of(std::unique_ptr<Sequential> who
   DT_CHECK(whole && begin < end && end <= whole->size(),
            "Sequential::stage_of: layers [" << begin << ", " << end << ") of " << (whole ? whole->size() : 0));
   auto stage = std::make_unique<Sequential>();
-  for (size_t i = begin; i < end; ++i) stage->add(std::move(whole->layers_[i]));
+  for (size_t i = begin; i < end; ++i) stage->add(std::move(whole->layers_[i]), whole->names_[i]);
   stage->first_name_ = whole->first_name_ + begin;
   stage->training_ = whole->training_;  // the layers keep their own flags
   return stage;
 }
 
-Sequential& Sequential::add(ModulePtr m) {
+Sequential& Sequential::add(ModulePtr m, std::optional<std::string> name) {
   layers_.push_back(std::move(m));
+  names_.push_back(std::move(name));
   return *this;
 }
 
@@ -47,7 +48,8 @@ Tensor Sequential::backward(const Tensor& dy) {
 
 std::vector<std::pair<std::string, Module*>> Sequential::children() {
   std::vector<std::pair<std::string, Module*>> out;
-  for (size_t i = 0; i < layers_.size(); ++i) out.emplace_back(std::to_string(first_name_ + i), layers_[i].get());
+  for (size_t i = 0; i < layers_.size(); ++i)
+    out.emplace_back(names_[i] ? *names_[i] : std::to_string(first_name_ + i), layers_[i].get());
   return out;
 }
 
@@ -72,7 +74,10 @@ std::vector<Shape> layer_boundary_shapes(Sequential& model, const Shape& input) 
   return shapes;
 }
 
-Residual::Residual(ModulePtr body, ModulePtr shortcut) : body_(std::move(body)), shortcut_(std::move(shortcut)) {}
+Residual::Residual(ModulePtr body, ModulePtr shortcut, ResidualNames names, ModulePtr after)
+    : body_(std::move(body)), shortcut_(std::move(shortcut)), after_(std::move(after)), names_(std::move(names)) {
+  DT_CHECK(!names_.flat_body || dynamic_cast<Sequential*>(body_.get()), "Residual: a flat-named body must be a Sequential");
+}
 
 Tensor Residual::forward(const Tensor& x) {
   Tensor a = body_->forward(x);
@@ -80,10 +85,11 @@ Tensor Residual::forward(const Tensor& x) {
   DT_CHECK(a.shape() == b.shape(), "Residual: body gives " << a.str() << " but shortcut gives " << b.str());
   Tensor& y = ensure(y_, a.shape(), x.device());
   engine(x).add(a, b, y);
-  return y;
+  return after_ ? after_->forward(y) : y;
 }
 
-Tensor Residual::backward(const Tensor& dy) {
+Tensor Residual::backward(const Tensor& dy_after) {
+  const Tensor dy = after_ ? after_->backward(dy_after) : dy_after;
   Tensor g_body = body_->backward(dy);
   Tensor& dx = ensure(dx_, g_body.shape(), dy.device());
   if (shortcut_) {
@@ -97,7 +103,9 @@ Tensor Residual::backward(const Tensor& dy) {
 
 std::vector<std::pair<std::string, Module*>> Residual::children() {
   std::vector<std::pair<std::string, Module*>> out{{"body", body_.get()}};
-  if (shortcut_) out.emplace_back("shortcut", shortcut_.get());
+  if (names_.flat_body) out = body_->children();
+  if (shortcut_) out.emplace_back(names_.shortcut, shortcut_.get());
+  if (after_) out.emplace_back("after", after_.get());
   return out;
 }
 

@@ -6,8 +6,8 @@
 
 namespace dtrain::nn {
 
-// ------------------------------------------------------------------ CausalSelfAttention
-CausalSelfAttention::CausalSelfAttention(int64_t width, int64_t heads, Rng& rng)
+// ------------------------------------------------------------------ SelfAttention
+SelfAttention::SelfAttention(int64_t width, int64_t heads, Rng& rng)
     : c_(width), h_(heads), hd_(heads > 0 ? width / heads : 0) {
   DT_INPUT_CHECK(width > 0 && heads > 0 && width % heads == 0,
                  "attention width " << width << " must be a positive multiple of the head count " << heads);
@@ -17,7 +17,7 @@ CausalSelfAttention::CausalSelfAttention(int64_t width, int64_t heads, Rng& rng)
   proj_->set_output_temporary(true);  // used up by the residual add
 }
 
-CausalSelfAttention::CausalSelfAttention(ModulePtr qkv, ModulePtr proj, int64_t width, int64_t local_heads,
+SelfAttention::SelfAttention(ModulePtr qkv, ModulePtr proj, int64_t width, int64_t local_heads,
                                          int64_t head_dim)
     : c_(width), h_(local_heads), hd_(head_dim), qkv_(std::move(qkv)), proj_(std::move(proj)) {
   DT_INPUT_CHECK(width > 0 && local_heads > 0 && head_dim > 0,
@@ -26,7 +26,7 @@ CausalSelfAttention::CausalSelfAttention(ModulePtr qkv, ModulePtr proj, int64_t 
   proj_->set_output_temporary(true);
 }
 
-void CausalSelfAttention::copy_gemm_inputs() {
+void SelfAttention::copy_gemm_inputs() {
   auto* qkv = dynamic_cast<Linear*>(qkv_.get());
   auto* proj = dynamic_cast<Linear*>(proj_.get());
   DT_CHECK(qkv && proj, kind() << ": copying GEMM inputs needs Linear projections");
@@ -35,15 +35,23 @@ void CausalSelfAttention::copy_gemm_inputs() {
   copies_ = true;
 }
 
-std::string CausalSelfAttention::kind() const {
-  return "CausalSelfAttention(" + std::to_string(c_) + ", heads=" + std::to_string(h_) + ")";
+std::string SelfAttention::kind() const {
+  return std::string(causal_ ? "Causal" : "") + "SelfAttention(" + std::to_string(c_) + ", heads=" + std::to_string(h_) +
+         ")";
 }
 
-std::vector<std::pair<std::string, Module*>> CausalSelfAttention::children() {
-  return {{"qkv", qkv_.get()}, {"proj", proj_.get()}};
+std::vector<std::pair<std::string, Module*>> SelfAttention::children() {
+  return {{qkv_name_, qkv_.get()}, {proj_name_, proj_.get()}};
 }
 
-void CausalSelfAttention::set_needs_input_grad(bool needed) {
+void SelfAttention::name_as_torch_multihead() {
+  qkv_->rename_parameter("weight", "in_proj_weight");
+  qkv_->rename_parameter("bias", "in_proj_bias");
+  qkv_name_ = "";  // its parameters are the attention's own
+  proj_name_ = "out_proj";
+}
+
+void SelfAttention::set_needs_input_grad(bool needed) {
   Module::set_needs_input_grad(needed);
   qkv_->set_needs_input_grad(needed);
 }
@@ -51,7 +59,7 @@ void CausalSelfAttention::set_needs_input_grad(bool needed) {
 // Heads in the layout [3, B, H, T, hd] (q, k and v each [B*H, T, hd]), so every product below is
 // ONE batched GEMM over all B*H heads with uniform strides (one launch on a GPU, not one per
 // sequence). From qkv [B, T, 3, H, hd]: [B*T, 3, C] -> [3, B*T, C] = [3B, T, H, hd] -> [3B, H, T, hd].
-Tensor CausalSelfAttention::forward(const Tensor& x) {
+Tensor SelfAttention::forward(const Tensor& x) {
   DT_CHECK(x.dim() == 3 && x.size(2) == c_, kind() << " needs input [B, T, " << c_ << "], got " << x.str());
   b_ = x.size(0);
   t_ = x.size(1);
@@ -78,7 +86,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   Tensor q = heads.slice0(0, bh), k = heads.slice0(bh, 2 * bh), v = heads.slice0(2 * bh, 3 * bh);
   const int64_t qs = t_ * hd_, ss = t_ * t_;
   e.gemm_batched(bh, false, true, t_, t_, hd_, 1.f, q, qs, k, qs, 0.f, scores_, ss);  // s = q k^T [T, T]
-  e.causal_softmax_forward(scores_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), att_);
+  e.attention_softmax_forward(scores_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), causal_, att_);
   e.gemm_batched(bh, false, false, t_, hd_, t_, 1.f, att_, ss, v, qs, 0.f, yh_, qs);  // y = att v [T, hd]
   if (copies_)
     ensure_temp(y_, {b_, t_, hc}, dev);  // proj keeps its own copy
@@ -88,7 +96,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   return proj_->forward(y_);
 }
 
-Tensor CausalSelfAttention::backward(const Tensor& dout) {
+Tensor SelfAttention::backward(const Tensor& dout) {
   DT_CHECK(dout.numel() == b_ * t_ * c_, kind() << " backward got " << dout.str());
   Device dev = dout.device();
   Engine& e = engine(dout);
@@ -112,7 +120,7 @@ Tensor CausalSelfAttention::backward(const Tensor& dout) {
   }
   e.gemm_batched(bh, false, true, t_, t_, hd_, 1.f, *g, qs, v, qs, 0.f, datt_, ss);  // datt = dy v^T
   e.gemm_batched(bh, true, false, t_, hd_, t_, 1.f, att_, ss, *g, qs, 0.f, dv, qs);  // dv = att^T dy
-  e.causal_softmax_backward(att_, datt_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), dscores_);
+  e.attention_softmax_backward(att_, datt_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), causal_, dscores_);
   const Tensor* ds = &dscores_;
   if (low_ != DType::F32) {
     e.cast(dscores_, ensure_temp(ds_low_, dscores_.shape(), dev, low_));
@@ -132,7 +140,7 @@ Tensor CausalSelfAttention::backward(const Tensor& dout) {
 ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng, bool copy_gemm_inputs) {
   auto attn = std::make_unique<Sequential>();
   auto ln1 = std::make_unique<LayerNorm>(width);
-  auto att = std::make_unique<CausalSelfAttention>(width, heads, rng);
+  auto att = std::make_unique<SelfAttention>(width, heads, rng);
   auto mlp = std::make_unique<Sequential>();
   auto ln2 = std::make_unique<LayerNorm>(width);
   auto fc1 = std::make_unique<Linear>(width, 4 * width, true, rng);

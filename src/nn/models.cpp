@@ -88,6 +88,7 @@ static std::unique_ptr<Sequential> make_resnet20(const ModelSpec& s, Rng& rng) {
 
 ModelSpec with_widths(const ModelSpec& spec, const std::vector<int64_t>& widths) {
   ModelSpec s = spec;
+  DT_INPUT_CHECK(s.definition.empty(), "model " << s.name << ": a model file's layer widths are its own (change the file)");
   const bool cnn = s.name == "simple_cnn" || s.name == "simplecnn";
   DT_INPUT_CHECK(cnn || s.name == "mlp", "model " << s.name << ": its layer widths are fixed (only mlp and "
                                                   << "simple_cnn take other widths)");
@@ -105,6 +106,7 @@ std::unique_ptr<Sequential> make_sequential_model(const ModelSpec& s) {
   DT_INPUT_CHECK(!s.input.empty() && shape_numel(s.input) > 0,
                  "model " << s.name << ": empty input shape " << shape_str(s.input));
   Rng rng(derive_seed(s.seed, 1));
+  if (!s.definition.empty()) return build_model_definition(s, rng);
   if (s.name == "mlp") return make_mlp(s, rng);
   if (s.name == "simple_cnn" || s.name == "simplecnn") return make_simple_cnn(s, rng);
   if (s.name == "resnet20") return make_resnet20(s, rng);

@@ -47,6 +47,12 @@ Parameter& Module::add_parameter(const std::string& name, Tensor value) {
   return *params_.back();
 }
 
+void Module::rename_parameter(const std::string& from, const std::string& to) {
+  auto it = std::find(param_names_.begin(), param_names_.end(), from);
+  DT_CHECK(it != param_names_.end(), kind() << " has no parameter " << from);
+  *it = to;
+}
+
 Buffer& Module::add_buffer(const std::string& name, Tensor value, bool host) {
   buffers_.push_back(std::make_unique<Buffer>(Buffer{name, std::move(value), host}));
   buffer_names_.push_back(name);

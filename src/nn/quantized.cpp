@@ -255,6 +255,9 @@ void Translator::max_pool(const Pool2d& p, const std::string& path, int& cur, co
 int Translator::residual(Residual& r, const std::string& path, int x, std::vector<int> busy) {
   if (std::find(busy.begin(), busy.end(), x) != busy.end())
     refuse(path, r, "its input is still needed by an enclosing block");
+  if (r.after() || r.names().flat_body)
+    refuse(path, r, "int8 takes residual blocks written as dtrain's own (body and shortcut named so, the ReLU after "
+                    "the block)");
   const Shape in_image = image_;
   busy.push_back(x);
   const int s = r.shortcut() ? sequence(*r.shortcut(), join(path, "shortcut"), x, busy) : x;

@@ -151,6 +151,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(common, "preempt-check-every", &c.preempt_check_every, def.preempt_check_every, "steps between the ranks' agreement on a received preemption signal");
   common.add_options()("print-config", po::bool_switch(&c.print_config), "print the effective configuration as an INI file that --config reads back, and exit");
 
+  add_path(image, "model-file", &c.model_file, "an image model described in a JSON or INI file of layers and blocks (docs/models.md; examples/models/), instead of --model");
   add_path(image, "test-data", &c.test_data, "test data evaluated after each epoch (directory of shards)");
   add_switch(image, "synthetic", &c.synthetic, def.synthetic, "train on random batches of the model's input shape; reads no data");
   image.add_options()("synthetic-shape", po::value<std::string>(&synthetic_shape)->default_value(join_dims(def.synthetic_shape)), "per-sample shape C,H,W for --synthetic");
@@ -364,6 +365,9 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   DT_INPUT_CHECK(c.model == "mlp" || c.model == "simple_cnn" || c.model == "resnet20" || c.model == "gpt",
                  "option --model must be mlp, simple_cnn, resnet20 or gpt, got '" << c.model << "'");
   refuse_options_of_other_models(vm, o, c.model);
+  for (const char* name : {"model", "hidden", "dropout"})
+    DT_INPUT_CHECK(c.model_file.empty() || vm[name].defaulted(),
+                   "option --" << name << " does not combine with --model-file (the file describes the whole model)");
   check_ranges(c);
   // Relative data paths in a config file are relative to the file, so a job runs from any directory.
   if (!c.config_file.empty()) {
@@ -378,6 +382,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     };
     rebase(c.data, "data");
     rebase(c.test_data, "test-data");
+    rebase(c.model_file, "model-file");
   }
   return true;
 }

@@ -58,6 +58,24 @@ void check_name(const std::string& name) {
                  "export: tensor name '" << name << "' cannot be written");
 }
 
+// `text` as the inside of a JSON string.
+std::string json_escaped(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char code[8];
+      std::snprintf(code, sizeof code, "\\u%04x", static_cast<unsigned>(c));
+      out += code;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 const char* safetensors_dtype(DType t) {
   switch (t) {
     case DType::F32: return "F32";
@@ -107,8 +125,7 @@ void write_safetensors(const std::string& path, const NamedTensorList& tensors,
   bool first = true;
   for (const auto& [k, v] : metadata) {
     check_name(k);
-    DT_CHECK(v.find_first_of("\"\\\n") == std::string::npos, "export metadata " << k << " needs escaping: " << v);
-    header << (first ? "" : ",") << '"' << k << "\":\"" << v << '"';
+    header << (first ? "" : ",") << '"' << k << "\":\"" << json_escaped(v) << '"';
     first = false;
   }
   header << '}';

@@ -219,7 +219,18 @@ void ImageTask::setup(const TaskSetup& s) {
     loader_ = std::make_unique<data::DataLoader>(train_ds_, lo);
   }
   parts_ = s.parts;
-  spec_ = nn::ModelSpec{s.cfg.model, input, classes, s.cfg.hidden, s.cfg.dropout, s.cfg.seed};
+  spec_ = nn::ModelSpec{};
+  spec_.name = s.cfg.model;
+  spec_.input = input;
+  spec_.classes = classes;
+  spec_.hidden = s.cfg.hidden;
+  spec_.dropout = s.cfg.dropout;
+  spec_.seed = s.cfg.seed;
+  if (!s.cfg.model_file.empty()) {
+    spec_.definition = nn::read_model_file(s.cfg.model_file);
+    spec_.name = nn::model_definition_name(spec_.definition);
+    spec_.definition_source = s.cfg.model_file;
+  }
   if (s.cfg.pp > 1) {  // every rank draws the whole model; connect() keeps this rank's stage
     whole_ = nn::make_sequential_model(spec_);
     DT_INPUT_CHECK(static_cast<int>(whole_->size()) >= s.cfg.pp,
@@ -367,6 +378,7 @@ void ImageTask::write_fields(CheckpointState& s) const {
   s.int_lists["input_shape"] = std::vector<int64_t>(spec_.input.begin(), spec_.input.end());
   s.int_lists["hidden"] = spec_.hidden;
   s.int_lists["channels"] = spec_.channels;
+  if (!spec_.definition.empty()) s.strings["model_definition"] = spec_.definition;
   if (train_ds_) {  // the input normalisation, so `dtrain eval` transforms inputs the same way
     const auto& info = train_ds_->info();
     s.tensors["meta/norm_mean"] = Tensor::from({static_cast<int64_t>(info.mean.size())}, info.mean);
@@ -376,7 +388,13 @@ void ImageTask::write_fields(CheckpointState& s) const {
 
 void ImageTask::check_checkpoint(CheckpointState& s) const {
   DT_INPUT_CHECK(s.strings["model"] == spec_.name,
-                 "it holds model '" << s.strings["model"] << "', not --model " << spec_.name);
+                 "it holds model '" << s.strings["model"] << "', not " << (spec_.definition.empty() ? "--model " : "")
+                                    << spec_.name);
+  DT_INPUT_CHECK(s.strings["model_definition"] == spec_.definition,
+                 "its model '" << spec_.name << "' was "
+                               << (spec_.definition.empty() ? "described by a model file, not the built-in one"
+                                                            : "built otherwise than --model-file " +
+                                                                  spec_.definition_source + " describes it"));
   std::vector<int64_t> shape = s.int_lists["input_shape"];
   DT_INPUT_CHECK(Shape(shape.begin(), shape.end()) == spec_.input,
                  "it was trained on inputs " << shape_str(Shape(shape.begin(), shape.end())) << " but the data has "
@@ -468,6 +486,10 @@ ImageCheckpoint image_model_from_checkpoint(const std::string& path, CheckpointS
   c.spec.classes = s.ints["classes"];
   c.spec.hidden = s.int_lists["hidden"];
   if (auto ch = s.int_lists.find("channels"); ch != s.int_lists.end()) c.spec.channels = ch->second;
+  if (auto d = s.strings.find("model_definition"); d != s.strings.end()) {
+    c.spec.definition = d->second;
+    c.spec.definition_source = "checkpoint " + path;
+  }
   DT_INPUT_CHECK(!c.spec.name.empty(), "checkpoint '" << path << "' holds no image model");
   c.model = nn::make_sequential_model(c.spec);
   for (nn::Parameter* p : c.model->parameters()) {
@@ -494,6 +516,7 @@ CheckpointState image_model_checkpoint(const ImageCheckpoint& c) {
   s.int_lists["input_shape"] = std::vector<int64_t>(c.spec.input.begin(), c.spec.input.end());
   s.int_lists["hidden"] = c.spec.hidden;
   s.int_lists["channels"] = c.spec.channels;
+  if (!c.spec.definition.empty()) s.strings["model_definition"] = c.spec.definition;
   for (nn::Parameter* p : c.model->parameters()) s.tensors["param/" + p->name] = to_host(p->value).clone();
   for (nn::Buffer* b : c.model->buffers()) s.tensors["buffer/" + b->name] = to_host(b->value).clone();
   if (!c.mean.empty()) {

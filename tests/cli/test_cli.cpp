@@ -151,6 +151,51 @@ TEST(Cli, ShapeThatDoesNotFitTheModel) {
   fs::remove_all(dir);
 }
 
+// The losses of a metrics file's step lines, as written.
+std::vector<std::string> step_losses(const std::string& file) {
+  std::ifstream in(file);
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);)
+    if (auto p = line.find("\"loss\": "); p != std::string::npos && line.find("\"step\"") != std::string::npos)
+      out.push_back(line.substr(p + 8, line.find_first_of(",}", p) - p - 8));
+  return out;
+}
+
+// --model-file: the built-in ResNet-20 written as examples/models/resnet20.json trains to the same
+// losses over 10 steps; its checkpoint carries the definition (eval needs no file, a resume with
+// another file is refused); a file whose shapes do not fit fails naming the file and the layer.
+TEST(Cli, ModelFileTrainsAsTheBuiltInModel) {
+  const std::string dir = dtrain::test::temp_dir("cli-model-file");
+  dtrain::test::make_band_dataset(dir + "/data", 64, 12);
+  const std::string file = std::string(DTRAIN_SOURCE_DIR) + "/examples/models/resnet20.json";
+  const std::string common = "train --data " + dir + "/data --epochs 2 --steps 10 --log-every 1 --batch-size 8 --threads 1 " +
+                             "--progress off --lr 0.05 ";
+  Result builtin = run(common + "--model resnet20 --metrics " + dir + "/builtin.jsonl");
+  Result from_file = run(common + "--model-file " + file + " --metrics " + dir + "/file.jsonl --checkpoint-dir " +
+                         dir + "/ck");
+  ASSERT_EQ(builtin.code, 0) << builtin.out;
+  ASSERT_EQ(from_file.code, 0) << from_file.out;
+  const auto want = step_losses(dir + "/builtin.jsonl");
+  EXPECT_EQ(want.size(), 10u);
+  EXPECT_EQ(step_losses(dir + "/file.jsonl"), want);
+
+  Result ev = run("eval --checkpoint " + dir + "/ck --data " + dir + "/data");
+  EXPECT_EQ(ev.code, 0) << ev.out;
+  EXPECT_NE(ev.out.find("64 samples"), std::string::npos) << ev.out;
+  std::ofstream(dir + "/other.json") << R"({"name": "resnet20", "layers": [{"type": "flatten"},
+      {"type": "linear", "out": "classes"}]})";
+  EXPECT_FAILS_NAMING(run(common + "--model-file " + dir + "/other.json --resume " + dir + "/ck"), "other.json");
+  EXPECT_FAILS_NAMING(run(common + "--model mlp --model-file " + file), "--model-file");
+
+  std::ofstream(dir + "/bad.json") << R"({"layers": [{"type": "maxpool", "kernel": 4},
+      {"name": "wide", "type": "conv", "out": 8, "kernel": 5}, {"type": "flatten"},
+      {"type": "linear", "out": "classes"}]})";
+  Result bad = run(common + "--model-file " + dir + "/bad.json");
+  EXPECT_FAILS_NAMING(bad, "bad.json): layer wide (conv): input [1, 3, 3] is smaller than kernel 5");
+  EXPECT_FAILS_NAMING(run(common + "--model-file " + dir + "/missing.json"), "missing.json");
+  fs::remove_all(dir);
+}
+
 // "accuracy 56.25%, loss 1.2345" of an eval report line starting with `what` ("fp32", "int8").
 std::string scores(const std::string& out, const std::string& what) {
   const size_t at = out.find(what + "  accuracy");

@@ -149,20 +149,30 @@ TEST_P(Vectorised, LayerNormForwardAndBackward) {
   }
 }
 
-TEST_P(Vectorised, CausalSoftmaxForwardAndBackward) {
-  for (int64_t t : kSizes) {
-    // Rows 3..(2t+3) of a [2, t, t] block: slices start mid-sequence and cross into the next one.
-    const int64_t row0 = std::min<int64_t>(3, t - 1), rows = std::min<int64_t>(2 * t, 70);
-    std::vector<float> s = random_vec(rows * t, 13 + t, -8.f, 8.f), dp = random_vec(rows * t, 14 + t);
-    std::vector<float> p0(rows * t, 7.f), p1(rows * t, 7.f);  // the masked part must be written
-    ref_.causal_softmax_forward(s.data(), p0.data(), row0, rows, t, 0.35f);
-    vec_->causal_softmax_forward(s.data(), p1.data(), row0, rows, t, 0.35f);
-    expect_close(p1, p0, kTight, "causal softmax forward", t);
-    std::vector<float> g0(rows * t, 7.f), g1(rows * t, 7.f);
-    ref_.causal_softmax_backward(p0.data(), dp.data(), g0.data(), row0, rows, t, 0.35f);
-    vec_->causal_softmax_backward(p0.data(), dp.data(), g1.data(), row0, rows, t, 0.35f);
-    expect_close(g1, g0, kTight, "causal softmax backward", t);
-  }
+TEST_P(Vectorised, AttentionSoftmaxForwardAndBackward) {
+  for (bool causal : {true, false})
+    for (int64_t t : kSizes) {
+      // Rows 3..(2t+3) of a [2, t, t] block: slices start mid-sequence and cross into the next one.
+      const int64_t row0 = std::min<int64_t>(3, t - 1), rows = std::min<int64_t>(2 * t, 70);
+      const std::string what = causal ? "causal softmax" : "bidirectional softmax";
+      std::vector<float> s = random_vec(rows * t, 13 + t, -8.f, 8.f), dp = random_vec(rows * t, 14 + t);
+      std::vector<float> p0(rows * t, 7.f), p1(rows * t, 7.f);  // the masked part must be written
+      ref_.attention_softmax_forward(s.data(), p0.data(), row0, rows, t, 0.35f, causal);
+      vec_->attention_softmax_forward(s.data(), p1.data(), row0, rows, t, 0.35f, causal);
+      expect_close(p1, p0, kTight, (what + " forward").c_str(), t);
+      // Every row sums to 1 over its visible keys; causal rows are 0 past their position.
+      const int64_t last = (row0 + 1) % t;  // the second row's query position
+      double sum = 0;
+      for (int64_t j = 0; j < t; ++j) sum += p0[t + j];
+      EXPECT_NEAR(sum, 1.0, 1e-5) << what;
+      if (last + 1 < t) {
+        EXPECT_EQ(p0[t + last + 1] == 0.f, causal) << what;
+      }
+      std::vector<float> g0(rows * t, 7.f), g1(rows * t, 7.f);
+      ref_.attention_softmax_backward(p0.data(), dp.data(), g0.data(), row0, rows, t, 0.35f, causal);
+      vec_->attention_softmax_backward(p0.data(), dp.data(), g1.data(), row0, rows, t, 0.35f, causal);
+      expect_close(g1, g0, kTight, (what + " backward").c_str(), t);
+    }
 }
 
 TEST_P(Vectorised, AdamUpdate) {
@@ -226,9 +236,9 @@ TEST(VectorisedEngine, ThreadSlicesMatchOneCall) {
     const int64_t t = 128;  // [3, t, t] scores
     std::vector<float> sv = random_vec(3 * t * t, 25, -4.f, 4.f);
     Tensor s = tensor(sv, {3, t, t}), p = Tensor::empty({3, t, t});
-    e.causal_softmax_forward(s, t, 0.2f, p);
+    e.attention_softmax_forward(s, t, 0.2f, true, p);
     std::vector<float> p0(3 * t * t);
-    k.causal_softmax_forward(sv.data(), p0.data(), 0, 3 * t, t, 0.2f);
+    k.attention_softmax_forward(sv.data(), p0.data(), 0, 3 * t, t, 0.2f, true);
     expect_close(vec(p), p0, 0, "engine causal softmax", threads);
   }
   e.set_threads(saved);

@@ -276,7 +276,7 @@ TEST_F(CudaEngineTest, ElementwiseOps) {
   const int64_t n = 100003;  // not a multiple of the block size
   Tensor a = random({n}, 26, -3.f, 3.f), b = random({n}, 27);
   Tensor ga = dev(a), gb = dev(b);
-  for (Unary op : {Unary::Relu, Unary::Gelu}) {
+  for (Unary op : {Unary::Relu, Unary::Gelu, Unary::GeluExact}) {
     Tensor y = Tensor::zeros({n}), dx = Tensor::zeros({n});
     Tensor gy = dev(y), gdx = dev(dx);
     cpu.unary_forward(op, a, y);
@@ -394,12 +394,14 @@ TEST_F(CudaEngineTest, TransformerPieces) {
   const int64_t t = 70;
   Tensor s = random({3, t, t}, 41, -4.f, 4.f), dp = random({3, t, t}, 42);
   Tensor p = Tensor::zeros({3, t, t}), ds = Tensor::zeros({3, t, t}), gp = dev(p), gds = dev(ds);
-  cpu.causal_softmax_forward(s, t, 0.5f, p);
-  gpu->causal_softmax_forward(dev(s), t, 0.5f, gp);
-  expect_close(gp, p, 1e-6, "causal softmax");
-  cpu.causal_softmax_backward(p, dp, t, 0.5f, ds);
-  gpu->causal_softmax_backward(gp, dev(dp), t, 0.5f, gds);
-  expect_close(gds, ds, 1e-5, "causal softmax backward");
+  for (bool causal : {true, false}) {
+    cpu.attention_softmax_forward(s, t, 0.5f, causal, p);
+    gpu->attention_softmax_forward(dev(s), t, 0.5f, causal, gp);
+    expect_close(gp, p, 1e-6, causal ? "causal softmax" : "bidirectional softmax");
+    cpu.attention_softmax_backward(p, dp, t, 0.5f, causal, ds);
+    gpu->attention_softmax_backward(gp, dev(dp), t, 0.5f, causal, gds);
+    expect_close(gds, ds, 1e-5, causal ? "causal softmax backward" : "bidirectional softmax backward");
+  }
   Tensor ids = Tensor::empty({9}, DType::I32);
   for (int64_t i = 0; i < 9; ++i) ids.data<int32_t>()[i] = static_cast<int32_t>((i * 5) % 12);
   Tensor table = random({6, 8}, 43), e = Tensor::zeros({9, 8}), ge = dev(e);

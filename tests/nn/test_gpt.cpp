@@ -38,7 +38,7 @@ TEST(TransformerOps, PermuteAndCausalSoftmaxByDefinition) {
 
   const int64_t t = 4;
   Tensor s = random_tensor({2, t, t}, rng), p = Tensor::zeros({2, t, t});
-  e.causal_softmax_forward(s, t, 0.5f, p);
+  e.attention_softmax_forward(s, t, 0.5f, true, p);
   for (int64_t n = 0; n < 2; ++n)
     for (int64_t i = 0; i < t; ++i) {
       const float* srow = s.f32() + (n * t + i) * t;
@@ -66,15 +66,15 @@ TEST(TransformerOps, EmbeddingWithOffsetSkipsOtherRows) {
   for (int i = 0; i < 6; ++i) EXPECT_EQ(dt.f32()[i], dwant[i]);
 }
 
-TEST(Gradients, CausalSelfAttention) {
+TEST(Gradients, SelfAttention) {
   Rng rng(21);
-  nn::CausalSelfAttention attn(8, 2, rng);
+  nn::SelfAttention attn(8, 2, rng);
   gradcheck(attn, random_tensor({2, 5, 8}, rng), 7, 1e-2f, 3e-2, 32);
 }
 
-TEST(Gradients, CausalSelfAttentionIsCausal) {
+TEST(Gradients, SelfAttentionIsCausal) {
   Rng rng(22);
-  nn::CausalSelfAttention attn(8, 2, rng);
+  nn::SelfAttention attn(8, 2, rng);
   Tensor x = random_tensor({1, 6, 8}, rng);
   Tensor y0 = attn.forward(x).clone();
   x.f32()[4 * 8 + 3] += 1.f;  // change position 4
@@ -238,7 +238,7 @@ TEST(LowPrecisionAttention, HeldHeadsChangeNoBit) {
   for (MathPrecision prec : {MathPrecision::BF16, MathPrecision::F16}) {
     e.set_math_precision(prec);
     Rng rng(21);
-    nn::CausalSelfAttention attn(c, h, rng);
+    nn::SelfAttention attn(c, h, rng);
     Tensor x = random_tensor({b, t, c}, rng), dout = random_tensor({b, t, c}, rng);
     Tensor out = attn.forward(x).clone();
     Tensor dx = attn.backward(dout).clone();
@@ -261,7 +261,7 @@ TEST(LowPrecisionAttention, HeldHeadsChangeNoBit) {
     const float scale = 1.f / std::sqrt(static_cast<float>(hd));
     Tensor scores = Tensor::zeros({bh, t, t}), att = Tensor::zeros({bh, t, t}), yh = Tensor::zeros({bh, t, hd});
     e.gemm_batched(bh, false, true, t, t, hd, 1.f, q, qs, k, qs, 0.f, scores, ss);
-    e.causal_softmax_forward(scores, t, scale, att);
+    e.attention_softmax_forward(scores, t, scale, true, att);
     e.gemm_batched(bh, false, false, t, hd, t, 1.f, att, ss, v, qs, 0.f, yh, qs);
     Tensor y = Tensor::zeros({b, t, c});
     e.permute_0213(yh, b, h, t, hd, y);
@@ -274,7 +274,7 @@ TEST(LowPrecisionAttention, HeldHeadsChangeNoBit) {
     e.permute_0213(dy, b, t, h, hd, dyh);
     e.gemm_batched(bh, false, true, t, t, hd, 1.f, dyh, qs, v, qs, 0.f, datt, ss);
     e.gemm_batched(bh, true, false, t, hd, t, 1.f, att, ss, dyh, qs, 0.f, dv, qs);
-    e.causal_softmax_backward(att, datt, t, scale, ds);
+    e.attention_softmax_backward(att, datt, t, scale, true, ds);
     e.gemm_batched(bh, false, false, t, hd, t, 1.f, ds, ss, k, qs, 0.f, dq, qs);
     e.gemm_batched(bh, true, false, t, hd, t, 1.f, ds, ss, q, qs, 0.f, dk, qs);
     Tensor dsplit = Tensor::zeros({3, b * t, c}), dqkv = Tensor::zeros({b, t, 3 * c});

@@ -352,6 +352,30 @@ TEST(DataParallel, GlobalBatchMustDivideOverRanks) {
   }
 }
 
+// Model files: named layers and torchvision-style blocks (named body layers, a "downsample"
+// projection, the ReLU after the sum) and a ViT (below): their stages keep those names.
+const char* const kTinyResNet = R"({"name": "tiny_resnet",
+  "blocks": {"basic": {"args": {"width": null, "stride": 1}, "layer": {"type": "residual", "names": "flat",
+    "shortcut": "projection", "shortcut_name": "downsample", "after": "relu", "body": [
+      {"name": "conv1", "type": "conv", "out": "$width", "kernel": 3, "stride": "$stride", "padding": 1, "bias": false},
+      {"name": "bn1", "type": "batchnorm"}, {"name": "relu", "type": "relu"},
+      {"name": "conv2", "type": "conv", "out": "$width", "kernel": 3, "padding": 1, "bias": false},
+      {"name": "bn2", "type": "batchnorm"}]}}},
+  "layers": [{"name": "conv1", "type": "conv", "out": 8, "kernel": 3, "padding": 1, "bias": false},
+    {"name": "bn1", "type": "batchnorm"}, {"name": "relu", "type": "relu"},
+    {"name": "layer1", "type": "sequential", "layers": [{"type": "basic", "width": 8}]},
+    {"name": "layer2", "type": "sequential", "layers": [{"type": "basic", "width": 16, "stride": 2}]},
+    {"name": "avgpool", "type": "global_avgpool"}, {"name": "fc", "type": "linear", "out": "classes"}]})";
+
+// A vision transformer: patch tokens, position embedding, two bidirectional encoder blocks.
+const char* const kTinyVit = R"({"name": "tiny_vit", "layers": [
+    {"name": "conv_proj", "type": "conv", "out": 8, "kernel": 4, "stride": 4}, {"name": "", "type": "tokens"},
+    {"name": "encoder", "type": "position_embedding"},
+    {"name": "encoder.layers.encoder_layer_0", "type": "transformer_block", "heads": 2, "mlp": 16},
+    {"name": "encoder.layers.encoder_layer_1", "type": "transformer_block", "heads": 2, "mlp": 16},
+    {"name": "encoder.ln", "type": "layernorm"}, {"type": "first_token"},
+    {"name": "heads.head", "type": "linear", "out": "classes"}]})";
+
 // Image models cut into 2 pipeline stages (--pp 2; at 4 ranks dp2 x pp2) train as the same ranks
 // of one dp group without stages running the same micro-batches (--accumulate 2 with half the
 // rows), under GPipe and 1F1B, within 1e-5 over 20 steps. BatchNorm's statistics are per
@@ -363,17 +387,24 @@ TEST(Pipeline, ImageModelsMatchTheLayoutWithoutStages) {
   const int dp = world.size() / 2;
   // Ranks r and r + dp hold the two stages of dp rank r: each set runs the reference by itself.
   auto group = world.split(world.rank() / dp, world.rank() % dp, "reference");
-  for (const char* model : {"simple_cnn", "resnet20"}) {
-    const std::vector<std::string> run = {"--model", model, "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.01"};
+  const std::string resnet = dataset() + "-tiny-resnet-" + std::to_string(world.rank()) + ".json",
+                    vit = dataset() + "-tiny-vit-" + std::to_string(world.rank()) + ".json";
+  std::ofstream(resnet) << kTinyResNet;
+  std::ofstream(vit) << kTinyVit;
+  for (const std::string& model : std::vector<std::string>{"simple_cnn", "resnet20", resnet, vit}) {
+    std::vector<std::string> run = {"--model", model, "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.01"};
+    if (model.ends_with(".json")) run[0] = "--model-file";
     std::vector<std::string> reference = run;
     reference.insert(reference.end(), {"--accumulate", "2"});
     const ParamValues want = train_params(config(reference), *group);
     for (const char* schedule : {"gpipe", "1f1b"}) {
       std::vector<std::string> piped = run;
       piped.insert(piped.end(), {"--pp", "2", "--micro-batches", "2", "--schedule", schedule});
-      expect_stage_close(train_params(config(piped), world), want, std::string(model) + " " + schedule);
+      expect_stage_close(train_params(config(piped), world), want, model + " " + schedule);
     }
   }
+  std::filesystem::remove(resnet);
+  std::filesystem::remove(vit);
 }
 
 // A checkpoint set written by 2 pipeline stages (one file per stage) resumes without stages: the

@@ -27,7 +27,7 @@ struct Pool2dGeom {
   int64_t out_w() const { return (w + 2 * pad - kernel) / stride + 1; }
 };
 
-enum class Unary { Relu, Gelu };
+enum class Unary { Relu, Gelu, GeluExact };  // Gelu: the tanh approximation (GPT-2's)
 
 // Precision of the multiplications inside gemm, gemm_batched and conv2d_* when their operands are
 // f32 tensors (mixed precision). Products are always accumulated in f32 and results written in f32;
@@ -171,13 +171,14 @@ class Engine {
   // y[a,c,b,d] = x[a,b,c,d] for x viewed as [A,B,C,D]: swaps the two middle axes, e.g. attention's
   // [batch, T, heads, head_dim] <-> [batch, heads, T, head_dim]. Swapping B and C inverts it.
   virtual void permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, int64_t d, Tensor& y) = 0;
-  // Causal softmax over scores viewed as [N, T, T] (N = batch * heads), the attention scale fused:
-  // probs[n,i,j] = exp(scale*s[n,i,j]) / sum_{k<=i} exp(scale*s[n,i,k]) for j <= i, and 0 for j > i.
-  virtual void causal_softmax_forward(const Tensor& scores, int64_t t, float scale, Tensor& probs) = 0;
-  // dscores[n,i,j] = scale * p[n,i,j] * (dp[n,i,j] - sum_k p[n,i,k] dp[n,i,k]) (overwritten; 0 above
-  // the diagonal).
-  virtual void causal_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
-                                       Tensor& dscores) = 0;
+  // Attention softmax over scores viewed as [N, T, T] (N = batch * heads), the scale fused. Causal:
+  // probs[n,i,j] = exp(scale*s[n,i,j]) / sum_{k<=i} exp(scale*s[n,i,k]) for j <= i, and 0 for j > i;
+  // otherwise (bidirectional, as a ViT's encoder) the sums run over every k.
+  virtual void attention_softmax_forward(const Tensor& scores, int64_t t, float scale, bool causal, Tensor& probs) = 0;
+  // dscores[n,i,j] = scale * p[n,i,j] * (dp[n,i,j] - sum_k p[n,i,k] dp[n,i,k]) (overwritten; causal:
+  // 0 above the diagonal).
+  virtual void attention_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
+                                          bool causal, Tensor& dscores) = 0;
   // Embedding lookup of a table that holds rows [offset, offset + V) of a (maybe larger) vocabulary:
   // ids i32 [N], table [V, C], y [N, C]; y[n] = table[ids[n] - offset], or zeros when ids[n] falls
   // outside this table (so the rows of a vocabulary split over ranks add up by an allreduce).

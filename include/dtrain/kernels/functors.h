@@ -43,6 +43,17 @@ struct GeluGrad {
   }
 };
 
+// GELU exactly, through erf (PyTorch's default nn.GELU, as ViT uses): 0.5 x (1 + erf(x / sqrt 2)).
+struct GeluExact {
+  DT_HD float operator()(float x) const { return 0.5f * x * (1.f + erff(x * 0.7071067811865476f)); }
+};
+struct GeluExactGrad {  // dy (Phi(x) + x phi(x))
+  DT_HD float operator()(float x, float dy) const {
+    const float cdf = 0.5f * (1.f + erff(x * 0.7071067811865476f));
+    return dy * (cdf + x * 0.3989422804014327f * expf(-0.5f * x * x));
+  }
+};
+
 struct Mul {
   DT_HD float operator()(float a, float b) const { return a * b; }
 };

@@ -24,14 +24,16 @@ struct GptConfig {
   bool copy_gemm_inputs = false;
 };
 
-// x [B, T, C] -> y [B, T, C]: y = proj(softmax_causal(q k^T / sqrt(C/H)) v), heads concatenated.
-class CausalSelfAttention : public Module {
+// x [B, T, C] -> y [B, T, C]: y = proj(softmax(q k^T / sqrt(C/H)) v), heads concatenated; causal
+// (each position sees itself and the ones before it: the GPT) unless set_causal(false) (every
+// position sees every one: a ViT's encoder).
+class SelfAttention : public Module {
  public:
-  CausalSelfAttention(int64_t width, int64_t heads, Rng& rng);
+  SelfAttention(int64_t width, int64_t heads, Rng& rng);
   // With given projections (tensor parallel: a column-parallel qkv producing this rank's
   // `local_heads` q, k and v heads, [.., 3 * local_heads * head_dim], and a row-parallel proj
   // taking [.., local_heads * head_dim] back to the full width).
-  CausalSelfAttention(ModulePtr qkv, ModulePtr proj, int64_t width, int64_t local_heads, int64_t head_dim);
+  SelfAttention(ModulePtr qkv, ModulePtr proj, int64_t width, int64_t local_heads, int64_t head_dim);
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override;
@@ -39,10 +41,15 @@ class CausalSelfAttention : public Module {
   void set_needs_input_grad(bool needed) override;
   // qkv and proj keep their own (bf16/f16 under bf16/fp16 math) input copies; y_ becomes a temporary.
   void copy_gemm_inputs();
+  void set_causal(bool causal) { causal_ = causal; }
+  // Parameters named as torch.nn.MultiheadAttention's: "in_proj_weight", "in_proj_bias" (the qkv
+  // projection; its rows q, k, v, each head-major, are torch's layout too) and "out_proj.*".
+  void name_as_torch_multihead();
 
  private:
   int64_t c_, h_, hd_;  // input width, heads on this rank, head width
-  bool copies_ = false;
+  bool copies_ = false, causal_ = true;
+  std::string qkv_name_ = "qkv", proj_name_ = "proj";
   int64_t b_ = 0, t_ = 0;
   ModulePtr qkv_, proj_;  // C -> 3*H*hd (q, k, v each head-major), H*hd -> C
   // qkvh_ [3, B, H, T, hd] (q, k, v heads); att_ (softmax probabilities) [B*H, T, T]; yh_ [B*H, T, hd];

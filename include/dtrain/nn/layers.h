@@ -1,6 +1,7 @@
 #pragma once
 // The layers. Shapes: Linear (..., in) -> (..., out); images NCHW; conv weights (K, C, R, S).
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -120,7 +121,9 @@ class Activation : public Module {
   explicit Activation(Unary op) : op_(op) {}
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
-  std::string kind() const override { return op_ == Unary::Relu ? "ReLU" : "GELU"; }
+  std::string kind() const override {
+    return op_ == Unary::Relu ? "ReLU" : op_ == Unary::Gelu ? "GELU(tanh)" : "GELU";
+  }
   Unary op() const { return op_; }
 
  private:
@@ -129,6 +132,7 @@ class Activation : public Module {
 };
 inline ModulePtr ReLU() { return std::make_unique<Activation>(Unary::Relu); }
 inline ModulePtr GELU() { return std::make_unique<Activation>(Unary::Gelu); }
+inline ModulePtr GELUExact() { return std::make_unique<Activation>(Unary::GeluExact); }
 
 class Dropout : public Module {
  public:
@@ -199,7 +203,10 @@ class Sequential : public Module {
   // and buffers keep their names in the whole model ("3.weight", "4.0.body.1.running_mean") in any
   // layout, and checkpoints and comparisons name the same tensors.
   static std::unique_ptr<Sequential> stage_of(std::unique_ptr<Sequential> whole, size_t begin, size_t end);
-  Sequential& add(ModulePtr m);
+  // Appends a layer named `name` in parameter paths ("conv1.weight", as PyTorch's named modules);
+  // without a name, by its index; named "", it adds no level (its parameters are named as if they
+  // were the Sequential's own).
+  Sequential& add(ModulePtr m, std::optional<std::string> name = std::nullopt);
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override { return "Sequential"; }
@@ -212,7 +219,8 @@ class Sequential : public Module {
 
  private:
   std::vector<ModulePtr> layers_;
-  size_t first_name_ = 0;  // the name of layers_[0]: its index in the whole model (see stage_of)
+  std::vector<std::optional<std::string>> names_;  // per layer; none: its index
+  size_t first_name_ = 0;  // the index of layers_[0] in the whole model (see stage_of)
 };
 
 // The activation shapes at the layer boundaries of `model` for an input of shape `input` (batch
@@ -222,19 +230,29 @@ class Sequential : public Module {
 // A pipeline stage of layers [b, e) receives shapes[b] and sends shapes[e].
 std::vector<Shape> layer_boundary_shapes(Sequential& model, const Shape& input);
 
-// y = body(x) + shortcut(x); shortcut is the identity when null.
+// y = after(body(x) + shortcut(x)); shortcut is the identity when null, so is `after`.
+// How the parameters are named: by default "body.<i>...." and "shortcut.<i>....". With `flat_body`
+// the body's layers (a Sequential) name themselves directly under the block and the shortcut is
+// named `shortcut_name`: torchvision's BasicBlock/Bottleneck ("conv1", "bn1", ..., "downsample.0").
+struct ResidualNames {
+  bool flat_body = false;
+  std::string shortcut = "shortcut";
+};
 class Residual : public Module {
  public:
-  Residual(ModulePtr body, ModulePtr shortcut = nullptr);
+  Residual(ModulePtr body, ModulePtr shortcut = nullptr, ResidualNames names = {}, ModulePtr after = nullptr);
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override { return "Residual"; }
   std::vector<std::pair<std::string, Module*>> children() override;
   Module& body() { return *body_; }
   Module* shortcut() { return shortcut_.get(); }  // null: the identity
+  Module* after() { return after_.get(); }        // null: none
+  const ResidualNames& names() const { return names_; }
 
  private:
-  ModulePtr body_, shortcut_;
+  ModulePtr body_, shortcut_, after_;
+  ResidualNames names_;
   Tensor y_, dx_;
 };
 

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "dtrain/nn/layers.h"
+#include "dtrain/nn/model_file.h"
 
 namespace dtrain::nn {
 
@@ -14,6 +15,10 @@ struct ModelSpec {
   float dropout = 0.f;         // MLP dropout between hidden layers
   uint64_t seed = 1;
   std::vector<int64_t> channels{16, 32};  // simple_cnn's convolution widths (fewer after dtrain prune-export)
+  // A model file's definition (model_file.h, canonical JSON; `name` is its name): when set, the model
+  // is built from it instead of a built-in one, and hidden/dropout/channels do not apply.
+  std::string definition{};
+  std::string definition_source{};  // where the definition came from, for messages (a file, a checkpoint)
 };
 
 // Builds a model; throws InputError naming the model when the name or input shape does not fit.

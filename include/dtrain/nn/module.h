@@ -93,6 +93,10 @@ class Module {
   // residual add, a permute), so it is scratch, shared between blocks, not a kept activation.
   void set_output_temporary(bool temporary) { output_temporary_ = temporary; }
 
+  // Renames the parameter this module registered as `from` (a layer named as another framework
+  // names it: torch's MultiheadAttention's "in_proj_weight").
+  void rename_parameter(const std::string& from, const std::string& to);
+
   // Children, for traversal (containers override). A child named "" is transparent: its
   // parameters take the parent's prefix (wrappers that must not change parameter names).
   virtual std::vector<std::pair<std::string, Module*>> children() { return {}; }

@@ -21,6 +21,7 @@ struct TrainConfig {
   int loader_threads = -1, prefetch = -1;
   // model
   std::string model = "simple_cnn";
+  std::string model_file;  // an image model described in a file (nn/model_file.h), instead of --model
   std::vector<int64_t> hidden{256, 128};
   float dropout = 0.f;
   // schedule

@@ -1,0 +1,30 @@
+#pragma once
+// Networks described in files (`dtrain train --model-file`): layers and blocks in JSON, or the same
+// tree in INI, built with their shapes inferred from the data's sample shape. The format is in
+// docs/models.md; examples/models/ holds the built-in models and the standard ones written this way.
+#include <memory>
+#include <string>
+
+#include "dtrain/core/rng.h"
+#include "dtrain/nn/layers.h"
+
+namespace dtrain::nn {
+
+struct ModelSpec;
+
+// Reads a model file (.json; .ini or .cfg: INI sections whose names are paths in the same tree) into
+// its definition: canonical JSON text, which ModelSpec::definition holds and checkpoints store, with
+// a "name" (the file's stem when it gives none). Throws InputError naming the file, and the line
+// where the parser gives one.
+std::string read_model_file(const std::string& path);
+
+// The "name" of a definition read by read_model_file.
+std::string model_definition_name(const std::string& definition);
+
+// Builds `spec.definition` for samples of shape `spec.input` and `spec.classes` classes, drawing
+// initial weights from `rng` in the order of the layers. Throws InputError naming the model, its
+// `spec.definition_source` and the layer (its path in parameter names, and its type) whose fields or input shape do not
+// fit.
+std::unique_ptr<Sequential> build_model_definition(const ModelSpec& spec, Rng& rng);
+
+}  // namespace dtrain::nn
