@@ -5,6 +5,7 @@
 #include "commands.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/train/signals.h"
+#include "dtrain/train/sweep.h"
 #include "dtrain/train/trainer.h"
 
 namespace dtrain::cli {
@@ -27,6 +28,7 @@ int cmd_train(int argc, char** argv) {
   (void)preemption;
   if (rt.topology().rank == 0) std::printf("%s", rt.topology_table().c_str());
   else rt.topology_table();  // collective: every rank takes part
+  if (cfg.trainers > 1 || !cfg.sweep.empty()) return train::run_trainer_groups(argc, argv, cfg, rt);
   // A preempted run has written its checkpoint; the job scripts requeue on this exit status.
   const int preempted_by = train::Trainer(cfg, rt).run().preempted_by;
   return preempted_by != 0 ? kExitPreempted : kExitDone;

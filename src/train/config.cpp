@@ -150,6 +150,10 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(common, "preempt-signals", &c.preempt_signals, def.preempt_signals, "signals that checkpoint at the next step and exit with code 42: comma list of TERM, USR1, USR2, INT, HUP, CONT, or none");
   add(common, "preempt-check-every", &c.preempt_check_every, def.preempt_check_every, "steps between the ranks' agreement on a received preemption signal");
   common.add_options()("print-config", po::bool_switch(&c.print_config), "print the effective configuration as an INI file that --config reads back, and exit");
+  add(common, "trainers", &c.trainers, def.trainers, "trainer groups: the ranks split into this many groups, each training its share of the --sweep configurations (each group a dp x tp x pp grid of its ranks)");
+  common.add_options()("sweep", po::value<std::vector<std::string>>(&c.sweep)->composing(), "OPTION=V1,V2,...: train every value (repeated: every combination), each a trainer with its own seed (--seed + its index) and folder under --sweep-dir; a summary ranks them");
+  values_.push_back({"sweep", [&c] { std::string t; for (const auto& v : c.sweep) t += (t.empty() ? "" : "\nsweep = ") + v; return t; }, ""});
+  add(common, "sweep-dir", &c.sweep_dir, def.sweep_dir, "trainer groups: the run folders (trainer-<i>/: metrics, checkpoints) and summary.json");
 
   add_path(image, "model-file", &c.model_file, "an image model described in a JSON or INI file of layers and blocks (docs/models.md; examples/models/), instead of --model");
   add_path(image, "test-data", &c.test_data, "test data evaluated after each epoch (directory of shards)");
@@ -245,6 +249,7 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.momentum >= 0.f && c.momentum < 1.f, "option --momentum must be in [0, 1), got " << c.momentum);
   DT_INPUT_CHECK(c.weight_decay >= 0.f, "option --weight-decay must be >= 0");
   DT_INPUT_CHECK(c.threads >= 0 && c.threads <= 1024, "option --threads must be in [0, 1024], got " << c.threads);
+  DT_INPUT_CHECK(c.trainers >= 1, "option --trainers must be >= 1, got " << c.trainers);
   DT_INPUT_CHECK(c.log_every >= 1 || (c.model == "gpt" && c.log_every == 0),
                  "option --log-every must be >= 1 (the gpt also takes 0: one line at the end), got " << c.log_every);
   DT_INPUT_CHECK(c.preempt_check_every >= 1 && c.preempt_check_every <= 1000000,
@@ -309,7 +314,8 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.allreduce.empty() || c.allreduce == "auto" || c.allreduce == "mpi" || c.allreduce == "shm" ||
                      c.allreduce == "hier",
                  "option --allreduce must be auto, mpi, shm or hier, got '" << c.allreduce << "'");
-  DT_INPUT_CHECK(c.synthetic || !c.data.empty(), "no training data: give --data DIR (or --synthetic)");
+  DT_INPUT_CHECK(c.synthetic || !c.data.empty() || !c.sweep.empty(),  // a sweep may give each its config
+                 "no training data: give --data DIR (or --synthetic)");
   DT_INPUT_CHECK(c.synthetic_shape.size() == 3 || c.synthetic_shape.size() == 1,
                  "option --synthetic-shape needs C,H,W (or one size for flat inputs)");
   for (auto [name, v] : {std::pair<const char*, int64_t>{"layers", c.layers}, {"heads", c.heads}, {"width", c.width},

@@ -47,7 +47,7 @@ std::string to_json(const JsonFields& fields) {
     } else if (auto* d = std::get_if<double>(&v)) {
       if (std::isfinite(*d)) {
         char buf[32];
-        std::snprintf(buf, sizeof buf, "%.6g", *d);
+        std::snprintf(buf, sizeof buf, "%.9g", *d);
         out += buf;
       } else {
         out += "null";  // JSON has no NaN/Inf

@@ -318,6 +318,51 @@ TEST(CliMpi, TrainsOnTwoRanksAndMatchesOneRank) {
   fs::remove_all(dir);
 }
 
+// Trainer groups (--trainers, --sweep): each trainer trains as the same configuration alone. On 4
+// ranks, a GPT at tp 2 beside an mlp at dp 2 (a sweep over two config files), each with the losses
+// of its configuration run alone on 2 ranks with the trainer's seed (the metrics' 9 digits: float's
+// round trip); then 4 one-rank trainers, one of which diverges: it stops alone, the others finish,
+// the summary ranks them and the job's status says one diverged.
+TEST(CliMpi, TrainerGroupsTrainAsAloneAndADivergingOneStopsAlone) {
+  const std::string dir = dtrain::test::temp_dir("cli-sweep");
+  dtrain::test::make_band_dataset(dir + "/band", 256);
+  fs::create_directories(dir + "/text");
+  {
+    std::ofstream out(dir + "/text/a.txt");
+    for (int i = 0; i < 800; ++i) out << "a small text, " << i % 10 << " times over. ";
+  }
+  ASSERT_EQ(run("convert text --inputs " + dir + "/text --out " + dir + "/tok").code, 0);
+  std::ofstream(dir + "/gpt.ini") << "model = gpt\ndata = " << dir << "/tok\nlayers = 1\nheads = 2\nwidth = 16\n"
+                                  << "context = 16\nbatch-size = 4\nsteps = 12\nlog-every = 1\nthreads = 1\ntp = 2\n";
+  std::ofstream(dir + "/mlp.ini") << "model = mlp\ndata = " << dir << "/band\nhidden = 16\nsteps = 12\n"
+                                  << "log-every = 1\nbatch-size = 16\nthreads = 1\nlr = 0.05\n";
+  Result groups = mpirun(4, "train --trainers 2 --sweep config=" + dir + "/gpt.ini," + dir + "/mlp.ini --seed 5 " +
+                                "--sweep-dir " + dir + "/sweep");
+  ASSERT_EQ(groups.code, 0) << groups.out;
+  Result gpt = mpirun(2, "train --config " + dir + "/gpt.ini --seed 5 --progress off --metrics " + dir + "/gpt.jsonl");
+  Result mlp = mpirun(2, "train --config " + dir + "/mlp.ini --seed 6 --progress off --metrics " + dir + "/mlp.jsonl");
+  ASSERT_EQ(gpt.code, 0) << gpt.out;
+  ASSERT_EQ(mlp.code, 0) << mlp.out;
+  EXPECT_EQ(step_losses(dir + "/sweep/trainer-0/metrics.jsonl"), step_losses(dir + "/gpt.jsonl"));
+  EXPECT_EQ(step_losses(dir + "/sweep/trainer-1/metrics.jsonl"), step_losses(dir + "/mlp.jsonl"));
+  EXPECT_EQ(step_losses(dir + "/gpt.jsonl").size(), 12u);
+
+  Result four = mpirun(4, "train --config " + dir + "/mlp.ini --trainers 4 --sweep lr=0.01,0.05,1e30,0.1 --seed 1 " +
+                              "--sweep-dir " + dir + "/four");
+  EXPECT_EQ(four.code, 3) << four.out;
+  EXPECT_EQ(count(four.out, "trainer 2 stopped (diverged)"), 1u) << four.out;
+  for (int t : {0, 1, 3}) EXPECT_EQ(step_losses(dir + "/four/trainer-" + std::to_string(t) + "/metrics.jsonl").size(), 12u);
+  std::ifstream summary(dir + "/four/summary.json");
+  const std::string json((std::istreambuf_iterator<char>(summary)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(count(json, "\"status\": \"ok\""), 3u) << json;
+  EXPECT_EQ(count(json, "\"status\": \"diverged\""), 1u) << json;
+  // Trainer 1 (lr 0.05, seed 1 + 1) against the same configuration alone on one rank.
+  Result alone = run("train --config " + dir + "/mlp.ini --seed 2 --progress off --metrics " + dir + "/alone.jsonl");
+  ASSERT_EQ(alone.code, 0) << alone.out;
+  EXPECT_EQ(step_losses(dir + "/four/trainer-1/metrics.jsonl"), step_losses(dir + "/alone.jsonl"));
+  fs::remove_all(dir);
+}
+
 // The GPT path end to end through the executable: text -> tokens, `dtrain train` with model = gpt
 // in an INI file, the same run with --tp 2 on two ranks (same losses), then `dtrain generate`.
 TEST(CliMpi, GptConvertTrainTensorParallelAndGenerate) {

@@ -11,6 +11,11 @@ namespace dtrain::train {
 
 struct TrainConfig {
   std::string config_file;
+  // trainer groups (train/sweep.h): the world split into `trainers` groups, each training
+  // configurations of the --sweep grid ("lr=0.01,0.1"), each in its folder under sweep_dir
+  int trainers = 1;
+  std::vector<std::string> sweep;
+  std::string sweep_dir = "runs/sweep";
   // data
   std::string data, test_data;
   bool synthetic = false;

@@ -1,0 +1,287 @@
+#include "dtrain/train/sweep.h"
+
+#include <algorithm>
+#include <boost/property_tree/json_parser.hpp>
+#include <boost/property_tree/ptree.hpp>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "dtrain/core/error.h"
+#include "dtrain/train/metrics.h"
+#include "dtrain/train/trainer.h"
+
+namespace dtrain::train {
+
+namespace fs = std::filesystem;
+
+std::vector<SweepPoint> sweep_grid(const std::vector<std::string>& specs) {
+  std::vector<SweepPoint> grid{{}};
+  std::set<std::string> seen;
+  for (const std::string& spec : specs) {
+    const size_t eq = spec.find('=');
+    DT_INPUT_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < spec.size(),
+                   "option --sweep '" << spec << "' is not OPTION=V1,V2,...");
+    std::string name = spec.substr(0, eq);
+    if (name.starts_with("--")) name = name.substr(2);
+    DT_INPUT_CHECK(seen.insert(name).second, "option --sweep gives " << name << " twice");
+    std::vector<std::string> values;
+    std::stringstream list(spec.substr(eq + 1));
+    for (std::string v; std::getline(list, v, ',');) {
+      DT_INPUT_CHECK(!v.empty(), "option --sweep '" << spec << "' has an empty value");
+      values.push_back(v);
+    }
+    std::vector<SweepPoint> next;
+    for (const SweepPoint& p : grid)
+      for (const std::string& v : values) {
+        next.push_back(p);
+        next.back().emplace_back(name, v);
+      }
+    grid = std::move(next);
+  }
+  return grid;
+}
+
+std::vector<std::string> without_options(const std::vector<std::string>& args, const std::vector<std::string>& names) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    bool dropped = false;
+    for (const std::string& n : names) {
+      if (args[i] == "--" + n) {  // "--name value" (a switch given alone takes no value)
+        dropped = true;
+        if (i + 1 < args.size() && !args[i + 1].starts_with("--")) ++i;
+      }
+      dropped |= args[i].starts_with("--" + n + "=");
+      if (dropped) break;
+    }
+    if (!dropped) out.push_back(args[i]);
+  }
+  return out;
+}
+
+namespace {
+
+constexpr int kFields = 6, kMessage = 240;  // a trainer's record in the gather: figures, then message bytes
+enum Status { kNotRun = 0, kOk, kDiverged, kFailed, kPreempted };
+const char* const kStatusNames[] = {"not run", "ok", "diverged", "failed", "preempted"};
+
+std::string point_text(const SweepPoint& p) {
+  std::string t;
+  for (const auto& [k, v] : p) t += (t.empty() ? "" : " ") + k + "=" + v;
+  return t.empty() ? "(base configuration)" : t;
+}
+
+class TrainerGroups {
+ public:
+  TrainerGroups(int argc, char** argv, const TrainConfig& cfg, comm::Runtime& rt)
+      : args_(argv, argv + argc), cfg_(cfg), rt_(rt), grid_(sweep_grid(cfg.sweep)) {
+    comm::Communicator& world = rt.world();
+    DT_INPUT_CHECK(world.size() % cfg.trainers == 0,
+                   "option --trainers " << cfg.trainers << " does not divide the " << world.size() << " ranks");
+    const int size = world.size() / cfg.trainers;
+    group_index_ = world.rank() / size;
+    group_ = world.split(group_index_, world.rank(), "trainers-" + std::to_string(group_index_));
+  }
+
+  int run() {
+    std::vector<TrainerOutcome> mine;
+    for (size_t i = static_cast<size_t>(group_index_); i < grid_.size(); i += static_cast<size_t>(cfg_.trainers)) {
+      mine.push_back(train_one(static_cast<int>(i)));
+      if (mine.back().status == "preempted") break;  // the job is ending: the rest start after the requeue
+    }
+    const std::vector<TrainerOutcome> all = gather(mine);
+    if (rt_.world().rank() == 0) summarize(all);
+    for (const TrainerOutcome& o : all) {
+      if (o.status == "failed") return kExitBadInput;
+      if (o.status == "diverged") return kExitDiverged;
+    }
+    for (const TrainerOutcome& o : all)
+      if (o.status != "ok") return kExitPreempted;
+    return kExitDone;
+  }
+
+ private:
+  std::string folder(int i) const { return (fs::path(cfg_.sweep_dir) / ("trainer-" + std::to_string(i))).string(); }
+
+  // The trainer's own command line: the shared options, its sweep values, seed and folder.
+  std::vector<std::string> trainer_args(int i) const {
+    std::vector<std::string> drop = {"trainers", "sweep", "sweep-dir", "seed", "metrics", "checkpoint-dir", "resume"};
+    if (cfg_.trainers > 1) drop.push_back("progress");  // several groups' bars would overwrite each other
+    for (const auto& [k, v] : grid_[static_cast<size_t>(i)]) drop.push_back(k);
+    std::vector<std::string> a = without_options(args_, drop);
+    const std::string dir = folder(i), checkpoints = dir + "/checkpoints";
+    a.insert(a.end(), {"--seed", std::to_string(cfg_.seed + static_cast<uint64_t>(i)), "--metrics",
+                       dir + "/metrics.jsonl", "--checkpoint-dir", checkpoints});
+    if (cfg_.trainers > 1) a.insert(a.end(), {"--progress", "off"});
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(checkpoints, ec))
+      if (e.path().filename().string().starts_with("ckpt-")) {  // a trainer stopped early: it resumes
+        a.insert(a.end(), {"--resume", checkpoints});
+        break;
+      }
+    for (const auto& [k, v] : grid_[static_cast<size_t>(i)]) a.insert(a.end(), {"--" + k, v});
+    return a;
+  }
+
+  TrainerOutcome train_one(int i) {
+    TrainerOutcome o;
+    o.index = i;
+    o.point = grid_[static_cast<size_t>(i)];
+    const bool speaker = group_->rank() == 0;
+    const std::string result_file = folder(i) + "/result.json";
+    if (fs::exists(result_file)) {  // finished before a requeue: its figures stand
+      read_result(result_file, o);
+      if (speaker) std::printf("trainer %d (%s): finished before, %s\n", i, point_text(o.point).c_str(), o.status.c_str());
+      return o;
+    }
+    if (speaker)
+      std::printf("trainer %d/%zu (%s) on ranks %d-%d\n", i, grid_.size(), point_text(o.point).c_str(),
+                  rt_.world().rank(), rt_.world().rank() + group_->size() - 1);
+    std::vector<std::string> a = trainer_args(i);
+    std::vector<char*> argv;
+    for (auto& s : a) argv.push_back(s.data());
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      TrainConfig c;
+      parse_train_config(static_cast<int>(argv.size()), argv.data(), c);
+      const TrainResult r = Trainer(c, rt_, group_.get()).run();
+      o.status = r.preempted_by != 0 ? "preempted" : "ok";
+      o.accuracy = r.last_eval.accuracy;
+      o.val_loss = r.last_eval.loss;
+      o.units_per_s = r.units_per_s;
+      o.steps = r.steps;
+    } catch (const DivergenceError& e) {
+      o.status = "diverged";
+      o.message = e.what();
+    } catch (const InputError& e) {
+      o.status = "failed";
+      o.message = e.what();
+    }
+    o.time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (speaker) {
+      if (!o.message.empty()) std::printf("trainer %d stopped (%s): %s\n", i, o.status.c_str(), o.message.c_str());
+      if (o.status != "preempted") write_result(result_file, o);
+      std::fflush(stdout);
+    }
+    return o;
+  }
+
+  static void write_result(const std::string& path, const TrainerOutcome& o) {
+    boost::property_tree::ptree t;
+    t.put("status", o.status);
+    t.put("message", o.message);
+    t.put("accuracy", o.accuracy);
+    t.put("val_loss", o.val_loss);
+    t.put("time_s", o.time_s);
+    t.put("units_per_s", o.units_per_s);
+    t.put("steps", o.steps);
+    fs::create_directories(fs::path(path).parent_path());
+    boost::property_tree::write_json(path, t);
+  }
+
+  static void read_result(const std::string& path, TrainerOutcome& o) {
+    boost::property_tree::ptree t;
+    try {
+      boost::property_tree::read_json(path, t);
+      o.status = t.get<std::string>("status");
+      o.message = t.get<std::string>("message", "");
+      o.accuracy = t.get<double>("accuracy");
+      o.val_loss = t.get<double>("val_loss");
+      o.time_s = t.get<double>("time_s");
+      o.units_per_s = t.get<double>("units_per_s");
+      o.steps = t.get<int64_t>("steps");
+    } catch (const boost::property_tree::ptree_error& e) {
+      throw InputError("trainer result '" + path + "' is broken (" + e.what() + "): remove it to train again");
+    }
+  }
+
+  // Every trainer's outcome on every rank: the rank 0 of the group that ran it fills its row, a sum
+  // over the world (waiting without the communicator's timeout: groups end at their own times).
+  std::vector<TrainerOutcome> gather(const std::vector<TrainerOutcome>& mine) {
+    const int64_t n = static_cast<int64_t>(grid_.size()), width = kFields + kMessage;
+    Tensor rows = Tensor::zeros({n, width});
+    if (group_->rank() == 0)
+      for (const TrainerOutcome& o : mine) {
+        float* r = rows.f32() + o.index * width;
+        const int status = static_cast<int>(std::find(std::begin(kStatusNames), std::end(kStatusNames), o.status) -
+                                            std::begin(kStatusNames));
+        const double fields[kFields] = {static_cast<double>(status), o.accuracy, o.val_loss, o.time_s, o.units_per_s,
+                                        static_cast<double>(o.steps)};
+        for (int f = 0; f < kFields; ++f) r[f] = static_cast<float>(fields[f]);
+        for (size_t c = 0; c < o.message.size() && c < kMessage; ++c)
+          r[kFields + static_cast<int64_t>(c)] = static_cast<unsigned char>(o.message[c]);
+      }
+    rt_.world().allreduce(rows)->wait(0);
+    std::vector<TrainerOutcome> all(grid_.size());
+    for (int64_t i = 0; i < n; ++i) {
+      const float* r = rows.f32() + i * width;
+      TrainerOutcome& o = all[static_cast<size_t>(i)];
+      o.index = static_cast<int>(i);
+      o.point = grid_[static_cast<size_t>(i)];
+      o.status = kStatusNames[std::clamp(static_cast<int>(r[0]), 0, 4)];
+      o.accuracy = r[1];
+      o.val_loss = r[2];
+      o.time_s = r[3];
+      o.units_per_s = r[4];
+      o.steps = static_cast<int64_t>(r[5]);
+      for (int c = 0; c < kMessage && r[kFields + c] != 0.f; ++c) o.message += static_cast<char>(r[kFields + c]);
+    }
+    return all;
+  }
+
+  // The table, best first by the validation metric (accuracy; the GPT: validation loss), the
+  // trainers that did not finish last; and summary.json.
+  void summarize(std::vector<TrainerOutcome> all) const {
+    const bool by_loss = cfg_.model == "gpt";
+    std::stable_sort(all.begin(), all.end(), [&](const TrainerOutcome& a, const TrainerOutcome& b) {
+      if ((a.status == "ok") != (b.status == "ok")) return a.status == "ok";
+      return by_loss ? a.val_loss < b.val_loss : a.accuracy > b.accuracy;
+    });
+    std::printf("\nsweep: %zu configuration(s) on %d trainer group(s) of %d rank(s)\n", all.size(), cfg_.trainers,
+                rt_.world().size() / cfg_.trainers);
+    std::printf("%4s  %-9s  %9s  %9s  %9s  %12s  %s\n", "rank", "status", "accuracy", "val_loss", "time_s",
+                "units/s", "configuration (trainer)");
+    boost::property_tree::ptree json, list;
+    for (size_t r = 0; r < all.size(); ++r) {
+      const TrainerOutcome& o = all[r];
+      std::printf("%4zu  %-9s  %8.2f%%  %9.4f  %9.1f  %12.0f  %s (%d)\n", r + 1, o.status.c_str(), 100 * o.accuracy,
+                  o.val_loss, o.time_s, o.units_per_s, point_text(o.point).c_str(), o.index);
+      boost::property_tree::ptree e;
+      e.put("trainer", o.index);
+      e.put("folder", folder(o.index));
+      for (const auto& [k, v] : o.point) e.put("config." + k, v);
+      e.put("status", o.status);
+      e.put("message", o.message);
+      e.put("accuracy", o.accuracy);
+      e.put("val_loss", o.val_loss);
+      e.put("time_s", o.time_s);
+      e.put("units_per_s", o.units_per_s);
+      e.put("steps", o.steps);
+      list.push_back({"", e});
+    }
+    json.put("ranked_by", by_loss ? "val_loss" : "accuracy");
+    json.add_child("trainers", list);
+    fs::create_directories(cfg_.sweep_dir);
+    boost::property_tree::write_json(cfg_.sweep_dir + "/summary.json", json);
+    std::printf("summary: %s/summary.json\n", cfg_.sweep_dir.c_str());
+    std::fflush(stdout);
+  }
+
+  std::vector<std::string> args_;
+  const TrainConfig& cfg_;
+  comm::Runtime& rt_;
+  std::vector<SweepPoint> grid_;
+  int group_index_ = 0;
+  std::unique_ptr<comm::Communicator> group_;
+};
+
+}  // namespace
+
+int run_trainer_groups(int argc, char** argv, const TrainConfig& cfg, comm::Runtime& rt) {
+  return TrainerGroups(argc, argv, cfg, rt).run();
+}
+
+}  // namespace dtrain::train
