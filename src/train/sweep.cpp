@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "dtrain/core/error.h"
+#include "dtrain/core/rng.h"
 #include "dtrain/train/metrics.h"
 #include "dtrain/train/trainer.h"
 
@@ -82,6 +83,15 @@ class TrainerGroups {
     DT_INPUT_CHECK(world.size() % cfg.trainers == 0,
                    "option --trainers " << cfg.trainers << " does not divide the " << world.size() << " ranks");
     const int size = world.size() / cfg.trainers;
+    DT_INPUT_CHECK(cfg.pbt_every == 0 || (cfg.trainers >= 2 && static_cast<size_t>(cfg.trainers) == grid_.size()),
+                   "option --pbt-every needs every configuration training at once: --trainers "
+                       << grid_.size() << " for the " << grid_.size() << " --sweep configuration(s), at least 2");
+    group_size_ = size;
+    DT_INPUT_CHECK(cfg.pbt_every == 0 || cfg.steps > 0, "option --pbt-every needs --steps (every trainer meets the "
+                                                        "others at the same steps)");
+    for (const auto& [k, v] : grid_.front())
+      DT_INPUT_CHECK(cfg.pbt_every == 0 || (k != "steps" && k != "epochs" && k != "pbt-every"),
+                     "option --pbt-every: the trainers must run the same steps, so --sweep cannot set " << k);
     group_index_ = world.rank() / size;
     group_ = world.split(group_index_, world.rank(), "trainers-" + std::to_string(group_index_));
   }
@@ -147,7 +157,9 @@ class TrainerGroups {
     try {
       TrainConfig c;
       parse_train_config(static_cast<int>(argv.size()), argv.data(), c);
-      const TrainResult r = Trainer(c, rt_, group_.get()).run();
+      Trainer trainer(c, rt_, group_.get());
+      if (cfg_.pbt_every > 0) trainer.set_step_hook(cfg_.pbt_every, [&](int64_t step) { tournament(trainer, i, step); });
+      const TrainResult r = trainer.run();
       o.status = r.preempted_by != 0 ? "preempted" : "ok";
       o.accuracy = r.last_eval.accuracy;
       o.val_loss = r.last_eval.loss;
@@ -160,6 +172,7 @@ class TrainerGroups {
       o.status = "failed";
       o.message = e.what();
     }
+    if (cfg_.pbt_every > 0 && !o.message.empty()) sit_out_tournaments(i);
     o.time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (speaker) {
       if (!o.message.empty()) std::printf("trainer %d stopped (%s): %s\n", i, o.status.c_str(), o.message.c_str());
@@ -167,6 +180,93 @@ class TrainerGroups {
       std::fflush(stdout);
     }
     return o;
+  }
+
+  // Population-based training's exploit and explore (LBANN's tournament): every trainer's validation
+  // metric and hyperparameters go to every rank; the trainers pair up by a permutation drawn from
+  // the seed and the round; in each pair the worse one's ranks receive the better one's parameters,
+  // buffers and optimizer state from the ranks at the same place in its group (point to point),
+  // take its learning rate and momentum and multiply the learning rate and 1 - momentum each by 0.8
+  // or 1.25. Rank 0 logs each exchange
+  // and appends it to <sweep-dir>/pbt.jsonl.
+  void tournament(Trainer& t, int me, int64_t step) {
+    const EvalResult e = t.evaluate();
+    play_round(&t, me, step, static_cast<float>(cfg_.model == "gpt" ? -e.loss : e.accuracy));
+  }
+
+  // A trainer that stopped still meets the others at every remaining round (they wait for its
+  // score), always losing and taking nothing.
+  void sit_out_tournaments(int me) {
+    for (int64_t step = (rounds_played_ + 1) * cfg_.pbt_every; step < cfg_.steps; step += cfg_.pbt_every)
+      play_round(nullptr, me, step, kStopped);
+  }
+
+  static constexpr float kStopped = -1e30f;
+
+  void play_round(Trainer* t, int me, int64_t step, float metric) {
+    ++rounds_played_;
+    const int k = cfg_.trainers;
+    const bool by_loss = cfg_.model == "gpt";
+    Tensor scores = Tensor::zeros({3 * k});  // per trainer: metric (higher is better), lr, momentum
+    if (group_->rank() == 0) {
+      scores.f32()[3 * me] = metric;
+      scores.f32()[3 * me + 1] = t ? t->base_lr() : 0.f;
+      scores.f32()[3 * me + 2] = t ? t->momentum() : 0.f;
+    }
+    comm::Communicator& world = rt_.world();
+    world.allreduce(scores)->wait(0);
+    const float* f = scores.f32();
+    Rng pairing(derive_seed(cfg_.seed, 7000 + static_cast<uint64_t>(step)));
+    std::vector<int> order(static_cast<size_t>(k));
+    for (int i = 0; i < k; ++i) order[static_cast<size_t>(i)] = i;
+    shuffle(order, pairing);
+    for (size_t p = 0; p + 1 < order.size(); p += 2) {
+      const int a = order[p], b = order[p + 1];
+      const int winner = f[3 * a] >= f[3 * b] ? a : b, loser = winner == a ? b : a;
+      Rng explore(derive_seed(cfg_.seed, 9000 + static_cast<uint64_t>(step) * 1000 + static_cast<uint64_t>(loser)));
+      const float lr = f[3 * winner + 1] * (explore.uniform() < 0.5f ? 0.8f : 1.25f);
+      // Momentum moves by its distance from 1 (0.9 -> 0.875 or 0.92), as its time constant does.
+      const float momentum =
+          std::clamp(1.f - (1.f - f[3 * winner + 2]) * (explore.uniform() < 0.5f ? 0.8f : 1.25f), 0.f, 0.999f);
+      if (f[3 * loser] <= kStopped) continue;  // nothing to take for a stopped trainer
+      if (me == winner || me == loser) exchange_state(*t, me == winner, (me == winner ? loser : winner) - me);
+      if (me == loser) {
+        t->set_base_lr(lr);
+        t->set_momentum(momentum);
+      }
+      if (world.rank() == 0) log_exchange(step, winner, loser, f, lr, momentum, by_loss);
+    }
+  }
+
+  // Sends (the winner) or receives (the loser) this rank's state tensors to or from the rank at the
+  // same place of the group `offset` groups away.
+  void exchange_state(Trainer& t, bool send, int offset) {
+    const int peer = rt_.world().rank() + offset * group_size_;
+    std::vector<std::shared_ptr<comm::Work>> works;
+    int tag = 0;
+    for (Tensor* x : t.state_tensors())
+      works.push_back(send ? rt_.world().send(*x, peer, tag++) : rt_.world().recv(*x, peer, tag++));
+    for (auto& w : works) w->wait(0);
+  }
+
+  void log_exchange(int64_t step, int winner, int loser, const float* f, float lr, float momentum, bool by_loss) const {
+    auto metric = [&](int i) { return by_loss ? -f[3 * i] : 100 * f[3 * i]; };
+    const char* unit = by_loss ? " val_loss" : " %";
+    std::printf("pbt step %lld: trainer %d (%.4g%s) takes trainer %d's state (%.4g%s): lr %.4g -> %.4g, momentum %.4g -> "
+                "%.4g\n",
+                static_cast<long long>(step), loser, metric(loser), unit, winner, metric(winner), unit, f[3 * loser + 1],
+                lr, f[3 * loser + 2], momentum);
+    std::fflush(stdout);
+    fs::create_directories(cfg_.sweep_dir);
+    std::ofstream log(cfg_.sweep_dir + "/pbt.jsonl", std::ios::app);
+    log << to_json({{"step", step},
+                    {"winner", static_cast<int64_t>(winner)},
+                    {"loser", static_cast<int64_t>(loser)},
+                    {by_loss ? "winner_val_loss" : "winner_accuracy", static_cast<double>(metric(winner))},
+                    {by_loss ? "loser_val_loss" : "loser_accuracy", static_cast<double>(metric(loser))},
+                    {"lr", static_cast<double>(lr)},
+                    {"momentum", static_cast<double>(momentum)}})
+        << "\n";
   }
 
   static void write_result(const std::string& path, const TrainerOutcome& o) {
@@ -274,7 +374,8 @@ class TrainerGroups {
   const TrainConfig& cfg_;
   comm::Runtime& rt_;
   std::vector<SweepPoint> grid_;
-  int group_index_ = 0;
+  int group_index_ = 0, group_size_ = 1;
+  int64_t rounds_played_ = 0;
   std::unique_ptr<comm::Communicator> group_;
 };
 

@@ -147,7 +147,7 @@ bool Trainer::step_once(double& wait_s) {
   trace.span("data wait", t0, tc, step_);
   const int64_t mallocs0 = gpu_malloc_count(device_);
   comm::set_step_phase(step_ + 1, false);  // tags this step's collectives for the desync check
-  const float lr = sched_->lr(step_);
+  const float lr = sched_->lr(step_) * lr_scale_;
   for (nn::Parameter* p : task_->model().parameters()) engine_for(p->grad.device()).fill(p->grad, 0.f);
   nn::update_working_copies(task_->model().parameters(), engine_for(device_).math_precision());  // masters changed
   forward_backward(scaler_ ? scaler_->scale() : 1.f);
@@ -279,6 +279,30 @@ void Trainer::log_interval(int64_t epoch, int64_t batch_in_epoch, float lr) {
 
 // A validation pass; evaluation time is left out of the training time (time-to-accuracy counts
 // training only). `epoch_s` >= 0: the epoch just ended, after so many seconds.
+void Trainer::set_step_hook(int64_t every, std::function<void(int64_t)> hook) {
+  DT_CHECK(every > 0, "step hook every " << every << " steps");
+  hook_every_ = every;
+  step_hook_ = std::move(hook);
+}
+
+EvalResult Trainer::evaluate() { return task_->validate(pipe_.get()).result; }
+
+std::vector<Tensor*> Trainer::state_tensors() {
+  std::vector<Tensor*> out;
+  for (nn::Parameter* p : task_->model().parameters()) out.push_back(&p->value);
+  for (nn::Buffer* b : task_->model().buffers()) out.push_back(&b->value);
+  for (const optim::StateTensor& s : opt_->state()) out.push_back(s.value);
+  return out;
+}
+
+bool Trainer::set_momentum(float m) {
+  auto* sgd = dynamic_cast<optim::SGD*>(opt_.get());
+  if (!sgd || momentum_ == 0.f) return false;  // none, or top-k's momentum correction holds it
+  sgd->set_momentum(m);
+  momentum_ = m;
+  return true;
+}
+
 void Trainer::validate(int64_t epoch, double epoch_s) {
   const double t0 = now_s();
   std::string line = epoch_s >= 0 && has_epochs_
@@ -347,7 +371,7 @@ TrainResult Trainer::run() {
     double wait = 0;
     while (step_ < total_steps_ && step_once(wait)) {
       ++batch_in_epoch;
-      const float lr = sched_->lr(step_ - 1);
+      const float lr = sched_->lr(step_ - 1) * lr_scale_;
       const bool epoch_end = batch_in_epoch == steps_per_epoch_ || step_ == total_steps_;
       if (cfg_.desync_check_every > 0 && step_ % cfg_.desync_check_every == 0) comm::check_collective_sequences();
       if (step_ == stop_after_) std::raise(SIGSTOP);  // the DTRAIN_TEST_STOP hook: a hung rank
@@ -364,6 +388,12 @@ TrainResult Trainer::run() {
         save(epoch, batch_in_epoch);
       }
       if (preempted(epoch, batch_in_epoch, saved)) break;
+      if (step_hook_ && step_ % hook_every_ == 0 && step_ < total_steps_) {
+        read_losses(false);  // a run that diverged stops here, not after taking another's state
+        const double t0 = now_s();
+        step_hook_(step_);
+        eval_total_s_ += now_s() - t0;  // not training time
+      }
     }
     if (result_.preempted_by != 0) break;
     const bool epoch_done = batch_in_epoch >= steps_per_epoch_;

@@ -206,6 +206,7 @@ void Trainer::build_optimizer() {
     // already the momentum update (weight decay is then added without momentum).
     o.momentum = topk_momentum_correction() > 0 ? 0.f : cfg_.momentum;
     o.nesterov = cfg_.nesterov;
+    momentum_ = o.momentum;
     opt_ = std::make_unique<optim::SGD>(groups, o);
   } else {
     optim::AdamOptions o;

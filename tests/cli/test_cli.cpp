@@ -322,7 +322,8 @@ TEST(CliMpi, TrainsOnTwoRanksAndMatchesOneRank) {
 // ranks, a GPT at tp 2 beside an mlp at dp 2 (a sweep over two config files), each with the losses
 // of its configuration run alone on 2 ranks with the trainer's seed (the metrics' 9 digits: float's
 // round trip); then 4 one-rank trainers, one of which diverges: it stops alone, the others finish,
-// the summary ranks them and the job's status says one diverged.
+// the summary ranks them and the job's status says one diverged; the same with population-based
+// training.
 TEST(CliMpi, TrainerGroupsTrainAsAloneAndADivergingOneStopsAlone) {
   const std::string dir = dtrain::test::temp_dir("cli-sweep");
   dtrain::test::make_band_dataset(dir + "/band", 256);
@@ -360,6 +361,22 @@ TEST(CliMpi, TrainerGroupsTrainAsAloneAndADivergingOneStopsAlone) {
   Result alone = run("train --config " + dir + "/mlp.ini --seed 2 --progress off --metrics " + dir + "/alone.jsonl");
   ASSERT_EQ(alone.code, 0) << alone.out;
   EXPECT_EQ(step_losses(dir + "/four/trainer-1/metrics.jsonl"), step_losses(dir + "/alone.jsonl"));
+
+  // Population-based training: rounds at steps 4 and 8; the diverging trainer stops before the
+  // first and sits out (no exchange with it, no hang), the others pair up and the losers go on.
+  Result pbt = mpirun(4, "train --config " + dir + "/mlp.ini --test-data " + dir + "/band --momentum 0.9 " +
+                             "--trainers 4 --sweep lr=0.01,0.05,1e30,0.1 --pbt-every 4 --sweep-dir " + dir + "/pbt");
+  EXPECT_EQ(pbt.code, 3) << pbt.out;
+  std::ifstream history(dir + "/pbt/pbt.jsonl");
+  int rounds[2] = {0, 0};
+  for (std::string line; std::getline(history, line);) {
+    EXPECT_EQ(line.find("\"winner\": 2,"), std::string::npos) << line;
+    EXPECT_EQ(line.find("\"loser\": 2,"), std::string::npos) << line;
+    rounds[line.find("\"step\": 8,") != std::string::npos]++;
+  }
+  EXPECT_GE(rounds[0], 1) << pbt.out;  // one pair of live trainers at least in each round
+  EXPECT_GE(rounds[1], 1) << pbt.out;
+  for (int t : {0, 1, 3}) EXPECT_EQ(step_losses(dir + "/pbt/trainer-" + std::to_string(t) + "/metrics.jsonl").size(), 12u);
   fs::remove_all(dir);
 }
 

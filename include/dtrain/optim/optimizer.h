@@ -63,6 +63,7 @@ class SGD : public Optimizer {
   std::string kind() const override { return "sgd"; }
   void step(float lr) override;
   std::vector<StateTensor> state() override;
+  void set_momentum(float m) { o_.momentum = m; }  // population-based training's perturbation
 
  private:
   SgdOptions o_;

@@ -66,6 +66,19 @@ class Trainer {
   nn::Module& model() { return task_->model(); }
   int64_t per_rank_batch() const { return batch_; }
 
+  // Population-based training (train/sweep.cpp) works on a run between its steps: `hook` runs on
+  // every rank after each `every`-th step (not after the last).
+  void set_step_hook(int64_t every, std::function<void(int64_t step)> hook);
+  EvalResult evaluate();  // the task's validation as it is now, evaluation time excluded (collective)
+  // This rank's parameters, buffers and optimizer state, in an order every run of this model,
+  // optimizer and layout shares.
+  std::vector<Tensor*> state_tensors();
+  // The learning rate the schedule scales (--lr), and SGD's momentum (false: the optimizer has none).
+  float base_lr() const { return cfg_.lr * lr_scale_; }
+  void set_base_lr(float lr) { lr_scale_ = lr / cfg_.lr; }
+  float momentum() const { return momentum_; }
+  bool set_momentum(float m);
+
  private:
   void choose_device();   // threads, device and precision (agreed: a host short of GPUs fails all)
   void check_layout();    // the batch and the grid's combinations
@@ -162,6 +175,9 @@ class Trainer {
   double train_t0_ = 0, eval_total_s_ = 0, run_t0_ = 0, run_cpu0_ = 0, ema_step_s_ = 0, bubble_sum_ = 0;
   int64_t run_units_ = 0, step_mallocs_ = 0;
   JsonFields last_validation_;
+  float lr_scale_ = 1.f, momentum_ = 0.f;  // set_base_lr's factor on the schedule; SGD's momentum
+  int64_t hook_every_ = 0;
+  std::function<void(int64_t)> step_hook_;
 };
 
 // Loss and accuracy of `model` over all of `ds`, its samples split over the ranks of `comm` (null:
