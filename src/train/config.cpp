@@ -154,6 +154,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   common.add_options()("sweep", po::value<std::vector<std::string>>(&c.sweep)->composing(), "OPTION=V1,V2,...: train every value (repeated: every combination), each a trainer with its own seed (--seed + its index) and folder under --sweep-dir; a summary ranks them");
   values_.push_back({"sweep", [&c] { std::string t; for (const auto& v : c.sweep) t += (t.empty() ? "" : "\nsweep = ") + v; return t; }, ""});
   add(common, "pbt-every", &c.pbt_every, def.pbt_every, "population-based training over the trainers (one per --sweep configuration, all at once): every this many steps they pair up, compare the validation metric, and the loser takes the winner's weights, optimizer state, learning rate and momentum, then multiplies the learning rate and 1 - momentum by 0.8 or 1.25 (0: off; needs --steps)");
+  add(common, "target-accuracy", &c.target_accuracy, def.target_accuracy, "trainer groups: the summary gives each trainer's training time (evaluation excluded) to its first validation at this test accuracy, in percent (a batch-size search: --sweep batch-size=... --lr-scaling linear); 0: off");
   add(common, "sweep-dir", &c.sweep_dir, def.sweep_dir, "trainer groups: the run folders (trainer-<i>/: metrics, checkpoints) and summary.json");
 
   add_path(image, "model-file", &c.model_file, "an image model described in a JSON or INI file of layers and blocks (docs/models.md; examples/models/), instead of --model");

@@ -65,9 +65,15 @@ std::vector<std::string> without_options(const std::vector<std::string>& args, c
 
 namespace {
 
-constexpr int kFields = 6, kMessage = 240;  // a trainer's record in the gather: figures, then message bytes
+constexpr int kFields = 7, kMessage = 240;  // a trainer's record in the gather: figures, then message bytes
 enum Status { kNotRun = 0, kOk, kDiverged, kFailed, kPreempted };
 const char* const kStatusNames[] = {"not run", "ok", "diverged", "failed", "preempted"};
+
+std::string fixed_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", v);
+  return buf;
+}
 
 std::string point_text(const SweepPoint& p) {
   std::string t;
@@ -87,8 +93,9 @@ class TrainerGroups {
                    "option --pbt-every needs every configuration training at once: --trainers "
                        << grid_.size() << " for the " << grid_.size() << " --sweep configuration(s), at least 2");
     group_size_ = size;
-    DT_INPUT_CHECK(cfg.pbt_every == 0 || cfg.steps > 0, "option --pbt-every needs --steps (every trainer meets the "
-                                                        "others at the same steps)");
+    DT_INPUT_CHECK(cfg.pbt_every == 0 || cfg.steps > 0,
+                   "option --pbt-every needs --steps (every trainer meets the "
+                   "others at the same steps)");
     for (const auto& [k, v] : grid_.front())
       DT_INPUT_CHECK(cfg.pbt_every == 0 || (k != "steps" && k != "epochs" && k != "pbt-every"),
                      "option --pbt-every: the trainers must run the same steps, so --sweep cannot set " << k);
@@ -144,7 +151,8 @@ class TrainerGroups {
     const std::string result_file = folder(i) + "/result.json";
     if (fs::exists(result_file)) {  // finished before a requeue: its figures stand
       read_result(result_file, o);
-      if (speaker) std::printf("trainer %d (%s): finished before, %s\n", i, point_text(o.point).c_str(), o.status.c_str());
+      if (speaker)
+        std::printf("trainer %d (%s): finished before, %s\n", i, point_text(o.point).c_str(), o.status.c_str());
       return o;
     }
     if (speaker)
@@ -158,13 +166,15 @@ class TrainerGroups {
       TrainConfig c;
       parse_train_config(static_cast<int>(argv.size()), argv.data(), c);
       Trainer trainer(c, rt_, group_.get());
-      if (cfg_.pbt_every > 0) trainer.set_step_hook(cfg_.pbt_every, [&](int64_t step) { tournament(trainer, i, step); });
+      if (cfg_.pbt_every > 0)
+        trainer.set_step_hook(cfg_.pbt_every, [&](int64_t step) { tournament(trainer, i, step); });
       const TrainResult r = trainer.run();
       o.status = r.preempted_by != 0 ? "preempted" : "ok";
       o.accuracy = r.last_eval.accuracy;
       o.val_loss = r.last_eval.loss;
       o.units_per_s = r.units_per_s;
       o.steps = r.steps;
+      if (cfg_.target_accuracy > 0 && group_->rank() == 0) o.time_to_target_s = time_to_target(c.metrics);
     } catch (const DivergenceError& e) {
       o.status = "diverged";
       o.message = e.what();
@@ -252,10 +262,11 @@ class TrainerGroups {
   void log_exchange(int64_t step, int winner, int loser, const float* f, float lr, float momentum, bool by_loss) const {
     auto metric = [&](int i) { return by_loss ? -f[3 * i] : 100 * f[3 * i]; };
     const char* unit = by_loss ? " val_loss" : " %";
-    std::printf("pbt step %lld: trainer %d (%.4g%s) takes trainer %d's state (%.4g%s): lr %.4g -> %.4g, momentum %.4g -> "
-                "%.4g\n",
-                static_cast<long long>(step), loser, metric(loser), unit, winner, metric(winner), unit, f[3 * loser + 1],
-                lr, f[3 * loser + 2], momentum);
+    std::printf(
+        "pbt step %lld: trainer %d (%.4g%s) takes trainer %d's state (%.4g%s): lr %.4g -> %.4g, momentum %.4g -> "
+        "%.4g\n",
+        static_cast<long long>(step), loser, metric(loser), unit, winner, metric(winner), unit, f[3 * loser + 1], lr,
+        f[3 * loser + 2], momentum);
     std::fflush(stdout);
     fs::create_directories(cfg_.sweep_dir);
     std::ofstream log(cfg_.sweep_dir + "/pbt.jsonl", std::ios::app);
@@ -269,6 +280,20 @@ class TrainerGroups {
         << "\n";
   }
 
+  // The training time (evaluation excluded) of the first validation at --target-accuracy in a
+  // trainer's metrics file, or -1.
+  double time_to_target(const std::string& metrics) const {
+    std::ifstream in(metrics);
+    for (std::string line; std::getline(in, line);) {
+      if (line.find("\"test_accuracy\"") == std::string::npos) continue;
+      boost::property_tree::ptree t;
+      std::istringstream json(line);
+      boost::property_tree::read_json(json, t);
+      if (100 * t.get<double>("test_accuracy") >= cfg_.target_accuracy) return t.get<double>("train_time_s");
+    }
+    return -1;
+  }
+
   static void write_result(const std::string& path, const TrainerOutcome& o) {
     boost::property_tree::ptree t;
     t.put("status", o.status);
@@ -278,6 +303,7 @@ class TrainerGroups {
     t.put("time_s", o.time_s);
     t.put("units_per_s", o.units_per_s);
     t.put("steps", o.steps);
+    t.put("time_to_target_s", o.time_to_target_s);
     fs::create_directories(fs::path(path).parent_path());
     boost::property_tree::write_json(path, t);
   }
@@ -293,6 +319,7 @@ class TrainerGroups {
       o.time_s = t.get<double>("time_s");
       o.units_per_s = t.get<double>("units_per_s");
       o.steps = t.get<int64_t>("steps");
+      o.time_to_target_s = t.get<double>("time_to_target_s", -1);
     } catch (const boost::property_tree::ptree_error& e) {
       throw InputError("trainer result '" + path + "' is broken (" + e.what() + "): remove it to train again");
     }
@@ -308,8 +335,9 @@ class TrainerGroups {
         float* r = rows.f32() + o.index * width;
         const int status = static_cast<int>(std::find(std::begin(kStatusNames), std::end(kStatusNames), o.status) -
                                             std::begin(kStatusNames));
-        const double fields[kFields] = {static_cast<double>(status), o.accuracy, o.val_loss, o.time_s, o.units_per_s,
-                                        static_cast<double>(o.steps)};
+        const double fields[kFields] = {
+            static_cast<double>(status),  o.accuracy,        o.val_loss, o.time_s, o.units_per_s,
+            static_cast<double>(o.steps), o.time_to_target_s};
         for (int f = 0; f < kFields; ++f) r[f] = static_cast<float>(fields[f]);
         for (size_t c = 0; c < o.message.size() && c < kMessage; ++c)
           r[kFields + static_cast<int64_t>(c)] = static_cast<unsigned char>(o.message[c]);
@@ -327,6 +355,7 @@ class TrainerGroups {
       o.time_s = r[3];
       o.units_per_s = r[4];
       o.steps = static_cast<int64_t>(r[5]);
+      o.time_to_target_s = r[6];
       for (int c = 0; c < kMessage && r[kFields + c] != 0.f; ++c) o.message += static_cast<char>(r[kFields + c]);
     }
     return all;
@@ -342,13 +371,15 @@ class TrainerGroups {
     });
     std::printf("\nsweep: %zu configuration(s) on %d trainer group(s) of %d rank(s)\n", all.size(), cfg_.trainers,
                 rt_.world().size() / cfg_.trainers);
-    std::printf("%4s  %-9s  %9s  %9s  %9s  %12s  %s\n", "rank", "status", "accuracy", "val_loss", "time_s",
-                "units/s", "configuration (trainer)");
+    std::printf("%4s  %-9s  %9s  %9s  %9s  %12s  %9s  %s\n", "rank", "status", "accuracy", "val_loss", "time_s",
+                "units/s", "to_target", "configuration (trainer)");
     boost::property_tree::ptree json, list;
     for (size_t r = 0; r < all.size(); ++r) {
       const TrainerOutcome& o = all[r];
-      std::printf("%4zu  %-9s  %8.2f%%  %9.4f  %9.1f  %12.0f  %s (%d)\n", r + 1, o.status.c_str(), 100 * o.accuracy,
-                  o.val_loss, o.time_s, o.units_per_s, point_text(o.point).c_str(), o.index);
+      const std::string to_target = o.time_to_target_s < 0 ? "-" : fixed_text(o.time_to_target_s);
+      std::printf("%4zu  %-9s  %8.2f%%  %9.4f  %9.1f  %12.0f  %9s  %s (%d)\n", r + 1, o.status.c_str(),
+                  100 * o.accuracy, o.val_loss, o.time_s, o.units_per_s, to_target.c_str(), point_text(o.point).c_str(),
+                  o.index);
       boost::property_tree::ptree e;
       e.put("trainer", o.index);
       e.put("folder", folder(o.index));
@@ -360,9 +391,11 @@ class TrainerGroups {
       e.put("time_s", o.time_s);
       e.put("units_per_s", o.units_per_s);
       e.put("steps", o.steps);
+      e.put("time_to_target_s", o.time_to_target_s);
       list.push_back({"", e});
     }
     json.put("ranked_by", by_loss ? "val_loss" : "accuracy");
+    if (cfg_.target_accuracy > 0) json.put("target_accuracy", cfg_.target_accuracy);
     json.add_child("trainers", list);
     fs::create_directories(cfg_.sweep_dir);
     boost::property_tree::write_json(cfg_.sweep_dir + "/summary.json", json);

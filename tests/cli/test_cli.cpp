@@ -365,8 +365,12 @@ TEST(CliMpi, TrainerGroupsTrainAsAloneAndADivergingOneStopsAlone) {
   // Population-based training: rounds at steps 4 and 8; the diverging trainer stops before the
   // first and sits out (no exchange with it, no hang), the others pair up and the losers go on.
   Result pbt = mpirun(4, "train --config " + dir + "/mlp.ini --test-data " + dir + "/band --momentum 0.9 " +
-                             "--trainers 4 --sweep lr=0.01,0.05,1e30,0.1 --pbt-every 4 --sweep-dir " + dir + "/pbt");
+                             "--trainers 4 --sweep lr=0.01,0.05,1e30,0.1 --pbt-every 4 --target-accuracy 1 " +
+                             "--sweep-dir " + dir + "/pbt");
   EXPECT_EQ(pbt.code, 3) << pbt.out;
+  std::ifstream pbt_summary(dir + "/pbt/summary.json");
+  const std::string ranked((std::istreambuf_iterator<char>(pbt_summary)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(count(ranked, "\"time_to_target_s\": \"-1\""), 1u) << ranked;  // all but the diverged one got there
   std::ifstream history(dir + "/pbt/pbt.jsonl");
   int rounds[2] = {0, 0};
   for (std::string line; std::getline(history, line);) {

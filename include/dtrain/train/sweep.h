@@ -32,6 +32,7 @@ struct TrainerOutcome {
   std::string status = "not run";  // ok, diverged, failed (bad input), preempted
   std::string message;             // the error of a trainer that stopped
   double accuracy = 0, val_loss = 0, time_s = 0, units_per_s = 0;
+  double time_to_target_s = -1;  // training seconds to --target-accuracy (-1: not reached, or no target)
   int64_t steps = 0;
 };
 
