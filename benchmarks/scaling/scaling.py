@@ -38,7 +38,8 @@ efficiency (report.md, model.csv, model.json), and projects to larger clusters (
 hierarchical allreduce) for a given link bandwidth, latency and GPUs per node.
 
 `batch` trains on a held-out split (a Fashion-MNIST subset, or --dataset blobs) for each global
-batch and reports throughput and the training time (evaluation left out) until the TEST accuracy
+batch, all in one `dtrain train --sweep global-batch-size=... --lr-scaling linear` job (trainer
+groups), and reports throughput and the training time (evaluation left out) until the TEST accuracy
 first reaches --target-accuracy, or "not reached".
 
 Needs only the Python standard library and numpy; plots are skipped without matplotlib
@@ -1116,25 +1117,30 @@ def cmd_batch(args):
     data_dir = os.path.join(args.out, "batch-data")
     train, test = make_dataset(args, data_dir)
     os.makedirs(os.path.join(args.out, "metrics"), exist_ok=True)
+    # One job: dtrain's trainer groups train every batch size one after another on the same ranks
+    # (--trainers 1, so each has the machine to itself as its throughput needs), the learning rate
+    # scaled linearly from --base-lr at --base-batch by dtrain itself.
+    batches = split_list(args.batch_sizes, int)
+    sweep_dir = os.path.join(args.out, "metrics", f"batch-n{args.batch_ranks}")
+    shutil.rmtree(sweep_dir, ignore_errors=True)
+    cmd = launcher(args, args.batch_ranks) + [
+        args.dtrain, "train", "--model", args.batch_model, "--data", train, "--test-data", test, "--epochs",
+        str(args.epochs), "--sweep", "global-batch-size=" + ",".join(str(b) for b in batches), "--trainers", "1",
+        "--lr", f"{args.base_lr:g}", "--lr-scaling", "linear", "--base-batch-size", str(args.base_batch),
+        "--target-accuracy", f"{100 * args.target_accuracy:g}", "--sweep-dir", sweep_dir, "--threads",
+        str(args.threads), "--progress", "off", "--log-every", "1000000"] + shlex.split(args.train_args)
+    print("+ " + " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=args.timeout * len(batches))
+    os.makedirs(sweep_dir, exist_ok=True)
+    with open(os.path.join(sweep_dir, "log.txt"), "w") as f:
+        f.write(proc.stdout)
+    if proc.returncode != 0:
+        raise SystemExit(f"sweep failed (status {proc.returncode}):\n{proc.stdout[-3000:]}")
     rows = []
-    for batch in split_list(args.batch_sizes, int):
-        metrics = os.path.join(args.out, "metrics", f"batch-n{args.batch_ranks}-b{batch}.jsonl")
-        if os.path.exists(metrics):
-            os.remove(metrics)
-        # The learning rate grows with the batch (linear scaling from --base-lr at --base-batch).
-        lr = args.base_lr * batch / args.base_batch
-        cmd = launcher(args, args.batch_ranks) + [
-            args.dtrain, "train", "--model", args.batch_model, "--data", train, "--test-data", test, "--epochs",
-            str(args.epochs), "--global-batch-size", str(batch), "--lr", f"{lr:g}", "--threads", str(args.threads),
-            "--progress", "off", "--log-every", "1000000", "--metrics", metrics] + shlex.split(args.train_args)
-        print("+ " + " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout)
-        with open(metrics + ".log", "w") as f:
-            f.write(proc.stdout)
-        if proc.returncode != 0:
-            raise SystemExit(f"run failed (status {proc.returncode}):\n{proc.stdout[-3000:]}")
+    for i, batch in enumerate(batches):
         evals, summary = [], {}
-        with open(metrics) as f:
+        with open(os.path.join(sweep_dir, f"trainer-{i}", "metrics.jsonl")) as f:
             for line in f:
                 rec = json.loads(line)
                 if "summary" in rec:
@@ -1143,8 +1149,8 @@ def cmd_batch(args):
                     evals.append(rec)
         # Training seconds (evaluation left out) until the first evaluation at or above the target.
         hit = next((e for e in evals if e["test_accuracy"] >= args.target_accuracy), None)
-        rows.append({"ranks": args.batch_ranks, "global_batch": batch, "lr": lr, "epochs": len(evals),
-                     "samples_per_s": summary.get("samples_per_s", 0.0),
+        rows.append({"ranks": args.batch_ranks, "global_batch": batch, "lr": args.base_lr * batch / args.base_batch,
+                     "epochs": len(evals), "samples_per_s": summary.get("samples_per_s", 0.0),
                      "best_test_accuracy": max((e["test_accuracy"] for e in evals), default=0.0),
                      "final_test_accuracy": evals[-1]["test_accuracy"] if evals else 0.0,
                      "target_accuracy": args.target_accuracy,

@@ -45,7 +45,7 @@ dtrain_find_bin() {
 }
 
 # dtrain_train_args ARGS...: fills the array DTRAIN_TRAIN_ARGS with `train`, the user's options,
-# and --checkpoint-dir / --metrics / --resume unless the user gave them.
+# and --checkpoint-dir / --metrics / --resume (and --sweep-dir for trainer groups) unless the user gave them.
 dtrain_train_args() {
   local user=("$@")
   if [[ -n "${DTRAIN_ARGS:-}" ]]; then
@@ -62,6 +62,10 @@ dtrain_train_args() {
     DTRAIN_TRAIN_ARGS+=(--checkpoint-dir "$DTRAIN_CKPT_DIR")
   fi
   [[ "$joined" == *" --metrics"* ]] || DTRAIN_TRAIN_ARGS+=(--metrics "$DTRAIN_METRICS")
+  # Trainer groups keep each trainer's folder (and the resume of a requeued sweep) in the run folder.
+  if [[ "$joined" == *" --trainers"* || "$joined" == *" --sweep"* ]] && [[ "$joined" != *" --sweep-dir"* ]]; then
+    DTRAIN_TRAIN_ARGS+=(--sweep-dir "$DTRAIN_RUN_DIR/sweep")
+  fi
   if [[ "$joined" != *" --resume"* ]] && compgen -G "$DTRAIN_CKPT_DIR/ckpt-step*.h5" >/dev/null; then
     dtrain_log "resuming from the newest checkpoint in $DTRAIN_CKPT_DIR"
     DTRAIN_TRAIN_ARGS+=(--resume "$DTRAIN_CKPT_DIR")

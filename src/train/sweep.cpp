@@ -101,6 +101,13 @@ class TrainerGroups {
                      "option --pbt-every: the trainers must run the same steps, so --sweep cannot set " << k);
     group_index_ = world.rank() / size;
     group_ = world.split(group_index_, world.rank(), "trainers-" + std::to_string(group_index_));
+    // The nodes the group spans: highest index and minus the lowest, by one max.
+    Tensor nodes = Tensor::from({2}, std::vector<float>{static_cast<float>(rt.topology().node_index),
+                                                        -static_cast<float>(rt.topology().node_index)});
+    group_->allreduce(nodes, comm::ReduceOp::Max)->wait();
+    const int last = static_cast<int>(nodes.f32()[0]), first = static_cast<int>(-nodes.f32()[1]);
+    nodes_ = first == last ? "node " + std::to_string(first)
+                           : "nodes " + std::to_string(first) + "-" + std::to_string(last);
   }
 
   int run() {
@@ -156,8 +163,8 @@ class TrainerGroups {
       return o;
     }
     if (speaker)
-      std::printf("trainer %d/%zu (%s) on ranks %d-%d\n", i, grid_.size(), point_text(o.point).c_str(),
-                  rt_.world().rank(), rt_.world().rank() + group_->size() - 1);
+      std::printf("trainer %d/%zu (%s) on ranks %d-%d, %s\n", i, grid_.size(), point_text(o.point).c_str(),
+                  rt_.world().rank(), rt_.world().rank() + group_->size() - 1, nodes_.c_str());
     std::vector<std::string> a = trainer_args(i);
     std::vector<char*> argv;
     for (auto& s : a) argv.push_back(s.data());
@@ -409,6 +416,7 @@ class TrainerGroups {
   std::vector<SweepPoint> grid_;
   int group_index_ = 0, group_size_ = 1;
   int64_t rounds_played_ = 0;
+  std::string nodes_;  // "node 1" or "nodes 0-1": where this group's ranks are
   std::unique_ptr<comm::Communicator> group_;
 };
 

@@ -77,7 +77,15 @@ case "$mode" in
     cat "$work/pbs.log"
     grep -q "4 ranks on emu1,emu2" "$work/pbs.log" || fail "train.pbs: not 4 ranks from the 2-host PBS_NODEFILE"
     grep -q "dtrain: 4 ranks on 2 nodes" "$work/pbs.log" || fail "train.pbs: dtrain did not run on 2 nodes"
-    echo "PASS: 4 ranks on 2 emulated nodes (mpirun, launch.sh with a hostfile, train.pbs); accuracy $a2% vs $a1%"
+    # Trainer groups across the nodes: two groups of 2 ranks, each on a node of its own.
+    on emu1 mpirun --host emu1:2,emu2:2 -n 4 --bind-to none "$bin" train --synthetic --model mlp --steps 100 \
+      --threads 1 --progress off --trainers 2 --sweep lr=0.01,0.05 --sweep-dir "$work/sweep" >"$work/sweep.log" 2>&1 ||
+      { cat "$work/sweep.log"; fail "trainer groups on 2 nodes failed"; }
+    cat "$work/sweep.log"
+    grep -q "trainer 0/2 (lr=0.01) on ranks 0-1, node 0" "$work/sweep.log" || fail "trainer groups: group 0 not on node 0"
+    grep -q "trainer 1/2 (lr=0.05) on ranks 2-3, node 1" "$work/sweep.log" || fail "trainer groups: group 1 not on node 1"
+    [[ $(grep -c '"status": "ok"' "$work/sweep/summary.json") -eq 2 ]] || fail "trainer groups: not 2 finished trainers"
+    echo "PASS: 4 ranks on 2 emulated nodes (mpirun, launch.sh with a hostfile, train.pbs, 2 trainer groups); accuracy $a2% vs $a1%"
     ;;
   slurm)
     bin=$2 work=$3

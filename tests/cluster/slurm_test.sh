@@ -47,6 +47,19 @@ case "$mode" in
       grep -q '"summary": "run", "steps": 200,' "$work/runs/dtrain-$launcher-$id/metrics.jsonl" || fail "$launcher: no summary"
       echo "PASS ($launcher): job $id on 2 ranks, test accuracy $acc%"
     done
+    # Trainer groups in one job: two one-rank trainers of a learning-rate sweep, their folders and
+    # summary in the job's run folder.
+    id=$(sbatch --parsable -n 2 --job-name=dtrain-sweep "$root/cluster/slurm/train.sbatch" \
+      --config "$root/examples/fashion_cnn.ini" --data "$data/train" --test-data "$data/test" --steps 100 \
+      --threads 1 --progress off --trainers 2 --sweep lr=0.02,0.05)
+    state=$(wait_job "$id" 600)
+    out="$work/dtrain-$id.out"
+    cat "$out"
+    [[ "$state" == COMPLETED ]] || fail "sweep: job $id ended $state"
+    summary="$work/runs/dtrain-sweep-$id/sweep/summary.json"
+    [[ $(grep -c '"status": "ok"' "$summary") -eq 2 ]] || fail "sweep: $summary does not hold 2 finished trainers"
+    grep -q "trainer 1/2 (lr=0.05) on ranks 1-1" "$out" || fail "sweep: trainer 1 did not run on rank 1"
+    echo "PASS (train.sbatch --trainers 2): job $id, 2 trainers"
     # The multi-node script with its node, task and GPU counts overridden on sbatch's command line
     # as its header says (one node is all this SLURM has; no GPUs here).
     id=$(DTRAIN_GPUS_PER_TASK= sbatch --parsable -N 1 --ntasks-per-node=2 --gpus-per-task=0 --cpus-per-task=1 \
