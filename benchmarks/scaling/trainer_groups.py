@@ -5,8 +5,9 @@
               (each job the whole machine: --threads = cores), wall time from launch to exit;
               reports configurations per hour of both and their ratio.
   pbt         population-based training (--pbt-every) against the same K configurations trained
-              fixed, same steps, for each seed: the best PBT trainer's test accuracy against the
-              median of the fixed ones; reports both per seed and their means.
+              fixed (--fixed-steps, default the same steps; more steps match the wall time PBT's
+              tournament evaluations take), for each seed: the best PBT trainer's test accuracy
+              against the median of the fixed ones; reports both per seed and their means.
 
   benchmarks/scaling/trainer_groups.py throughput --dtrain build/dtrain --data build/data/fashion-mnist
   benchmarks/scaling/trainer_groups.py pbt --dtrain build/dtrain --data build/data/fashion-mnist --seeds 1,2
@@ -61,17 +62,21 @@ def pbt(a, work, log):
     rows = []
     for seed in a.seeds.split(","):
         base = [a.dtrain, "train", "--model", a.model, "--data", f"{a.data}/train", "--test-data", f"{a.data}/test",
-                "--steps", str(a.steps), "--progress", "off", "--threads", "1", "--trainers", str(k), "--sweep",
-                "lr=" + a.lrs, "--momentum", str(a.momentum), "--seed", seed, "--log-every", "100",
-                "--checkpoint-every", str(a.steps)]
-        fixed_s, rc = mpirun(k, base + ["--sweep-dir", f"{work}/fixed-{seed}"], log)
+                "--epochs", "100", "--progress", "off", "--threads", "1", "--trainers", str(k), "--sweep", "lr=" + a.lrs,
+                "--momentum",
+                str(a.momentum), "--seed", seed, "--log-every", "100"]
+        fixed_steps = str(a.fixed_steps or a.steps)
+        fixed_s, rc = mpirun(k, base + ["--steps", fixed_steps, "--checkpoint-every", fixed_steps, "--sweep-dir",
+                                        f"{work}/fixed-{seed}"], log)
         assert rc == 0, f"fixed sweep failed ({rc}); see {log.name}"
-        pbt_s, rc = mpirun(k, base + ["--pbt-every", str(a.pbt_every), "--sweep-dir", f"{work}/pbt-{seed}"], log)
+        pbt_s, rc = mpirun(k, base + ["--steps", str(a.steps), "--checkpoint-every", str(a.steps), "--pbt-every",
+                                      str(a.pbt_every), "--sweep-dir", f"{work}/pbt-{seed}"], log)
         assert rc == 0, f"pbt sweep failed ({rc}); see {log.name}"
         fixed = [100 * float(t["accuracy"]) for t in summary(f"{work}/fixed-{seed}")]
         best = max(100 * float(t["accuracy"]) for t in summary(f"{work}/pbt-{seed}"))
         rows.append((seed, statistics.median(fixed), max(fixed), best, fixed_s, pbt_s))
-    print(f"{k} trainers of {a.model} (lr {a.lrs}, momentum {a.momentum}), {a.steps} steps, PBT every {a.pbt_every}")
+    print(f"{k} trainers of {a.model} (lr {a.lrs}, momentum {a.momentum}), PBT {a.steps} steps, every {a.pbt_every}; "
+          f"fixed {a.fixed_steps or a.steps} steps")
     print(f"{'seed':>4}  {'fixed median':>12}  {'fixed best':>10}  {'PBT best':>8}  {'fixed s':>7}  {'PBT s':>6}")
     for seed, med, top, best, fs, ps in rows:
         print(f"{seed:>4}  {med:11.2f}%  {top:9.2f}%  {best:7.2f}%  {fs:7.1f}  {ps:6.1f}")
@@ -89,10 +94,12 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--pbt-every", type=int, default=100)
+    ap.add_argument("--fixed-steps", type=int, default=0, help="steps of the fixed trainers (0: --steps)")
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--work", default=None, help="run folders (default: a new temporary folder)")
     a = ap.parse_args()
     work = a.work or tempfile.mkdtemp(prefix="trainer_groups-")
+    os.makedirs(work, exist_ok=True)
     with open(os.path.join(work, "log.txt"), "w") as log:
         (throughput if a.what == "throughput" else pbt)(a, work, log)
     return 0

@@ -24,7 +24,7 @@ export OMP_NUM_THREADS=1
   --steps 40 --threads 1 --progress off --checkpoint-dir "$work/gpt" >"$work/gpt.log" 2>&1 || { cat "$work/gpt.log"; exit 1; }
 /usr/bin/python3 "$check" --dtrain "$bin" --checkpoint "$work/gpt" --data "$work/fortunes" --batch-size 16
 if /usr/bin/python3 -c "import torchvision" 2>/dev/null; then
-  "$bin" train --model-file "$here/../../examples/models/vit_mini.json" --data "$fmnist/train" --steps 100 \
+  "$bin" train --model-file "$here/../../examples/models/vit_mini.json" --data "$fmnist/train" --steps 50 \
     --batch-size 64 --optimizer adamw --lr 0.001 --threads 1 --progress off --checkpoint-dir "$work/vit" \
     >"$work/vit.log" 2>&1 || { cat "$work/vit.log"; exit 1; }
   /usr/bin/python3 "$check" --dtrain "$bin" --checkpoint "$work/vit" --data "$fmnist/test" --batch-size 64

@@ -11,7 +11,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 rm -rf "$work" && mkdir -p "$work"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 source "$here/preempt_lib.sh"
-steps=3000
+steps=1500
 run() {
   exec mpiexec -n 2 --oversubscribe --bind-to none "$bin" train --synthetic --model mlp --steps "$steps" --log-every 50 \
     --threads 1 --progress off --trainers 2 --sweep lr=0.01,0.02 --sweep-dir "$work/sweep"

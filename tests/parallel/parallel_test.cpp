@@ -397,7 +397,9 @@ TEST(Pipeline, ImageModelsMatchTheLayoutWithoutStages) {
     std::vector<std::string> reference = run;
     reference.insert(reference.end(), {"--accumulate", "2"});
     const ParamValues want = train_params(config(reference), *group);
-    for (const char* schedule : {"gpipe", "1f1b"}) {
+    // The model files' layers are the built-in models' (which both schedules check): 1F1B only.
+    for (const char* schedule : model.ends_with(".json") ? std::vector<const char*>{"1f1b"}
+                                                         : std::vector<const char*>{"gpipe", "1f1b"}) {
       std::vector<std::string> piped = run;
       piped.insert(piped.end(), {"--pp", "2", "--micro-batches", "2", "--schedule", schedule});
       expect_stage_close(train_params(config(piped), world), want, model + " " + schedule);
