@@ -301,8 +301,8 @@ class TrainerGroups {
     return -1;
   }
 
-  static void write_result(const std::string& path, const TrainerOutcome& o) {
-    boost::property_tree::ptree t;
+  // A trainer's ending as JSON fields: its result.json, and its entry in summary.json.
+  static void put_outcome(boost::property_tree::ptree& t, const TrainerOutcome& o) {
     t.put("status", o.status);
     t.put("message", o.message);
     t.put("accuracy", o.accuracy);
@@ -311,6 +311,11 @@ class TrainerGroups {
     t.put("units_per_s", o.units_per_s);
     t.put("steps", o.steps);
     t.put("time_to_target_s", o.time_to_target_s);
+  }
+
+  static void write_result(const std::string& path, const TrainerOutcome& o) {
+    boost::property_tree::ptree t;
+    put_outcome(t, o);
     fs::create_directories(fs::path(path).parent_path());
     boost::property_tree::write_json(path, t);
   }
@@ -391,14 +396,7 @@ class TrainerGroups {
       e.put("trainer", o.index);
       e.put("folder", folder(o.index));
       for (const auto& [k, v] : o.point) e.put("config." + k, v);
-      e.put("status", o.status);
-      e.put("message", o.message);
-      e.put("accuracy", o.accuracy);
-      e.put("val_loss", o.val_loss);
-      e.put("time_s", o.time_s);
-      e.put("units_per_s", o.units_per_s);
-      e.put("steps", o.steps);
-      e.put("time_to_target_s", o.time_to_target_s);
+      put_outcome(e, o);
       list.push_back({"", e});
     }
     json.put("ranked_by", by_loss ? "val_loss" : "accuracy");
