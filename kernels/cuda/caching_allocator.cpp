@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -41,6 +42,9 @@ void* CachingAllocator::allocate(size_t bytes) {
     DT_CHECK(e == cudaSuccess, "cudaMalloc of " << size << " bytes on cuda:" << device_ << " failed ("
                                                 << cudaGetErrorString(e) << "); " << format_stats(st_));
     ++st_.device_mallocs;
+    static const bool trace = std::getenv("DTRAIN_CUDA_MALLOC_TRACE") != nullptr;
+    if (trace) std::fprintf(stderr, "dtrain: cudaMalloc %zu bytes on cuda:%d (call %lld)\n", size, device_,
+                            static_cast<long long>(st_.device_mallocs));
     st_.reserved += size;
     st_.peak_reserved = std::max(st_.peak_reserved, st_.reserved);
   }

@@ -110,9 +110,8 @@ static void search(cudnnHandle_t h, ConvPlan& p) {
 // f32 into f32 results (cuDNN's legacy API would write bf16 outputs and gradients from bf16
 // inputs). Under F16 convolutions stay fp32, as the CPU engine keeps them.
 Tensor CudaEngine::bf16_rounded(const Tensor& src) {
-  Tensor low = lowp_copy(src, DType::BF16);
   Tensor r = Tensor::empty({src.numel()}, DType::F32, device());
-  k::cast(low.raw(), DType::BF16, r.raw(), DType::F32, src.numel(), compute_);
+  k::round_to_bf16(src.data<float>(), r.data<float>(), src.numel(), compute_);
   return r;
 }
 

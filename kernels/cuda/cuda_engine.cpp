@@ -205,12 +205,14 @@ void CudaEngine::compute_waits_for(cudaEvent_t ev) {
 }
 
 void* CudaEngine::workspace(size_t bytes) {
-  if (bytes == 0) return nullptr;
   if (!workspace_.defined() || workspace_.nbytes() < bytes) {
     // The old buffer may still be used by queued work: the allocator reuses it only in stream order.
-    workspace_ = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, device());
+    // Made on the first GEMM or convolution, at least as large as one cuBLASLt call may ask for, so
+    // that a new shape (an epoch's short last batch) does not allocate inside a step.
+    const size_t size = std::max(bytes, kGemmWorkspaceBytes);
+    workspace_ = Tensor::empty({static_cast<int64_t>(size)}, DType::U8, device());
   }
-  return workspace_.raw();
+  return bytes ? workspace_.raw() : nullptr;
 }
 
 Tensor CudaEngine::lowp_copy(const Tensor& src, DType dtype) {

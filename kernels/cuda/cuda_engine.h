@@ -22,6 +22,9 @@ struct ConvPlan;  // cuda_dnn.cpp
 struct PoolPlan;
 struct BnPlan;
 
+// What one cuBLASLt call may use as workspace (its heuristics are asked for no more).
+inline constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
+
 class CudaEngine final : public Engine {
  public:
   explicit CudaEngine(int device_index);

@@ -13,7 +13,6 @@ namespace dtrain::cuda {
 
 namespace {
 
-constexpr size_t kGemmWorkspace = size_t{32} << 20;  // what cuBLASLt may use per call
 
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
@@ -72,7 +71,7 @@ GemmPlan& CudaEngine::gemm_plan(bool ta, bool tb, int64_t m, int64_t n, int64_t 
   }
   cublasLtMatmulPreference_t pref = nullptr;
   DT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  uint64_t ws = kGemmWorkspace;
+  uint64_t ws = kGemmWorkspaceBytes;
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_b, sizeof al_b);
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_a, sizeof al_a);

@@ -61,6 +61,10 @@ __global__ void f32_to_bf16_kernel(const float* s, uint16_t* d, int64_t n) {
 __global__ void bf16_to_f32_kernel(const uint16_t* s, float* d, int64_t n) {
   DT_GRID_STRIDE(i, n) d[i] = bf16_to_float(s[i]);
 }
+// f32 -> bf16 -> f32 in one pass: the value a bf16 copy would hold, kept in f32.
+__global__ void round_to_bf16_kernel(const float* s, float* d, int64_t n) {
+  DT_GRID_STRIDE(i, n) d[i] = bf16_to_float(float_to_bf16(s[i]));
+}
 __global__ void f32_to_f16_kernel(const float* s, uint16_t* d, int64_t n) {
   DT_GRID_STRIDE(i, n) d[i] = __half_as_ushort(__float2half_rn(s[i]));
 }
@@ -166,6 +170,11 @@ void cast(const void* src, DType from, void* dst, DType to, int64_t n, cudaStrea
     f16_to_f32_kernel<<<b, kThreads, 0, s>>>(u16in, static_cast<float*>(dst), n);
     DT_CUDA_LAUNCHED();
   }
+}
+
+void round_to_bf16(const float* src, float* dst, int64_t n, cudaStream_t s) {
+  if (n > 0) round_to_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(src, dst, n);
+  DT_CUDA_LAUNCHED();
 }
 
 void add_row_bias(float* y, const float* bias, int64_t m, int64_t n, cudaStream_t s) {

@@ -21,6 +21,8 @@ void fill(float* y, float value, int64_t n, cudaStream_t s);
 void dropout_mask(float* mask, float p, uint64_t seed, int64_t n, cudaStream_t s);
 // f32 <-> bf16/f16 (the 16-bit types as raw uint16_t, round to nearest even).
 void cast(const void* src, DType from, void* dst, DType to, int64_t n, cudaStream_t s);
+// dst = src rounded to the nearest bf16, kept in f32 (cast to bf16 and back, in one kernel).
+void round_to_bf16(const float* src, float* dst, int64_t n, cudaStream_t s);
 // y[M,N] += bias[N]; dbias[N] += column sums of dy[M,N].
 void add_row_bias(float* y, const float* bias, int64_t m, int64_t n, cudaStream_t s);
 void row_bias_grad(const float* dy, float* dbias, int64_t m, int64_t n, cudaStream_t s);

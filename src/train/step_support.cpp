@@ -36,7 +36,7 @@ std::string gpu_memory_report(Device dev, int64_t steps_run, int64_t step_malloc
   if (dev.is_cpu()) return "";
   std::string report = cuda::format_stats(cuda::allocator_stats(dev.index));
   if (steps_run > 2)
-    report += "; " + std::to_string(step_mallocs) + " cudaMalloc calls inside the steps after the first two";
+    report += "; " + std::to_string(step_mallocs) + " cudaMalloc calls inside the steps after each batch size's first two";
   return report;
 #else
   (void)dev, (void)steps_run, (void)step_mallocs;

@@ -164,7 +164,9 @@ bool Trainer::step_once(double& wait_s) {
   row_units_.push_back(task_->step_units());
   ++step_;
   comm::set_step_phase(step_, true);  // what follows the step: reads, logs, checks, checkpoints
-  if (step_ > start_step_ + 2) step_mallocs_ += gpu_malloc_count(device_) - mallocs0;
+  // A batch size's first two steps make its buffers (an epoch's short last batch is a new size);
+  // the steps after them should find everything in the allocator's cache.
+  if (++steps_per_batch_units_[task_->step_units()] > 2) step_mallocs_ += gpu_malloc_count(device_) - mallocs0;
   if (step_ == start_step_ + 1) {
     result_.first_step_at_s = process_age_s();
     run_t0_ = t1;

@@ -174,6 +174,7 @@ class Trainer {
   int64_t stop_after_ = -1;  // DTRAIN_TEST_STOP on this rank: the step after which it stops (SIGSTOP)
   double train_t0_ = 0, eval_total_s_ = 0, run_t0_ = 0, run_cpu0_ = 0, ema_step_s_ = 0, bubble_sum_ = 0;
   int64_t run_units_ = 0, step_mallocs_ = 0;
+  std::map<int64_t, int64_t> steps_per_batch_units_;  // steps run at each batch size (samples or tokens)
   JsonFields last_validation_;
   float lr_scale_ = 1.f, momentum_ = 0.f;  // set_base_lr's factor on the schedule; SGD's momentum
   int64_t hook_every_ = 0;
