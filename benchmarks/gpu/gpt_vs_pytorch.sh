@@ -2,7 +2,8 @@
 # The GPT of the model-parallel issue (6 layers, width 256, 8 heads, context 128, byte vocabulary,
 # AdamW) trained on one GPU by dtrain (--device cuda) and by PyTorch (benchmarks/peers/torch_gpt.py),
 # side by side in fp32 (TF32 off), tf32, bf16 and fp16 (dynamic loss scaling), on the fortunes token shards.
-#   benchmarks/gpu/gpt_vs_pytorch.sh BATCH STEPS        (DTRAIN=path/to/dtrain, PYTHON=python3 with torch+h5py)
+#   benchmarks/gpu/gpt_vs_pytorch.sh BATCH STEPS        (DTRAIN=path/to/dtrain, PYTHON=python3 with torch+h5py,
+#   or TOKENS=the train tokens as .npy for a PyTorch without h5py; benchmarks/gpu/pack.sh writes one)
 set -euo pipefail
 B=${1:-8}
 S=${2:-300}
@@ -16,5 +17,5 @@ for p in fp32 tf32 bf16 fp16; do
     tail -n 4
   echo "== pytorch $p batch $B"
   "$PYTHON" benchmarks/peers/torch_gpt.py --device cuda --precision "$p" --batch "$B" --steps "$S" --warmup 10 \
-    --tokens "$DATA/train.h5" | tail -n 2
+    --tokens "${TOKENS:-$DATA/train.h5}" | tail -n 2
 done

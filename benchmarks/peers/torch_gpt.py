@@ -10,7 +10,7 @@ on a GPU, where --precision fp32 turns TF32 off and tf32 turns it on, and fp16 r
 float16 with GradScaler's dynamic loss scaling.
 
 usage: torch_gpt.py [--layers 6] [--width 256] [--heads 8] [--context 128] [--batch 8]
-                    [--steps 20] [--warmup 3] [--threads 1] [--tokens FILE.h5] [--precision fp32|tf32|bf16|fp16]
+                    [--steps 20] [--warmup 3] [--threads 1] [--tokens FILE.h5|FILE.npy] [--precision fp32|tf32|bf16|fp16]
                     [--device cpu|cuda]
 """
 import argparse
@@ -77,7 +77,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tokens", help="HDF5 token file (dtrain convert text); random bytes otherwise")
+    ap.add_argument("--tokens", help="HDF5 token file (dtrain convert text) or its tokens as .npy; random bytes otherwise")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--precision", choices=["fp32", "tf32", "bf16", "fp16"], default="fp32",
                     help="fp32 (on cuda: TF32 off), tf32 (cuda only), bf16 autocast, or fp16 autocast with "
@@ -94,7 +94,10 @@ def main():
     scaler = torch.cuda.amp.GradScaler(enabled=a.precision == "fp16")
     torch.set_num_threads(a.threads)
     torch.manual_seed(1)
-    if a.tokens:
+    if a.tokens and a.tokens.endswith(".npy"):  # the same tokens saved by numpy, where h5py is missing
+        import numpy
+        stream = torch.from_numpy(numpy.load(a.tokens).astype("int64"))
+    elif a.tokens:
         import h5py
         with h5py.File(a.tokens, "r") as f:
             stream = torch.from_numpy(f["tokens"][:].astype("int64"))
