@@ -2,8 +2,9 @@
 """Trainer groups (dtrain train --trainers K --sweep ...) measured on Fashion-MNIST.
 
   throughput  K configurations as one job of K trainer groups, against K jobs one after another
-              (each job the whole machine: --threads = cores), wall time from launch to exit;
-              reports configurations per hour of both and their ratio.
+              (each job the whole machine: one rank with --threads = cores, or --alone-ranks ranks
+              running the batch data parallel), wall time from launch to exit; reports
+              configurations per hour of both and their ratio.
   pbt         population-based training (--pbt-every) against the same K configurations trained
               fixed (--fixed-steps, default the same steps; more steps match the wall time PBT's
               tournament evaluations take), for each seed: the best PBT trainer's test accuracy
@@ -41,18 +42,22 @@ def throughput(a, work, log):
     k = len(values)
     base = [a.dtrain, "train", "--model", a.model, "--data", f"{a.data}/train", "--test-data", f"{a.data}/test",
             "--steps", str(a.steps), "--progress", "off", "--checkpoint-every", str(a.steps)]
-    together, rc = mpirun(k, base + ["--threads", "1", "--trainers", str(k), "--sweep", "lr=" + a.lrs,
-                                     "--sweep-dir", f"{work}/groups"], log)
+    together, rc = mpirun(k, base + ["--batch-size", str(a.batch_size), "--threads", "1", "--trainers", str(k),
+                                     "--sweep", "lr=" + a.lrs, "--sweep-dir", f"{work}/groups"], log)
     assert rc == 0, f"the trainer groups job failed ({rc}); see {log.name}"
+    # Each separate job: the same samples per step, on --alone-ranks ranks (the job's allocation
+    # running data parallel) with the cores shared among them.
+    n = a.alone_ranks
+    assert a.batch_size % n == 0, "--batch-size must divide over --alone-ranks"
     alone = 0.0
     for i, v in enumerate(values):
-        s, rc = mpirun(1, base + ["--threads", str(os.cpu_count()), "--lr", v, "--seed", str(42 + i),
-                                  "--checkpoint-dir", f"{work}/alone-{i}"], log)
+        s, rc = mpirun(n, base + ["--threads", str(max(1, os.cpu_count() // n)), "--batch-size", str(a.batch_size // n),
+                                  "--lr", v, "--seed", str(42 + i), "--checkpoint-dir", f"{work}/alone-{i}"], log)
         assert rc == 0, f"job {i} failed ({rc}); see {log.name}"
         alone += s
-    print(f"{k} configurations of {a.model}, {a.steps} steps each, {os.cpu_count()} cores")
+    print(f"{k} configurations of {a.model}, {a.steps} steps of {a.batch_size} samples each, {os.cpu_count()} cores")
     print(f"  one job, {k} trainer groups of 1 rank:  {together:7.1f} s  {3600 * k / together:8.0f} configurations/h")
-    print(f"  {k} jobs one after another:             {alone:7.1f} s  {3600 * k / alone:8.0f} configurations/h")
+    print(f"  {k} jobs of {n} rank(s) one after another: {alone:7.1f} s  {3600 * k / alone:8.0f} configurations/h")
     print(f"  ratio: {alone / together:.2f}x")
 
 
@@ -92,6 +97,10 @@ def main():
     ap.add_argument("--model", default="simple_cnn")
     ap.add_argument("--lrs", default="0.003,0.01,0.03,0.3", help="the configurations: one learning rate each")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch-size", type=int, default=64, help="samples per step of each configuration")
+    ap.add_argument("--alone-ranks", type=int, default=1,
+                    help="throughput: ranks of each separate job (data parallel over the batch; 1: one rank "
+                         "with every core's thread)")
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--pbt-every", type=int, default=100)
     ap.add_argument("--fixed-steps", type=int, default=0, help="steps of the fixed trainers (0: --steps)")

@@ -153,6 +153,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(common, "trainers", &c.trainers, def.trainers, "trainer groups: the ranks split into this many groups, each training its share of the --sweep configurations (each group a dp x tp x pp grid of its ranks)");
   common.add_options()("sweep", po::value<std::vector<std::string>>(&c.sweep)->composing(), "OPTION=V1,V2,...: train every value (repeated: every combination), each a trainer with its own seed (--seed + its index) and folder under --sweep-dir; a summary ranks them");
   values_.push_back({"sweep", [&c] { std::string t; for (const auto& v : c.sweep) t += (t.empty() ? "" : "\nsweep = ") + v; return t; }, ""});
+  add(common, "sweep-random", &c.sweep_random, def.sweep_random, "trainer groups: draw this many configurations instead of the grid, each --sweep value from its list (V1,V2,...) or range (LO:HI uniform, LO:HI:log log-uniform; integers when both ends are), seeded by --seed (0: the grid)");
   add(common, "pbt-every", &c.pbt_every, def.pbt_every, "population-based training over the trainers (one per --sweep configuration, all at once): every this many steps they pair up, compare the validation metric, and the loser takes the winner's weights, optimizer state, learning rate and momentum, then multiplies the learning rate and 1 - momentum by 0.8 or 1.25 (0: off; needs --steps)");
   add(common, "target-accuracy", &c.target_accuracy, def.target_accuracy, "trainer groups: the summary gives each trainer's training time (evaluation excluded) to its first validation at this test accuracy, in percent (a batch-size search: --sweep batch-size=... --lr-scaling linear); 0: off");
   add(common, "sweep-dir", &c.sweep_dir, def.sweep_dir, "trainer groups: the run folders (trainer-<i>/: metrics, checkpoints) and summary.json");
@@ -253,6 +254,8 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.threads >= 0 && c.threads <= 1024, "option --threads must be in [0, 1024], got " << c.threads);
   DT_INPUT_CHECK(c.trainers >= 1, "option --trainers must be >= 1, got " << c.trainers);
   DT_INPUT_CHECK(c.pbt_every >= 0, "option --pbt-every must be >= 0, got " << c.pbt_every);
+  DT_INPUT_CHECK(c.sweep_random >= 0, "option --sweep-random must be >= 0, got " << c.sweep_random);
+  DT_INPUT_CHECK(c.sweep_random == 0 || !c.sweep.empty(), "option --sweep-random needs --sweep specs to draw from");
   DT_INPUT_CHECK(c.log_every >= 1 || (c.model == "gpt" && c.log_every == 0),
                  "option --log-every must be >= 1 (the gpt also takes 0: one line at the end), got " << c.log_every);
   DT_INPUT_CHECK(c.preempt_check_every >= 1 && c.preempt_check_every <= 1000000,

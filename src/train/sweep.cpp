@@ -4,6 +4,7 @@
 #include <boost/property_tree/json_parser.hpp>
 #include <boost/property_tree/ptree.hpp>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -19,22 +20,73 @@ namespace dtrain::train {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+// One --sweep spec "OPTION=V1,V2,...": the option's name (without "--") and its values.
+std::pair<std::string, std::vector<std::string>> parse_spec(const std::string& spec, std::set<std::string>& seen) {
+  const size_t eq = spec.find('=');
+  DT_INPUT_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < spec.size(),
+                 "option --sweep '" << spec << "' is not OPTION=V1,V2,...");
+  std::string name = spec.substr(0, eq);
+  if (name.starts_with("--")) name = name.substr(2);
+  DT_INPUT_CHECK(seen.insert(name).second, "option --sweep gives " << name << " twice");
+  std::vector<std::string> values;
+  std::stringstream list(spec.substr(eq + 1));
+  for (std::string v; std::getline(list, v, ',');) {
+    DT_INPUT_CHECK(!v.empty(), "option --sweep '" << spec << "' has an empty value");
+    values.push_back(v);
+  }
+  DT_INPUT_CHECK(!spec.ends_with(","), "option --sweep '" << spec << "' has an empty value");
+  return {name, values};
+}
+
+// "LO:HI" or "LO:HI:log" with LO and HI numbers: a range of --sweep-random (else a plain value).
+std::vector<std::string> range_parts(const std::string& v) {
+  std::vector<std::string> parts;
+  std::stringstream range(v);
+  for (std::string part; std::getline(range, part, ':');) parts.push_back(part);
+  if (parts.size() < 2 || parts.size() > 3 || (parts.size() == 3 && parts[2] != "log")) return {};
+  for (size_t i = 0; i < 2; ++i) {
+    size_t used = 0;
+    try {
+      if (!std::isfinite(std::stod(parts[i], &used)) || used != parts[i].size()) return {};
+    } catch (const std::exception&) {
+      return {};
+    }
+  }
+  return parts;
+}
+bool is_range(const std::string& v) { return !range_parts(v).empty(); }
+
+// One value drawn from a --sweep-random spec's values: one of a list (or the one value), or from
+// a range "LO:HI" (uniform; integers when both ends are written as integers) or "LO:HI:log"
+// (log-uniform).
+std::string draw(const std::string& spec, const std::vector<std::string>& values, Rng& rng) {
+  const std::vector<std::string> parts = values.size() == 1 ? range_parts(values.front()) : std::vector<std::string>{};
+  if (parts.empty()) return values[rng.below(values.size())];
+  const double lo = std::stod(parts[0]), hi = std::stod(parts[1]);
+  const bool log = parts.size() == 3;
+  DT_INPUT_CHECK(lo < hi, "option --sweep '" << spec << "': the range's low end must be below its high end");
+  DT_INPUT_CHECK(!log || lo > 0, "option --sweep '" << spec << "': a log range needs a positive low end");
+  const double u = rng.uniform();
+  const double v = log ? std::exp(std::log(lo) + u * (std::log(hi) - std::log(lo))) : lo + u * (hi - lo);
+  auto whole = [](const std::string& t) { return t.find_first_of(".eE") == std::string::npos; };
+  if (whole(parts[0]) && whole(parts[1]))
+    return std::to_string(std::clamp(std::llround(v), std::llround(lo), std::llround(hi)));
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", v);
+  return buf;
+}
+
+}  // namespace
+
 std::vector<SweepPoint> sweep_grid(const std::vector<std::string>& specs) {
   std::vector<SweepPoint> grid{{}};
   std::set<std::string> seen;
   for (const std::string& spec : specs) {
-    const size_t eq = spec.find('=');
-    DT_INPUT_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < spec.size(),
-                   "option --sweep '" << spec << "' is not OPTION=V1,V2,...");
-    std::string name = spec.substr(0, eq);
-    if (name.starts_with("--")) name = name.substr(2);
-    DT_INPUT_CHECK(seen.insert(name).second, "option --sweep gives " << name << " twice");
-    std::vector<std::string> values;
-    std::stringstream list(spec.substr(eq + 1));
-    for (std::string v; std::getline(list, v, ',');) {
-      DT_INPUT_CHECK(!v.empty(), "option --sweep '" << spec << "' has an empty value");
-      values.push_back(v);
-    }
+    const auto [name, values] = parse_spec(spec, seen);
+    for (const std::string& v : values)
+      DT_INPUT_CHECK(!is_range(v), "option --sweep '" << spec << "': a range (" << v << ") needs --sweep-random N");
     std::vector<SweepPoint> next;
     for (const SweepPoint& p : grid)
       for (const std::string& v : values) {
@@ -44,6 +96,21 @@ std::vector<SweepPoint> sweep_grid(const std::vector<std::string>& specs) {
     grid = std::move(next);
   }
   return grid;
+}
+
+std::vector<SweepPoint> sweep_random(const std::vector<std::string>& specs, int count, uint64_t seed) {
+  DT_INPUT_CHECK(count >= 1, "option --sweep-random " << count << " draws no configuration");
+  DT_INPUT_CHECK(!specs.empty(), "option --sweep-random needs --sweep specs to draw from");
+  std::vector<std::pair<std::string, std::vector<std::string>>> parsed;
+  std::set<std::string> seen;
+  for (const std::string& spec : specs) parsed.push_back(parse_spec(spec, seen));
+  std::vector<SweepPoint> points(static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) {
+    Rng rng(derive_seed(seed, 5000 + static_cast<uint64_t>(i)));  // the same draws on every rank
+    for (size_t s = 0; s < parsed.size(); ++s)
+      points[static_cast<size_t>(i)].emplace_back(parsed[s].first, draw(specs[s], parsed[s].second, rng));
+  }
+  return points;
 }
 
 std::vector<std::string> without_options(const std::vector<std::string>& args, const std::vector<std::string>& names) {
@@ -84,7 +151,8 @@ std::string point_text(const SweepPoint& p) {
 class TrainerGroups {
  public:
   TrainerGroups(int argc, char** argv, const TrainConfig& cfg, comm::Runtime& rt)
-      : args_(argv, argv + argc), cfg_(cfg), rt_(rt), grid_(sweep_grid(cfg.sweep)) {
+      : args_(argv, argv + argc), cfg_(cfg), rt_(rt),
+        grid_(cfg.sweep_random > 0 ? sweep_random(cfg.sweep, cfg.sweep_random, cfg.seed) : sweep_grid(cfg.sweep)) {
     comm::Communicator& world = rt.world();
     DT_INPUT_CHECK(world.size() % cfg.trainers == 0,
                    "option --trainers " << cfg.trainers << " does not divide the " << world.size() << " ranks");
@@ -132,7 +200,7 @@ class TrainerGroups {
 
   // The trainer's own command line: the shared options, its sweep values, seed and folder.
   std::vector<std::string> trainer_args(int i) const {
-    std::vector<std::string> drop = {"trainers", "sweep", "sweep-dir", "seed", "metrics", "checkpoint-dir", "resume"};
+    std::vector<std::string> drop = {"trainers", "sweep", "sweep-random", "sweep-dir", "seed", "metrics", "checkpoint-dir", "resume"};
     if (cfg_.trainers > 1) drop.push_back("progress");  // several groups' bars would overwrite each other
     for (const auto& [k, v] : grid_[static_cast<size_t>(i)]) drop.push_back(k);
     std::vector<std::string> a = without_options(args_, drop);

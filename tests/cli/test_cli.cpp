@@ -8,6 +8,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "../train/train_test_util.h"
 #include "dtrain/kernels/engine.h"
@@ -315,6 +316,31 @@ TEST(CliMpi, TrainsOnTwoRanksAndMatchesOneRank) {
   double l1 = last_loss(dir + "/one.jsonl"), l2 = last_loss(dir + "/two.jsonl");
   EXPECT_GT(l1, 0);
   EXPECT_NEAR(l1, l2, 1e-4 * std::max(1.0, l1)) << one.out << two.out;
+  fs::remove_all(dir);
+}
+
+// --sweep-random draws its configurations from the seed: the same run twice trains the same ones
+// (the trainers' lines name them), another seed others; a range without it is refused.
+TEST(Cli, SweepRandomDrawsItsConfigurationsFromTheSeed) {
+  const std::string dir = dtrain::test::temp_dir("cli-sweep-random");
+  auto configurations = [&](int seed, const std::string& name) {
+    Result r = run("train --synthetic --model mlp --synthetic-shape 1,8,8 --hidden 8 --steps 2 --threads 1 --seed " +
+                   std::to_string(seed) + " --sweep-random 3 --sweep lr=1e-3:1e-1:log --sweep batch-size=8:32 " +
+                   "--sweep-dir " + dir + "/" + name);
+    EXPECT_EQ(r.code, 0) << r.out;
+    std::vector<std::string> lines;
+    std::istringstream out(r.out);
+    for (std::string line; std::getline(out, line);)
+      if (line.starts_with("trainer ") && line.find(" (lr=") != std::string::npos) lines.push_back(line);
+    return lines;
+  };
+  const std::vector<std::string> first = configurations(4, "a");
+  EXPECT_EQ(first.size(), 3u);
+  EXPECT_EQ(configurations(4, "b"), first);
+  EXPECT_NE(configurations(5, "c"), first);
+  Result grid = run("train --synthetic --model mlp --steps 2 --sweep lr=0.01:0.1 --sweep-dir " + dir + "/d");
+  EXPECT_EQ(grid.code, 2) << grid.out;
+  EXPECT_EQ(count(grid.out, "a range (0.01:0.1) needs --sweep-random N"), 1u) << grid.out;
   fs::remove_all(dir);
 }
 

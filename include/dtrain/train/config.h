@@ -16,8 +16,9 @@ struct TrainConfig {
   int trainers = 1;
   std::vector<std::string> sweep;
   std::string sweep_dir = "runs/sweep";
-  int64_t pbt_every = 0;
-  double target_accuracy = 0;  // trainer groups: the summary's time to this test accuracy (percent; 0: off)  // population-based training: steps between the trainers' tournaments (0: off)
+  int sweep_random = 0;        // > 0: that many configurations drawn from the --sweep specs' lists and ranges
+  int64_t pbt_every = 0;       // population-based training: steps between the trainers' tournaments (0: off)
+  double target_accuracy = 0;  // trainer groups: the summary's time to this test accuracy (percent; 0: off)
   // data
   std::string data, test_data;
   bool synthetic = false;

@@ -5,7 +5,8 @@
 // group g trains configurations g, g + K, ... of the sweep grid one after another with the one
 // training loop, each with its own seed (--seed + its index), metrics file and checkpoints in
 // <sweep-dir>/trainer-<i>/. A trainer that diverges or fails on bad input stops alone; the others
-// go on. Rank 0 ranks them all in a summary (printed, and <sweep-dir>/summary.json).
+// go on. Rank 0 ranks them all in a summary (printed, and <sweep-dir>/summary.json). With
+// --sweep-random N the configurations are N draws from the specs' lists and ranges instead.
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,12 @@ using SweepPoint = std::vector<std::pair<std::string, std::string>>;
 // Every combination of the --sweep specs ("lr=0.01,0.1"), the first spec varying slowest; no spec
 // gives one empty point. Throws InputError naming a spec without "=", a value or its option twice.
 std::vector<SweepPoint> sweep_grid(const std::vector<std::string>& specs);
+
+// `count` configurations drawn from the specs (--sweep-random): each option's value is one of its
+// list ("lr=0.01,0.1"), or drawn from its range: "LO:HI" uniform, "LO:HI:log" log-uniform, an
+// integer when both ends are written as integers. Configuration i draws from (seed, i), so every
+// rank draws the same. Throws InputError naming a bad spec or range.
+std::vector<SweepPoint> sweep_random(const std::vector<std::string>& specs, int count, uint64_t seed);
 
 // `args` without the options in `names` ("--lr 0.1" and "--lr=0.1" both go).
 std::vector<std::string> without_options(const std::vector<std::string>& args, const std::vector<std::string>& names);
