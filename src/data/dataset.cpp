@@ -1,7 +1,7 @@
 #include "dtrain/data/dataset.h"
 
 #include <algorithm>
-#include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -19,10 +19,11 @@ struct ShardedHdf5Dataset::Shard {
   h5::Handle inputs;  // the `inputs` dataset, open for the dataset's lifetime
   int64_t rows = 0;
 
-  std::mutex mu;             // serialises the one attempt to cache this shard
-  bool cache_tried = false;  // guarded by mu
-  std::vector<uint8_t> cache;
-  std::atomic<bool> cached{false};  // set (release) once `cache` holds every row
+  std::mutex mu;  // serialises the loading of this shard into the cache
+  // Guarded by the dataset's cache_mu_:
+  bool cache_tried = false;                          // without eviction a shard is tried once
+  std::shared_ptr<const std::vector<uint8_t>> cache;  // every row, when cached
+  uint64_t last_use = 0;
 };
 
 namespace {
@@ -227,40 +228,105 @@ void ShardedHdf5Dataset::read(std::span<const int64_t> indices, uint8_t* inputs,
     if (!per_shard[s].empty()) read_shard(*shards_[s], per_shard[s], inputs);
 }
 
+void ShardedHdf5Dataset::set_options(const DatasetOptions& opt) {
+  std::lock_guard<std::mutex> c(cache_mu_);
+  DT_CHECK(cached_bytes_ == 0 && whole_reads_ == 0, "dataset '" << info_.path << "': cache options set after reads");
+  opt_ = opt;
+}
+
+DataReading choose_reading(const DatasetInfo& info, const std::string& mode, int64_t node_cache_mb, int ranks_on_node) {
+  DT_INPUT_CHECK(mode == "auto" || mode == "cache" || mode == "stream",
+                 "option --data-mode must be auto, cache or stream, got '" << mode << "'");
+  DT_INPUT_CHECK(node_cache_mb >= 0, "option --data-cache-mb must be >= 0, got " << node_cache_mb);
+  constexpr double kMB = 1 << 20;
+  const int64_t per_rank = (node_cache_mb << 20) / std::max(ranks_on_node, 1);
+  const int64_t total = info.num_samples * info.sample_bytes();
+  const int64_t largest = *std::max_element(info.shard_rows.begin(), info.shard_rows.end()) * info.sample_bytes();
+  DataReading r;
+  r.mode = mode == "auto" ? (total <= per_rank ? "cache" : "stream") : mode;
+  char budget[160];
+  std::snprintf(budget, sizeof budget, "cache budget %.1f MB per rank = %lld MB per node / %d rank(s)",
+                static_cast<double>(per_rank) / kMB, static_cast<long long>(node_cache_mb), ranks_on_node);
+  char size[96];
+  std::snprintf(size, sizeof size, "%.1f MB in %zu shard(s)", static_cast<double>(total) / kMB, info.shards.size());
+  r.dataset.cache_bytes = per_rank;
+  if (r.mode == "stream") {
+    char shard_mb[32];
+    std::snprintf(shard_mb, sizeof shard_mb, "%.1f", static_cast<double>(largest) / kMB);
+    DT_INPUT_CHECK(per_rank >= 2 * largest,
+                   "option --data-cache-mb " << node_cache_mb << ": streaming '" << info.path << "' holds two shards of "
+                                             << shard_mb << " MB per rank ("
+                                             << ranks_on_node << " on this node): give at least "
+                                             << (2 * largest * ranks_on_node + (1 << 20) - 1) / (1 << 20));
+    r.dataset.evict = true;
+    // One window being read, the next read ahead into; no more than the shards there are.
+    r.window_shards = std::clamp<int64_t>(per_rank / largest / 2, 1, static_cast<int64_t>(info.shards.size()));
+  }
+  r.text = "mode " + r.mode + " (" + (mode == "auto" ? "auto: " : "") + size + (total <= per_rank ? " <= " : " > ") +
+           budget + (r.mode == "stream" ? "; windows of " + std::to_string(r.window_shards) + " shard(s)" : "") + ")";
+  return r;
+}
+
+int64_t ShardedHdf5Dataset::whole_shard_reads() const {
+  std::lock_guard<std::mutex> g(cache_mu_);
+  return whole_reads_;
+}
+
+// The shard's rows from the cache, read whole (one sequential read) if they are not there and fit
+// (evicting the least recently used shards when `evict`); null when the shard is read per request.
+std::shared_ptr<const std::vector<uint8_t>> ShardedHdf5Dataset::cached_rows(Shard& shard) const {
+  auto cached = [&]() -> std::shared_ptr<const std::vector<uint8_t>> {  // under cache_mu_
+    if (shard.cache) shard.last_use = ++use_clock_;
+    return shard.cache;
+  };
+  {
+    std::lock_guard<std::mutex> c(cache_mu_);
+    if (auto rows = cached()) return rows;
+  }
+  std::lock_guard<std::mutex> g(shard.mu);  // one thread loads a shard; the others wait for it
+  const int64_t bytes = shard.rows * info_.sample_bytes();
+  {
+    std::lock_guard<std::mutex> c(cache_mu_);
+    if (auto rows = cached()) return rows;
+    if ((shard.cache_tried && !opt_.evict) || bytes > opt_.cache_bytes) return nullptr;
+    shard.cache_tried = true;
+    while (opt_.evict && cached_bytes_ + bytes > opt_.cache_bytes) {
+      Shard* oldest = nullptr;
+      for (const auto& other : shards_)
+        if (other->cache && (!oldest || other->last_use < oldest->last_use)) oldest = other.get();
+      if (!oldest) break;
+      oldest->cache.reset();  // freed when its last reader lets go
+      cached_bytes_ -= oldest->rows * info_.sample_bytes();
+    }
+    if (cached_bytes_ + bytes > opt_.cache_bytes) return nullptr;
+    cached_bytes_ += bytes;
+  }
+  auto rows = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(bytes));
+  bool read = false;
+  std::string detail;
+  {
+    auto lock = h5::lock();
+    read = H5Dread(shard.inputs.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows->data()) >= 0;
+    if (!read) detail = h5::last_error();
+  }
+  std::lock_guard<std::mutex> c(cache_mu_);
+  if (!read) {
+    cached_bytes_ -= bytes;
+    DT_INPUT_CHECK(false, "cannot read dataset 'inputs' in '" << shard.path << "' (corrupt or truncated?)"
+                                                              << with_detail(detail));
+  }
+  shard.cache = rows;
+  shard.last_use = ++use_clock_;
+  ++whole_reads_;
+  return shard.cache;
+}
+
 void ShardedHdf5Dataset::read_shard(Shard& shard, std::span<const std::pair<int64_t, int64_t>> rows_and_slots,
                                     uint8_t* inputs) const {
   const int64_t row_bytes = info_.sample_bytes();
-  if (!shard.cached.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> g(shard.mu);
-    if (!shard.cache_tried) {
-      shard.cache_tried = true;
-      const int64_t bytes = shard.rows * row_bytes;
-      bool fits;
-      {
-        std::lock_guard<std::mutex> c(cache_mu_);
-        fits = cached_bytes_ + bytes <= opt_.cache_bytes;
-        if (fits) cached_bytes_ += bytes;
-      }
-      if (fits) {
-        // One sequential read of the whole shard.
-        shard.cache.resize(static_cast<size_t>(bytes));
-        auto lock = h5::lock();
-        if (H5Dread(shard.inputs.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, shard.cache.data()) < 0) {
-          std::string detail = h5::last_error();
-          lock.unlock();
-          shard.cache = {};
-          std::lock_guard<std::mutex> c(cache_mu_);
-          cached_bytes_ -= bytes;
-          DT_INPUT_CHECK(false, "cannot read dataset 'inputs' in '" << shard.path << "' (corrupt or truncated?)"
-                                                                    << with_detail(detail));
-        }
-        shard.cached.store(true, std::memory_order_release);
-      }
-    }
-  }
-  if (shard.cached.load(std::memory_order_acquire)) {
+  if (const auto cache = cached_rows(shard)) {
     for (const auto& [row, slot] : rows_and_slots)
-      std::memcpy(inputs + slot * row_bytes, shard.cache.data() + row * row_bytes, static_cast<size_t>(row_bytes));
+      std::memcpy(inputs + slot * row_bytes, cache->data() + row * row_bytes, static_cast<size_t>(row_bytes));
     return;
   }
 

@@ -17,19 +17,42 @@ constexpr uint64_t kSamplerStream = 0x5a3;
 // ---- DistributedSampler ----
 
 DistributedSampler::DistributedSampler(int64_t dataset_size, int rank, int world, bool shuffle, uint64_t seed,
-                                       bool drop_last)
-    : size_(dataset_size), rank_(rank), world_(world), shuffle_(shuffle), seed_(seed) {
+                                       bool drop_last, std::vector<int64_t> stream_shards, int64_t window_shards)
+    : size_(dataset_size),
+      rank_(rank),
+      world_(world),
+      shuffle_(shuffle),
+      seed_(seed),
+      stream_shards_(std::move(stream_shards)),
+      window_shards_(window_shards) {
   DT_INPUT_CHECK(world >= 1 && rank >= 0 && rank < world, "sampler: rank " << rank << " outside world " << world);
   DT_INPUT_CHECK(dataset_size > 0, "sampler: the dataset is empty");
+  DT_CHECK(stream_shards_.empty() ||
+               (window_shards_ >= 1 &&
+                std::accumulate(stream_shards_.begin(), stream_shards_.end(), int64_t{0}) == dataset_size),
+           "sampler: the shards' rows do not add up to the dataset's " << dataset_size << " samples");
   per_rank_ = drop_last ? dataset_size / world : (dataset_size + world - 1) / world;
 }
 
 std::vector<int64_t> DistributedSampler::epoch_order(int64_t epoch) const {
   std::vector<int64_t> order(static_cast<size_t>(size_));
   std::iota(order.begin(), order.end(), int64_t{0});
-  if (shuffle_) {
-    Rng rng(derive_seed(derive_seed(seed_, kSamplerStream), static_cast<uint64_t>(epoch)));
-    shuffle(order, rng);
+  Rng rng(derive_seed(derive_seed(seed_, kSamplerStream), static_cast<uint64_t>(epoch)));
+  if (shuffle_ && stream_shards_.empty()) shuffle(order, rng);
+  if (shuffle_ && !stream_shards_.empty()) {  // shards in a drawn order, rows shuffled within each window
+    std::vector<int64_t> begin(stream_shards_.size() + 1, 0), shards(stream_shards_.size());
+    for (size_t s = 0; s < stream_shards_.size(); ++s) begin[s + 1] = begin[s] + stream_shards_[s];
+    std::iota(shards.begin(), shards.end(), int64_t{0});
+    shuffle(shards, rng);
+    order.clear();
+    for (size_t w = 0; w < shards.size(); w += static_cast<size_t>(window_shards_)) {
+      const size_t window_begin = order.size();
+      for (size_t s = w; s < std::min(shards.size(), w + static_cast<size_t>(window_shards_)); ++s)
+        for (int64_t g = begin[shards[s]]; g < begin[shards[s] + 1]; ++g) order.push_back(g);
+      std::vector<int64_t> window(order.begin() + static_cast<std::ptrdiff_t>(window_begin), order.end());
+      shuffle(window, rng);
+      std::copy(window.begin(), window.end(), order.begin() + static_cast<std::ptrdiff_t>(window_begin));
+    }
   }
   const int64_t total = total_size();
   if (total <= size_) {
@@ -44,7 +67,8 @@ std::vector<int64_t> DistributedSampler::rank_indices(int64_t epoch) const {
   std::vector<int64_t> order = epoch_order(epoch);
   std::vector<int64_t> mine;
   mine.reserve(static_cast<size_t>(per_rank_));
-  for (int64_t k = 0; k < per_rank_; ++k) mine.push_back(order[k * world_ + rank_]);
+  for (int64_t k = 0; k < per_rank_; ++k)
+    mine.push_back(stream_shards_.empty() ? order[k * world_ + rank_] : order[rank_ * per_rank_ + k]);
   return mine;
 }
 
@@ -53,7 +77,9 @@ std::vector<int64_t> DistributedSampler::rank_indices(int64_t epoch) const {
 DataLoader::DataLoader(std::shared_ptr<const ShardedHdf5Dataset> dataset, const LoaderOptions& opt)
     : dataset_(std::move(dataset)),
       opt_(opt),
-      sampler_(dataset_ ? dataset_->size() : 1, opt.rank, opt.world, opt.shuffle, opt.seed, opt.drop_last) {
+      sampler_(dataset_ ? dataset_->size() : 1, opt.rank, opt.world, opt.shuffle, opt.seed, opt.drop_last,
+               dataset_ && opt.stream_window_shards > 0 ? dataset_->info().shard_rows : std::vector<int64_t>{},
+               std::max<int64_t>(opt.stream_window_shards, 1)) {
   DT_CHECK(dataset_ != nullptr, "DataLoader needs a dataset");
   const DatasetInfo& info = dataset_->info();
   DT_INPUT_CHECK(opt_.batch_size > 0, "batch size must be positive, got " << opt_.batch_size);

@@ -173,6 +173,8 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(image, "augment-rotate", &c.augment.rotate_deg, def.augment.rotate_deg, "random rotation within +-degrees (0: off)");
   add(image, "loader-threads", &c.loader_threads, def.loader_threads, "loader threads per rank (-1: DTRAIN_LOADER_THREADS)");
   add(image, "prefetch", &c.prefetch, def.prefetch, "batches prepared ahead (-1: DTRAIN_PREFETCH)");
+  add(image, "data-mode", &c.data_mode, def.data_mode, "how the training set is read: cache (whole shards in memory up to --data-cache-mb, the rest read per request), stream (shards in a per-epoch order, each read whole once, rows shuffled within windows of shards that fit the budget; for data larger than memory), auto (cache when it fits, else stream); the first log line says which and why");
+  add(image, "data-cache-mb", &c.data_cache_mb, def.data_cache_mb, "memory for cached shards per node (split among the node's ranks)");
   image.add_options()("hidden", po::value<std::string>(&hidden)->default_value(join_dims(def.hidden)), "MLP hidden widths, comma separated");
   values_.push_back({"hidden", [this] { return hidden; }, join_dims(def.hidden)});
   add(image, "dropout", &c.dropout, def.dropout, "MLP dropout probability");

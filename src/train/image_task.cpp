@@ -89,7 +89,7 @@ class ImageTask final : public Task {
   std::string describe() override {
     return "model " + spec_.name + " (" + std::to_string(model_->parameter_count()) + " parameters" +
            (cfg_->pp > 1 ? " on rank 0's stage" : "") + "), " +
-           (cfg_->synthetic ? std::string("synthetic data") : "data " + cfg_->data) +
+           (cfg_->synthetic ? std::string("synthetic data") : "data " + cfg_->data + ", " + reading_.text) +
            (teacher_ ? ", teacher " + teacher_spec_.name + " (" + std::to_string(teacher_->parameter_count()) +
                            " parameters) from " + cfg_->teacher + ", T " + fixed(cfg_->distill_temperature, 1) +
                            " weight " + fixed(cfg_->distill_weight, 2)
@@ -174,6 +174,7 @@ class ImageTask final : public Task {
   nn::ModelSpec teacher_spec_;
   nn::SoftTargetLoss soft_targets_;
   StagedSteps staged_;
+  data::DataReading reading_;  // how the training set is read (--data-mode)
   bool ahead_ended_ = false;  // the epoch ran out while reading a step ahead
   int64_t steps_read_ = 0;  // steps of this epoch read from the loader or the synthetic set
   double read_wait_s_ = 0;
@@ -198,8 +199,11 @@ void ImageTask::setup(const TaskSetup& s) {
     train_ds_ = std::make_shared<data::ShardedHdf5Dataset>(s.cfg.data);
     input = train_ds_->info().sample_shape;
     classes = train_ds_->info().num_classes;
+    reading_ = data::choose_reading(train_ds_->info(), s.cfg.data_mode, s.cfg.data_cache_mb, s.ranks_on_node);
+    train_ds_->set_options(reading_.dataset);
     if (!s.cfg.test_data.empty()) {
       test_ds_ = std::make_shared<data::ShardedHdf5Dataset>(s.cfg.test_data);
+      if (reading_.mode == "stream") test_ds_->set_options(reading_.dataset);  // evaluation walks it in order
       DT_INPUT_CHECK(test_ds_->info().sample_shape == input,
                      "test data '" << s.cfg.test_data << "' has samples of shape "
                                    << shape_str(test_ds_->info().sample_shape) << " but training data '" << s.cfg.data
@@ -216,6 +220,7 @@ void ImageTask::setup(const TaskSetup& s) {
     lo.augment = s.cfg.augment;
     lo.rank = s.grid.dp_rank();
     lo.world = s.grid.dp_size();
+    lo.stream_window_shards = reading_.window_shards;
     loader_ = std::make_unique<data::DataLoader>(train_ds_, lo);
   }
   parts_ = s.parts;
@@ -431,6 +436,9 @@ ResumePoint ImageTask::resume_point(CheckpointState& s, int64_t) {
     bool batchnorm = false;
     for (nn::Buffer* b : model_->buffers()) batchnorm |= b->name.find("running_mean") != std::string::npos;
     if (batchnorm && !cfg_->sync_batchnorm) line += "; BatchNorm statistics come from each rank's own batch";
+    if (reading_.mode == "stream" && then_world != world)
+      line += "; streaming deals each rank a contiguous part of the epoch's order, so the rest of this epoch "
+              "repeats or skips samples (exact again from the next epoch)";
     at.note = line;
   }
   if (at.steps_done >= steps_per_epoch()) {

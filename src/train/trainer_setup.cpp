@@ -55,7 +55,7 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
   grid_ = std::make_unique<parallel::ProcessGrid>(world_, cfg_.tp, cfg_.pp);  // the same check on every rank
   comm::agree_on_inputs(world_, [this] {
     check_layout();
-    task_->setup(TaskSetup{cfg_, *grid_, device_, batch_, parts_});
+    task_->setup(TaskSetup{cfg_, *grid_, device_, batch_, parts_, rt_.topology().local_size});
   });
   task_->connect();
   comm::agree_on_inputs(world_, [this] { setup_exchange(); });

@@ -319,6 +319,29 @@ TEST(CliMpi, TrainsOnTwoRanksAndMatchesOneRank) {
   fs::remove_all(dir);
 }
 
+// --data-mode stream: the first line says what was chosen and why; a run stopped at step 10 and
+// resumed gives the losses of the run that did not stop (the streaming order resumes exactly); a
+// budget too small to stream and an unknown mode are named.
+TEST(Cli, DataModeStreamSaysWhyAndResumesExactly) {
+  const std::string dir = dtrain::test::temp_dir("cli-stream");
+  dtrain::test::make_band_dataset(dir + "/band", 1000, 8, 4, 100);
+  const std::string common = "train --data " + dir + "/band --model mlp --hidden 16 --batch-size 16 --threads 1 " +
+                             "--data-mode stream --data-cache-mb 1 --log-every 1 --progress off --lr-schedule constant ";
+  Result whole = run(common + "--steps 20 --metrics " + dir + "/whole.jsonl");
+  ASSERT_EQ(whole.code, 0) << whole.out;
+  EXPECT_EQ(count(whole.out, "mode stream (0.1 MB in 10 shard(s) <= cache budget 1.0 MB per rank"), 1u) << whole.out;
+  ASSERT_EQ(run(common + "--steps 10 --checkpoint-dir " + dir + "/ck").code, 0);
+  Result resumed = run(common + "--steps 20 --resume " + dir + "/ck --metrics " + dir + "/resumed.jsonl");
+  ASSERT_EQ(resumed.code, 0) << resumed.out;
+  const std::vector<std::string> all = step_losses(dir + "/whole.jsonl"), tail = step_losses(dir + "/resumed.jsonl");
+  ASSERT_EQ(all.size(), 20u);
+  EXPECT_EQ(tail, std::vector<std::string>(all.begin() + 10, all.end()));
+  EXPECT_FAILS_NAMING(run("train --data " + dir + "/band --model mlp --steps 1 --data-mode store"), "--data-mode");
+  EXPECT_FAILS_NAMING(run("train --data " + dir + "/band --model mlp --steps 1 --data-mode stream --data-cache-mb 0"),
+                      "--data-cache-mb 0");
+  fs::remove_all(dir);
+}
+
 // --sweep-random draws its configurations from the seed: the same run twice trains the same ones
 // (the trainers' lines name them), another seed others; a range without it is refused.
 TEST(Cli, SweepRandomDrawsItsConfigurationsFromTheSeed) {

@@ -61,6 +61,41 @@ TEST(Sampler, ShuffleDependsOnSeedAndEpoch) {
   EXPECT_EQ(r1.rank_indices(0), (std::vector<int64_t>{1, 4, 7, 0}));  // round robin, padded with index 0
 }
 
+// Streaming order: every sample once per epoch over 1, 2 and 4 ranks; each shard's rows inside one
+// window's span of the order; drawn from (seed, epoch); the identity without shuffle.
+TEST(Sampler, StreamingOrderCoversEverySampleAndKeepsShardsTogether) {
+  const std::vector<int64_t> shards = {100, 37, 100, 63, 20, 80};  // 400 samples
+  for (int world : {1, 2, 4}) {
+    for (int64_t window : {1, 2, 6}) {
+      std::vector<int> seen(400, 0);
+      for (int rank = 0; rank < world; ++rank) {
+        DistributedSampler s(400, rank, world, true, 9, false, shards, window);
+        for (int64_t i : s.rank_indices(2)) ++seen[static_cast<size_t>(i)];
+        // A rank's part is a contiguous slice of the one order.
+        const std::vector<int64_t> order = s.epoch_order(2), mine = s.rank_indices(2);
+        EXPECT_TRUE(std::equal(mine.begin(), mine.end(), order.begin() + rank * (400 / world)));
+      }
+      for (int count : seen) ASSERT_EQ(count, 1) << "world " << world << " window " << window;
+    }
+  }
+  DistributedSampler s(400, 0, 1, true, 9, false, shards, 2);
+  const std::vector<int64_t> order = s.epoch_order(0);
+  int64_t begin = 0;
+  for (int64_t rows : shards) {  // shard k's rows lie within two shards' span (its window) of the order
+    std::vector<int64_t> at;
+    for (size_t p = 0; p < order.size(); ++p)
+      if (order[p] >= begin && order[p] < begin + rows) at.push_back(static_cast<int64_t>(p));
+    EXPECT_LT(at.back() - at.front(), 200) << "shard of " << rows << " rows starting at " << begin;
+    begin += rows;
+  }
+  EXPECT_EQ(order, s.epoch_order(0));
+  EXPECT_NE(order, s.epoch_order(1));
+  EXPECT_NE(order, DistributedSampler(400, 0, 1, true, 10, false, shards, 2).epoch_order(0));
+  std::vector<int64_t> identity(400);
+  std::iota(identity.begin(), identity.end(), 0);
+  EXPECT_EQ(DistributedSampler(400, 0, 1, false, 9, false, shards, 2).epoch_order(3), identity);
+}
+
 class LoaderTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -245,6 +280,52 @@ TEST_F(LoaderTest, WorkerErrorIsRethrownAtNext) {
         }
       },
       {"shard-00001.h5"});
+}
+
+// Streaming through an evicting cache of two shards: each epoch reads every shard whole at most
+// once (threads 0: one reader, so nothing is evicted early), the loader's batches are the same with
+// worker threads, a resumed epoch continues exactly, and the cache stays within its budget.
+TEST_F(LoaderTest, StreamingReadsEachShardOncePerEpochAndResumesExactly) {
+  DatasetOptions dopt;
+  dopt.cache_bytes = 2 * 40 * kSample;  // two of the 40-row shards
+  dopt.evict = true;
+  auto ds = std::make_shared<ShardedHdf5Dataset>(tmp_ / "d", dopt);
+  LoaderOptions opt;
+  opt.batch_size = 7;
+  opt.seed = 3;
+  opt.threads = 0;
+  opt.stream_window_shards = 1;
+  auto run = [&](std::shared_ptr<ShardedHdf5Dataset> d, int64_t e, int64_t skip) {
+    DataLoader loader(d, opt);
+    loader.start_epoch(e, skip);
+    std::vector<Batch> out;
+    Batch b;
+    while (loader.next(b)) {
+      out.push_back(b);
+      EXPECT_LE(d->cached_bytes(), dopt.cache_bytes);
+    }
+    return out;
+  };
+  const std::vector<Batch> first = run(ds, 0, 0);
+  EXPECT_EQ(ds->whole_shard_reads(), 3);  // 103 rows: shards of 40, 40, 23
+  std::set<int64_t> covered;
+  for (const Batch& b : first) covered.insert(b.indices.begin(), b.indices.end());
+  EXPECT_EQ(covered.size(), static_cast<size_t>(kN));
+  const std::vector<Batch> second = run(ds, 1, 0);
+  EXPECT_GE(ds->whole_shard_reads(), 4);  // at most once more each (the last epoch's last shards may still be there)
+  EXPECT_LE(ds->whole_shard_reads(), 6);
+  expect_same(std::vector<Batch>(second.begin() + 5, second.end()), run(ds, 1, 5));
+  opt.threads = 3;
+  expect_same(second, run(ds, 1, 0));
+  // The reads follow the windows: a cache of one shard cannot stream (choose_reading refuses it).
+  DatasetInfo info = ds->info();
+  testing::expect_input_error([&] { choose_reading(info, "stream", 0, 1); }, {"--data-cache-mb 0", "give at least 1"});
+  testing::expect_input_error([&] { choose_reading(info, "store", 64, 1); }, {"--data-mode", "store"});
+  EXPECT_EQ(choose_reading(info, "auto", 64, 2).mode, "cache");
+  const DataReading r = choose_reading(info, "stream", 64, 2);
+  EXPECT_TRUE(r.dataset.evict);
+  EXPECT_EQ(r.window_shards, 3);  // every shard fits 32 MB per rank
+  EXPECT_EQ(r.dataset.cache_bytes, int64_t{32} << 20);
 }
 
 TEST(Augment, FlipMirrorsEachRow) {

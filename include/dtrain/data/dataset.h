@@ -5,8 +5,8 @@
 //
 // Reading: the whole `labels` column is loaded at open (4 bytes a sample; it is needed to validate
 // the label range anyway). Inputs are read on demand. A shard is cached whole in memory the first
-// time any of its rows is read, as long as the cache stays under `cache_bytes`; a shard that does not
-// fit is read per request: the requested rows are sorted, de-duplicated and coalesced into runs of
+// time any of its rows is read, as long as the cache stays under `cache_bytes` (or, with `evict`, by
+// making room: least recently used shards leave); a shard that does not fit is read per request: the requested rows are sorted, de-duplicated and coalesced into runs of
 // consecutive rows, each read as one hyperslab. So a rank reads only the shards its samples fall in; under the default
 // budget small datasets (Fashion-MNIST: 47 MB) end up read once, sequentially, and served from memory after that.
 //
@@ -42,6 +42,11 @@ struct DatasetInfo {
 
 struct DatasetOptions {
   int64_t cache_bytes = int64_t(2) << 30;  // memory for whole-shard caching; 0 disables the cache
+  // Streaming (--data-mode stream): when a shard does not fit, the least recently used shards leave
+  // the cache to make room (a reader still copying from one keeps it alive until it is done), so
+  // reads that walk the shards in turn read each whole, sequentially, once per pass. Without it a
+  // shard that does not fit is read per request.
+  bool evict = false;
 };
 
 class ShardedHdf5Dataset {
@@ -63,8 +68,13 @@ class ShardedHdf5Dataset {
   // The same into new tensors: u8 [n, C, H, W] and i32 [n].
   void read(std::span<const int64_t> indices, Tensor& inputs, Tensor& labels) const;
 
+  // Sets the cache's budget and eviction before the first read (a run decides them from the
+  // dataset's size: choose_reading).
+  void set_options(const DatasetOptions& opt);
+
   int32_t label(int64_t index) const;
   int64_t cached_bytes() const;  // inputs held by the whole-shard cache now
+  int64_t whole_shard_reads() const;  // shards read whole into the cache so far (each once, sequentially)
 
  private:
   struct Shard;
@@ -75,8 +85,25 @@ class ShardedHdf5Dataset {
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<int64_t> shard_begin_;  // global index of each shard's first row, plus the total at the end
   std::vector<int32_t> labels_;       // all labels, global order
-  mutable std::mutex cache_mu_;
-  mutable int64_t cached_bytes_ = 0;  // guarded by cache_mu_
+  std::shared_ptr<const std::vector<uint8_t>> cached_rows(Shard& shard) const;
+
+  mutable std::mutex cache_mu_;       // guards every shard's cache pointer and last use, and these:
+  mutable int64_t cached_bytes_ = 0;
+  mutable int64_t whole_reads_ = 0;
+  mutable uint64_t use_clock_ = 0;
 };
+
+// How a run reads a dataset (--data-mode, --data-cache-mb): `cache` keeps whole shards in memory up to
+// the budget (the rest read per request), `stream` walks shards in windows through an evicting cache
+// (DistributedSampler's streaming order); `auto` caches what fits the budget and streams the rest.
+// The budget is per node, split among the node's ranks until they share one cache.
+struct DataReading {
+  std::string mode;            // "cache" or "stream"
+  DatasetOptions dataset;      // the training set's cache
+  int64_t window_shards = 0;   // streaming: shards shuffled together (LoaderOptions::stream_window_shards)
+  std::string text;            // "mode stream (2900.0 MB > ...)": what was chosen and why
+};
+// Throws InputError naming --data-mode or --data-cache-mb when they cannot work for this dataset.
+DataReading choose_reading(const DatasetInfo& info, const std::string& mode, int64_t node_cache_mb, int ranks_on_node);
 
 }  // namespace dtrain::data

@@ -22,9 +22,16 @@ namespace dtrain::data {
 // r + 2*world, ... So every rank gets the same count, and without padding every sample is seen
 // exactly once per epoch over all ranks; with padding the first (total - N) samples of the epoch's
 // order are seen twice.
+//
+// Streaming order (`stream_shards` given: the rows of each shard, in global index order): the
+// shards in an order drawn from (seed, epoch), walked in windows of `window_shards` whose rows are
+// shuffled together, and each rank takes a contiguous part of that order (rank r: positions
+// r * per_rank ...), so a rank reads its shards whole, one window after another (a shard at the
+// border of two ranks' parts is read by both). Without shuffle both orders are the identity.
 class DistributedSampler {
  public:
-  DistributedSampler(int64_t dataset_size, int rank, int world, bool shuffle, uint64_t seed, bool drop_last);
+  DistributedSampler(int64_t dataset_size, int rank, int world, bool shuffle, uint64_t seed, bool drop_last,
+                     std::vector<int64_t> stream_shards = {}, int64_t window_shards = 1);
 
   int64_t samples_per_rank() const { return per_rank_; }
   int64_t total_size() const { return per_rank_ * world_; }  // after dropping or padding
@@ -37,6 +44,8 @@ class DistributedSampler {
   bool shuffle_;
   uint64_t seed_;
   int64_t per_rank_;
+  std::vector<int64_t> stream_shards_;  // rows per shard: the streaming order; empty: a global shuffle
+  int64_t window_shards_;
 };
 
 struct LoaderOptions {
@@ -53,6 +62,9 @@ struct LoaderOptions {
   AugmentOptions augment;
   int rank = 0;
   int world = 1;
+  // Streaming (--data-mode stream): the sampler's shard-window order (see DistributedSampler), for a
+  // dataset whose cache evicts; 0: the global shuffle.
+  int64_t stream_window_shards = 0;
 };
 
 struct Batch {

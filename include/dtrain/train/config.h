@@ -27,6 +27,8 @@ struct TrainConfig {
   bool normalize = true;
   data::AugmentOptions augment;
   int loader_threads = -1, prefetch = -1;
+  std::string data_mode = "auto";  // how the training set is read: auto, cache or stream (data::choose_reading)
+  int64_t data_cache_mb = 2048;    // memory for cached shards per node, split among its ranks
   // model
   std::string model = "simple_cnn";
   std::string model_file;  // an image model described in a file (nn/model_file.h), instead of --model

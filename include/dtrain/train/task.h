@@ -30,6 +30,7 @@ struct TaskSetup {
   Device device;                // where the model trains
   int64_t batch = 0;            // this rank's rows per micro-batch of --accumulate (the global batch split)
   int parts = 1;                // micro-batches per step: --accumulate, or the pipeline's --micro-batches
+  int ranks_on_node = 1;        // the ranks sharing this one's node (they split --data-cache-mb)
 };
 
 struct EvalResult {
