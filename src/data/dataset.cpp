@@ -267,6 +267,11 @@ DataReading choose_reading(const DatasetInfo& info, const std::string& mode, int
   return r;
 }
 
+int64_t ShardedHdf5Dataset::bytes_read() const {
+  std::lock_guard<std::mutex> g(cache_mu_);
+  return bytes_read_;
+}
+
 int64_t ShardedHdf5Dataset::whole_shard_reads() const {
   std::lock_guard<std::mutex> g(cache_mu_);
   return whole_reads_;
@@ -318,6 +323,7 @@ std::shared_ptr<const std::vector<uint8_t>> ShardedHdf5Dataset::cached_rows(Shar
   shard.cache = rows;
   shard.last_use = ++use_clock_;
   ++whole_reads_;
+  bytes_read_ += bytes;
   return shard.cache;
 }
 
@@ -362,6 +368,10 @@ void ShardedHdf5Dataset::read_shard(Shard& shard, std::span<const std::pair<int6
     }
     DT_INPUT_CHECK(ok, "cannot read dataset 'inputs' in '" << shard.path << "' (corrupt or truncated?)"
                                                            << with_detail(h5::last_error()));
+  }
+  {
+    std::lock_guard<std::mutex> c(cache_mu_);
+    bytes_read_ += static_cast<int64_t>(buf.size());
   }
   for (size_t i = 0; i < sorted.size(); ++i)
     std::memcpy(inputs + sorted[i].second * row_bytes, buf.data() + position[i] * row_bytes,

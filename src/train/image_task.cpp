@@ -95,6 +95,12 @@ class ImageTask final : public Task {
                            " weight " + fixed(cfg_->distill_weight, 2)
                      : "");
   }
+  JsonFields summary_fields() const override {  // this rank's reads of the training set
+    if (!train_ds_) return {};
+    return {{"data_mode", reading_.mode},
+            {"data_bytes_read", train_ds_->bytes_read()},
+            {"data_whole_shard_reads", train_ds_->whole_shard_reads()}};
+  }
   std::string unit() const override { return "samples"; }
   std::string piece() const override { return "layers"; }
   std::vector<int> stage_starts() const override { return starts_; }

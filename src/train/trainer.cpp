@@ -488,6 +488,8 @@ void Trainer::finish() {
   if (pruner_) f.push_back({"sparsity", result_.sparsity});
   if (!cfg_.checkpoint_dir.empty()) f.push_back({"checkpoint_stall_s", result_.checkpoint_stall_s});
   f.insert(f.end(), last_validation_.begin(), last_validation_.end());
+  const JsonFields task_fields = task_->summary_fields();
+  f.insert(f.end(), task_fields.begin(), task_fields.end());
   if (!gpu_memory.empty()) {
     f.push_back({"gpu_peak_allocated_mib", result_.gpu_peak_allocated_mib});
     f.push_back({"gpu_reserved_mib", result_.gpu_reserved_mib});

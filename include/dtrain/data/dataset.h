@@ -75,6 +75,7 @@ class ShardedHdf5Dataset {
   int32_t label(int64_t index) const;
   int64_t cached_bytes() const;  // inputs held by the whole-shard cache now
   int64_t whole_shard_reads() const;  // shards read whole into the cache so far (each once, sequentially)
+  int64_t bytes_read() const;         // input bytes read from the files so far, whole shards and rows
 
  private:
   struct Shard;
@@ -90,6 +91,7 @@ class ShardedHdf5Dataset {
   mutable std::mutex cache_mu_;       // guards every shard's cache pointer and last use, and these:
   mutable int64_t cached_bytes_ = 0;
   mutable int64_t whole_reads_ = 0;
+  mutable int64_t bytes_read_ = 0;
   mutable uint64_t use_clock_ = 0;
 };
 

@@ -105,6 +105,8 @@ class Task {
 
   // Checkpoints: the model's own fields, the check that a checkpoint holds this model, and where a
   // resume continues (image tasks: the epoch and sample; the GPT: the step's own data stream).
+  // The task's figures for the run's summary line in the metrics file (how the data was read).
+  virtual JsonFields summary_fields() const { return {}; }
   virtual void write_fields(CheckpointState& s) const = 0;
   virtual void check_checkpoint(CheckpointState& s) const = 0;
   virtual ResumePoint resume_point(CheckpointState& s, int64_t step) = 0;
