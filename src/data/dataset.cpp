@@ -18,6 +18,17 @@ struct ShardedHdf5Dataset::Shard {
   h5::Handle file;
   h5::Handle inputs;  // the `inputs` dataset, open for the dataset's lifetime
   int64_t rows = 0;
+  uintmax_t file_bytes = 0;  // the file's size when opened: a shard that changes later is refused
+
+  // Throws InputError when the file is gone or its size changed since it was opened (a read from a
+  // truncated HDF5 file can return zeros instead of failing).
+  void check_unchanged() const {
+    std::error_code ec;
+    const uintmax_t now = fs::file_size(path, ec);
+    DT_INPUT_CHECK(!ec, "shard '" << path << "' disappeared during the run (" << ec.message() << ")");
+    DT_INPUT_CHECK(now == file_bytes, "shard '" << path << "' changed during the run: " << file_bytes
+                                                << " bytes when opened, " << now << " now");
+  }
 
   std::mutex mu;  // serialises the loading of this shard into the cache
   // Guarded by the dataset's cache_mu_:
@@ -69,6 +80,7 @@ ShardedHdf5Dataset::ShardedHdf5Dataset(const std::string& path, DatasetOptions o
     for (const std::string& file : info_.shards) {
       auto shard = std::make_unique<Shard>();
       shard->path = file;
+      shard->file_bytes = fs::file_size(file);
       DT_INPUT_CHECK(H5Fis_hdf5(file.c_str()) > 0, "'" << file << "' is not an HDF5 file (corrupt or truncated?)");
       shard->file = h5::file(H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
       DT_INPUT_CHECK(shard->file.valid(),
@@ -307,6 +319,13 @@ std::shared_ptr<const std::vector<uint8_t>> ShardedHdf5Dataset::cached_rows(Shar
     cached_bytes_ += bytes;
   }
   auto rows = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(bytes));
+  try {
+    shard.check_unchanged();
+  } catch (const InputError&) {
+    std::lock_guard<std::mutex> c(cache_mu_);
+    cached_bytes_ -= bytes;
+    throw;
+  }
   bool read = false;
   std::string detail;
   {
@@ -348,6 +367,7 @@ void ShardedHdf5Dataset::read_shard(Shard& shard, std::span<const std::pair<int6
     position[i] = static_cast<int64_t>(unique_rows.size()) - 1;
   }
   std::vector<uint8_t> buf(unique_rows.size() * static_cast<size_t>(row_bytes));
+  shard.check_unchanged();
   {
     auto lock = h5::lock();
     h5::Handle fspace = h5::space(H5Dget_space(shard.inputs.get()));

@@ -342,6 +342,29 @@ TEST(Cli, DataModeStreamSaysWhyAndResumesExactly) {
   fs::remove_all(dir);
 }
 
+// Streaming reads shards during the run: shards truncated after step 10 (a read from a truncated
+// HDF5 file can return zeros without an error) are named when the next one is read, and every rank
+// exits non-zero (the first with status 2) instead of training on garbage.
+TEST(CliMpi, StreamingStopsOnAShardChangedDuringTheRun) {
+  const std::string dir = dtrain::test::temp_dir("cli-stream-truncated");
+  dtrain::test::make_band_dataset(dir + "/band", 8000, 28, 4, 1000);  // 8 shards of 0.78 MB: windows of 1
+  const std::string train = "DTRAIN_TEST_SLOW=0:data:150 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+                            "timeout 120 mpiexec -n 2 --oversubscribe --bind-to none " +
+                            std::string(DTRAIN_BINARY_DIR) + "/dtrain train --data " + dir + "/band --model mlp " +
+                            "--hidden 16 --steps 60 --threads 1 --log-every 10 --progress off --data-mode stream " +
+                            "--data-cache-mb 4 > " + dir + "/log 2>&1; echo $? > " + dir + "/rc";
+  shell("(" + train + ") & until grep -q 'step 10/' " + dir + "/log 2>/dev/null || [ -s " + dir +
+                   "/rc ]; do sleep 0.05; done; for f in " + dir + "/band/*.h5; do truncate -s 4096 $f; done; wait");
+  std::ifstream log_file(dir + "/log"), rc_file(dir + "/rc");
+  const std::string log((std::istreambuf_iterator<char>(log_file)), std::istreambuf_iterator<char>());
+  int rc = -1;
+  rc_file >> rc;
+  EXPECT_EQ(rc, 2) << log;
+  EXPECT_GE(count(log, "changed during the run: 81"), 1u) << log;  // the bytes when opened, then now
+  EXPECT_EQ(count(log, "step 60/"), 0u) << log;
+  fs::remove_all(dir);
+}
+
 // --sweep-random draws its configurations from the seed: the same run twice trains the same ones
 // (the trainers' lines name them), another seed others; a range without it is refused.
 TEST(Cli, SweepRandomDrawsItsConfigurationsFromTheSeed) {
