@@ -220,6 +220,25 @@ NodeSplit split_by_node(Communicator& c) {
   s.uniform = sizes.data<int32_t>()[0] == -sizes.data<int32_t>()[1];
   return s;
 }
+NodeSharedMemory::NodeSharedMemory(Communicator& c, size_t bytes, const std::string& name)
+    : split_(split_by_node(c)), bytes_(bytes) {
+  const MPI_Comm node = mpi_comm_of(*split_.node);
+  DT_CHECK(node != MPI_COMM_NULL, "node-shared memory for " << name << " needs MPI communicators");
+  void* base = nullptr;
+  const MPI_Aint mine = split_.node->rank() == 0 ? static_cast<MPI_Aint>(std::max<size_t>(bytes, 1)) : 0;
+  DT_MPI_CHECK(MPI_Win_allocate_shared(mine, 1, MPI_INFO_NULL, node, &base, &window_));
+  MPI_Aint size = 0;
+  int unit = 0;
+  DT_MPI_CHECK(MPI_Win_shared_query(window_, 0, &size, &unit, &base));
+  data_ = static_cast<uint8_t*>(base);
+}
+
+NodeSharedMemory::~NodeSharedMemory() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && window_ != MPI_WIN_NULL) MPI_Win_free(&window_);
+}
+
 void Communicator::track_step_phases(bool on) { recorder_->track_phases(on); }
 
 double alg_bandwidth(double bytes, double seconds) { return seconds > 0 ? bytes / seconds : 0.0; }

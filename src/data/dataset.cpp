@@ -226,6 +226,14 @@ void ShardedHdf5Dataset::read(std::span<const int64_t> indices, Tensor& inputs, 
   read(indices, inputs.data<uint8_t>(), labels.data<int32_t>());
 }
 
+void ShardedHdf5Dataset::read_whole_shard(size_t s, uint8_t* rows) const {
+  DT_CHECK(s < shards_.size(), "shard " << s << " of " << shards_.size());
+  read_all_rows(*shards_[s], rows);
+  std::lock_guard<std::mutex> c(cache_mu_);
+  ++whole_reads_;
+  bytes_read_ += shards_[s]->rows * info_.sample_bytes();
+}
+
 void ShardedHdf5Dataset::read(std::span<const int64_t> indices, uint8_t* inputs, int32_t* labels) const {
   // Group (row within shard, slot in the output) by shard.
   std::vector<std::vector<std::pair<int64_t, int64_t>>> per_shard(shards_.size());
@@ -233,6 +241,11 @@ void ShardedHdf5Dataset::read(std::span<const int64_t> indices, uint8_t* inputs,
     const int64_t g = indices[slot];
     DT_CHECK(g >= 0 && g < size(), "sample index " << g << " outside [0, " << size() << ")");
     if (labels) labels[slot] = labels_[g];
+    if (shared_rows_) {
+      const int64_t row_bytes = info_.sample_bytes();
+      std::memcpy(inputs + slot * row_bytes, shared_rows_ + g * row_bytes, static_cast<size_t>(row_bytes));
+      continue;
+    }
     size_t s = std::upper_bound(shard_begin_.begin(), shard_begin_.end(), g) - shard_begin_.begin() - 1;
     per_shard[s].emplace_back(g - shard_begin_[s], static_cast<int64_t>(slot));
   }
@@ -254,8 +267,10 @@ DataReading choose_reading(const DatasetInfo& info, const std::string& mode, int
   const int64_t per_rank = (node_cache_mb << 20) / std::max(ranks_on_node, 1);
   const int64_t total = info.num_samples * info.sample_bytes();
   const int64_t largest = *std::max_element(info.shard_rows.begin(), info.shard_rows.end()) * info.sample_bytes();
+  const int64_t per_node = node_cache_mb << 20;
   DataReading r;
-  r.mode = mode == "auto" ? (total <= per_rank ? "cache" : "stream") : mode;
+  r.mode = mode == "auto" ? (total <= per_node ? "cache" : "stream") : mode;
+  r.node_shared = r.mode == "cache" && total <= per_node;
   char budget[160];
   std::snprintf(budget, sizeof budget, "cache budget %.1f MB per rank = %lld MB per node / %d rank(s)",
                 static_cast<double>(per_rank) / kMB, static_cast<long long>(node_cache_mb), ranks_on_node);
@@ -274,6 +289,12 @@ DataReading choose_reading(const DatasetInfo& info, const std::string& mode, int
     // One window being read, the next read ahead into; no more than the shards there are.
     r.window_shards = std::clamp<int64_t>(per_rank / largest / 2, 1, static_cast<int64_t>(info.shards.size()));
   }
+  if (r.node_shared) {
+    std::snprintf(budget, sizeof budget, "cache budget %lld MB per node: one copy shared by the node's %d rank(s)",
+                  static_cast<long long>(node_cache_mb), ranks_on_node);
+    r.text = "mode cache (" + std::string(mode == "auto" ? "auto: " : "") + size + " <= " + budget + ")";
+    return r;
+  }
   r.text = "mode " + r.mode + " (" + (mode == "auto" ? "auto: " : "") + size + (total <= per_rank ? " <= " : " > ") +
            budget + (r.mode == "stream" ? "; windows of " + std::to_string(r.window_shards) + " shard(s)" : "") + ")";
   return r;
@@ -287,6 +308,16 @@ int64_t ShardedHdf5Dataset::bytes_read() const {
 int64_t ShardedHdf5Dataset::whole_shard_reads() const {
   std::lock_guard<std::mutex> g(cache_mu_);
   return whole_reads_;
+}
+
+// Every row of the shard's inputs into `rows`: one sequential read of a file unchanged since it was
+// opened.
+void ShardedHdf5Dataset::read_all_rows(const Shard& shard, uint8_t* rows) const {
+  shard.check_unchanged();
+  auto lock = h5::lock();
+  DT_INPUT_CHECK(H5Dread(shard.inputs.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows) >= 0,
+                 "cannot read dataset 'inputs' in '" << shard.path << "' (corrupt or truncated?)"
+                                                     << with_detail(h5::last_error()));
 }
 
 // The shard's rows from the cache, read whole (one sequential read) if they are not there and fit
@@ -320,25 +351,13 @@ std::shared_ptr<const std::vector<uint8_t>> ShardedHdf5Dataset::cached_rows(Shar
   }
   auto rows = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(bytes));
   try {
-    shard.check_unchanged();
+    read_all_rows(shard, rows->data());
   } catch (const InputError&) {
     std::lock_guard<std::mutex> c(cache_mu_);
     cached_bytes_ -= bytes;
     throw;
   }
-  bool read = false;
-  std::string detail;
-  {
-    auto lock = h5::lock();
-    read = H5Dread(shard.inputs.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows->data()) >= 0;
-    if (!read) detail = h5::last_error();
-  }
   std::lock_guard<std::mutex> c(cache_mu_);
-  if (!read) {
-    cached_bytes_ -= bytes;
-    DT_INPUT_CHECK(false, "cannot read dataset 'inputs' in '" << shard.path << "' (corrupt or truncated?)"
-                                                              << with_detail(detail));
-  }
   shard.cache = rows;
   shard.last_use = ++use_clock_;
   ++whole_reads_;

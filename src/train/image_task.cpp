@@ -85,6 +85,7 @@ class ImageTask final : public Task {
  public:
   void setup(const TaskSetup& s) override;
   void connect() override;
+  void share_training_set();
   nn::Module& model() override { return *model_; }
   std::string describe() override {
     return "model " + spec_.name + " (" + std::to_string(model_->parameter_count()) + " parameters" +
@@ -181,6 +182,7 @@ class ImageTask final : public Task {
   nn::SoftTargetLoss soft_targets_;
   StagedSteps staged_;
   data::DataReading reading_;  // how the training set is read (--data-mode)
+  std::unique_ptr<comm::NodeSharedMemory> node_rows_;  // the training set, one copy per node (node_shared)
   bool ahead_ended_ = false;  // the epoch ran out while reading a step ahead
   int64_t steps_read_ = 0;  // steps of this epoch read from the loader or the synthetic set
   double read_wait_s_ = 0;
@@ -278,6 +280,25 @@ void ImageTask::connect() {
     model_->to(device_);
   }
   if (cfg_->sync_batchnorm) parallel::convert_sync_batchnorm(*model_, grid_->dp());
+  if (reading_.node_shared) share_training_set();
+}
+
+// The node-shared cache: the node's ranks read the shards whole, in turn (local rank i takes
+// shards i, i + L, ...), into one block of the node's memory that every one of them then reads
+// from. A shard one rank cannot read fails every rank with its message.
+void ImageTask::share_training_set() {
+  const data::DatasetInfo& info = train_ds_->info();
+  const int64_t row_bytes = info.sample_bytes();
+  node_rows_ = std::make_unique<comm::NodeSharedMemory>(
+      grid_->world(), static_cast<size_t>(info.num_samples * row_bytes), "data " + cfg_->data);
+  comm::Communicator& node = node_rows_->node();
+  comm::agree_on_inputs(node, [&] {
+    int64_t begin = 0;
+    for (size_t s = 0; s < info.shards.size(); begin += info.shard_rows[s], ++s)
+      if (static_cast<int>(s % static_cast<size_t>(node.size())) == node.rank())
+        train_ds_->read_whole_shard(s, node_rows_->data() + begin * row_bytes);
+  });  // its agreement is an allreduce over the node: every rank's shards are in place after it
+  train_ds_->use_shared_rows(node_rows_->data());
 }
 
 // The teacher of --teacher: any image model of the student's inputs and classes, trained on inputs

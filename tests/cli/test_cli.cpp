@@ -365,6 +365,29 @@ TEST(CliMpi, StreamingStopsOnAShardChangedDuringTheRun) {
   fs::remove_all(dir);
 }
 
+// The node-shared cache: 2 ranks on one node keep one copy of a set that fits the node's budget,
+// each reading half the shards into it, and train on exactly the batches of per-request reads.
+TEST(CliMpi, NodeSharedCacheReadsEachShardOnceAndTrainsTheSame) {
+  const std::string dir = dtrain::test::temp_dir("cli-node-cache");
+  dtrain::test::make_band_dataset(dir + "/band", 2000, 8, 4, 100);  // 20 shards
+  const std::string common = "train --data " + dir + "/band --model mlp --hidden 16 --batch-size 16 --steps 12 " +
+                             "--threads 1 --log-every 1 --progress off ";
+  Result shared = mpirun(2, common + "--metrics " + dir + "/shared.jsonl");
+  ASSERT_EQ(shared.code, 0) << shared.out;
+  EXPECT_EQ(count(shared.out, "mode cache (auto: 0.1 MB in 20 shard(s) <= cache budget 2048 MB per node: one copy "
+                              "shared by the node's 2 rank(s))"),
+            1u)
+      << shared.out;
+  Result rows = mpirun(2, common + "--data-mode cache --data-cache-mb 0 --metrics " + dir + "/rows.jsonl");
+  ASSERT_EQ(rows.code, 0) << rows.out;
+  EXPECT_EQ(step_losses(dir + "/shared.jsonl"), step_losses(dir + "/rows.jsonl"));
+  EXPECT_EQ(step_losses(dir + "/shared.jsonl").size(), 12u);
+  std::ifstream metrics(dir + "/shared.jsonl");
+  const std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(count(all, "\"data_whole_shard_reads\": 10"), 1u) << all;  // rank 0's half of the 20
+  fs::remove_all(dir);
+}
+
 // --sweep-random draws its configurations from the seed: the same run twice trains the same ones
 // (the trainers' lines name them), another seed others; a range without it is refused.
 TEST(Cli, SweepRandomDrawsItsConfigurationsFromTheSeed) {

@@ -197,6 +197,27 @@ struct NodeSplit {
 };
 NodeSplit split_by_node(Communicator& c);
 
+// One block of memory per node, shared by the node's ranks of a communicator (an MPI-3 shared
+// window over split_by_node's node communicator; the node's local rank 0 holds it). Collective over
+// `c` to make and to free. Writers synchronise through node().barrier().
+class NodeSharedMemory {
+ public:
+  NodeSharedMemory(Communicator& c, size_t bytes, const std::string& name);
+  ~NodeSharedMemory();
+  NodeSharedMemory(const NodeSharedMemory&) = delete;
+  NodeSharedMemory& operator=(const NodeSharedMemory&) = delete;
+
+  uint8_t* data() const { return data_; }
+  size_t size() const { return bytes_; }
+  Communicator& node() const { return *split_.node; }  // this rank's node: local rank and size
+
+ private:
+  NodeSplit split_;
+  MPI_Win window_ = MPI_WIN_NULL;
+  uint8_t* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 // nccl-tests' bandwidths for one collective of `bytes` per rank that took `seconds`:
 // algBw = bytes / time; busBw = algBw * factor, factor 2(n-1)/n for allreduce,
 // (n-1)/n for allgather and reduce_scatter (bytes = the full gathered size), 1 for broadcast.

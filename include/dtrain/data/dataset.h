@@ -72,6 +72,12 @@ class ShardedHdf5Dataset {
   // dataset's size: choose_reading).
   void set_options(const DatasetOptions& opt);
 
+  // The node-shared cache: `rows` holds every sample's inputs in global index order (filled by the
+  // node's ranks with read_whole_shard, shared through comm::NodeSharedMemory); reads copy from it
+  // and the per-rank cache stays empty.
+  void read_whole_shard(size_t shard, uint8_t* rows) const;
+  void use_shared_rows(const uint8_t* rows) { shared_rows_ = rows; }
+
   int32_t label(int64_t index) const;
   int64_t cached_bytes() const;  // inputs held by the whole-shard cache now
   int64_t whole_shard_reads() const;  // shards read whole into the cache so far (each once, sequentially)
@@ -86,7 +92,9 @@ class ShardedHdf5Dataset {
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<int64_t> shard_begin_;  // global index of each shard's first row, plus the total at the end
   std::vector<int32_t> labels_;       // all labels, global order
+  const uint8_t* shared_rows_ = nullptr;  // every sample's inputs (use_shared_rows), or null
   std::shared_ptr<const std::vector<uint8_t>> cached_rows(Shard& shard) const;
+  void read_all_rows(const Shard& shard, uint8_t* rows) const;
 
   mutable std::mutex cache_mu_;       // guards every shard's cache pointer and last use, and these:
   mutable int64_t cached_bytes_ = 0;
@@ -98,9 +106,11 @@ class ShardedHdf5Dataset {
 // How a run reads a dataset (--data-mode, --data-cache-mb): `cache` keeps whole shards in memory up to
 // the budget (the rest read per request), `stream` walks shards in windows through an evicting cache
 // (DistributedSampler's streaming order); `auto` caches what fits the budget and streams the rest.
-// The budget is per node, split among the node's ranks until they share one cache.
+// The budget is per node: a set that fits it is cached once per node, shared by the node's ranks;
+// otherwise (and for streaming) the budget is split among the node's ranks.
 struct DataReading {
   std::string mode;            // "cache" or "stream"
+  bool node_shared = false;    // cache: the whole set in one copy per node (it fits the node's budget)
   DatasetOptions dataset;      // the training set's cache
   int64_t window_shards = 0;   // streaming: shards shuffled together (LoaderOptions::stream_window_shards)
   std::string text;            // "mode stream (2900.0 MB > ...)": what was chosen and why
