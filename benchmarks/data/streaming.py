@@ -59,7 +59,8 @@ def train(a, data, mode, cache_mb, tag):
     if os.path.exists(metrics):
         os.remove(metrics)
     cmd = ["mpiexec", "-n", str(a.ranks), "--oversubscribe", "--bind-to", "none", a.dtrain, "train", "--model",
-           "simple_cnn", "--data", f"{data}/train", "--steps", str(a.steps), "--log-every", str(a.log_every),
+           "simple_cnn", "--data", f"{data}/train", "--steps", str(a.steps), "--epochs", "1000", "--log-every",
+           str(a.log_every),
            "--threads", "1", "--progress", "off", "--data-mode", mode, "--data-cache-mb", str(cache_mb),
            "--metrics", metrics]
     p = subprocess.Popen(cmd, env={**os.environ, **MPI_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -73,7 +74,7 @@ def train(a, data, mode, cache_mb, tag):
     rows = [json.loads(line) for line in open(metrics)]
     steps = [x for x in rows if "step" in x and "data_wait_s" in x]
     summary = next(x for x in rows if x.get("summary") == "run")
-    epochs = a.steps * 64 * a.ranks / 60000
+    epochs = summary["steps"] * 64 * a.ranks / 60000
     return {"samples_per_s": summary["samples_per_s"],
             "wait_share": statistics.mean(x["data_wait_s"] / x["step_time_s"] for x in steps[1:]),
             "first_step_s": summary["first_step_at_s"],
