@@ -43,7 +43,10 @@ if [[ $which == all || $which == thread ]]; then
   # count. Open MPI hands finished requests between threads with its own atomics, which TSan cannot
   # see: whichever thread drives progress (the control thread, a worker) copies a message into a
   # buffer another thread posted, and every such copy read as a race. dtrain's code stays checked.
+  # A failed test runs once more: Open MPI 4.1's mpiexec at times never returns after its ranks
+  # have ended, on this slow instrumented build under load (2026-11-27: comm_collectives_test_np4 and
+  # comm_early_exit_np2 left mpiexec polling with no rank alive, the same tests passing in 7 s).
   TSAN_OPTIONS=ignore_noninstrumented_modules=1 \
-    ctest --test-dir build-tsan --output-on-failure -L tsan -j "$jobs" || status=$?
+    ctest --test-dir build-tsan --output-on-failure -L tsan -j "$jobs" --repeat until-pass:2 || status=$?
 fi
 exit $status
