@@ -229,9 +229,6 @@ void ShardedHdf5Dataset::read(std::span<const int64_t> indices, Tensor& inputs, 
 void ShardedHdf5Dataset::read_whole_shard(size_t s, uint8_t* rows) const {
   DT_CHECK(s < shards_.size(), "shard " << s << " of " << shards_.size());
   read_all_rows(*shards_[s], rows);
-  std::lock_guard<std::mutex> c(cache_mu_);
-  ++whole_reads_;
-  bytes_read_ += shards_[s]->rows * info_.sample_bytes();
 }
 
 void ShardedHdf5Dataset::read(std::span<const int64_t> indices, uint8_t* inputs, int32_t* labels) const {
@@ -264,10 +261,9 @@ DataReading choose_reading(const DatasetInfo& info, const std::string& mode, int
                  "option --data-mode must be auto, cache or stream, got '" << mode << "'");
   DT_INPUT_CHECK(node_cache_mb >= 0, "option --data-cache-mb must be >= 0, got " << node_cache_mb);
   constexpr double kMB = 1 << 20;
-  const int64_t per_rank = (node_cache_mb << 20) / std::max(ranks_on_node, 1);
+  const int64_t per_node = node_cache_mb << 20, per_rank = per_node / std::max(ranks_on_node, 1);
   const int64_t total = info.num_samples * info.sample_bytes();
   const int64_t largest = *std::max_element(info.shard_rows.begin(), info.shard_rows.end()) * info.sample_bytes();
-  const int64_t per_node = node_cache_mb << 20;
   DataReading r;
   r.mode = mode == "auto" ? (total <= per_node ? "cache" : "stream") : mode;
   r.node_shared = r.mode == "cache" && total <= per_node;
@@ -311,13 +307,18 @@ int64_t ShardedHdf5Dataset::whole_shard_reads() const {
 }
 
 // Every row of the shard's inputs into `rows`: one sequential read of a file unchanged since it was
-// opened.
+// opened, counted in whole_shard_reads() and bytes_read().
 void ShardedHdf5Dataset::read_all_rows(const Shard& shard, uint8_t* rows) const {
   shard.check_unchanged();
-  auto lock = h5::lock();
-  DT_INPUT_CHECK(H5Dread(shard.inputs.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows) >= 0,
-                 "cannot read dataset 'inputs' in '" << shard.path << "' (corrupt or truncated?)"
-                                                     << with_detail(h5::last_error()));
+  {
+    auto lock = h5::lock();
+    DT_INPUT_CHECK(H5Dread(shard.inputs.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows) >= 0,
+                   "cannot read dataset 'inputs' in '" << shard.path << "' (corrupt or truncated?)"
+                                                       << with_detail(h5::last_error()));
+  }
+  std::lock_guard<std::mutex> c(cache_mu_);
+  ++whole_reads_;
+  bytes_read_ += shard.rows * info_.sample_bytes();
 }
 
 // The shard's rows from the cache, read whole (one sequential read) if they are not there and fit
@@ -360,8 +361,6 @@ std::shared_ptr<const std::vector<uint8_t>> ShardedHdf5Dataset::cached_rows(Shar
   std::lock_guard<std::mutex> c(cache_mu_);
   shard.cache = rows;
   shard.last_use = ++use_clock_;
-  ++whole_reads_;
-  bytes_read_ += bytes;
   return shard.cache;
 }
 
