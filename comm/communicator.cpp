@@ -4,6 +4,7 @@
 #include <atomic>
 #include <climits>
 #include <cstring>
+#include <numeric>
 
 #include "algorithms/node_allreduce.h"
 #include "control/flight_recorder.h"
@@ -174,6 +175,29 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const Tensor& in, Tensor& out
                                                                     << size_ << " * " << out.numel() << " elements");
   return issue({detail::CollectiveKind::ReduceScatter, in.dtype(), in.numel(), static_cast<int32_t>(op)},
                [&] { return do_reduce_scatter(in, out, op); });
+}
+
+std::shared_ptr<Work> Communicator::alltoallv(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                                              const std::vector<int64_t>& recv_counts) {
+  check_buffer(in, "in", "alltoallv");
+  check_buffer(out, "out", "alltoallv");
+  DT_CHECK(in.dtype() == out.dtype(), "alltoallv: in " << in.str() << " and out " << out.str() << " differ in dtype");
+  const auto total = [](const std::vector<int64_t>& counts) {
+    return std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  };
+  DT_CHECK(static_cast<int>(send_counts.size()) == size_ && static_cast<int>(recv_counts.size()) == size_,
+           "alltoallv: " << send_counts.size() << " send and " << recv_counts.size() << " receive counts for "
+                         << size_ << " ranks of '" << name_ << "'");
+  DT_CHECK(total(send_counts) <= in.numel() && total(recv_counts) <= out.numel(),
+           "alltoallv: in " << in.str() << " or out " << out.str() << " is smaller than its counts");
+  return issue({detail::CollectiveKind::Alltoall, in.dtype(), 0, 0},
+               [&] { return do_alltoallv(in, send_counts, out, recv_counts); });
+}
+
+std::shared_ptr<Work> Communicator::do_alltoallv(const Tensor&, const std::vector<int64_t>&, Tensor&,
+                                                 const std::vector<int64_t>&) {
+  DT_CHECK(false, "alltoallv: the " << backend() << " backend on '" << name_ << "' does not offer it");
+  return nullptr;
 }
 
 std::shared_ptr<Work> Communicator::send(const Tensor& t, int peer, int tag) {

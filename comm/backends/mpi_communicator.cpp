@@ -1,6 +1,8 @@
 #include "backends/mpi_communicator.h"
 
 #include <algorithm>
+#include <array>
+#include <climits>
 #include <chrono>
 #include <set>
 #include <sstream>
@@ -400,6 +402,30 @@ std::shared_ptr<Work> MpiCommunicator::do_reduce_scatter(const Tensor& in, Tenso
     if (op == ReduceOp::Avg) divide_by(out.raw(), out.numel(), out.dtype(), n);
   };
   return collective("reduce_scatter " + buf_str(in) + " " + reduce_op_name(op), std::move(body));
+}
+
+std::shared_ptr<Work> MpiCommunicator::do_alltoallv(const Tensor& in, const std::vector<int64_t>& send_counts,
+                                                    Tensor& out, const std::vector<int64_t>& recv_counts) {
+  MPI_Comm c = comm_;
+  // MPI counts and displacements are ints: the displacements of the last block must fit too.
+  const auto as_ints = [this](const std::vector<int64_t>& counts, std::vector<int>& ints, std::vector<int>& displs) {
+    int64_t at = 0;
+    for (int64_t n : counts) {
+      DT_CHECK(at + n <= INT_MAX, "alltoallv on '" << name() << "': " << at + n << " elements exceed INT_MAX");
+      ints.push_back(static_cast<int>(n));
+      displs.push_back(static_cast<int>(at));
+      at += n;
+    }
+  };
+  auto plan = std::make_shared<std::array<std::vector<int>, 4>>();  // send counts, displs, recv counts, displs
+  as_ints(send_counts, (*plan)[0], (*plan)[1]);
+  as_ints(recv_counts, (*plan)[2], (*plan)[3]);
+  auto body = [in, out, plan, c] {
+    MPI_Datatype dt = mpi_datatype(in.dtype());
+    auto& p = *plan;
+    DT_MPI_CHECK(MPI_Alltoallv(in.raw(), p[0].data(), p[1].data(), dt, out.raw(), p[2].data(), p[3].data(), dt, c));
+  };
+  return collective("alltoallv " + buf_str(in), std::move(body));
 }
 
 std::shared_ptr<Work> MpiCommunicator::do_barrier() {

@@ -87,6 +87,8 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<Work> do_broadcast(Tensor& t, int root) override;
   std::shared_ptr<Work> do_allgather(const Tensor& in, Tensor& out) override;
   std::shared_ptr<Work> do_reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) override;
+  std::shared_ptr<Work> do_alltoallv(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                                     const std::vector<int64_t>& recv_counts) override;
   std::shared_ptr<Work> do_send(const Tensor& t, int peer, int tag) override;
   std::shared_ptr<Work> do_recv(Tensor& t, int peer, int tag) override;
   std::shared_ptr<Work> do_barrier() override;

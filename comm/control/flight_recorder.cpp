@@ -68,6 +68,8 @@ const char* collective_kind_name(CollectiveKind k) {
       return "barrier";
     case CollectiveKind::Split:
       return "split";
+    case CollectiveKind::Alltoall:
+      return "alltoall";
   }
   return "?";
 }

@@ -15,14 +15,15 @@
 
 namespace dtrain::comm::detail {
 
-enum class CollectiveKind : uint8_t { Allreduce, Broadcast, Allgather, ReduceScatter, Barrier, Split };
+enum class CollectiveKind : uint8_t { Allreduce, Broadcast, Allgather, ReduceScatter, Barrier, Split, Alltoall };
 const char* collective_kind_name(CollectiveKind k);
 
 // What every rank of a communicator must issue at the same position of its sequence.
 struct CollectiveCall {
   CollectiveKind kind = CollectiveKind::Barrier;
   DType dtype = DType::U8;
-  int64_t count = 0;  // elements this rank passes (allgather: its block; reduce_scatter: the whole input)
+  int64_t count = 0;  // elements this rank passes (allgather: its block; reduce_scatter: the whole input;
+                      // alltoall: 0, as ranks pass different counts)
   int32_t arg = 0;    // ReduceOp of a reduction, the root of a broadcast, 0 otherwise
   bool operator==(const CollectiveCall&) const = default;
 };

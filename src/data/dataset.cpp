@@ -256,43 +256,70 @@ void ShardedHdf5Dataset::set_options(const DatasetOptions& opt) {
   opt_ = opt;
 }
 
-DataReading choose_reading(const DatasetInfo& info, const std::string& mode, int64_t node_cache_mb, int ranks_on_node) {
-  DT_INPUT_CHECK(mode == "auto" || mode == "cache" || mode == "stream",
-                 "option --data-mode must be auto, cache or stream, got '" << mode << "'");
+int store_holder(size_t shard, int data_ranks) { return static_cast<int>(shard % static_cast<size_t>(data_ranks)); }
+
+namespace {
+std::string megabytes(int64_t bytes) {
+  char mb[32];
+  std::snprintf(mb, sizeof mb, "%.1f MB", static_cast<double>(bytes) / (1 << 20));
+  return mb;
+}
+
+// The most bytes of shards one of `data_ranks` ranks holds in the store.
+int64_t largest_store_share(const DatasetInfo& info, int data_ranks) {
+  std::vector<int64_t> held(static_cast<size_t>(data_ranks), 0);
+  for (size_t s = 0; s < info.shards.size(); ++s) held[store_holder(s, data_ranks)] += info.shard_rows[s] * info.sample_bytes();
+  return *std::max_element(held.begin(), held.end());
+}
+}  // namespace
+
+DataReading choose_reading(const DatasetInfo& info, const std::string& mode, int64_t node_cache_mb, int ranks_on_node,
+                           int data_ranks) {
+  DT_INPUT_CHECK(mode == "auto" || mode == "cache" || mode == "store" || mode == "stream",
+                 "option --data-mode must be auto, cache, store or stream, got '" << mode << "'");
   DT_INPUT_CHECK(node_cache_mb >= 0, "option --data-cache-mb must be >= 0, got " << node_cache_mb);
-  constexpr double kMB = 1 << 20;
-  const int64_t per_node = node_cache_mb << 20, per_rank = per_node / std::max(ranks_on_node, 1);
+  ranks_on_node = std::max(ranks_on_node, 1);
+  const int64_t per_node = node_cache_mb << 20, per_rank = per_node / ranks_on_node;
   const int64_t total = info.num_samples * info.sample_bytes();
   const int64_t largest = *std::max_element(info.shard_rows.begin(), info.shard_rows.end()) * info.sample_bytes();
+  const int64_t store_share = largest_store_share(info, std::max(data_ranks, 1));
   DataReading r;
-  r.mode = mode == "auto" ? (total <= per_node ? "cache" : "stream") : mode;
+  r.mode = mode != "auto"                            ? mode
+           : total <= per_node                       ? "cache"
+           : data_ranks > 1 && store_share <= per_rank ? "store"
+                                                     : "stream";
   r.node_shared = r.mode == "cache" && total <= per_node;
-  char budget[160];
-  std::snprintf(budget, sizeof budget, "cache budget %.1f MB per rank = %lld MB per node / %d rank(s)",
-                static_cast<double>(per_rank) / kMB, static_cast<long long>(node_cache_mb), ranks_on_node);
-  char size[96];
-  std::snprintf(size, sizeof size, "%.1f MB in %zu shard(s)", static_cast<double>(total) / kMB, info.shards.size());
+  const std::string why = mode == "auto" ? "auto: " : "";
+  const std::string size = megabytes(total) + " in " + std::to_string(info.shards.size()) + " shard(s)";
+  const std::string budget = "cache budget " + megabytes(per_rank) + " per rank = " + std::to_string(node_cache_mb) +
+                             " MB per node / " + std::to_string(ranks_on_node) + " rank(s)";
+  const std::string against_budget = size + (total <= per_rank ? " <= " : " > ") + budget;
   r.dataset.cache_bytes = per_rank;
-  if (r.mode == "stream") {
-    char shard_mb[32];
-    std::snprintf(shard_mb, sizeof shard_mb, "%.1f", static_cast<double>(largest) / kMB);
+  if (r.node_shared) {
+    r.text = "mode cache (" + why + size + " <= cache budget " + std::to_string(node_cache_mb) +
+             " MB per node: one copy shared by the node's " + std::to_string(ranks_on_node) + " rank(s))";
+  } else if (r.mode == "store") {
+    DT_INPUT_CHECK(store_share <= per_rank,
+                   "option --data-cache-mb " << node_cache_mb << ": the store of '" << info.path << "' gives one of its "
+                                             << data_ranks << " rank(s) " << megabytes(store_share) << " of shards, over its "
+                                             << budget << "; give at least "
+                                             << (store_share * ranks_on_node + (1 << 20) - 1) / (1 << 20));
+    r.text = "mode store (" + why + size + " over " + std::to_string(data_ranks) + " rank(s), at most " +
+             megabytes(store_share) + " each, within the " + budget + "; batches gathered by all-to-all)";
+  } else if (r.mode == "stream") {
     DT_INPUT_CHECK(per_rank >= 2 * largest,
                    "option --data-cache-mb " << node_cache_mb << ": streaming '" << info.path << "' holds two shards of "
-                                             << shard_mb << " MB per rank ("
-                                             << ranks_on_node << " on this node): give at least "
+                                             << megabytes(largest) << " per rank (" << ranks_on_node
+                                             << " on this node): give at least "
                                              << (2 * largest * ranks_on_node + (1 << 20) - 1) / (1 << 20));
     r.dataset.evict = true;
     // One window being read, the next read ahead into; no more than the shards there are.
     r.window_shards = std::clamp<int64_t>(per_rank / largest / 2, 1, static_cast<int64_t>(info.shards.size()));
+    r.text = "mode stream (" + why + against_budget + "; windows of " + std::to_string(r.window_shards) +
+             " shard(s))";
+  } else {
+    r.text = "mode cache (" + why + against_budget + ")";
   }
-  if (r.node_shared) {
-    std::snprintf(budget, sizeof budget, "cache budget %lld MB per node: one copy shared by the node's %d rank(s)",
-                  static_cast<long long>(node_cache_mb), ranks_on_node);
-    r.text = "mode cache (" + std::string(mode == "auto" ? "auto: " : "") + size + " <= " + budget + ")";
-    return r;
-  }
-  r.text = "mode " + r.mode + " (" + (mode == "auto" ? "auto: " : "") + size + (total <= per_rank ? " <= " : " > ") +
-           budget + (r.mode == "stream" ? "; windows of " + std::to_string(r.window_shards) + " shard(s)" : "") + ")";
   return r;
 }
 

@@ -1,6 +1,7 @@
 #include "dtrain/data/loader.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 #include "dtrain/core/env.h"
@@ -63,12 +64,15 @@ std::vector<int64_t> DistributedSampler::epoch_order(int64_t epoch) const {
   return order;
 }
 
+int64_t DistributedSampler::position(int rank, int64_t k) const {
+  return stream_shards_.empty() ? k * world_ + rank : rank * per_rank_ + k;
+}
+
 std::vector<int64_t> DistributedSampler::rank_indices(int64_t epoch) const {
   std::vector<int64_t> order = epoch_order(epoch);
   std::vector<int64_t> mine;
   mine.reserve(static_cast<size_t>(per_rank_));
-  for (int64_t k = 0; k < per_rank_; ++k)
-    mine.push_back(stream_shards_.empty() ? order[k * world_ + rank_] : order[rank_ * per_rank_ + k]);
+  for (int64_t k = 0; k < per_rank_; ++k) mine.push_back(order[position(rank_, k)]);
   return mine;
 }
 
@@ -115,6 +119,11 @@ DataLoader::DataLoader(std::shared_ptr<const ShardedHdf5Dataset> dataset, const 
 }
 
 DataLoader::~DataLoader() {
+  try {
+    finish_exchanges();  // their buffers are in MPI's hands until then
+  } catch (const std::exception&) {
+    // already failing: the error that ends the run is reported elsewhere
+  }
   {
     std::lock_guard<std::mutex> g(mu_);
     stop_ = true;
@@ -135,12 +144,15 @@ void DataLoader::start_epoch(int64_t epoch, int64_t skip_batches) {
   auto plan = std::make_shared<Plan>();
   plan->epoch = epoch;
   plan->order = sampler_.rank_indices(epoch);
+  if (start_exchange_) plan->all = sampler_.epoch_order(epoch);
+  finish_exchanges();  // every rank started the same ones
   {
     std::lock_guard<std::mutex> g(mu_);
     plan_ = std::move(plan);
     epoch_ = epoch;
-    next_take_ = next_deliver_ = skip_batches;
+    next_take_ = next_deliver_ = next_exchange_ = arrived_ = skip_batches;
     ready_.clear();
+    exchanges_.clear();
   }
   work_cv_.notify_all();
 }
@@ -158,9 +170,22 @@ Batch DataLoader::build_batch(int64_t epoch, const std::vector<int64_t>& rank_or
   b.epoch = epoch;
   b.index = index;
   b.indices.assign(rank_order.begin() + begin, rank_order.begin() + begin + count);
-  std::vector<uint8_t> raw(static_cast<size_t>(count * sample));
   b.labels = Tensor::empty({count}, DType::I32);
-  dataset_->read(b.indices, raw.data(), b.labels.data<int32_t>());
+  std::shared_ptr<const std::vector<uint8_t>> rows;
+  if (start_exchange_) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = exchanges_.find(index);
+    // (A worker still on a restarted epoch's batch may find the new epoch's: its batch is dropped.)
+    DT_CHECK(it != exchanges_.end() && it->second.rows && it->second.rows->size() == static_cast<size_t>(count * sample),
+             "store: batch " << index << "'s rows have not arrived");
+    rows = it->second.rows;
+    for (int64_t i = 0; i < count; ++i) b.labels.data<int32_t>()[i] = dataset_->label(b.indices[i]);
+  } else {
+    auto read = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(count * sample));
+    dataset_->read(b.indices, read->data(), b.labels.data<int32_t>());
+    rows = std::move(read);
+  }
+  const std::vector<uint8_t>& raw = *rows;
 
   Shape shape = {count};
   shape.insert(shape.end(), info.sample_shape.begin(), info.sample_shape.end());
@@ -191,7 +216,8 @@ void DataLoader::worker_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     work_cv_.wait(lock, [&] {
-      return stop_ || (plan_ && next_take_ < batches_per_epoch_ && next_take_ < next_deliver_ + prefetch_);
+      return stop_ || (plan_ && next_take_ < batches_per_epoch_ && next_take_ < next_deliver_ + prefetch_ &&
+                       (!start_exchange_ || next_take_ < arrived_));
     });
     if (stop_) return;
     std::shared_ptr<const Plan> plan = plan_;
@@ -217,6 +243,7 @@ bool DataLoader::next(Batch& out) {
   const double t0 = now_s();
   std::unique_lock<std::mutex> lock(mu_);
   if (next_deliver_ >= batches_per_epoch_) return false;
+  if (start_exchange_) exchange_ahead(lock);
 
   if (workers_.empty()) {  // synchronous: the consumer builds its own batch
     std::shared_ptr<const Plan> plan = plan_;
@@ -224,6 +251,7 @@ bool DataLoader::next(Batch& out) {
     lock.unlock();
     out = build_batch(plan->epoch, plan->order, index);
     lock.lock();
+    exchanges_.erase(index);
     ++next_deliver_;
     out.wait_s = now_s() - t0;
     return true;
@@ -235,11 +263,107 @@ bool DataLoader::next(Batch& out) {
   if (it->second.error) std::rethrow_exception(it->second.error);
   out = std::move(it->second.batch);
   ready_.erase(it);
+  exchanges_.erase(next_deliver_);
   ++next_deliver_;
   lock.unlock();
   work_cv_.notify_all();  // one more batch may now be taken
   out.wait_s = now_s() - t0;
   return true;
+}
+
+// ---- The job-wide store ----
+
+void DataLoader::use_store(StartExchange start) {
+  std::lock_guard<std::mutex> g(mu_);
+  DT_CHECK(epoch_ < 0, "DataLoader::use_store after the first batch");
+  start_exchange_ = std::move(start);
+  const std::vector<int64_t>& rows = dataset_->info().shard_rows;
+  shard_begin_.assign(1, 0);
+  for (int64_t n : rows) shard_begin_.push_back(shard_begin_.back() + n);
+}
+
+std::vector<int64_t> DataLoader::batch_samples(const Plan& plan, int rank, int64_t index) const {
+  const int64_t begin = index * opt_.batch_size, end = std::min(begin + opt_.batch_size, sampler_.samples_per_rank());
+  std::vector<int64_t> samples;
+  for (int64_t k = begin; k < end; ++k) samples.push_back(plan.all[sampler_.position(rank, k)]);
+  return samples;
+}
+
+int DataLoader::holder_of(int64_t sample) const {
+  const auto shard = std::upper_bound(shard_begin_.begin(), shard_begin_.end(), sample) - shard_begin_.begin() - 1;
+  return store_holder(static_cast<size_t>(shard), opt_.world);
+}
+
+// Batch `index`'s all-to-all: to every rank in turn, the rows of its batch this rank holds, in that
+// batch's order (read from the shards this rank holds, each cached whole the first time).
+DataLoader::Exchange DataLoader::start_exchange(const Plan& plan, int64_t index) const {
+  const int64_t row = dataset_->info().sample_bytes();
+  std::vector<int64_t> send_counts(static_cast<size_t>(opt_.world), 0), held;
+  Exchange x;
+  x.recv_counts.assign(static_cast<size_t>(opt_.world), 0);
+  for (int r = 0; r < opt_.world; ++r)
+    for (int64_t g : batch_samples(plan, r, index)) {
+      const int holder = holder_of(g);
+      if (holder == opt_.rank) {
+        held.push_back(g);
+        send_counts[r] += row;
+      }
+      if (r == opt_.rank) x.recv_counts[holder] += row;
+    }
+  const int64_t received = std::accumulate(x.recv_counts.begin(), x.recv_counts.end(), int64_t{0});
+  x.send = Tensor::empty({std::max<int64_t>(1, static_cast<int64_t>(held.size()) * row)}, DType::U8);
+  x.recv = Tensor::empty({std::max<int64_t>(1, received)}, DType::U8);
+  dataset_->read(held, x.send.data<uint8_t>(), nullptr);
+  x.wait = start_exchange_(x.send, send_counts, x.recv, x.recv_counts);
+  return x;
+}
+
+// Waits for batch `index`'s rows and puts them in the batch's order (they arrive grouped by holder).
+std::shared_ptr<const std::vector<uint8_t>> DataLoader::arrive(const Plan& plan, int64_t index, Exchange& x) const {
+  x.wait();
+  const int64_t row = dataset_->info().sample_bytes();
+  std::vector<int64_t> at(x.recv_counts.size(), 0);
+  for (size_t r = 1; r < at.size(); ++r) at[r] = at[r - 1] + x.recv_counts[r - 1];
+  const std::vector<int64_t> samples = batch_samples(plan, opt_.rank, index);
+  auto rows = std::make_shared<std::vector<uint8_t>>(samples.size() * static_cast<size_t>(row));
+  for (size_t i = 0; i < samples.size(); ++i) {
+    int64_t& from = at[static_cast<size_t>(holder_of(samples[i]))];
+    std::memcpy(rows->data() + i * static_cast<size_t>(row), x.recv.data<uint8_t>() + from, static_cast<size_t>(row));
+    from += row;
+  }
+  return rows;
+}
+
+void DataLoader::exchange_ahead(std::unique_lock<std::mutex>& lock) {
+  std::shared_ptr<const Plan> plan = plan_;
+  while (next_exchange_ < std::min(batches_per_epoch_, next_deliver_ + kStoreAhead + 1)) {
+    const int64_t index = next_exchange_++;
+    lock.unlock();
+    Exchange x = start_exchange(*plan, index);
+    lock.lock();
+    exchanges_.emplace(index, std::move(x));
+  }
+  while (arrived_ < std::min(batches_per_epoch_, next_deliver_ + 2)) {
+    Exchange& x = exchanges_.at(arrived_);  // only this thread erases entries
+    lock.unlock();
+    auto rows = arrive(*plan, arrived_, x);
+    lock.lock();
+    x.rows = std::move(rows);
+    ++arrived_;
+  }
+  work_cv_.notify_all();
+}
+
+void DataLoader::finish_exchanges() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (auto& [index, x] : exchanges_)
+    if (!x.rows && x.wait) {
+      auto wait = std::move(x.wait);
+      x.wait = nullptr;
+      lock.unlock();
+      wait();
+      lock.lock();
+    }
 }
 
 }  // namespace dtrain::data

@@ -86,6 +86,7 @@ class ImageTask final : public Task {
   void setup(const TaskSetup& s) override;
   void connect() override;
   void share_training_set();
+  void use_store();
   nn::Module& model() override { return *model_; }
   std::string describe() override {
     return "model " + spec_.name + " (" + std::to_string(model_->parameter_count()) + " parameters" +
@@ -172,6 +173,7 @@ class ImageTask final : public Task {
   std::vector<Shape> boundaries_;           // pp > 1: the activation shape before each layer and after the last
   std::vector<int> starts_{0, 1};
   std::shared_ptr<data::ShardedHdf5Dataset> train_ds_, test_ds_;
+  std::unique_ptr<comm::Communicator> store_comm_;  // the store's all-to-alls (mode store): outlives loader_
   std::unique_ptr<data::DataLoader> loader_;
   std::vector<data::Batch> synthetic_;  // a few fixed random batches, cycled (no data path at all)
   nn::ModelSpec spec_;
@@ -207,7 +209,8 @@ void ImageTask::setup(const TaskSetup& s) {
     train_ds_ = std::make_shared<data::ShardedHdf5Dataset>(s.cfg.data);
     input = train_ds_->info().sample_shape;
     classes = train_ds_->info().num_classes;
-    reading_ = data::choose_reading(train_ds_->info(), s.cfg.data_mode, s.cfg.data_cache_mb, s.ranks_on_node);
+    reading_ = data::choose_reading(train_ds_->info(), s.cfg.data_mode, s.cfg.data_cache_mb, s.ranks_on_node,
+                                    s.grid.dp_size());
     train_ds_->set_options(reading_.dataset);
     if (!s.cfg.test_data.empty()) {
       test_ds_ = std::make_shared<data::ShardedHdf5Dataset>(s.cfg.test_data);
@@ -281,6 +284,19 @@ void ImageTask::connect() {
   }
   if (cfg_->sync_batchnorm) parallel::convert_sync_batchnorm(*model_, grid_->dp());
   if (reading_.node_shared) share_training_set();
+  if (reading_.mode == "store") use_store();
+}
+
+// The job-wide store: the batches' rows travel between the data-parallel ranks on a communicator of
+// their own, so the exchanges run beside the gradients' collectives, not queued behind them.
+void ImageTask::use_store() {
+  store_comm_ = grid_->dp().split(0, grid_->dp().rank(), grid_->dp().name() + "/data-store");
+  comm::Communicator* c = store_comm_.get();
+  loader_->use_store([c](const Tensor& send, const std::vector<int64_t>& send_counts, Tensor& recv,
+                         const std::vector<int64_t>& recv_counts) -> std::function<void()> {
+    std::shared_ptr<comm::Work> w = c->alltoallv(send, send_counts, recv, recv_counts);
+    return [w] { w->wait(); };
+  });
 }
 
 // The node-shared cache: the node's ranks read the shards whole, in turn (local rank i takes

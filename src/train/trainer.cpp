@@ -141,7 +141,15 @@ bool Trainer::step_once(double& wait_s) {
   ChromeTrace& trace = *trace_;
   const Interval before = iv_;
   const double t0 = now_s();
-  if (!task_->load_step(step_, wait_s)) return false;
+  try {
+    if (!task_->load_step(step_, wait_s)) return false;
+  } catch (const InputError& e) {
+    // Each rank reads its own samples (in the store: the rows it holds for every rank), so a shard
+    // that breaks mid-run may fail one rank only, while the others wait for it in a collective:
+    // that rank stops the job, naming itself and the file.
+    if (world_.size() > 1) comm::Runtime::abort(kExitBadInput, "rank " + std::to_string(rank_) + ": " + e.what());
+    throw;
+  }
   test_delay("data");
   const double tc = now_s();
   trace.span("data wait", t0, tc, step_);

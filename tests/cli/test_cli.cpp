@@ -8,6 +8,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 
 #include "../train/train_test_util.h"
@@ -336,7 +337,7 @@ TEST(Cli, DataModeStreamSaysWhyAndResumesExactly) {
   const std::vector<std::string> all = step_losses(dir + "/whole.jsonl"), tail = step_losses(dir + "/resumed.jsonl");
   ASSERT_EQ(all.size(), 20u);
   EXPECT_EQ(tail, std::vector<std::string>(all.begin() + 10, all.end()));
-  EXPECT_FAILS_NAMING(run("train --data " + dir + "/band --model mlp --steps 1 --data-mode store"), "--data-mode");
+  EXPECT_FAILS_NAMING(run("train --data " + dir + "/band --model mlp --steps 1 --data-mode memory"), "--data-mode");
   EXPECT_FAILS_NAMING(run("train --data " + dir + "/band --model mlp --steps 1 --data-mode stream --data-cache-mb 0"),
                       "--data-cache-mb 0");
   fs::remove_all(dir);
@@ -345,23 +346,45 @@ TEST(Cli, DataModeStreamSaysWhyAndResumesExactly) {
 // Streaming reads shards during the run: shards truncated after step 10 (a read from a truncated
 // HDF5 file can return zeros without an error) are named when the next one is read, and every rank
 // exits non-zero (the first with status 2) instead of training on garbage.
-TEST(CliMpi, StreamingStopsOnAShardChangedDuringTheRun) {
-  const std::string dir = dtrain::test::temp_dir("cli-stream-truncated");
-  dtrain::test::make_band_dataset(dir + "/band", 8000, 28, 4, 1000);  // 8 shards of 0.78 MB: windows of 1
+// Trains `options` on 2 ranks (rank 0 slowed down) and truncates every shard once step `at` is
+// logged; returns the log and sets `rc` to the job's exit status.
+std::string train_while_truncating(const std::string& dir, const std::string& options, int at, int& rc) {
   const std::string train = "DTRAIN_TEST_SLOW=0:data:150 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
                             "timeout 120 mpiexec -n 2 --oversubscribe --bind-to none " +
                             std::string(DTRAIN_BINARY_DIR) + "/dtrain train --data " + dir + "/band --model mlp " +
-                            "--hidden 16 --steps 60 --threads 1 --log-every 10 --progress off --data-mode stream " +
-                            "--data-cache-mb 4 > " + dir + "/log 2>&1; echo $? > " + dir + "/rc";
-  shell("(" + train + ") & until grep -q 'step 10/' " + dir + "/log 2>/dev/null || [ -s " + dir +
-                   "/rc ]; do sleep 0.05; done; for f in " + dir + "/band/*.h5; do truncate -s 4096 $f; done; wait");
+                            "--hidden 16 --threads 1 --progress off " + options + " > " + dir + "/log 2>&1; echo $? > " +
+                            dir + "/rc";
+  shell("(" + train + ") & until grep -q 'step " + std::to_string(at) + "/' " + dir + "/log 2>/dev/null || [ -s " +
+        dir + "/rc ]; do sleep 0.05; done; for f in " + dir + "/band/*.h5; do truncate -s 4096 $f; done; wait");
   std::ifstream log_file(dir + "/log"), rc_file(dir + "/rc");
-  const std::string log((std::istreambuf_iterator<char>(log_file)), std::istreambuf_iterator<char>());
-  int rc = -1;
+  rc = -1;
   rc_file >> rc;
+  return std::string((std::istreambuf_iterator<char>(log_file)), std::istreambuf_iterator<char>());
+}
+
+TEST(CliMpi, StreamingStopsOnAShardChangedDuringTheRun) {
+  const std::string dir = dtrain::test::temp_dir("cli-stream-truncated");
+  dtrain::test::make_band_dataset(dir + "/band", 8000, 28, 4, 1000);  // 8 shards of 0.78 MB: windows of 1
+  int rc = 0;
+  const std::string log =
+      train_while_truncating(dir, "--steps 60 --log-every 10 --data-mode stream --data-cache-mb 4", 10, rc);
   EXPECT_EQ(rc, 2) << log;
   EXPECT_GE(count(log, "changed during the run: 81"), 1u) << log;  // the bytes when opened, then now
   EXPECT_EQ(count(log, "step 60/"), 0u) << log;
+  fs::remove_all(dir);
+}
+
+// The store: a shard its holder has not read yet when it changes stops both ranks, the holder's
+// message naming it (the other rank was waiting for its rows).
+TEST(CliMpi, StoreStopsOnAShardChangedDuringTheRun) {
+  const std::string dir = dtrain::test::temp_dir("cli-store-truncated");
+  dtrain::test::make_band_dataset(dir + "/band", 8000, 28, 4, 200);  // 40 shards; 2 samples a step touch few
+  int rc = 0;
+  const std::string log =
+      train_while_truncating(dir, "--steps 400 --batch-size 1 --log-every 2 --data-mode store", 2, rc);
+  EXPECT_EQ(rc, 2) << log;
+  EXPECT_GE(count(log, "changed during the run"), 1u) << log;
+  EXPECT_EQ(count(log, "step 400/"), 0u) << log;
   fs::remove_all(dir);
 }
 
@@ -385,6 +408,28 @@ TEST(CliMpi, NodeSharedCacheReadsEachShardOnceAndTrainsTheSame) {
   std::ifstream metrics(dir + "/shared.jsonl");
   const std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
   EXPECT_EQ(count(all, "\"data_whole_shard_reads\": 10"), 1u) << all;  // rank 0's half of the 20
+  fs::remove_all(dir);
+}
+
+// --data-mode store: each of 2 ranks holds half the shards, batches gather their rows by all-to-all,
+// and training takes the same steps as reading every row itself; rank 0 reads only its 10 shards,
+// each once, whole.
+TEST(CliMpi, StoreTrainsOnTheSameBatchesAndReadsEachShardOnce) {
+  const std::string dir = dtrain::test::temp_dir("cli-store");
+  dtrain::test::make_band_dataset(dir + "/band", 2000, 8, 4, 100);  // 20 shards
+  const std::string common = "train --data " + dir + "/band --model mlp --hidden 16 --batch-size 16 --steps 40 " +
+                             "--threads 1 --log-every 1 --progress off --loader-threads 2 ";
+  Result store = mpirun(2, common + "--data-mode store --data-cache-mb 1 --metrics " + dir + "/store.jsonl");
+  ASSERT_EQ(store.code, 0) << store.out;
+  EXPECT_EQ(count(store.out, "mode store (0.1 MB in 20 shard(s) over 2 rank(s), at most 0.1 MB each"), 1u) << store.out;
+  Result rows = mpirun(2, common + "--data-mode cache --data-cache-mb 0 --metrics " + dir + "/rows.jsonl");
+  ASSERT_EQ(rows.code, 0) << rows.out;
+  EXPECT_EQ(step_losses(dir + "/store.jsonl"), step_losses(dir + "/rows.jsonl"));
+  EXPECT_EQ(step_losses(dir + "/store.jsonl").size(), 40u);
+  std::ifstream metrics(dir + "/store.jsonl");
+  const std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(std::regex_search(all, std::regex("\"data_whole_shard_reads\": 10[,}]"))) << all;
+  EXPECT_TRUE(std::regex_search(all, std::regex("\"data_bytes_read\": 64000[,}]"))) << all;  // 10 x 100 x 8x8 bytes
   fs::remove_all(dir);
 }
 

@@ -1,8 +1,11 @@
 // DistributedSampler coverage, DataLoader determinism and resume, augmentation.
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <thread>
 #include <numeric>
 #include <set>
 
@@ -319,13 +322,137 @@ TEST_F(LoaderTest, StreamingReadsEachShardOncePerEpochAndResumesExactly) {
   expect_same(second, run(ds, 1, 0));
   // The reads follow the windows: a cache of one shard cannot stream (choose_reading refuses it).
   DatasetInfo info = ds->info();
-  testing::expect_input_error([&] { choose_reading(info, "stream", 0, 1); }, {"--data-cache-mb 0", "give at least 1"});
-  testing::expect_input_error([&] { choose_reading(info, "store", 64, 1); }, {"--data-mode", "store"});
-  EXPECT_EQ(choose_reading(info, "auto", 64, 2).mode, "cache");
-  const DataReading r = choose_reading(info, "stream", 64, 2);
+  testing::expect_input_error([&] { choose_reading(info, "stream", 0, 1, 1); },
+                              {"--data-cache-mb 0", "give at least 1"});
+  testing::expect_input_error([&] { choose_reading(info, "strem", 64, 1, 1); }, {"--data-mode", "strem"});
+  EXPECT_EQ(choose_reading(info, "auto", 64, 2, 2).mode, "cache");
+  const DataReading r = choose_reading(info, "stream", 64, 2, 2);
   EXPECT_TRUE(r.dataset.evict);
   EXPECT_EQ(r.window_shards, 3);  // every shard fits 32 MB per rank
   EXPECT_EQ(r.dataset.cache_bytes, int64_t{32} << 20);
+  // 4 shards of 100 MiB, a budget of 256 MB per node of 2 ranks: over 2 nodes (4 data ranks) each
+  // rank holds one shard in the store; a rank alone on a 384 MB node
+  // would hold them all: it streams.
+  DatasetInfo big;
+  big.path = "big";
+  big.shards = {"a", "b", "c", "d"};
+  big.shard_rows = {100, 100, 100, 100};
+  big.sample_shape = {1, 1024, 1024};
+  big.num_samples = 400;
+  const DataReading store = choose_reading(big, "auto", 256, 2, 4);
+  EXPECT_EQ(store.mode, "store");
+  EXPECT_FALSE(store.dataset.evict);
+  EXPECT_NE(store.text.find("over 4 rank(s), at most 100.0 MB each"), std::string::npos) << store.text;
+  EXPECT_EQ(choose_reading(big, "auto", 384, 1, 1).mode, "stream");
+  testing::expect_input_error([&] { choose_reading(big, "store", 256, 2, 2); },
+                              {"--data-cache-mb 256", "200.0 MB", "give at least 400"});
+}
+
+// An all-to-all among loaders on threads of one process, standing in for the MPI communicator the
+// trainer gives the store: each rank's k-th call meets the other ranks' k-th calls.
+class ThreadAlltoall {
+ public:
+  explicit ThreadAlltoall(int world) : world_(world) {}
+
+  StartExchange rank(int r) {
+    return [this, r](const Tensor& send, const std::vector<int64_t>& send_counts, Tensor& recv,
+                     const std::vector<int64_t>& recv_counts) -> std::function<void()> {
+      std::lock_guard<std::mutex> g(mu_);
+      const int64_t call = calls_[r]++;
+      Call& c = pending_[call];
+      c.send.resize(static_cast<size_t>(world_));
+      c.send_counts.resize(static_cast<size_t>(world_));
+      c.send[r] = send;
+      c.send_counts[r] = send_counts;
+      ++c.ranks;
+      cv_.notify_all();
+      return [this, r, call, recv, recv_counts] {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return pending_[call].ranks == world_; });
+        const Call& c = pending_[call];
+        int64_t at = 0;
+        for (int from = 0; from < world_; ++from) {
+          const std::vector<int64_t>& counts = c.send_counts[from];
+          ASSERT_EQ(counts[r], recv_counts[from]) << "call " << call << ": rank " << from << " sends " << r << " "
+                                                  << counts[r] << " bytes, " << recv_counts[from] << " expected";
+          const int64_t offset = std::accumulate(counts.begin(), counts.begin() + r, int64_t{0});
+          std::memcpy(static_cast<uint8_t*>(recv.raw()) + at, static_cast<const uint8_t*>(c.send[from].raw()) + offset,
+                      static_cast<size_t>(counts[r]));
+          at += counts[r];
+        }
+      };
+    };
+  }
+
+ private:
+  struct Call {
+    std::vector<Tensor> send;
+    std::vector<std::vector<int64_t>> send_counts;
+    int ranks = 0;
+  };
+  int world_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<int, int64_t> calls_;
+  std::map<int64_t, Call> pending_;
+};
+
+// The store gives each rank the batches the plain loader gives it, bit for bit, over 1, 2 and 4
+// ranks, with and without worker threads, across epochs and when resuming mid-epoch; each shard is
+// read once, whole, by the rank that holds it, and by no other.
+TEST_F(LoaderTest, StoreGivesTheBatchesOfThePlainLoaderAndReadsEachShardOnce) {
+  for (int world : {1, 2, 4}) {
+    for (int threads : {0, 2}) {
+      LoaderOptions opt;
+      opt.batch_size = 7;
+      opt.seed = 5;
+      opt.threads = threads;
+      opt.world = world;
+      opt.augment.hflip = true;
+      ThreadAlltoall alltoall(world);
+      std::vector<std::vector<Batch>> got(static_cast<size_t>(world));
+      std::vector<int64_t> whole_reads(static_cast<size_t>(world)), bytes(static_cast<size_t>(world));
+      std::vector<std::thread> ranks;
+      for (int r = 0; r < world; ++r)
+        ranks.emplace_back([&, r, opt]() mutable {
+          opt.rank = r;
+          auto ds = std::make_shared<ShardedHdf5Dataset>(tmp_ / "d");
+          DataLoader loader(ds, opt);
+          loader.use_store(alltoall.rank(r));
+          for (auto [e, skip] : {std::pair<int64_t, int64_t>{0, 0}, {1, 0}, {1, 3}}) {
+            loader.start_epoch(e, skip);
+            Batch b;
+            if (e == 1 && skip == 0) {  // stopped after 2 batches: the resume starts over with the exchanges
+              for (int i = 0; i < 2 && loader.next(b); ++i) got[r].push_back(b);
+              continue;
+            }
+            while (loader.next(b)) got[r].push_back(b);
+          }
+          whole_reads[r] = ds->whole_shard_reads();
+          bytes[r] = ds->bytes_read();
+        });
+      for (std::thread& t : ranks) t.join();
+      int64_t shards_read = 0, bytes_read = 0;
+      for (int r = 0; r < world; ++r) {
+        LoaderOptions plain = opt;
+        plain.rank = r;
+        std::vector<Batch> want = epoch(plain, 0);
+        const std::vector<Batch> second = epoch(plain, 1), resumed = epoch(plain, 1, 3);
+        want.insert(want.end(), second.begin(), second.begin() + 2);
+        want.insert(want.end(), resumed.begin(), resumed.end());
+        SCOPED_TRACE("world " + std::to_string(world) + " rank " + std::to_string(r) + " threads " +
+                     std::to_string(threads));
+        expect_same(got[r], want);
+        int64_t held = 0;
+        for (size_t s = 0; s < 3; ++s) held += store_holder(s, world) == r;
+        EXPECT_EQ(whole_reads[r], held);
+        shards_read += whole_reads[r];
+        bytes_read += bytes[r];
+      }
+      EXPECT_EQ(shards_read, 3);
+      EXPECT_EQ(bytes_read, kN * kSample);
+    }
+  }
 }
 
 TEST(Augment, FlipMirrorsEachRow) {

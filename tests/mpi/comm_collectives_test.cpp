@@ -214,6 +214,28 @@ TEST(Collectives, AllgatherPlacesBlockRFromRankR) {
   }
 }
 
+// Rank r sends rank q (r + q) % 3 bytes (none to some), each byte 16 * r + q; block r of what q
+// receives is rank r's block q.
+TEST(Collectives, AlltoallvDeliversBlocksOfUnequalSizes) {
+  Communicator& c = world();
+  const int n = c.size(), me = c.rank();
+  std::vector<int64_t> send_counts, recv_counts;
+  for (int q = 0; q < n; ++q) {
+    send_counts.push_back((me + q) % 3);
+    recv_counts.push_back((q + me) % 3);
+  }
+  std::vector<uint8_t> bytes;
+  for (int q = 0; q < n; ++q) bytes.insert(bytes.end(), static_cast<size_t>(send_counts[q]), static_cast<uint8_t>(16 * me + q));
+  Tensor in = Tensor::empty({static_cast<int64_t>(bytes.size()) + 1}, DType::U8);
+  std::copy(bytes.begin(), bytes.end(), in.data<uint8_t>());
+  Tensor out = Tensor::zeros({2 * n + 1}, DType::U8);
+  c.alltoallv(in, send_counts, out, recv_counts)->wait();
+  std::vector<uint8_t> want;
+  for (int r = 0; r < n; ++r) want.insert(want.end(), static_cast<size_t>(recv_counts[r]), static_cast<uint8_t>(16 * r + me));
+  EXPECT_EQ(std::vector<uint8_t>(out.data<uint8_t>(), out.data<uint8_t>() + want.size()), want);
+  EXPECT_THROW(c.alltoallv(in, {1}, out, {1}), Error);  // a count per rank
+}
+
 TEST(Collectives, ReduceScatterGivesRankRItsBlock) {
   Communicator& c = world();
   const int n = c.size();

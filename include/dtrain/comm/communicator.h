@@ -117,6 +117,11 @@ class Communicator {
   std::shared_ptr<Work> allgather(const Tensor& in, Tensor& out);
   // in holds size() blocks of out.numel() elements; rank r gets op over all ranks' block r.
   std::shared_ptr<Work> reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op = ReduceOp::Sum);
+  // Block r' of `in` (send_counts[r'] elements, blocks in rank order) goes to rank r', and block r'
+  // of `out` (recv_counts[r'] elements) comes from rank r'; what r sends r' is what r' expects from r.
+  // The MPI backend only.
+  std::shared_ptr<Work> alltoallv(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                                  const std::vector<int64_t>& recv_counts);
   std::shared_ptr<Work> send(const Tensor& t, int peer, int tag);
   std::shared_ptr<Work> recv(Tensor& t, int peer, int tag);  // t.nbytes() must match the send
   void barrier();                                            // with the timeout, like every wait
@@ -147,6 +152,8 @@ class Communicator {
   virtual std::shared_ptr<Work> do_broadcast(Tensor& t, int root) = 0;
   virtual std::shared_ptr<Work> do_allgather(const Tensor& in, Tensor& out) = 0;
   virtual std::shared_ptr<Work> do_reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> do_alltoallv(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                                             const std::vector<int64_t>& recv_counts);
   virtual std::shared_ptr<Work> do_send(const Tensor& t, int peer, int tag) = 0;
   virtual std::shared_ptr<Work> do_recv(Tensor& t, int peer, int tag) = 0;
   virtual std::shared_ptr<Work> do_barrier() = 0;

@@ -104,18 +104,25 @@ class ShardedHdf5Dataset {
 };
 
 // How a run reads a dataset (--data-mode, --data-cache-mb): `cache` keeps whole shards in memory up to
-// the budget (the rest read per request), `stream` walks shards in windows through an evicting cache
-// (DistributedSampler's streaming order); `auto` caches what fits the budget and streams the rest.
-// The budget is per node: a set that fits it is cached once per node, shared by the node's ranks;
-// otherwise (and for streaming) the budget is split among the node's ranks.
+// the budget (the rest read per request); `store` spreads the shards over the job's data-parallel
+// ranks (store_holder), each holding its own whole in memory, and every batch gathers its rows from
+// their holders by an all-to-all (DataLoader::use_store); `stream` walks shards in windows through an
+// evicting cache (DistributedSampler's streaming order). `auto` caches a set that fits the node's
+// budget, stores one whose largest share fits a rank's, and streams the rest. The budget is per node:
+// a set that fits it is cached once per node, shared by the node's ranks; otherwise the budget is
+// split among the node's ranks.
 struct DataReading {
-  std::string mode;            // "cache" or "stream"
+  std::string mode;            // "cache", "store" or "stream"
   bool node_shared = false;    // cache: the whole set in one copy per node (it fits the node's budget)
   DatasetOptions dataset;      // the training set's cache
   int64_t window_shards = 0;   // streaming: shards shuffled together (LoaderOptions::stream_window_shards)
   std::string text;            // "mode stream (2900.0 MB > ...)": what was chosen and why
 };
-// Throws InputError naming --data-mode or --data-cache-mb when they cannot work for this dataset.
-DataReading choose_reading(const DatasetInfo& info, const std::string& mode, int64_t node_cache_mb, int ranks_on_node);
+// `data_ranks`: the ranks that share the store (the data-parallel ranks). Throws InputError naming
+// --data-mode or --data-cache-mb when they cannot work for this dataset.
+DataReading choose_reading(const DatasetInfo& info, const std::string& mode, int64_t node_cache_mb, int ranks_on_node,
+                           int data_ranks);
+// The rank of `data_ranks` that holds shard `shard` in the store: shards are dealt round-robin.
+int store_holder(size_t shard, int data_ranks);
 
 }  // namespace dtrain::data

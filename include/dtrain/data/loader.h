@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -37,6 +38,8 @@ class DistributedSampler {
   int64_t total_size() const { return per_rank_ * world_; }  // after dropping or padding
   std::vector<int64_t> epoch_order(int64_t epoch) const;     // all ranks' samples, length total_size()
   std::vector<int64_t> rank_indices(int64_t epoch) const;    // this rank's, length samples_per_rank()
+  // Where sample k of `rank`'s share sits in epoch_order().
+  int64_t position(int rank, int64_t k) const;
 
  private:
   int64_t size_;
@@ -66,6 +69,12 @@ struct LoaderOptions {
   // dataset whose cache evicts; 0: the global shuffle.
   int64_t stream_window_shards = 0;
 };
+
+// The job-wide store's all-to-all (DataLoader::use_store): sends send_counts[r] bytes of `send`
+// (blocks in rank order) to rank r, receives recv_counts[r] bytes from rank r into `recv` (blocks in
+// rank order), and returns what waits for it to finish.
+using StartExchange = std::function<std::function<void()>(const Tensor& send, const std::vector<int64_t>& send_counts,
+                                                          Tensor& recv, const std::vector<int64_t>& recv_counts)>;
 
 struct Batch {
   Tensor inputs;                 // f32 [B, C, H, W]
@@ -104,19 +113,42 @@ class DataLoader {
   const LoaderOptions& options() const { return opt_; }
   const DatasetInfo& info() const { return dataset_->info(); }
 
-  // Builds batch `index` of `epoch` directly on the caller's thread (what the workers run).
+  // The job-wide store (--data-mode store): this rank reads only the shards it holds (store_holder
+  // over the loader's ranks), and each batch's rows come from their holders through `start`, an
+  // all-to-all over the loader's ranks. next() starts batch i + kStoreAhead's exchange and takes
+  // batch i + 1's rows (its conversion then overlaps the caller's step), so every rank must call
+  // next() and start_epoch() alike, as a data-parallel loop does. The batches are those of the
+  // other modes, bit for bit. Call before the first next().
+  void use_store(StartExchange start);
+  static constexpr int64_t kStoreAhead = 2;
+
+  // Builds batch `index` of `epoch` directly on the caller's thread (what the workers run). In the
+  // store, batch `index`'s rows must have arrived.
   Batch build_batch(int64_t epoch, const std::vector<int64_t>& rank_order, int64_t index) const;
 
  private:
   struct Plan {
     int64_t epoch = 0;
     std::vector<int64_t> order;  // this rank's sample order for the epoch
+    std::vector<int64_t> all;    // the store: every rank's (DistributedSampler::epoch_order)
+  };
+  struct Exchange {  // the store: one batch's rows on their way from their holders
+    Tensor send, recv;
+    std::vector<int64_t> recv_counts;
+    std::function<void()> wait;
+    std::shared_ptr<const std::vector<uint8_t>> rows;  // in batch order, once arrived
   };
   struct Slot {
     Batch batch;
     std::exception_ptr error;
   };
   void worker_loop();
+  std::vector<int64_t> batch_samples(const Plan& plan, int rank, int64_t index) const;
+  int holder_of(int64_t sample) const;
+  Exchange start_exchange(const Plan& plan, int64_t index) const;
+  std::shared_ptr<const std::vector<uint8_t>> arrive(const Plan& plan, int64_t index, Exchange& x) const;
+  void exchange_ahead(std::unique_lock<std::mutex>& lock);  // consumer thread, under mu_
+  void finish_exchanges();                                  // consumer thread: waits for those started
 
   std::shared_ptr<const ShardedHdf5Dataset> dataset_;
   LoaderOptions opt_;
@@ -134,6 +166,10 @@ class DataLoader {
   int64_t next_deliver_ = 0;  // next batch number next() returns
   std::map<int64_t, Slot> ready_;
   bool stop_ = false;
+  StartExchange start_exchange_;            // set: the store
+  std::vector<int64_t> shard_begin_;        // the store: each shard's first global index
+  std::map<int64_t, Exchange> exchanges_;   // the store: batches started and not yet handed out
+  int64_t next_exchange_ = 0, arrived_ = 0;  // the store: next batch to start; batches < arrived_ have rows
   std::vector<std::thread> workers_;
 };
 
