@@ -12,6 +12,10 @@
 #   multinode_test.sh node-loss BIN DATA WORK  a node's link goes down mid-run: the other node's
 #                                              ranks exit within the comm timeout naming the node,
 #                                              the job ends, the last checkpoint resumes
+#   multinode_test.sh data      BIN DATA WORK  the training set read on 2 nodes x 2 ranks: the job-
+#                                              wide store (chosen by auto past a node's budget)
+#                                              and the node-shared cache train on the batches of
+#                                              per-request reads; streaming reads each shard whole
 set -euo pipefail
 mode=$1
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -37,6 +41,10 @@ on() {
   shift
   "$root/cluster/emulate/on.sh" "$node" "cd $(printf '%q' "$work") && $(printf '%q ' "$@")"
 }
+# losses METRICS: the step losses a metrics file holds, one per line.
+losses() { grep '"step"' "$1" | grep -o '"loss": [0-9.e+-]*'; }
+# summary_field METRICS NAME: a field of the run's summary line (rank 0's).
+summary_field() { grep '"summary"' "$1" | grep -o "\"$2\": [0-9a-z\"]*" | head -1 | sed 's/.*: //; s/"//g'; }
 # accuracy LOG: the last test accuracy the log reports, in percent.
 accuracy() { grep -o 'test accuracy [0-9.]*%' "$1" | tail -1 | grep -o '[0-9.]*'; }
 
@@ -146,5 +154,34 @@ case "$mode" in
     grep -q "resumed from $last at step $step" "$work/resume.log" || { cat "$work/resume.log"; fail "did not resume at step $step"; }
     echo "PASS: node emu2 lost: ranks 2, 3 named with their node, the job ended in $ended s, resumed at step $step"
     ;;
-  *) fail "mode must be mpirun, slurm or node-loss" ;;
+  data)
+    bin=$2 data=$3 work=$4
+    rm -rf "$work" && mkdir -p "$work"
+    start_cluster --nodes 2
+    # Fashion-MNIST's 47 MB in 6 shards of 7.8 MB: over a node's 40 MB, while each of the 4 ranks
+    # holds at most 2 shards of the store within its 20 MB.
+    common=(train --model mlp --hidden 32 --data "$data/train" --steps 30 --batch-size 16 --threads 1 --log-every 1
+      --progress off)
+    for run in store:auto:40 shared:auto:2048 rows:cache:0 stream:stream:64; do
+      IFS=: read -r name mode mb <<<"$run"
+      on emu1 mpirun --host emu1:2,emu2:2 -n 4 --bind-to none "$bin" "${common[@]}" --data-mode "$mode" \
+        --data-cache-mb "$mb" --metrics "$work/$name.jsonl" >"$work/$name.log" 2>&1 ||
+        { cat "$work/$name.log"; fail "--data-mode $mode --data-cache-mb $mb on 2 nodes failed"; }
+      grep -q "dtrain: 4 ranks on 2 nodes" "$work/$name.log" || fail "$name: not 4 ranks on 2 nodes"
+      grep -m1 -o "mode [a-z]* (.*), 4 ranks" "$work/$name.log"
+    done
+    grep -q "mode store (auto: " "$work/store.log" || fail "auto did not choose the store past a node's budget"
+    grep -q "one copy shared by the node's 2 rank(s)" "$work/shared.log" || fail "auto did not share one copy per node"
+    [[ $(losses "$work/rows.jsonl" | wc -l) -eq 30 ]] || fail "per-request reads: not 30 step losses"
+    for name in store shared; do
+      diff <(losses "$work/$name.jsonl") <(losses "$work/rows.jsonl") >/dev/null ||
+        fail "$name: other losses than per-request reads (other batches)"
+    done
+    # Rank 0 holds shards 0 and 4 of the store, and reads 3 of 6 into its node's copy.
+    [[ $(summary_field "$work/store.jsonl" data_whole_shard_reads) -eq 2 ]] || fail "store: rank 0 did not read its 2 shards"
+    [[ $(summary_field "$work/shared.jsonl" data_whole_shard_reads) -eq 3 ]] || fail "shared: rank 0 did not read 3 shards"
+    [[ $(summary_field "$work/stream.jsonl" data_mode) == stream ]] || fail "stream: not streamed"
+    echo "store, node-shared cache and per-request reads trained the same 30 losses on 2 nodes x 2 ranks"
+    ;;
+  *) fail "mode must be mpirun, slurm, node-loss or data" ;;
 esac
