@@ -238,12 +238,12 @@ void ShardedHdf5Dataset::read(std::span<const int64_t> indices, uint8_t* inputs,
     const int64_t g = indices[slot];
     DT_CHECK(g >= 0 && g < size(), "sample index " << g << " outside [0, " << size() << ")");
     if (labels) labels[slot] = labels_[g];
-    if (shared_rows_) {
+    size_t s = std::upper_bound(shard_begin_.begin(), shard_begin_.end(), g) - shard_begin_.begin() - 1;
+    if (shared_rows_ && shard_in_place_[s].load(std::memory_order_acquire) == 1) {
       const int64_t row_bytes = info_.sample_bytes();
       std::memcpy(inputs + slot * row_bytes, shared_rows_ + g * row_bytes, static_cast<size_t>(row_bytes));
       continue;
     }
-    size_t s = std::upper_bound(shard_begin_.begin(), shard_begin_.end(), g) - shard_begin_.begin() - 1;
     per_shard[s].emplace_back(g - shard_begin_[s], static_cast<int64_t>(slot));
   }
   for (size_t s = 0; s < shards_.size(); ++s)
@@ -296,6 +296,7 @@ DataReading choose_reading(const DatasetInfo& info, const std::string& mode, int
   const std::string against_budget = size + (total <= per_rank ? " <= " : " > ") + budget;
   r.dataset.cache_bytes = per_rank;
   if (r.node_shared) {
+    r.dataset.cache_bytes = 0;  // rows not yet in the node's copy are read per request
     r.text = "mode cache (" + why + size + " <= cache budget " + std::to_string(node_cache_mb) +
              " MB per node: one copy shared by the node's " + std::to_string(ranks_on_node) + " rank(s))";
   } else if (r.mode == "store") {

@@ -1,8 +1,10 @@
 // The image classifier task of the one loop: sharded HDF5 images (or synthetic batches), an
 // mlp / simple_cnn / resnet20, softmax cross-entropy, test-set evaluation at each epoch's end.
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <sstream>
+#include <thread>
 
 #include "dtrain/core/rng.h"
 #include "dtrain/core/timer.h"
@@ -83,6 +85,7 @@ EvalResult evaluate_batches(std::shared_ptr<const data::ShardedHdf5Dataset> ds, 
 
 class ImageTask final : public Task {
  public:
+  ~ImageTask() override;
   void setup(const TaskSetup& s) override;
   void connect() override;
   void share_training_set();
@@ -185,6 +188,8 @@ class ImageTask final : public Task {
   StagedSteps staged_;
   data::DataReading reading_;  // how the training set is read (--data-mode)
   std::unique_ptr<comm::NodeSharedMemory> node_rows_;  // the training set, one copy per node (node_shared)
+  std::atomic<bool> stop_filling_{false};
+  std::thread filler_;  // fills this rank's shards of node_rows_ (joined first: declared after it)
   bool ahead_ended_ = false;  // the epoch ran out while reading a step ahead
   int64_t steps_read_ = 0;  // steps of this epoch read from the loader or the synthetic set
   double read_wait_s_ = 0;
@@ -299,22 +304,42 @@ void ImageTask::use_store() {
   });
 }
 
-// The node-shared cache: the node's ranks read the shards whole, in turn (local rank i takes
-// shards i, i + L, ...), into one block of the node's memory that every one of them then reads
-// from. A shard one rank cannot read fails every rank with its message.
+// The node-shared cache: one block of the node's memory for every row, and after it a flag per
+// shard. The node's ranks fill it in turn (local rank i reads shards i, i + L, ... whole) on a
+// thread of their own while training starts at once: until a shard's flag is up its rows are read
+// per request. A shard the filler cannot read stays down, and the rank that needs its rows fails
+// on them, naming the file.
 void ImageTask::share_training_set() {
   const data::DatasetInfo& info = train_ds_->info();
   const int64_t row_bytes = info.sample_bytes();
+  const size_t rows_bytes = static_cast<size_t>(info.num_samples * row_bytes);
+  const size_t flags_at = (rows_bytes + 63) / 64 * 64;
   node_rows_ = std::make_unique<comm::NodeSharedMemory>(
-      grid_->world(), static_cast<size_t>(info.num_samples * row_bytes), "data " + cfg_->data);
+      grid_->world(), flags_at + info.shards.size() * sizeof(std::atomic<uint32_t>), "data " + cfg_->data);
   comm::Communicator& node = node_rows_->node();
-  comm::agree_on_inputs(node, [&] {
+  auto* in_place = reinterpret_cast<std::atomic<uint32_t>*>(node_rows_->data() + flags_at);
+  if (node.rank() == 0)
+    for (size_t s = 0; s < info.shards.size(); ++s) new (in_place + s) std::atomic<uint32_t>(0);
+  node.barrier();
+  train_ds_->use_shared_rows(node_rows_->data(), in_place);
+  const int ranks = node.size(), me = node.rank();
+  filler_ = std::thread([this, &info, in_place, row_bytes, ranks, me] {
     int64_t begin = 0;
-    for (size_t s = 0; s < info.shards.size(); begin += info.shard_rows[s], ++s)
-      if (static_cast<int>(s % static_cast<size_t>(node.size())) == node.rank())
+    for (size_t s = 0; s < info.shards.size() && !stop_filling_; begin += info.shard_rows[s], ++s) {
+      if (static_cast<int>(s % static_cast<size_t>(ranks)) != me) continue;
+      try {
         train_ds_->read_whole_shard(s, node_rows_->data() + begin * row_bytes);
-  });  // its agreement is an allreduce over the node: every rank's shards are in place after it
-  train_ds_->use_shared_rows(node_rows_->data());
+        in_place[s].store(1, std::memory_order_release);
+      } catch (const std::exception&) {
+        // left down: its rows are read per request, where the error reaches the rank that needs them
+      }
+    }
+  });
+}
+
+ImageTask::~ImageTask() {
+  stop_filling_ = true;
+  if (filler_.joinable()) filler_.join();
 }
 
 // The teacher of --teacher: any image model of the student's inputs and classes, trained on inputs

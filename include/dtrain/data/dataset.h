@@ -12,6 +12,7 @@
 //
 // Thread safety: read() may be called from several loader threads at once. HDF5 itself is serialised
 // by one process-wide mutex (the installed parallel HDF5 is not thread-safe).
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -72,11 +73,15 @@ class ShardedHdf5Dataset {
   // dataset's size: choose_reading).
   void set_options(const DatasetOptions& opt);
 
-  // The node-shared cache: `rows` holds every sample's inputs in global index order (filled by the
-  // node's ranks with read_whole_shard, shared through comm::NodeSharedMemory); reads copy from it
-  // and the per-rank cache stays empty.
+  // The node-shared cache: `rows` has room for every sample's inputs in global index order, filled
+  // shard by shard by the node's ranks with read_whole_shard (shared through
+  // comm::NodeSharedMemory) while training runs; `in_place[s]` turns 1 (release) once shard s is
+  // there. Reads copy the rows of shards in place and read the others' per request.
   void read_whole_shard(size_t shard, uint8_t* rows) const;
-  void use_shared_rows(const uint8_t* rows) { shared_rows_ = rows; }
+  void use_shared_rows(const uint8_t* rows, const std::atomic<uint32_t>* in_place) {
+    shared_rows_ = rows;
+    shard_in_place_ = in_place;
+  }
 
   int32_t label(int64_t index) const;
   int64_t cached_bytes() const;  // inputs held by the whole-shard cache now
@@ -93,6 +98,7 @@ class ShardedHdf5Dataset {
   std::vector<int64_t> shard_begin_;  // global index of each shard's first row, plus the total at the end
   std::vector<int32_t> labels_;       // all labels, global order
   const uint8_t* shared_rows_ = nullptr;  // every sample's inputs (use_shared_rows), or null
+  const std::atomic<uint32_t>* shard_in_place_ = nullptr;  // per shard: 1 when its rows are in shared_rows_
   std::shared_ptr<const std::vector<uint8_t>> cached_rows(Shard& shard) const;
   void read_all_rows(const Shard& shard, uint8_t* rows) const;
 
