@@ -7,7 +7,7 @@ Writes distill.csv and distill.md (the table, with the means over the seeds) int
 
 usage: benchmarks/compression/distill.py [--teacher-model resnet20] [--teacher-epochs 10]
            [--student-model simple_cnn] [--epochs 10] [--seeds 42 43] [--temperature 2]
-           [--weight 0.5] [--out runs/distill]
+           [--weight 0.5] [--out runs/distill] [--resume-teacher]
 """
 import argparse
 import csv
@@ -26,9 +26,12 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 43])
     p.add_argument("--temperature", type=float, nargs="+", default=[2.0])
     p.add_argument("--weight", type=float, nargs="+", default=[0.5])
+    p.add_argument("--resume-teacher", action="store_true",
+                   help="continue an interrupted teacher from its last checkpoint in OUT/ckpt-teacher")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    teacher = train(args, "teacher", ["--model", args.teacher_model], epochs=args.teacher_epochs)
+    resume = ["--resume", os.path.join(args.out, "ckpt-teacher")] if args.resume_teacher else []
+    teacher = train(args, "teacher", ["--model", args.teacher_model] + resume, epochs=args.teacher_epochs)
     rows = [{"model": args.teacher_model, "teacher": "-", "T": "-", "weight": "-", "seed": 42,
              "test_accuracy": teacher["test_accuracy"], "samples_per_s": teacher["samples_per_s"]}]
     variants = [("alone", [])] + [(f"T{t:g}-w{w:g}", ["--teacher", os.path.join(args.out, "ckpt-teacher"),
