@@ -1,6 +1,7 @@
 #include "dtrain/data/loader.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <numeric>
 
@@ -276,6 +277,11 @@ bool DataLoader::next(Batch& out) {
 void DataLoader::use_store(StartExchange start) {
   std::lock_guard<std::mutex> g(mu_);
   DT_CHECK(epoch_ < 0, "DataLoader::use_store after the first batch");
+  // MPI's counts are ints: the most one rank sends (every rank's whole batch) must fit one.
+  const int64_t most = opt_.batch_size * opt_.world * dataset_->info().sample_bytes();
+  DT_INPUT_CHECK(most <= INT_MAX, "--data-mode store: a batch of " << opt_.batch_size << " rows of "
+                                                                   << dataset_->info().sample_bytes() << " bytes for "
+                                                                   << opt_.world << " ranks exceeds 2 GiB per exchange");
   start_exchange_ = std::move(start);
   const std::vector<int64_t>& rows = dataset_->info().shard_rows;
   shard_begin_.assign(1, 0);
@@ -337,11 +343,12 @@ std::shared_ptr<const std::vector<uint8_t>> DataLoader::arrive(const Plan& plan,
 void DataLoader::exchange_ahead(std::unique_lock<std::mutex>& lock) {
   std::shared_ptr<const Plan> plan = plan_;
   while (next_exchange_ < std::min(batches_per_epoch_, next_deliver_ + kStoreAhead + 1)) {
-    const int64_t index = next_exchange_++;
+    const int64_t index = next_exchange_;
     lock.unlock();
-    Exchange x = start_exchange(*plan, index);
+    Exchange x = start_exchange(*plan, index);  // may throw (a held shard unreadable): nothing started
     lock.lock();
     exchanges_.emplace(index, std::move(x));
+    ++next_exchange_;
   }
   while (arrived_ < std::min(batches_per_epoch_, next_deliver_ + 2)) {
     Exchange& x = exchanges_.at(arrived_);  // only this thread erases entries

@@ -102,6 +102,7 @@ class ImageTask final : public Task {
   }
   JsonFields summary_fields() const override {  // this rank's reads of the training set
     if (!train_ds_) return {};
+    if (filler_.joinable()) filler_.join();  // its reads count once the node's copy is complete
     return {{"data_mode", reading_.mode},
             {"data_bytes_read", train_ds_->bytes_read()},
             {"data_whole_shard_reads", train_ds_->whole_shard_reads()}};
@@ -189,7 +190,7 @@ class ImageTask final : public Task {
   data::DataReading reading_;  // how the training set is read (--data-mode)
   std::unique_ptr<comm::NodeSharedMemory> node_rows_;  // the training set, one copy per node (node_shared)
   std::atomic<bool> stop_filling_{false};
-  std::thread filler_;  // fills this rank's shards of node_rows_ (joined first: declared after it)
+  mutable std::thread filler_;  // fills this rank's shards of node_rows_ (joined before node_rows_ goes)
   bool ahead_ended_ = false;  // the epoch ran out while reading a step ahead
   int64_t steps_read_ = 0;  // steps of this epoch read from the loader or the synthetic set
   double read_wait_s_ = 0;
@@ -338,6 +339,7 @@ void ImageTask::share_training_set() {
 }
 
 ImageTask::~ImageTask() {
+  loader_.reset();  // its workers may still be copying rows from node_rows_
   stop_filling_ = true;
   if (filler_.joinable()) filler_.join();
 }

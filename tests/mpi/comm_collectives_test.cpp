@@ -214,15 +214,15 @@ TEST(Collectives, AllgatherPlacesBlockRFromRankR) {
   }
 }
 
-// Rank r sends rank q (r + q) % 3 bytes (none to some), each byte 16 * r + q; block r of what q
-// receives is rank r's block q.
+// Rank r sends rank q (r + 2q) % 3 bytes (none to some), each byte 16 * r + q; block r of what q
+// receives is rank r's block q (the counts differ each way, so swapped counts fail).
 TEST(Collectives, AlltoallvDeliversBlocksOfUnequalSizes) {
   Communicator& c = world();
   const int n = c.size(), me = c.rank();
   std::vector<int64_t> send_counts, recv_counts;
   for (int q = 0; q < n; ++q) {
-    send_counts.push_back((me + q) % 3);
-    recv_counts.push_back((q + me) % 3);
+    send_counts.push_back((me + 2 * q) % 3);
+    recv_counts.push_back((q + 2 * me) % 3);
   }
   std::vector<uint8_t> bytes;
   for (int q = 0; q < n; ++q) bytes.insert(bytes.end(), static_cast<size_t>(send_counts[q]), static_cast<uint8_t>(16 * me + q));
