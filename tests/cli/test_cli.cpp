@@ -154,6 +154,12 @@ TEST(Cli, ShapeThatDoesNotFitTheModel) {
 }
 
 // The losses of a metrics file's step lines, as written.
+// The whole of a file ("" when it cannot be read).
+std::string file_text(const std::string& path) {
+  std::ifstream f(path);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
 std::vector<std::string> step_losses(const std::string& file) {
   std::ifstream in(file);
   std::vector<std::string> out;
@@ -356,10 +362,10 @@ std::string train_while_truncating(const std::string& dir, const std::string& op
                             dir + "/rc";
   shell("(" + train + ") & until grep -q 'step " + std::to_string(at) + "/' " + dir + "/log 2>/dev/null || [ -s " +
         dir + "/rc ]; do sleep 0.05; done; for f in " + dir + "/band/*.h5; do truncate -s 4096 $f; done; wait");
-  std::ifstream log_file(dir + "/log"), rc_file(dir + "/rc");
+  std::ifstream rc_file(dir + "/rc");
   rc = -1;
   rc_file >> rc;
-  return std::string((std::istreambuf_iterator<char>(log_file)), std::istreambuf_iterator<char>());
+  return file_text(dir + "/log");
 }
 
 TEST(CliMpi, StreamingStopsOnAShardChangedDuringTheRun) {
@@ -405,8 +411,7 @@ TEST(CliMpi, NodeSharedCacheReadsEachShardOnceAndTrainsTheSame) {
   ASSERT_EQ(rows.code, 0) << rows.out;
   EXPECT_EQ(step_losses(dir + "/shared.jsonl"), step_losses(dir + "/rows.jsonl"));
   EXPECT_EQ(step_losses(dir + "/shared.jsonl").size(), 12u);
-  std::ifstream metrics(dir + "/shared.jsonl");
-  const std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
+  const std::string all = file_text(dir + "/shared.jsonl");
   EXPECT_EQ(count(all, "\"data_whole_shard_reads\": 10"), 1u) << all;  // rank 0's half of the 20
   fs::remove_all(dir);
 }
@@ -426,8 +431,7 @@ TEST(CliMpi, StoreTrainsOnTheSameBatchesAndReadsEachShardOnce) {
   ASSERT_EQ(rows.code, 0) << rows.out;
   EXPECT_EQ(step_losses(dir + "/store.jsonl"), step_losses(dir + "/rows.jsonl"));
   EXPECT_EQ(step_losses(dir + "/store.jsonl").size(), 40u);
-  std::ifstream metrics(dir + "/store.jsonl");
-  const std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
+  const std::string all = file_text(dir + "/store.jsonl");
   EXPECT_TRUE(std::regex_search(all, std::regex("\"data_whole_shard_reads\": 10[,}]"))) << all;
   EXPECT_TRUE(std::regex_search(all, std::regex("\"data_bytes_read\": 64000[,}]"))) << all;  // 10 x 100 x 8x8 bytes
   fs::remove_all(dir);
@@ -493,8 +497,7 @@ TEST(CliMpi, TrainerGroupsTrainAsAloneAndADivergingOneStopsAlone) {
   EXPECT_EQ(four.code, 3) << four.out;
   EXPECT_EQ(count(four.out, "trainer 2 stopped (diverged)"), 1u) << four.out;
   for (int t : {0, 1, 3}) EXPECT_EQ(step_losses(dir + "/four/trainer-" + std::to_string(t) + "/metrics.jsonl").size(), 12u);
-  std::ifstream summary(dir + "/four/summary.json");
-  const std::string json((std::istreambuf_iterator<char>(summary)), std::istreambuf_iterator<char>());
+  const std::string json = file_text(dir + "/four/summary.json");
   EXPECT_EQ(count(json, "\"status\": \"ok\""), 3u) << json;
   EXPECT_EQ(count(json, "\"status\": \"diverged\""), 1u) << json;
   // Trainer 1 (lr 0.05, seed 1 + 1) against the same configuration alone on one rank.
@@ -508,8 +511,7 @@ TEST(CliMpi, TrainerGroupsTrainAsAloneAndADivergingOneStopsAlone) {
                              "--trainers 4 --sweep lr=0.01,0.05,1e30,0.1 --pbt-every 4 --target-accuracy 1 " +
                              "--sweep-dir " + dir + "/pbt");
   EXPECT_EQ(pbt.code, 3) << pbt.out;
-  std::ifstream pbt_summary(dir + "/pbt/summary.json");
-  const std::string ranked((std::istreambuf_iterator<char>(pbt_summary)), std::istreambuf_iterator<char>());
+  const std::string ranked = file_text(dir + "/pbt/summary.json");
   EXPECT_EQ(count(ranked, "\"time_to_target_s\": \"-1\""), 1u) << ranked;  // all but the diverged one got there
   std::ifstream history(dir + "/pbt/pbt.jsonl");
   int rounds[2] = {0, 0};
