@@ -5,7 +5,9 @@ side by side in one run.
 
 Fashion-MNIST's training set is converted in small shards (--shard-size, default 1000 samples, 0.75
 MB) so that it is --times (default 10) or more times the per-rank budget; --copies K lists its
-shards K times (symbolic links: a K times larger set on the same disk and page cache). Each mode
+shards K times (symbolic links: a K times larger set on the same disk and page cache), indexed by
+`dtrain convert index`; --compare-index runs every mode again on the same shards without their
+shards.index (every shard opened at start). Each mode
 trains the same steps of simple_cnn on --ranks ranks (mpiexec), in turn, --repeats times; with
 --nodes N the ranks run on N nodes of an emulated cluster (cluster/emulate/, root only; --rate
 limits each node's link), where the store's budget is half the set per node: past one node's, within
@@ -30,21 +32,31 @@ EMULATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
+def link_shards(files, folder, copies):
+    os.makedirs(folder, exist_ok=True)
+    for k in range(copies):
+        for f in files:
+            link = os.path.join(folder, f"copy{k:03d}-{os.path.basename(f)}")
+            if not os.path.exists(link):
+                os.symlink(os.path.abspath(f), link)
+
+
 def convert(a):
+    """The training folder (with its shards.index) and its size in MiB; with --compare-index also the
+    same shards in a folder without an index."""
     data = os.path.join(a.work, f"fashion-{a.shard_size}")
     if not os.path.isdir(os.path.join(data, "train")):
         subprocess.run([a.dtrain, "convert", "fashion-mnist", "--out", data, "--shard-size", str(a.shard_size)],
-                       check=True, stdout=subprocess.DEVNULL)
-    files = sorted(os.path.join(data, "train", f) for f in os.listdir(os.path.join(data, "train")))
+                       check=True, stdout=subprocess.DEVNULL, env={**os.environ, **MPI_ENV})
+    files = sorted(os.path.join(data, "train", f) for f in os.listdir(os.path.join(data, "train")) if f.endswith(".h5"))
     train_dir = os.path.join(data, "train")
     if a.copies > 1:
         train_dir = os.path.join(data, f"train-x{a.copies}")
-        os.makedirs(train_dir, exist_ok=True)
-        for k in range(a.copies):
-            for f in files:
-                link = os.path.join(train_dir, f"copy{k:03d}-{os.path.basename(f)}")
-                if not os.path.exists(link):
-                    os.symlink(os.path.abspath(f), link)
+        link_shards(files, train_dir, a.copies)
+        subprocess.run([a.dtrain, "convert", "index", train_dir], check=True, stdout=subprocess.DEVNULL,
+                       env={**os.environ, **MPI_ENV})
+    if a.compare_index:
+        link_shards(files, train_dir + "-noindex", a.copies)
     return train_dir, a.copies * sum(os.path.getsize(f) for f in files) / 2**20
 
 
@@ -131,6 +143,10 @@ def main():
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--copies", type=int, default=1, help="list the training set's shards this many times")
+    ap.add_argument("--modes", default="memory,store,stream,cache",
+                    help="the runs to make: memory (cache under 2048 MB), store, stream, cache (past the budget)")
+    ap.add_argument("--compare-index", action="store_true",
+                    help="run each mode again on the same shards without their shards.index")
     ap.add_argument("--nodes", type=int, default=1, help="emulated nodes the ranks spread over (1: this host)")
     ap.add_argument("--rate", default="", help="each emulated node's link rate (tc units: 1gbit)")
     a = ap.parse_args()
@@ -142,12 +158,20 @@ def main():
     runs = {"in memory (cache, 2048 MB: one copy per node)": ("cache", 2048),
             f"store, {store_mb} MB": ("store", store_mb), f"stream, {budget_mb} MB": ("stream", budget_mb),
             f"cache, {budget_mb} MB": ("cache", budget_mb)}
+    keep = a.modes.split(",")
+    runs = {name: run for name, run, key in zip(runs, runs.values(), ("memory", "store", "stream", "cache"))
+            if key in keep}
+    if a.compare_index:
+        runs = {**{name: (mode, mb, True) for name, (mode, mb) in runs.items()},
+                **{f"{name}, no shards.index": (mode, mb, False) for name, (mode, mb) in runs.items()}}
+    else:
+        runs = {name: (mode, mb, True) for name, (mode, mb) in runs.items()}
     a.nodes = start_cluster(a) if a.nodes > 1 else []
     try:
         results = {name: [] for name in runs}
         for rep in range(a.repeats):
-            for i, (name, (mode, mb)) in enumerate(runs.items()):
-                results[name].append(train(a, data, mode, mb, f"run{rep}-{i}"))
+            for i, (name, (mode, mb, indexed)) in enumerate(runs.items()):
+                results[name].append(train(a, data if indexed else data + "-noindex", mode, mb, f"run{rep}-{i}"))
     finally:
         if a.nodes:
             subprocess.run([os.path.join(EMULATE, "stop.sh"), os.environ["DTRAIN_EMU_DIR"]])
@@ -155,7 +179,8 @@ def main():
     print(f"Fashion-MNIST train x{a.copies}, {data_mib:.1f} MiB in shards of {a.shard_size}; {a.ranks} ranks on "
           f"{where}, budget {budget_mb} MB per node ({data_mib / (budget_mb / ranks_per_node):.1f}x a rank's); "
           f"simple_cnn, {a.steps} steps; medians of {a.repeats}")
-    print("| mode | samples/s | vs in memory | data wait / step | first step s | peak RSS MiB (rank 0) | "
+    versus = "vs in memory" if "memory" in keep else f"vs {next(iter(runs))}"
+    print(f"| mode | samples/s | {versus} | data wait / step | first step s | peak RSS MiB (rank 0) | "
           "peak PSS MiB, all ranks | MiB read per epoch (rank 0) | MiB read in all (rank 0) | whole-shard reads (rank 0) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     base = statistics.median(r["samples_per_s"] for r in results[next(iter(runs))])

@@ -14,6 +14,7 @@
 #include "dtrain/core/timer.h"
 #include "dtrain/data/convert.h"
 #include "dtrain/data/image_folder.h"
+#include "dtrain/data/shard_index.h"
 #include "dtrain/data/text.h"
 
 namespace dtrain::cli {
@@ -162,7 +163,8 @@ void print_help(std::ostream& os) {
   os << "usage: dtrain convert KIND [options]\n"
         "  KIND is idx, cifar10, fashion-mnist (writes OUT/shard-00000.h5, ..., format: docs/data.md),\n"
         "  images (a folder of class folders of JPEG/PNG images), or text (writes OUT/train.h5 and\n"
-        "  OUT/val.h5 of byte tokens; see dtrain convert text --help).\n\n"
+        "  OUT/val.h5 of byte tokens; see dtrain convert text --help), or index (DIR/shards.index for\n"
+        "  shards written another way; the image kinds write it themselves).\n\n"
      << idx_options(a) << "\n"
      << cifar10_options(a) << "\n"
      << fashion_options(a) << "\n"
@@ -210,9 +212,38 @@ int cmd_convert_text(int argc, char** argv) {
   return 0;
 }
 
+// dtrain convert index DIR...: (re)writes DIR/shards.index for shards written some other way, or
+// after shards were replaced; a run then opens one file at start instead of every shard.
+int cmd_convert_index(int argc, char** argv) {
+  std::vector<std::string> dirs;
+  po::options_description o("dtrain convert index (the shard index of folders of shards, see docs/data.md)");
+  o.add_options()("help,h", "show this help")  //
+      ("dirs", po::value(&dirs)->multitoken()->required(), "folders of .h5 shards");
+  po::positional_options_description pos;
+  pos.add("dirs", -1);
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(o).positional(pos).run(), vm);
+    if (vm.count("help")) {
+      std::cout << "usage: dtrain convert index DIR...\n" << o << "\n";
+      return 0;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw InputError("dtrain convert index: " + std::string(e.what()) + " (see dtrain convert index --help)");
+  }
+  for (const std::string& dir : dirs) {
+    const double t0 = now_s();
+    const int64_t shards = data::write_shard_index(dir);
+    std::printf("%s/%s: %lld shard(s) indexed in %.2f s\n", dir.c_str(), data::kShardIndexName,
+                static_cast<long long>(shards), now_s() - t0);
+  }
+  return 0;
+}
+
 int cmd_convert(int argc, char** argv) {
   DT_INPUT_CHECK(argc >= 2,
-                 "dtrain convert: missing KIND (idx, cifar10, fashion-mnist, images or text); see dtrain convert --help");
+                 "dtrain convert: missing KIND (idx, cifar10, fashion-mnist, images, text or index); see dtrain convert --help");
   if (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
     print_help(std::cout);
     return 0;
@@ -228,6 +259,7 @@ int cmd_convert(int argc, char** argv) {
     done.push_back(std::move(s));
   };
   if (kind == "text") return cmd_convert_text(argc - 1, argv + 1);
+  if (kind == "index") return cmd_convert_index(argc - 1, argv + 1);
   if (kind == "images") {
     const po::options_description d = images_options(a);
     return parse(argc - 1, argv + 1, d, kind) ? convert_images(a) : 0;
@@ -258,7 +290,7 @@ int cmd_convert(int argc, char** argv) {
     }
   } else {
     DT_INPUT_CHECK(false,
-                   "dtrain convert: unknown kind '" << kind << "' (expected idx, cifar10, fashion-mnist, images or text)");
+                   "dtrain convert: unknown kind '" << kind << "' (expected idx, cifar10, fashion-mnist, images, text or index)");
   }
   for (const data::ConvertSummary& s : done) std::cout << s.str() << "\n";
   return 0;

@@ -14,6 +14,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/core/timer.h"
 #include "dtrain/data/hdf5_util.h"
+#include "dtrain/data/shard_index.h"
 
 namespace fs = std::filesystem;
 
@@ -327,6 +328,7 @@ ConvertSummary ShardWriter::finish() {
     std::string name = entry.path().filename().string();
     if (std::regex_match(name, m, shard_re) && std::stoll(m[1].str()) >= sum.num_shards) fs::remove(entry.path(), ec);
   }
+  write_shard_index(out_dir_);  // runs then open one file at start, not every shard
   sum.seconds = now_s() - start_s_;
   return sum;
 }

@@ -5,9 +5,11 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <optional>
 
 #include "dtrain/core/error.h"
 #include "dtrain/data/hdf5_util.h"
+#include "dtrain/data/shard_index.h"
 
 namespace fs = std::filesystem;
 
@@ -29,6 +31,10 @@ struct ShardedHdf5Dataset::Shard {
     DT_INPUT_CHECK(now == file_bytes, "shard '" << path << "' changed during the run: " << file_bytes
                                                 << " bytes when opened, " << now << " now");
   }
+
+  // Opens the file and its `inputs` dataset, checks they are u8 and returns their shape [rows,
+  // sample...]. Caller holds the HDF5 lock.
+  Shape open();
 
   std::mutex mu;  // serialises the loading of this shard into the cache
   // Guarded by the dataset's cache_mu_:
@@ -68,138 +74,191 @@ h5::Handle open_dataset(hid_t file, const char* name, const std::string& path) {
 
 }  // namespace
 
+Shape ShardedHdf5Dataset::Shard::open() {
+  DT_INPUT_CHECK(H5Fis_hdf5(path.c_str()) > 0, "'" << path << "' is not an HDF5 file (corrupt or truncated?)");
+  file = h5::file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
+  DT_INPUT_CHECK(file.valid(), "cannot open '" << path << "' as HDF5 (corrupt or truncated?)" << with_detail(h5::last_error()));
+  inputs = open_dataset(file.get(), "inputs", path);
+  {
+    h5::Handle t = h5::type(H5Dget_type(inputs.get()));
+    DT_INPUT_CHECK(
+        H5Tget_class(t.get()) == H5T_INTEGER && H5Tget_size(t.get()) == 1 && H5Tget_sign(t.get()) == H5T_SGN_NONE,
+        "dataset 'inputs' in '" << path << "' is not of type u8 (unsigned 8-bit integers)");
+  }
+  // Sizes checked against the file before anything of their size is allocated.
+  const Shape dims = h5::read_shape(inputs.get(), 1, path, "inputs");
+  DT_INPUT_CHECK(dims.size() >= 2, "dataset 'inputs' in '" << path << "' has rank " << dims.size()
+                                                           << "; expected [N, C, H, W] (or at least [N, F])");
+  DT_INPUT_CHECK(shape_numel(Shape(dims.begin() + 1, dims.end())) > 0,
+                 "dataset 'inputs' in '" << path << "' has empty samples of shape " << shape_str(dims));
+  return dims;
+}
+
+// A shard listed by the index is opened on its first read and must hold what the index says.
+// Caller holds the HDF5 lock.
+void ShardedHdf5Dataset::open_on_first_use(Shard& shard) const {
+  if (shard.inputs.valid()) return;
+  const Shape dims = shard.open();
+  Shape expected = {shard.rows};
+  expected.insert(expected.end(), info_.sample_shape.begin(), info_.sample_shape.end());
+  DT_INPUT_CHECK(dims == expected, "shard '" << shard.path << "' holds inputs of shape " << shape_str(dims) << " but "
+                                             << kShardIndexName << " says " << shape_str(expected)
+                                             << "; `dtrain convert index " << info_.path << "` rewrites the index");
+}
+
 ShardedHdf5Dataset::ShardedHdf5Dataset(const std::string& path, DatasetOptions opt) : opt_(opt) {
   info_.path = path;
   info_.shards = list_shards(path);
   shard_begin_.push_back(0);
-  bool have_classes = false;
-  std::string first;  // the shard that set the expected shape, for messages
-
   auto lock = h5::lock();
   try {
-    for (const std::string& file : info_.shards) {
-      auto shard = std::make_unique<Shard>();
-      shard->path = file;
-      shard->file_bytes = fs::file_size(file);
-      DT_INPUT_CHECK(H5Fis_hdf5(file.c_str()) > 0, "'" << file << "' is not an HDF5 file (corrupt or truncated?)");
-      shard->file = h5::file(H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
-      DT_INPUT_CHECK(shard->file.valid(),
-                     "cannot open '" << file << "' as HDF5 (corrupt or truncated?)" << with_detail(h5::last_error()));
-      hid_t f = shard->file.get();
-
-      // inputs: u8 [N, sample...]
-      shard->inputs = open_dataset(f, "inputs", file);
-      {
-        h5::Handle t = h5::type(H5Dget_type(shard->inputs.get()));
-        DT_INPUT_CHECK(
-            H5Tget_class(t.get()) == H5T_INTEGER && H5Tget_size(t.get()) == 1 && H5Tget_sign(t.get()) == H5T_SGN_NONE,
-            "dataset 'inputs' in '" << file << "' is not of type u8 (unsigned 8-bit integers)");
-      }
-      // Sizes checked against the file before anything of their size is allocated.
-      const Shape idims = h5::read_shape(shard->inputs.get(), 1, file, "inputs");
-      DT_INPUT_CHECK(idims.size() >= 2, "dataset 'inputs' in '" << file << "' has rank " << idims.size()
-                                                                << "; expected [N, C, H, W] (or at least [N, F])");
-      shard->rows = idims[0];
-      Shape sample(idims.begin() + 1, idims.end());
-      DT_INPUT_CHECK(shape_numel(sample) > 0,
-                     "dataset 'inputs' in '" << file << "' has empty samples of shape " << shape_str(sample));
-      if (first.empty()) {
-        info_.sample_shape = sample;
-        first = file;
-      } else {
-        DT_INPUT_CHECK(sample == info_.sample_shape,
-                       "dataset 'inputs' in '" << file << "' has sample shape " << shape_str(sample) << " but '"
-                                               << first << "' has " << shape_str(info_.sample_shape)
-                                               << ": the shards do not agree");
-      }
-      std::vector<int64_t> attr_shape;
-      if (h5::read_attr_i64(f, "sample_shape", attr_shape))
-        DT_INPUT_CHECK(Shape(attr_shape) == sample, "'" << file << "' attribute sample_shape " << shape_str(attr_shape)
-                                                        << " disagrees with dataset 'inputs' " << shape_str(sample));
-      std::string dtype;
-      if (h5::read_attr_string(f, "dtype", dtype))
-        DT_INPUT_CHECK(dtype == "u8", "'" << file << "' attribute dtype is '" << dtype << "'; only u8 is supported");
-
-      // labels: integer [N], read whole and kept
-      {
-        h5::Handle labels = open_dataset(f, "labels", file);
-        h5::Handle t = h5::type(H5Dget_type(labels.get()));
-        DT_INPUT_CHECK(H5Tget_class(t.get()) == H5T_INTEGER, "dataset 'labels' in '" << file << "' is not integer");
-        const Shape ldims = h5::read_shape(labels.get(), sizeof(int32_t), file, "labels");
-        DT_INPUT_CHECK(ldims.size() == 1 && ldims[0] == shard->rows,
-                       "dataset 'labels' in '" << file << "' has shape " << shape_str(ldims)
-                                               << " but dataset 'inputs' holds " << shard->rows << " samples");
-        size_t at = labels_.size();
-        labels_.resize(at + shard->rows);
-        if (shard->rows > 0)
-          DT_INPUT_CHECK(
-              H5Dread(labels.get(), H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, labels_.data() + at) >= 0,
-              "cannot read dataset 'labels' in '" << file << "' (corrupt or truncated?)"
-                                                  << with_detail(h5::last_error()));
-      }
-
-      std::vector<int64_t> classes;
-      if (h5::read_attr_i64(f, "num_classes", classes) && !classes.empty()) {
-        DT_INPUT_CHECK(classes[0] > 0 && classes[0] <= std::numeric_limits<int32_t>::max(),
-                       "'" << file << "' attribute num_classes is " << classes[0]);
-        if (!have_classes) {
-          info_.num_classes = static_cast<int>(classes[0]);
-          have_classes = true;
-        } else {
-          DT_INPUT_CHECK(classes[0] == info_.num_classes, "'" << file << "' attribute num_classes is " << classes[0]
-                                                              << " but earlier shards say " << info_.num_classes);
-        }
-      }
-      if (info_.class_names.empty()) h5::read_attr_strings(f, "class_names", info_.class_names);
-      if (!info_.has_normalization) {
-        std::vector<double> mean, stdev;
-        if (h5::read_attr_f64(f, "mean", mean) && h5::read_attr_f64(f, "std", stdev)) {
-          const size_t c = static_cast<size_t>(info_.channels());
-          DT_INPUT_CHECK(mean.size() == c && stdev.size() == c, "'" << file << "' attributes mean/std have "
-                                                                    << mean.size() << "/" << stdev.size()
-                                                                    << " values for " << c << " channel(s)");
-          for (double s : stdev)
-            DT_INPUT_CHECK(s > 0, "'" << file << "' attribute std holds " << s << " (must be > 0)");
-          info_.mean.assign(mean.begin(), mean.end());
-          info_.std.assign(stdev.begin(), stdev.end());
-          info_.has_normalization = true;
-        }
-      }
-      info_.shard_rows.push_back(shard->rows);
-      shard_begin_.push_back(shard_begin_.back() + shard->rows);
-      shards_.push_back(std::move(shard));
+    std::string why_not = "a single file";
+    std::optional<ShardIndex> index;
+    if (fs::is_directory(path)) index = read_shard_index(path, info_.shards, why_not);
+    if (index) {
+      take_index(std::move(*index));
+    } else {
+      open_every_shard();
+      info_.opened = std::to_string(shards_.size()) + " shard(s) opened at start (" + why_not + ")";
     }
   } catch (...) {
     shards_.clear();  // close what was opened while the HDF5 lock is still held
     throw;
   }
   lock.unlock();
+  check_labels();
+}
 
+void ShardedHdf5Dataset::take_index(ShardIndex&& ix) {
+  for (size_t s = 0; s < info_.shards.size(); ++s) {
+    auto shard = std::make_unique<Shard>();
+    shard->path = info_.shards[s];
+    shard->rows = ix.rows[s];
+    shard->file_bytes = static_cast<uintmax_t>(ix.stamps[s].bytes);
+    add_shard(std::move(shard));
+  }
+  labels_ = std::move(ix.labels);
+  info_.sample_shape = ix.sample_shape;
+  info_.num_classes = ix.num_classes;
+  info_.class_names = std::move(ix.class_names);
+  info_.has_normalization = !ix.mean.empty();
+  info_.mean.assign(ix.mean.begin(), ix.mean.end());
+  info_.std.assign(ix.std.begin(), ix.std.end());
+  info_.opened = std::to_string(shards_.size()) + " shard(s) from " + kShardIndexName + ", each opened on first use";
+}
+
+void ShardedHdf5Dataset::add_shard(std::unique_ptr<Shard> shard) {
+  info_.shard_rows.push_back(shard->rows);
+  shard_begin_.push_back(shard_begin_.back() + shard->rows);
+  shards_.push_back(std::move(shard));
+}
+
+// Every shard opened and checked in turn, its labels read and the split's attributes taken from the
+// shards. Caller holds the HDF5 lock.
+void ShardedHdf5Dataset::open_every_shard() {
+  std::string first;  // the shard that set the expected shape, for messages
+  for (const std::string& file : info_.shards) {
+    auto shard = std::make_unique<Shard>();
+    shard->path = file;
+    shard->file_bytes = fs::file_size(file);
+    const Shape idims = shard->open();
+    shard->rows = idims[0];
+    const Shape sample(idims.begin() + 1, idims.end());
+    if (first.empty()) {
+      info_.sample_shape = sample;
+      first = file;
+    } else {
+      DT_INPUT_CHECK(sample == info_.sample_shape, "dataset 'inputs' in '" << file << "' has sample shape "
+                                                                           << shape_str(sample) << " but '" << first
+                                                                           << "' has " << shape_str(info_.sample_shape)
+                                                                           << ": the shards do not agree");
+    }
+    read_shard_attributes(*shard, sample);
+    add_shard(std::move(shard));
+  }
+}
+
+// The shard's labels (appended to labels_) and its attributes, checked against the shards before it.
+void ShardedHdf5Dataset::read_shard_attributes(const Shard& shard, const Shape& sample) {
+  const hid_t f = shard.file.get();
+  const std::string& file = shard.path;
+  std::vector<int64_t> attr_shape;
+  if (h5::read_attr_i64(f, "sample_shape", attr_shape))
+    DT_INPUT_CHECK(Shape(attr_shape) == sample, "'" << file << "' attribute sample_shape " << shape_str(attr_shape)
+                                                    << " disagrees with dataset 'inputs' " << shape_str(sample));
+  std::string dtype;
+  if (h5::read_attr_string(f, "dtype", dtype))
+    DT_INPUT_CHECK(dtype == "u8", "'" << file << "' attribute dtype is '" << dtype << "'; only u8 is supported");
+
+  // labels: integer [N], read whole and kept
+  h5::Handle labels = open_dataset(f, "labels", file);
+  h5::Handle t = h5::type(H5Dget_type(labels.get()));
+  DT_INPUT_CHECK(H5Tget_class(t.get()) == H5T_INTEGER, "dataset 'labels' in '" << file << "' is not integer");
+  const Shape ldims = h5::read_shape(labels.get(), sizeof(int32_t), file, "labels");
+  DT_INPUT_CHECK(ldims.size() == 1 && ldims[0] == shard.rows, "dataset 'labels' in '"
+                                                                  << file << "' has shape " << shape_str(ldims)
+                                                                  << " but dataset 'inputs' holds " << shard.rows
+                                                                  << " samples");
+  const size_t at = labels_.size();
+  labels_.resize(at + shard.rows);
+  if (shard.rows > 0)
+    DT_INPUT_CHECK(H5Dread(labels.get(), H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, labels_.data() + at) >= 0,
+                   "cannot read dataset 'labels' in '" << file << "' (corrupt or truncated?)"
+                                                       << with_detail(h5::last_error()));
+
+  std::vector<int64_t> classes;
+  if (h5::read_attr_i64(f, "num_classes", classes) && !classes.empty()) {
+    DT_INPUT_CHECK(classes[0] > 0 && classes[0] <= std::numeric_limits<int32_t>::max(),
+                   "'" << file << "' attribute num_classes is " << classes[0]);
+    DT_INPUT_CHECK(info_.num_classes == 0 || classes[0] == info_.num_classes,
+                   "'" << file << "' attribute num_classes is " << classes[0] << " but earlier shards say "
+                       << info_.num_classes);
+    info_.num_classes = static_cast<int>(classes[0]);
+  }
+  if (info_.class_names.empty()) h5::read_attr_strings(f, "class_names", info_.class_names);
+  if (!info_.has_normalization) {
+    std::vector<double> mean, stdev;
+    if (h5::read_attr_f64(f, "mean", mean) && h5::read_attr_f64(f, "std", stdev)) {
+      const size_t c = static_cast<size_t>(info_.channels());
+      DT_INPUT_CHECK(mean.size() == c && stdev.size() == c, "'" << file << "' attributes mean/std have " << mean.size()
+                                                                << "/" << stdev.size() << " values for " << c
+                                                                << " channel(s)");
+      for (double s : stdev) DT_INPUT_CHECK(s > 0, "'" << file << "' attribute std holds " << s << " (must be > 0)");
+      info_.mean.assign(mean.begin(), mean.end());
+      info_.std.assign(stdev.begin(), stdev.end());
+      info_.has_normalization = true;
+    }
+  }
+}
+
+// The totals, defaults for what the shards did not say, and every label within [0, num_classes).
+void ShardedHdf5Dataset::check_labels() {
   info_.num_samples = shard_begin_.back();
-  DT_INPUT_CHECK(info_.num_samples > 0, "dataset '" << path << "' holds no samples");
+  DT_INPUT_CHECK(info_.num_samples > 0, "dataset '" << info_.path << "' holds no samples");
   if (!info_.has_normalization) {
     info_.mean.assign(info_.channels(), 0.0f);
     info_.std.assign(info_.channels(), 1.0f);
   }
+  auto shard_of = [&](int64_t g) {
+    return static_cast<size_t>(std::upper_bound(shard_begin_.begin(), shard_begin_.end(), g) - shard_begin_.begin() - 1);
+  };
   const auto max_at = std::max_element(labels_.begin(), labels_.end());
-  const int32_t max_label = *max_at;
-  if (!have_classes) {
+  if (info_.num_classes == 0) {
     const int64_t g = max_at - labels_.begin();
-    const size_t s = std::upper_bound(shard_begin_.begin(), shard_begin_.end(), g) - shard_begin_.begin() - 1;
-    DT_INPUT_CHECK(max_label < std::numeric_limits<int32_t>::max(),
-                   "dataset 'labels' in '" << shards_[s]->path << "' row " << g - shard_begin_[s] << " holds label "
-                                           << max_label << ": no class count above it fits (no num_classes attribute)");
-    info_.num_classes = max_label + 1;
+    DT_INPUT_CHECK(*max_at < std::numeric_limits<int32_t>::max(),
+                   "dataset 'labels' in '" << shards_[shard_of(g)]->path << "' row " << g - shard_begin_[shard_of(g)]
+                                           << " holds label " << *max_at
+                                           << ": no class count above it fits (no num_classes attribute)");
+    info_.num_classes = *max_at + 1;
   }
   DT_INPUT_CHECK(info_.class_names.empty() || static_cast<int>(info_.class_names.size()) == info_.num_classes,
-                 "dataset '" << path << "' has " << info_.class_names.size() << " class names for "
+                 "dataset '" << info_.path << "' has " << info_.class_names.size() << " class names for "
                              << info_.num_classes << " classes");
-  for (size_t s = 0; s < shards_.size(); ++s) {
-    for (int64_t g = shard_begin_[s]; g < shard_begin_[s + 1]; ++g) {
-      DT_INPUT_CHECK(labels_[g] >= 0 && labels_[g] < info_.num_classes,
-                     "dataset 'labels' in '" << shards_[s]->path << "' row " << g - shard_begin_[s] << " holds label "
-                                             << labels_[g] << ", outside [0, " << info_.num_classes << ")");
-    }
+  for (int64_t g = 0; g < info_.num_samples; ++g) {
+    DT_INPUT_CHECK(labels_[g] >= 0 && labels_[g] < info_.num_classes,
+                   "dataset 'labels' in '" << shards_[shard_of(g)]->path << "' row " << g - shard_begin_[shard_of(g)]
+                                           << " holds label " << labels_[g] << ", outside [0, " << info_.num_classes
+                                           << ")");
   }
 }
 
@@ -334,19 +393,41 @@ int64_t ShardedHdf5Dataset::whole_shard_reads() const {
   return whole_reads_;
 }
 
-// Every row of the shard's inputs into `rows`: one sequential read of a file unchanged since it was
-// opened, counted in whole_shard_reads() and bytes_read().
-void ShardedHdf5Dataset::read_all_rows(const Shard& shard, uint8_t* rows) const {
+// Rows [first, first + count) of the shard's inputs into `out`: one hyperslab. Caller holds the
+// HDF5 lock and has opened the shard.
+bool ShardedHdf5Dataset::read_rows(const Shard& shard, int64_t first, int64_t count, uint8_t* out) const {
+  h5::Handle fspace = h5::space(H5Dget_space(shard.inputs.get()));
+  const int rank = static_cast<int>(info_.sample_shape.size()) + 1;
+  std::vector<hsize_t> start(rank, 0), dims(rank);
+  for (int d = 1; d < rank; ++d) dims[d] = static_cast<hsize_t>(info_.sample_shape[d - 1]);
+  start[0] = static_cast<hsize_t>(first);
+  dims[0] = static_cast<hsize_t>(count);
+  h5::Handle mspace = h5::space(H5Screate_simple(rank, dims.data(), nullptr));
+  return fspace.valid() && mspace.valid() &&
+         H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, start.data(), nullptr, dims.data(), nullptr) >= 0 &&
+         H5Dread(shard.inputs.get(), H5T_NATIVE_UINT8, mspace.get(), fspace.get(), H5P_DEFAULT, out) >= 0;
+}
+
+// Every row of the shard's inputs into `rows`: one sequential pass over a file unchanged since it was
+// opened, counted in whole_shard_reads() and bytes_read(). It goes in slabs of about kSlabBytes, the
+// HDF5 lock taken for each, so that a whole shard (an image folder's are 256 MiB) read by the
+// node-shared cache's filler or the store does not hold every per-request read of the process
+// behind it.
+void ShardedHdf5Dataset::read_all_rows(Shard& shard, uint8_t* rows) const {
+  constexpr int64_t kSlabBytes = int64_t(4) << 20;
   shard.check_unchanged();
-  {
+  const int64_t row_bytes = info_.sample_bytes();
+  const int64_t slab_rows = std::max<int64_t>(1, kSlabBytes / row_bytes);
+  for (int64_t first = 0; first < shard.rows; first += slab_rows) {
     auto lock = h5::lock();
-    DT_INPUT_CHECK(H5Dread(shard.inputs.get(), H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows) >= 0,
+    open_on_first_use(shard);
+    DT_INPUT_CHECK(read_rows(shard, first, std::min(slab_rows, shard.rows - first), rows + first * row_bytes),
                    "cannot read dataset 'inputs' in '" << shard.path << "' (corrupt or truncated?)"
                                                        << with_detail(h5::last_error()));
   }
   std::lock_guard<std::mutex> c(cache_mu_);
   ++whole_reads_;
-  bytes_read_ += shard.rows * info_.sample_bytes();
+  bytes_read_ += shard.rows * row_bytes;
 }
 
 // The shard's rows from the cache, read whole (one sequential read) if they are not there and fit
@@ -416,20 +497,12 @@ void ShardedHdf5Dataset::read_shard(Shard& shard, std::span<const std::pair<int6
   shard.check_unchanged();
   {
     auto lock = h5::lock();
-    h5::Handle fspace = h5::space(H5Dget_space(shard.inputs.get()));
-    const int rank = static_cast<int>(info_.sample_shape.size()) + 1;
-    std::vector<hsize_t> start(rank, 0), count(rank);
-    for (int d = 1; d < rank; ++d) count[d] = static_cast<hsize_t>(info_.sample_shape[d - 1]);
-    bool ok = fspace.valid();
+    open_on_first_use(shard);
+    bool ok = true;
     for (size_t i = 0; i < unique_rows.size() && ok;) {
       size_t j = i + 1;
       while (j < unique_rows.size() && unique_rows[j] == unique_rows[j - 1] + 1) ++j;
-      start[0] = static_cast<hsize_t>(unique_rows[i]);
-      count[0] = static_cast<hsize_t>(j - i);
-      h5::Handle mspace = h5::space(H5Screate_simple(rank, count.data(), nullptr));
-      ok = H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr) >= 0 &&
-           H5Dread(shard.inputs.get(), H5T_NATIVE_UINT8, mspace.get(), fspace.get(), H5P_DEFAULT,
-                   buf.data() + i * static_cast<size_t>(row_bytes)) >= 0;
+      ok = read_rows(shard, unique_rows[i], static_cast<int64_t>(j - i), buf.data() + i * static_cast<size_t>(row_bytes));
       i = j;
     }
     DT_INPUT_CHECK(ok, "cannot read dataset 'inputs' in '" << shard.path << "' (corrupt or truncated?)"

@@ -39,6 +39,15 @@ std::string last_error() {
   return desc;
 }
 
+void throw_input_error(const std::string& message) { throw InputError(message); }
+
+bool write_1d(hid_t file, const char* name, hid_t file_type, hid_t mem_type, size_t n, const void* data) {
+  const hsize_t dims = n;
+  Handle sp = space(H5Screate_simple(1, &dims, nullptr));
+  Handle ds = dataset(H5Dcreate2(file, name, file_type, sp.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+  return ds.valid() && (n == 0 || H5Dwrite(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) >= 0);
+}
+
 static bool write_attr(hid_t obj, const char* name, hid_t file_type, hid_t mem_type, hsize_t n, const void* data) {
   if (H5Aexists(obj, name) > 0) H5Adelete(obj, name);
   Handle sp = space(H5Screate_simple(1, &n, nullptr));

@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstring>
 #include <numeric>
+#include <span>
 
 #include "dtrain/core/env.h"
 #include "dtrain/core/error.h"
@@ -46,14 +47,13 @@ std::vector<int64_t> DistributedSampler::epoch_order(int64_t epoch) const {
     for (size_t s = 0; s < stream_shards_.size(); ++s) begin[s + 1] = begin[s] + stream_shards_[s];
     std::iota(shards.begin(), shards.end(), int64_t{0});
     shuffle(shards, rng);
-    order.clear();
+    size_t at = 0;  // order is rewritten in place: every index once, window by window
     for (size_t w = 0; w < shards.size(); w += static_cast<size_t>(window_shards_)) {
-      const size_t window_begin = order.size();
+      const size_t window_begin = at;
       for (size_t s = w; s < std::min(shards.size(), w + static_cast<size_t>(window_shards_)); ++s)
-        for (int64_t g = begin[shards[s]]; g < begin[shards[s] + 1]; ++g) order.push_back(g);
-      std::vector<int64_t> window(order.begin() + static_cast<std::ptrdiff_t>(window_begin), order.end());
+        for (int64_t g = begin[shards[s]]; g < begin[shards[s] + 1]; ++g) order[at++] = g;
+      std::span<int64_t> window(order.data() + window_begin, at - window_begin);
       shuffle(window, rng);
-      std::copy(window.begin(), window.end(), order.begin() + static_cast<std::ptrdiff_t>(window_begin));
     }
   }
   const int64_t total = total_size();

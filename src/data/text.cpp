@@ -29,12 +29,7 @@ void write_token_file(const std::string& path, const std::vector<int32_t>& token
     h5::Handle file = h5::file(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT));
     DT_INPUT_CHECK(file.valid(), "cannot create '" << tmp << "'");
     auto write_1d = [&](const char* name, hid_t file_type, hid_t mem_type, size_t n, const void* data) {
-      const hsize_t dims = n;
-      h5::Handle space = h5::space(H5Screate_simple(1, &dims, nullptr));
-      h5::Handle ds =
-          h5::dataset(H5Dcreate2(file.get(), name, file_type, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
-      DT_CHECK(ds.valid(), "creating dataset " << name << " in " << tmp << ": " << h5::last_error());
-      DT_CHECK(n == 0 || H5Dwrite(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) >= 0,
+      DT_CHECK(h5::write_1d(file.get(), name, file_type, mem_type, n, data),
                "writing " << name << " to " << tmp << ": " << h5::last_error());
     };
     write_1d("tokens", token_type(tokenizer.vocab()), H5T_NATIVE_INT32, tokens.size(), tokens.data());
@@ -46,19 +41,6 @@ void write_token_file(const std::string& path, const std::vector<int32_t>& token
     h5::write_attr_scalar_i64(file.get(), "sources", files);
   }
   fs::rename(tmp, path);
-}
-
-// The whole 1-D dataset `name` of `file`, converted to `mem_type` (the C type T).
-template <typename T>
-std::vector<T> read_1d(hid_t file, const char* name, hid_t mem_type, const std::string& path) {
-  h5::Handle ds = h5::dataset(H5Dopen2(file, name, H5P_DEFAULT));
-  DT_INPUT_CHECK(ds.valid(), "'" << path << "' has no dataset '" << name << "'");
-  const std::vector<int64_t> shape = h5::read_shape(ds.get(), sizeof(T), path, name);
-  DT_INPUT_CHECK(shape.size() == 1, "'" << path << "': dataset '" << name << "' must be 1-D");
-  std::vector<T> out(static_cast<size_t>(shape[0]));
-  DT_INPUT_CHECK(out.empty() || H5Dread(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) >= 0,
-                 "cannot read dataset '" << name << "' of '" << path << "': " << h5::last_error());
-  return out;
 }
 
 }  // namespace
@@ -142,7 +124,7 @@ TokenStream load_tokens(const std::string& path) {
                  "'" << path << "' has no tokenizer attribute: not a token file from dtrain convert text");
   std::string model;
   if (tokenizer != kBytesTokenizer) {
-    const std::vector<uint8_t> bytes = read_1d<uint8_t>(file.get(), "tokenizer_model", H5T_NATIVE_UINT8, path);
+    const std::vector<uint8_t> bytes = h5::read_1d<uint8_t>(file.get(), "tokenizer_model", H5T_NATIVE_UINT8, path);
     model.assign(bytes.begin(), bytes.end());
   }
   s.tokenizer = Tokenizer::from_model(tokenizer, model, path);
@@ -150,7 +132,7 @@ TokenStream load_tokens(const std::string& path) {
   std::vector<int64_t> vocab;
   DT_INPUT_CHECK(!h5::read_attr_i64(file.get(), "vocab", vocab) || (vocab.size() == 1 && vocab[0] == s.vocab),
                  "'" << path << "': attribute vocab disagrees with its " << tokenizer << " tokenizer's " << s.vocab);
-  s.tokens = read_1d<int32_t>(file.get(), "tokens", H5T_NATIVE_INT32, path);
+  s.tokens = h5::read_1d<int32_t>(file.get(), "tokens", H5T_NATIVE_INT32, path);
   for (size_t i = 0; i < s.tokens.size(); ++i)
     DT_INPUT_CHECK(s.tokens[i] >= 0 && s.tokens[i] < s.vocab, "'" << path << "': token " << i << " is " << s.tokens[i]
                                                                  << ", outside the vocabulary [0, " << s.vocab << ")");

@@ -94,7 +94,7 @@ class ImageTask final : public Task {
   std::string describe() override {
     return "model " + spec_.name + " (" + std::to_string(model_->parameter_count()) + " parameters" +
            (cfg_->pp > 1 ? " on rank 0's stage" : "") + "), " +
-           (cfg_->synthetic ? std::string("synthetic data") : "data " + cfg_->data + ", " + reading_.text) +
+           (cfg_->synthetic ? std::string("synthetic data") : "data " + cfg_->data + " (" + train_ds_->info().opened + "), " + reading_.text) +
            (teacher_ ? ", teacher " + teacher_spec_.name + " (" + std::to_string(teacher_->parameter_count()) +
                            " parameters) from " + cfg_->teacher + ", T " + fixed(cfg_->distill_temperature, 1) +
                            " weight " + fixed(cfg_->distill_weight, 2)
@@ -309,7 +309,11 @@ void ImageTask::use_store() {
 // shard. The node's ranks fill it in turn (local rank i reads shards i, i + L, ... whole) on a
 // thread of their own while training starts at once: until a shard's flag is up its rows are read
 // per request. A shard the filler cannot read stays down, and the rank that needs its rows fails
-// on them, naming the file.
+// on them, naming the file. The flags are C++ atomics in the shared window: lock-free atomics are
+// address-free, so the filler's release store and a reader's acquire load order the rows between
+// processes as between threads, and no MPI_Win_sync is needed (the window is MPI's unified model).
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "the node copy's flags must work across processes");
+
 void ImageTask::share_training_set() {
   const data::DatasetInfo& info = train_ds_->info();
   const int64_t row_bytes = info.sample_bytes();

@@ -95,6 +95,29 @@ TEST(CmdConvert, IdxAndFashionMnistKinds) {
       {"nowhere"});
 }
 
+// `convert index` writes the index of shards written without one (here: the index removed, a
+// shard replaced), after which a run opens the folder from it; a folder that is no set is named.
+TEST(CmdConvert, IndexKind) {
+  TempDir tmp;
+  write_pair(tmp, "train", 30);
+  ASSERT_EQ(run({"idx", "--images", tmp / "train-images-idx3-ubyte.gz", "--labels", tmp / "train-labels-idx1-ubyte.gz",
+                 "--out", tmp / "a", "--shard-size", "8"}),
+            0);
+  EXPECT_NE(ShardedHdf5Dataset(tmp / "a").info().opened.find("from shards.index"), std::string::npos);
+  fs::copy(tmp / "a", tmp / "b");
+  fs::remove(tmp / "b/shards.index");
+  fs::copy_file(tmp / "a/shard-00000.h5", tmp / "a/shard-00001.h5", fs::copy_options::overwrite_existing);
+  EXPECT_NE(ShardedHdf5Dataset(tmp / "a").info().opened.find("out of date"), std::string::npos);
+  EXPECT_EQ(run({"index", tmp / "a", tmp / "b"}), 0);
+  for (const char* dir : {"a", "b"}) {
+    const ShardedHdf5Dataset ds(tmp / dir);
+    EXPECT_NE(ds.info().opened.find("4 shard(s) from shards.index"), std::string::npos) << ds.info().opened;
+    EXPECT_EQ(ds.size(), 30);
+  }
+  testing::expect_input_error([&] { run({"index", tmp / "train-images-idx3-ubyte.gz"}); }, {"not a folder of shards"});
+  testing::expect_input_error([&] { run({"index"}); }, {"dirs"});
+}
+
 TEST(CmdConvert, ImagesKind) {
   TempDir tmp;
   std::string out;

@@ -13,7 +13,8 @@ namespace {
 
 using testing::TempDir;
 
-std::vector<std::string> h5_files(const fs::path& dir) {
+// Every file in `dir`, by name, sorted.
+std::vector<std::string> files_in(const fs::path& dir) {
   std::vector<std::string> out;
   for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
   std::sort(out.begin(), out.end());
@@ -62,8 +63,9 @@ TEST(Convert, IdxRoundTripThroughShards) {
   EXPECT_EQ(sum.num_samples, n);
   EXPECT_EQ(sum.num_shards, 4);
   EXPECT_EQ(sum.num_classes, 7);
-  EXPECT_EQ(h5_files(tmp.path() / "out"),
-            (std::vector<std::string>{"shard-00000.h5", "shard-00001.h5", "shard-00002.h5", "shard-00003.h5"}));
+  EXPECT_EQ(files_in(tmp.path() / "out"),
+            (std::vector<std::string>{"shard-00000.h5", "shard-00001.h5", "shard-00002.h5", "shard-00003.h5",
+                                      "shards.index"}));
 
   // Mean and std against a direct two-pass computation.
   double mean = 0, var = 0;
@@ -119,10 +121,11 @@ TEST(Convert, RewriteRemovesStaleShardsAndLeavesNoTemporaries) {
   ShardWriterOptions opt;
   opt.shard_size = 10;
   write_shards(set, tmp / "out", opt);
-  EXPECT_EQ(h5_files(tmp.path() / "out").size(), 3u);
+  EXPECT_EQ(files_in(tmp.path() / "out").size(), 4u);  // 3 shards and their index
   opt.shard_size = 100;
   write_shards(set, tmp / "out", opt);
-  EXPECT_EQ(h5_files(tmp.path() / "out"), (std::vector<std::string>{"shard-00000.h5"}));
+  EXPECT_EQ(files_in(tmp.path() / "out"), (std::vector<std::string>{"shard-00000.h5", "shards.index"}));
+  EXPECT_NE(ShardedHdf5Dataset(tmp / "out").info().opened.find("1 shard(s) from shards.index"), std::string::npos);
   EXPECT_EQ(ShardedHdf5Dataset(tmp / "out").size(), 25);
 }
 

@@ -1,6 +1,8 @@
 // ShardedHdf5Dataset: validation messages, cached and uncached reads, concurrent reads.
 #include <hdf5.h>
 
+#include <algorithm>
+#include <atomic>
 #include <fstream>
 #include <thread>
 
@@ -175,6 +177,38 @@ TEST(Dataset, CachedAndUncachedReadsAgreeAcrossThreads) {
   EXPECT_EQ(a.cached_bytes(), n * row);
   EXPECT_EQ(b.cached_bytes(), 0);
   EXPECT_EQ(c.cached_bytes(), 2 * 20 * row);
+}
+
+// The node-shared copy: rows of shards whose flag is up come from the shared block, the others are
+// read per request from their files until the filler (read_whole_shard) has put them in place.
+TEST(Dataset, SharedRowsServeShardsInPlaceAndReadTheRestPerRequest) {
+  TempDir tmp;
+  const int64_t n = 40, row = 12;
+  const ImageSet set = make_dataset(tmp / "d", n);  // 4 shards of 10
+  DatasetOptions uncached;
+  uncached.cache_bytes = 0;
+  ShardedHdf5Dataset ds(tmp / "d", uncached);
+  std::vector<uint8_t> shared(static_cast<size_t>(n * row), 0xEE);  // not the files' bytes: where rows came from
+  std::vector<std::atomic<uint32_t>> in_place(4);
+  ds.use_shared_rows(shared.data(), in_place.data());
+  ds.read_whole_shard(1, shared.data() + 10 * row);
+  in_place[1].store(1, std::memory_order_release);
+  in_place[3].store(1, std::memory_order_release);  // up, but its rows are still the marker
+
+  const std::vector<int64_t> idx = {5, 15, 35, 25, 12};
+  Tensor inputs, labels;
+  const int64_t bytes_before = ds.bytes_read();
+  ds.read(idx, inputs, labels);
+  for (size_t k = 0; k < idx.size(); ++k) {
+    const uint8_t* got = inputs.data<uint8_t>() + k * row;
+    EXPECT_EQ(labels.data<int32_t>()[k], set.labels[idx[k]]);
+    if (idx[k] >= 30)
+      EXPECT_TRUE(std::all_of(got, got + row, [](uint8_t v) { return v == 0xEE; })) << "sample " << idx[k];
+    else
+      EXPECT_TRUE(std::equal(got, got + row, set.inputs.begin() + idx[k] * row)) << "sample " << idx[k];
+  }
+  EXPECT_EQ(ds.bytes_read() - bytes_before, 2 * row);  // samples 5 and 25, per request
+  EXPECT_EQ(ds.whole_shard_reads(), 1);
 }
 
 }  // namespace

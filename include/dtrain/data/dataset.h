@@ -35,11 +35,14 @@ struct DatasetInfo {
   std::vector<float> mean;         // per channel, pixel/255 units; 0 when the shards carry no `mean`
   std::vector<float> std;          // per channel; 1 when the shards carry no `std`
   bool has_normalization = false;  // the shards carried `mean` and `std`
+  std::string opened;  // how the shards were opened: "60 shard(s) from shards.index, each opened on first use", ...
 
   int64_t sample_bytes() const { return shape_numel(sample_shape); }
   // Channels for per-channel normalisation: C of a [C, H, W] sample, else 1.
   int64_t channels() const { return sample_shape.size() == 3 ? sample_shape[0] : 1; }
 };
+
+struct ShardIndex;  // shard_index.h
 
 struct DatasetOptions {
   int64_t cache_bytes = int64_t(2) << 30;  // memory for whole-shard caching; 0 disables the cache
@@ -52,8 +55,10 @@ struct DatasetOptions {
 
 class ShardedHdf5Dataset {
  public:
-  // Opens and validates every shard: `path` is a directory (all *.h5 files in it, sorted) or one .h5
-  // file. Throws InputError naming the file and dataset on anything unreadable or inconsistent.
+  // `path` is a directory (all *.h5 files in it, sorted) or one .h5 file. A directory whose
+  // shards.index describes it as it is (shard_index.h) is opened from the index, each shard opened
+  // and checked against it on its first read; otherwise every shard is opened and checked here.
+  // Throws InputError naming the file and dataset on anything unreadable or inconsistent.
   explicit ShardedHdf5Dataset(const std::string& path, DatasetOptions opt = {});
   ~ShardedHdf5Dataset();
   ShardedHdf5Dataset(const ShardedHdf5Dataset&) = delete;
@@ -84,6 +89,7 @@ class ShardedHdf5Dataset {
   }
 
   int32_t label(int64_t index) const;
+  std::span<const int32_t> labels() const { return labels_; }  // every sample's, in global index order
   int64_t cached_bytes() const;  // inputs held by the whole-shard cache now
   int64_t whole_shard_reads() const;  // shards read whole into the cache so far (each once, sequentially)
   int64_t bytes_read() const;         // input bytes read from the files so far, whole shards and rows
@@ -91,6 +97,13 @@ class ShardedHdf5Dataset {
  private:
   struct Shard;
   void read_shard(Shard& shard, std::span<const std::pair<int64_t, int64_t>> rows_and_slots, uint8_t* inputs) const;
+  void take_index(ShardIndex&& index);
+  void open_every_shard();
+  void read_shard_attributes(const Shard& shard, const Shape& sample);
+  void add_shard(std::unique_ptr<Shard> shard);
+  void check_labels();
+  void open_on_first_use(Shard& shard) const;
+  bool read_rows(const Shard& shard, int64_t first, int64_t count, uint8_t* out) const;
 
   DatasetInfo info_;
   DatasetOptions opt_;
@@ -100,7 +113,7 @@ class ShardedHdf5Dataset {
   const uint8_t* shared_rows_ = nullptr;  // every sample's inputs (use_shared_rows), or null
   const std::atomic<uint32_t>* shard_in_place_ = nullptr;  // per shard: 1 when its rows are in shared_rows_
   std::shared_ptr<const std::vector<uint8_t>> cached_rows(Shard& shard) const;
-  void read_all_rows(const Shard& shard, uint8_t* rows) const;
+  void read_all_rows(Shard& shard, uint8_t* rows) const;
 
   mutable std::mutex cache_mu_;       // guards every shard's cache pointer and last use, and these:
   mutable int64_t cached_bytes_ = 0;

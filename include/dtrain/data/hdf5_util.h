@@ -19,6 +19,9 @@ std::unique_lock<std::mutex> lock();
 // The most specific description on HDF5's current error stack ("truncated file: eof = ..."), or "".
 std::string last_error();
 
+// Throws InputError(message): lets the header's templates report without including core/error.h.
+[[noreturn]] void throw_input_error(const std::string& message);
+
 // An owned hid_t closed with the matching H5*close. Move-only.
 class Handle {
  public:
@@ -75,6 +78,25 @@ bool write_attr_strings(hid_t obj, const char* name, const std::vector<std::stri
 // size). Throws InputError naming the file and `name`. Caller holds the lock.
 inline constexpr uint64_t kMaxInflation = 1100;  // deflate, dtrain's only filter, cannot exceed 1032:1
 std::vector<int64_t> read_shape(hid_t dset, int64_t elem_bytes, const std::string& path, const std::string& name);
+
+// A 1-D dataset `name` of `n` elements of `file_type`, written from `data` (`mem_type`); false on
+// failure (h5::last_error says why). Caller holds the lock.
+bool write_1d(hid_t file, const char* name, hid_t file_type, hid_t mem_type, size_t n, const void* data);
+
+// The whole 1-D dataset `name` of `file` (at `path`, for messages), converted to `mem_type` (the C
+// type T); its size is checked against the file (read_shape) before anything is allocated. Throws
+// InputError naming the file and dataset. Caller holds the lock.
+template <typename T>
+std::vector<T> read_1d(hid_t file, const char* name, hid_t mem_type, const std::string& path) {
+  Handle ds = H5Lexists(file, name, H5P_DEFAULT) > 0 ? dataset(H5Dopen2(file, name, H5P_DEFAULT)) : Handle();
+  if (!ds.valid()) throw_input_error("'" + path + "' has no dataset '" + name + "'");
+  const std::vector<int64_t> shape = read_shape(ds.get(), sizeof(T), path, name);
+  if (shape.size() != 1) throw_input_error("'" + path + "': dataset '" + name + "' must be 1-D");
+  std::vector<T> out(static_cast<size_t>(shape[0]));
+  if (!out.empty() && H5Dread(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) < 0)
+    throw_input_error("cannot read dataset '" + std::string(name) + "' of '" + path + "': " + last_error());
+  return out;
+}
 
 // Attribute readers: false when the attribute is missing or of an unreadable type; an InputError
 // naming the file when it declares more bytes than the whole file holds. Caller holds the lock.

@@ -1,0 +1,139 @@
+// The shard index: written by convert, used while it describes the folder, each shard opened on its
+// first read; a stale or broken index is set aside with the reason, never trusted.
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <cstring>
+#include <fstream>
+
+#include "data_test_util.h"
+#include "dtrain/data/dataset.h"
+#include "dtrain/data/shard_index.h"
+
+namespace dtrain::data {
+namespace {
+
+using testing::expect_input_error;
+using testing::TempDir;
+
+bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// 95 samples [1, 4, 3] in shards of 10, with class names and normalisation from the converter.
+ImageSet make_dataset(const std::string& dir) {
+  ImageSet set = testing::synthetic_set(95, 1, 4, 3, 5);
+  set.class_names = {"a", "b", "c", "d", "e"};
+  ShardWriterOptions opt;
+  opt.shard_size = 10;
+  opt.chunk_rows = 3;
+  write_shards(set, dir, opt);
+  return set;
+}
+
+// Overwrites `path` with as many garbage bytes as it holds and gives it back its modification time:
+// a change the index cannot see.
+void corrupt_keeping_size_and_time(const std::string& path) {
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << std::string(static_cast<size_t>(st.st_size), 'g');
+  const struct timespec times[2] = {st.st_atim, st.st_mtim};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, 0), 0);
+}
+
+void expect_same_reads(const ShardedHdf5Dataset& a, const ShardedHdf5Dataset& b) {
+  std::vector<int64_t> all(static_cast<size_t>(a.size()));
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>((i * 37) % all.size());
+  Tensor ai, al, bi, bl;
+  a.read(all, ai, al);
+  b.read(all, bi, bl);
+  EXPECT_EQ(0, std::memcmp(ai.data<uint8_t>(), bi.data<uint8_t>(), ai.nbytes()));
+  EXPECT_EQ(0, std::memcmp(al.data<int32_t>(), bl.data<int32_t>(), al.nbytes()));
+}
+
+TEST(ShardIndex, ConvertWritesOneThatDescribesTheSetAsOpeningEveryShardDoes) {
+  TempDir tmp;
+  const ImageSet set = make_dataset(tmp / "d");
+  ASSERT_TRUE(fs::exists(tmp / "d/shards.index"));
+  fs::create_directories(tmp / "plain");
+  for (const auto& e : fs::directory_iterator(tmp / "d"))
+    if (e.path().extension() == ".h5") fs::copy_file(e.path(), tmp.path() / "plain" / e.path().filename());
+
+  const ShardedHdf5Dataset indexed(tmp / "d"), plain(tmp / "plain");
+  EXPECT_TRUE(has(indexed.info().opened, "10 shard(s) from shards.index, each opened on first use"))
+      << indexed.info().opened;
+  EXPECT_TRUE(has(plain.info().opened, "10 shard(s) opened at start (no shards.index)")) << plain.info().opened;
+  const DatasetInfo &a = indexed.info(), &b = plain.info();
+  EXPECT_EQ(a.shard_rows, b.shard_rows);
+  EXPECT_EQ(a.sample_shape, b.sample_shape);
+  EXPECT_EQ(a.num_samples, 95);
+  EXPECT_EQ(a.num_classes, b.num_classes);
+  EXPECT_EQ(a.class_names, set.class_names);
+  EXPECT_EQ(a.mean, b.mean);
+  EXPECT_EQ(a.std, b.std);
+  EXPECT_TRUE(a.has_normalization && b.has_normalization);
+  EXPECT_TRUE(std::equal(indexed.labels().begin(), indexed.labels().end(), set.labels.begin(), set.labels.end()));
+  expect_same_reads(indexed, plain);
+}
+
+// With the index, a shard is opened on its first read: one broken behind the index's back fails
+// that read, naming the shard, and no other.
+TEST(ShardIndex, EachShardIsOpenedAndCheckedOnItsFirstRead) {
+  TempDir tmp;
+  const ImageSet set = make_dataset(tmp / "d");
+  corrupt_keeping_size_and_time(tmp / "d/shard-00003.h5");
+  DatasetOptions uncached;
+  uncached.cache_bytes = 0;
+  for (const DatasetOptions& opt : {DatasetOptions{}, uncached}) {
+    const ShardedHdf5Dataset ds(tmp / "d", opt);
+    EXPECT_TRUE(has(ds.info().opened, "from shards.index"));
+    std::vector<int64_t> first = {0, 9, 12, 29, 40, 94};
+    Tensor inputs, labels;
+    ds.read(first, inputs, labels);
+    for (size_t k = 0; k < first.size(); ++k) EXPECT_EQ(labels.data<int32_t>()[k], set.labels[first[k]]);
+    std::vector<int64_t> in_shard_3 = {31};
+    expect_input_error([&] { ds.read(in_shard_3, inputs, labels); }, {"shard-00003.h5", "not an HDF5 file"});
+    std::vector<uint8_t> rows(10 * 12);
+    expect_input_error([&] { ds.read_whole_shard(3, rows.data()); }, {"shard-00003.h5"});
+  }
+}
+
+TEST(ShardIndex, AStaleOrBrokenIndexIsSetAsideWithTheReason) {
+  TempDir tmp;
+  make_dataset(tmp / "d");
+  const std::string dir = tmp / "d";
+  auto opened = [&] { return ShardedHdf5Dataset(dir).info().opened; };
+
+  ASSERT_EQ(::utimensat(AT_FDCWD, (tmp / "d/shard-00002.h5").c_str(), nullptr, 0), 0);  // touched
+  std::string why = opened();
+  EXPECT_TRUE(has(why, "opened at start") && has(why, "out of date") && has(why, "shard-00002.h5") &&
+              has(why, "changed") && has(why, "dtrain convert index " + dir))
+      << why;
+
+  EXPECT_EQ(write_shard_index(dir), 10);
+  EXPECT_TRUE(has(opened(), "from shards.index"));
+
+  fs::remove(tmp / "d/shard-00009.h5");
+  why = opened();
+  EXPECT_TRUE(has(why, "lists 10 shard(s), the folder holds 9")) << why;
+
+  EXPECT_EQ(write_shard_index(dir), 9);
+  fs::rename(tmp / "d/shard-00008.h5", tmp / "d/shard-00008b.h5");
+  why = opened();
+  EXPECT_TRUE(has(why, "shard-00008b.h5' is not in it")) << why;
+
+  std::ofstream(tmp / "d/shards.index", std::ios::trunc) << "not an index";
+  why = opened();
+  EXPECT_TRUE(has(why, "opened at start") && has(why, "shards.index") && has(why, "rewrites it")) << why;
+  EXPECT_EQ(ShardedHdf5Dataset(dir).size(), 90);
+}
+
+TEST(ShardIndex, WritingOneChecksEveryShard) {
+  TempDir tmp;
+  make_dataset(tmp / "d");
+  std::ofstream(tmp / "d/shard-00004.h5", std::ios::trunc) << "garbage";
+  expect_input_error([&] { write_shard_index(tmp / "d"); }, {"shard-00004.h5", "not an HDF5 file"});
+  EXPECT_FALSE(fs::exists(tmp / "d/shards.index"));
+  expect_input_error([&] { write_shard_index(tmp / "nowhere"); }, {"nowhere", "not a folder of shards"});
+}
+
+}  // namespace
+}  // namespace dtrain::data
