@@ -142,7 +142,7 @@ def set_link_rate(args, rate):
     args.link_rate = rate
     for node in args.emu_nodes:
         subprocess.run([os.path.join(EMULATE, "link.sh"), node, "none" if rate == "local" else rate], check=True,
-                       stderr=subprocess.DEVNULL)
+                       stderr=subprocess.DEVNULL, env={**os.environ, "DTRAIN_EMU_BURST_MS": str(args.link_burst_ms)})
 
 
 def read_metrics(path):
@@ -645,17 +645,68 @@ def bucket_sizes(r):
     return [total / count] * count
 
 
-def overlapped_step(fwd, bwd, opt, sizes, allreduce_s, overlap=True):
+def overlapped_step(fwd, bwd, opt, sizes, allreduce_s, overlap=True, link=None, idle=0.0):
     """Step time and exposed communication when bucket i (sizes in backward order) becomes ready once
-    backward has produced its share of the gradient, and buckets go out one after another."""
+    backward has produced its share of the gradient, and buckets go out one after another.
+    With `link` (a LinkBucket; allreduce_s then maps (size, tokens) to (seconds, tokens left)) the
+    link banks tokens in every gap between exchanges, the step's `idle` time (outside forward,
+    backward and optimizer) included, and steps repeat until the bank at a step's start settles."""
     total = sum(sizes) or 1.0
-    done, end = 0.0, 0.0
-    for size in sizes:
-        done += size
-        ready = fwd + (bwd * done / total if overlap else bwd)
-        end = max(end, ready) + allreduce_s(size)
-    exposed = max(0.0, end - (fwd + bwd))
-    return fwd + bwd + exposed + opt, exposed
+
+    def one_step(tokens):
+        done, end, link_free = 0.0, 0.0, -(opt + idle)  # the last step's exchange ended before its optimizer
+        for size in sizes:
+            done += size
+            ready = fwd + (bwd * done / total if overlap else bwd)
+            start = max(end, ready)
+            if link:
+                tokens = min(link.burst, tokens + link.rate * (start - link_free))
+                secs, tokens = allreduce_s(size, tokens)
+            else:
+                secs = allreduce_s(size)
+            end = link_free = start + secs
+        exposed = max(0.0, end - (fwd + bwd))
+        return fwd + bwd + exposed + opt, exposed, tokens
+
+    step, exposed, tokens = one_step(link.burst if link else 0.0)
+    for _ in range(30 if link else 0):
+        step, exposed, tokens = one_step(tokens)
+    return step, exposed
+
+
+class LinkBucket:
+    """The token bucket that limits an emulated node's link (tc's tbf, cluster/emulate): tokens
+    (bytes) accrue at the link's rate up to `burst` bytes, and bytes covered by them cross as fast as
+    the link without a limit. So a link that idles during compute banks up to the burst, and the
+    exchange that follows crosses faster than the rate: over steps the link carries its rate on
+    average, not per exchange. The per-level benchmarks run exchanges back to back and see only the
+    rate. A real link is the case burst = 0."""
+
+    def __init__(self, rate, burst_ms):
+        m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", rate.lower())
+        if not m:
+            raise SystemExit(f"link rate '{rate}' is not in tc units (e.g. 1gbit)")
+        self.rate = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] / 8  # bytes/s
+        self.burst = max(32768.0, self.rate * burst_ms / 1e3)  # as cluster/emulate/lib.sh sets it
+
+
+def banked_allreduce_cost(costs, algorithm, ranks, nodes, unlimited):
+    """As allreduce_cost, over a link with a token bucket: (bytes, tokens) -> (seconds, tokens left).
+    Of each exchange over the link, the bytes crossing it that tokens cover go at `unlimited`'s cost
+    (the link benchmarked with no limit), the rest at the limited link's."""
+    def cost(nbytes, tokens):
+        alg = ompi_algorithm(nbytes, ranks) if algorithm == "ompi" else algorithm
+        secs = 0.0
+        for level, b, flows in allreduce_steps(alg, nbytes, ranks, nodes):
+            t = exchange_s(costs[level], b, flows)
+            if level == "inter" and b > 0:
+                covered = min(tokens, flows * b)  # the node's bytes crossing the link each way
+                tokens -= covered
+                share = covered / (flows * b)
+                t = share * exchange_s(unlimited, b, flows) + (1 - share) * t
+            secs += t
+        return secs, tokens
+    return cost
 
 
 def single_rank_compute(r, base_rows):
@@ -691,21 +742,23 @@ VARIANTS = {
 }
 
 
-def predict(r, base_rows, fitted_s, measured_s, placed_s=None):
+def predict(r, base_rows, fitted_s, measured_s, placed_s=None, link=None):
     """{variant: predicted step seconds} for one measured multi-rank run. fitted_s and measured_s
-    give an allreduce's seconds for a bucket size: from the alpha-beta lines and the benchmarks' curves;
-    placed_s (where known) from a benchmark at the run's own placement."""
+    give an allreduce's seconds for a bucket size: from the alpha-beta lines and the benchmarks' curves
+    (with `link`, its token bucket: (size, tokens) -> (seconds, tokens left)); placed_s (where known)
+    from a benchmark at the run's own placement."""
     comp = single_rank_compute(r, base_rows)
     if comp is None:
         return {}
     fwd, bwd, opt, other = comp
     sizes = bucket_sizes(r)
     extra = other + r["data_wait_s"]
-    out = {"serial": overlapped_step(fwd, bwd, opt, sizes, fitted_s, overlap=False)[0] + extra,
-           "calibrated": overlapped_step(fwd, bwd, opt, sizes, fitted_s)[0] + extra}
+    out = {"serial": overlapped_step(fwd, bwd, opt, sizes, fitted_s, False, link, extra)[0] + extra,
+           "calibrated": overlapped_step(fwd, bwd, opt, sizes, fitted_s, True, link, extra)[0] + extra}
     if r.get("alone_forward_s"):
+        extra = r["alone_other_s"] + r["data_wait_s"]
         out["contended"] = overlapped_step(r["alone_forward_s"], r["alone_backward_s"], r["alone_optimizer_s"],
-                                           sizes, measured_s)[0] + r["alone_other_s"] + r["data_wait_s"]
+                                           sizes, measured_s, True, link, extra)[0] + extra
         other = r["alone_other_s"]
         if placed_s:
             out["placed"] = overlapped_step(r["alone_forward_s"], r["alone_backward_s"], r["alone_optimizer_s"],
@@ -713,8 +766,9 @@ def predict(r, base_rows, fitted_s, measured_s, placed_s=None):
     slow = r.get("compute_max_s") or 0.0
     if slow > 0:
         share = fwd / max(fwd + bwd, 1e-12)
+        extra = other + r["data_wait_s"]
         out["slowest"] = overlapped_step(slow * share, slow * (1 - share), r["optimizer_s"] or opt, sizes,
-                                         measured_s)[0] + other + r["data_wait_s"]
+                                         measured_s, True, link, extra)[0] + extra
     return out
 
 
@@ -819,17 +873,27 @@ def choose_algorithm(args, check_err, pick_diff):
     return min(check_err, key=lambda a: (round(check_err[a], 4), a != "ompi")) if check_err else "ring"
 
 
-def run_costs(levels, r, algorithm):
-    """(fitted, measured): seconds of one allreduce of a size in run r, its placement's levels (inside
-    a node; the link at the run's rate) composed by `algorithm`."""
+def run_costs(levels, r, algorithm, burst_ms):
+    """(fitted, measured, link): seconds of one allreduce of a size in run r, its placement's levels
+    (inside a node; the link at the run's rate) composed by `algorithm`. Across nodes with a limited
+    link of a token bucket of burst_ms (and the link benchmarked without a limit) link is its
+    LinkBucket and the costs are banked_allreduce_cost's; else link is None."""
     use = {"intra": levels["intra"]}
+    link = None
     if r["nodes"] > 1:
         name = f"inter-{r['link_rate']}"
         if name not in levels:
             raise SystemExit(f"no benchmark '{name}' for a run on {r['nodes']} nodes (run the sweep with the cluster)")
         use["inter"] = levels[name]
-    return tuple(allreduce_cost({k: getattr(lv, kind) for k, lv in use.items()}, algorithm, r["ranks"], r["nodes"])
-                 for kind in ("fitted", "measured"))
+        if burst_ms > 0 and r["link_rate"] not in ("none", "local") and "inter-none" in levels:
+            link = LinkBucket(r["link_rate"], burst_ms)
+    costs = []
+    for kind in ("fitted", "measured"):
+        per_level = {k: getattr(lv, kind) for k, lv in use.items()}
+        costs.append(banked_allreduce_cost(per_level, algorithm, r["ranks"], r["nodes"],
+                                           getattr(levels["inter-none"], kind)) if link else
+                     allreduce_cost(per_level, algorithm, r["ranks"], r["nodes"]))
+    return costs[0], costs[1], link
 
 
 def placed_cost(levels, r):
@@ -847,11 +911,13 @@ def placed_cost(levels, r):
     return lambda nbytes: lv.measured(nbytes * 2 * (lv.ranks - 1) / lv.ranks)
 
 
-def predict_rows(rows, levels, algorithm):
+def predict_rows(rows, levels, algorithm, burst_ms):
     """Every multi-rank run against its predictions: (variants predicted, table rows, records, errors)."""
     base_rows = [r for r in rows if r["ranks"] == 1]
-    runs = [(r, predict(r, base_rows, *run_costs(levels, r, algorithm), placed_cost(levels, r)))
-            for r in rows if r["ranks"] > 1]
+    runs = []
+    for r in (r for r in rows if r["ranks"] > 1):
+        fitted_s, measured_s, link = run_costs(levels, r, algorithm, burst_ms)
+        runs.append((r, predict(r, base_rows, fitted_s, measured_s, placed_cost(levels, r), link)))
     runs = [(r, preds) for r, preds in runs if preds]
     variants = [v for v in VARIANTS if any(v in preds for _, preds in runs)]
     table, recs, errors = [], [], []
@@ -955,10 +1021,16 @@ def plot_model(recs, out, prefix):
     return [path]
 
 
-def variants_text(variants, algorithm, two_level):
+def variants_text(variants, algorithm, two_level, burst_ms):
     how = (f"Across nodes the allreduce is costed as {algorithm} ({ALGORITHMS[algorithm]}): each of its exchanges "
            "at the cost of its level, inside a node or over the link at the run's rate (two-level). "
            if two_level else "")
+    if two_level and burst_ms > 0:
+        how += (f"The link's token bucket ({burst_ms:g} ms of traffic at its rate, as cluster/emulate sets tc's tbf) "
+                "is part of the link: it banks tokens while the link idles (compute, optimizer, intra-node "
+                "exchanges), and the bytes they cover cross at the cost of the link benchmarked without a "
+                "limit; steps repeat until the bank at a step's start settles (serial, calibrated, contended, "
+                "slowest; `--link-burst-ms 0` models a link without one). ")
     return ["\nModel variants. Each predicts step time = compute (forward + backward) + the part of the gradient "
             "allreduce not hidden behind backward + optimizer step + the host work the split does not name "
             "(measured where the compute comes from) + measured data wait. The gradient travels in buckets (count "
@@ -1031,10 +1103,10 @@ def cmd_model(args):
     algorithm = choose_algorithm(args, check_err, pick_diff)
     out += check_md
     rows = read_csv(args.results) if args.results else []
-    variants, table, recs, errors = predict_rows(rows, levels, algorithm)
+    variants, table, recs, errors = predict_rows(rows, levels, algorithm, args.link_burst_ms)
     summary = {}
     if table:
-        out += variants_text(variants, algorithm, any(r["nodes"] > 1 for r in rows))
+        out += variants_text(variants, algorithm, any(r["nodes"] > 1 for r in rows), args.link_burst_ms)
         header = ["mode", "model", "ranks"] + (["nodes x ranks", "link"] if emulated(rows) else []) + [
             "batch/rank", "compression", "precision", "measured ms", "measured eff"]
         for v in variants:
@@ -1055,7 +1127,7 @@ def cmd_model(args):
                    "bandwidth_GBps": 1e-9 / intra.beta, "algorithm": algorithm, "algorithm_errors": check_err,
                    "levels": {n: {"ranks": lv.ranks, "nodes": lv.nodes, "alpha_s": lv.alpha, "beta_s_per_byte": lv.beta,
                                   "bandwidth_GBps": 1e-9 / lv.beta} for n, lv in levels.items()},
-                   "variants": summary}, f, indent=1)
+                   "link_burst_ms": args.link_burst_ms, "variants": summary}, f, indent=1)
     print("; ".join(f"{n}: alpha {1e6 * lv.alpha:.2f} us, bandwidth {1e-9 / lv.beta:.3f} GB/s"
                     for n, lv in levels.items()) + f"; allreduce model {algorithm}; " +
           "; ".join(f"{v} step error mean {100 * s_['step_mean']:.1f} % max {100 * s_['step_max']:.1f} %"
@@ -1231,6 +1303,9 @@ def main():
     common.add_argument("--link-rates", default="1gbit,10gbit",
                         help="with --emulate-nodes: the nodes' link rates to sweep (tc units; 'local': every rank "
                              "on one node)")
+    common.add_argument("--link-burst-ms", type=int, default=10,
+                        help="the emulated links' token bucket, in ms of traffic at the rate (tc tbf's burst: set on "
+                             "the cluster and used by the model)")
     common.add_argument("--emulate-dir", default="", help="the emulated cluster's state folder (default OUT/emu)")
     common.add_argument("--plot-prefix", default="", help="prefix of the plot files' names")
     bench_opts = argparse.ArgumentParser(add_help=False)

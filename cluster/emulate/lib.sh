@@ -32,13 +32,15 @@ emu_alive() {
   [[ -s "$1/node-names" ]]
 }
 
-# emu_rate_args RATE: tc tbf arguments for RATE (e.g. 1gbit), with a burst of 10 ms of traffic.
+# emu_rate_args RATE: tc tbf arguments for RATE (e.g. 1gbit), with a burst of DTRAIN_EMU_BURST_MS
+# (whole ms, default 10) of traffic at the rate, at least 32 KiB. Smaller bursts cost TCP a third of
+# the link (1 ms: 0.088 GB/s of a 1 Gbit/s link's 0.125); benchmarks/scaling models the bucket.
 emu_rate_args() {
   local bits
   bits=$(awk -v r="$1" 'BEGIN { n = r + 0; u = tolower(r); sub(/^[0-9.]+/, "", u);
     m = (u == "kbit") ? 1e3 : (u == "mbit") ? 1e6 : (u == "gbit") ? 1e9 : (u == "bit" || u == "") ? 1 : -1;
     if (m < 0 || n <= 0) exit 1; printf "%.0f", n * m }') || { emu_say "bad link rate '$1' (e.g. 100mbit, 1gbit, 10gbit)"; return 2; }
-  local burst=$((bits / 8 / 100))
+  local burst=$((bits / 8 * ${DTRAIN_EMU_BURST_MS:-10} / 1000))
   ((burst < 32768)) && burst=32768
   echo "rate $1 burst $burst latency 100ms"
 }

@@ -51,14 +51,12 @@ sys.exit(0 if wait > 3 and 0.08 < bw < 0.2 else 1)
 EOF
 
 # The two-level model: fits, the algorithm check against the forced algorithms, the 2-node runs
-# predicted (contended): one rank per node within 45 %, two per node within 75 % on this tiny,
-# shared-core run. With two ranks per node the model overestimates: four ranks share two cores and
-# the link's token bucket lends the link the rate it did not use during compute (a burst of 10 ms
-# of traffic), which neither the per-level benchmarks nor the contended compute see. With 60 steps
-# and 10 benchmark iterations a clean-clone CI missed by +84 % (two per node) and a rerun by +41 %
-# (one per node); 200 steps and 30 iterations gave +23 to +31 % and -1 to +30 % in six runs. The
-# one-per-node overestimate of about a quarter is the open accuracy problem of issue 20, measured
-# (target 15 %) by the sweep on benchmarks/scaling, not here.
+# predicted (contended) within the issue's 15 % with one rank per node, 25 % with two (four ranks
+# on this host's two cores). The model carries the link's token bucket (10 ms of traffic): the link
+# banks tokens while it idles during compute and spends them at its unlimited speed, so a step
+# bound by the link takes about its bytes over the rate, not compute plus them. Before the bucket
+# was modelled it overestimated these runs by +12 to +31 % (one per node) and +23 to +84 % (two);
+# with it, three runs in a row gave -0 to +1 % and +0 to +4 % (Intel Xeon, 2 cores).
 grep -Eq '^- inter-1gbit \(1 rank on each of 2 nodes, over the link; .*alpha = [0-9.]+ us, 1/beta = [0-9.]+ GB/s' \
   "$work/report.md" || fail "no inter-node fit"
 grep -Eq '^- intra \(2 ranks on one node; .*alpha = [0-9.]+ us, 1/beta = [0-9.]+ GB/s' "$work/report.md" ||
@@ -74,7 +72,7 @@ for r in csv.DictReader(open(f"{sys.argv[1]}/model.csv")):
     err = float(r["contended_step_error"])
     print(f"{r['ranks']} ranks on {r['nodes']} nodes: measured {1e3 * float(r['measured_step_s']):.2f} ms, "
           f"contended {1e3 * float(r['contended_step_s']):.2f} ms ({100 * err:+.0f} %)")
-    if int(r["nodes"]) != 2 or abs(err) > (0.45 if int(r["ranks_per_node"]) == 1 else 0.75):
+    if int(r["nodes"]) != 2 or abs(err) > (0.15 if int(r["ranks_per_node"]) == 1 else 0.25):
         sys.exit(1)
 EOF
 if $py -c 'import matplotlib' 2>/dev/null; then
