@@ -6,6 +6,7 @@
 
 #include "commands.h"
 #include "dtrain/comm/runtime.h"
+#include "dtrain/data/hdf5_util.h"
 #include "dtrain/kernels/engine.h"
 
 #if defined(DTRAIN_WITH_CUDA)
@@ -40,8 +41,6 @@ int cmd_info(int argc, char** argv) {
     }
   }
   if (t.rank != 0) return 0;
-  unsigned maj, min, rel;
-  H5get_libversion(&maj, &min, &rel);
   std::printf("dtrain %s\n", DTRAIN_VERSION);
   std::printf("  compiled in : CPU engine (oneDNN %s, %s)\n", onednn_version().c_str(), blas_info().c_str());
 #if defined(DTRAIN_WITH_CUDA)
@@ -69,7 +68,7 @@ int cmd_info(int argc, char** argv) {
 #else
   std::printf("  NCCL        : not compiled in\n");
 #endif
-  std::printf("  HDF5        : %u.%u.%u (parallel build: %s)\n", maj, min, rel,
+  std::printf("  HDF5        : %s (parallel build: %s)\n", data::h5::library_version().c_str(),
 #if defined(H5_HAVE_PARALLEL)
               "yes"
 #else

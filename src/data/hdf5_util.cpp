@@ -25,6 +25,13 @@ std::unique_lock<std::mutex> lock() {
   return l;
 }
 
+std::string library_version() {
+  auto held = lock();
+  unsigned major = 0, minor = 0, release = 0;
+  H5get_libversion(&major, &minor, &release);
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release);
+}
+
 namespace {
 herr_t innermost_error(unsigned n, const H5E_error2_t* err, void* client) {
   // Walking upward starts at the innermost (most specific) entry: keep only that one.

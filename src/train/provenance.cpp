@@ -1,6 +1,5 @@
 #include "dtrain/train/provenance.h"
 
-#include <H5public.h>
 
 #include <fstream>
 #include <map>
@@ -8,6 +7,7 @@
 
 #include "dtrain/comm/nccl.h"
 #include "dtrain/comm/runtime.h"
+#include "dtrain/data/hdf5_util.h"
 #include "dtrain/kernels/engine.h"
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
 #include "dtrain/kernels/cuda.h"
@@ -70,15 +70,13 @@ std::string config_of(const std::string& provenance_json) {
 }  // namespace
 
 JsonFields run_provenance(const std::string& layout, const std::string& config_ini) {
-  unsigned h5_major = 0, h5_minor = 0, h5_release = 0;
-  H5get_libversion(&h5_major, &h5_minor, &h5_release);
   comm::Topology topo;  // a library caller without the MPI bootstrap: no MPI library, this host unnamed
   if (comm::Runtime::initialized()) topo = comm::Runtime::get().topology();
   JsonFields f{{"provenance", std::string("dtrain ") + DTRAIN_VERSION},
                {"git_commit", std::string(DTRAIN_GIT_COMMIT)},
                {"onednn", onednn_version()},
                {"mpi", topo.mpi_library},
-               {"hdf5", std::to_string(h5_major) + "." + std::to_string(h5_minor) + "." + std::to_string(h5_release)}};
+               {"hdf5", data::h5::library_version()}};
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
   f.push_back({"cuda", cuda::library_versions()});
 #endif

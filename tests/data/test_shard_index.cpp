@@ -4,9 +4,12 @@
 #include <sys/stat.h>
 
 #include <cstring>
+#include <atomic>
 #include <fstream>
+#include <thread>
 
 #include "data_test_util.h"
+#include "dtrain/core/rng.h"
 #include "dtrain/data/dataset.h"
 #include "dtrain/data/shard_index.h"
 
@@ -93,6 +96,45 @@ TEST(ShardIndex, EachShardIsOpenedAndCheckedOnItsFirstRead) {
     expect_input_error([&] { ds.read(in_shard_3, inputs, labels); }, {"shard-00003.h5", "not an HDF5 file"});
     std::vector<uint8_t> rows(10 * 12);
     expect_input_error([&] { ds.read_whole_shard(3, rows.data()); }, {"shard-00003.h5"});
+  }
+}
+
+// Shards opened on first use from several threads at once, as a run does: loader threads reading
+// batches of one dataset (cached and per request), a filler reading whole shards into a node copy,
+// and the evaluation reading a second dataset over the same files. Every read gives the set's rows.
+TEST(ShardIndex, ShardsOpenedFromManyThreadsAtOnce) {
+  TempDir tmp;
+  const ImageSet set = make_dataset(tmp / "d");
+  const int64_t row = 12, n = set.size();
+  for (int rep = 0; rep < 5; ++rep) {
+    DatasetOptions small;
+    small.cache_bytes = 3 * 10 * row;
+    ShardedHdf5Dataset train(tmp / "d", small), test(tmp / "d");
+    std::vector<uint8_t> shared(static_cast<size_t>(n * row));
+    std::vector<std::atomic<uint32_t>> in_place(10);
+    train.use_shared_rows(shared.data(), in_place.data());
+    auto reader = [&](const ShardedHdf5Dataset& ds, uint64_t seed) {
+      Rng rng(seed);
+      for (int k = 0; k < 30; ++k) {
+        std::vector<int64_t> idx;
+        for (int j = 0; j < 7; ++j) idx.push_back(static_cast<int64_t>(rng.below(static_cast<uint64_t>(n))));
+        Tensor inputs, labels;
+        ds.read(idx, inputs, labels);
+        for (size_t j = 0; j < idx.size(); ++j)
+          ASSERT_TRUE(std::equal(inputs.data<uint8_t>() + j * row, inputs.data<uint8_t>() + (j + 1) * row,
+                                 set.inputs.begin() + idx[j] * row));
+      }
+    };
+    std::vector<std::thread> threads;
+    threads.emplace_back([&] {
+      for (size_t s = 0; s < 10; ++s) {
+        train.read_whole_shard(s, shared.data() + s * 10 * row);
+        in_place[s].store(1, std::memory_order_release);
+      }
+    });
+    for (uint64_t t = 0; t < 3; ++t) threads.emplace_back([&, t] { reader(train, 100 * rep + t); });
+    threads.emplace_back([&] { reader(test, 100 * rep + 50); });
+    for (auto& t : threads) t.join();
   }
 }
 

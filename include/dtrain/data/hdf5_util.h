@@ -16,6 +16,10 @@ namespace dtrain::data::h5 {
 std::mutex& mutex();
 std::unique_lock<std::mutex> lock();
 
+// The HDF5 library's version, "1.10.8", asked under the lock: every HDF5 call counts, even this one
+// (a run's provenance asked it while a loader thread opened a shard, and the process's heap broke).
+std::string library_version();
+
 // The most specific description on HDF5's current error stack ("truncated file: eof = ..."), or "".
 std::string last_error();
 
