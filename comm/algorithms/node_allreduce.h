@@ -12,7 +12,8 @@
 //   2. barrier;
 //   3. reduce: rank i folds part i of slots 0..L-1 as a pairwise tree in local-rank order (its own
 //      from its buffer), then, across nodes (hier), allreduces it by MPI with the ranks of the same local rank on the
-//      other nodes; the result goes to its buffer and to part i of its slot;
+//      other nodes; the result goes to its buffer and to part i of its slot (two ranks on one node:
+//      one pass, fold_two);
 //   4. barrier;
 //   5. copy-out: rank i copies part p of slot p, for every p != i, into its buffer.
 // A chunk's copy-in writes the half its predecessor's predecessor read, which every rank finished
@@ -58,6 +59,7 @@ class NodeAllreduce {
   };
   void barrier();
   void chunk(float* x, int64_t m, ReduceOp op, bool across_nodes, int comm_size);
+  void fold_parts(float* part, int64_t half, int64_t lo, int64_t n, ReduceOp op);
   int64_t cut(int p, int64_t m) const;  // first element of part p of a chunk of m
 
   MPI_Comm node_comm_ = MPI_COMM_NULL;   // the ranks of this node
