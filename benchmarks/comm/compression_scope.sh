@@ -55,7 +55,9 @@ for c in none ${compressors//,/ }; do
   # A finished run (its metrics end with the summary) is kept: delete OUT/NAME.jsonl to rerun it.
   if ! grep -q '"summary"' "$out/$name.jsonl" 2>/dev/null; then
     rm -f "$out/$name.jsonl"
-    "$emulate/on.sh" emu1 mpirun --host emu1:2,emu2:2 -n 4 --bind-to none "$bin" $args $extra \
+    # The emulated nodes share the host's cores: the 4 ranks yield while they wait (as in
+    # allreduce_topology.sh), or the spinning ones starve TCP.
+    "$emulate/on.sh" emu1 mpirun --host emu1:2,emu2:2 -n 4 --bind-to none --mca mpi_yield_when_idle 1 "$bin" $args $extra \
       --metrics "$out/$name.jsonl" >"$out/$name.log" 2>&1 || { cat "$out/$name.log"; exit 1; }
   fi
   /usr/bin/python3 - "$out/$name.jsonl" "$target" "$c" <<'EOF'
