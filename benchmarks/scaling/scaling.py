@@ -650,11 +650,13 @@ def overlapped_step(fwd, bwd, opt, sizes, allreduce_s, overlap=True, link=None, 
     backward has produced its share of the gradient, and buckets go out one after another.
     With `link` (a LinkBucket; allreduce_s then maps (size, tokens) to (seconds, tokens left)) the
     link banks tokens in every gap between exchanges, the step's `idle` time (outside forward,
-    backward and optimizer) included, and steps repeat until the bank at a step's start settles."""
+    backward and optimizer) included, and the step repeats 30 times so the bank at its start
+    settles."""
     total = sum(sizes) or 1.0
 
-    def one_step(tokens):
-        done, end, link_free = 0.0, 0.0, -(opt + idle)  # the last step's exchange ended before its optimizer
+    def one_step(tokens, link_free):
+        """link_free: when the last step's final exchange ended, in this step's time."""
+        done, end = 0.0, 0.0
         for size in sizes:
             done += size
             ready = fwd + (bwd * done / total if overlap else bwd)
@@ -666,11 +668,13 @@ def overlapped_step(fwd, bwd, opt, sizes, allreduce_s, overlap=True, link=None, 
                 secs = allreduce_s(size)
             end = link_free = start + secs
         exposed = max(0.0, end - (fwd + bwd))
-        return fwd + bwd + exposed + opt, exposed, tokens
+        step = fwd + bwd + exposed + opt
+        return step, exposed, tokens, end - (step + idle)
 
-    step, exposed, tokens = one_step(link.burst if link else 0.0)
+    # A fixed 30 steps from a full bank: the bank's level at a step's start settles within a few.
+    step, exposed, tokens, link_free = one_step(link.burst if link else 0.0, -(opt + idle))
     for _ in range(30 if link else 0):
-        step, exposed, tokens = one_step(tokens)
+        step, exposed, tokens, link_free = one_step(tokens, link_free)
     return step, exposed
 
 
@@ -1027,10 +1031,10 @@ def variants_text(variants, algorithm, two_level, burst_ms):
            if two_level else "")
     if two_level and burst_ms > 0:
         how += (f"The link's token bucket ({burst_ms:g} ms of traffic at its rate, as cluster/emulate sets tc's tbf) "
-                "is part of the link: it banks tokens while the link idles (compute, optimizer, intra-node "
-                "exchanges), and the bytes they cover cross at the cost of the link benchmarked without a "
-                "limit; steps repeat until the bank at a step's start settles (serial, calibrated, contended, "
-                "slowest; `--link-burst-ms 0` models a link without one). ")
+                "is part of the link: it banks tokens while the link idles between exchanges (compute, "
+                "optimizer), and the bytes they cover cross at the cost of the link benchmarked without a "
+                "limit; the step repeats 30 times so the bank at its start settles (serial, calibrated, "
+                "contended, slowest; `--link-burst-ms 0` models a link without one). ")
     return ["\nModel variants. Each predicts step time = compute (forward + backward) + the part of the gradient "
             "allreduce not hidden behind backward + optimizer step + the host work the split does not name "
             "(measured where the compute comes from) + measured data wait. The gradient travels in buckets (count "
@@ -1106,7 +1110,8 @@ def cmd_model(args):
     variants, table, recs, errors = predict_rows(rows, levels, algorithm, args.link_burst_ms)
     summary = {}
     if table:
-        out += variants_text(variants, algorithm, any(r["nodes"] > 1 for r in rows), args.link_burst_ms)
+        banked = args.link_burst_ms if "inter-none" in levels else 0  # run_costs needs the unlimited link
+        out += variants_text(variants, algorithm, any(r["nodes"] > 1 for r in rows), banked)
         header = ["mode", "model", "ranks"] + (["nodes x ranks", "link"] if emulated(rows) else []) + [
             "batch/rank", "compression", "precision", "measured ms", "measured eff"]
         for v in variants:

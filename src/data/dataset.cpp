@@ -32,9 +32,10 @@ struct ShardedHdf5Dataset::Shard {
                                                 << " bytes when opened, " << now << " now");
   }
 
-  // Opens the file and its `inputs` dataset, checks they are u8 and returns their shape [rows,
-  // sample...]. Caller holds the HDF5 lock.
-  Shape open();
+  // Opens the file and its `inputs` dataset, checks they are u8 (and of shape *expected, when
+  // given) and returns their shape [rows, sample...]; on any failure the shard stays unopened.
+  // Caller holds the HDF5 lock.
+  Shape open(const Shape* expected = nullptr);
 
   std::mutex mu;  // serialises the loading of this shard into the cache
   // Guarded by the dataset's cache_mu_:
@@ -74,23 +75,30 @@ h5::Handle open_dataset(hid_t file, const char* name, const std::string& path) {
 
 }  // namespace
 
-Shape ShardedHdf5Dataset::Shard::open() {
+Shape ShardedHdf5Dataset::Shard::open(const Shape* expected) {
   DT_INPUT_CHECK(H5Fis_hdf5(path.c_str()) > 0, "'" << path << "' is not an HDF5 file (corrupt or truncated?)");
-  file = h5::file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
-  DT_INPUT_CHECK(file.valid(), "cannot open '" << path << "' as HDF5 (corrupt or truncated?)" << with_detail(h5::last_error()));
-  inputs = open_dataset(file.get(), "inputs", path);
+  // Opened into locals and kept only once every check has passed: a shard that failed one is
+  // never taken for opened by a later read.
+  h5::Handle f = h5::file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
+  DT_INPUT_CHECK(f.valid(), "cannot open '" << path << "' as HDF5 (corrupt or truncated?)" << with_detail(h5::last_error()));
+  h5::Handle d = open_dataset(f.get(), "inputs", path);
   {
-    h5::Handle t = h5::type(H5Dget_type(inputs.get()));
+    h5::Handle t = h5::type(H5Dget_type(d.get()));
     DT_INPUT_CHECK(
         H5Tget_class(t.get()) == H5T_INTEGER && H5Tget_size(t.get()) == 1 && H5Tget_sign(t.get()) == H5T_SGN_NONE,
         "dataset 'inputs' in '" << path << "' is not of type u8 (unsigned 8-bit integers)");
   }
   // Sizes checked against the file before anything of their size is allocated.
-  const Shape dims = h5::read_shape(inputs.get(), 1, path, "inputs");
+  const Shape dims = h5::read_shape(d.get(), 1, path, "inputs");
   DT_INPUT_CHECK(dims.size() >= 2, "dataset 'inputs' in '" << path << "' has rank " << dims.size()
                                                            << "; expected [N, C, H, W] (or at least [N, F])");
   DT_INPUT_CHECK(shape_numel(Shape(dims.begin() + 1, dims.end())) > 0,
                  "dataset 'inputs' in '" << path << "' has empty samples of shape " << shape_str(dims));
+  DT_INPUT_CHECK(!expected || dims == *expected, "shard '" << path << "' holds inputs of shape " << shape_str(dims)
+                                                           << " but " << kShardIndexName << " says "
+                                                           << shape_str(*expected));
+  file = std::move(f);
+  inputs = std::move(d);
   return dims;
 }
 
@@ -98,12 +106,14 @@ Shape ShardedHdf5Dataset::Shard::open() {
 // Caller holds the HDF5 lock.
 void ShardedHdf5Dataset::open_on_first_use(Shard& shard) const {
   if (shard.inputs.valid()) return;
-  const Shape dims = shard.open();
   Shape expected = {shard.rows};
   expected.insert(expected.end(), info_.sample_shape.begin(), info_.sample_shape.end());
-  DT_INPUT_CHECK(dims == expected, "shard '" << shard.path << "' holds inputs of shape " << shape_str(dims) << " but "
-                                             << kShardIndexName << " says " << shape_str(expected)
-                                             << "; `dtrain convert index " << info_.path << "` rewrites the index");
+  try {
+    shard.open(&expected);
+  } catch (const InputError& e) {
+    throw InputError(std::string(e.what()) + " (opened on first use from " + kShardIndexName +
+                     "; `dtrain convert index " + info_.path + "` rewrites the index)");
+  }
 }
 
 ShardedHdf5Dataset::ShardedHdf5Dataset(const std::string& path, DatasetOptions opt) : opt_(opt) {

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <span>
 #include <thread>
@@ -83,7 +84,12 @@ ShardIndex read_index_file(const std::string& path) {
   ix.sample_shape = Shape(shape);
   ix.num_classes = static_cast<int>(classes[0]);
   h5::read_attr_strings(f, "class_names", ix.class_names);
-  if (h5::read_attr_f64(f, "mean", ix.mean) != h5::read_attr_f64(f, "std", ix.std)) ix.mean.clear(), ix.std.clear();
+  const bool mean = h5::read_attr_f64(f, "mean", ix.mean), stdev = h5::read_attr_f64(f, "std", ix.std);
+  const size_t channels = ix.sample_shape.size() == 3 ? static_cast<size_t>(ix.sample_shape[0]) : 1;
+  DT_INPUT_CHECK(mean == stdev && (!mean || (ix.mean.size() == channels && ix.std.size() == channels)),
+                 "'" << path << "' holds mean/std of " << ix.mean.size() << "/" << ix.std.size() << " values for "
+                     << channels << " channel(s)");
+  for (double v : ix.std) DT_INPUT_CHECK(v > 0, "'" << path << "' attribute std holds " << v << " (must be > 0)");
   return ix;
 }
 
@@ -125,6 +131,11 @@ int64_t write_shard_index(const std::string& dir) {
   const std::string path = (fs::path(dir) / kShardIndexName).string();
   std::error_code ec;
   fs::remove(path, ec);  // so the dataset below opens and checks every shard
+  // Every shard stamped before it is read and again after: the index pairs a shard's rows and
+  // labels with the size and time of the file they came from, or refuses.
+  std::map<std::string, FileStamp> before;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".h5") before[e.path().string()] = file_stamp(e.path().string());
   ShardedHdf5Dataset ds(dir);
   const DatasetInfo& info = ds.info();
   std::vector<std::string> names;
@@ -132,6 +143,10 @@ int64_t write_shard_index(const std::string& dir) {
   for (const std::string& shard : info.shards) {
     names.push_back(base_name(shard));
     const FileStamp st = file_stamp(shard);
+    const auto was = before.find(shard);
+    DT_INPUT_CHECK(was != before.end() && was->second == st,
+                   "shard '" << shard << "' changed while it was indexed; run `dtrain convert index " << dir
+                             << "` again once the folder is complete");
     bytes.push_back(st.bytes);
     mtimes.push_back(st.mtime_ns);
   }

@@ -138,6 +138,33 @@ TEST(ShardIndex, ShardsOpenedFromManyThreadsAtOnce) {
   }
 }
 
+// A valid shard of another shape behind the index's back (padded to the old size, its time given
+// back): every read of it fails naming it, the second as the first (a failed open leaves it
+// unopened, never half-opened and trusted).
+TEST(ShardIndex, AShardOfAnotherShapeFailsEveryRead) {
+  TempDir tmp;
+  make_dataset(tmp / "d");
+  ImageSet narrow = testing::synthetic_set(10, 1, 4, 2, 5);
+  write_shards(narrow, tmp / "narrow");
+  const std::string victim = tmp / "d/shard-00003.h5";
+  struct stat st {};
+  ASSERT_EQ(::stat(victim.c_str(), &st), 0);
+  ASSERT_LT(fs::file_size(tmp / "narrow/shard-00000.h5"), static_cast<uintmax_t>(st.st_size));
+  fs::copy_file(tmp / "narrow/shard-00000.h5", victim, fs::copy_options::overwrite_existing);
+  fs::resize_file(victim, static_cast<uintmax_t>(st.st_size));
+  const struct timespec times[2] = {st.st_atim, st.st_mtim};
+  ASSERT_EQ(::utimensat(AT_FDCWD, victim.c_str(), times, 0), 0);
+  DatasetOptions uncached;
+  uncached.cache_bytes = 0;
+  const ShardedHdf5Dataset ds(tmp / "d", uncached);
+  ASSERT_TRUE(has(ds.info().opened, "from shards.index"));
+  std::vector<int64_t> in_shard_3 = {33};
+  Tensor inputs, labels;
+  for (int attempt = 0; attempt < 2; ++attempt)
+    expect_input_error([&] { ds.read(in_shard_3, inputs, labels); },
+                       {"shard-00003.h5", "holds inputs of shape [10, 1, 4, 2]", "says [10, 1, 4, 3]"});
+}
+
 TEST(ShardIndex, AStaleOrBrokenIndexIsSetAsideWithTheReason) {
   TempDir tmp;
   make_dataset(tmp / "d");
