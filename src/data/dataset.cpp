@@ -44,8 +44,6 @@ struct ShardedHdf5Dataset::Shard {
   uint64_t last_use = 0;
 };
 
-namespace {
-
 std::vector<std::string> list_shards(const std::string& path) {
   DT_INPUT_CHECK(fs::exists(path), "dataset path '" << path << "' does not exist");
   if (!fs::is_directory(path)) return {path};
@@ -60,6 +58,8 @@ std::vector<std::string> list_shards(const std::string& path) {
   std::sort(files.begin(), files.end());
   return files;
 }
+
+namespace {
 
 std::string with_detail(const std::string& detail) { return detail.empty() ? "" : " (HDF5: " + detail + ")"; }
 
@@ -229,16 +229,21 @@ void ShardedHdf5Dataset::read_shard_attributes(const Shard& shard, const Shape& 
   if (!info_.has_normalization) {
     std::vector<double> mean, stdev;
     if (h5::read_attr_f64(f, "mean", mean) && h5::read_attr_f64(f, "std", stdev)) {
-      const size_t c = static_cast<size_t>(info_.channels());
-      DT_INPUT_CHECK(mean.size() == c && stdev.size() == c, "'" << file << "' attributes mean/std have " << mean.size()
-                                                                << "/" << stdev.size() << " values for " << c
-                                                                << " channel(s)");
-      for (double s : stdev) DT_INPUT_CHECK(s > 0, "'" << file << "' attribute std holds " << s << " (must be > 0)");
+      check_normalization(file, info_.sample_shape, mean, stdev);
       info_.mean.assign(mean.begin(), mean.end());
       info_.std.assign(stdev.begin(), stdev.end());
       info_.has_normalization = true;
     }
   }
+}
+
+void check_normalization(const std::string& file, const Shape& sample_shape, const std::vector<double>& mean,
+                         const std::vector<double>& stdev) {
+  const size_t c = static_cast<size_t>(sample_channels(sample_shape));
+  DT_INPUT_CHECK(mean.size() == c && stdev.size() == c, "'" << file << "' attributes mean/std have " << mean.size()
+                                                            << "/" << stdev.size() << " values for " << c
+                                                            << " channel(s)");
+  for (double s : stdev) DT_INPUT_CHECK(s > 0, "'" << file << "' attribute std holds " << s << " (must be > 0)");
 }
 
 // The totals, defaults for what the shards did not say, and every label within [0, num_classes).

@@ -85,11 +85,8 @@ ShardIndex read_index_file(const std::string& path) {
   ix.num_classes = static_cast<int>(classes[0]);
   h5::read_attr_strings(f, "class_names", ix.class_names);
   const bool mean = h5::read_attr_f64(f, "mean", ix.mean), stdev = h5::read_attr_f64(f, "std", ix.std);
-  const size_t channels = ix.sample_shape.size() == 3 ? static_cast<size_t>(ix.sample_shape[0]) : 1;
-  DT_INPUT_CHECK(mean == stdev && (!mean || (ix.mean.size() == channels && ix.std.size() == channels)),
-                 "'" << path << "' holds mean/std of " << ix.mean.size() << "/" << ix.std.size() << " values for "
-                     << channels << " channel(s)");
-  for (double v : ix.std) DT_INPUT_CHECK(v > 0, "'" << path << "' attribute std holds " << v << " (must be > 0)");
+  DT_INPUT_CHECK(mean == stdev, "'" << path << "' holds only one of the attributes mean and std");
+  if (mean) check_normalization(path, ix.sample_shape, ix.mean, ix.std);
   return ix;
 }
 
@@ -134,8 +131,7 @@ int64_t write_shard_index(const std::string& dir) {
   // Every shard stamped before it is read and again after: the index pairs a shard's rows and
   // labels with the size and time of the file they came from, or refuses.
   std::map<std::string, FileStamp> before;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.path().extension() == ".h5") before[e.path().string()] = file_stamp(e.path().string());
+  for (const std::string& shard : list_shards(dir)) before[shard] = file_stamp(shard);
   ShardedHdf5Dataset ds(dir);
   const DatasetInfo& info = ds.info();
   std::vector<std::string> names;

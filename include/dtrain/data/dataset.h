@@ -24,6 +24,11 @@
 
 namespace dtrain::data {
 
+// Channels for per-channel normalisation: C of a [C, H, W] sample, else 1.
+inline int64_t sample_channels(const Shape& sample_shape) {
+  return sample_shape.size() == 3 ? sample_shape[0] : 1;
+}
+
 struct DatasetInfo {
   std::string path;                 // the directory or file opened
   std::vector<std::string> shards;  // the shard files, in global index order
@@ -38,9 +43,17 @@ struct DatasetInfo {
   std::string opened;  // how the shards were opened: "60 shard(s) from shards.index, each opened on first use", ...
 
   int64_t sample_bytes() const { return shape_numel(sample_shape); }
-  // Channels for per-channel normalisation: C of a [C, H, W] sample, else 1.
-  int64_t channels() const { return sample_shape.size() == 3 ? sample_shape[0] : 1; }
+  int64_t channels() const { return sample_channels(sample_shape); }
 };
+
+// Throws InputError naming `file` unless `mean` and `stdev` hold one value per channel of samples
+// shaped `sample_shape` and every std is > 0: the shards' attributes and the shard index alike.
+void check_normalization(const std::string& file, const Shape& sample_shape, const std::vector<double>& mean,
+                         const std::vector<double>& stdev);
+
+// The shard files of a dataset `path`: every non-hidden *.h5 file of a directory, sorted, or `path`
+// itself when it is a file. Throws InputError when it does not exist or holds no shard.
+std::vector<std::string> list_shards(const std::string& path);
 
 struct ShardIndex;  // shard_index.h
 
