@@ -11,6 +11,7 @@
 #include "dtrain/comm/mpi_check.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/env.h"
+#include "dtrain/kernels/engine.h"
 
 namespace dtrain::comm {
 
@@ -144,8 +145,51 @@ std::shared_ptr<Work> Communicator::issue(const detail::CollectiveCall& call,
   return w;
 }
 
+// ---- host staging of device buffers (see Communicator::stages) ------------------------------------
+
+namespace {
+// A device buffer's host copy, made after the work its engine queued so far (copy_any orders it).
+Tensor host_stage(const Tensor& t, bool with_contents) {
+  Tensor h = Tensor::empty(t.shape(), t.dtype());
+  if (with_contents) copy_any(t, h);
+  return h;
+}
+
+// The staged call's Work: completes with the host call, then copies the results back to the device.
+class HostStagedWork final : public Work {
+ public:
+  using CopyBack = std::vector<std::pair<Tensor, Tensor>>;  // (host, device)
+  HostStagedWork(std::shared_ptr<Work> inner, CopyBack back) : inner_(std::move(inner)), back_(std::move(back)) {}
+  bool test() override {
+    if (!inner_->test()) return false;
+    copy_back();
+    return true;
+  }
+  void wait(double timeout_s) override {
+    inner_->wait(timeout_s);
+    copy_back();
+  }
+  bool completed() const override { return inner_->completed() && back_.empty(); }
+  std::string error() const override { return inner_->error(); }
+  std::string description() const override { return inner_->description() + " (host-staged)"; }
+  int64_t sequence() const override { return inner_->sequence(); }
+
+ private:
+  void copy_back() {
+    for (auto& [host, device] : back_) copy_any(host, device);
+    back_.clear();
+  }
+  std::shared_ptr<Work> inner_;
+  CopyBack back_;
+};
+}  // namespace
+
 std::shared_ptr<Work> Communicator::allreduce(Tensor& t, ReduceOp op) {
   check_buffer(t, "t", "allreduce");
+  if (stages(t.device())) {
+    Tensor h = host_stage(t, true);
+    return std::make_shared<HostStagedWork>(allreduce(h, op), HostStagedWork::CopyBack{{h, t}});
+  }
   return issue({detail::CollectiveKind::Allreduce, t.dtype(), t.numel(), static_cast<int32_t>(op)},
                [&] { return do_allreduce(t, op); });
 }
@@ -154,6 +198,10 @@ std::shared_ptr<Work> Communicator::broadcast(Tensor& t, int root) {
   check_buffer(t, "t", "broadcast");
   DT_CHECK(root >= 0 && root < size_,
            "broadcast: root " << root << " is not a rank of '" << name_ << "' (size " << size_ << ")");
+  if (stages(t.device())) {
+    Tensor h = host_stage(t, rank_ == root);
+    return std::make_shared<HostStagedWork>(broadcast(h, root), HostStagedWork::CopyBack{{h, t}});
+  }
   return issue({detail::CollectiveKind::Broadcast, t.dtype(), t.numel(), root}, [&] { return do_broadcast(t, root); });
 }
 
@@ -163,6 +211,10 @@ std::shared_ptr<Work> Communicator::allgather(const Tensor& in, Tensor& out) {
   DT_CHECK(in.dtype() == out.dtype(), "allgather: in " << in.str() << " and out " << out.str() << " differ in dtype");
   DT_CHECK(out.numel() == in.numel() * size_, "allgather: out " << out.str() << " must hold size() * in.numel() = "
                                                                 << size_ << " * " << in.numel() << " elements");
+  if (stages(in.device()) || stages(out.device())) {
+    Tensor hin = stages(in.device()) ? host_stage(in, true) : in, hout = host_stage(out, false);
+    return std::make_shared<HostStagedWork>(allgather(hin, hout), HostStagedWork::CopyBack{{hout, out}});
+  }
   return issue({detail::CollectiveKind::Allgather, in.dtype(), in.numel(), 0}, [&] { return do_allgather(in, out); });
 }
 
@@ -173,6 +225,10 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const Tensor& in, Tensor& out
            "reduce_scatter: in " << in.str() << " and out " << out.str() << " differ in dtype");
   DT_CHECK(in.numel() == out.numel() * size_, "reduce_scatter: in " << in.str() << " must hold size() * out.numel() = "
                                                                     << size_ << " * " << out.numel() << " elements");
+  if (stages(in.device()) || stages(out.device())) {
+    Tensor hin = stages(in.device()) ? host_stage(in, true) : in, hout = host_stage(out, false);
+    return std::make_shared<HostStagedWork>(reduce_scatter(hin, hout, op), HostStagedWork::CopyBack{{hout, out}});
+  }
   return issue({detail::CollectiveKind::ReduceScatter, in.dtype(), in.numel(), static_cast<int32_t>(op)},
                [&] { return do_reduce_scatter(in, out, op); });
 }
@@ -186,10 +242,15 @@ std::shared_ptr<Work> Communicator::alltoallv(const Tensor& in, const std::vecto
     return std::accumulate(counts.begin(), counts.end(), int64_t{0});
   };
   DT_CHECK(static_cast<int>(send_counts.size()) == size_ && static_cast<int>(recv_counts.size()) == size_,
-           "alltoallv: " << send_counts.size() << " send and " << recv_counts.size() << " receive counts for "
-                         << size_ << " ranks of '" << name_ << "'");
+           "alltoallv: " << send_counts.size() << " send and " << recv_counts.size() << " receive counts for " << size_
+                         << " ranks of '" << name_ << "'");
   DT_CHECK(total(send_counts) <= in.numel() && total(recv_counts) <= out.numel(),
            "alltoallv: in " << in.str() << " or out " << out.str() << " is smaller than its counts");
+  if (stages(in.device()) || stages(out.device())) {
+    Tensor hin = stages(in.device()) ? host_stage(in, true) : in, hout = host_stage(out, false);
+    return std::make_shared<HostStagedWork>(alltoallv(hin, send_counts, hout, recv_counts),
+                                            HostStagedWork::CopyBack{{hout, out}});
+  }
   return issue({detail::CollectiveKind::Alltoall, in.dtype(), 0, 0},
                [&] { return do_alltoallv(in, send_counts, out, recv_counts); });
 }
@@ -205,6 +266,10 @@ std::shared_ptr<Work> Communicator::send(const Tensor& t, int peer, int tag) {
   DT_CHECK(peer >= 0 && peer < size_ && peer != rank_,
            "send: peer " << peer << " is not another rank of '" << name_ << "' (size " << size_ << ")");
   DT_CHECK(tag >= 0 && tag < 32768, "send: tag " << tag << " is outside [0, 32767]");
+  if (stages(t.device())) {
+    Tensor h = host_stage(t, true);  // the Work keeps h alive until the send left it
+    return std::make_shared<HostStagedWork>(send(h, peer, tag), HostStagedWork::CopyBack{});
+  }
   return do_send(t, peer, tag);
 }
 
@@ -213,6 +278,10 @@ std::shared_ptr<Work> Communicator::recv(Tensor& t, int peer, int tag) {
   DT_CHECK(peer >= 0 && peer < size_ && peer != rank_,
            "recv: peer " << peer << " is not another rank of '" << name_ << "' (size " << size_ << ")");
   DT_CHECK(tag >= 0 && tag < 32768, "recv: tag " << tag << " is outside [0, 32767]");
+  if (stages(t.device())) {
+    Tensor h = host_stage(t, false);
+    return std::make_shared<HostStagedWork>(recv(h, peer, tag), HostStagedWork::CopyBack{{h, t}});
+  }
   return do_recv(t, peer, tag);
 }
 

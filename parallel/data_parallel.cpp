@@ -12,21 +12,10 @@ namespace dtrain::parallel {
 DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt)
     : model_(model), comm_(comm), opt_(opt) {
   DT_INPUT_CHECK(opt.bucket_bytes > 0, "data parallel: bucket size must be positive");
-  if (opt.compression != "none") {
-    try {
-      compressor_ = comm::make_compressor(opt.compression, opt.seed);
-    } catch (const InputError& e) {
-      throw InputError(std::string("option --compression: ") + e.what());
-    }
-  }
-  DT_INPUT_CHECK(opt.compression_scope == "all" || opt.compression_scope == "inter-node",
-                 "option --compression-scope must be all or inter-node, got '" << opt.compression_scope << "'");
-  if (compressor_ && opt.compression_scope == "inter-node") setup_inter_node_scope();
-  auto* topk = dynamic_cast<comm::TopKCompressor*>(compressor_.get());
-  if (opt.momentum_correction > 0) {
-    DT_INPUT_CHECK(topk, "momentum correction belongs to top-k compression, not --compression " << opt.compression);
-    topk->set_momentum_correction(opt.momentum_correction);
-  }
+  DT_INPUT_CHECK(!opt.zero1 || opt.compression == "none" || opt.compression_scope == "all",
+                 "option --compression-scope inter-node does not combine with --zero1");
+  hook_ = make_grad_hook({opt.compression, opt.compression_scope, opt.seed}, comm);
+  if (opt.momentum_correction > 0) hook_->set_momentum_correction(opt.momentum_correction);
   std::vector<nn::Parameter*> params = model.parameters();
   DT_CHECK(!params.empty(), "data parallel needs a model with parameters");
   Device dev = params.front()->value.device();
@@ -36,13 +25,6 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
              "data parallel keeps f32 parameters on one device; " << p->name << " is " << p->value.str());
     total += p->value.numel();
   }
-  // On a GPU the buckets are device memory reduced by a device-capable communicator (NCCL, or a
-  // CUDA-aware MPI); compression and ZeRO-1's host-side slices stay on the CPU engine.
-  DT_INPUT_CHECK(dev.is_cpu() || ((!compressor_ || topk) && !opt.zero1),
-                 "data parallel on " << dev.str()
-                                     << ": --zero1 and --compression other than topk run on the CPU engine only");
-  engine_topk_ = topk && (!dev.is_cpu() || opt.engine_topk);
-  host_reads_device_ = !dev.is_cpu() && std::string(comm.backend()) != "nccl";
   const int64_t world = comm.size();
   const int64_t padded = (total + world - 1) / world * world;
   flat_param_ = zeros_on({padded}, dev);
@@ -50,11 +32,11 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
 
   // Lay parameters out last-first: backward finishes them roughly in this order, so the first
   // bucket fills first and goes out first.
-  // PowerSGD works layer by layer, as PyTorch's PowerSGD hook does: each weight is factorised as its
-  // [out, in*kh*kw] matrix and biases go uncompressed; a square reshape of a flat bucket has no
-  // low-rank structure to find. So with it every tensor is its own bucket. (Top-k stays on flat
-  // buckets: measured on Fashion-MNIST, a per-tensor 1 % starves the layers that matter most.)
-  const bool layerwise = opt_.compression.rfind("powersgd", 0) == 0;
+  // A compressor that factorises tensors (PowerSGD, layer by layer as PyTorch's PowerSGD hook: each
+  // weight as its [out, in*kh*kw] matrix; a square reshape of a flat bucket has no low-rank
+  // structure to find) gets every tensor as its own bucket. (Top-k stays on flat buckets: measured
+  // on Fashion-MNIST, a per-tensor 1 % starves the layers that matter most.)
+  const bool layerwise = hook_->per_tensor();
   int64_t off = 0;
   Bucket cur;
   const int64_t bucket_elems = layerwise ? 1 : std::max<int64_t>(1, opt_.bucket_bytes / 4);
@@ -83,7 +65,6 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
     buckets_.push_back(Bucket{off, padded, 0, 0, 0, nullptr});
   }
 
-  if (engine_topk_) engine_topk_state_.resize(buckets_.size());
   if (opt_.zero1) make_shard(total);
   model_.set_grad_ready_hook([this](nn::Parameter& p) { on_grad_ready(p); });
 }
@@ -96,20 +77,9 @@ DataParallel::~DataParallel() {
   }
 }
 
-std::map<std::string, Tensor> DataParallel::compression_state() const {
-  if (compressor_ && !engine_topk_) return compressor_->state_tensors();
-  std::map<std::string, Tensor> out;
-  for (size_t i = 0; i < engine_topk_state_.size(); ++i) {
-    const EngineTopK& st = engine_topk_state_[i];
-    const std::string at = "bucket" + std::to_string(i) + ".";
-    if (st.residual.defined()) out[at + "residual"] = to_host(st.residual).clone();
-    if (st.velocity.defined()) out[at + "velocity"] = to_host(st.velocity).clone();
-  }
-  return out;
-}
+std::map<std::string, Tensor> DataParallel::compression_state() const { return hook_->state(); }
 
 void DataParallel::load_compression_state(const std::map<std::string, Tensor>& state) {
-  DT_INPUT_CHECK(compressor_ || state.empty(), "compression state given to a run without --compression");
   // Every f32 entry of bucket i is the bucket's size, except PowerSGD's Q (its own shape).
   for (const auto& [key, t] : state) {
     const size_t dot = key.find('.');
@@ -120,55 +90,18 @@ void DataParallel::load_compression_state(const std::map<std::string, Tensor>& s
     const Bucket& b = buckets_[static_cast<size_t>(id)];
     if (field == "residual" || field == "velocity")
       DT_INPUT_CHECK(t.numel() == b.end - b.begin, "compression state '" << key << "' holds " << t.numel()
-                                                                          << " values, the bucket " << b.end - b.begin);
+                                                                         << " values, the bucket " << b.end - b.begin);
   }
-  if (!engine_topk_) {
-    compressor_->load_state_tensors(state);
-    return;
-  }
-  const Device dev = flat_grad_.device();
-  for (EngineTopK& st : engine_topk_state_) st.residual = st.velocity = Tensor();
-  for (const auto& [key, t] : state) {
-    const size_t dot = key.find('.');
-    const std::string field = key.substr(dot + 1);
-    DT_INPUT_CHECK(field == "residual" || field == "velocity",
-                   "compression state '" << key << "' is not the engine top-k path's (residual, velocity)");
-    EngineTopK& st = engine_topk_state_[static_cast<size_t>(std::strtol(key.c_str() + 6, nullptr, 10))];
-    Tensor d = Tensor::empty({t.numel()}, DType::F32, dev);
-    copy_any(t.reshape({t.numel()}), d);
-    (field == "residual" ? st.residual : st.velocity) = d;
-  }
+  hook_->load_state(state);
 }
 
-void DataParallel::set_step(int64_t step) {
-  const int64_t warmup = opt_.compression_warmup_steps;
-  if (dynamic_cast<comm::PowerSgdCompressor*>(compressor_.get())) dense_phase_ = step < warmup;
-  auto* topk = dynamic_cast<comm::TopKCompressor*>(compressor_.get());
-  if (!topk) return;
-  if (topk_target_ == 0) topk_target_ = topk->ratio();
-  const double start = std::max(0.25, topk_target_);
-  double r = topk_target_;
-  if (step < warmup) r = start * std::pow(topk_target_ / start, static_cast<double>(step) / static_cast<double>(warmup));
-  topk->set_ratio(r);
-}
+void DataParallel::set_step(int64_t step) { hook_->on_step(step, opt_.compression_warmup_steps); }
 
 void DataParallel::broadcast_state(int root) {
-  if (host_reads_device_) engine_for(flat_param_.device()).synchronize();
   std::vector<std::shared_ptr<comm::Work>> works{comm_.broadcast(flat_param_, root)};
   for (nn::Buffer* b : model_.buffers()) works.push_back(comm_.broadcast(b->value, root));
   for (auto& w : works) w->wait();
-  if (opt_.zero1) shard_.value.copy_from(own_slice(flat_param_));
-}
-
-void DataParallel::setup_inter_node_scope() {
-  DT_INPUT_CHECK(!opt_.zero1 && !opt_.engine_topk,
-                 "option --compression-scope inter-node does not combine with --zero1 or --compression-on-engine");
-  comm::NodeSplit split = comm::split_by_node(comm_);
-  DT_INPUT_CHECK(split.uniform, "option --compression-scope inter-node needs as many data-parallel ranks on every "
-                                "node; this job's nodes hold different counts");
-  node_comm_ = std::move(split.node);
-  cross_comm_ = std::move(split.cross);
-  if (cross_comm_->size() == 1) compressor_.reset();  // one node: nothing crosses a network
+  reload_shard();
 }
 
 void DataParallel::begin_backward(bool sync) {
@@ -183,7 +116,7 @@ void DataParallel::begin_backward(bool sync) {
 void DataParallel::on_grad_ready(nn::Parameter& p) {
   // ZeRO-1 without compression reduce-scatters the whole flat gradient in finish(); without
   // overlap, every bucket goes out there too.
-  if (!syncing_ || (opt_.zero1 && !compressor_) || !opt_.overlap) return;
+  if (!syncing_ || (opt_.zero1 && !hook_->compresses()) || !opt_.overlap) return;
   auto it = bucket_of_.find(&p);
   DT_CHECK(it != bucket_of_.end(), "gradient of " << p.name << " is not in any data-parallel bucket");
   Bucket& b = buckets_[it->second];
@@ -192,33 +125,20 @@ void DataParallel::on_grad_ready(nn::Parameter& p) {
 
 void DataParallel::launch(Bucket& b) {
   Tensor view = flat_grad_.slice0(b.begin, b.end);
-  if (engine_topk_) {
-    b.work = launch_engine_topk(b, engine_topk_state_[static_cast<size_t>(&b - buckets_.data())]);
-  } else if (compressor_ && !dense_phase_ && cross_comm_) {
-    b.work = node_comm_->allreduce(view, comm::ReduceOp::Avg);  // compressed between nodes in finish()
-  } else if (compressor_ && !dense_phase_) {
-    int64_t before = compressor_->stats().bytes_sent;
-    b.work = compressor_->reduce(view, comm_, comm::ReduceOp::Avg, static_cast<int>(&b - buckets_.data()), b.rows);
-    stats_.bytes_sent += compressor_->stats().bytes_sent - before;
-  } else if (host_reads_device_) {
-    engine_for(view.device()).synchronize();  // finish() divides by the world on the device
-    b.work = comm_.allreduce(view, comm::ReduceOp::Sum);
-    stats_.bytes_sent += static_cast<int64_t>(view.nbytes());
-  } else {
-    b.work = comm_.allreduce(view, comm::ReduceOp::Avg);
-    stats_.bytes_sent += static_cast<int64_t>(view.nbytes());
-  }
+  const int64_t before = hook_->bytes_sent();
+  b.work = hook_->run(view, static_cast<int>(&b - buckets_.data()), b.rows);
+  stats_.bytes_sent += hook_->bytes_sent() - before;
   stats_.bytes_reduced += static_cast<int64_t>(view.nbytes());
   ++stats_.collectives;
 }
 
 void DataParallel::finish() {
   if (!syncing_) {
-    if (opt_.zero1 && comm_.size() == 1) shard_.grad.copy_from(flat_grad_);
+    if (opt_.zero1 && comm_.size() == 1) engine_for(flat_grad_.device()).copy(flat_grad_, shard_.grad);
     return;
   }
   double t0 = now_s();
-  if (opt_.zero1 && !compressor_) {
+  if (opt_.zero1 && !hook_->compresses()) {
     comm_.reduce_scatter(flat_grad_, shard_.grad, comm::ReduceOp::Avg)->wait();
     stats_.bytes_reduced += static_cast<int64_t>(flat_grad_.nbytes());
     stats_.bytes_sent += static_cast<int64_t>(flat_grad_.nbytes());
@@ -229,30 +149,15 @@ void DataParallel::finish() {
     for (Bucket& b : buckets_)
       if (!b.work) launch(b);
     for (Bucket& b : buckets_) complete(b.work);
-    if (compressor_ && !dense_phase_ && cross_comm_) exchange_between_nodes();
-    if (engine_topk_)
-      for (Bucket& b : buckets_) finish_engine_topk(b, engine_topk_state_[static_cast<size_t>(&b - buckets_.data())]);
-    else if (host_reads_device_)
-      engine_for(flat_grad_.device()).scale(flat_grad_, 1.f / static_cast<float>(comm_.size()));
+    const int64_t before = hook_->bytes_sent();
+    hook_->finish_step();
+    stats_.bytes_sent += hook_->bytes_sent() - before;
     // ZeRO-1 with compression: the compressed exchange (top-k's allgathers, PowerSGD's factors, ...)
     // leaves the averaged gradient everywhere; the sharded optimizer takes this rank's slice.
-    if (opt_.zero1) shard_.grad.copy_from(own_slice(flat_grad_));
+    if (opt_.zero1) engine_for(flat_grad_.device()).copy(own_slice(flat_grad_), shard_.grad);
   }
   stats_.comm_wait_s += now_s() - t0;
   syncing_ = false;
-}
-
-// --compression-scope inter-node: the buckets hold their node's average; the compressor averages
-// them over the nodes.
-void DataParallel::exchange_between_nodes() {
-  for (Bucket& b : buckets_) {
-    Tensor view = flat_grad_.slice0(b.begin, b.end);
-    const int64_t before = compressor_->stats().bytes_sent;
-    b.work = compressor_->reduce(view, *cross_comm_, comm::ReduceOp::Avg, static_cast<int>(&b - buckets_.data()),
-                                 b.rows);
-    stats_.bytes_sent += compressor_->stats().bytes_sent - before;
-  }
-  for (Bucket& b : buckets_) complete(b.work);
 }
 
 void DataParallel::complete(const std::shared_ptr<comm::Work>& w) {
@@ -271,57 +176,6 @@ void DataParallel::settle() {
   stats_.comm_wait_s += now_s() - t0;
 }
 
-// The same arithmetic as comm::TopKCompressor, in engine calls on the bucket's device: the
-// residual (plus, with momentum correction, the momentum u = m u + g) takes the gradient, its k
-// largest magnitudes leave it, and each rank's (index, value) pairs reach every rank by two
-// allgathers. finish_engine_topk sums them in rank order, so all ranks hold the same bits.
-std::shared_ptr<comm::Work> DataParallel::launch_engine_topk(Bucket& b, EngineTopK& st) {
-  auto* topk = static_cast<comm::TopKCompressor*>(compressor_.get());
-  Tensor view = flat_grad_.slice0(b.begin, b.end);
-  const Device dev = view.device();
-  Engine& e = engine_for(dev);
-  const int64_t n = view.numel(), world = comm_.size();
-  const int64_t k = std::max<int64_t>(1, std::min<int64_t>(n, static_cast<int64_t>(std::ceil(topk->ratio() * n))));
-  if (!st.residual.defined()) st.residual = zeros_on({n}, dev);
-  const float m = topk->momentum_correction();
-  if (m > 0) {
-    if (!st.velocity.defined()) st.velocity = zeros_on({n}, dev);
-    e.scale(st.velocity, m);
-    e.axpy(1.f, view, st.velocity);
-    e.axpy(1.f, st.velocity, st.residual);
-  } else {
-    e.axpy(1.f, view, st.residual);
-  }
-  if (st.k != k) {  // the sparsity warm-up changes k from step to step
-    st.k = k;
-    st.idx = Tensor::empty({k}, DType::I32, dev);
-    st.vals = Tensor::empty({k}, DType::F32, dev);
-    st.all_idx = Tensor::empty({k * world}, DType::I32, dev);
-    st.all_vals = Tensor::empty({k * world}, DType::F32, dev);
-  }
-  e.topk_abs(st.residual, k, st.idx);
-  e.gather_and_clear(st.residual, st.idx, st.vals);
-  if (m > 0) {
-    Tensor none;
-    e.gather_and_clear(st.velocity, st.idx, none);  // momentum factor masking
-  }
-  stats_.bytes_sent += 8 * k;
-  if (host_reads_device_) e.synchronize();  // MPI reads the indices and values from the host's side
-  st.idx_work = comm_.allgather(st.idx, st.all_idx);
-  return comm_.allgather(st.vals, st.all_vals);
-}
-
-void DataParallel::finish_engine_topk(Bucket& b, EngineTopK& st) {
-  complete(st.idx_work);
-  Tensor view = flat_grad_.slice0(b.begin, b.end);
-  Engine& e = engine_for(view.device());
-  e.fill(view, 0.f);
-  const int64_t world = comm_.size(), k = st.k;
-  for (int64_t r = 0; r < world; ++r)
-    e.scatter_add(st.all_idx.slice0(r * k, (r + 1) * k), st.all_vals.slice0(r * k, (r + 1) * k), view);
-  e.scale(view, 1.f / static_cast<float>(world));
-}
-
 std::pair<int64_t, int64_t> DataParallel::overlap(const nn::Parameter* p, int64_t begin, int64_t end) const {
   const int64_t off = offset_.at(p);
   return {std::max(begin, off), std::min(end, off + p->value.numel())};
@@ -334,7 +188,8 @@ void DataParallel::make_shard(int64_t model_numel) {
   DT_INPUT_CHECK(flat_param_.numel() - model_numel < shard_numel(),
                  "--zero1 over " << comm_.size() << " ranks: the model's " << model_numel
                                  << " parameters leave the last rank's slice empty");
-  shard_.value = own_slice(flat_param_).clone();
+  shard_.value = Tensor::empty({shard_numel()}, DType::F32, flat_param_.device());
+  engine_for(flat_param_.device()).copy(own_slice(flat_param_), shard_.value);
   shard_.grad = zeros_on({shard_numel()}, flat_grad_.device());
   const int64_t begin = slice_begin(), end = begin + shard_numel();
   const std::vector<nn::Parameter*> params = model_.parameters();
@@ -422,7 +277,7 @@ void DataParallel::load_state(const std::map<std::string, Tensor>& full, const s
 }
 
 void DataParallel::reload_shard() {
-  if (opt_.zero1) shard_.value.copy_from(own_slice(flat_param_));
+  if (opt_.zero1) engine_for(flat_param_.device()).copy(own_slice(flat_param_), shard_.value);
 }
 
 void DataParallel::after_step() {
@@ -433,7 +288,7 @@ void DataParallel::after_step() {
     stats_.bytes_sent += static_cast<int64_t>(shard_.value.nbytes());
     ++stats_.collectives;
   } else {
-    flat_param_.copy_from(shard_.value);
+    engine_for(flat_param_.device()).copy(shard_.value, flat_param_);
   }
   stats_.comm_wait_s += now_s() - t0;
 }
@@ -443,7 +298,7 @@ Tensor DataParallel::gather_flat(const Tensor& slice) {
   if (comm_.size() > 1)
     comm_.allgather(slice, full)->wait();
   else
-    full.copy_from(slice);
+    engine_for(full.device()).copy(slice, full);
   return full;
 }
 

@@ -8,6 +8,7 @@
 
 #include "dtrain/core/error.h"
 #include "dtrain/core/timer.h"
+#include "dtrain/kernels/engine.h"
 
 namespace dtrain::parallel {
 
@@ -106,7 +107,8 @@ PipelineStage::PipelineStage(nn::Module& module, comm::Communicator& pp, Pipelin
       schedule_(schedule),
       stage_(pp.rank()),
       stages_(pp.size()),
-      micro_batches_(micro_batches) {
+      micro_batches_(micro_batches),
+      device_(nn::device_of(module)) {
   DT_INPUT_CHECK(micro_batches >= 1, "--micro-batches must be positive, got " << micro_batches);
   stash_.resize(micro_batches);
   act_in_.resize(micro_batches);
@@ -133,8 +135,10 @@ void PipelineStage::send_to(const Tensor& t, int peer, int tag, std::shared_ptr<
 }
 
 namespace {
-void ensure_shape(Tensor& t, const Shape& s) {
-  if (!t.defined() || t.shape() != s) t = Tensor::empty(s);
+// Receive and gradient buffers live on the stage's device: activations travel device to device
+// (NCCL, or MPI through host staging).
+void ensure_shape(Tensor& t, const Shape& s, Device device) {
+  if (!t.defined() || t.shape() != s || t.device() != device) t = Tensor::empty(s, DType::F32, device);
 }
 
 // What a stage sends must have the shape its neighbour receives into, or both would be garbled.
@@ -158,7 +162,7 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
       if (first()) {
         x = input(mb);
       } else {
-        ensure_shape(act_in_[mb], shapes.in);
+        ensure_shape(act_in_[mb], shapes.in, device_);
         x = recv_from(stage_ - 1, act_in_[mb], 2 * mb);
       }
       wait(grad_send_);       // scratch buffers (the d(input) sent) may be rewritten by a forward too
@@ -173,8 +177,8 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
       }
       if (last()) {
         Tensor d = loss(y, mb);
-        ensure_shape(dout_[mb], d.shape());
-        dout_[mb].copy_from(d);
+        ensure_shape(dout_[mb], d.shape(), device_);
+        engine_for(device_).copy(d, dout_[mb]);
       } else {
         check_sent(y, shapes.out, stage_, "activation");
         send_to(y, stage_ + 1, 2 * mb, act_sends_[mb]);
@@ -187,7 +191,7 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
       if (last()) {
         dy = dout_[mb];
       } else {
-        ensure_shape(grad_in_, shapes.out);
+        ensure_shape(grad_in_, shapes.out, device_);
         dy = recv_from(stage_ + 1, grad_in_, 2 * mb + 1);
       }
       wait(act_sends_[mb]);  // this micro-batch's output buffer is reused after its backward
@@ -223,7 +227,7 @@ void PipelineStage::forward_only(const InputFn& input, const std::function<void(
     if (first()) {
       x = input(mb);
     } else {
-      ensure_shape(in, shapes.in);
+      ensure_shape(in, shapes.in, device_);
       x = recv_from(stage_ - 1, in, 2 * mb);
     }
     wait(pending);  // the output buffer is rewritten by this forward

@@ -1,6 +1,9 @@
 #include "dtrain/parallel/sync_batchnorm.h"
 
+#include <algorithm>
 #include <cmath>
+
+#include "dtrain/kernels/engine.h"
 
 namespace dtrain::parallel {
 
@@ -10,9 +13,24 @@ SyncBatchNorm::SyncBatchNorm(int64_t channels, comm::Communicator& comm, float e
   beta_ = &add_parameter("bias", Tensor::zeros({channels}));
   running_mean_ = &add_buffer("running_mean", Tensor::zeros({channels}));
   running_var_ = &add_buffer("running_var", Tensor::full({channels}, 1.f));
-  for (Tensor* t : {&scale_, &shift_, &neg_mean_}) *t = Tensor::zeros({channels});
-  ones_ = Tensor::full({channels}, 1.f);
-  stats_ = Tensor::zeros({2 * channels + 1});
+}
+
+// The per-channel vectors live where the input does; their arithmetic is f64 on the host over
+// explicit copies of [C] values (a few hundred bytes a layer), the maps over the batch on the engine.
+void SyncBatchNorm::place(Device device) {
+  if (stats_.defined() && stats_.device() == device) return;
+  for (Tensor* t : {&scale_, &shift_, &neg_mean_, &ones_, &zeros_}) *t = Tensor::empty({c_}, DType::F32, device);
+  stats_ = Tensor::empty({2 * c_ + 1}, DType::F32, device);
+  engine_for(device).fill(ones_, 1.f);
+  engine_for(device).fill(zeros_, 0.f);
+}
+
+// The sums of all ranks: stats_ = [s1 (C) | s2 (C) | count] after the allreduce, as host values.
+Tensor SyncBatchNorm::sum_over_ranks(float count) {
+  Tensor last = stats_.slice0(2 * c_, 2 * c_ + 1);
+  copy_any(Tensor::from({1}, {count}), last);
+  comm_.allreduce(stats_, comm::ReduceOp::Sum)->wait();
+  return host_copy(stats_);
 }
 
 // Forward, in two passes as BatchNorm2d's double-precision statistics are: the global mean from
@@ -23,50 +41,58 @@ SyncBatchNorm::SyncBatchNorm(int64_t channels, comm::Communicator& comm, float e
 Tensor SyncBatchNorm::forward(const Tensor& x) {
   DT_CHECK(x.dim() == 4 && x.size(1) == c_, kind() << " needs (N, " << c_ << ", H, W), got " << x.str());
   Engine& e = engine(x);
+  place(x.device());
   Tensor& y = ensure(y_, x.shape(), x.device());
-  const float* g = gamma_->value.f32();
-  const float* b = beta_->value.f32();
+  const Tensor gamma = host_copy(gamma_->value), beta = host_copy(beta_->value);
+  const float *g = gamma.f32(), *b = beta.f32();
+  Tensor scale = Tensor::empty({c_}), shift = Tensor::empty({c_});
   if (!training_) {
+    const Tensor rm = host_copy(running_mean_->value), rv = host_copy(running_var_->value);
     for (int64_t c = 0; c < c_; ++c) {
-      float inv = 1.f / std::sqrt(running_var_->value.f32()[c] + eps_);
-      scale_.f32()[c] = g[c] * inv;
-      shift_.f32()[c] = b[c] - running_mean_->value.f32()[c] * g[c] * inv;
+      float inv = 1.f / std::sqrt(rv.f32()[c] + eps_);
+      scale.f32()[c] = g[c] * inv;
+      shift.f32()[c] = b[c] - rm.f32()[c] * g[c] * inv;
     }
+    copy_any(scale, scale_);
+    copy_any(shift, shift_);
     e.channel_affine(x, c_, scale_, shift_, y);
     return y;
   }
   Tensor s1 = stats_.slice0(0, c_), s2 = stats_.slice0(c_, 2 * c_);
   e.channel_sums(x, c_, s1, s2);
-  stats_.f32()[2 * c_] = static_cast<float>(x.numel() / c_);
-  comm_.allreduce(stats_, comm::ReduceOp::Sum)->wait();
-  const double count = stats_.f32()[2 * c_];
-  // What backward reads, [invstd (C) | mean of xc (C) | count], in a slot of its own: a pipeline's
-  // micro-batches in flight each keep theirs.
+  const Tensor first = sum_over_ranks(static_cast<float>(x.numel() / c_));
+  const double count = first.f32()[2 * c_];
+  Tensor neg_mean = Tensor::empty({c_});
+  for (int64_t c = 0; c < c_; ++c) neg_mean.f32()[c] = static_cast<float>(-first.f32()[c] / count);
+  copy_any(neg_mean, neg_mean_);
+  Tensor& xc = ensure(xc_, x.shape(), x.device());
+  e.channel_affine(x, c_, ones_, neg_mean_, xc);
+  e.channel_sums(xc, c_, s1, s2);
+  const Tensor second = sum_over_ranks(0.f);
+  // What backward reads, [invstd (C) | mean of xc (C) | count], in a slot of its own (host values):
+  // a pipeline's micro-batches in flight each keep theirs.
   Tensor& saved = ensure(saved_, {2 * c_ + 1});
   float* invstd = saved.f32();
   float* resid = invstd + c_;
   saved.f32()[2 * c_] = static_cast<float>(count);  // exact: an f32 sum of counts
-  for (int64_t c = 0; c < c_; ++c) neg_mean_.f32()[c] = static_cast<float>(-s1.f32()[c] / count);
-  Tensor& xc = ensure(xc_, x.shape(), x.device());
-  e.channel_affine(x, c_, ones_, neg_mean_, xc);
-  e.channel_sums(xc, c_, s1, s2);
-  stats_.f32()[2 * c_] = 0.f;
-  comm_.allreduce(stats_, comm::ReduceOp::Sum)->wait();
+  Tensor rm = host_copy(running_mean_->value), rv = host_copy(running_var_->value);
   for (int64_t c = 0; c < c_; ++c) {
-    double d = s1.f32()[c] / count;  // mean of xc
-    double var = std::max(0.0, s2.f32()[c] / count - d * d);
-    double mean = -static_cast<double>(neg_mean_.f32()[c]) + d;
+    double d = second.f32()[c] / count;  // mean of xc
+    double var = std::max(0.0, second.f32()[c_ + c] / count - d * d);
+    double mean = -static_cast<double>(neg_mean.f32()[c]) + d;
     float inv = static_cast<float>(1.0 / std::sqrt(var + eps_));
     resid[c] = static_cast<float>(d);
     invstd[c] = inv;
-    scale_.f32()[c] = g[c] * inv;
-    shift_.f32()[c] = b[c] - static_cast<float>(d) * g[c] * inv;
+    scale.f32()[c] = g[c] * inv;
+    shift.f32()[c] = b[c] - static_cast<float>(d) * g[c] * inv;
     double unbiased = count > 1 ? var * count / (count - 1) : var;  // running variance, as PyTorch
-    float* rm = running_mean_->value.f32();
-    float* rv = running_var_->value.f32();
-    rm[c] = (1.f - momentum_) * rm[c] + momentum_ * static_cast<float>(mean);
-    rv[c] = (1.f - momentum_) * rv[c] + momentum_ * static_cast<float>(unbiased);
+    rm.f32()[c] = (1.f - momentum_) * rm.f32()[c] + momentum_ * static_cast<float>(mean);
+    rv.f32()[c] = (1.f - momentum_) * rv.f32()[c] + momentum_ * static_cast<float>(unbiased);
   }
+  copy_any(rm, running_mean_->value);
+  copy_any(rv, running_var_->value);
+  copy_any(scale, scale_);
+  copy_any(shift, shift_);
   e.channel_affine(xc, c_, scale_, shift_, y);
   return y;
 }
@@ -82,35 +108,45 @@ Tensor SyncBatchNorm::backward(const Tensor& dy) {
   const float* invstd = saved_.f32();
   const float* resid = invstd + c_;
   const double count = saved_.f32()[2 * c_];
-  Tensor sdy = stats_.slice0(0, c_), sdyx = stats_.slice0(c_, 2 * c_), unused = Tensor::zeros({c_});
+  Tensor sdy = stats_.slice0(0, c_), sdyx = stats_.slice0(c_, 2 * c_);
+  Tensor unused = Tensor::empty({c_}, DType::F32, dy.device());
   e.channel_sums(dy, c_, sdy, unused);
   e.channel_dot(dy, xc_, c_, sdyx);
-  stats_.f32()[2 * c_] = 0.f;
+  const Tensor mine = host_copy(stats_.slice0(0, 2 * c_));  // this rank's sums, for dgamma and dbeta
+  Tensor dgamma = Tensor::empty({c_}), dbeta = Tensor::empty({c_});
   for (int64_t c = 0; c < c_; ++c) {
-    double s_dy = sdy.f32()[c];
-    double s_dx = sdyx.f32()[c] - resid[c] * s_dy;
-    gamma_->grad.f32()[c] += static_cast<float>(s_dx * invstd[c]);
-    beta_->grad.f32()[c] += static_cast<float>(s_dy);
+    double s_dy = mine.f32()[c];
+    dgamma.f32()[c] = static_cast<float>((mine.f32()[c_ + c] - resid[c] * s_dy) * invstd[c]);
+    dbeta.f32()[c] = static_cast<float>(s_dy);
   }
+  Tensor here = Tensor::empty({c_}, DType::F32, dy.device());  // accumulated, as every parameter gradient
+  copy_any(dgamma, here);
+  e.axpy(1.f, here, gamma_->grad);
+  copy_any(dbeta, here);
+  e.axpy(1.f, here, beta_->grad);
   grad_ready(*gamma_);
   grad_ready(*beta_);
-  comm_.allreduce(stats_, comm::ReduceOp::Sum)->wait();
-  const float* g = gamma_->value.f32();
-  Tensor a = Tensor::empty({c_}), zero = Tensor::zeros({c_}), bsc = Tensor::empty({c_}), csh = Tensor::empty({c_});
+  const Tensor all = sum_over_ranks(0.f);
+  const Tensor gamma = host_copy(gamma_->value);
+  const float* g = gamma.f32();
+  Tensor a = Tensor::empty({c_}), bsc = Tensor::empty({c_}), csh = Tensor::empty({c_});
   for (int64_t c = 0; c < c_; ++c) {
     double d = resid[c], inv = invstd[c];
-    double s_dy = sdy.f32()[c];
-    double s_dx = sdyx.f32()[c] - d * s_dy;
+    double s_dy = all.f32()[c];
+    double s_dx = all.f32()[c_ + c] - d * s_dy;
     double k = g[c] * inv;
     double bcoef = -k * inv * inv * s_dx / count;
     a.f32()[c] = static_cast<float>(k);
     bsc.f32()[c] = static_cast<float>(bcoef);
     csh.f32()[c] = static_cast<float>(-k * s_dy / count - bcoef * d);
   }
+  copy_any(a, scale_);
+  copy_any(bsc, shift_);
+  copy_any(csh, neg_mean_);
   Tensor& dx = ensure(dx_, xc_.shape(), dy.device());
   Tensor& t = ensure(tmp_, xc_.shape(), dy.device());
-  e.channel_affine(dy, c_, a, zero, dx);
-  e.channel_affine(xc_, c_, bsc, csh, t);
+  e.channel_affine(dy, c_, scale_, zeros_, dx);
+  e.channel_affine(xc_, c_, shift_, neg_mean_, t);
   e.add(dx, t, dx);
   return dx;
 }
@@ -123,10 +159,10 @@ int convert_sync_batchnorm(nn::Module& root, comm::Communicator& comm) {
         auto sync = std::make_unique<SyncBatchNorm>(bn->channels(), comm, bn->eps(), bn->momentum());
         auto from = bn->parameters();
         auto to = sync->parameters();
-        for (size_t k = 0; k < from.size(); ++k) to[k]->value.copy_from(from[k]->value);
+        for (size_t k = 0; k < from.size(); ++k) copy_any(from[k]->value, to[k]->value);
         auto fb = bn->buffers();
         auto tb = sync->buffers();
-        for (size_t k = 0; k < fb.size(); ++k) tb[k]->value.copy_from(fb[k]->value);
+        for (size_t k = 0; k < fb.size(); ++k) copy_any(fb[k]->value, tb[k]->value);
         seq->replace(i, std::move(sync));
         ++replaced;
       }

@@ -49,7 +49,8 @@ Tensor ColumnParallelLinear::shard_of(const Tensor& full) const {
   return t;
 }
 
-Tensor ColumnParallelLinear::gather_full(const Tensor& local) const {
+Tensor ColumnParallelLinear::gather_full(const Tensor& on_device) const {
+  const Tensor local = to_host(on_device);  // the whole tensor is for a checkpoint or an export
   const int64_t n = local.numel(), tp = tp_.size();
   Tensor all = Tensor::empty({tp * n}, local.dtype());
   if (tp > 1)
@@ -104,8 +105,9 @@ Tensor RowParallelLinear::shard_of(const Tensor& full) const {
   return t;
 }
 
-Tensor RowParallelLinear::gather_full(const Tensor& local) const {
-  if (local.numel() != out_ * in_) return local.clone();  // the bias is whole on every rank
+Tensor RowParallelLinear::gather_full(const Tensor& on_device) const {
+  const Tensor local = host_copy(on_device);      // the whole tensor is for a checkpoint or an export
+  if (local.numel() != out_ * in_) return local;  // the bias is whole on every rank
   const int64_t n = local.numel(), tp = tp_.size();
   Tensor all = Tensor::empty({tp * n}, local.dtype());
   if (tp > 1)
@@ -173,15 +175,24 @@ VocabParallelCrossEntropy::VocabParallelCrossEntropy(comm::Communicator& tp, int
     : tp_(tp), offset_(vocab_offset) {}
 
 float VocabParallelCrossEntropy::forward(const Tensor& logits, const Tensor& labels, int64_t* correct) {
+  DT_CHECK(correct == nullptr, "vocabulary-parallel cross-entropy does not count argmax hits");
+  Tensor stats = zeros_on({kXentStatsFloats}, logits.device());
+  accumulate(logits, labels, stats);
+  loss_sum_ = xent_stats(to_host(stats)).loss_sum;  // the caller asked for the figure: one sync
+  return static_cast<float>(loss_sum_ / static_cast<double>(logits.size(0)));
+}
+
+// Local logits against the own rows of the vocabulary; the global row maxima, sums of exponentials
+// and target logits by allreduces over tp, so the full logits never exist on one rank. The loss is
+// added into `stats` on the logits' device.
+void VocabParallelCrossEntropy::accumulate(const Tensor& logits, const Tensor& labels, Tensor& stats) {
   DT_CHECK(logits.dim() == 2 && labels.numel() == logits.size(0),
            "cross-entropy needs logits (N, V/tp) and N labels, got " << logits.str() << " and " << labels.str());
-  DT_CHECK(correct == nullptr, "vocabulary-parallel cross-entropy does not count argmax hits");
-  DT_CHECK(logits.device().is_cpu(), "vocabulary-parallel cross-entropy sums its loss on the host");
   const int64_t m = logits.size(0);
   logits_ = logits;
   labels_ = labels;
   Engine& e = engine_for(logits.device());
-  if (!rowmax_.defined() || rowmax_.numel() != m) {
+  if (!rowmax_.defined() || rowmax_.numel() != m || rowmax_.device() != logits.device()) {
     rowmax_ = Tensor::empty({m}, DType::F32, logits.device());
     partial_ = Tensor::empty({2, m}, DType::F32, logits.device());
   }
@@ -190,21 +201,7 @@ float VocabParallelCrossEntropy::forward(const Tensor& logits, const Tensor& lab
   Tensor sumexp = partial_.slice0(0, 1).reshape({m}), target = partial_.slice0(1, 2).reshape({m});
   e.vocab_xent_partials(logits, labels, offset_, rowmax_, sumexp, target);
   tp_.allreduce(partial_)->wait();  // sums of exp and the target logit over the vocabulary slices
-  double loss = 0;
-  const float *pm = rowmax_.f32(), *ps = sumexp.f32(), *pt = target.f32();
-  for (int64_t i = 0; i < m; ++i) loss += std::log(static_cast<double>(ps[i])) + pm[i] - pt[i];
-  loss_sum_ = loss;
-  return static_cast<float>(loss / static_cast<double>(m));
-}
-
-void VocabParallelCrossEntropy::accumulate(const Tensor& logits, const Tensor& labels, Tensor& stats) {
-  DT_CHECK(stats.device().is_cpu() && stats.dtype() == DType::F32 && stats.numel() == kXentStatsFloats,
-           "vocabulary-parallel cross-entropy adds into " << kXentStatsFloats << " f32 on the host, got "
-                                                          << stats.str());
-  forward(logits, labels);
-  XentStats st = xent_stats(stats);
-  st.loss_sum += loss_sum_;
-  std::memcpy(stats.raw(), &st, sizeof st);
+  e.vocab_xent_loss_accumulate(rowmax_, sumexp, target, stats);
 }
 
 Tensor VocabParallelCrossEntropy::backward(float scale) {
@@ -272,8 +269,9 @@ std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator*
 }
 
 std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Communicator* tp,
-                                                    const NamedTensors* reuse) {
-  return gather_full(model, tp, [](nn::Parameter& p) -> Tensor& { return p.value; }, reuse);
+                                                     const NamedTensors* reuse) {
+  return gather_full(
+      model, tp, [](nn::Parameter& p) -> Tensor& { return p.value; }, reuse);
 }
 
 void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, const ParameterTensor& pick) {

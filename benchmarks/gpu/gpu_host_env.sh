@@ -14,5 +14,7 @@ CUDALIBS=$(for n in libcudart.so.13 libcublasLt.so.13 libcublas.so.13 libcudnn.s
 export LD_LIBRARY_PATH=/tmp/dl/lib:$CUDALIBS
 export OMPI_MCA_ess_singleton_isolated=1 OMPI_MCA_mca_base_component_show_load_errors=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 DTRAIN_EXE=$here/bin/dtrain
+# Several ranks: the carried mpirun starts them on this host (orted on the PATH for its helpers).
+export MPIRUN=$here/bin/mpirun PATH=$here/bin:$PATH DTRAIN_CHECK_DATA=$here/data/fortunes
 echo "CUDA libraries from: $CUDALIBS"
 ldd "$here/bin/dtrain" | grep "not found"

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # Packs this machine's dtrain build for a GPU host that has CUDA's libraries (through its PyTorch)
-# but not the Debian ones dtrain links: the binaries, those libraries, Open MPI's plugins, and the
-# fortunes tokens (HDF5, and .npy for a PyTorch without h5py), into OUT (default .gpu, which
-# .git/info/exclude should list). On the GPU host, from the repository root: source OUT/env.sh.
+# but not the Debian ones dtrain links: the binaries (dtrain, the CUDA tests, Open MPI's mpirun and
+# orted for runs of several ranks), those libraries, Open MPI's plugins, and the fortunes tokens
+# (HDF5, and .npy for a PyTorch without h5py), into OUT (default .gpu, which .git/info/exclude
+# should list). On the GPU host, from the repository root: source OUT/env.sh, then
+# benchmarks/gpu/check_all.sh (the standing check).
 #   benchmarks/gpu/pack.sh [OUT]
 set -euo pipefail
 OUT=${1:-.gpu}
 mkdir -p "$OUT/bin" "$OUT/data" /tmp/dtrain-pack/lib /tmp/dtrain-pack/lib2
 cp build/dtrain build/tests/kernels/test_kernels_cuda "$OUT/bin/"
+cp -L "$(readlink -f /usr/bin/mpirun)" "$OUT/bin/mpirun"
+cp -L "$(command -v orted)" "$OUT/bin/orted"
 keep() { awk '/=>/{print $3}' | sort -u |
   grep -v -E "/(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s)\.so|/usr/local/cuda|ld-linux"; }
-ldd build/dtrain build/tests/kernels/test_kernels_cuda | keep >/tmp/dtrain-pack/libs.txt
+ldd build/dtrain build/tests/kernels/test_kernels_cuda "$OUT/bin/mpirun" "$OUT/bin/orted" | keep >/tmp/dtrain-pack/libs.txt
 ompi=/usr/lib/x86_64-linux-gnu/openmpi pmix=/usr/lib/x86_64-linux-gnu/pmix2
 for f in "$ompi"/lib/openmpi3/*.so "$pmix"/lib/pmix/*.so; do ldd "$f"; done 2>/dev/null | keep >/tmp/dtrain-pack/plugin-libs.txt
 cp -L $(cat /tmp/dtrain-pack/libs.txt) /tmp/dtrain-pack/lib/

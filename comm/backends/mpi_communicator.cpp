@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <array>
-#include <climits>
 #include <chrono>
+#include <climits>
 #include <set>
 #include <sstream>
 
@@ -241,11 +241,6 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, bool threaded)
 
 MpiCommunicator::~MpiCommunicator() { shutdown(); }
 
-bool MpiCommunicator::supports(Device device) const {
-  if (device.is_cpu()) return true;
-  return Runtime::initialized() && Runtime::get().topology().cuda_aware_mpi;
-}
-
 void MpiCommunicator::worker_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
@@ -303,17 +298,6 @@ std::shared_ptr<MpiWork> MpiCommunicator::collective(const std::string& what, st
   return w;
 }
 
-namespace {
-// A CUDA-aware MPI moves device memory, but its reductions of 16-bit types (user-defined ops) and
-// Avg's division run on the host: device buffers take Sum, Max and Min of built-in types only.
-void check_device_reduction(const Tensor& t, ReduceOp op, const char* what) {
-  DT_CHECK(t.device().is_cpu() || (op != ReduceOp::Avg && t.dtype() != DType::BF16 && t.dtype() != DType::F16),
-           what << " of " << dtype_name(t.dtype()) << " on " << t.device().str() << " by " << reduce_op_name(op)
-                << ": the MPI backend reduces device buffers by sum, max or min of 32/64-bit types only (divide "
-                   "on the device after a sum)");
-}
-}  // namespace
-
 // Least message (bytes per rank) from which auto leaves MPI_Allreduce, by layout; measured with
 // `dtrain bench allreduce --allreduce mpi|shm|hier` (docs/comm.md).
 constexpr int64_t kAutoShmFromBytes = 64 << 10;
@@ -335,8 +319,7 @@ NodeAllreduce& MpiCommunicator::node_layout() {
 
 AllreduceAlgorithm MpiCommunicator::allreduce_plan(const Tensor& t, ReduceOp /*op: all four run on f32*/) {
   const AllreduceAlgorithm want = allreduce_algorithm();
-  if (want == AllreduceAlgorithm::Mpi || size() == 1 || t.dtype() != DType::F32 || !t.device().is_cpu())
-    return AllreduceAlgorithm::Mpi;
+  if (want == AllreduceAlgorithm::Mpi || size() == 1 || t.dtype() != DType::F32) return AllreduceAlgorithm::Mpi;
   if (want == AllreduceAlgorithm::Auto && t.nbytes() < kAutoShmFromBytes) return AllreduceAlgorithm::Mpi;
   const NodeAllreduce& layout = node_layout();
   const bool one_node = layout.node_count() == 1;
@@ -353,7 +336,6 @@ AllreduceAlgorithm MpiCommunicator::allreduce_plan(const Tensor& t, ReduceOp /*o
 }
 
 std::shared_ptr<Work> MpiCommunicator::do_allreduce(Tensor& t, ReduceOp op) {
-  check_device_reduction(t, op, "allreduce");
   MPI_Comm c = comm_;
   int n = size();
   const AllreduceAlgorithm algorithm = allreduce_plan(t, op);
@@ -393,7 +375,6 @@ std::shared_ptr<Work> MpiCommunicator::do_allgather(const Tensor& in, Tensor& ou
 }
 
 std::shared_ptr<Work> MpiCommunicator::do_reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
-  check_device_reduction(in, op, "reduce_scatter");
   MPI_Comm c = comm_;
   int n = size();
   auto body = [in, out, op, c, n] {
@@ -526,8 +507,9 @@ void shutdown_all_mpi_communicators() {
     all.assign(live().begin(), live().end());
   }
   // Newest first, in the same order on every rank (a window's free waits for the whole node).
-  std::sort(all.begin(), all.end(),
-            [](const MpiCommunicator* a, const MpiCommunicator* b) { return a->creation_index() > b->creation_index(); });
+  std::sort(all.begin(), all.end(), [](const MpiCommunicator* a, const MpiCommunicator* b) {
+    return a->creation_index() > b->creation_index();
+  });
   for (MpiCommunicator* c : all) c->shutdown();
 }
 

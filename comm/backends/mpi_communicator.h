@@ -74,7 +74,8 @@ class MpiCommunicator final : public Communicator {
   ~MpiCommunicator() override;
 
   const char* backend() const override { return "mpi"; }
-  bool supports(Device device) const override;
+  bool supports(Device) const override { return true; }  // device buffers through host staging
+  bool stages(Device device) const override { return !device.is_cpu(); }
   AllreduceAlgorithm allreduce_plan(const Tensor& t, ReduceOp op) override;
   MPI_Comm mpi_comm() const { return comm_; }
   uint64_t creation_index() const { return creation_index_; }
@@ -99,7 +100,6 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<MpiWork> point_to_point(MpiWork::Kind kind, const Tensor& t, int peer, int tag);
   void worker_loop();
   NodeAllreduce& node_layout();  // made by a collective on first use
-
 
   MPI_Comm comm_;
   std::shared_ptr<ControlChannel> channel_;

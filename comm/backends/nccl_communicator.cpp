@@ -225,37 +225,41 @@ class NcclCommunicator final : public Communicator {
  protected:
   std::shared_ptr<Work> do_allreduce(Tensor& t, ReduceOp op) override {
     return launch("allreduce", buf_str(t) + " " + reduce_op_name(op), true, -1, {t}, [&](cudaStream_t s) {
-      return ncclAllReduce(t.raw(), t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), nccl_op(op), comm_,
-                           s);
+      return ncclAllReduce(t.device_raw(), t.device_raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()),
+                           nccl_op(op), comm_, s);
     });
   }
   std::shared_ptr<Work> do_broadcast(Tensor& t, int root) override {
     return launch("broadcast", buf_str(t) + " root " + std::to_string(root), true, -1, {t}, [&](cudaStream_t s) {
-      return ncclBroadcast(t.raw(), t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), root, comm_, s);
+      return ncclBroadcast(t.device_raw(), t.device_raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), root,
+                           comm_, s);
     });
   }
   std::shared_ptr<Work> do_allgather(const Tensor& in, Tensor& out) override {
     return launch("allgather", buf_str(in), true, -1, {in, out}, [&](cudaStream_t s) {
-      return ncclAllGather(in.raw(), out.raw(), static_cast<size_t>(in.numel()), nccl_type(in.dtype()), comm_, s);
+      return ncclAllGather(in.device_raw(), out.device_raw(), static_cast<size_t>(in.numel()), nccl_type(in.dtype()),
+                           comm_, s);
     });
   }
   std::shared_ptr<Work> do_reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) override {
     return launch("reduce_scatter", buf_str(in) + " " + reduce_op_name(op), true, -1, {in, out}, [&](cudaStream_t s) {
-      return ncclReduceScatter(in.raw(), out.raw(), static_cast<size_t>(out.numel()), nccl_type(in.dtype()),
-                               nccl_op(op), comm_, s);
+      return ncclReduceScatter(in.device_raw(), out.device_raw(), static_cast<size_t>(out.numel()),
+                               nccl_type(in.dtype()), nccl_op(op), comm_, s);
     });
   }
   std::shared_ptr<Work> do_send(const Tensor& t, int peer, int tag) override {
     // NCCL has no tags: sends and receives between two ranks match in the order they are issued.
     return launch("send", buf_str(t) + " to rank " + std::to_string(peer) + " tag " + std::to_string(tag), false, peer,
                   {t}, [&](cudaStream_t s) {
-                    return ncclSend(t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm_, s);
+                    return ncclSend(t.device_raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm_,
+                                    s);
                   });
   }
   std::shared_ptr<Work> do_recv(Tensor& t, int peer, int tag) override {
     return launch("recv", buf_str(t) + " from rank " + std::to_string(peer) + " tag " + std::to_string(tag), false,
                   peer, {t}, [&](cudaStream_t s) {
-                    return ncclRecv(t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm_, s);
+                    return ncclRecv(t.device_raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm_,
+                                    s);
                   });
   }
   std::shared_ptr<Work> do_barrier() override {
@@ -319,10 +323,10 @@ std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap, in
   auto shadow = make_mpi_communicator(mpi_comm_of(bootstrap), name + "/bootstrap");
   // Rank 0 makes the unique id; MPI_Bcast carries it to the others.
   Tensor id = Tensor::zeros({static_cast<int64_t>(sizeof(ncclUniqueId))}, DType::U8);
-  if (shadow->rank() == 0) DT_NCCL_CHECK(ncclGetUniqueId(reinterpret_cast<ncclUniqueId*>(id.raw())));
+  if (shadow->rank() == 0) DT_NCCL_CHECK(ncclGetUniqueId(reinterpret_cast<ncclUniqueId*>(id.device_raw())));
   shadow->broadcast(id, 0)->wait();
   ncclUniqueId uid;
-  std::memcpy(&uid, id.raw(), sizeof uid);
+  std::memcpy(&uid, id.device_raw(), sizeof uid);
   DT_COMM_CUDA_CHECK(cudaSetDevice(device));
   ncclComm_t comm = nullptr;
   DT_NCCL_CHECK(ncclCommInitRank(&comm, shadow->size(), uid, shadow->rank()));

@@ -6,15 +6,15 @@
 
 #include "compression/staged_work.h"
 #include "dtrain/comm/compression.h"
+#include "dtrain/kernels/engine.h"
 
 namespace dtrain::comm {
 
 Compressor::~Compressor() = default;
 
-std::shared_ptr<Work> Compressor::reduce(Tensor& bucket, Communicator& comm, ReduceOp op, int bucket_id,
-                                         int64_t rows) {
-  DT_CHECK(bucket.defined() && bucket.dtype() == DType::F32 && bucket.device().is_cpu(),
-           name() << ": a gradient bucket must be a defined f32 host tensor, got "
+std::shared_ptr<Work> Compressor::reduce(Tensor& bucket, Communicator& comm, ReduceOp op, int bucket_id, int64_t rows) {
+  DT_CHECK(bucket.defined() && bucket.dtype() == DType::F32,
+           name() << ": a gradient bucket must be a defined f32 tensor, got "
                   << (bucket.defined() ? bucket.str() : std::string("an undefined tensor")));
   DT_CHECK(op == ReduceOp::Avg || op == ReduceOp::Sum,
            name() << ": compressed reduction supports avg and sum, not " << reduce_op_name(op));
@@ -42,18 +42,30 @@ Tensor Compressor::residual(int bucket_id) const {
 
 void Compressor::reset() { states_.clear(); }
 
+void Compressor::set_momentum_correction(float m) {
+  DT_INPUT_CHECK(m == 0.f, "momentum correction belongs to top-k compression, not " << name());
+}
+
+Tensor& Compressor::BucketState::on(Tensor& t, Device device) {
+  if (t.defined() && t.device() != device) {
+    Tensor moved = Tensor::empty(t.shape(), t.dtype(), device);
+    copy_any(t, moved);
+    t = moved;
+  }
+  return t;
+}
+
 std::map<std::string, Tensor> Compressor::state_tensors() const {
   std::map<std::string, Tensor> out;
   for (const auto& [id, st] : states_) {
     const std::string at = "bucket" + std::to_string(id) + ".";
-    if (st.residual.defined()) out[at + "residual"] = st.residual.clone();
-    if (st.factor.defined()) out[at + "factor"] = st.factor.clone();
-    if (st.velocity.defined()) out[at + "velocity"] = st.velocity.clone();
-    if (st.rng) {
-      const std::array<uint64_t, 4> words = st.rng->state();
-      Tensor t = Tensor::empty({static_cast<int64_t>(sizeof words)}, DType::U8);
-      std::memcpy(t.raw(), words.data(), sizeof words);
-      out[at + "rng"] = t;
+    if (st.residual.defined()) out[at + "residual"] = host_copy(st.residual);
+    if (st.factor.defined()) out[at + "factor"] = host_copy(st.factor);
+    if (st.velocity.defined()) out[at + "velocity"] = host_copy(st.velocity);
+    if (st.draws > 0) {
+      Tensor t = Tensor::empty({1}, DType::I64);
+      t.data<int64_t>()[0] = st.draws;
+      out[at + "draws"] = t;
     }
   }
   return out;
@@ -73,16 +85,14 @@ void Compressor::load_state_tensors(const std::map<std::string, Tensor>& state) 
     const std::string field = key.substr(dot + 1);
     BucketState& st = loaded[id];
     st.id = id;
-    if (field == "rng") {
-      std::array<uint64_t, 4> words{};
-      DT_INPUT_CHECK(t.dtype() == DType::U8 && t.nbytes() == sizeof words,
-                     name() << ": " << key << " must hold 32 bytes, got " << t.str());
-      std::memcpy(words.data(), t.raw(), sizeof words);
-      st.rng = std::make_unique<Rng>();
-      st.rng->set_state(words);
+    if (field == "draws") {
+      DT_INPUT_CHECK(t.dtype() == DType::I64 && t.numel() == 1 && t.device().is_cpu() && t.data<int64_t>()[0] >= 0,
+                     name() << ": " << key << " must be one non-negative i64, got " << t.str());
+      st.draws = t.data<int64_t>()[0];
       continue;
     }
-    DT_INPUT_CHECK(t.dtype() == DType::F32 && t.device().is_cpu(), name() << ": " << key << " must be f32, got " << t.str());
+    DT_INPUT_CHECK(t.dtype() == DType::F32 && t.device().is_cpu(),
+                   name() << ": " << key << " must be f32, got " << t.str());
     if (field == "residual")
       st.residual = t.clone();
     else if (field == "factor")
@@ -109,27 +119,20 @@ HalfCastCompressor::HalfCastCompressor(DType half) : half_(half) {
 }
 
 std::shared_ptr<Work> HalfCastCompressor::do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState&) {
-  const int64_t n = bucket.numel();
-  Tensor half = Tensor::empty({n}, half_);
+  Engine& e = engine_for(bucket.device());
+  Tensor half = Tensor::empty(bucket.shape(), half_, bucket.device());
   {
     detail::ScopedSeconds t(stats_.compress_s);
-    const float* x = bucket.f32();
-    auto* h = half.data<uint16_t>();
-    float d = op == ReduceOp::Avg ? static_cast<float>(comm.size()) : 1.0f;
-    if (half_ == DType::F16)
-      for (int64_t i = 0; i < n; ++i) h[i] = float_to_f16(x[i] / d);
-    else
-      for (int64_t i = 0; i < n; ++i) h[i] = float_to_bf16(x[i] / d);
+    // Avg divides before the cast, so the sum cannot overflow fp16; the bucket is rewritten anyway.
+    if (op == ReduceOp::Avg) e.scale(bucket, 1.f / static_cast<float>(comm.size()));
+    e.cast(bucket, half);
   }
   stats_.bytes_sent += static_cast<int64_t>(half.nbytes());
   auto w = comm.allreduce(half, ReduceOp::Sum);
-  bool f16 = half_ == DType::F16;
   double* dec = &stats_.decompress_s;
-  auto finish = [bucket, half, n, f16, dec] {
+  auto finish = [bucket, half, dec]() mutable {
     detail::ScopedSeconds t(*dec);
-    float* x = bucket.f32();
-    const auto* h = half.data<uint16_t>();
-    for (int64_t i = 0; i < n; ++i) x[i] = f16 ? f16_to_float(h[i]) : bf16_to_float(h[i]);
+    engine_for(bucket.device()).cast(half, bucket);
   };
   return std::make_shared<detail::StagedWork>(name() + " " + shape_str(bucket.shape()), w,
                                               std::vector<detail::StagedWork::Stage>{}, finish);

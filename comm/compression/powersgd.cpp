@@ -1,9 +1,11 @@
 // PowerSGD: rank-r approximation with one power iteration per step, warm start, error feedback.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "compression/staged_work.h"
 #include "dtrain/comm/compression.h"
+#include "dtrain/kernels/engine.h"
 
 namespace dtrain::comm {
 
@@ -21,57 +23,47 @@ std::pair<int64_t, int64_t> PowerSgdCompressor::matrix_shape(int64_t n, int64_t 
 }
 
 namespace {
-// The step's matrices, shared by its stages. M is rows x cols, P rows x r, Q cols x r, row-major.
+// The step's matrices, shared by its stages. M is rows x cols, P rows x r, Q cols x r, row-major, on
+// the bucket's device. The products run in exact fp32 whatever the run's math precision.
 struct PowerSgdStep {
   int64_t n, rows, cols, r;
   Tensor m, p, q;
 };
 
-// P = M Q
-void multiply_m_q(const PowerSgdStep& s) {
-  const float* m = s.m.f32();
-  const float* q = s.q.f32();
-  float* p = s.p.f32();
-  std::memset(p, 0, static_cast<size_t>(s.rows * s.r) * sizeof(float));
-  for (int64_t i = 0; i < s.rows; ++i)
-    for (int64_t j = 0; j < s.cols; ++j) {
-      float mij = m[i * s.cols + j];
-      for (int64_t c = 0; c < s.r; ++c) p[i * s.r + c] += mij * q[j * s.r + c];
-    }
+void multiply_m_q(PowerSgdStep& s) {  // P = M Q
+  Engine& e = engine_for(s.m.device());
+  ScopedMathPrecision exact(e, MathPrecision::F32);
+  e.gemm(false, false, s.rows, s.r, s.cols, 1.f, s.m, s.q, 0.f, s.p);
 }
 
-// Q = M^T P
-void multiply_mt_p(const PowerSgdStep& s) {
-  const float* m = s.m.f32();
-  const float* p = s.p.f32();
-  float* q = s.q.f32();
-  std::memset(q, 0, static_cast<size_t>(s.cols * s.r) * sizeof(float));
-  for (int64_t i = 0; i < s.rows; ++i)
-    for (int64_t j = 0; j < s.cols; ++j) {
-      float mij = m[i * s.cols + j];
-      for (int64_t c = 0; c < s.r; ++c) q[j * s.r + c] += mij * p[i * s.r + c];
-    }
+void multiply_mt_p(PowerSgdStep& s) {  // Q = M^T P
+  Engine& e = engine_for(s.m.device());
+  ScopedMathPrecision exact(e, MathPrecision::F32);
+  e.gemm(true, false, s.cols, s.r, s.rows, 1.f, s.m, s.p, 0.f, s.q);
 }
 }  // namespace
 
 std::shared_ptr<Work> PowerSgdCompressor::do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& st) {
   const int64_t n = bucket.numel();
   auto [rows, cols] = matrix_shape(n, st.rows);
-  if (rank_ >= std::min(rows, cols) || (rows + cols) * rank_ >= n) {
-    // A rank-r factorisation would send as much as the bucket itself.
+  if (dense_ || rank_ >= std::min(rows, cols) || (rows + cols) * rank_ >= n) {
+    // The warm-up, or a rank-r factorisation that would send as much as the bucket itself.
     stats_.bytes_sent += static_cast<int64_t>(bucket.nbytes());
     return comm.allreduce(bucket, op);
   }
+  const Device dev = bucket.device();
+  Engine& e = engine_for(dev);
   auto step = std::make_shared<PowerSgdStep>();
   step->n = n;
   step->rows = rows;
   step->cols = cols;
   step->r = rank_;
-  step->p = Tensor::empty({rows, step->r});
+  step->p = Tensor::empty({rows, step->r}, DType::F32, dev);
   std::shared_ptr<Work> first;
   {
     detail::ScopedSeconds t(stats_.compress_s);
-    if (!st.residual.defined()) st.residual = Tensor::zeros({n});
+    Tensor& residual = BucketState::on(st.residual, dev);
+    if (!residual.defined()) residual = zeros_on({n}, dev);
     // A Q loaded from a checkpoint part (Compressor::load_state_tensors) is checked here, where its
     // shape is known: one of another size would be read and written past its end.
     DT_INPUT_CHECK(!st.factor.defined() || st.factor.numel() == cols * step->r,
@@ -80,17 +72,18 @@ std::shared_ptr<Work> PowerSgdCompressor::do_reduce(Tensor& bucket, Communicator
                           << " (a corrupt checkpoint part?)");
     if (!st.factor.defined()) {
       // The same seed on every rank: all ranks start from the same Q, as they must.
-      st.factor = Tensor::empty({cols, step->r});
+      Tensor q = Tensor::empty({cols, step->r});
       Rng rng(derive_seed(seed_, static_cast<uint64_t>(st.id)));
-      float* q = st.factor.f32();
-      for (int64_t i = 0; i < cols * step->r; ++i) q[i] = rng.normal();
+      float* v = q.f32();
+      for (int64_t i = 0; i < cols * step->r; ++i) v[i] = rng.normal();
+      st.factor = q;
     }
-    step->q = st.factor.clone();
-    step->m = Tensor::zeros({rows, cols});
-    float* m = step->m.f32();
-    const float* g = bucket.f32();
-    const float* res = st.residual.f32();
-    for (int64_t i = 0; i < n; ++i) m[i] = g[i] + res[i];
+    step->q = Tensor::empty({cols, step->r}, DType::F32, dev);
+    copy_any(st.factor, step->q);
+    // M holds gradient + residual, zero-padded to whole rows (a flat bucket's last row may be partial).
+    step->m = zeros_on({rows, cols}, dev);
+    Tensor head = step->m.reshape({rows * cols}).slice0(0, n);
+    e.add(bucket, residual, head);
     multiply_m_q(*step);
   }
   first = comm.allreduce(step->p, ReduceOp::Sum);
@@ -101,28 +94,26 @@ std::shared_ptr<Work> PowerSgdCompressor::do_reduce(Tensor& bucket, Communicator
   BucketState* state = &st;
   auto second = [step, c, enc]() {
     detail::ScopedSeconds t(*enc);
-    codec::orthonormalize_columns(step->p.f32(), step->rows, step->r);
+    engine_for(step->p.device()).orthonormalize_columns(step->p);
     multiply_mt_p(*step);
     return c->allreduce(step->q, ReduceOp::Sum);
   };
-  int size = comm.size();
-  auto finish = [step, bucket, state, size, op, dec] {
+  const int size = comm.size();
+  auto finish = [step, bucket, state, size, op, dec]() mutable {
     detail::ScopedSeconds t(*dec);
-    // Q now holds the sum over ranks; the mean approximation is P (Q / size)^T.
-    float* q = step->q.f32();
-    for (int64_t i = 0; i < step->cols * step->r; ++i) q[i] /= static_cast<float>(size);
-    const float* p = step->p.f32();
-    const float* m = step->m.f32();
-    float* out = bucket.f32();
-    float* res = state->residual.f32();
-    float scale = op == ReduceOp::Sum ? static_cast<float>(size) : 1.0f;
-    for (int64_t e = 0; e < step->n; ++e) {
-      int64_t i = e / step->cols, j = e % step->cols;
-      float a = 0;
-      for (int64_t k = 0; k < step->r; ++k) a += p[i * step->r + k] * q[j * step->r + k];
-      res[e] = m[e] - a;  // error feedback against the mean approximation
-      out[e] = a * scale;
-    }
+    Engine& e = engine_for(bucket.device());
+    ScopedMathPrecision exact(e, MathPrecision::F32);
+    // Q now holds the sum over ranks; the mean approximation is A = P (Q / size)^T, into M's padding
+    // rows' worth of scratch; the bucket takes its first n values.
+    e.scale(step->q, 1.f / static_cast<float>(size));
+    Tensor approx = Tensor::empty({step->rows, step->cols}, DType::F32, bucket.device());
+    e.gemm(false, true, step->rows, step->cols, step->r, 1.f, step->p, step->q, 0.f, approx);
+    Tensor head = approx.reshape({step->rows * step->cols}).slice0(0, step->n);
+    e.copy(head, bucket);
+    // Error feedback against the mean approximation: residual = M - A.
+    e.copy(step->m.reshape({step->rows * step->cols}).slice0(0, step->n), state->residual);
+    e.axpy(-1.f, bucket, state->residual);
+    if (op == ReduceOp::Sum) e.scale(bucket, static_cast<float>(size));
     state->factor = step->q;  // warm start for the next step
   };
   stats_.bytes_sent += (rows + cols) * step->r * static_cast<int64_t>(sizeof(float));

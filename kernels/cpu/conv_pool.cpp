@@ -13,12 +13,10 @@
 
 namespace dtrain::cpu {
 
-
-
 static std::string conv_key(const Conv2dGeom& g, bool bf16) {
   std::ostringstream k;
-  k << bf16 << ':' << g.n << ',' << g.c << ',' << g.h << ',' << g.w << ',' << g.k << ',' << g.r << ',' << g.s << ',' << g.stride
-    << ',' << g.pad;
+  k << bf16 << ':' << g.n << ',' << g.c << ',' << g.h << ',' << g.w << ',' << g.k << ',' << g.r << ',' << g.s << ','
+    << g.stride << ',' << g.pad;
   return k.str();
 }
 
@@ -44,10 +42,10 @@ ConvPrims& CpuEngine::conv_prims(const Conv2dGeom& g) {
 }
 
 const void* CpuEngine::conv_input(const Tensor& t, std::vector<float>& rounded) const {
-  if (!emulate_bf16_conv()) return t.raw();
+  if (!emulate_bf16_conv()) return t.device_raw();
   const int64_t n = t.numel();
   if (static_cast<int64_t>(rounded.size()) < n) rounded.resize(static_cast<size_t>(n));
-  round_to_bf16(t.f32(), rounded.data(), n);
+  round_to_bf16(t.device_f32(), rounded.data(), n);
   return rounded.data();
 }
 
@@ -104,15 +102,15 @@ void CpuEngine::conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tenso
   args[DNNL_ARG_WEIGHTS] = p.fw.input(eng_, strm_, p.w_md, const_cast<void*>(conv_input(w, rw)));
   memory zero_bias;
   if (bias.defined()) {
-    args[DNNL_ARG_BIAS] = memory(p.b_md, eng_, bias.raw());
+    args[DNNL_ARG_BIAS] = memory(p.b_md, eng_, bias.device_raw());
   } else {
     zero_bias = memory(p.b_md, eng_);
     std::memset(zero_bias.get_data_handle(), 0, static_cast<size_t>(g.k) * 4);
     args[DNNL_ARG_BIAS] = zero_bias;
   }
-  args[DNNL_ARG_DST] = p.fy.output(eng_, p.y_md, y.raw());
+  args[DNNL_ARG_DST] = p.fy.output(eng_, p.y_md, y.device_raw());
   p.fwd.execute(strm_, args);
-  p.fy.finish(eng_, strm_, p.y_md, y.raw());
+  p.fy.finish(eng_, strm_, p.y_md, y.device_raw());
   strm_.wait();
 }
 
@@ -123,9 +121,9 @@ void CpuEngine::conv2d_backward_data(const Conv2dGeom& g, const Tensor& dy, cons
   std::unordered_map<int, memory> args;
   args[DNNL_ARG_DIFF_DST] = p.dy_d.input(eng_, strm_, p.y_md, const_cast<void*>(conv_input(dy, rdy)));
   args[DNNL_ARG_WEIGHTS] = p.w_d.input(eng_, strm_, p.w_md, const_cast<void*>(conv_input(w, rw)));
-  args[DNNL_ARG_DIFF_SRC] = p.dx_d.output(eng_, p.x_md, dx.raw());
+  args[DNNL_ARG_DIFF_SRC] = p.dx_d.output(eng_, p.x_md, dx.device_raw());
   p.bwd_d.execute(strm_, args);
-  p.dx_d.finish(eng_, strm_, p.x_md, dx.raw());
+  p.dx_d.finish(eng_, strm_, p.x_md, dx.device_raw());
   strm_.wait();
 }
 
@@ -145,11 +143,11 @@ void CpuEngine::conv2d_backward_weights(const Conv2dGeom& g, const Tensor& x, co
   strm_.wait();
   // Gradients accumulate (engine contract).
   const float* tw = static_cast<const float*>(dw_tmp);
-  float* pdw = dw.f32();
+  float* pdw = dw.device_f32();
   for (int64_t i = 0; i < dw.numel(); ++i) pdw[i] += tw[i];
   if (dbias.defined()) {
     const float* tb = static_cast<const float*>(p.db_tmp.get_data_handle());
-    float* pdb = dbias.f32();
+    float* pdb = dbias.device_f32();
     for (int64_t i = 0; i < g.k; ++i) pdb[i] += tb[i];
   }
 }
@@ -177,7 +175,8 @@ PoolPrims& CpuEngine::pool_prims(const Pool2dGeom& g, PoolKind kind) {
   p->bwd = dnnl::pooling_backward(p->bwd_pd);
   p->workspace_bytes = p->fwd_pd.workspace_desc().get_size();
   const std::string impl = p->fwd_pd.impl_info_str();
-  p->own_max = kind == PoolKind::Max && (impl.find("simple") != std::string::npos || impl.find("ref") != std::string::npos);
+  p->own_max =
+      kind == PoolKind::Max && (impl.find("simple") != std::string::npos || impl.find("ref") != std::string::npos);
   slot = std::move(p);
   return *slot;
 }
@@ -213,7 +212,8 @@ void max_pool_plane(const Pool2dGeom& g, const float* xp, float* yp, int32_t* ip
   for (int64_t i = 0; i < oh; ++i) {
     const int64_t h0 = std::max<int64_t>(0, i * g.stride - g.pad), h1 = std::min(g.h, i * g.stride - g.pad + g.kernel);
     for (int64_t j = 0; j < ow; ++j) {
-      const int64_t w0 = std::max<int64_t>(0, j * g.stride - g.pad), w1 = std::min(g.w, j * g.stride - g.pad + g.kernel);
+      const int64_t w0 = std::max<int64_t>(0, j * g.stride - g.pad),
+                    w1 = std::min(g.w, j * g.stride - g.pad + g.kernel);
       float m = -std::numeric_limits<float>::infinity();
       int64_t at = h0 * g.w + w0;
       bool nan = false;
@@ -261,12 +261,13 @@ void CpuEngine::pool2d_forward(const Pool2dGeom& g, PoolKind kind, const Tensor&
   if (p.own_max) {
     Tensor local;
     Tensor& ix = state ? *state : local;
-    if (!ix.defined() || ix.dtype() != DType::I32 || ix.numel() != y.numel()) ix = Tensor::empty({y.numel()}, DType::I32);
-    max_pool_forward(g, x.f32(), y.f32(), ix.data<int32_t>());
+    if (!ix.defined() || ix.dtype() != DType::I32 || ix.numel() != y.numel())
+      ix = Tensor::empty({y.numel()}, DType::I32);
+    max_pool_forward(g, x.device_f32(), y.device_f32(), ix.device_data<int32_t>());
     return;
   }
-  std::unordered_map<int, memory> args{{DNNL_ARG_SRC, memory(p.x_md, eng_, x.raw())},
-                                       {DNNL_ARG_DST, memory(p.y_md, eng_, y.raw())}};
+  std::unordered_map<int, memory> args{{DNNL_ARG_SRC, memory(p.x_md, eng_, x.device_raw())},
+                                       {DNNL_ARG_DST, memory(p.y_md, eng_, y.device_raw())}};
   Tensor ws;
   if (p.workspace_bytes) {
     if (state && state->defined() && state->nbytes() == p.workspace_bytes) {
@@ -275,27 +276,26 @@ void CpuEngine::pool2d_forward(const Pool2dGeom& g, PoolKind kind, const Tensor&
       ws = Tensor::empty({static_cast<int64_t>(p.workspace_bytes)}, DType::U8);
       if (state) *state = ws;
     }
-    args[DNNL_ARG_WORKSPACE] = memory(p.fwd_pd.workspace_desc(), eng_, ws.raw());
+    args[DNNL_ARG_WORKSPACE] = memory(p.fwd_pd.workspace_desc(), eng_, ws.device_raw());
   }
   p.fwd.execute(strm_, args);
   strm_.wait();
 }
 
-void CpuEngine::pool2d_backward(const Pool2dGeom& g, PoolKind kind, const Tensor& dy, const Tensor& state,
-                                Tensor& dx) {
+void CpuEngine::pool2d_backward(const Pool2dGeom& g, PoolKind kind, const Tensor& dy, const Tensor& state, Tensor& dx) {
   PoolPrims& p = pool_prims(g, kind);
   if (p.own_max) {
     DT_CHECK(state.defined() && state.dtype() == DType::I32 && state.numel() == dy.numel(),
              "max-pool backward needs the indices saved by a training forward");
-    max_pool_backward(g, dy.f32(), state.data<int32_t>(), dx.f32());
+    max_pool_backward(g, dy.device_f32(), state.device_data<int32_t>(), dx.device_f32());
     return;
   }
-  std::unordered_map<int, memory> args{{DNNL_ARG_DIFF_DST, memory(p.y_md, eng_, dy.raw())},
-                                       {DNNL_ARG_DIFF_SRC, memory(p.x_md, eng_, dx.raw())}};
+  std::unordered_map<int, memory> args{{DNNL_ARG_DIFF_DST, memory(p.y_md, eng_, dy.device_raw())},
+                                       {DNNL_ARG_DIFF_SRC, memory(p.x_md, eng_, dx.device_raw())}};
   if (p.workspace_bytes) {
     DT_CHECK(state.defined() && state.nbytes() == p.workspace_bytes,
              "max-pool backward needs the workspace saved by a training forward");
-    args[DNNL_ARG_WORKSPACE] = memory(p.fwd_pd.workspace_desc(), eng_, state.raw());
+    args[DNNL_ARG_WORKSPACE] = memory(p.fwd_pd.workspace_desc(), eng_, state.device_raw());
   }
   p.bwd.execute(strm_, args);
   strm_.wait();

@@ -24,7 +24,7 @@ namespace dtrain {
 
 namespace {
 std::mutex g_engines_mu;
-EngineFactory g_factories[2] = {nullptr, nullptr};
+EngineFactory g_factories[kDeviceTypes] = {};
 std::unordered_map<int, std::unique_ptr<Engine>>& cuda_engines() {
   static std::unordered_map<int, std::unique_ptr<Engine>> m;
   return m;
@@ -40,6 +40,11 @@ Engine& engine_for(Device device) {
   if (device.is_cpu()) {
     static cpu::CpuEngine cpu_engine;
     return cpu_engine;
+  }
+  if (device.type == DeviceType::SIM) {
+    DT_CHECK(device.index == 0, "the simulated device has one index, 0; asked for " << device.str());
+    static cpu::CpuEngine sim_engine(Device::sim());
+    return sim_engine;
   }
   std::lock_guard<std::mutex> lock(g_engines_mu);
   auto& m = cuda_engines();
@@ -93,7 +98,7 @@ XentStats xent_stats(const Tensor& host_row) {
   DT_CHECK(host_row.device().is_cpu() && host_row.dtype() == DType::F32 && host_row.numel() == kXentStatsFloats,
            "xent_stats reads " << kXentStatsFloats << " f32 on the host, got " << host_row.str());
   XentStats st;
-  std::memcpy(&st, host_row.raw(), sizeof st);
+  std::memcpy(&st, host_row.device_raw(), sizeof st);
   return st;
 }
 
@@ -116,6 +121,10 @@ Tensor host_copy(const Tensor& src, const Tensor* reuse) {
 
 Tensor stage_to(const Tensor& host, Device device, StagedTensor& st) {
   if (device.is_cpu()) return host;
+  if (device.type == DeviceType::SIM) {
+    stage_async(host, device, st);
+    return take_staged(st);
+  }
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
   // Through the copy stream with an event: the page-locked buffer is rewritten only after its last
   // upload left it, so a caller need not sync the device between two batches.
@@ -132,6 +141,12 @@ void stage_async(const Tensor& host, Device device, StagedTensor& st) {
     st.host = Tensor();
     st.device = host;
     st.uploaded.reset();
+    return;
+  }
+  if (device.type == DeviceType::SIM) {  // synchronous: the CPU engine has no queue
+    if (!st.device.defined() || st.device.shape() != host.shape() || st.device.dtype() != host.dtype())
+      st.device = Tensor::empty(host.shape(), host.dtype(), device);
+    copy_any(host, st.device);
     return;
   }
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
@@ -186,7 +201,9 @@ namespace cpu {
 // Loops smaller than this run on the calling thread: OpenMP's fork/join costs more than the work.
 constexpr int64_t kParallelGrain = 1 << 15;
 
-CpuEngine::CpuEngine() : eng_(dnnl::engine::kind::cpu, 0), strm_(eng_) { threads_ = omp_get_max_threads(); }
+CpuEngine::CpuEngine(Device device) : eng_(dnnl::engine::kind::cpu, 0), strm_(eng_), device_(device) {
+  threads_ = omp_get_max_threads();
+}
 
 std::string CpuEngine::describe() const {
   return "cpu (oneDNN " + onednn_version() + ", " + std::to_string(threads_) + " threads)";
@@ -199,7 +216,7 @@ void CpuEngine::set_threads(int threads) {
 }
 
 static void check_f32(const Tensor& t, const char* what) {
-  DT_CHECK(t.defined() && t.dtype() == DType::F32 && t.device().is_cpu(),
+  DT_CHECK(t.defined() && t.dtype() == DType::F32 && cpu_addressable(t),
            what << " must be an f32 CPU tensor, got " << (t.defined() ? t.str() : "undefined"));
 }
 
@@ -219,10 +236,11 @@ void CpuEngine::gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float al
   // The choice looks at the rows (tokens) only: tensor parallelism shards n or k, and every rank
   // must run the same implementation as one rank would, or their rounding drifts apart.
   if (tb && !ta && m >= 16 &&
-      gemm_batched_f32_matmul(1, ta, tb, m, n, k, alpha, a.f32(), m * k, b.f32(), k * n, beta, c.f32(), m * n))
+      gemm_batched_f32_matmul(1, ta, tb, m, n, k, alpha, a.device_f32(), m * k, b.device_f32(), k * n, beta,
+                              c.device_f32(), m * n))
     return;
-  dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a.f32(), ta ? m : k, b.f32(),
-                                tb ? k : n, beta, c.f32(), n);
+  dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a.device_f32(), ta ? m : k,
+                                b.device_f32(), tb ? k : n, beta, c.device_f32(), n);
   DT_CHECK(st == dnnl_success, "dnnl_sgemm failed with status " << static_cast<int>(st));
 }
 
@@ -244,12 +262,12 @@ void CpuEngine::gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_t
   // stay on sgemm, as under bf16: on the tests' tiny GPTs (T 8, head width 4) the primitive's
   // rounding moved tensor-parallel runs 2e-5 from one rank in a few AdamW steps, past the 1e-5
   // those tests allow, and such products gain little.
-  if (std::min(m, n) >= 16 &&
-      gemm_batched_f32_matmul(batch, ta, tb, m, n, k, alpha, a.f32(), sa, b.f32(), sb, beta, c.f32(), sc))
+  if (std::min(m, n) >= 16 && gemm_batched_f32_matmul(batch, ta, tb, m, n, k, alpha, a.device_f32(), sa, b.device_f32(),
+                                                      sb, beta, c.device_f32(), sc))
     return;
   for (int64_t i = 0; i < batch; ++i) {
-    dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a.f32() + i * sa, ta ? m : k,
-                                  b.f32() + i * sb, tb ? k : n, beta, c.f32() + i * sc, n);
+    dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a.device_f32() + i * sa, ta ? m : k,
+                                  b.device_f32() + i * sb, tb ? k : n, beta, c.device_f32() + i * sc, n);
     DT_CHECK(st == dnnl_success, "dnnl_sgemm failed with status " << static_cast<int>(st));
   }
 }
@@ -260,8 +278,8 @@ static void map1(const Tensor& x, Tensor& y, F f) {
   check_f32(x, "input");
   check_f32(y, "output");
   DT_CHECK(x.numel() == y.numel(), "element-wise op on " << x.str() << " -> " << y.str());
-  const float* px = x.f32();
-  float* py = y.f32();
+  const float* px = x.device_f32();
+  float* py = y.device_f32();
   int64_t n = x.numel();
 #pragma omp parallel for schedule(static) if (n > kParallelGrain)
   for (int64_t i = 0; i < n; ++i) py[i] = f(px[i]);
@@ -279,9 +297,9 @@ static void check_binary(const Tensor& a, const Tensor& b, const Tensor& y) {
 template <typename F>
 static void map2(const Tensor& a, const Tensor& b, Tensor& y, F f) {
   check_binary(a, b, y);
-  const float* pa = a.f32();
-  const float* pb = b.f32();
-  float* py = y.f32();
+  const float* pa = a.device_f32();
+  const float* pb = b.device_f32();
+  float* py = y.device_f32();
   int64_t n = y.numel();
 #pragma omp parallel for schedule(static) if (n > kParallelGrain)
   for (int64_t i = 0; i < n; ++i) py[i] = f(pa[i], pb[i]);
@@ -292,17 +310,17 @@ static void vec1(const Tensor& x, Tensor& y, void (*kernel)(const float*, float*
   check_f32(x, "input");
   check_f32(y, "output");
   DT_CHECK(x.numel() == y.numel(), "element-wise op on " << x.str() << " -> " << y.str());
-  const float* px = x.f32();
-  float* py = y.f32();
+  const float* px = x.device_f32();
+  float* py = y.device_f32();
   for_slices(x.numel(), kParallelGrain, 16, [&](int64_t b, int64_t n) { kernel(px + b, py + b, n); });
 }
 
 static void vec2(const Tensor& a, const Tensor& b, Tensor& y,
                  void (*kernel)(const float*, const float*, float*, int64_t)) {
   check_binary(a, b, y);
-  const float* pa = a.f32();
-  const float* pb = b.f32();
-  float* py = y.f32();
+  const float* pa = a.device_f32();
+  const float* pb = b.device_f32();
+  float* py = y.device_f32();
   for_slices(y.numel(), kParallelGrain, 16, [&](int64_t i, int64_t n) { kernel(pa + i, pb + i, py + i, n); });
 }
 
@@ -330,7 +348,7 @@ void CpuEngine::dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor&
   check_f32(mask, "dropout mask");
   DT_CHECK(mask.numel() == x.numel(), "dropout mask " << mask.str() << " for input " << x.str());
   fn::DropoutMask f{p, 1.f / (1.f - p), seed};
-  float* pm = mask.f32();
+  float* pm = mask.device_f32();
   int64_t n = x.numel();
 #pragma omp parallel for schedule(static) if (n > kParallelGrain)
   for (int64_t i = 0; i < n; ++i) pm[i] = f(static_cast<uint64_t>(i));
@@ -343,42 +361,46 @@ void CpuEngine::axpy(float alpha, const Tensor& x, Tensor& y) {
   check_f32(x, "axpy x");
   check_f32(y, "axpy y");
   DT_CHECK(x.numel() == y.numel(), "axpy " << x.str() << " into " << y.str());
-  const float* px = x.f32();
-  float* py = y.f32();
+  const float* px = x.device_f32();
+  float* py = y.device_f32();
   auto kernel = simd::active().axpy;
   for_slices(y.numel(), kParallelGrain, 16, [&](int64_t i, int64_t n) { kernel(alpha, px + i, py + i, n); });
 }
 void CpuEngine::scale(Tensor& y, float alpha) {
   check_f32(y, "scale y");
-  float* py = y.f32();
+  float* py = y.device_f32();
   auto kernel = simd::active().scale;
   for_slices(y.numel(), kParallelGrain, 16, [&](int64_t i, int64_t n) { kernel(py + i, alpha, n); });
 }
 void CpuEngine::fill(Tensor& y, float value) {
   if (y.dtype() != DType::F32) {
     DT_CHECK(value == 0.f, "fill of " << y.str() << " with a non-zero value");
-    y.zero_();
+    if (y.nbytes()) std::memset(y.device_raw(), 0, y.nbytes());
     return;
   }
   map1(y, y, [value](float) { return value; });
 }
-void CpuEngine::copy(const Tensor& src, Tensor& dst) { dst.copy_from(src); }
+void CpuEngine::copy(const Tensor& src, Tensor& dst) {
+  DT_CHECK(src.numel() == dst.numel() && src.dtype() == dst.dtype() && cpu_addressable(src) && cpu_addressable(dst),
+           "copy " << src.str() << " into " << dst.str());
+  if (src.nbytes()) std::memmove(dst.device_raw(), src.device_raw(), src.nbytes());
+}
 
 void CpuEngine::cast(const Tensor& src, Tensor& dst) {
   DT_CHECK(src.numel() == dst.numel(), "cast " << src.str() << " -> " << dst.str());
   int64_t n = src.numel();
-  if (src.dtype() == dst.dtype()) return dst.copy_from(src);
+  if (src.dtype() == dst.dtype()) return copy(src, dst);
   if (src.dtype() == DType::F32 && dst.dtype() == DType::BF16) {
-    f32_to_bf16(src.f32(), dst.data<uint16_t>(), n);
+    f32_to_bf16(src.device_f32(), dst.device_data<uint16_t>(), n);
   } else if (src.dtype() == DType::BF16 && dst.dtype() == DType::F32) {
-    const uint16_t* s = src.data<uint16_t>();
-    float* d = dst.f32();
+    const uint16_t* s = src.device_data<uint16_t>();
+    float* d = dst.device_f32();
 #pragma omp parallel for if (n > kParallelGrain)
     for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_float(s[i]);
   } else if (src.dtype() == DType::F32 && dst.dtype() == DType::F16) {
-    f32_to_f16(src.f32(), dst.data<uint16_t>(), n);
+    f32_to_f16(src.device_f32(), dst.device_data<uint16_t>(), n);
   } else if (src.dtype() == DType::F16 && dst.dtype() == DType::F32) {
-    f16_to_f32(src.data<uint16_t>(), dst.f32(), n);
+    f16_to_f32(src.device_data<uint16_t>(), dst.device_f32(), n);
   } else {
     DT_CHECK(false, "cast from " << dtype_name(src.dtype()) << " to " << dtype_name(dst.dtype()) << " is not defined");
   }
@@ -390,8 +412,8 @@ void CpuEngine::add_row_bias(Tensor& y, const Tensor& bias) {
   int64_t n = bias.numel();
   DT_CHECK(n > 0 && y.numel() % n == 0, "add_row_bias " << y.str() << " + " << bias.str());
   int64_t m = y.numel() / n;
-  float* py = y.f32();
-  const float* pb = bias.f32();
+  float* py = y.device_f32();
+  const float* pb = bias.device_f32();
   auto kernel = simd::active().add_row_bias;
   for_slices(m, kParallelGrain / n, 1, [&](int64_t i, int64_t rows) { kernel(py + i * n, pb, rows, n); });
 }
@@ -402,12 +424,12 @@ void CpuEngine::row_bias_grad(const Tensor& dy, Tensor& dbias) {
   int64_t n = dbias.numel();
   DT_CHECK(n > 0 && dy.numel() % n == 0, "row_bias_grad " << dy.str() << " -> " << dbias.str());
   int64_t m = dy.numel() / n;
-  simd::active().row_bias_grad(dy.f32(), dbias.f32(), m, n);
+  simd::active().row_bias_grad(dy.device_f32(), dbias.device_f32(), m, n);
 }
 
 double CpuEngine::sum_squares(const Tensor& x) {
   check_f32(x, "sum_squares input");
-  const float* p = x.f32();
+  const float* p = x.device_f32();
   int64_t n = x.numel();
   auto kernel = simd::active().sum_squares;
   double s = 0;
@@ -422,7 +444,7 @@ double CpuEngine::sum_squares(const Tensor& x) {
 
 bool CpuEngine::all_finite(const Tensor& x) {
   check_f32(x, "all_finite input");
-  const float* p = x.f32();
+  const float* p = x.device_f32();
   int64_t n = x.numel();
   int bad = 0;
 #pragma omp parallel for reduction(| : bad) if (n > kParallelGrain)
@@ -434,7 +456,7 @@ void CpuEngine::unscale_and_check(Tensor& x, float inv_scale, Tensor& found_inf)
   check_f32(x, "unscale_and_check input");
   check_f32(found_inf, "found_inf");
   fn::Unscale f{inv_scale};
-  float* p = x.f32();
+  float* p = x.device_f32();
   int64_t n = x.numel();
   int bad = 0;
 #pragma omp parallel for reduction(| : bad) if (n > kParallelGrain)
@@ -442,7 +464,7 @@ void CpuEngine::unscale_and_check(Tensor& x, float inv_scale, Tensor& found_inf)
     p[i] = f(p[i]);
     bad |= !fn::is_finite(p[i]);
   }
-  if (bad) found_inf.f32()[0] = 1.f;
+  if (bad) found_inf.device_f32()[0] = 1.f;
 }
 
 // ------------------------------------------------------------------ softmax cross-entropy
@@ -451,9 +473,9 @@ double CpuEngine::softmax_xent_forward(const Tensor& logits, const Tensor& label
   DT_CHECK(logits.dim() == 2 && labels.dtype() == DType::I32 && labels.numel() == logits.size(0),
            "softmax_xent: logits " << logits.str() << ", labels " << labels.str());
   int64_t m = logits.size(0), c = logits.size(1);
-  const float* x = logits.f32();
-  const int32_t* y = labels.data<int32_t>();
-  float* p = probs.f32();
+  const float* x = logits.device_f32();
+  const int32_t* y = labels.device_data<int32_t>();
+  float* p = probs.device_f32();
   double loss = 0;
   int64_t hits = 0;
   for (int64_t i = 0; i < m; ++i) {
@@ -482,23 +504,21 @@ double CpuEngine::softmax_xent_forward(const Tensor& logits, const Tensor& label
 
 void CpuEngine::softmax_xent_accumulate(const Tensor& logits, const Tensor& labels, Tensor& probs, Tensor& stats) {
   check_f32(stats, "xent stats");
-  DT_CHECK(stats.numel() == kXentStatsFloats, "xent stats must be " << kXentStatsFloats
-                                                                                             << " f32, got " << stats.str());
+  DT_CHECK(stats.numel() == kXentStatsFloats, "xent stats must be " << kXentStatsFloats << " f32, got " << stats.str());
   int64_t hits = 0;
   double loss = softmax_xent_forward(logits, labels, probs, &hits);  // a bad label throws here
   XentStats st;
-  std::memcpy(&st, stats.raw(), sizeof st);
+  std::memcpy(&st, stats.device_raw(), sizeof st);
   st.loss_sum += loss;
   st.hits += static_cast<uint64_t>(hits);
-  std::memcpy(stats.raw(), &st, sizeof st);
+  std::memcpy(stats.device_raw(), &st, sizeof st);
 }
-
 
 void CpuEngine::softmax_xent_backward(const Tensor& probs, const Tensor& labels, float scale, Tensor& dlogits) {
   int64_t m = probs.size(0), c = probs.size(1);
-  const float* p = probs.f32();
-  const int32_t* y = labels.data<int32_t>();
-  float* d = dlogits.f32();
+  const float* p = probs.device_f32();
+  const int32_t* y = labels.device_data<int32_t>();
+  float* d = dlogits.device_f32();
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < c; ++j) d[i * c + j] = (p[i * c + j] - (j == y[i] ? 1.f : 0.f)) * scale;
 }
@@ -509,17 +529,17 @@ void CpuEngine::topk_abs(const Tensor& x, int64_t k, Tensor& idx) {
   const int64_t n = x.numel();
   DT_CHECK(k > 0 && k <= n && n <= INT32_MAX, "topk_abs: k = " << k << " of " << x.str());
   DT_CHECK(idx.dtype() == DType::I32 && idx.numel() == k, "topk_abs: idx " << idx.str() << " for k = " << k);
-  const std::vector<int32_t> top = topk_abs_indices(x.f32(), n, k);  // the compressor's selection
-  std::memcpy(idx.data<int32_t>(), top.data(), static_cast<size_t>(k) * sizeof(int32_t));
+  const std::vector<int32_t> top = topk_abs_indices(x.device_f32(), n, k);  // the compressor's selection
+  std::memcpy(idx.device_data<int32_t>(), top.data(), static_cast<size_t>(k) * sizeof(int32_t));
 }
 
 void CpuEngine::gather_and_clear(Tensor& x, const Tensor& idx, Tensor& vals) {
   check_f32(x, "x");
   DT_CHECK(idx.dtype() == DType::I32 && (!vals.defined() || vals.numel() == idx.numel()),
            "gather_and_clear: idx " << idx.str() << ", vals " << (vals.defined() ? vals.str() : "none"));
-  float* v = x.f32();
-  const int32_t* ix = idx.data<int32_t>();
-  float* out = vals.defined() ? vals.f32() : nullptr;
+  float* v = x.device_f32();
+  const int32_t* ix = idx.device_data<int32_t>();
+  float* out = vals.defined() ? vals.device_f32() : nullptr;
   for (int64_t j = 0; j < idx.numel(); ++j) {
     DT_CHECK(ix[j] >= 0 && ix[j] < x.numel(), "gather_and_clear: index " << ix[j] << " outside " << x.str());
     if (out) out[j] = v[ix[j]];
@@ -531,9 +551,9 @@ void CpuEngine::scatter_add(const Tensor& idx, const Tensor& vals, Tensor& y) {
   check_f32(y, "y");
   DT_CHECK(idx.dtype() == DType::I32 && vals.numel() == idx.numel(),
            "scatter_add: idx " << idx.str() << ", vals " << vals.str());
-  float* out = y.f32();
-  const int32_t* ix = idx.data<int32_t>();
-  const float* v = vals.f32();
+  float* out = y.device_f32();
+  const int32_t* ix = idx.device_data<int32_t>();
+  const float* v = vals.device_f32();
   for (int64_t j = 0; j < idx.numel(); ++j) {
     DT_CHECK(ix[j] >= 0 && ix[j] < y.numel(), "scatter_add: index " << ix[j] << " outside " << y.str());
     out[ix[j]] += v[j];
@@ -547,10 +567,10 @@ void CpuEngine::sgd_update(Tensor& param, const Tensor& grad, Tensor& buf, float
   check_f32(grad, "grad");
   DT_CHECK(param.numel() == grad.numel(), "sgd_update " << param.str() << " with grad " << grad.str());
   fn::SgdStep f{lr, momentum, dampening, weight_decay, nesterov};
-  float* p = param.f32();
-  const float* g = grad.f32();
+  float* p = param.device_f32();
+  const float* g = grad.device_f32();
   float dummy = 0.f;
-  float* b = momentum != 0.f ? buf.f32() : nullptr;
+  float* b = momentum != 0.f ? buf.device_f32() : nullptr;
   int64_t n = param.numel();
 #pragma omp parallel for if (n > kParallelGrain) firstprivate(dummy)
   for (int64_t i = 0; i < n; ++i) f(p[i], g[i], b ? b[i] : dummy);
@@ -563,10 +583,10 @@ void CpuEngine::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor
   float bias1 = 1.f - std::pow(beta1, static_cast<float>(step));
   float bias2 = 1.f - std::pow(beta2, static_cast<float>(step));
   fn::AdamStep f{lr, beta1, beta2, eps, weight_decay, bias1, bias2, decoupled};
-  float* p = param.f32();
-  const float* g = grad.f32();
-  float* pm = m.f32();
-  float* pv = v.f32();
+  float* p = param.device_f32();
+  const float* g = grad.device_f32();
+  float* pm = m.device_f32();
+  float* pv = v.device_f32();
   DT_CHECK(grad.numel() == param.numel() && m.numel() == param.numel() && v.numel() == param.numel(),
            "adam_update " << param.str() << " with grad " << grad.str() << ", m " << m.str() << ", v " << v.str());
   auto kernel = simd::active().adam_update;

@@ -16,6 +16,10 @@
 
 namespace dtrain::cpu {
 
+// Memory the CPU engine computes on: the host's, or the simulated device's (host RAM marked as a
+// device's, see Device); never a GPU's.
+inline bool cpu_addressable(const Tensor& t) { return t.device().type != DeviceType::CUDA; }
+
 using dnnl::memory;
 using tag = memory::format_tag;
 using dt = memory::data_type;
@@ -169,8 +173,9 @@ struct PoolPrims {
 
 class CpuEngine final : public Engine {
  public:
-  CpuEngine();
-  Device device() const override { return Device::cpu(); }
+  // On the host, or on the simulated device (Device::sim), whose memory is host memory too.
+  explicit CpuEngine(Device device = Device::cpu());
+  Device device() const override { return device_; }
   std::string describe() const override;
   std::string precision_note() const override;
   // A bf16 precision permits bf16, it does not demand it: a GEMM with fewer than 16 rows or columns
@@ -236,18 +241,27 @@ class CpuEngine final : public Engine {
   void permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, int64_t d, Tensor& y) override;
   void attention_softmax_forward(const Tensor& scores, int64_t t, float scale, bool causal, Tensor& probs) override;
   void attention_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale, bool causal,
-                               Tensor& dscores) override;
+                                  Tensor& dscores) override;
   void row_max(const Tensor& x, Tensor& out) override;
+  void softmax_rows(const Tensor& x, float scale, Tensor& y) override;
   void vocab_xent_partials(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
                            Tensor& sumexp, Tensor& target) override;
   void vocab_xent_backward(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
                            const Tensor& sumexp, float scale, Tensor& dlogits) override;
+  void vocab_xent_loss_accumulate(const Tensor& rowmax, const Tensor& sumexp, const Tensor& target,
+                                  Tensor& stats) override;
   void embedding_forward(const Tensor& ids, const Tensor& table, int64_t offset, Tensor& y) override;
   void embedding_backward(const Tensor& ids, const Tensor& dy, int64_t offset, Tensor& dtable) override;
 
   void topk_abs(const Tensor& x, int64_t k, Tensor& idx) override;
   void gather_and_clear(Tensor& x, const Tensor& idx, Tensor& vals) override;
   void scatter_add(const Tensor& idx, const Tensor& vals, Tensor& y) override;
+  // compress.cpp
+  void sign_encode(Tensor& x, Tensor& payload) override;
+  void sign_decode_add(const Tensor& payload, Tensor& y) override;
+  void qsgd_encode(const Tensor& x, int levels, uint64_t seed, Tensor& payload) override;
+  void qsgd_decode_add(const Tensor& payload, int levels, Tensor& y) override;
+  void orthonormalize_columns(Tensor& m) override;
 
   void sgd_update(Tensor& param, const Tensor& grad, Tensor& buf, float lr, float momentum, float dampening,
                   float weight_decay, bool nesterov) override;
@@ -275,6 +289,7 @@ class CpuEngine final : public Engine {
   dnnl::engine eng_;
   dnnl::stream strm_;
   int threads_ = 1;
+  Device device_;
   std::mutex cache_mu_;
   std::unordered_map<std::string, std::unique_ptr<ConvPrims>> conv_cache_;
   bool conv_bf16_native_ = true;  // false once oneDNN has refused a bf16 convolution here

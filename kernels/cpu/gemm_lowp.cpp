@@ -140,10 +140,7 @@ void chunked(void (*convert)(const Src*, Dst*, int64_t), const Src* src, Dst* ds
 }  // namespace
 
 void f32_to_bf16(const float* src, uint16_t* dst, int64_t n) {
-  chunked(has_avx512_bf16() ? f32_to_bf16_avx512
-          : has_avx2()      ? f32_to_bf16_avx2
-                                            : f32_to_bf16_scalar,
-          src, dst, n);
+  chunked(has_avx512_bf16() ? f32_to_bf16_avx512 : has_avx2() ? f32_to_bf16_avx2 : f32_to_bf16_scalar, src, dst, n);
 }
 
 void round_to_bf16(const float* src, float* dst, int64_t n) {
@@ -228,18 +225,17 @@ bool CpuEngine::gemm_batched_f32_matmul(int64_t batch, bool ta, bool tb, int64_t
 
 void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                           const Tensor& a, int64_t sa, const Tensor& b, int64_t sb, float beta, Tensor& c, int64_t sc) {
-  DT_CHECK(a.device().is_cpu() && b.device().is_cpu() && c.device().is_cpu() && c.dtype() == DType::F32,
+  DT_CHECK(cpu_addressable(a) && cpu_addressable(b) && cpu_addressable(c) && c.dtype() == DType::F32,
            "gemm: C must be an f32 CPU tensor, got " << c.str());
   // The multiply's type: a low-precision operand's, else the math precision's; f32 operands are
   // rounded to it.
-  const DType low = a.dtype() != DType::F32   ? a.dtype()
-                    : b.dtype() != DType::F32 ? b.dtype()
+  const DType low = a.dtype() != DType::F32       ? a.dtype()
+                    : b.dtype() != DType::F32     ? b.dtype()
                     : math_ == MathPrecision::F16 ? DType::F16
                                                   : DType::BF16;
   auto fits = [low](const Tensor& t) { return t.dtype() == DType::F32 || t.dtype() == low; };
   DT_CHECK((low == DType::BF16 || low == DType::F16) && fits(a) && fits(b),
-           "gemm: A and B must be f32, bf16 or f16 (one low precision at most), got " << a.str() << " and "
-                                                                                        << b.str());
+           "gemm: A and B must be f32, bf16 or f16 (one low precision at most), got " << a.str() << " and " << b.str());
   const int64_t span_a = (batch - 1) * sa + m * k, span_b = (batch - 1) * sb + k * n;
   DT_CHECK(batch >= 1 && a.numel() >= span_a && b.numel() >= span_b && c.numel() >= (batch - 1) * sc + m * n,
            "gemm " << batch << "x(" << m << "x" << n << "x" << k << "): operands too small (" << a.str() << ", "
@@ -267,15 +263,15 @@ void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n,
     auto widen = [half](const Tensor& t, int64_t span, std::vector<float>& out) {
       float* o = scratch(out, span);
       if (t.dtype() == DType::F16) {
-        f16_to_f32(t.data<uint16_t>(), o, span);
+        f16_to_f32(t.device_data<uint16_t>(), o, span);
       } else if (t.dtype() == DType::BF16) {
-        const uint16_t* s = t.data<uint16_t>();
+        const uint16_t* s = t.device_data<uint16_t>();
 #pragma omp parallel for if (span > (1 << 15))
         for (int64_t i = 0; i < span; ++i) o[i] = bf16_to_float(s[i]);
       } else if (half) {
-        round_to_f16(t.f32(), o, span);
+        round_to_f16(t.device_f32(), o, span);
       } else {
-        round_to_bf16(t.f32(), o, span);
+        round_to_bf16(t.device_f32(), o, span);
       }
       return o;
     };
@@ -283,7 +279,7 @@ void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n,
     const float* pb = widen(b, span_b, b32);
     for (int64_t i = 0; i < batch; ++i) {
       dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, pa + i * sa, ta ? m : k,
-                                    pb + i * sb, tb ? k : n, beta, c.f32() + i * sc, n);
+                                    pb + i * sb, tb ? k : n, beta, c.device_f32() + i * sc, n);
       DT_CHECK(st == dnnl_success, "dnnl_sgemm failed with status " << static_cast<int>(st));
     }
     return;
@@ -291,9 +287,9 @@ void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n,
 
   // bf16 operands as they are (a weight's working copy), f32 ones rounded into scratch.
   auto bf16_of = [](const Tensor& t, int64_t span, std::vector<uint16_t>& out) -> const uint16_t* {
-    if (t.dtype() == DType::BF16) return t.data<uint16_t>();
+    if (t.dtype() == DType::BF16) return t.device_data<uint16_t>();
     uint16_t* o = scratch(out, span);
-    f32_to_bf16(t.f32(), o, span);
+    f32_to_bf16(t.device_f32(), o, span);
     return o;
   };
   const uint16_t* pa = bf16_of(a, span_a, a16);
@@ -301,7 +297,7 @@ void CpuEngine::gemm_lowp(int64_t batch, bool ta, bool tb, int64_t m, int64_t n,
   for (int64_t i = 0; i < batch; i += per_call) {
     memory ma(p->a_md, eng_, const_cast<uint16_t*>(pa + i * sa));
     memory mb(p->b_md, eng_, const_cast<uint16_t*>(pb + i * sb));
-    memory mc(p->c_md, eng_, c.f32() + i * sc);
+    memory mc(p->c_md, eng_, c.device_f32() + i * sc);
     p->prim.execute(strm_, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
   }
   strm_.wait();

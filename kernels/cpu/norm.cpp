@@ -19,14 +19,14 @@ void CpuEngine::batchnorm_forward_train(const Tensor& x, int64_t channels, const
                                         float eps, float momentum, Tensor& running_mean, Tensor& running_var,
                                         Tensor& save_mean, Tensor& save_invstd, Tensor& y) {
   NchwView v = nchw(x, channels);
-  const float* px = x.f32();
-  float* py = y.f32();
-  const float* g = gamma.f32();
-  const float* b = beta.f32();
-  float* rm = running_mean.f32();
-  float* rv = running_var.f32();
-  float* sm = save_mean.f32();
-  float* si = save_invstd.f32();
+  const float* px = x.device_f32();
+  float* py = y.device_f32();
+  const float* g = gamma.device_f32();
+  const float* b = beta.device_f32();
+  float* rm = running_mean.device_f32();
+  float* rv = running_var.device_f32();
+  float* sm = save_mean.device_f32();
+  float* si = save_invstd.device_f32();
   const double count = static_cast<double>(v.n * v.hw);
 #pragma omp parallel for if (x.numel() > (1 << 15))
   for (int64_t c = 0; c < v.c; ++c) {
@@ -62,15 +62,14 @@ void CpuEngine::batchnorm_forward_train(const Tensor& x, int64_t channels, const
 }
 
 void CpuEngine::batchnorm_forward_infer(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta,
-                                        float eps, const Tensor& running_mean, const Tensor& running_var,
-                                        Tensor& y) {
+                                        float eps, const Tensor& running_mean, const Tensor& running_var, Tensor& y) {
   NchwView v = nchw(x, channels);
-  const float* px = x.f32();
-  float* py = y.f32();
-  const float* g = gamma.f32();
-  const float* b = beta.f32();
-  const float* rm = running_mean.f32();
-  const float* rv = running_var.f32();
+  const float* px = x.device_f32();
+  float* py = y.device_f32();
+  const float* g = gamma.device_f32();
+  const float* b = beta.device_f32();
+  const float* rm = running_mean.device_f32();
+  const float* rv = running_var.device_f32();
 #pragma omp parallel for if (x.numel() > (1 << 15))
   for (int64_t c = 0; c < v.c; ++c) {
     float a = g[c] / std::sqrt(rv[c] + eps);
@@ -90,14 +89,14 @@ void CpuEngine::batchnorm_backward(const Tensor& x, const Tensor& dy, int64_t ch
                                    const Tensor& save_mean, const Tensor& save_invstd, Tensor& dx, Tensor& dgamma,
                                    Tensor& dbeta) {
   NchwView v = nchw(x, channels);
-  const float* px = x.f32();
-  const float* pdy = dy.f32();
-  float* pdx = dx.f32();
-  const float* g = gamma.f32();
-  const float* sm = save_mean.f32();
-  const float* si = save_invstd.f32();
-  float* dg = dgamma.f32();
-  float* db = dbeta.f32();
+  const float* px = x.device_f32();
+  const float* pdy = dy.device_f32();
+  float* pdx = dx.device_f32();
+  const float* g = gamma.device_f32();
+  const float* sm = save_mean.device_f32();
+  const float* si = save_invstd.device_f32();
+  float* dg = dgamma.device_f32();
+  float* db = dbeta.device_f32();
   const double count = static_cast<double>(v.n * v.hw);
 #pragma omp parallel for if (x.numel() > (1 << 15))
   for (int64_t c = 0; c < v.c; ++c) {
@@ -130,9 +129,9 @@ void CpuEngine::batchnorm_backward(const Tensor& x, const Tensor& dy, int64_t ch
 
 void CpuEngine::channel_sums(const Tensor& x, int64_t channels, Tensor& sum, Tensor& sumsq) {
   NchwView v = nchw(x, channels);
-  const float* px = x.f32();
-  float* ps = sum.f32();
-  float* pq = sumsq.f32();
+  const float* px = x.device_f32();
+  float* ps = sum.device_f32();
+  float* pq = sumsq.device_f32();
 #pragma omp parallel for if (x.numel() > (1 << 15))
   for (int64_t c = 0; c < v.c; ++c) {
     double s = 0, q = 0;
@@ -148,9 +147,9 @@ void CpuEngine::channel_sums(const Tensor& x, int64_t channels, Tensor& sum, Ten
 void CpuEngine::channel_dot(const Tensor& a, const Tensor& b, int64_t channels, Tensor& out) {
   NchwView v = nchw(a, channels);
   DT_CHECK(a.numel() == b.numel(), "channel_dot of " << a.str() << " and " << b.str());
-  const float* pa = a.f32();
-  const float* pb = b.f32();
-  float* po = out.f32();
+  const float* pa = a.device_f32();
+  const float* pb = b.device_f32();
+  float* po = out.device_f32();
 #pragma omp parallel for if (a.numel() > (1 << 15))
   for (int64_t c = 0; c < v.c; ++c) {
     double s = 0;
@@ -162,13 +161,12 @@ void CpuEngine::channel_dot(const Tensor& a, const Tensor& b, int64_t channels, 
   }
 }
 
-void CpuEngine::channel_affine(const Tensor& x, int64_t channels, const Tensor& scale, const Tensor& shift,
-                               Tensor& y) {
+void CpuEngine::channel_affine(const Tensor& x, int64_t channels, const Tensor& scale, const Tensor& shift, Tensor& y) {
   NchwView v = nchw(x, channels);
-  const float* px = x.f32();
-  const float* a = scale.f32();
-  const float* b = shift.f32();
-  float* py = y.f32();
+  const float* px = x.device_f32();
+  const float* a = scale.device_f32();
+  const float* b = shift.device_f32();
+  float* py = y.device_f32();
 #pragma omp parallel for if (x.numel() > (1 << 15))
   for (int64_t c = 0; c < v.c; ++c)
     for (int64_t i = 0; i < v.n; ++i) {
@@ -184,12 +182,12 @@ void CpuEngine::layernorm_forward(const Tensor& x, const Tensor& gamma, const Te
   int64_t m = x.numel() / d;
   DT_CHECK(y.numel() == x.numel() && mean.numel() == m && rstd.numel() == m,
            "layernorm of " << x.str() << " into " << y.str() << ", mean " << mean.str() << ", rstd " << rstd.str());
-  const float* px = x.f32();
-  float* py = y.f32();
-  const float* g = gamma.f32();
-  const float* b = beta.f32();
-  float* pm = mean.f32();
-  float* pr = rstd.f32();
+  const float* px = x.device_f32();
+  float* py = y.device_f32();
+  const float* g = gamma.device_f32();
+  const float* b = beta.device_f32();
+  float* pm = mean.device_f32();
+  float* pr = rstd.device_f32();
   auto kernel = simd::active().layernorm_forward;
   for_slices(m, (1 << 15) / d, 1,
              [&](int64_t i, int64_t rows) { kernel(px + i * d, g, b, eps, pm + i, pr + i, py + i * d, rows, d); });
@@ -202,14 +200,14 @@ void CpuEngine::layernorm_backward(const Tensor& x, const Tensor& dy, const Tens
   int64_t m = x.numel() / d;
   DT_CHECK(dy.numel() == x.numel() && dx.numel() == x.numel() && dgamma.numel() == d && dbeta.numel() == d,
            "layernorm_backward of " << x.str() << " with dy " << dy.str() << " into " << dx.str());
-  const float* px = x.f32();
-  const float* pdy = dy.f32();
-  float* pdx = dx.f32();
-  const float* g = gamma.f32();
-  const float* pm = mean.f32();
-  const float* pr = rstd.f32();
-  float* dg = dgamma.f32();
-  float* db = dbeta.f32();
+  const float* px = x.device_f32();
+  const float* pdy = dy.device_f32();
+  float* pdx = dx.device_f32();
+  const float* g = gamma.device_f32();
+  const float* pm = mean.device_f32();
+  const float* pr = rstd.device_f32();
+  float* dg = dgamma.device_f32();
+  float* db = dbeta.device_f32();
   auto kernel = simd::active().layernorm_backward;
   const int64_t grain = (1 << 15) / d;
   if (m <= grain || omp_get_max_threads() == 1) {

@@ -18,12 +18,12 @@ constexpr int64_t kGrain = 1 << 14;
 
 void check_f32_numel(const Tensor& t, int64_t numel, const char* what) {
   DT_CHECK(
-      t.defined() && t.dtype() == DType::F32 && t.device().is_cpu() && t.numel() == numel,
+      t.defined() && t.dtype() == DType::F32 && cpu_addressable(t) && t.numel() == numel,
       what << " must be an f32 CPU tensor of " << numel << " elements, got " << (t.defined() ? t.str() : "undefined"));
 }
 
 void check_ids(const Tensor& ids, const char* op) {
-  DT_CHECK(ids.defined() && ids.dtype() == DType::I32 && ids.device().is_cpu(),
+  DT_CHECK(ids.defined() && ids.dtype() == DType::I32 && cpu_addressable(ids),
            op << ": ids must be an i32 CPU tensor, got " << (ids.defined() ? ids.str() : "undefined"));
 }
 
@@ -33,8 +33,8 @@ void CpuEngine::permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, i
   int64_t n = a * b * c * d;
   check_f32_numel(x, n, "permute_0213 input");
   check_f32_numel(y, n, "permute_0213 output");
-  const float* px = x.f32();
-  float* py = y.f32();
+  const float* px = x.device_f32();
+  float* py = y.device_f32();
   // One contiguous run of d floats per (i, j, k): x[i,j,k,:] -> y[i,k,j,:].
 #pragma omp parallel for collapse(2) if (n > kGrain)
   for (int64_t i = 0; i < a; ++i)
@@ -49,8 +49,8 @@ void CpuEngine::attention_softmax_forward(const Tensor& scores, int64_t t, float
   check_f32_numel(probs, scores.numel(), "causal_softmax probs");
   check_f32_numel(scores, scores.numel(), "causal_softmax scores");
   const int64_t rows = scores.numel() / t;
-  const float* ps = scores.f32();
-  float* pp = probs.f32();
+  const float* ps = scores.device_f32();
+  float* pp = probs.device_f32();
   auto kernel = simd::active().attention_softmax_forward;
   for_slices(rows, kGrain / t, 1,
              [&](int64_t r, int64_t n) { kernel(ps + r * t, pp + r * t, r, n, t, scale, causal); });
@@ -64,9 +64,9 @@ void CpuEngine::attention_softmax_backward(const Tensor& probs, const Tensor& dp
   check_f32_numel(dprobs, probs.numel(), "causal_softmax_backward dprobs");
   check_f32_numel(dscores, probs.numel(), "causal_softmax_backward dscores");
   const int64_t rows = probs.numel() / t;
-  const float* pp = probs.f32();
-  const float* pd = dprobs.f32();
-  float* pg = dscores.f32();
+  const float* pp = probs.device_f32();
+  const float* pd = dprobs.device_f32();
+  float* pg = dscores.device_f32();
   auto kernel = simd::active().attention_softmax_backward;
   for_slices(rows, kGrain / t, 1,
              [&](int64_t r, int64_t n) { kernel(pp + r * t, pd + r * t, pg + r * t, r, n, t, scale, causal); });
@@ -77,13 +77,32 @@ void CpuEngine::row_max(const Tensor& x, Tensor& out) {
   const int64_t m = x.size(0), n = x.size(1);
   check_f32_numel(x, m * n, "row_max input");
   check_f32_numel(out, m, "row_max output");
-  const float* px = x.f32();
-  float* po = out.f32();
+  const float* px = x.device_f32();
+  float* po = out.device_f32();
 #pragma omp parallel for if (m * n > kGrain)
   for (int64_t i = 0; i < m; ++i) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) mx = std::max(mx, px[i * n + j]);
     po[i] = mx;
+  }
+}
+
+void CpuEngine::softmax_rows(const Tensor& x, float scale, Tensor& y) {
+  DT_CHECK(x.dim() == 2, "softmax_rows needs x [M, N], got " << x.str());
+  const int64_t m = x.size(0), n = x.size(1);
+  check_f32_numel(x, m * n, "softmax_rows input");
+  check_f32_numel(y, m * n, "softmax_rows output");
+  const float* px = x.device_f32();
+  float* py = y.device_f32();
+#pragma omp parallel for if (m * n > kGrain)
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = px + i * n;
+    float* out = py + i * n;
+    double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, static_cast<double>(scale) * row[j]);
+    for (int64_t j = 0; j < n; ++j) sum += std::exp(static_cast<double>(scale) * row[j] - mx);
+    for (int64_t j = 0; j < n; ++j)
+      out[j] = static_cast<float>(std::exp(static_cast<double>(scale) * row[j] - mx) / sum);
   }
 }
 
@@ -95,11 +114,11 @@ void CpuEngine::vocab_xent_partials(const Tensor& logits, const Tensor& labels, 
   DT_CHECK(labels.numel() == m, "vocab_xent_partials: " << labels.str() << " labels for " << logits.str());
   for (const Tensor* t : std::initializer_list<const Tensor*>{&rowmax, &sumexp, &target})
     check_f32_numel(*t, m, "vocab_xent_partials row vector");
-  const float* px = logits.f32();
-  const int32_t* py = labels.data<int32_t>();
-  const float* pm = rowmax.f32();
-  float* ps = sumexp.f32();
-  float* pt = target.f32();
+  const float* px = logits.device_f32();
+  const int32_t* py = labels.device_data<int32_t>();
+  const float* pm = rowmax.device_f32();
+  float* ps = sumexp.device_f32();
+  float* pt = target.device_f32();
 #pragma omp parallel for if (m * n > kGrain)
   for (int64_t i = 0; i < m; ++i) {
     const float* row = px + i * n;
@@ -111,17 +130,32 @@ void CpuEngine::vocab_xent_partials(const Tensor& logits, const Tensor& labels, 
   }
 }
 
+void CpuEngine::vocab_xent_loss_accumulate(const Tensor& rowmax, const Tensor& sumexp, const Tensor& target,
+                                           Tensor& stats) {
+  const int64_t m = rowmax.numel();
+  check_f32_numel(sumexp, m, "vocab_xent_loss_accumulate sumexp");
+  check_f32_numel(target, m, "vocab_xent_loss_accumulate target");
+  check_f32_numel(stats, kXentStatsFloats, "vocab_xent_loss_accumulate stats");
+  const float *pm = rowmax.device_f32(), *ps = sumexp.device_f32(), *pt = target.device_f32();
+  double loss = 0;
+  for (int64_t i = 0; i < m; ++i) loss += std::log(static_cast<double>(ps[i])) + pm[i] - pt[i];
+  XentStats st;
+  std::memcpy(&st, stats.device_raw(), sizeof st);
+  st.loss_sum += loss;
+  std::memcpy(stats.device_raw(), &st, sizeof st);
+}
+
 void CpuEngine::vocab_xent_backward(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
                                     const Tensor& sumexp, float scale, Tensor& dlogits) {
   DT_CHECK(logits.dim() == 2, "vocab_xent_backward needs logits [M, Vs], got " << logits.str());
   const int64_t m = logits.size(0), n = logits.size(1);
   check_ids(labels, "vocab_xent_backward");
   check_f32_numel(dlogits, m * n, "vocab_xent_backward output");
-  const float* px = logits.f32();
-  const int32_t* py = labels.data<int32_t>();
-  const float* pm = rowmax.f32();
-  const float* ps = sumexp.f32();
-  float* pd = dlogits.f32();
+  const float* px = logits.device_f32();
+  const int32_t* py = labels.device_data<int32_t>();
+  const float* pm = rowmax.device_f32();
+  const float* ps = sumexp.device_f32();
+  float* pd = dlogits.device_f32();
 #pragma omp parallel for if (m * n > kGrain)
   for (int64_t i = 0; i < m; ++i) {
     const float inv = 1.f / ps[i];
@@ -137,9 +171,9 @@ void CpuEngine::embedding_forward(const Tensor& ids, const Tensor& table, int64_
   int64_t n = ids.numel(), v = table.size(0), c = table.size(1);
   check_f32_numel(table, v * c, "embedding table");
   check_f32_numel(y, n * c, "embedding output");
-  const int32_t* pi = ids.data<int32_t>();
-  const float* pt = table.f32();
-  float* py = y.f32();
+  const int32_t* pi = ids.device_data<int32_t>();
+  const float* pt = table.device_f32();
+  float* py = y.device_f32();
 #pragma omp parallel for if (n * c > kGrain)
   for (int64_t r = 0; r < n; ++r) {
     int64_t row = pi[r] - offset;
@@ -156,9 +190,9 @@ void CpuEngine::embedding_backward(const Tensor& ids, const Tensor& dy, int64_t 
   int64_t n = ids.numel(), v = dtable.size(0), c = dtable.size(1);
   check_f32_numel(dtable, v * c, "embedding gradient");
   check_f32_numel(dy, n * c, "embedding dy");
-  const int32_t* pi = ids.data<int32_t>();
-  const float* pd = dy.f32();
-  float* pt = dtable.f32();
+  const int32_t* pi = ids.device_data<int32_t>();
+  const float* pd = dy.device_f32();
+  float* pt = dtable.device_f32();
   // Threads own columns, so rows that repeat an id never race (and the sum order is fixed).
 #pragma omp parallel for if (n * c > kGrain)
   for (int64_t col = 0; col < c; ++col)

@@ -111,7 +111,7 @@ static void search(cudnnHandle_t h, ConvPlan& p) {
 // inputs). Under F16 convolutions stay fp32, as the CPU engine keeps them.
 Tensor CudaEngine::bf16_rounded(const Tensor& src) {
   Tensor r = Tensor::empty({src.numel()}, DType::F32, device());
-  k::round_to_bf16(src.data<float>(), r.data<float>(), src.numel(), compute_);
+  k::round_to_bf16(src.device_data<float>(), r.device_data<float>(), src.numel(), compute_);
   return r;
 }
 
@@ -127,13 +127,13 @@ void CudaEngine::conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tens
   const float one = 1.f, zero = 0.f;
   const bool bf16 = math_ == MathPrecision::BF16;
   Tensor xr = bf16 ? bf16_rounded(x) : x, wr = bf16 ? bf16_rounded(w) : w;
-  DT_CUDNN_CHECK(cudnnConvolutionForward(dnn_, &one, p.x, xr.raw(), p.w, wr.raw(), p.conv, p.fwd, workspace(p.fwd_ws),
-                                         p.fwd_ws, &zero, p.y, y.raw()));
+  DT_CUDNN_CHECK(cudnnConvolutionForward(dnn_, &one, p.x, xr.device_raw(), p.w, wr.device_raw(), p.conv, p.fwd,
+                                         workspace(p.fwd_ws), p.fwd_ws, &zero, p.y, y.device_raw()));
   if (bias.defined()) {
     DT_CHECK(bias.numel() == g.k && bias.device() == device(),
              "conv bias " << bias.str() << " for " << g.k << " output channels");
     cudnnTensorDescriptor_t yd = tensor4d(DType::F32, g.n, g.k, g.out_h(), g.out_w());
-    cudnnStatus_t st = cudnnAddTensor(dnn_, &one, p.bias, bias.raw(), &one, yd, y.raw());
+    cudnnStatus_t st = cudnnAddTensor(dnn_, &one, p.bias, bias.device_raw(), &one, yd, y.device_raw());
     cudnnDestroyTensorDescriptor(yd);
     DT_CUDNN_CHECK(st);
   }
@@ -141,8 +141,8 @@ void CudaEngine::conv2d_forward(const Conv2dGeom& g, const Tensor& x, const Tens
 
 void CudaEngine::conv2d_backward_data(const Conv2dGeom& g, const Tensor& dy, const Tensor& w, Tensor& dx) {
   check_geom(g, dx, w, dy);
-  DT_CHECK(dy.dtype() == DType::F32 && w.dtype() == DType::F32 && dx.dtype() == DType::F32 &&
-               dy.device() == device() && w.device() == device() && dx.device() == device(),
+  DT_CHECK(dy.dtype() == DType::F32 && w.dtype() == DType::F32 && dx.dtype() == DType::F32 && dy.device() == device() &&
+               w.device() == device() && dx.device() == device(),
            "conv2d_backward_data on " << device().str() << " takes f32 tensors on it, got " << dy.str() << ", "
                                       << w.str() << ", " << dx.str());
   bind();
@@ -151,15 +151,16 @@ void CudaEngine::conv2d_backward_data(const Conv2dGeom& g, const Tensor& dy, con
   const float one = 1.f, zero = 0.f;
   const bool bf16 = math_ == MathPrecision::BF16;
   Tensor wr = bf16 ? bf16_rounded(w) : w, dyr = bf16 ? bf16_rounded(dy) : dy;
-  DT_CUDNN_CHECK(cudnnConvolutionBackwardData(dnn_, &one, p.w, wr.raw(), p.y, dyr.raw(), p.conv, p.bwd_data,
-                                              workspace(p.bwd_data_ws), p.bwd_data_ws, &zero, p.x, dx.raw()));
+  DT_CUDNN_CHECK(cudnnConvolutionBackwardData(dnn_, &one, p.w, wr.device_raw(), p.y, dyr.device_raw(), p.conv,
+                                              p.bwd_data, workspace(p.bwd_data_ws), p.bwd_data_ws, &zero, p.x,
+                                              dx.device_raw()));
 }
 
 void CudaEngine::conv2d_backward_weights(const Conv2dGeom& g, const Tensor& x, const Tensor& dy, Tensor& dw,
                                          Tensor& dbias) {
   check_geom(g, x, dw, dy);
-  DT_CHECK(x.dtype() == DType::F32 && dy.dtype() == DType::F32 && dw.dtype() == DType::F32 &&
-               x.device() == device() && dy.device() == device() && dw.device() == device(),
+  DT_CHECK(x.dtype() == DType::F32 && dy.dtype() == DType::F32 && dw.dtype() == DType::F32 && x.device() == device() &&
+               dy.device() == device() && dw.device() == device(),
            "conv2d_backward_weights on " << device().str() << " takes f32 tensors on it, got " << x.str() << ", "
                                          << dy.str() << ", " << dw.str());
   bind();
@@ -169,12 +170,13 @@ void CudaEngine::conv2d_backward_weights(const Conv2dGeom& g, const Tensor& x, c
   const bool bf16 = math_ == MathPrecision::BF16;
   Tensor xr = bf16 ? bf16_rounded(x) : x, dyr = bf16 ? bf16_rounded(dy) : dy;
   // beta = 1: gradients accumulate (engine contract), in f32.
-  DT_CUDNN_CHECK(cudnnConvolutionBackwardFilter(dnn_, &one, p.x, xr.raw(), p.y, dyr.raw(), p.conv, p.bwd_filter,
-                                                workspace(p.bwd_filter_ws), p.bwd_filter_ws, &one, p.w, dw.raw()));
+  DT_CUDNN_CHECK(cudnnConvolutionBackwardFilter(dnn_, &one, p.x, xr.device_raw(), p.y, dyr.device_raw(), p.conv,
+                                                p.bwd_filter, workspace(p.bwd_filter_ws), p.bwd_filter_ws, &one, p.w,
+                                                dw.device_raw()));
   if (dbias.defined()) {
     DT_CHECK(dbias.numel() == g.k && dbias.device() == device(), "conv dbias " << dbias.str());
     cudnnTensorDescriptor_t yd = tensor4d(DType::F32, g.n, g.k, g.out_h(), g.out_w());
-    cudnnStatus_t st = cudnnConvolutionBackwardBias(dnn_, &one, yd, dy.raw(), &one, p.bias, dbias.raw());
+    cudnnStatus_t st = cudnnConvolutionBackwardBias(dnn_, &one, yd, dy.device_raw(), &one, p.bias, dbias.device_raw());
     cudnnDestroyTensorDescriptor(yd);
     DT_CUDNN_CHECK(st);
   }
@@ -209,12 +211,13 @@ void CudaEngine::pool2d_forward(const Pool2dGeom& g, PoolKind kind, const Tensor
   bind();
   PoolPlan& p = pool_plan(g, kind);
   const float one = 1.f, zero = 0.f;
-  DT_CUDNN_CHECK(cudnnPoolingForward(dnn_, p.pool, &one, p.x, x.raw(), &zero, p.y, y.raw()));
+  DT_CUDNN_CHECK(cudnnPoolingForward(dnn_, p.pool, &one, p.x, x.device_raw(), &zero, p.y, y.device_raw()));
   if (state && kind == PoolKind::Max) {
     if (!state->defined() || state->numel() != nx + ny || state->device() != device())
       *state = Tensor::empty({nx + ny}, DType::F32, device());
-    DT_CUDA_CHECK(cudaMemcpyAsync(state->f32(), x.raw(), x.nbytes(), cudaMemcpyDeviceToDevice, compute_));
-    DT_CUDA_CHECK(cudaMemcpyAsync(state->f32() + nx, y.raw(), y.nbytes(), cudaMemcpyDeviceToDevice, compute_));
+    DT_CUDA_CHECK(cudaMemcpyAsync(state->device_f32(), x.device_raw(), x.nbytes(), cudaMemcpyDeviceToDevice, compute_));
+    DT_CUDA_CHECK(
+        cudaMemcpyAsync(state->device_f32() + nx, y.device_raw(), y.nbytes(), cudaMemcpyDeviceToDevice, compute_));
   }
 }
 
@@ -226,15 +229,16 @@ void CudaEngine::pool2d_backward(const Pool2dGeom& g, PoolKind kind, const Tenso
   PoolPlan& p = pool_plan(g, kind);
   const float one = 1.f, zero = 0.f;
   // Average pooling reads neither x nor y; dy and dx stand in for them.
-  const void* xs = dx.raw();
-  const void* ys = dy.raw();
+  const void* xs = dx.device_raw();
+  const void* ys = dy.device_raw();
   if (kind == PoolKind::Max) {
     DT_CHECK(state.defined() && state.numel() == nx + ny,
              "max-pool backward needs the state saved by a training forward");
-    xs = state.f32();
-    ys = state.f32() + nx;
+    xs = state.device_f32();
+    ys = state.device_f32() + nx;
   }
-  DT_CUDNN_CHECK(cudnnPoolingBackward(dnn_, p.pool, &one, p.y, ys, p.y, dy.raw(), p.x, xs, &zero, p.x, dx.raw()));
+  DT_CUDNN_CHECK(
+      cudnnPoolingBackward(dnn_, p.pool, &one, p.y, ys, p.y, dy.device_raw(), p.x, xs, &zero, p.x, dx.device_raw()));
 }
 
 // ------------------------------------------------------------------ BatchNorm
@@ -265,8 +269,9 @@ void CudaEngine::batchnorm_forward_train(const Tensor& x, int64_t channels, cons
   bind();
   const float one = 1.f, zero = 0.f;
   DT_CUDNN_CHECK(cudnnBatchNormalizationForwardTraining(
-      dnn_, CUDNN_BATCHNORM_SPATIAL, &one, &zero, p.x, x.raw(), p.x, y.raw(), p.param, gamma.raw(), beta.raw(),
-      momentum, running_mean.raw(), running_var.raw(), eps, save_mean.raw(), save_invstd.raw()));
+      dnn_, CUDNN_BATCHNORM_SPATIAL, &one, &zero, p.x, x.device_raw(), p.x, y.device_raw(), p.param, gamma.device_raw(),
+      beta.device_raw(), momentum, running_mean.device_raw(), running_var.device_raw(), eps, save_mean.device_raw(),
+      save_invstd.device_raw()));
 }
 
 void CudaEngine::batchnorm_forward_infer(const Tensor& x, int64_t channels, const Tensor& gamma, const Tensor& beta,
@@ -276,9 +281,9 @@ void CudaEngine::batchnorm_forward_infer(const Tensor& x, int64_t channels, cons
            "batchnorm eps " << eps << " is below cuDNN's minimum " << CUDNN_BN_MIN_EPSILON);
   bind();
   const float one = 1.f, zero = 0.f;
-  DT_CUDNN_CHECK(cudnnBatchNormalizationForwardInference(dnn_, CUDNN_BATCHNORM_SPATIAL, &one, &zero, p.x, x.raw(), p.x,
-                                                         y.raw(), p.param, gamma.raw(), beta.raw(), running_mean.raw(),
-                                                         running_var.raw(), eps));
+  DT_CUDNN_CHECK(cudnnBatchNormalizationForwardInference(
+      dnn_, CUDNN_BATCHNORM_SPATIAL, &one, &zero, p.x, x.device_raw(), p.x, y.device_raw(), p.param, gamma.device_raw(),
+      beta.device_raw(), running_mean.device_raw(), running_var.device_raw(), eps));
 }
 
 void CudaEngine::batchnorm_backward(const Tensor& x, const Tensor& dy, int64_t channels, const Tensor& gamma,
@@ -290,8 +295,9 @@ void CudaEngine::batchnorm_backward(const Tensor& x, const Tensor& dy, int64_t c
   // saved statistics are passed; cuDNN's minimum is given.
   const float one = 1.f, zero = 0.f;
   DT_CUDNN_CHECK(cudnnBatchNormalizationBackward(
-      dnn_, CUDNN_BATCHNORM_SPATIAL, &one, &zero, &one, &one, p.x, x.raw(), p.x, dy.raw(), p.x, dx.raw(), p.param,
-      gamma.raw(), dgamma.raw(), dbeta.raw(), CUDNN_BN_MIN_EPSILON, save_mean.raw(), save_invstd.raw()));
+      dnn_, CUDNN_BATCHNORM_SPATIAL, &one, &zero, &one, &one, p.x, x.device_raw(), p.x, dy.device_raw(), p.x,
+      dx.device_raw(), p.param, gamma.device_raw(), dgamma.device_raw(), dbeta.device_raw(), CUDNN_BN_MIN_EPSILON,
+      save_mean.device_raw(), save_invstd.device_raw()));
 }
 
 }  // namespace dtrain::cuda

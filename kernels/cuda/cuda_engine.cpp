@@ -183,7 +183,7 @@ cudaEvent_t CudaEngine::upload_async(const Tensor& pinned_src, Tensor& dst) {
   DT_CHECK(pinned_src.device().is_cpu() && dst.device() == device() && pinned_src.nbytes() == dst.nbytes(),
            "upload_async " << pinned_src.str() << " -> " << dst.str() << " on the engine of " << device().str());
   cudaPointerAttributes attr{};
-  const cudaError_t probe = cudaPointerGetAttributes(&attr, pinned_src.raw());
+  const cudaError_t probe = cudaPointerGetAttributes(&attr, pinned_src.device_raw());
   if (probe != cudaSuccess) (void)cudaGetLastError();  // clears the probe's own error only
   const bool pinned = probe == cudaSuccess && attr.type == cudaMemoryTypeHost;
   DT_CHECK(pinned, "upload_async needs a page-locked source (cuda::pinned_empty), got " << pinned_src.str());
@@ -193,7 +193,8 @@ cudaEvent_t CudaEngine::upload_async(const Tensor& pinned_src, Tensor& dst) {
   DT_CUDA_CHECK(cudaEventRecord(before, compute_));
   DT_CUDA_CHECK(cudaStreamWaitEvent(copy_, before, 0));
   cudaEventDestroy(before);  // released once it fired; the wait above is already queued
-  DT_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), pinned_src.raw(), pinned_src.nbytes(), cudaMemcpyHostToDevice, copy_));
+  DT_CUDA_CHECK(
+      cudaMemcpyAsync(dst.device_raw(), pinned_src.device_raw(), pinned_src.nbytes(), cudaMemcpyHostToDevice, copy_));
   DT_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
   DT_CUDA_CHECK(cudaEventRecord(done, copy_));
   return done;
@@ -212,12 +213,12 @@ void* CudaEngine::workspace(size_t bytes) {
     const size_t size = std::max(bytes, kGemmWorkspaceBytes);
     workspace_ = Tensor::empty({static_cast<int64_t>(size)}, DType::U8, device());
   }
-  return bytes ? workspace_.raw() : nullptr;
+  return bytes ? workspace_.device_raw() : nullptr;
 }
 
 Tensor CudaEngine::lowp_copy(const Tensor& src, DType dtype) {
   Tensor t = Tensor::empty({src.numel()}, dtype, device());
-  k::cast(src.raw(), src.dtype(), t.raw(), dtype, src.numel(), compute_);
+  k::cast(src.device_raw(), src.dtype(), t.device_raw(), dtype, src.numel(), compute_);
   return t;
 }
 
@@ -233,7 +234,7 @@ void CudaEngine::unary_forward(Unary op, const Tensor& x, Tensor& y) {
   check_dev(y, "unary output", index_);
   check_same_numel(x, y, "unary_forward");
   bind();
-  k::unary_forward(op, x.f32(), y.f32(), x.numel(), compute_);
+  k::unary_forward(op, x.device_f32(), y.device_f32(), x.numel(), compute_);
 }
 
 void CudaEngine::unary_backward(Unary op, const Tensor& x, const Tensor& dy, Tensor& dx) {
@@ -243,7 +244,7 @@ void CudaEngine::unary_backward(Unary op, const Tensor& x, const Tensor& dy, Ten
   check_same_numel(x, dy, "unary_backward");
   check_same_numel(x, dx, "unary_backward");
   bind();
-  k::unary_backward(op, x.f32(), dy.f32(), dx.f32(), x.numel(), compute_);
+  k::unary_backward(op, x.device_f32(), dy.device_f32(), dx.device_f32(), x.numel(), compute_);
 }
 
 void CudaEngine::dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor& mask, Tensor& y) {
@@ -252,7 +253,7 @@ void CudaEngine::dropout_forward(const Tensor& x, float p, uint64_t seed, Tensor
   DT_CHECK(p >= 0.f && p < 1.f, "dropout probability must be in [0, 1), got " << p);
   check_same_numel(x, mask, "dropout_forward");
   bind();
-  k::dropout_mask(mask.f32(), p, seed, mask.numel(), compute_);
+  k::dropout_mask(mask.device_f32(), p, seed, mask.numel(), compute_);
   mul(x, mask, y);
 }
 
@@ -263,7 +264,7 @@ void CudaEngine::mul(const Tensor& a, const Tensor& b, Tensor& y) {
   check_same_numel(a, y, "mul");
   check_same_numel(b, y, "mul");
   bind();
-  k::mul(a.f32(), b.f32(), y.f32(), y.numel(), compute_);
+  k::mul(a.device_f32(), b.device_f32(), y.device_f32(), y.numel(), compute_);
 }
 
 void CudaEngine::add(const Tensor& a, const Tensor& b, Tensor& y) {
@@ -273,7 +274,7 @@ void CudaEngine::add(const Tensor& a, const Tensor& b, Tensor& y) {
   check_same_numel(a, y, "add");
   check_same_numel(b, y, "add");
   bind();
-  k::add(a.f32(), b.f32(), y.f32(), y.numel(), compute_);
+  k::add(a.device_f32(), b.device_f32(), y.device_f32(), y.numel(), compute_);
 }
 
 void CudaEngine::axpy(float alpha, const Tensor& x, Tensor& y) {
@@ -281,13 +282,13 @@ void CudaEngine::axpy(float alpha, const Tensor& x, Tensor& y) {
   check_dev(y, "y", index_);
   check_same_numel(x, y, "axpy");
   bind();
-  k::axpy(alpha, x.f32(), y.f32(), y.numel(), compute_);
+  k::axpy(alpha, x.device_f32(), y.device_f32(), y.numel(), compute_);
 }
 
 void CudaEngine::scale(Tensor& y, float alpha) {
   check_dev(y, "y", index_);
   bind();
-  k::scale(y.f32(), alpha, y.numel(), compute_);
+  k::scale(y.device_f32(), alpha, y.numel(), compute_);
 }
 
 void CudaEngine::fill(Tensor& y, float value) {
@@ -295,11 +296,11 @@ void CudaEngine::fill(Tensor& y, float value) {
            "fill: " << (y.defined() ? y.str() : "undefined") << " is not on " << device().str());
   bind();
   if (value == 0.f) {
-    DT_CUDA_CHECK(cudaMemsetAsync(y.raw(), 0, y.nbytes(), compute_));
+    DT_CUDA_CHECK(cudaMemsetAsync(y.device_raw(), 0, y.nbytes(), compute_));
     return;
   }
   check_dev(y, "fill of a non-zero value: y", index_);
-  k::fill(y.f32(), value, y.numel(), compute_);
+  k::fill(y.device_f32(), value, y.numel(), compute_);
 }
 
 void CudaEngine::copy(const Tensor& src, Tensor& dst) {
@@ -310,10 +311,10 @@ void CudaEngine::copy(const Tensor& src, Tensor& dst) {
            "copy between two GPUs (" << src.str() << " -> " << dst.str() << ") is not a single engine's job");
   if (src.nbytes() == 0) return;
   bind();
-  DT_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.nbytes(), cudaMemcpyDefault, compute_));
+  DT_CUDA_CHECK(cudaMemcpyAsync(dst.device_raw(), src.device_raw(), src.nbytes(), cudaMemcpyDefault, compute_));
   // A pageable host buffer may be reused as soon as copy returns, so a copy involving one waits;
   // pinned buffers (cudaHostAlloc) stay asynchronous, which lets the next batch's upload overlap.
-  const void* host = src.device().is_cpu() ? src.raw() : (dst.device().is_cpu() ? dst.raw() : nullptr);
+  const void* host = src.device().is_cpu() ? src.device_raw() : (dst.device().is_cpu() ? dst.device_raw() : nullptr);
   if (host) {
     cudaPointerAttributes attr{};
     const cudaError_t probe = cudaPointerGetAttributes(&attr, host);
@@ -331,7 +332,7 @@ void CudaEngine::cast(const Tensor& src, Tensor& dst) {
   DT_CHECK((src.dtype() == DType::F32 && lowp(dst.dtype())) || (lowp(src.dtype()) && dst.dtype() == DType::F32),
            "cast from " << dtype_name(src.dtype()) << " to " << dtype_name(dst.dtype()) << " is not defined");
   bind();
-  k::cast(src.raw(), src.dtype(), dst.raw(), dst.dtype(), src.numel(), compute_);
+  k::cast(src.device_raw(), src.dtype(), dst.device_raw(), dst.dtype(), src.numel(), compute_);
 }
 
 void CudaEngine::add_row_bias(Tensor& y, const Tensor& bias) {
@@ -340,7 +341,7 @@ void CudaEngine::add_row_bias(Tensor& y, const Tensor& bias) {
   int64_t n = bias.numel();
   DT_CHECK(n > 0 && y.numel() % n == 0, "add_row_bias " << y.str() << " + " << bias.str());
   bind();
-  k::add_row_bias(y.f32(), bias.f32(), y.numel() / n, n, compute_);
+  k::add_row_bias(y.device_f32(), bias.device_f32(), y.numel() / n, n, compute_);
 }
 
 void CudaEngine::row_bias_grad(const Tensor& dy, Tensor& dbias) {
@@ -349,15 +350,15 @@ void CudaEngine::row_bias_grad(const Tensor& dy, Tensor& dbias) {
   int64_t n = dbias.numel();
   DT_CHECK(n > 0 && dy.numel() % n == 0, "row_bias_grad " << dy.str() << " -> " << dbias.str());
   bind();
-  k::row_bias_grad(dy.f32(), dbias.f32(), dy.numel() / n, n, compute_);
+  k::row_bias_grad(dy.device_f32(), dbias.device_f32(), dy.numel() / n, n, compute_);
 }
 
 double CudaEngine::sum_squares(const Tensor& x) {
   check_dev(x, "sum_squares input", index_);
   bind();
-  auto* acc = reinterpret_cast<double*>(static_cast<char*>(scalars_.raw()) + kOffDouble);
+  auto* acc = reinterpret_cast<double*>(static_cast<char*>(scalars_.device_raw()) + kOffDouble);
   DT_CUDA_CHECK(cudaMemsetAsync(acc, 0, sizeof(double), compute_));
-  k::sum_squares(x.f32(), x.numel(), acc, compute_);
+  k::sum_squares(x.device_f32(), x.numel(), acc, compute_);
   double s = 0;
   read_back(acc, &s, sizeof s);
   return s;
@@ -366,9 +367,9 @@ double CudaEngine::sum_squares(const Tensor& x) {
 bool CudaEngine::all_finite(const Tensor& x) {
   check_dev(x, "all_finite input", index_);
   bind();
-  auto* flag = reinterpret_cast<float*>(static_cast<char*>(scalars_.raw()) + kOffFlagF);
+  auto* flag = reinterpret_cast<float*>(static_cast<char*>(scalars_.device_raw()) + kOffFlagF);
   DT_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(float), compute_));
-  k::check_finite(x.f32(), x.numel(), flag, compute_);
+  k::check_finite(x.device_f32(), x.numel(), flag, compute_);
   float f = 0;
   read_back(flag, &f, sizeof f);
   return f == 0.f;
@@ -378,7 +379,7 @@ void CudaEngine::unscale_and_check(Tensor& x, float inv_scale, Tensor& found_inf
   check_dev(x, "unscale_and_check input", index_);
   check_dev(found_inf, "found_inf", index_);
   bind();
-  k::unscale_and_check(x.f32(), inv_scale, x.numel(), found_inf.f32(), compute_);
+  k::unscale_and_check(x.device_f32(), inv_scale, x.numel(), found_inf.device_f32(), compute_);
 }
 
 // ------------------------------------------------------------------ softmax cross-entropy, LayerNorm
@@ -389,10 +390,10 @@ double CudaEngine::softmax_xent_forward(const Tensor& logits, const Tensor& labe
   DT_CHECK(logits.dim() == 2 && labels.numel() == logits.size(0) && probs.numel() == logits.numel(),
            "softmax_xent: logits " << logits.str() << ", labels " << labels.str() << ", probs " << probs.str());
   bind();
-  char* sc = static_cast<char*>(scalars_.raw());
+  char* sc = static_cast<char*>(scalars_.device_raw());
   DT_CUDA_CHECK(cudaMemsetAsync(sc, 0, 24, compute_));
-  k::softmax_xent_forward(logits.f32(), labels.data<int32_t>(), probs.f32(), logits.size(0), logits.size(1),
-                          reinterpret_cast<double*>(sc + kOffDouble),
+  k::softmax_xent_forward(logits.device_f32(), labels.device_data<int32_t>(), probs.device_f32(), logits.size(0),
+                          logits.size(1), reinterpret_cast<double*>(sc + kOffDouble),
                           reinterpret_cast<unsigned long long*>(sc + kOffCount), reinterpret_cast<int*>(sc + kOffFlag),
                           compute_);
   char host[24];
@@ -420,9 +421,9 @@ void CudaEngine::softmax_xent_accumulate(const Tensor& logits, const Tensor& lab
                 offsetof(XentStats, bad_label) == kOffFlag);
   bind();
   // The kernel adds into the three fields (atomics), so the running totals stay on the device.
-  char* sc = static_cast<char*>(stats.raw());
-  k::softmax_xent_forward(logits.f32(), labels.data<int32_t>(), probs.f32(), logits.size(0), logits.size(1),
-                          reinterpret_cast<double*>(sc + kOffDouble),
+  char* sc = static_cast<char*>(stats.device_raw());
+  k::softmax_xent_forward(logits.device_f32(), labels.device_data<int32_t>(), probs.device_f32(), logits.size(0),
+                          logits.size(1), reinterpret_cast<double*>(sc + kOffDouble),
                           reinterpret_cast<unsigned long long*>(sc + kOffCount), reinterpret_cast<int*>(sc + kOffFlag),
                           compute_);
 }
@@ -434,8 +435,8 @@ void CudaEngine::softmax_xent_backward(const Tensor& probs, const Tensor& labels
   DT_CHECK(probs.dim() == 2 && labels.numel() == probs.size(0), "softmax_xent_backward: probs " << probs.str());
   check_same_numel(probs, dlogits, "softmax_xent_backward");
   bind();
-  k::softmax_xent_backward(probs.f32(), labels.data<int32_t>(), scale, dlogits.f32(), probs.size(0), probs.size(1),
-                           compute_);
+  k::softmax_xent_backward(probs.device_f32(), labels.device_data<int32_t>(), scale, dlogits.device_f32(),
+                           probs.size(0), probs.size(1), compute_);
 }
 
 void CudaEngine::row_max(const Tensor& x, Tensor& out) {
@@ -443,7 +444,15 @@ void CudaEngine::row_max(const Tensor& x, Tensor& out) {
   check_dev(out, "row_max output", index_);
   DT_CHECK(x.dim() == 2 && out.numel() == x.size(0), "row_max of " << x.str() << " into " << out.str());
   bind();
-  k::row_max(x.f32(), out.f32(), x.size(0), x.size(1), compute_);
+  k::row_max(x.device_f32(), out.device_f32(), x.size(0), x.size(1), compute_);
+}
+
+void CudaEngine::softmax_rows(const Tensor& x, float scale, Tensor& y) {
+  check_dev(x, "softmax_rows input", index_);
+  check_dev(y, "softmax_rows output", index_);
+  DT_CHECK(x.dim() == 2 && y.numel() == x.numel(), "softmax_rows of " << x.str() << " into " << y.str());
+  bind();
+  k::softmax_rows(x.device_f32(), scale, y.device_f32(), x.size(0), x.size(1), compute_);
 }
 
 void CudaEngine::vocab_xent_partials(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
@@ -457,8 +466,21 @@ void CudaEngine::vocab_xent_partials(const Tensor& logits, const Tensor& labels,
       logits.dim() == 2 && labels.numel() == m && rowmax.numel() == m && sumexp.numel() == m && target.numel() == m,
       "vocab_xent_partials: logits " << logits.str() << ", labels " << labels.str());
   bind();
-  k::vocab_xent_partials(logits.f32(), labels.data<int32_t>(), offset, rowmax.f32(), sumexp.f32(), target.f32(), m,
-                         logits.size(1), compute_);
+  k::vocab_xent_partials(logits.device_f32(), labels.device_data<int32_t>(), offset, rowmax.device_f32(),
+                         sumexp.device_f32(), target.device_f32(), m, logits.size(1), compute_);
+}
+
+void CudaEngine::vocab_xent_loss_accumulate(const Tensor& rowmax, const Tensor& sumexp, const Tensor& target,
+                                            Tensor& stats) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&rowmax, &sumexp, &target, &stats})
+    check_dev(*t, "vocab_xent_loss_accumulate", index_);
+  const int64_t m = rowmax.numel();
+  DT_CHECK(sumexp.numel() == m && target.numel() == m && stats.numel() == kXentStatsFloats,
+           "vocab_xent_loss_accumulate: " << rowmax.str() << ", " << sumexp.str() << ", " << target.str() << ", stats "
+                                          << stats.str());
+  bind();
+  k::vocab_xent_loss(rowmax.device_f32(), sumexp.device_f32(), target.device_f32(), m,
+                     reinterpret_cast<double*>(static_cast<char*>(stats.device_raw()) + kOffDouble), compute_);
 }
 
 void CudaEngine::vocab_xent_backward(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
@@ -468,13 +490,14 @@ void CudaEngine::vocab_xent_backward(const Tensor& logits, const Tensor& labels,
   check_dev(dlogits, "dlogits", index_);
   check_dev(rowmax, "vocab_xent rowmax", index_);
   check_dev(sumexp, "vocab_xent sumexp", index_);
-  DT_CHECK(logits.dim() == 2 && labels.numel() == logits.size(0) && rowmax.numel() == logits.size(0) &&
-               sumexp.numel() == logits.size(0),
-           "vocab_xent_backward: logits " << logits.str() << ", rowmax " << rowmax.str() << ", sumexp " << sumexp.str());
+  DT_CHECK(
+      logits.dim() == 2 && labels.numel() == logits.size(0) && rowmax.numel() == logits.size(0) &&
+          sumexp.numel() == logits.size(0),
+      "vocab_xent_backward: logits " << logits.str() << ", rowmax " << rowmax.str() << ", sumexp " << sumexp.str());
   check_same_numel(logits, dlogits, "vocab_xent_backward");
   bind();
-  k::vocab_xent_backward(logits.f32(), labels.data<int32_t>(), offset, rowmax.f32(), sumexp.f32(), scale, dlogits.f32(),
-                         logits.size(0), logits.size(1), compute_);
+  k::vocab_xent_backward(logits.device_f32(), labels.device_data<int32_t>(), offset, rowmax.device_f32(),
+                         sumexp.device_f32(), scale, dlogits.device_f32(), logits.size(0), logits.size(1), compute_);
 }
 
 void CudaEngine::layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& mean,
@@ -486,8 +509,8 @@ void CudaEngine::layernorm_forward(const Tensor& x, const Tensor& gamma, const T
                rstd.numel() == x.numel() / d && beta.numel() == d,
            "layernorm over " << d << " features of " << x.str());
   bind();
-  k::layernorm_forward(x.f32(), gamma.f32(), beta.f32(), eps, mean.f32(), rstd.f32(), y.f32(), x.numel() / d, d,
-                       compute_);
+  k::layernorm_forward(x.device_f32(), gamma.device_f32(), beta.device_f32(), eps, mean.device_f32(), rstd.device_f32(),
+                       y.device_f32(), x.numel() / d, d, compute_);
 }
 
 void CudaEngine::layernorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
@@ -500,8 +523,8 @@ void CudaEngine::layernorm_backward(const Tensor& x, const Tensor& dy, const Ten
                dbeta.numel() == d,
            "layernorm_backward over " << d << " features of " << x.str());
   bind();
-  k::layernorm_backward(x.f32(), dy.f32(), gamma.f32(), mean.f32(), rstd.f32(), dx.f32(), dgamma.f32(), dbeta.f32(),
-                        x.numel() / d, d, compute_);
+  k::layernorm_backward(x.device_f32(), dy.device_f32(), gamma.device_f32(), mean.device_f32(), rstd.device_f32(),
+                        dx.device_f32(), dgamma.device_f32(), dbeta.device_f32(), x.numel() / d, d, compute_);
 }
 
 // ------------------------------------------------------------------ per-channel reductions (SyncBatchNorm)
@@ -518,9 +541,10 @@ NchwView nchw(const Tensor& x, int64_t channels) {
 void CudaEngine::channel_sums(const Tensor& x, int64_t channels, Tensor& sum, Tensor& sumsq) {
   for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &sum, &sumsq}) check_dev(*t, "channel_sums", index_);
   NchwView v = nchw(x, channels);
-  DT_CHECK(sum.numel() == channels && sumsq.numel() == channels, "channel_sums into " << sum.str() << ", " << sumsq.str());
+  DT_CHECK(sum.numel() == channels && sumsq.numel() == channels,
+           "channel_sums into " << sum.str() << ", " << sumsq.str());
   bind();
-  k::channel_reduce(x.f32(), nullptr, sum.f32(), sumsq.f32(), v.n, v.c, v.hw, compute_);
+  k::channel_reduce(x.device_f32(), nullptr, sum.device_f32(), sumsq.device_f32(), v.n, v.c, v.hw, compute_);
 }
 
 void CudaEngine::channel_dot(const Tensor& a, const Tensor& b, int64_t channels, Tensor& out) {
@@ -529,7 +553,7 @@ void CudaEngine::channel_dot(const Tensor& a, const Tensor& b, int64_t channels,
   NchwView v = nchw(a, channels);
   DT_CHECK(out.numel() == channels, "channel_dot into " << out.str());
   bind();
-  k::channel_reduce(a.f32(), b.f32(), out.f32(), nullptr, v.n, v.c, v.hw, compute_);
+  k::channel_reduce(a.device_f32(), b.device_f32(), out.device_f32(), nullptr, v.n, v.c, v.hw, compute_);
 }
 
 void CudaEngine::channel_affine(const Tensor& x, int64_t channels, const Tensor& scale, const Tensor& shift,
@@ -539,7 +563,7 @@ void CudaEngine::channel_affine(const Tensor& x, int64_t channels, const Tensor&
   check_same_numel(x, y, "channel_affine");
   NchwView v = nchw(x, channels);
   bind();
-  k::channel_affine(x.f32(), scale.f32(), shift.f32(), y.f32(), v.n, v.c, v.hw, compute_);
+  k::channel_affine(x.device_f32(), scale.device_f32(), shift.device_f32(), y.device_f32(), v.n, v.c, v.hw, compute_);
 }
 
 // ------------------------------------------------------------------ optimizer updates
@@ -552,10 +576,11 @@ void CudaEngine::sgd_update(Tensor& param, const Tensor& grad, Tensor& buf, floa
   if (momentum != 0.f) {
     check_dev(buf, "momentum buffer", index_);
     check_same_numel(param, buf, "sgd_update");
-    b = buf.f32();
+    b = buf.device_f32();
   }
   bind();
-  k::sgd_update(param.f32(), grad.f32(), b, param.numel(), lr, momentum, dampening, weight_decay, nesterov, compute_);
+  k::sgd_update(param.device_f32(), grad.device_f32(), b, param.numel(), lr, momentum, dampening, weight_decay,
+                nesterov, compute_);
 }
 
 void CudaEngine::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1,
@@ -570,8 +595,8 @@ void CudaEngine::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tenso
   float bias1 = 1.f - std::pow(beta1, static_cast<float>(step));
   float bias2 = 1.f - std::pow(beta2, static_cast<float>(step));
   bind();
-  k::adam_update(param.f32(), grad.f32(), m.f32(), v.f32(), param.numel(), lr, beta1, beta2, eps, weight_decay,
-                 decoupled, bias1, bias2, compute_);
+  k::adam_update(param.device_f32(), grad.device_f32(), m.device_f32(), v.device_f32(), param.numel(), lr, beta1, beta2,
+                 eps, weight_decay, decoupled, bias1, bias2, compute_);
 }
 
 }  // namespace dtrain::cuda

@@ -13,7 +13,6 @@ namespace dtrain::cuda {
 
 namespace {
 
-
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
     case DType::BF16:
@@ -102,15 +101,14 @@ void CudaEngine::gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_
            "gemm on " << device().str() << ": A " << a.str() << ", B " << b.str() << ", C (f32) " << c.str());
   // The multiply's type: a low-precision operand's (a weight's working copy), else the math
   // precision's; f32 operands are rounded to it.
-  DType in = a.dtype() != DType::F32          ? a.dtype()
-             : b.dtype() != DType::F32        ? b.dtype()
-             : math_ == MathPrecision::BF16   ? DType::BF16
-             : math_ == MathPrecision::F16    ? DType::F16
-                                              : DType::F32;
+  DType in = a.dtype() != DType::F32        ? a.dtype()
+             : b.dtype() != DType::F32      ? b.dtype()
+             : math_ == MathPrecision::BF16 ? DType::BF16
+             : math_ == MathPrecision::F16  ? DType::F16
+                                            : DType::F32;
   auto fits = [in](const Tensor& t) { return t.dtype() == DType::F32 || t.dtype() == in; };
   DT_CHECK((in == DType::F32 || in == DType::BF16 || in == DType::F16) && fits(a) && fits(b),
-           "gemm: A and B must be f32, bf16 or f16 (one low precision at most), got " << a.str() << " and "
-                                                                                        << b.str());
+           "gemm: A and B must be f32, bf16 or f16 (one low precision at most), got " << a.str() << " and " << b.str());
   const int64_t span_a = (batch - 1) * sa + m * k, span_b = (batch - 1) * sb + k * n;
   DT_CHECK(batch >= 1 && a.numel() >= span_a && b.numel() >= span_b && c.numel() >= (batch - 1) * sc + m * n,
            "gemm " << batch << "x(" << m << "x" << n << "x" << k << "): operands too small");
@@ -119,20 +117,20 @@ void CudaEngine::gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_
   // f32 operands of a low-precision multiply: rounded copies (scratch from the caching allocator, so
   // no cudaMalloc after the first step).
   Tensor a_lp, b_lp;
-  const void* pa = a.raw();
-  const void* pb = b.raw();
+  const void* pa = a.device_raw();
+  const void* pb = b.device_raw();
   if (in != DType::F32 && a.dtype() == DType::F32) {
     a_lp = lowp_copy(a.numel() == span_a ? a : a.reshape({-1}).slice0(0, span_a), in);
-    pa = a_lp.raw();
+    pa = a_lp.device_raw();
   }
   if (in != DType::F32 && b.dtype() == DType::F32) {
     b_lp = lowp_copy(b.numel() == span_b ? b : b.reshape({-1}).slice0(0, span_b), in);
-    pb = b_lp.raw();
+    pb = b_lp.device_raw();
   }
-  GemmPlan& p = gemm_plan(ta, tb, m, n, k, batch, sa, sb, sc, in, math_ == MathPrecision::TF32, pa, pb, c.raw());
+  GemmPlan& p = gemm_plan(ta, tb, m, n, k, batch, sa, sb, sc, in, math_ == MathPrecision::TF32, pa, pb, c.device_raw());
   void* ws = workspace(p.workspace);
-  DT_CUBLAS_CHECK(cublasLtMatmul(lt_, p.op, &alpha, pb, p.a, pa, p.b, &beta, c.raw(), p.c, c.raw(), p.c, &p.algo, ws,
-                                 p.workspace, compute_));
+  DT_CUBLAS_CHECK(cublasLtMatmul(lt_, p.op, &alpha, pb, p.a, pa, p.b, &beta, c.device_raw(), p.c, c.device_raw(), p.c,
+                                 &p.algo, ws, p.workspace, compute_));
 }
 
 }  // namespace dtrain::cuda

@@ -20,7 +20,7 @@ void CudaEngine::permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, 
   check_dev_numel(x, n, "permute_0213 input", index_);
   check_dev_numel(y, n, "permute_0213 output", index_);
   bind();
-  k::permute_0213(x.f32(), y.f32(), a, b, c, d, compute_);
+  k::permute_0213(x.device_f32(), y.device_f32(), a, b, c, d, compute_);
 }
 
 void CudaEngine::attention_softmax_forward(const Tensor& scores, int64_t t, float scale, bool causal, Tensor& probs) {
@@ -29,7 +29,7 @@ void CudaEngine::attention_softmax_forward(const Tensor& scores, int64_t t, floa
   check_dev_numel(scores, scores.numel(), "causal_softmax scores", index_);
   check_dev_numel(probs, scores.numel(), "causal_softmax probs", index_);
   bind();
-  k::attention_softmax_forward(scores.f32(), probs.f32(), scores.numel() / t, t, scale, causal, compute_);
+  k::attention_softmax_forward(scores.device_f32(), probs.device_f32(), scores.numel() / t, t, scale, causal, compute_);
 }
 
 void CudaEngine::attention_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
@@ -40,8 +40,8 @@ void CudaEngine::attention_softmax_backward(const Tensor& probs, const Tensor& d
   check_dev_numel(dprobs, probs.numel(), "causal_softmax_backward dprobs", index_);
   check_dev_numel(dscores, probs.numel(), "causal_softmax_backward dscores", index_);
   bind();
-  k::attention_softmax_backward(probs.f32(), dprobs.f32(), dscores.f32(), probs.numel() / t, t, scale, causal,
-                               compute_);
+  k::attention_softmax_backward(probs.device_f32(), dprobs.device_f32(), dscores.device_f32(), probs.numel() / t, t,
+                                scale, causal, compute_);
 }
 
 void CudaEngine::embedding_forward(const Tensor& ids, const Tensor& table, int64_t offset, Tensor& y) {
@@ -50,8 +50,8 @@ void CudaEngine::embedding_forward(const Tensor& ids, const Tensor& table, int64
   check_dev_numel(table, -1, "embedding table", index_);
   check_dev_numel(y, ids.numel() * table.size(1), "embedding output", index_);
   bind();
-  k::embedding_forward(ids.data<int32_t>(), table.f32(), y.f32(), ids.numel(), table.size(0), table.size(1), offset,
-                       compute_);
+  k::embedding_forward(ids.device_data<int32_t>(), table.device_f32(), y.device_f32(), ids.numel(), table.size(0),
+                       table.size(1), offset, compute_);
 }
 
 void CudaEngine::embedding_backward(const Tensor& ids, const Tensor& dy, int64_t offset, Tensor& dtable) {
@@ -60,8 +60,8 @@ void CudaEngine::embedding_backward(const Tensor& ids, const Tensor& dy, int64_t
   check_dev_numel(dtable, -1, "embedding gradient", index_);
   check_dev_numel(dy, ids.numel() * dtable.size(1), "embedding dy", index_);
   bind();
-  k::embedding_backward(ids.data<int32_t>(), dy.f32(), dtable.f32(), ids.numel(), dtable.size(0), dtable.size(1),
-                        offset, compute_);
+  k::embedding_backward(ids.device_data<int32_t>(), dy.device_f32(), dtable.device_f32(), ids.numel(), dtable.size(0),
+                        dtable.size(1), offset, compute_);
 }
 
 }  // namespace dtrain::cuda

@@ -41,6 +41,11 @@ void softmax_xent_backward(const float* probs, const int32_t* labels, float scal
                            cudaStream_t s);
 // Vocabulary-parallel cross-entropy pieces over a slice [M, N] of the logits (see Engine).
 void row_max(const float* x, float* out, int64_t m, int64_t n, cudaStream_t s);
+// y = row-wise softmax of scale * x, x and y [m, n].
+void softmax_rows(const float* x, float scale, float* y, int64_t m, int64_t n, cudaStream_t s);
+// *loss_sum += sum_i log(sumexp[i]) + rowmax[i] - target[i] (m rows).
+void vocab_xent_loss(const float* rowmax, const float* sumexp, const float* target, int64_t m, double* loss_sum,
+                     cudaStream_t s);
 void vocab_xent_partials(const float* logits, const int32_t* labels, int64_t offset, const float* rowmax, float* sumexp,
                          float* target, int64_t m, int64_t n, cudaStream_t s);
 void vocab_xent_backward(const float* logits, const int32_t* labels, int64_t offset, const float* rowmax,
@@ -84,6 +89,13 @@ void topk_abs(const float* x, int64_t n, int64_t k, int32_t* idx, uint32_t* keys
 void gather_and_clear(float* x, const int32_t* idx, float* vals, int64_t k, cudaStream_t s);
 // y[idx[j]] += vals[j], indices distinct.
 void scatter_add(const int32_t* idx, const float* vals, float* y, int64_t k, cudaStream_t s);
+// The other encodings of Engine (engine.h documents them; the payloads' first 4 bytes are the f32
+// scale or norm, written by a one-block f64 reduction, so every run gives the same bits).
+void sign_encode(float* x, int64_t n, uint8_t* payload, cudaStream_t s);
+void sign_decode_add(const uint8_t* payload, int64_t n, float* y, cudaStream_t s);
+void qsgd_encode(const float* x, int64_t n, int levels, uint64_t seed, uint8_t* payload, cudaStream_t s);
+void qsgd_decode_add(const uint8_t* payload, int64_t n, int levels, float* y, cudaStream_t s);
+void orthonormalize_columns(float* m, int64_t rows, int64_t cols, cudaStream_t s);
 
 // ---- optim_kernels.cu (the functors of dtrain/kernels/functors.h)
 void sgd_update(float* p, const float* g, float* buf, int64_t n, float lr, float momentum, float dampening,

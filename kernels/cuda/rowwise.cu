@@ -92,6 +92,35 @@ __global__ void row_max_kernel(const float* x, float* out, int64_t n) {
   if (threadIdx.x == 0) out[blockIdx.x] = mx;
 }
 
+// One block a row: the max of scale*x, the sum of exponentials, then the quotients.
+__global__ void softmax_rows_kernel(const float* x, float scale, float* y, int64_t n) {
+  __shared__ float fsh[32];
+  const float* row = x + blockIdx.x * n;
+  float* out = y + blockIdx.x * n;
+  float mx = -FLT_MAX;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, scale * row[j]);
+  mx = block_reduce(mx, Max{}, fsh);
+  float sum = 0.f;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sum += expf(scale * row[j] - mx);
+  sum = block_reduce(sum, Sum{}, fsh);
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) out[j] = expf(scale * row[j] - mx) / sum;
+}
+
+__global__ void vocab_xent_loss_kernel(const float* rowmax, const float* sumexp, const float* target, int64_t m,
+                                       double* loss_sum) {
+  __shared__ double part[kRowThreads];
+  double acc = 0;
+  for (int64_t i = threadIdx.x; i < m; i += blockDim.x)
+    acc += log(static_cast<double>(sumexp[i])) + rowmax[i] - target[i];
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *loss_sum += part[0];
+}
+
 __global__ void vocab_xent_partials_kernel(const float* logits, const int32_t* labels, int64_t offset,
                                            const float* rowmax, float* sumexp, float* target, int64_t n) {
   __shared__ double dsh[32];
@@ -256,6 +285,17 @@ void softmax_xent_backward(const float* probs, const int32_t* labels, float scal
 
 void row_max(const float* x, float* out, int64_t m, int64_t n, cudaStream_t s) {
   if (m > 0) row_max_kernel<<<static_cast<unsigned>(m), kRowThreads, 0, s>>>(x, out, n);
+  DT_CUDA_LAUNCHED();
+}
+
+void softmax_rows(const float* x, float scale, float* y, int64_t m, int64_t n, cudaStream_t s) {
+  if (m > 0) softmax_rows_kernel<<<static_cast<unsigned>(m), kRowThreads, 0, s>>>(x, scale, y, n);
+  DT_CUDA_LAUNCHED();
+}
+
+void vocab_xent_loss(const float* rowmax, const float* sumexp, const float* target, int64_t m, double* loss_sum,
+                     cudaStream_t s) {
+  vocab_xent_loss_kernel<<<1, kRowThreads, 0, s>>>(rowmax, sumexp, target, m, loss_sum);
   DT_CUDA_LAUNCHED();
 }
 

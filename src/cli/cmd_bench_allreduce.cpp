@@ -26,6 +26,7 @@
 #include "dtrain/core/error.h"
 #include "dtrain/core/tensor.h"
 #include "dtrain/core/timer.h"
+#include "dtrain/kernels/engine.h"
 
 namespace po = boost::program_options;
 
@@ -110,7 +111,7 @@ struct Options {
 }  // namespace
 
 int cmd_bench_allreduce(int argc, char** argv) {
-  std::string min_s, max_s, dtypes_s, comps_s, op_s, backend, comp_max_s, algorithms_s;
+  std::string min_s, max_s, dtypes_s, comps_s, op_s, backend, comp_max_s, algorithms_s, device_s;
   Options o{};
   po::options_description desc("dtrain bench allreduce [options]   (run under mpirun / srun)");
   desc.add_options()("help,h", "this help")("min-bytes,b", po::value(&min_s)->default_value("4"),
@@ -127,10 +128,13 @@ int cmd_bench_allreduce(int argc, char** argv) {
                           "largest bucket for the compressor table")(
       "compressor-iters", po::value(&o.compressor_iters)->default_value(3), "timed iterations per compressor row")(
       "backend", po::value(&backend)->default_value("mpi"), "mpi or nccl (device buffers)")(
+      "device", po::value(&device_s)->default_value("cpu"),
+      "where the MPI backend's buffers live: cpu, cuda or sim (device buffers go through its host staging; no "
+      "raw MPI baseline then)")(
       "allreduce", po::value(&algorithms_s)->default_value(""),
       "comma list of the MPI backend's allreduce algorithms to time side by side: auto, mpi, shm, hier (default: "
-      "DTRAIN_ALLREDUCE, mpi)")(
-      "check", po::bool_switch(&o.check), "verify one extra allreduce per row; #wrong counts bad elements")(
+      "DTRAIN_ALLREDUCE, mpi)")("check", po::bool_switch(&o.check),
+                                "verify one extra allreduce per row; #wrong counts bad elements")(
       "no-baseline", po::bool_switch(), "skip the raw MPI_Allreduce rows");
   po::variables_map vm;
   try {
@@ -169,6 +173,8 @@ int cmd_bench_allreduce(int argc, char** argv) {
   std::unique_ptr<Communicator> nccl;
   Communicator* c = &rt.world();
   Device dev = Device::cpu();
+  DT_INPUT_CHECK(device_s == "cpu" || device_s == "cuda" || device_s == "sim",
+                 "option --device must be cpu, cuda or sim, got '" << device_s << "'");
   if (backend == "nccl") {
     DT_INPUT_CHECK(comm::nccl_compiled(), "--backend nccl: this dtrain was built without NCCL");
     DT_INPUT_CHECK(rt.topology().cuda_device >= 0, "--backend nccl: no CUDA device on " << rt.topology().host);
@@ -179,6 +185,13 @@ int cmd_bench_allreduce(int argc, char** argv) {
     DT_INPUT_CHECK(o.algorithms.empty(), "--allreduce chooses among the MPI backend's algorithms (NCCL has its own)");
   } else {
     DT_INPUT_CHECK(backend == "mpi", "--backend '" << backend << "' (expected mpi or nccl)");
+    if (device_s == "cuda") {
+      DT_INPUT_CHECK(enable_cuda() > 0, "--device cuda: no GPU is visible on " << rt.topology().host);
+      dev = Device::cuda(std::max(0, rt.topology().cuda_device));
+    } else if (device_s == "sim") {
+      dev = Device::sim();
+    }
+    if (!dev.is_cpu()) o.baseline = false;  // raw MPI_Allreduce cannot read device memory
   }
   if (o.algorithms.empty()) o.algorithms.push_back(c->allreduce_algorithm());
   MPI_Comm raw = MPI_COMM_NULL;
@@ -204,7 +217,7 @@ int cmd_bench_allreduce(int argc, char** argv) {
       Tensor host = Tensor::empty({count}, dt);
       fill(host, rank);
       Tensor buf = dev.is_cpu() ? host : Tensor::empty({count}, dt, dev);
-      if (!dev.is_cpu()) buf.copy_from(host);
+      if (!dev.is_cpu()) copy_any(host, buf);
       // dtrain's allreduce by each algorithm (launch + wait per iteration, as a training step uses
       // it) and the baseline, raw MPI_Allreduce into the same buffer from this thread (bf16/f16
       // with the same user-defined op; avg as sum, without dtrain's division). They take turns
@@ -214,9 +227,7 @@ int cmd_bench_allreduce(int argc, char** argv) {
       MPI_Datatype mt = comm::mpi_datatype_of(dt);
       MPI_Op mop = comm::mpi_op_of(o.op, dt);
       const Tensor raw_input = o.baseline ? host.clone() : Tensor();
-      auto raw_once = [&] {
-        MPI_Allreduce(raw_input.raw(), buf.raw(), static_cast<int>(count), mt, mop, raw);
-      };
+      auto raw_once = [&] { MPI_Allreduce(raw_input.raw(), buf.raw(), static_cast<int>(count), mt, mop, raw); };
       const size_t impls = o.algorithms.size() + (o.baseline ? 1 : 0);
       auto run = [&](size_t impl) {
         if (impl == o.algorithms.size()) return raw_once();
@@ -243,9 +254,9 @@ int cmd_bench_allreduce(int argc, char** argv) {
           impl = std::string("dtrain:") + comm::allreduce_algorithm_name(c->allreduce_plan(buf, o.op));
           if (o.check) {
             fill(host, rank);
-            if (!dev.is_cpu()) buf.copy_from(host);
+            if (!dev.is_cpu()) copy_any(host, buf);
             c->allreduce(buf, o.op)->wait();
-            if (!dev.is_cpu()) host.copy_from(buf);
+            if (!dev.is_cpu()) copy_any(buf, host);
             wrong = count_wrong(host, ranks);
             MPI_Allreduce(MPI_IN_PLACE, &wrong, 1, MPI_INT64_T, MPI_SUM, raw);
             total_wrong += wrong;
@@ -256,7 +267,8 @@ int cmd_bench_allreduce(int argc, char** argv) {
           std::printf("  %12lld %12lld %6s %6s %12s %12.1f %12.3f %12.3f %8s\n", static_cast<long long>(nbytes),
                       static_cast<long long>(count), dtype_name(dt), comm::reduce_op_name(o.op), impl.c_str(), t * 1e6,
                       alg, alg * bus, o.check && !is_raw ? std::to_string(wrong).c_str() : "-");
-        if (dt == DType::F32 && nbytes >= (int64_t{64} << 20) && o.baseline) (is_raw ? sum_raw_bw : best_bw[k]) += alg * bus;
+        if (dt == DType::F32 && nbytes >= (int64_t{64} << 20) && o.baseline)
+          (is_raw ? sum_raw_bw : best_bw[k]) += alg * bus;
       }
       if (bytes > o.max_bytes / o.factor) break;  // no overflow past the last row
     }
@@ -267,7 +279,6 @@ int cmd_bench_allreduce(int argc, char** argv) {
                   comm::allreduce_algorithm_name(o.algorithms[k]), best_bw[k] / sum_raw_bw);
 
   if (!o.compressors.empty()) {
-    DT_INPUT_CHECK(dev.is_cpu(), "--compressor: the compressors work on host buckets (use --backend mpi)");
     if (rank == 0) {
       std::printf(
           "#\n# gradient compressors on f32 buckets, op avg, %d iterations; algBw/busBw from the "
@@ -280,15 +291,19 @@ int cmd_bench_allreduce(int argc, char** argv) {
       for (int64_t bytes = std::max<int64_t>(o.min_bytes, 4); bytes <= comp_max; bytes *= o.factor) {
         int64_t count = std::max<int64_t>(1, bytes / 4);
         auto comp = comm::make_compressor(spec);
-        Tensor g = Tensor::empty({count});
-        comp->reduce(g, *c, ReduceOp::Avg)->wait();  // warm-up: allocates state
+        Tensor h = Tensor::empty({count}), g = zeros_on({count}, dev);  // the bucket where the engine is
+        comp->reduce(g, *c, ReduceOp::Avg)->wait();                     // warm-up: allocates state
         comp = comm::make_compressor(spec);
+        Engine& e = engine_for(dev);
         double t = 0;
         for (int i = 0; i < o.compressor_iters; ++i) {
-          for (int64_t j = 0; j < count; ++j) g.f32()[j] = static_cast<float>(pattern(DType::F32, rank, j + i));
+          for (int64_t j = 0; j < count; ++j) h.f32()[j] = static_cast<float>(pattern(DType::F32, rank, j + i));
+          copy_any(h, g);
+          e.synchronize();
           MPI_Barrier(raw);
           double t0 = now_s();
           comp->reduce(g, *c, ReduceOp::Avg)->wait();
+          e.synchronize();  // the decoding queued on a GPU belongs to the time
           t += now_s() - t0;
         }
         t = max_over_ranks(t / o.compressor_iters, raw);

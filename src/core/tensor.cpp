@@ -43,7 +43,7 @@ void register_allocator(DeviceType type, DeviceAllocator alloc) {
 }
 
 std::shared_ptr<Storage> allocate(size_t bytes, Device device) {
-  if (device.is_cpu()) {
+  if (device.is_cpu() || device.type == DeviceType::SIM) {  // the simulated device's memory is the host's
     size_t rounded = (bytes + 63) / 64 * 64;
     void* p = rounded ? std::aligned_alloc(64, rounded) : nullptr;
     DT_CHECK(p || !rounded, "out of host memory allocating " << bytes << " bytes");
@@ -108,9 +108,24 @@ int64_t Tensor::size(int64_t d) const {
   return shape_[static_cast<size_t>(d)];
 }
 
-float* Tensor::f32() const {
+float* Tensor::f32(std::source_location at) const {
   DT_CHECK(dtype_ == DType::F32, "expected an f32 tensor, got " << str());
-  return data<float>();
+  return data<float>(at);
+}
+
+float* Tensor::device_f32() const {
+  DT_CHECK(dtype_ == DType::F32, "expected an f32 tensor, got " << str());
+  return device_data<float>();
+}
+
+void Tensor::host_access_error(const std::source_location& at) const {
+  std::string file = at.file_name();  // the folder and file: "parallel/data_parallel.cpp"
+  if (auto last = file.rfind('/'); last != std::string::npos && last > 0)
+    if (auto cut = file.rfind('/', last - 1); cut != std::string::npos) file = file.substr(cut + 1);
+  throw Error("device",
+              "host code read or wrote device memory: " + str() + " at " + file + ":" + std::to_string(at.line()) +
+                  " (" + at.function_name() + "); device tensors go through the engine (copy_any, to_host)",
+              __FILE__, __LINE__);
 }
 
 Tensor Tensor::reshape(const Shape& shape) const {

@@ -1,6 +1,9 @@
 #include "dtrain/nn/layers.h"
 
+#include <algorithm>
 #include <cmath>
+
+#include "dtrain/kernels/engine.h"
 
 namespace dtrain::nn {
 
@@ -31,57 +34,46 @@ Tensor SoftmaxCrossEntropy::backward(float scale) {
   return dlogits_;
 }
 
-namespace {
-
-// Row-wise softmax(x / t) into p (host f32), stable; returns the log of each row's normaliser so
-// that log p = x / t - max - log(sum).
-void softmax_rows(const Tensor& x, float t, Tensor& p, std::vector<double>* log_p = nullptr) {
-  const int64_t n = x.size(0), c = x.size(1);
-  if (log_p) log_p->assign(static_cast<size_t>(n * c), 0.0);
-  for (int64_t i = 0; i < n; ++i) {
-    const float* xi = x.f32() + i * c;
-    float* pi = p.f32() + i * c;
-    double mx = xi[0] / t, sum = 0;
-    for (int64_t j = 1; j < c; ++j) mx = std::max(mx, static_cast<double>(xi[j]) / t);
-    for (int64_t j = 0; j < c; ++j) sum += std::exp(xi[j] / t - mx);
-    const double log_sum = std::log(sum);
-    for (int64_t j = 0; j < c; ++j) {
-      const double lp = xi[j] / t - mx - log_sum;
-      pi[j] = static_cast<float>(std::exp(lp));
-      if (log_p) (*log_p)[static_cast<size_t>(i * c + j)] = lp;
-    }
-  }
-}
-
-}  // namespace
-
 SoftTargetLoss::SoftTargetLoss(float temperature) : t_(temperature) {
   DT_INPUT_CHECK(temperature > 0.f && std::isfinite(temperature),
                  "the distillation temperature must be > 0, got " << temperature);
 }
 
-float SoftTargetLoss::forward(const Tensor& student, const Tensor& teacher) {
-  DT_CHECK(student.dim() == 2 && student.shape() == teacher.shape() && student.device().is_cpu() &&
-               teacher.device().is_cpu(),
-           "distillation needs student and teacher logits of one shape (N, C) on the host, got "
+// The softened distributions, on the logits' device: p = softmax(logits / T).
+void SoftTargetLoss::prepare(const Tensor& student, const Tensor& teacher) {
+  DT_CHECK(student.dim() == 2 && student.shape() == teacher.shape() && student.device() == teacher.device(),
+           "distillation needs student and teacher logits of one shape (N, C) on one device, got "
                << student.str() << " and " << teacher.str());
-  if (!p_student_.defined() || p_student_.shape() != student.shape()) {
-    p_student_ = Tensor::empty(student.shape());
-    p_teacher_ = Tensor::empty(student.shape());
+  if (!p_student_.defined() || p_student_.shape() != student.shape() || p_student_.device() != student.device()) {
+    p_student_ = Tensor::empty(student.shape(), DType::F32, student.device());
+    p_teacher_ = Tensor::empty(student.shape(), DType::F32, student.device());
   }
-  std::vector<double> log_s, log_t;
-  softmax_rows(student, t_, p_student_, &log_s);
-  softmax_rows(teacher, t_, p_teacher_, &log_t);
+  Engine& e = engine_for(student.device());
+  e.softmax_rows(student, 1.f / t_, p_student_);
+  e.softmax_rows(teacher, 1.f / t_, p_teacher_);
+}
+
+// T^2 KL(p_teacher || p_student), averaged over the rows, in f64 on host copies (a figure for the
+// caller; training needs only backward).
+float SoftTargetLoss::forward(const Tensor& student, const Tensor& teacher) {
+  prepare(student, teacher);
+  const Tensor ps = to_host(p_student_), pt = to_host(p_teacher_);
   double kl = 0;
-  for (size_t i = 0; i < log_s.size(); ++i) kl += p_teacher_.f32()[i] * (log_t[i] - log_s[i]);
+  for (int64_t i = 0; i < ps.numel(); ++i) {
+    const double q = pt.f32()[i], p = ps.f32()[i];
+    if (q > 0) kl += q * (std::log(q) - std::log(std::max(p, 1e-45)));
+  }
   return static_cast<float>(static_cast<double>(t_) * t_ * kl / static_cast<double>(student.size(0)));
 }
 
+// d(mean loss)/d(student logits) = T (p_student - p_teacher) / N, times `scale`.
 Tensor SoftTargetLoss::backward(float scale) {
-  if (!dlogits_.defined() || dlogits_.shape() != p_student_.shape()) dlogits_ = Tensor::empty(p_student_.shape());
-  const float k = scale * t_ / static_cast<float>(p_student_.size(0));
-  for (int64_t i = 0; i < p_student_.numel(); ++i)
-    dlogits_.f32()[i] = k * (p_student_.f32()[i] - p_teacher_.f32()[i]);
+  if (!dlogits_.defined() || dlogits_.shape() != p_student_.shape() || dlogits_.device() != p_student_.device())
+    dlogits_ = Tensor::empty(p_student_.shape(), DType::F32, p_student_.device());
+  Engine& e = engine_for(p_student_.device());
+  e.copy(p_student_, dlogits_);
+  e.axpy(-1.f, p_teacher_, dlogits_);
+  e.scale(dlogits_, scale * t_ / static_cast<float>(p_student_.size(0)));
   return dlogits_;
 }
 

@@ -5,19 +5,19 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cmath>
 #include <cstdio>
-#include <map>
+#include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <thread>
 
 #include "dtrain/comm/communicator.h"
 #include "dtrain/core/error.h"
-#include "dtrain/parallel/data_parallel.h"
-#include "dtrain/kernels/engine.h"
 #include "dtrain/data/hdf5_util.h"
+#include "dtrain/kernels/engine.h"
+#include "dtrain/parallel/data_parallel.h"
 
 namespace fs = std::filesystem;
 
@@ -212,7 +212,9 @@ std::string stage_part_file(const std::string& main_file, int64_t stage) {
   return (p.parent_path() / (p.stem().string() + ".stage" + std::to_string(stage) + ".h5")).string();
 }
 
-std::string rank_part_file(const std::string& main_file, int rank) { return main_file + ".rank" + std::to_string(rank); }
+std::string rank_part_file(const std::string& main_file, int rank) {
+  return main_file + ".rank" + std::to_string(rank);
+}
 
 namespace {
 
@@ -249,8 +251,8 @@ void prune_checkpoints(const std::string& dir, const std::string& just_written, 
   }
 }
 
-bool write_compression_parts(const std::string& main_file, const parallel::DataParallel* dp,
-                             comm::Communicator* world, int64_t step, const std::string& compression) {
+bool write_compression_parts(const std::string& main_file, const parallel::DataParallel* dp, comm::Communicator* world,
+                             int64_t step, const std::string& compression) {
   if (!dp) return false;
   const std::map<std::string, Tensor> state = dp->compression_state();
   const int rank = world ? world->rank() : 0;
@@ -271,13 +273,12 @@ bool write_compression_parts(const std::string& main_file, const parallel::DataP
   return !state.empty();
 }
 
-std::string load_compression_part(const CheckpointState& main, const std::string& main_file,
-                                  parallel::DataParallel* dp, int rank, int world, const std::string& compression,
-                                  bool same_layout) {
+std::string load_compression_part(const CheckpointState& main, const std::string& main_file, parallel::DataParallel* dp,
+                                  int rank, int world, const std::string& compression, bool same_layout) {
   const auto ranks = main.ints.find("compression_ranks");
   const auto kept = main.strings.find("compression");
   if (ranks == main.ints.end() || ranks->second == 0) return "";
-  if (!dp || !dp->compressor())
+  if (!dp || !dp->compresses())
     return "resume: the checkpoint kept gradient compression state (--compression " +
            (kept == main.strings.end() ? std::string("?") : kept->second) +
            "); this run does not compress, so it is not used";
@@ -293,7 +294,8 @@ std::string load_compression_part(const CheckpointState& main, const std::string
   const std::string part = rank_part_file(main_file, rank);
   CheckpointState cs = load_checkpoint(part);
   const auto kept_step = main.ints.find("step");
-  DT_INPUT_CHECK(kept_step != main.ints.end(), "checkpoint '" << main_file << "' has no step attribute (corrupt file?)");
+  DT_INPUT_CHECK(kept_step != main.ints.end(),
+                 "checkpoint '" << main_file << "' has no step attribute (corrupt file?)");
   const int64_t step = kept_step->second;
   DT_INPUT_CHECK(cs.ints["step"] == step && cs.ints["rank"] == rank,
                  "'" << part << "' is rank " << cs.ints["rank"] << "'s state at step " << cs.ints["step"]

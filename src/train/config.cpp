@@ -107,7 +107,8 @@ class TrainOptions {
   }
   // A switch: `--name` alone means true; `--name=false` and `name = false` in a config file work too.
   void add_switch(po::options_description& g, const char* name, bool* field, bool def, const char* help) {
-    g.add_options()(name, po::value<bool>(field)->default_value(def, ini_text(def))->implicit_value(true, "true"), help);
+    g.add_options()(name, po::value<bool>(field)->default_value(def, ini_text(def))->implicit_value(true, "true"),
+                    help);
     values_.push_back({name, [field] { return ini_text(*field); }, ini_text(def)});
   }
 
@@ -135,7 +136,8 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(common, "eps", &c.eps, def.eps, "Adam epsilon");
   add(common, "clip-grad-norm", &c.clip_grad_norm, def.clip_grad_norm, "clip the global gradient norm to this (0: off)");
   add(common, "precision", &c.precision, def.precision, "fp32, bf16 or fp16 (GEMM/conv inputs; fp32 accumulation and master weights; fp16 with dynamic loss scaling); tf32 on a GPU");
-  add(common, "device", &c.device, def.device, "cpu or cuda (one GPU per rank)");
+  add(common, "device", &c.device, def.device, "cpu, cuda (a GPU per rank, or ranks sharing one through --comm mpi), or sim (the CPU engine on memory marked as a device's: runs the device code path on CPU ranks, host reads of device memory throw)");
+  add(common, "comm", &c.comm, def.comm, "how device tensors travel between ranks: nccl, mpi (host-staged), or auto (nccl where every rank of a node has its own GPU, else mpi)");
   add(common, "loss-scale-interval", &c.loss_scale_interval, def.loss_scale_interval, "fp16: finite steps in a row before the loss scale doubles");
   add(common, "loss-scale-init", &c.loss_scale_init, def.loss_scale_init, "fp16: the first loss scale (halved on every step with inf/NaN gradients)");
   add(common, "threads", &c.threads, def.threads, "compute threads per rank (0: node cores / ranks on the node)");
@@ -200,7 +202,6 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(common, "compression", &c.compression, def.compression, "gradient compression: none, fp16, bf16, topk:RATIO, powersgd:RANK, onebit, qsgd:LEVELS");
   add(common, "compression-scope", &c.compression_scope, def.compression_scope, "where --compression applies: all (every data-parallel exchange), inter-node (gradients averaged exactly within each node, compressed only between nodes; on one node nothing is compressed)");
   add(common, "compression-warmup", &c.compression_warmup, def.compression_warmup, "compression warm-up steps (-1: one epoch, the gpt: --warmup-steps; 0: none): top-k's kept fraction falls from 25 % to the target; PowerSGD sends uncompressed gradients until then");
-  add(common, "compression-on-engine", &c.compression_on_engine, def.compression_on_engine, "top-k through the compute engine's kernels (the path GPU buckets always take: CUB and NCCL) instead of the communication layer's compressor, also on the CPU");
   add(image, "momentum-correction", &c.momentum_correction, def.momentum_correction, "top-k with SGD momentum: accumulate momentum, not raw gradients, in the compressor (Deep Gradient Compression); the optimizer then runs without momentum");
   add(common, "accumulate", &c.accumulate, def.accumulate, "micro-batches per optimizer step (gradient accumulation)");
   add(common, "zero1", &c.zero1, def.zero1, "ZeRO stage 1: shard optimizer state over the data-parallel ranks (each parameter's piece keeps its optimizer group)");
@@ -274,8 +275,10 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.lr_scaling == "none" || c.lr_scaling == "linear",
                  "option --lr-scaling must be none or linear, got '" << c.lr_scaling << "'");
   DT_INPUT_CHECK(c.base_batch_size > 0, "option --base-batch-size must be > 0");
-  DT_INPUT_CHECK(c.device == "cpu" || c.device == "cuda",
-                 "option --device must be cpu or cuda, got '" << c.device << "'");
+  DT_INPUT_CHECK(c.device == "cpu" || c.device == "cuda" || c.device == "sim",
+                 "option --device must be cpu, cuda or sim, got '" << c.device << "'");
+  DT_INPUT_CHECK(c.comm == "auto" || c.comm == "nccl" || c.comm == "mpi",
+                 "option --comm must be auto, nccl or mpi, got '" << c.comm << "'");
   DT_INPUT_CHECK(
       c.precision == "fp32" || c.precision == "bf16" || c.precision == "fp16" ||
           (c.precision == "tf32" && c.device == "cuda"),
@@ -287,8 +290,8 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(!c.zero1 || (c.optimizer != "lars" && c.optimizer != "lamb"),
                  "option --zero1 does not combine with --optimizer "
                      << c.optimizer << " (its per-layer trust ratios need whole tensors)");
-  DT_INPUT_CHECK(!c.zero1 || (c.tp == 1 && c.pp == 1),
-                 "option --zero1 does not combine with --" << (c.tp > 1 ? "tp" : "pp")
+  DT_INPUT_CHECK(!c.zero1 || (c.tp == 1 && c.pp == 1), "option --zero1 does not combine with --"
+                                                           << (c.tp > 1 ? "tp" : "pp")
                                                            << " in this version (clipping and the tied embedding read "
                                                               "whole gradients)");
   DT_INPUT_CHECK(c.straggler_every >= 0 && c.straggler_threshold > 0,
@@ -303,15 +306,14 @@ void check_ranges(const TrainConfig& c) {
                  "option --prune-scope must be global or layer, got '" << c.prune_scope << "'");
   DT_INPUT_CHECK(c.prune_sparsity == 0.f || (c.tp == 1 && c.pp == 1),
                  "option --prune-sparsity does not combine with --" << (c.tp > 1 ? "tp" : "pp")
-                                                                     << " in this version (the magnitudes would be "
-                                                                        "split over ranks)");
+                                                                    << " in this version (the magnitudes would be "
+                                                                       "split over ranks)");
   DT_INPUT_CHECK(c.distill_temperature > 0.f && c.distill_weight >= 0.f && c.distill_weight <= 1.f,
                  "options --distill-temperature must be > 0 and --distill-weight in [0, 1], got "
                      << c.distill_temperature << " and " << c.distill_weight);
-  DT_INPUT_CHECK(c.teacher.empty() || (c.pp == 1 && c.device == "cpu"),
-                 "option --teacher does not combine with --" << (c.pp > 1 ? "pp" : "device cuda")
-                                                             << " in this version (the teacher runs on the CPU "
-                                                                "beside a whole student)");
+  DT_INPUT_CHECK(c.teacher.empty() || c.pp == 1,
+                 "option --teacher does not combine with --pp in this version (the teacher's logits are needed "
+                 "beside the student's, which only the last stage has)");
   DT_INPUT_CHECK(c.clip_grad_norm >= 0.f, "option --clip-grad-norm must be >= 0");
   DT_INPUT_CHECK(c.augment.crop_padding >= 0 && c.augment.crop_padding <= 64,
                  "option --augment-crop must be in [0, 64]");
@@ -326,8 +328,12 @@ void check_ranges(const TrainConfig& c) {
                  "no training data: give --data DIR (or --synthetic)");
   DT_INPUT_CHECK(c.synthetic_shape.size() == 3 || c.synthetic_shape.size() == 1,
                  "option --synthetic-shape needs C,H,W (or one size for flat inputs)");
-  for (auto [name, v] : {std::pair<const char*, int64_t>{"layers", c.layers}, {"heads", c.heads}, {"width", c.width},
-                         {"context", c.context}, {"tp", c.tp}, {"pp", c.pp}})
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"layers", c.layers},
+                         {"heads", c.heads},
+                         {"width", c.width},
+                         {"context", c.context},
+                         {"tp", c.tp},
+                         {"pp", c.pp}})
     DT_INPUT_CHECK(v >= 1, "option --" << name << " must be >= 1, got " << v);
   DT_INPUT_CHECK(c.vocab >= 0, "option --vocab must be >= 0 (0: the token files' vocabulary), got " << c.vocab);
   DT_INPUT_CHECK(c.seq_len >= 0 && c.eval_every >= 0 && c.eval_batches >= 0 && c.micro_batches >= 0,

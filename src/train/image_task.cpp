@@ -61,7 +61,8 @@ EvalResult evaluate_batches(std::shared_ptr<const data::ShardedHdf5Dataset> ds, 
   XentStats st;
   auto read = [&] {
     st = xent_stats(host);
-    DT_INPUT_CHECK(!st.bad_label, "a label of the evaluation data on rank " << rank << " is outside the model's classes");
+    DT_INPUT_CHECK(!st.bad_label,
+                   "a label of the evaluation data on rank " << rank << " is outside the model's classes");
   };
   if (dp && world > 1)
     comm::agree_on_inputs(*dp, read);
@@ -94,7 +95,8 @@ class ImageTask final : public Task {
   std::string describe() override {
     return "model " + spec_.name + " (" + std::to_string(model_->parameter_count()) + " parameters" +
            (cfg_->pp > 1 ? " on rank 0's stage" : "") + "), " +
-           (cfg_->synthetic ? std::string("synthetic data") : "data " + cfg_->data + " (" + train_ds_->info().opened + "), " + reading_.text) +
+           (cfg_->synthetic ? std::string("synthetic data")
+                            : "data " + cfg_->data + " (" + train_ds_->info().opened + "), " + reading_.text) +
            (teacher_ ? ", teacher " + teacher_spec_.name + " (" + std::to_string(teacher_->parameter_count()) +
                            " parameters) from " + cfg_->teacher + ", T " + fixed(cfg_->distill_temperature, 1) +
                            " weight " + fixed(cfg_->distill_weight, 2)
@@ -135,9 +137,8 @@ class ImageTask final : public Task {
     if (!teacher_) return ce_.backward(grad_scale);
     const float w = cfg_->distill_weight;
     Tensor grad = ce_.backward(grad_scale * (1.f - w));
-    soft_targets_.forward(out, teacher_->forward(micro_rows(inputs_, k, parts)));
-    const Tensor& soft = soft_targets_.backward(grad_scale * w);
-    for (int64_t i = 0; i < grad.numel(); ++i) grad.f32()[i] += soft.f32()[i];
+    soft_targets_.prepare(out, teacher_->forward(micro_rows(inputs_, k, parts)));
+    engine_for(grad.device()).axpy(1.f, soft_targets_.backward(grad_scale * w), grad);
     return grad;
   }
   int64_t step_units() const override { return step_samples_; }
@@ -145,9 +146,7 @@ class ImageTask final : public Task {
     return "a label of the batch of step " + std::to_string(step) + " on rank " + std::to_string(rank) +
            " is outside the model's classes";
   }
-  bool validation_due(int64_t, bool epoch_end) const override {
-    return epoch_end && test_ds_ && cfg_->eval_each_epoch;
-  }
+  bool validation_due(int64_t, bool epoch_end) const override { return epoch_end && test_ds_ && cfg_->eval_each_epoch; }
   Validation validate(parallel::PipelineStage*) override;
   void write_fields(CheckpointState& s) const override;
   void check_checkpoint(CheckpointState& s) const override;
@@ -174,7 +173,7 @@ class ImageTask final : public Task {
   int64_t batch_ = 0;
   int parts_ = 1;
   std::unique_ptr<nn::Sequential> whole_;  // pp > 1: the whole model until connect() cuts this rank's stage
-  std::vector<Shape> boundaries_;           // pp > 1: the activation shape before each layer and after the last
+  std::vector<Shape> boundaries_;          // pp > 1: the activation shape before each layer and after the last
   std::vector<int> starts_{0, 1};
   std::shared_ptr<data::ShardedHdf5Dataset> train_ds_, test_ds_;
   std::unique_ptr<comm::Communicator> store_comm_;  // the store's all-to-alls (mode store): outlives loader_
@@ -187,12 +186,12 @@ class ImageTask final : public Task {
   nn::ModelSpec teacher_spec_;
   nn::SoftTargetLoss soft_targets_;
   StagedSteps staged_;
-  data::DataReading reading_;  // how the training set is read (--data-mode)
+  data::DataReading reading_;                          // how the training set is read (--data-mode)
   std::unique_ptr<comm::NodeSharedMemory> node_rows_;  // the training set, one copy per node (node_shared)
   std::atomic<bool> stop_filling_{false};
   mutable std::thread filler_;  // fills this rank's shards of node_rows_ (joined before node_rows_ goes)
-  bool ahead_ended_ = false;  // the epoch ran out while reading a step ahead
-  int64_t steps_read_ = 0;  // steps of this epoch read from the loader or the synthetic set
+  bool ahead_ended_ = false;    // the epoch ran out while reading a step ahead
+  int64_t steps_read_ = 0;      // steps of this epoch read from the loader or the synthetic set
   double read_wait_s_ = 0;
   int64_t step_samples_ = 0;
   std::vector<Tensor> inputs_, labels_;  // the loaded step's micro-batches, on the device
@@ -203,8 +202,6 @@ void ImageTask::setup(const TaskSetup& s) {
   grid_ = &s.grid;
   device_ = s.device;
   batch_ = s.batch;
-  DT_INPUT_CHECK(s.device.is_cpu() || !s.cfg.sync_batchnorm,
-                 "option --device cuda: --sync-batchnorm runs on the CPU engine only in this version");
   Shape input;
   int64_t classes;
   if (s.cfg.synthetic) {
@@ -288,7 +285,10 @@ void ImageTask::connect() {
     model_ = std::move(part);
     model_->to(device_);
   }
-  if (cfg_->sync_batchnorm) parallel::convert_sync_batchnorm(*model_, grid_->dp());
+  if (cfg_->sync_batchnorm) {
+    parallel::convert_sync_batchnorm(*model_, grid_->dp());
+    model_->to(device_);  // the SyncBatchNorms are made on the host
+  }
   if (reading_.node_shared) share_training_set();
   if (reading_.mode == "store") use_store();
 }
@@ -358,17 +358,16 @@ void ImageTask::load_teacher() {
   teacher_spec_ = teacher.spec;
   DT_INPUT_CHECK(teacher_spec_.input == spec_.input && teacher_spec_.classes == spec_.classes,
                  "option --teacher: checkpoint '" << path << "' holds a " << teacher_spec_.name << " for inputs "
-                                                  << shape_str(teacher_spec_.input) << " and "
-                                                  << teacher_spec_.classes << " classes, the student "
-                                                  << spec_.name << " has inputs " << shape_str(spec_.input)
-                                                  << " and " << spec_.classes << " classes");
+                                                  << shape_str(teacher_spec_.input) << " and " << teacher_spec_.classes
+                                                  << " classes, the student " << spec_.name << " has inputs "
+                                                  << shape_str(spec_.input) << " and " << spec_.classes << " classes");
   const bool teacher_normalized = !teacher.mean.empty();
   DT_INPUT_CHECK(cfg_->synthetic || teacher_normalized == cfg_->normalize,
-                 "option --teacher: checkpoint '" << path << "' was trained on inputs "
-                                                  << (teacher_normalized ? "" : "not ")
-                                                  << "normalised, the student's are " << (cfg_->normalize ? "" : "not ")
-                                                  << "(option --normalize)");
+                 "option --teacher: checkpoint '"
+                     << path << "' was trained on inputs " << (teacher_normalized ? "" : "not ")
+                     << "normalised, the student's are " << (cfg_->normalize ? "" : "not ") << "(option --normalize)");
   teacher_->set_needs_input_grad(false);
+  teacher_->to(device_);  // beside the student: its logits meet the student's on the engine
   soft_targets_ = nn::SoftTargetLoss(cfg_->distill_temperature);
 }
 
@@ -441,8 +440,8 @@ EvalResult ImageTask::pipeline_evaluate(parallel::PipelineStage& pipe) {
   model_->eval();
   nn::update_working_copies(model_->parameters(), engine_for(device_).math_precision());
   EvalData how{batch_ / parts_, cfg_->normalize, train_ds_->info().mean, train_ds_->info().std};
-  EvalResult r = evaluate_batches(test_ds_, how, device_, grid_->dp_size() > 1 ? &grid_->dp() : nullptr,
-                                  &grid_->pp(), [&](const Tensor& x, const Tensor& y, Tensor& stats) {
+  EvalResult r = evaluate_batches(test_ds_, how, device_, grid_->dp_size() > 1 ? &grid_->dp() : nullptr, &grid_->pp(),
+                                  [&](const Tensor& x, const Tensor& y, Tensor& stats) {
                                     pipe.forward_only([&](int) { return x; },
                                                       [&](const Tensor& out, int) { ce_.accumulate(out, y, stats); },
                                                       stage_shapes(x.size(0)), 1);
@@ -466,9 +465,9 @@ void ImageTask::write_fields(CheckpointState& s) const {
 }
 
 void ImageTask::check_checkpoint(CheckpointState& s) const {
-  DT_INPUT_CHECK(s.strings["model"] == spec_.name,
-                 "it holds model '" << s.strings["model"] << "', not " << (spec_.definition.empty() ? "--model " : "")
-                                    << spec_.name);
+  DT_INPUT_CHECK(s.strings["model"] == spec_.name, "it holds model '" << s.strings["model"] << "', not "
+                                                                      << (spec_.definition.empty() ? "--model " : "")
+                                                                      << spec_.name);
   DT_INPUT_CHECK(s.strings["model_definition"] == spec_.definition,
                  "its model '" << spec_.name << "' was "
                                << (spec_.definition.empty() ? "described by a model file, not the built-in one"
@@ -499,8 +498,9 @@ ResumePoint ImageTask::resume_point(CheckpointState& s, int64_t) {
     std::string line = "resume: " + std::to_string(then_world) + " -> " + std::to_string(world) +
                        " rank(s), global batch " + std::to_string(then_global) + " -> " + std::to_string(global) + ": ";
     if (then_global == global) {
-      line += "every step sees the samples it would have seen (sums in another order: equal within rounding, not "
-              "bitwise)";
+      line +=
+          "every step sees the samples it would have seen (sums in another order: equal within rounding, not "
+          "bitwise)";
     } else {
       line += "continues at sample " + std::to_string(at.steps_done * global) + " of the epoch";
       if (samples != at.steps_done * global)
@@ -511,8 +511,9 @@ ResumePoint ImageTask::resume_point(CheckpointState& s, int64_t) {
     for (nn::Buffer* b : model_->buffers()) batchnorm |= b->name.find("running_mean") != std::string::npos;
     if (batchnorm && !cfg_->sync_batchnorm) line += "; BatchNorm statistics come from each rank's own batch";
     if (reading_.mode == "stream" && then_world != world)
-      line += "; streaming deals each rank a contiguous part of the epoch's order, so the rest of this epoch "
-              "repeats or skips samples (exact again from the next epoch)";
+      line +=
+          "; streaming deals each rank a contiguous part of the epoch's order, so the rest of this epoch "
+          "repeats or skips samples (exact again from the next epoch)";
     at.note = line;
   }
   if (at.steps_done >= steps_per_epoch()) {
@@ -532,11 +533,11 @@ EvalResult evaluate_model(nn::Module& model, std::shared_ptr<const data::Sharded
   StagedTensor inputs, labels;  // the batches on the model's device
   model.eval();
   nn::update_working_copies(model.parameters(), engine_for(device).math_precision());
-  EvalResult r = evaluate_batches(ds, EvalData{batch, normalize, mean, std}, device, comm, nullptr,
-                                  [&](const Tensor& x, const Tensor& y, Tensor& stats) {
-                                    ce.accumulate(model.forward(stage_to(x, device, inputs)),
-                                                  stage_to(y, device, labels), stats);
-                                  });
+  EvalResult r =
+      evaluate_batches(ds, EvalData{batch, normalize, mean, std}, device, comm, nullptr,
+                       [&](const Tensor& x, const Tensor& y, Tensor& stats) {
+                         ce.accumulate(model.forward(stage_to(x, device, inputs)), stage_to(y, device, labels), stats);
+                       });
   model.train();
   return r;
 }

@@ -9,7 +9,7 @@ namespace dtrain::train {
 
 void* compute_stream_of(Device dev) {
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
-  if (!dev.is_cpu()) return cuda::compute_stream(dev.index);
+  if (dev.type == DeviceType::CUDA) return cuda::compute_stream(dev.index);
 #endif
   (void)dev;
   return nullptr;
@@ -17,7 +17,7 @@ void* compute_stream_of(Device dev) {
 
 std::unique_ptr<comm::Communicator> gpu_gradient_communicator(comm::Communicator& group, Device dev,
                                                               const std::string& name) {
-  if (dev.is_cpu() || !comm::nccl_compiled()) return nullptr;
+  if (dev.type != DeviceType::CUDA || !comm::nccl_compiled()) return nullptr;
   std::unique_ptr<comm::Communicator> nccl = comm::make_nccl_communicator(group, dev.index, name);
   comm::nccl_set_input_stream(*nccl, compute_stream_of(dev));
   return nccl;
@@ -25,7 +25,7 @@ std::unique_ptr<comm::Communicator> gpu_gradient_communicator(comm::Communicator
 
 int64_t gpu_malloc_count(Device dev) {
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
-  if (!dev.is_cpu()) return cuda::allocator_stats(dev.index).device_mallocs;
+  if (dev.type == DeviceType::CUDA) return cuda::allocator_stats(dev.index).device_mallocs;
 #endif
   (void)dev;
   return 0;
@@ -33,10 +33,11 @@ int64_t gpu_malloc_count(Device dev) {
 
 std::string gpu_memory_report(Device dev, int64_t steps_run, int64_t step_mallocs) {
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
-  if (dev.is_cpu()) return "";
+  if (dev.type != DeviceType::CUDA) return "";
   std::string report = cuda::format_stats(cuda::allocator_stats(dev.index));
   if (steps_run > 2)
-    report += "; " + std::to_string(step_mallocs) + " cudaMalloc calls inside the steps after each batch size's first two";
+    report +=
+        "; " + std::to_string(step_mallocs) + " cudaMalloc calls inside the steps after each batch size's first two";
   return report;
 #else
   (void)dev, (void)steps_run, (void)step_mallocs;

@@ -3,14 +3,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <csignal>
-#include <functional>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <chrono>
 #include <sstream>
 #include <thread>
 
@@ -352,7 +351,8 @@ bool Trainer::preempted(int64_t epoch, int64_t batch_in_epoch, bool saved) {
       (cfg_.checkpoint_dir.empty() ? std::string(": no --checkpoint-dir, nothing saved")
                                    : ": checkpoint written to " + cfg_.checkpoint_dir));
   if (metrics_)
-    metrics_->write({{"event", std::string("preempted")}, {"step", step_}, {"signal", signal_name(result_.preempted_by)}});
+    metrics_->write(
+        {{"event", std::string("preempted")}, {"step", step_}, {"signal", signal_name(result_.preempted_by)}});
   return true;
 }
 
@@ -440,9 +440,9 @@ void Trainer::report_pipeline() {
   for (int s = 0; s < cfg_.pp; ++s) {
     const float* f = all.f32() + kF * s;
     say("stage " + std::to_string(s) + ": " + task_->piece() + " [" + std::to_string(starts[s]) + ", " +
-        std::to_string(starts[s + 1]) + "), " + fixed(f[2], 0) + " parameters, measured bubble " + fixed(100 * f[0], 1) +
-        " % (ideal " + fixed(100 * result_.pp_ideal_bubble, 1) + " %), peak activations " + fixed(f[1], 1) +
-        " MiB, peak RSS " + fixed(f[3], 1) + " MiB");
+        std::to_string(starts[s + 1]) + "), " + fixed(f[2], 0) + " parameters, measured bubble " +
+        fixed(100 * f[0], 1) + " % (ideal " + fixed(100 * result_.pp_ideal_bubble, 1) + " %), peak activations " +
+        fixed(f[1], 1) + " MiB, peak RSS " + fixed(f[3], 1) + " MiB");
     if (metrics_)
       metrics_->write({{"pp_stage", s},
                        {"bubble", static_cast<double>(f[0])},
@@ -468,7 +468,7 @@ void Trainer::finish() {
   result_.units_per_s = elapsed > 0 ? static_cast<double>(run_units_) / elapsed : 0;
   const std::string gpu_memory = gpu_memory_report(device_, step_ - start_step_, step_mallocs_);
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
-  if (!device_.is_cpu()) {
+  if (device_.type == DeviceType::CUDA) {
     const cuda::AllocatorStats st = cuda::allocator_stats(device_.index);
     result_.gpu_peak_allocated_mib = static_cast<double>(st.peak_allocated) / 1048576.0;
     result_.gpu_reserved_mib = static_cast<double>(st.reserved) / 1048576.0;

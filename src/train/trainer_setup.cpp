@@ -4,14 +4,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <csignal>
-#include <functional>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <chrono>
 #include <sstream>
 #include <thread>
 
@@ -70,30 +69,39 @@ void Trainer::choose_device() {
   cpu_engine().set_threads(threads);
   if (cfg_.device == "cuda") {
     DT_INPUT_CHECK(enable_cuda() > 0, "option --device cuda: no GPU is visible, or this dtrain was built without CUDA");
-    const int ranks = world_.size();
-    DT_INPUT_CHECK(cfg_.tp == 1 && cfg_.pp == 1, "option --device cuda runs data parallel only (one GPU per rank); "
-                                                 "--tp and --pp run on the CPU engine in this version");
-    // One GPU per rank: the bootstrap bound local rank r to GPU r % count; NCCL refuses two ranks
-    // of a communicator on one GPU, so a node must have as many GPUs as ranks.
-    DT_INPUT_CHECK(ranks == 1 || topo.local_size <= topo.cuda_device_count,
-                   "option --device cuda: " << topo.local_size << " ranks on host " << topo.host << " share "
-                                            << topo.cuda_device_count
-                                            << " GPU(s); data parallel on GPUs needs one GPU per rank");
-    DT_INPUT_CHECK(ranks == 1 || comm::nccl_compiled() || topo.cuda_aware_mpi,
-                   "option --device cuda with " << ranks
-                                                << " ranks: this dtrain was built without NCCL and the MPI library is "
-                                                   "not CUDA-aware, so gradients cannot leave the GPU");
-    DT_INPUT_CHECK(!cfg_.zero1 && (cfg_.compression == "none" || cfg_.compression.rfind("topk", 0) == 0),
-                   "option --device cuda: --zero1 and --compression other than topk run on the CPU engine only in "
-                   "this version");
     device_ = Device::cuda(std::max(0, topo.cuda_device));
+  } else if (cfg_.device == "sim") {
+    device_ = Device::sim();
   }
+  comm_ = choose_comm();
   if (cfg_.precision != "tf32") cpu_engine().set_math_precision(math_precision_from_name(cfg_.precision));
   engine_for(device_).set_math_precision(math_precision_from_name(cfg_.precision));
   scaler_ = make_loss_scaler(cfg_.precision, cfg_.loss_scale_interval, cfg_.loss_scale_init);
   std::string warn = topo.binding_warning(threads);
   if (!warn.empty() && topo.local_rank == 0 && !cfg_.quiet)
     std::fprintf(stderr, "dtrain: warning (rank %d): %s\n", rank_, warn.c_str());
+}
+
+// How device tensors travel between ranks (--comm): NCCL where every rank of a node has a GPU of its
+// own (NCCL refuses two ranks of a communicator on one GPU), otherwise MPI with host staging. Host
+// tensors always take MPI.
+std::string Trainer::choose_comm() const {
+  const comm::Topology& topo = rt_.topology();
+  if (device_.type != DeviceType::CUDA) {
+    DT_INPUT_CHECK(cfg_.comm != "nccl", "option --comm nccl needs --device cuda (NCCL moves GPU memory only)");
+    return device_.is_cpu() ? "mpi" : "mpi (host-staged)";
+  }
+  const bool gpu_each = topo.local_size <= topo.cuda_device_count;
+  if (cfg_.comm == "nccl") {
+    DT_INPUT_CHECK(comm::nccl_compiled(), "option --comm nccl: this dtrain was built without NCCL; use --comm mpi");
+    DT_INPUT_CHECK(world_.size() == 1 || gpu_each,
+                   "option --comm nccl: " << topo.local_size << " ranks on host " << topo.host << " share "
+                                          << topo.cuda_device_count
+                                          << " GPU(s), and NCCL refuses two ranks on one GPU; use --comm mpi");
+    return "nccl";
+  }
+  if (cfg_.comm == "auto" && comm::nccl_compiled() && gpu_each) return "nccl";
+  return "mpi (host-staged)";
 }
 
 // --batch-size is each rank's micro-batch; --global-batch-size the samples of one optimizer step
@@ -104,9 +112,9 @@ void Trainer::check_layout() {
   batch_ = cfg_.batch_size;
   if (cfg_.global_batch_size > 0) {
     const int64_t parts = dp * cfg_.accumulate;
-    DT_INPUT_CHECK(cfg_.global_batch_size % parts == 0,
-                   "option --global-batch-size " << cfg_.global_batch_size << " does not divide evenly over " << dp
-                                                 << " ranks x " << cfg_.accumulate << " micro-steps");
+    DT_INPUT_CHECK(cfg_.global_batch_size % parts == 0, "option --global-batch-size "
+                                                            << cfg_.global_batch_size << " does not divide evenly over "
+                                                            << dp << " ranks x " << cfg_.accumulate << " micro-steps");
     batch_ = cfg_.global_batch_size / parts;
   }
   DT_INPUT_CHECK(batch_ > 0, "option --batch-size must be positive");
@@ -131,9 +139,8 @@ void Trainer::setup_exchange() {
     dpo.compression_scope = cfg_.compression_scope;
     dpo.seed = derive_seed(cfg_.seed, 77);
     dpo.momentum_correction = topk_momentum_correction();
-    dpo.engine_topk = cfg_.compression_on_engine;
     dpo.device_stream = compute_stream_of(device_);
-    if (grid_->dp_size() > 1) nccl_ = gpu_gradient_communicator(grid_->dp(), device_, "dp-nccl");
+    if (grid_->dp_size() > 1 && comm_ == "nccl") nccl_ = gpu_gradient_communicator(grid_->dp(), device_, "dp-nccl");
     if (nccl_) nccl_->track_step_phases(true);
     dp_ = std::make_unique<parallel::DataParallel>(model, nccl_ ? *nccl_ : grid_->dp(), dpo);
   }
@@ -153,9 +160,10 @@ void Trainer::setup_exchange() {
   DT_INPUT_CHECK(total_steps_ > 0, "option --steps must be positive");
   if (cfg_.prune_sparsity > 0.f) build_pruner();
   // Top-k's sparsity warm-up and PowerSGD's uncompressed start: one epoch, or the lr warm-up.
-  if (dp_) dp_->set_compression_warmup(cfg_.compression_warmup >= 0 ? cfg_.compression_warmup
-                                       : has_epochs_                ? steps_per_epoch_
-                                                                    : cfg_.warmup_steps);
+  if (dp_)
+    dp_->set_compression_warmup(cfg_.compression_warmup >= 0 ? cfg_.compression_warmup
+                                : has_epochs_                ? steps_per_epoch_
+                                                             : cfg_.warmup_steps);
   optim::ScheduleOptions so;
   so.kind = cfg_.lr_schedule;
   so.base_lr = cfg_.lr;
@@ -183,8 +191,7 @@ void Trainer::setup_exchange() {
 // keeps SGD's own momentum, and a job on one node compresses nothing).
 float Trainer::topk_momentum_correction() const {
   bool topk = cfg_.compression.rfind("topk", 0) == 0;
-  if (!topk || !cfg_.momentum_correction || cfg_.optimizer != "sgd" || cfg_.nesterov ||
-      cfg_.compression_scope != "all")
+  if (!topk || !cfg_.momentum_correction || cfg_.optimizer != "sgd" || cfg_.nesterov || cfg_.compression_scope != "all")
     return 0.f;
   return cfg_.momentum;
 }
@@ -248,13 +255,14 @@ void Trainer::say(const std::string& s) { progress_->line(s); }
 void Trainer::announce() {
   if (rank_ != 0) return;
   std::ostringstream o;
-  o << "dtrain: " << task_->describe() << ", " << world_.size() << " rank" << (world_.size() > 1 ? "s" : "")
-    << " (dp " << grid_->dp_size() << " x tp " << cfg_.tp << " x pp " << cfg_.pp << ") x " << cpu_engine().threads()
+  o << "dtrain: " << task_->describe() << ", " << world_.size() << " rank" << (world_.size() > 1 ? "s" : "") << " (dp "
+    << grid_->dp_size() << " x tp " << cfg_.tp << " x pp " << cfg_.pp << ") x " << cpu_engine().threads()
     << " thread(s), batch " << batch_ << "/rank"
     << (cfg_.accumulate > 1 ? " x " + std::to_string(cfg_.accumulate) + " micro-steps" : std::string()) << " ("
     << batch_ * grid_->dp_size() * cfg_.accumulate << " global), "
-    << (has_epochs_ ? std::to_string(steps_per_epoch_) + " steps/epoch, " : std::string()) << total_steps_
-    << " steps, " << opt_->kind() << " lr " << cfg_.lr << " " << cfg_.lr_schedule << ", precision " << cfg_.precision;
+    << (has_epochs_ ? std::to_string(steps_per_epoch_) + " steps/epoch, " : std::string()) << total_steps_ << " steps, "
+    << opt_->kind() << " lr " << cfg_.lr << " " << cfg_.lr_schedule << ", precision " << cfg_.precision << ", device "
+    << device_.str() << ", comm " << comm_;
   say(o.str());
   if (std::string note = engine_for(device_).precision_note(); !note.empty()) say("precision: " + note);
   // Training state per rank: parameters and gradients whole, optimizer state sharded by ZeRO-1.

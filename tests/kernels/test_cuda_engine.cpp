@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <regex>
@@ -161,9 +162,10 @@ TEST_F(CudaEngineTest, BatchedGemmLowPrecisionMatchesTheCpu) {
       gpu->set_math_precision(p);
       gpu->gemm_batched(batch, ta, tb, m, n, k, 0.5f, dev(a), m * k, dev(b_low), k * n, 1.f, gc, m * n);
       gpu->set_math_precision(MathPrecision::F32);
-      expect_close(gc, c, 1e-4, (std::string("batched ") + math_precision_name(p) + " ta=" + std::to_string(ta) +
-                                 " tb=" + std::to_string(tb))
-                                    .c_str());
+      expect_close(
+          gc, c, 1e-4,
+          (std::string("batched ") + math_precision_name(p) + " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb))
+              .c_str());
     }
   }
 }
@@ -466,14 +468,16 @@ TEST_F(CudaEngineTest, TopKSelectionGatherAndScatterMatchTheCpu) {
   Rng rng(41);
   Tensor x = Tensor::empty({n});
   for (int64_t i = 0; i < n; ++i)
-    x.f32()[i] = static_cast<float>(static_cast<int>(rng.uniform(0.f, 16.f))) * (rng.uniform(0.f, 1.f) < 0.5f ? -1.f : 1.f);
+    x.f32()[i] =
+        static_cast<float>(static_cast<int>(rng.uniform(0.f, 16.f))) * (rng.uniform(0.f, 1.f) < 0.5f ? -1.f : 1.f);
   for (int64_t k : {int64_t{1}, int64_t{1000}, int64_t{6250}, n}) {
     Tensor idx = Tensor::empty({k}, DType::I32), gidx = Tensor::empty({k}, DType::I32, Device::cuda(0));
     cpu.topk_abs(x, k, idx);
     Tensor gx = dev(x);
     gpu->topk_abs(gx, k, gidx);
     Tensor got = host(gidx);
-    for (int64_t j = 0; j < k; ++j) ASSERT_EQ(got.data<int32_t>()[j], idx.data<int32_t>()[j]) << "k=" << k << " j=" << j;
+    for (int64_t j = 0; j < k; ++j)
+      ASSERT_EQ(got.data<int32_t>()[j], idx.data<int32_t>()[j]) << "k=" << k << " j=" << j;
     Tensor vals = Tensor::empty({k}), gvals = Tensor::empty({k}, DType::F32, Device::cuda(0));
     Tensor cx = x.clone();
     cpu.gather_and_clear(cx, idx, vals);
@@ -485,6 +489,61 @@ TEST_F(CudaEngineTest, TopKSelectionGatherAndScatterMatchTheCpu) {
     gpu->scatter_add(gidx, gvals, gy);
     expect_close(gy, y, 0, "scatter_add");
   }
+}
+
+// The other compressors' encodings against the CPU engine: the sign bits and QSGD's levels exactly
+// (the scale and the norm are f64 sums in another order, so within float rounding; a level could
+// differ where a value sits on a rounding edge, which this data avoids), the decodings and the
+// orthonormalisation within 1e-6.
+TEST_F(CudaEngineTest, SignQsgdAndOrthonormalisationMatchTheCpu) {
+  const int64_t n = 100003;
+  Tensor x = random({n}, 51);
+  Tensor px = Tensor::empty({4 + (n + 7) / 8}, DType::U8),
+         gpx = Tensor::empty({4 + (n + 7) / 8}, DType::U8, Device::cuda(0));
+  Tensor cx = x.clone(), gx = dev(x);
+  cpu.sign_encode(cx, px);
+  gpu->sign_encode(gx, gpx);
+  Tensor gbits = host(gpx);
+  float cs, gs;
+  std::memcpy(&cs, px.raw(), 4);
+  std::memcpy(&gs, gbits.raw(), 4);
+  EXPECT_NEAR(gs, cs, 1e-6 * std::abs(cs));
+  EXPECT_EQ(std::memcmp(gbits.data<uint8_t>() + 4, px.data<uint8_t>() + 4, static_cast<size_t>((n + 7) / 8)), 0);
+  expect_close(gx, cx, 1e-6, "sign residual");
+  Tensor y = random({n}, 52), gy = dev(y);
+  cpu.sign_decode_add(px, y);
+  gpu->sign_decode_add(gpx, gy);
+  expect_close(gy, y, 1e-6, "sign_decode_add");
+
+  Tensor q = Tensor::empty({4 + n}, DType::U8), gq = Tensor::empty({4 + n}, DType::U8, Device::cuda(0));
+  cpu.qsgd_encode(x, 16, 77, q);
+  gpu->qsgd_encode(dev(x), 16, 77, gq);
+  Tensor gqh = host(gq);
+  int64_t differ = 0;
+  for (int64_t i = 4; i < 4 + n; ++i) differ += gqh.data<uint8_t>()[i] != q.data<uint8_t>()[i];
+  EXPECT_LE(differ, 2) << "QSGD levels that differ (rounding edges only)";
+  Tensor z = random({n}, 53), gz = dev(z);
+  cpu.qsgd_decode_add(q, 16, z);
+  gpu->qsgd_decode_add(dev(q), 16, gz);
+  expect_close(gz, z, 1e-6, "qsgd_decode_add");
+
+  Tensor m = random({300, 4}, 54), gm = dev(m);
+  cpu.orthonormalize_columns(m);
+  gpu->orthonormalize_columns(gm);
+  expect_close(gm, m, 1e-5, "orthonormalize_columns");
+}
+
+TEST_F(CudaEngineTest, SoftmaxRowsAndVocabLossMatchTheCpu) {
+  Tensor x = random({64, 1000}, 61, -8.f, 8.f), y = Tensor::empty({64, 1000});
+  Tensor gy = Tensor::empty({64, 1000}, DType::F32, Device::cuda(0));
+  cpu.softmax_rows(x, 0.5f, y);
+  gpu->softmax_rows(dev(x), 0.5f, gy);
+  expect_close(gy, y, 1e-6, "softmax_rows");
+  Tensor rowmax = random({64}, 62), sumexp = random({64}, 63, 1.f, 5.f), target = random({64}, 64);
+  Tensor stats = Tensor::zeros({kXentStatsFloats}), gstats = dev(stats);
+  cpu.vocab_xent_loss_accumulate(rowmax, sumexp, target, stats);
+  gpu->vocab_xent_loss_accumulate(dev(rowmax), dev(sumexp), dev(target), gstats);
+  EXPECT_NEAR(xent_stats(host(gstats)).loss_sum, xent_stats(stats).loss_sum, 1e-9 * 64);
 }
 
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
@@ -580,7 +639,8 @@ TEST_F(CudaEngineTest, GptTrainsOnTheGpuLikeOnTheCpu) {
   for (size_t i = 0; i < cpu_run.step_losses.size(); ++i)
     EXPECT_NEAR(gpu_run.step_losses[i], cpu_run.step_losses[i], 1e-4 * cpu_run.step_losses[i]) << "step " << i;
   EXPECT_NEAR(gpu_run.last_eval.loss, cpu_run.last_eval.loss, 1e-4 * cpu_run.last_eval.loss);
-  EXPECT_EQ(gpu_run.gpu_mallocs_after_warmup, 0) << "the caching allocator went to cudaMalloc inside a step after warm-up";
+  EXPECT_EQ(gpu_run.gpu_mallocs_after_warmup, 0)
+      << "the caching allocator went to cudaMalloc inside a step after warm-up";
   auto model = train::gpt_from_checkpoint(train::load_checkpoint_set(gpu_run.checkpoint));
   double reloaded =
       train::evaluate_lm(*model, (dir / "tok" / "val.h5").string(), c.batch_size, c.context, c.eval_batches);

@@ -2,6 +2,7 @@
 // and causality (no position sees a later one).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -169,12 +170,39 @@ TEST(TransformerOps, VocabParallelCrossEntropyPiecesAddUpToTheFullLoss) {
     got += std::log(total.f32()[i]) + gmax.f32()[i] - (tg[0].f32()[i] + tg[1].f32()[i]);
   }
   EXPECT_NEAR(got, loss, 1e-5 * std::abs(loss));
+  // The engine's own sum of the rows' losses (what a step adds into its statistics on the device).
+  Tensor tsum = Tensor::empty({m}), stats = Tensor::zeros({kXentStatsFloats});
+  for (int64_t i = 0; i < m; ++i) tsum.f32()[i] = tg[0].f32()[i] + tg[1].f32()[i];
+  e.vocab_xent_loss_accumulate(gmax, total, tsum, stats);
+  e.vocab_xent_loss_accumulate(gmax, total, tsum, stats);
+  EXPECT_NEAR(xent_stats(stats).loss_sum, 2 * loss, 1e-5 * std::abs(loss));
   for (int r = 0; r < 2; ++r) {
     Tensor d = Tensor::empty({m, half});
     e.vocab_xent_backward(slice[r], labels, r * half, gmax, total, 0.25f, d);
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < half; ++j)
         EXPECT_NEAR(d.f32()[i * half + j], dfull.f32()[i * v + r * half + j], 1e-6) << r << " " << i << " " << j;
+  }
+}
+
+// Row softmax at a temperature (distillation's), against the formula in double precision.
+TEST(TransformerOps, SoftmaxRowsAtATemperature) {
+  Rng rng(13);
+  Tensor x = random_tensor({5, 9}, rng), y = Tensor::empty({5, 9});
+  for (int64_t i = 0; i < 9; ++i) x.f32()[i] = 80.f + static_cast<float>(i);  // large: needs the max shift
+  cpu_engine().softmax_rows(x, 0.5f, y);
+  for (int64_t i = 0; i < 5; ++i) {
+    const float* row = x.f32() + i * 9;
+    const double mx = 0.5 * *std::max_element(row, row + 9);
+    double sum = 0;
+    for (int64_t j = 0; j < 9; ++j) sum += std::exp(0.5 * row[j] - mx);
+    double total = 0;
+    for (int64_t j = 0; j < 9; ++j) {
+      const double want = std::exp(0.5 * row[j] - mx) / sum;
+      EXPECT_NEAR(y.f32()[i * 9 + j], want, 1e-6) << i << " " << j;
+      total += y.f32()[i * 9 + j];
+    }
+    EXPECT_NEAR(total, 1.0, 1e-6);
   }
 }
 
@@ -392,4 +420,3 @@ TEST(WeightOnlyInt8, GptLogitsStayCloseAndBackwardIsRefused) {
   EXPECT_LT(err, 0.02 * size);
   EXPECT_THROW(gpt.backward(Tensor::zeros(got.shape())), Error);
 }
-

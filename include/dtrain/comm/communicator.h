@@ -38,13 +38,13 @@ enum class TimeoutAction { Abort, Throw };
 // the layout (a table measured by `dtrain bench allreduce`, docs/comm.md). An algorithm the layout
 // cannot run (shm over several nodes, hier over nodes of unequal rank counts) falls back to mpi.
 enum class AllreduceAlgorithm { Auto, Mpi, Shm, Hier };
-const char* allreduce_algorithm_name(AllreduceAlgorithm a);                  // "auto"
+const char* allreduce_algorithm_name(AllreduceAlgorithm a);                 // "auto"
 AllreduceAlgorithm allreduce_algorithm_from_name(const std::string& name);  // throws InputError
 
 // What a peer answered when a wait timed out.
 struct PeerStatus {
   int rank = -1;
-  std::string host;       // MPI_Get_processor_name of that rank
+  std::string host;  // MPI_Get_processor_name of that rank
   bool responded = false;
   int64_t entered = 0;    // sequence number of the last collective it entered (0: none yet)
   int64_t completed = 0;  // ... and of the last one it finished
@@ -108,6 +108,13 @@ class Communicator {
   virtual const char* backend() const = 0;  // "mpi", "nccl"
   // Whether buffers on `device` may be passed to this backend.
   virtual bool supports(Device device) const = 0;
+  // Whether this backend moves buffers on `device` through host staging: each call copies its
+  // device buffers into host memory (after the work the engine queued so far), communicates those,
+  // and copies the results back when the Work completes (in test() or wait(), on the waiting
+  // thread, before it queues more work). The MPI backend stages every device buffer: it is the
+  // path for ranks that share a GPU (NCCL refuses them), builds without NCCL, and the simulated
+  // device (Device::sim) that runs this same path on CPU ranks.
+  virtual bool stages(Device /*device*/) const { return false; }
 
   // In place: every rank ends with op over all ranks' t. Avg divides the sum by size() (integer
   // types truncate). bf16/f16 are summed pairwise in fp32 and rounded once per step.

@@ -2,8 +2,9 @@
 // Gradient compression as a hook on a flat f32 gradient bucket (as c10d's communication hooks):
 // the compressor encodes the bucket, runs the collective its encoding needs through a
 // Communicator, and decodes the reduced result back into the bucket. Every rank ends with the
-// same bits. Compressors with error feedback keep, per bucket, what they did not send (the
-// residual) and add it to the next step's gradient, so that over steps
+// same bits. All arithmetic runs through the Engine of the bucket's device (a GPU's, the CPU's, or
+// the simulated device's), and the state stays there: the same code on every device. Compressors with error feedback
+// keep, per bucket, what they did not send (the residual) and add it to the next step's gradient, so that over steps
 //   sum of transmitted results + mean residual over ranks == sum of mean gradients.
 #include <cstdint>
 #include <map>
@@ -32,7 +33,7 @@ class Compressor {
   virtual std::string name() const = 0;  // e.g. "topk(0.01)"
   virtual bool has_error_feedback() const { return false; }
 
-  // Reduces `bucket` (flat, f32, host) across `comm` through this encoding: op Avg (the mean
+  // Reduces `bucket` (flat, f32, on any device) across `comm` through this encoding: op Avg (the mean
   // gradient) or Sum. Asynchronous: the bucket holds the result once the Work completes. The
   // compressor must outlive the Work. `bucket_id` keys the per-bucket state (residual, factors,
   // random stream); a bucket must keep its size.
@@ -48,19 +49,31 @@ class Compressor {
   void reset();  // forgets every bucket's state
   // Checkpointing this rank's state (it differs between ranks): every bucket's error-feedback
   // residual, PowerSGD's Q, the top-k momentum and QSGD's random stream, as host tensors named
-  // "bucket<id>.residual|factor|velocity|rng" (the stream as 32 bytes); and back, replacing all
-  // state. A resumed run then continues error feedback where the checkpointed one stopped.
+  // "bucket<id>.residual|factor|velocity|draws" (QSGD's count of draws as i64[1]); and back,
+  // replacing all state (moved to the buckets' device on their next reduce). A resumed run then
+  // continues error feedback where the checkpointed one stopped.
   std::map<std::string, Tensor> state_tensors() const;
   void load_state_tensors(const std::map<std::string, Tensor>& state);  // InputError on a bad entry
+
+  // What the compressor owns of the training loop, asked instead of its kind:
+  // the optimizer step the next reduce belongs to, with the warm-up's length (top-k's sparsity
+  // falls from 25 % to its ratio, PowerSGD sends plain allreduces until it ends);
+  virtual void on_step(int64_t step, int64_t warmup_steps) { (void)step, (void)warmup_steps; }
+  // whether it factorises each tensor alone (its buckets are then one tensor each, with rows);
+  virtual bool per_tensor() const { return false; }
+  // SGD's momentum moved into the compressor (top-k's momentum correction); InputError elsewhere.
+  virtual void set_momentum_correction(float m);
 
  protected:
   struct BucketState {
     int id = 0;
-    int64_t rows = 0;          // the matrix view's rows when the bucket is one tensor (see reduce)
-    Tensor residual;           // f32, bucket size
-    Tensor factor;             // PowerSGD: Q, warm start
-    Tensor velocity;           // top-k with momentum correction: the local momentum u
-    std::unique_ptr<Rng> rng;  // QSGD: this rank's stream
+    int64_t rows = 0;   // the matrix view's rows when the bucket is one tensor (see reduce)
+    Tensor residual;    // f32, bucket size
+    Tensor factor;      // PowerSGD: Q, warm start
+    Tensor velocity;    // top-k with momentum correction: the local momentum u
+    int64_t draws = 0;  // QSGD: reduces so far (the seed of the next one's random numbers)
+    // One of the tensors above on `device`, moved there when a checkpoint put it on the host.
+    static Tensor& on(Tensor& t, Device device);
   };
   virtual std::shared_ptr<Work> do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& state) = 0;
   BucketState& state(int bucket_id) { return states_[bucket_id]; }
@@ -107,14 +120,16 @@ class TopKCompressor final : public Compressor {
   double ratio() const { return ratio_; }
   void set_ratio(double ratio);  // for a sparsity warm-up (DGC): start dense, reach the target
   float momentum_correction() const { return momentum_; }
-  void set_momentum_correction(float m);
+  void set_momentum_correction(float m) override;
   bool has_error_feedback() const override { return true; }
+  void on_step(int64_t step, int64_t warmup_steps) override;
 
  protected:
   std::shared_ptr<Work> do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& state) override;
 
  private:
   double ratio_;
+  double target_;  // the ratio asked for, where the warm-up ends
   float momentum_ = 0.f;
 };
 
@@ -131,6 +146,8 @@ class PowerSgdCompressor final : public Compressor {
   // The matrix a bucket of n elements is factorised as: rows x n/rows when the caller gave the
   // tensor's rows, otherwise close to square.
   static std::pair<int64_t, int64_t> matrix_shape(int64_t n, int64_t rows = 0);
+  bool per_tensor() const override { return true; }
+  void on_step(int64_t step, int64_t warmup_steps) override { dense_ = step < warmup_steps; }
 
  protected:
   std::shared_ptr<Work> do_reduce(Tensor& bucket, Communicator& comm, ReduceOp op, BucketState& state) override;
@@ -138,6 +155,7 @@ class PowerSgdCompressor final : public Compressor {
  private:
   int rank_;
   uint64_t seed_;
+  bool dense_ = false;  // the warm-up: plain allreduces
 };
 
 // 1-bit (sign) with error feedback and a scale: each rank sends sign(x) as bits and
@@ -153,7 +171,7 @@ class SignCompressor final : public Compressor {
 
 // QSGD (Alistarh et al. 2017): x_i = ||x|| * sign(x_i) * l_i / s, with l_i the integer level
 // below |x_i| s / ||x|| rounded up with probability equal to the remainder (unbiased). Levels
-// travel as int8 (s <= 127). The random stream is seeded from (seed, rank, bucket).
+// travel as int8 (s <= 127). The random numbers of a reduce hash (seed, rank, bucket, its count).
 class QsgdCompressor final : public Compressor {
  public:
   explicit QsgdCompressor(int levels, uint64_t seed = 0x5eed);
@@ -171,18 +189,5 @@ class QsgdCompressor final : public Compressor {
 // Throws InputError naming the spec when it is not one of these.
 std::unique_ptr<Compressor> make_compressor(const std::string& spec, uint64_t seed = 0x5eed);
 const std::vector<std::string>& compressor_kinds();  // the names above, without parameters
-
-// The encodings as plain functions (tested without MPI).
-namespace codec {
-// Indices of the k largest |x[i]|, ties to the lower index, returned in increasing index order.
-std::vector<int32_t> topk_indices(const float* x, int64_t n, int64_t k);
-// Bit i of `bits` (LSB first) set when x[i] >= 0; bits holds (n + 7) / 8 bytes.
-void pack_signs(const float* x, int64_t n, uint8_t* bits);
-inline float signed_unit(const uint8_t* bits, int64_t i) { return (bits[i >> 3] >> (i & 7)) & 1 ? 1.0f : -1.0f; }
-// QSGD levels q[i] in [-s, s] and the norm they scale; returns the norm.
-float qsgd_encode(const float* x, int64_t n, int levels, Rng& rng, int8_t* q);
-// Gram-Schmidt on the columns of a row-major rows x cols matrix; columns of norm ~0 become 0.
-void orthonormalize_columns(float* m, int64_t rows, int64_t cols);
-}  // namespace codec
 
 }  // namespace dtrain::comm

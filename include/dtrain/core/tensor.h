@@ -5,6 +5,7 @@
 #include <functional>
 #include <initializer_list>
 #include <memory>
+#include <source_location>
 #include <string>
 #include <vector>
 
@@ -63,15 +64,31 @@ class Tensor {
   DType dtype() const { return dtype_; }
   Device device() const { return storage_ ? storage_->device() : Device::cpu(); }
 
-  void* raw() const { return static_cast<char*>(storage_->data()) + offset_; }
+  // Host access to the elements. A device's tensor (a GPU's, or the simulated device's) throws an
+  // Error naming the caller's file and line: host code reaches device memory only through the
+  // engine (copy_any, to_host), so a CPU test on the simulated device catches what would read a
+  // GPU pointer on the host.
+  void* raw(std::source_location at = std::source_location::current()) const {
+    if (!host_readable()) host_access_error(at);
+    return device_raw();
+  }
+  template <typename T>
+  T* data(std::source_location at = std::source_location::current()) const {
+    return static_cast<T*>(raw(at));
+  }
+  float* f32(std::source_location at = std::source_location::current()) const;  // checks dtype F32
+  // The address in the tensor's own memory (a device pointer for a GPU's tensor), unchecked: for
+  // the engines and communication backends, which know where the memory lives.
+  void* device_raw() const { return static_cast<char*>(storage_->data()) + offset_; }
+  template <typename T>
+  T* device_data() const {
+    return static_cast<T*>(device_raw());
+  }
+  float* device_f32() const;  // checks dtype F32
+  bool host_readable() const { return !storage_ || storage_->device().is_cpu(); }
   // The storage this tensor views (shared by its views) and its whole size in bytes.
   const void* storage_id() const { return storage_.get(); }
   size_t storage_bytes() const { return storage_ ? storage_->bytes() : 0; }
-  template <typename T>
-  T* data() const {
-    return static_cast<T*>(raw());
-  }
-  float* f32() const;  // checks dtype F32
 
   // A view with another shape over the same elements (numel must match; one -1 is inferred).
   Tensor reshape(const Shape& shape) const;
@@ -89,6 +106,7 @@ class Tensor {
   std::string str() const;  // "f32[64, 1, 28, 28] on cpu"
 
  private:
+  [[noreturn]] void host_access_error(const std::source_location& at) const;
   std::shared_ptr<Storage> storage_;
   size_t offset_ = 0;
   Shape shape_;

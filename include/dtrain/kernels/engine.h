@@ -158,6 +158,9 @@ class Engine {
   // over all columns (row_max on each slice, then a max-allreduce), the sums below add up across
   // ranks: loss[i] = log(sum_ranks sumexp[i]) + rowmax[i] - sum_ranks target[i].
   virtual void row_max(const Tensor& x, Tensor& out) = 0;  // x [M, N] -> out [M]
+  // y[i,j] = exp(scale x[i,j] - m_i) / sum_k exp(scale x[i,k] - m_i), m_i the row's max of scale x:
+  // x, y [M, N] (distillation's softened distributions, scale = 1/T).
+  virtual void softmax_rows(const Tensor& x, float scale, Tensor& y) = 0;
   // sumexp[i] = sum_j exp(x[i,j] - rowmax[i]); target[i] = x[i, labels[i] - offset] when this slice
   // holds the label, else 0.
   virtual void vocab_xent_partials(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
@@ -166,6 +169,11 @@ class Engine {
   // sumexp the total over all ranks.
   virtual void vocab_xent_backward(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
                                    const Tensor& sumexp, float scale, Tensor& dlogits) = 0;
+  // Adds the rows' losses, sum_i log(sumexp[i]) + rowmax[i] - target[i] (the sums over all ranks),
+  // into stats' loss_sum (an XentStats on the same device, as softmax_xent_accumulate's), so a step
+  // needs no host sync for its loss.
+  virtual void vocab_xent_loss_accumulate(const Tensor& rowmax, const Tensor& sumexp, const Tensor& target,
+                                          Tensor& stats) = 0;
 
   // ---- Transformer pieces (GPT).
   // y[a,c,b,d] = x[a,b,c,d] for x viewed as [A,B,C,D]: swaps the two middle axes, e.g. attention's
@@ -196,6 +204,25 @@ class Engine {
   // y[idx[j]] += vals[j]; the indices of one call are distinct (one rank's top-k).
   virtual void scatter_add(const Tensor& idx, const Tensor& vals, Tensor& y) = 0;
 
+  // ---- The other compressors' encodings (comm::Compressor), on the device that holds the bucket.
+  // Payloads are u8 tensors that travel by allgather; decoding adds one rank's payload into y, and
+  // the compressor decodes the ranks in rank order, so every rank sums the same bits.
+  // 1-bit with error feedback (EF-SignSGD): x f32 [n] holds gradient + residual. payload u8
+  // [4 + ceil(n/8)]: the f32 scale = mean |x| (f64 sum), then bit i (LSB first) set when x[i] >= 0.
+  // x becomes what was not sent: x[i] -= scale * (x[i] >= 0 ? 1 : -1).
+  virtual void sign_encode(Tensor& x, Tensor& payload) = 0;
+  // y[i] += scale * (bit i ? 1 : -1) from one rank's payload (y f32 [n]).
+  virtual void sign_decode_add(const Tensor& payload, Tensor& y) = 0;
+  // QSGD (Alistarh et al.) to s = levels in [1, 127]: payload u8 [4 + n]: the f32 norm ||x|| (f64
+  // sum), then the int8 levels q[i] = sign(x[i]) * (floor(l) + [u_i < l - floor(l)]), l = |x[i]| s /
+  // norm, capped at s, u_i = fn::hash_uniform(seed, i); all zero when the norm is 0.
+  virtual void qsgd_encode(const Tensor& x, int levels, uint64_t seed, Tensor& payload) = 0;
+  // y[i] += norm * q[i] / s from one rank's payload.
+  virtual void qsgd_decode_add(const Tensor& payload, int levels, Tensor& y) = 0;
+  // PowerSGD's P: Gram-Schmidt on the columns of m f32 [rows, cols] (row-major), column by column
+  // in f64 sums; a column whose norm is below 1e-20 becomes zero.
+  virtual void orthonormalize_columns(Tensor& m) = 0;
+
   // ---- Optimizer updates over flat parameter / gradient / state tensors.
   virtual void sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buf, float lr, float momentum,
                           float dampening, float weight_decay, bool nesterov) = 0;
@@ -204,6 +231,19 @@ class Engine {
 
  protected:
   MathPrecision math_ = MathPrecision::F32;
+};
+
+// Sets an engine's math precision for a scope (a compressor's exact fp32 products inside a bf16 run).
+class ScopedMathPrecision {
+ public:
+  ScopedMathPrecision(Engine& e, MathPrecision p) : e_(e), before_(e.math_precision()) { e.set_math_precision(p); }
+  ~ScopedMathPrecision() { e_.set_math_precision(before_); }
+  ScopedMathPrecision(const ScopedMathPrecision&) = delete;
+  ScopedMathPrecision& operator=(const ScopedMathPrecision&) = delete;
+
+ private:
+  Engine& e_;
+  MathPrecision before_;
 };
 
 // The engine of a device: the CPU engine always exists; the CUDA engine registers itself.

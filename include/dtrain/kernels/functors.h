@@ -78,6 +78,25 @@ DT_HD inline float hash_uniform(uint64_t seed, uint64_t i) {
   z ^= z >> 31;
   return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
 }
+// Gradient compression (Engine::sign_encode, qsgd_encode): one element's code, the same on every device.
+// The 1-bit code's sign: +1 for x >= 0 (bit set), -1 otherwise.
+DT_HD inline float sign_unit(const uint8_t* bits, int64_t i) { return (bits[i >> 3] >> (i & 7)) & 1 ? 1.f : -1.f; }
+// The byte of bits [8j, 8j + 8) of x (n elements): bit b set when x[8j + b] >= 0.
+DT_HD inline uint8_t sign_byte(const float* x, int64_t n, int64_t j) {
+  uint8_t byte = 0;
+  for (int b = 0; b < 8 && 8 * j + b < n; ++b)
+    if (x[8 * j + b] >= 0.f) byte = static_cast<uint8_t>(byte | (1u << b));
+  return byte;
+}
+// QSGD's level of x for a vector of norm `norm` (> 0), s levels, u uniform in [0, 1).
+DT_HD inline int8_t qsgd_level(float x, float norm, int levels, float u) {
+  float level = fabsf(x) * static_cast<float>(levels) / norm;
+  float lower = floorf(level);
+  int l = static_cast<int>(lower) + (u < level - lower ? 1 : 0);
+  l = l < levels ? l : levels;
+  return static_cast<int8_t>(x < 0.f ? -l : l);
+}
+
 // Inverted dropout: element i keeps with probability 1-p and is then scaled by 1/(1-p).
 struct DropoutMask {
   float p, keep_scale;

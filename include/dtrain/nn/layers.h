@@ -54,7 +54,7 @@ class Linear : public Module {
   // The input backward multiplies by: x_, or x_copy_ widened to f32.
   const Tensor& saved_input(Device dev);
   bool reads_copy(const Engine& e, int64_t m, int64_t n) const;
-  Tensor dy_low_;  // dy rounded once for both backward GEMMs (scratch)
+  Tensor dy_low_;                             // dy rounded once for both backward GEMMs (scratch)
   std::shared_ptr<int8::WeightOnlyInt8> w8_;  // set by quantize_weights_int8
 };
 
@@ -121,9 +121,7 @@ class Activation : public Module {
   explicit Activation(Unary op) : op_(op) {}
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
-  std::string kind() const override {
-    return op_ == Unary::Relu ? "ReLU" : op_ == Unary::Gelu ? "GELU(tanh)" : "GELU";
-  }
+  std::string kind() const override { return op_ == Unary::Relu ? "ReLU" : op_ == Unary::Gelu ? "GELU(tanh)" : "GELU"; }
   Unary op() const { return op_; }
 
  private:
@@ -220,7 +218,7 @@ class Sequential : public Module {
  private:
   std::vector<ModulePtr> layers_;
   std::vector<std::optional<std::string>> names_;  // per layer; none: its index
-  size_t first_name_ = 0;  // the index of layers_[0] in the whole model (see stage_of)
+  size_t first_name_ = 0;                          // the index of layers_[0] in the whole model (see stage_of)
 };
 
 // The activation shapes at the layer boundaries of `model` for an input of shape `input` (batch
@@ -303,7 +301,9 @@ class SoftTargetLoss {
  public:
   explicit SoftTargetLoss(float temperature = 4.f);
   float temperature() const { return t_; }
-  // Returns the mean loss; `teacher` is read only here.
+  // The softened distributions of both, for backward; `teacher` is read only here. No host sync.
+  void prepare(const Tensor& student, const Tensor& teacher);
+  // prepare, and the mean loss (read on the host).
   float forward(const Tensor& student, const Tensor& teacher);
   // d(mean loss)/d(student logits), times `scale`.
   Tensor backward(float scale = 1.f);

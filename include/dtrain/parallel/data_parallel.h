@@ -4,9 +4,12 @@
 //
 // All parameters and gradients are moved into two flat buffers, laid out in the order backward
 // produces gradients (last layer first), and each parameter's value and grad become views into
-// them. A bucket is a contiguous slice of the flat gradient, so its allreduce runs in place, and it
+// them. A bucket is a contiguous slice of the flat gradient, so its exchange runs in place, and it
 // starts the moment the bucket's last gradient is ready (the grad-ready hook): communication
-// overlaps the rest of backward, and finish() waits only for what is still in flight.
+// overlaps the rest of backward, and finish() waits only for what is still in flight. What a
+// bucket's exchange is (a plain average, a compressor, the inter-node scope) is its GradHook's
+// (grad_hook.h): DataParallel hands every bucket to its one hook and never asks which kind it is.
+// Everything runs on the device that holds the parameters, through its Engine and the Communicator.
 //
 // ZeRO stage 1 (zero1): optimizer state is sharded. finish() reduce-scatters the flat gradient so
 // each rank holds the averaged gradient of its 1/world slice; the optimizer updates only that slice
@@ -23,9 +26,9 @@
 #include <vector>
 
 #include "dtrain/comm/communicator.h"
-#include "dtrain/comm/compression.h"
 #include "dtrain/nn/module.h"
 #include "dtrain/optim/optimizer.h"
+#include "dtrain/parallel/grad_hook.h"
 
 namespace dtrain::parallel {
 
@@ -49,11 +52,6 @@ struct DataParallelOptions {
   // Top-k only: SGD's momentum coefficient, moved into the compressor (DGC's momentum correction;
   // see comm::TopKCompressor). The optimizer must then run without momentum. 0: off.
   float momentum_correction = 0.f;
-  // Top-k through the compute engine's own ops (topk_abs, gather_and_clear, scatter_add, then two
-  // allgathers of indices and values), where the buckets live: always so for buckets on a GPU
-  // (CUB on the device, NCCL allgathers); true also takes this path on the host, where it must
-  // agree with comm::TopKCompressor.
-  bool engine_topk = false;
   uint64_t seed = 0x5eed;
   // Buckets on a GPU: the engine's compute stream (a cudaStream_t). Where the communicator can
   // order a stream after its work (NCCL), finish() makes this stream wait for the exchange by
@@ -65,9 +63,9 @@ struct DataParallelOptions {
 };
 
 struct DataParallelStats {
-  double comm_wait_s = 0;      // time finish()/after_step() blocked on communication (not hidden)
-  int64_t bytes_reduced = 0;   // f32 gradient bytes handed to the exchange
-  int64_t bytes_sent = 0;      // bytes this rank put on the wire (after compression)
+  double comm_wait_s = 0;     // time finish()/after_step() blocked on communication (not hidden)
+  int64_t bytes_reduced = 0;  // f32 gradient bytes handed to the exchange
+  int64_t bytes_sent = 0;     // bytes this rank put on the wire (after compression)
   int64_t collectives = 0;
 };
 
@@ -114,10 +112,9 @@ class DataParallel {
   // L2 norm of the averaged gradient over the whole model (a collective under ZeRO-1).
   double grad_norm();
 
-  // Checkpointing the gradient compression state of this rank (the compressor's buckets, or the
-  // engine top-k path's residuals and momentum, copied to the host), as named host tensors; empty
-  // without compression state. load_compression_state puts such a set back onto this rank's
-  // buckets: InputError when it does not fit them (another compression or bucket layout).
+  // Checkpointing the gradient compression state of this rank (the compressor's buckets, copied to
+  // the host), as named host tensors; empty without compression state. load_compression_state puts such a set back onto
+  // this rank's buckets: InputError when it does not fit them (another compression or bucket layout).
   std::map<std::string, Tensor> compression_state() const;
   void load_compression_state(const std::map<std::string, Tensor>& state);
   // Tells the exchange which optimizer step the next backward belongs to (compression warm-up).
@@ -126,7 +123,8 @@ class DataParallel {
 
   int world() const { return comm_.size(); }
   bool zero1() const { return opt_.zero1; }
-  const comm::Compressor* compressor() const { return compressor_.get(); }
+  bool compresses() const { return hook_->compresses(); }
+  const GradHook& hook() const { return *hook_; }
   size_t bucket_count() const { return buckets_.size(); }
   DataParallelStats& stats() { return stats_; }
 
@@ -134,22 +132,11 @@ class DataParallel {
   struct Bucket {
     int64_t begin = 0, end = 0;  // element range in the flat gradient
     int64_t params = 0, ready = 0;
-    int64_t rows = 0;            // one-tensor buckets: the tensor's rows (its matrix view), for compression
+    int64_t rows = 0;  // one-tensor buckets: the tensor's rows (its matrix view), for compression
     std::shared_ptr<comm::Work> work;
-  };
-  // Top-k on the engine: one bucket's state and its step's messages.
-  struct EngineTopK {
-    Tensor residual, velocity;        // error feedback and (momentum correction) the momentum
-    Tensor idx, vals, all_idx, all_vals;
-    std::shared_ptr<comm::Work> idx_work;
-    int64_t k = 0;
   };
   void on_grad_ready(nn::Parameter& p);
   void launch(Bucket& b);
-  void setup_inter_node_scope();
-  void exchange_between_nodes();
-  std::shared_ptr<comm::Work> launch_engine_topk(Bucket& b, EngineTopK& st);
-  void finish_engine_topk(Bucket& b, EngineTopK& st);
   void complete(const std::shared_ptr<comm::Work>& w);  // on the device stream where it can, else on the host
   int64_t shard_numel() const { return flat_param_.numel() / comm_.size(); }  // a rank's ZeRO-1 slice
   int64_t slice_begin() const { return comm_.rank() * shard_numel(); }        // in the flat buffers
@@ -165,8 +152,6 @@ class DataParallel {
 
   nn::Module& model_;
   comm::Communicator& comm_;
-  // --compression-scope inter-node: this node's ranks (exact average) and the compressor's group.
-  std::unique_ptr<comm::Communicator> node_comm_, cross_comm_;
   DataParallelOptions opt_;
   Tensor flat_param_, flat_grad_;  // padded to a multiple of world for reduce-scatter
   std::vector<Bucket> buckets_;
@@ -182,15 +167,7 @@ class DataParallel {
   std::unordered_map<const nn::Parameter*, nn::Parameter*> piece_of_;
   // Where each piece (by its parameter's name) starts in the shard.
   std::map<std::string, int64_t> start_in_slice_;
-  std::unique_ptr<comm::Compressor> compressor_;  // null: plain allreduce
-  double topk_target_ = 0;                        // the top-k ratio asked for (warm-up ends there)
-  bool dense_phase_ = false;                      // PowerSGD warm-up: plain allreduce for now
-  bool engine_topk_ = false;                      // top-k through engine ops (see the option)
-  std::vector<EngineTopK> engine_topk_state_;     // per bucket
-  // Device buckets through a CUDA-aware MPI, which reads them from the host's side: the compute
-  // stream must have written them first, and the average is taken on the device (MPI's Avg would
-  // divide on the host, through a device pointer).
-  bool host_reads_device_ = false;
+  std::unique_ptr<GradHook> hook_;  // each bucket's exchange (grad_hook.h); its state on the buckets' device
   std::vector<std::shared_ptr<comm::Work>> deferred_;  // exchanges the device stream waits for
   DataParallelStats stats_;
 };

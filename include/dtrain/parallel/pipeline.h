@@ -118,6 +118,7 @@ class PipelineStage {
   comm::Communicator& pp_;
   PipelineSchedule schedule_;
   int stage_, stages_, micro_batches_;
+  Device device_;  // the stage's parameters' device: received activations and gradients go there
   std::vector<nn::ActivationStash> stash_;  // per micro-batch in flight
   std::vector<nn::ActivationStash> spent_;  // buffers for later forwards
   std::vector<Tensor> act_in_;              // received activations, per micro-batch

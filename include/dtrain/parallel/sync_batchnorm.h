@@ -14,17 +14,21 @@ class SyncBatchNorm : public nn::Module {
   std::string kind() const override { return "SyncBatchNorm(" + std::to_string(c_) + ")"; }
 
  private:
+  void place(Device device);           // the [C] vectors on the input's device
+  Tensor sum_over_ranks(float count);  // allreduce of stats_, returned as host values
   int64_t c_;
   comm::Communicator& comm_;
   float eps_, momentum_;
   nn::Parameter *gamma_, *beta_;
   nn::Buffer *running_mean_, *running_var_;
   Tensor xc_, y_, dx_, tmp_;  // xc_: the input minus the (first-pass) global mean
-  // [2C+1]: the inverse std, the mean of xc_ (the second pass's correction) and the samples per
-  // channel over all ranks; a slot, as xc_ is, so each micro-batch of a pipeline has its own.
+  // [2C+1] on the host: the inverse std, the mean of xc_ (the second pass's correction) and the
+  // samples per channel over all ranks; a slot, as xc_ is, so each micro-batch of a pipeline has its own.
   Tensor saved_;
-  Tensor scale_, shift_, stats_;  // [C] each; stats_ [2C+1] for the allreduce
-  Tensor ones_, neg_mean_;        // [C]: 1, -mean (first pass)
+  // On the input's device: [C] each (the maps' coefficients; backward reuses them), stats_ [2C+1]
+  // for the allreduce.
+  Tensor scale_, shift_, stats_;
+  Tensor ones_, zeros_, neg_mean_;
 };
 
 // Replaces every BatchNorm2d below `root` (inside Sequential containers) by a SyncBatchNorm with the

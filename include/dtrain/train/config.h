@@ -54,7 +54,8 @@ struct TrainConfig {
   // precision: fp32, or bf16/fp16 GEMM and convolution inputs with fp32 accumulation and fp32
   // master weights; fp16 adds dynamic loss scaling
   std::string precision = "fp32";
-  std::string device = "cpu";  // "cpu" or "cuda" (one GPU per rank)
+  std::string device = "cpu";  // "cpu", "cuda" or "sim" (Device::sim: the device code path on CPU ranks)
+  std::string comm = "auto";   // device tensors between ranks: "nccl", "mpi" (host-staged) or "auto"
   int64_t loss_scale_interval = 2000;
   float loss_scale_init = 65536.f;  // fp16: the first loss scale
   // runtime
@@ -80,18 +81,17 @@ struct TrainConfig {
   bool overlap = true;    // start each bucket's allreduce during backward
   std::string compression = "none";
   std::string compression_scope = "all";  // all, inter-node (exact within a node, compressed between nodes)
-  int64_t compression_warmup = -1;  // top-k sparsity / PowerSGD uncompressed warm-up steps; -1: one epoch
-  bool momentum_correction = true;  // top-k under SGD momentum: the compressor keeps the momentum (DGC)
-  bool compression_on_engine = false;  // top-k through the compute engine's ops also on the CPU
-  int64_t accumulate = 1;           // micro-batches per optimizer step (gradients communicated on the last)
-  bool zero1 = false;               // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
+  int64_t compression_warmup = -1;        // top-k sparsity / PowerSGD uncompressed warm-up steps; -1: one epoch
+  bool momentum_correction = true;        // top-k under SGD momentum: the compressor keeps the momentum (DGC)
+  int64_t accumulate = 1;                 // micro-batches per optimizer step (gradients communicated on the last)
+  bool zero1 = false;                     // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
   bool sync_batchnorm = false;
   int64_t straggler_every = 100;     // steps between the ranks' comparisons of their step times (0: off)
   double straggler_threshold = 0.2;  // a rank busier than the median by more than this fraction is named
-  int64_t check_replicas = 0;  // > 0: every this many steps the dp replicas compare parameter hashes
-  int64_t desync_check_every = 20;  // steps between comparisons of the ranks' collective sequences (0: off)
+  int64_t check_replicas = 0;        // > 0: every this many steps the dp replicas compare parameter hashes
+  int64_t desync_check_every = 20;   // steps between comparisons of the ranks' collective sequences (0: off)
   // magnitude pruning (optim::MagnitudePruner): the final sparsity, reached by a cubic ramp
-  float prune_sparsity = 0.f;  // 0: off
+  float prune_sparsity = 0.f;                                  // 0: off
   int64_t prune_start = 0, prune_end = -1, prune_every = 100;  // prune_end -1: at 80 % of the run
   bool prune_structured = false;
   std::string prune_scope = "global";  // global | layer (unstructured)
@@ -100,12 +100,12 @@ struct TrainConfig {
   float distill_temperature = 2.f, distill_weight = 0.5f;
   // language model (model = gpt): the GPT's shape, validation and dp x tp x pp layout
   int64_t layers = 4, heads = 4, width = 128, context = 128, vocab = 0;  // vocab 0: the token files'
-  int64_t seq_len = 0;           // tokens per sequence (0: the context)
-  int64_t eval_every = 200;      // steps between validation passes (0: at the end only)
-  int64_t eval_batches = 16;     // validation batches per pass (0: the whole validation stream)
-  int tp = 1, pp = 1;            // tensor-parallel ranks and pipeline stages (dp is the rest)
-  std::string pp_split;          // blocks per stage, e.g. "2,4" (empty: balanced by cost)
-  int64_t micro_batches = 0;     // pipeline micro-batches per step (0: 2 x pp)
+  int64_t seq_len = 0;                                                   // tokens per sequence (0: the context)
+  int64_t eval_every = 200;       // steps between validation passes (0: at the end only)
+  int64_t eval_batches = 16;      // validation batches per pass (0: the whole validation stream)
+  int tp = 1, pp = 1;             // tensor-parallel ranks and pipeline stages (dp is the rest)
+  std::string pp_split;           // blocks per stage, e.g. "2,4" (empty: balanced by cost)
+  int64_t micro_batches = 0;      // pipeline micro-batches per step (0: 2 x pp)
   std::string schedule = "1f1b";  // pipeline schedule: 1f1b or gpipe
   bool checkpoint_activations = false;
   bool print_config = false;  // print the effective configuration as INI and exit

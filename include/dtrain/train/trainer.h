@@ -32,16 +32,16 @@
 namespace dtrain::train {
 
 struct TrainResult {
-  int64_t steps = 0;               // the step the run ended at (fewer than asked when preempted)
-  double final_loss = 0;           // the last step's training loss (this rank's dp group)
-  double train_loss = 0;           // mean over the last log interval and the ranks
+  int64_t steps = 0;                // the step the run ended at (fewer than asked when preempted)
+  double final_loss = 0;            // the last step's training loss (this rank's dp group)
+  double train_loss = 0;            // mean over the last log interval and the ranks
   std::vector<double> step_losses;  // every step's training loss (this rank's dp group), for comparisons
-  EvalResult last_eval;            // the last validation (test set, or the GPT's validation windows)
-  double units_per_s = 0;          // samples or tokens, global, over the steady state (after the first step)
-  double first_step_at_s = 0;      // seconds from process start to the end of the first step
-  int preempted_by = 0;            // the signal that stopped the run early after a checkpoint, or 0
-  std::string checkpoint;          // the last checkpoint written, when any
-  double checkpoint_stall_s = 0;   // the loop's time in checkpoints (with --checkpoint-async: the snapshots)
+  EvalResult last_eval;             // the last validation (test set, or the GPT's validation windows)
+  double units_per_s = 0;           // samples or tokens, global, over the steady state (after the first step)
+  double first_step_at_s = 0;       // seconds from process start to the end of the first step
+  int preempted_by = 0;             // the signal that stopped the run early after a checkpoint, or 0
+  std::string checkpoint;           // the last checkpoint written, when any
+  double checkpoint_stall_s = 0;    // the loop's time in checkpoints (with --checkpoint-async: the snapshots)
   // Pipeline (pp > 1), this rank's stage: measured bubble (mean over steps), the ideal one, and the
   // most activation bytes held at once.
   double pp_bubble = 0, pp_ideal_bubble = 0;
@@ -80,9 +80,10 @@ class Trainer {
   bool set_momentum(float m);
 
  private:
-  void choose_device();   // threads, device and precision (agreed: a host short of GPUs fails all)
-  void check_layout();    // the batch and the grid's combinations
-  void setup_exchange();  // data parallel (NCCL), pipeline, optimizer, schedule, metrics
+  void choose_device();             // threads, device and precision (agreed: a host short of GPUs fails all)
+  std::string choose_comm() const;  // --comm: "nccl" or "mpi (host-staged)" for the device chosen
+  void check_layout();              // the batch and the grid's combinations
+  void setup_exchange();            // data parallel (NCCL), pipeline, optimizer, schedule, metrics
   void build_optimizer();
   void build_pruner();
   float topk_momentum_correction() const;
@@ -125,14 +126,15 @@ class Trainer {
   std::unique_ptr<parallel::ProcessGrid> grid_;
   int rank_ = 0;
   int64_t batch_ = 0;
-  int parts_ = 1;                  // micro-batches of a step: --accumulate, or the pipeline's
-  Device device_ = Device::cpu();  // where the model trains (--device)
+  int parts_ = 1;                             // micro-batches of a step: --accumulate, or the pipeline's
+  Device device_ = Device::cpu();             // where the model trains (--device)
+  std::string comm_ = "mpi";                  // how device tensors travel: "nccl" or "mpi (host-staged)" (choose_comm)
   std::unique_ptr<comm::Communicator> nccl_;  // data parallel on GPUs (declared before dp_, which uses it)
   std::unique_ptr<parallel::DataParallel> dp_;
   std::unique_ptr<parallel::PipelineStage> pipe_;
   std::unique_ptr<optim::Optimizer> opt_;
   std::unique_ptr<optim::LrSchedule> sched_;
-  std::unique_ptr<optim::LossScaler> scaler_;  // fp16 only
+  std::unique_ptr<optim::LossScaler> scaler_;       // fp16 only
   std::unique_ptr<optim::MagnitudePruner> pruner_;  // --prune-sparsity
   std::unique_ptr<MetricsWriter> metrics_;
   JsonFields provenance_;  // the metrics file's first line and every checkpoint's "provenance"

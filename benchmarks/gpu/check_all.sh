@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The standing GPU check: run it first whenever a GPU is at hand, and put its table in
+# benchmarks/gpu/RESULTS.md with the date and the card. It builds nothing on the GPU host: it runs the
+# build made on a CPU host and carried as benchmarks/gpu/pack.sh packs it (source OUT/env.sh first,
+# which sets DTRAIN_EXE, MPIRUN and the libraries). Two parts:
+#   1. the CUDA tests (test_kernels_cuda: every Engine op against the CPU engine);
+#   2. the matrix: dp, tp 2, pp 2 (GPipe and 1F1B), ZeRO-1, each compressor, SyncBatchNorm and
+#      distillation, on one GPU with 1 rank and with 2 ranks sharing it (--comm auto takes the MPI
+#      backend's host staging there), in fp32, bf16 and fp16; each run 20 steps with --device cuda
+#      against the same run on CPU ranks: the last step's loss within the precision's tolerance.
+# Prints one table (also written to OUT_DIR/check_all.txt) and exits non-zero when a row fails.
+#   benchmarks/gpu/check_all.sh [OUT_DIR]        (about 5 minutes on an H100; DTRAIN_CHECK_QUICK=1: fp32 only)
+# DTRAIN_CHECK_DEVICE=sim runs the same matrix on the simulated device (CPU ranks through the device
+# code path): how the script itself is checked on a machine without a GPU.
+set -uo pipefail
+OUT_DIR=${1:-${OUT:-/tmp/dtrain-check}}
+mkdir -p "$OUT_DIR"
+DTRAIN=${DTRAIN_EXE:-build/dtrain}
+TESTS=${DTRAIN_CUDA_TESTS:-$(dirname "$DTRAIN")/test_kernels_cuda}
+MPIRUN=${MPIRUN:-mpirun}
+DATA=${DTRAIN_CHECK_DATA:-$(dirname "$DTRAIN")/../data/fortunes}
+DEVICE=${DTRAIN_CHECK_DEVICE:-cuda}
+WORK=$(mktemp -d /tmp/dtrain-check.XXXXXX)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+table="$OUT_DIR/check_all.txt"
+failed=0
+: >"$table"
+say() { echo "$*" | tee -a "$table"; }
+
+say "# dtrain check_all.sh, $(date -u +%Y-%m-%d), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+say "## 1. CUDA tests ($TESTS)"
+if timeout 300 "$TESTS" --gtest_brief=1 >"$WORK/cuda_tests.log" 2>&1; then
+  say "cuda tests: passed ($(grep -c '^\[       OK \]' "$WORK/cuda_tests.log" 2>/dev/null || echo '?') ok)"
+else
+  failed=1
+  say "cuda tests: FAILED (see cuda_tests.log)"
+  grep -E "FAILED|Failure|error" "$WORK/cuda_tests.log" | head -20 | tee -a "$table"
+fi
+cp "$WORK/cuda_tests.log" "$OUT_DIR/" 2>/dev/null
+
+# The last step's loss of one run: "... step 20/20 loss X ...".
+last_loss() { grep -oE 'step 20/20 loss [0-9.eE+-]+' "$1" | tail -1 | awk '{print $4}'; }
+
+# run NAME RANKS PRECISION TOLERANCE ARGS...: the run on the GPU and on CPU ranks, one table row.
+run() {
+  local name=$1 ranks=$2 prec=$3 tol=$4
+  shift 4
+  local common=(train --steps 20 --log-every 20 --progress off --precision "$prec" --seed 7 "$@")
+  local launch=("$MPIRUN" -n "$ranks" --oversubscribe --bind-to none)
+  local g="$WORK/$name-$ranks-$prec-$DEVICE.log" c="$WORK/$name-$ranks-$prec-cpu.log"
+  local t0=$SECONDS
+  timeout 120 "${launch[@]}" "$DTRAIN" "${common[@]}" --device "$DEVICE" >"$g" 2>&1
+  local gpu_s=$((SECONDS - t0))
+  # fp16 and tf32 are GPU precisions; the CPU reference of fp16 rounds GEMM operands the same way.
+  timeout 180 "${launch[@]}" "$DTRAIN" "${common[@]}" --device cpu >"$c" 2>&1
+  local lg lc verdict rel comm
+  lg=$(last_loss "$g")
+  lc=$(last_loss "$c")
+  comm=$(grep -oE 'comm [a-z]+( \(host-staged\))?' "$g" | head -1 | cut -c6-)
+  if [[ -z $lg || -z $lc ]]; then
+    verdict=FAIL
+    rel=-
+    cp "$g" "$c" "$OUT_DIR/" 2>/dev/null
+    grep -hE "error|Error" "$g" "$c" | head -3 | sed 's/^/    /' >>"$table"
+  else
+    rel=$(awk -v a="$lg" -v b="$lc" 'BEGIN { d = a - b; if (d < 0) d = -d; m = b < 0 ? -b : b; printf "%.2e", d / (m > 1e-12 ? m : 1) }')
+    verdict=$(awk -v r="$rel" -v t="$tol" 'BEGIN { print (r <= t ? "ok" : "FAIL") }')
+  fi
+  [[ $verdict == ok ]] || failed=1
+  printf "| %-34s | %d | %-4s | %-17s | %10s | %10s | %8s | %6s | %4ss | %-4s |\n" "$name" "$ranks" "$prec" "${comm:--}" \
+    "${lg:--}" "${lc:--}" "$rel" "$tol" "$gpu_s" "$verdict" | tee -a "$table"
+}
+
+# Image runs: synthetic 1x28x28 batches (the same on both devices for one seed).
+IMG=(--synthetic --synthetic-shape 1,28,28 --batch-size 32 --lr 0.02 --optimizer sgd --momentum 0.9)
+LM=(--model gpt --data "$DATA" --layers 2 --width 64 --heads 4 --context 64 --batch-size 8 --eval-every 0
+  --lr 0.002 --warmup-steps 2)
+say "## 2. The matrix: 20 steps each, --device $DEVICE against --device cpu, last-step loss"
+say "| run | ranks | prec | comm | loss $DEVICE | loss cpu | rel diff | tol | $DEVICE time | |"
+say "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"
+
+# A teacher for distillation: a small MLP trained on the CPU, read by both students.
+timeout 120 "$DTRAIN" train --model mlp --hidden 64 "${IMG[@]}" --steps 20 --progress off --seed 3 \
+  --checkpoint-dir "$WORK/teacher" >"$WORK/teacher.log" 2>&1 || say "teacher: FAILED to train ($WORK/teacher.log)"
+
+precisions=(fp32 bf16 fp16)
+[[ ${DTRAIN_CHECK_QUICK:-0} == 1 ]] && precisions=(fp32)
+for prec in "${precisions[@]}"; do
+  case $prec in fp32) tol=2e-3 ;; bf16) tol=3e-2 ;; fp16) tol=1e-2 ;; esac
+  run dp-simple_cnn 1 "$prec" "$tol" --model simple_cnn "${IMG[@]}"
+  run dp-simple_cnn 2 "$prec" "$tol" --model simple_cnn "${IMG[@]}"
+  run zero1-adamw 2 "$prec" "$tol" --model simple_cnn "${IMG[@]}" --optimizer adamw --lr 0.003 --zero1 true
+  run tp2-gpt 2 "$prec" "$tol" "${LM[@]}" --tp 2
+  run pp2-gpipe-gpt 2 "$prec" "$tol" "${LM[@]}" --pp 2 --schedule gpipe
+  run pp2-1f1b-gpt 2 "$prec" "$tol" "${LM[@]}" --pp 2 --schedule 1f1b
+  run pp2-1f1b-simple_cnn 2 "$prec" "$tol" --model simple_cnn "${IMG[@]}" --pp 2 --schedule 1f1b
+done
+# Every compressor, SyncBatchNorm and distillation in fp32 (their arithmetic is the precision's
+# own elsewhere); lossy exchanges get the wider tolerance: a selection can flip on a rounding edge.
+for c in fp16 bf16 topk:0.05 powersgd:2 onebit qsgd:16; do
+  run "compress-$c" 2 fp32 3e-2 --model simple_cnn "${IMG[@]}" --compression "$c" --compression-warmup 5
+done
+run compress-powersgd-zero1 2 fp32 3e-2 --model simple_cnn "${IMG[@]}" --compression powersgd:2 --zero1 true \
+  --compression-warmup 5
+run syncbn-resnet20 2 fp32 2e-3 --model resnet20 --synthetic --synthetic-shape 3,16,16 --batch-size 16 --lr 0.002 \
+  --sync-batchnorm true
+run distill-simple_cnn 2 fp32 2e-3 --model simple_cnn "${IMG[@]}" --teacher "$WORK/teacher" --distill-weight 0.5
+
+if ((failed)); then say "RESULT: FAILED (logs of the failed rows in $OUT_DIR)"; else say "RESULT: all passed"; fi
+rm -rf "$WORK"
+exit $failed
