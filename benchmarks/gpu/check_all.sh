@@ -29,8 +29,9 @@ say() { echo "$*" | tee -a "$table"; }
 
 say "# dtrain check_all.sh, $(date -u +%Y-%m-%d), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 say "## 1. CUDA tests ($TESTS)"
-if timeout 300 "$TESTS" --gtest_brief=1 >"$WORK/cuda_tests.log" 2>&1; then
-  say "cuda tests: passed ($(grep -c '^\[       OK \]' "$WORK/cuda_tests.log" 2>/dev/null || echo '?') ok)"
+if timeout 300 "$TESTS" >"$WORK/cuda_tests.log" 2>&1; then
+  say "cuda tests: passed: $(grep -oE 'PASSED[^0-9]*[0-9]+ tests?' "$WORK/cuda_tests.log" | grep -oE '[0-9]+') passed," \
+    "$(grep -oE 'SKIPPED[^0-9]*[0-9]+ tests?' "$WORK/cuda_tests.log" | head -1 | grep -oE '[0-9]+' || echo 0) skipped"
 else
   failed=1
   say "cuda tests: FAILED (see cuda_tests.log)"
@@ -56,7 +57,7 @@ run() {
   local lg lc verdict rel comm
   lg=$(last_loss "$g")
   lc=$(last_loss "$c")
-  comm=$(grep -oE 'comm [a-z]+( \(host-staged\))?' "$g" | head -1 | cut -c6-)
+  comm=$(sed -n 's/^dtrain: .*, comm \(.*\)$/\1/p' "$g" | head -1)
   if [[ -z $lg || -z $lc ]]; then
     verdict=FAIL
     rel=-
@@ -72,7 +73,8 @@ run() {
 }
 
 # Image runs: synthetic 1x28x28 batches (the same on both devices for one seed).
-IMG=(--synthetic --synthetic-shape 1,28,28 --batch-size 32 --lr 0.02 --optimizer sgd --momentum 0.9)
+IMG=(--synthetic --synthetic-shape 1,28,28 --batch-size 32)
+SGD=(--optimizer sgd --momentum 0.9 --lr 0.02)
 LM=(--model gpt --data "$DATA" --layers 2 --width 64 --heads 4 --context 64 --batch-size 8 --eval-every 0
   --lr 0.002 --warmup-steps 2)
 say "## 2. The matrix: 20 steps each, --device $DEVICE against --device cpu, last-step loss"
@@ -80,31 +82,31 @@ say "| run | ranks | prec | comm | loss $DEVICE | loss cpu | rel diff | tol | $D
 say "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"
 
 # A teacher for distillation: a small MLP trained on the CPU, read by both students.
-timeout 120 "$DTRAIN" train --model mlp --hidden 64 "${IMG[@]}" --steps 20 --progress off --seed 3 \
+timeout 120 "$DTRAIN" train --model mlp --hidden 64 "${IMG[@]}" "${SGD[@]}" --steps 20 --progress off --seed 3 \
   --checkpoint-dir "$WORK/teacher" >"$WORK/teacher.log" 2>&1 || say "teacher: FAILED to train ($WORK/teacher.log)"
 
 precisions=(fp32 bf16 fp16)
 [[ ${DTRAIN_CHECK_QUICK:-0} == 1 ]] && precisions=(fp32)
 for prec in "${precisions[@]}"; do
   case $prec in fp32) tol=2e-3 ;; bf16) tol=3e-2 ;; fp16) tol=1e-2 ;; esac
-  run dp-simple_cnn 1 "$prec" "$tol" --model simple_cnn "${IMG[@]}"
-  run dp-simple_cnn 2 "$prec" "$tol" --model simple_cnn "${IMG[@]}"
+  run dp-simple_cnn 1 "$prec" "$tol" --model simple_cnn "${IMG[@]}" "${SGD[@]}"
+  run dp-simple_cnn 2 "$prec" "$tol" --model simple_cnn "${IMG[@]}" "${SGD[@]}"
   run zero1-adamw 2 "$prec" "$tol" --model simple_cnn "${IMG[@]}" --optimizer adamw --lr 0.003 --zero1 true
   run tp2-gpt 2 "$prec" "$tol" "${LM[@]}" --tp 2
   run pp2-gpipe-gpt 2 "$prec" "$tol" "${LM[@]}" --pp 2 --schedule gpipe
   run pp2-1f1b-gpt 2 "$prec" "$tol" "${LM[@]}" --pp 2 --schedule 1f1b
-  run pp2-1f1b-simple_cnn 2 "$prec" "$tol" --model simple_cnn "${IMG[@]}" --pp 2 --schedule 1f1b
+  run pp2-1f1b-simple_cnn 2 "$prec" "$tol" --model simple_cnn "${IMG[@]}" "${SGD[@]}" --pp 2 --schedule 1f1b
 done
 # Every compressor, SyncBatchNorm and distillation in fp32 (their arithmetic is the precision's
 # own elsewhere); lossy exchanges get the wider tolerance: a selection can flip on a rounding edge.
 for c in fp16 bf16 topk:0.05 powersgd:2 onebit qsgd:16; do
-  run "compress-$c" 2 fp32 3e-2 --model simple_cnn "${IMG[@]}" --compression "$c" --compression-warmup 5
+  run "compress-$c" 2 fp32 3e-2 --model simple_cnn "${IMG[@]}" "${SGD[@]}" --compression "$c" --compression-warmup 5
 done
-run compress-powersgd-zero1 2 fp32 3e-2 --model simple_cnn "${IMG[@]}" --compression powersgd:2 --zero1 true \
+run compress-powersgd-zero1 2 fp32 3e-2 --model simple_cnn "${IMG[@]}" "${SGD[@]}" --compression powersgd:2 --zero1 true \
   --compression-warmup 5
 run syncbn-resnet20 2 fp32 2e-3 --model resnet20 --synthetic --synthetic-shape 3,16,16 --batch-size 16 --lr 0.002 \
   --sync-batchnorm true
-run distill-simple_cnn 2 fp32 2e-3 --model simple_cnn "${IMG[@]}" --teacher "$WORK/teacher" --distill-weight 0.5
+run distill-simple_cnn 2 fp32 2e-3 --model simple_cnn "${IMG[@]}" "${SGD[@]}" --teacher "$WORK/teacher" --distill-weight 0.5
 
 if ((failed)); then say "RESULT: FAILED (logs of the failed rows in $OUT_DIR)"; else say "RESULT: all passed"; fi
 rm -rf "$WORK"

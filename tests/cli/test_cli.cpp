@@ -103,8 +103,9 @@ TEST(Cli, OneConfigurationForEveryModel) {
   EXPECT_NE(tp.out.find("option --tp does not combine with --model simple_cnn"), std::string::npos) << tp.out;
 
   std::string dir = dtrain::test::temp_dir("cli-print-config");
-  const std::string job = "train --synthetic --model mlp --hidden 16 --steps 12 --lr 0.07 --momentum 0.8 "
-                          "--threads 1 --progress off --seed ";
+  const std::string job =
+      "train --synthetic --model mlp --hidden 16 --steps 12 --lr 0.07 --momentum 0.8 "
+      "--threads 1 --progress off --seed ";
   Result printed = run(job + "5 --print-config");
   ASSERT_EQ(printed.code, 0) << printed.out;
   EXPECT_NE(printed.out.find("\nlr = 0.07\n"), std::string::npos) << printed.out;
@@ -176,11 +177,12 @@ TEST(Cli, ModelFileTrainsAsTheBuiltInModel) {
   const std::string dir = dtrain::test::temp_dir("cli-model-file");
   dtrain::test::make_band_dataset(dir + "/data", 64, 12);
   const std::string file = std::string(DTRAIN_SOURCE_DIR) + "/examples/models/resnet20.json";
-  const std::string common = "train --data " + dir + "/data --epochs 2 --steps 10 --log-every 1 --batch-size 8 --threads 1 " +
+  const std::string common = "train --data " + dir +
+                             "/data --epochs 2 --steps 10 --log-every 1 --batch-size 8 --threads 1 " +
                              "--progress off --lr 0.05 ";
   Result builtin = run(common + "--model resnet20 --metrics " + dir + "/builtin.jsonl");
-  Result from_file = run(common + "--model-file " + file + " --metrics " + dir + "/file.jsonl --checkpoint-dir " +
-                         dir + "/ck");
+  Result from_file =
+      run(common + "--model-file " + file + " --metrics " + dir + "/file.jsonl --checkpoint-dir " + dir + "/ck");
   ASSERT_EQ(builtin.code, 0) << builtin.out;
   ASSERT_EQ(from_file.code, 0) << from_file.out;
   const auto want = step_losses(dir + "/builtin.jsonl");
@@ -218,7 +220,8 @@ std::string scores(const std::string& out, const std::string& what) {
 TEST(Cli, PruneExportGivesASmallerModelThatEvaluatesTheSame) {
   std::string dir = dtrain::test::temp_dir("cli-prune-export");
   dtrain::test::make_band_dataset(dir + "/data", 64, 8);
-  const std::string train = "train --model simple_cnn --data " + dir + "/data --steps 3 --batch-size 16 --threads 1 "
+  const std::string train = "train --model simple_cnn --data " + dir +
+                            "/data --steps 3 --batch-size 16 --threads 1 "
                             "--progress off --checkpoint-dir ";
   Result t = run(train + dir + "/ck --prune-sparsity 0.5 --prune-structured true --prune-start 0 --prune-end 0");
   ASSERT_EQ(t.code, 0) << t.out;
@@ -249,13 +252,17 @@ TEST(Cli, PruneExportGivesASmallerModelThatEvaluatesTheSame) {
 TEST(Cli, ResNet20RunsInInt8) {
   std::string dir = dtrain::test::temp_dir("cli-resnet-int8");
   dtrain::test::make_band_dataset(dir + "/data", 64, 8);
-  Result t = run("train --model resnet20 --data " + dir + "/data --steps 2 --batch-size 16 --threads 1 "
-                 "--progress off --checkpoint-dir " + dir + "/ck");
+  Result t = run("train --model resnet20 --data " + dir +
+                 "/data --steps 2 --batch-size 16 --threads 1 "
+                 "--progress off --checkpoint-dir " +
+                 dir + "/ck");
   ASSERT_EQ(t.code, 0) << t.out;
-  Result side = run("eval --checkpoint " + dir + "/ck --data " + dir + "/data --batch-size 16 --int8 "
+  Result side = run("eval --checkpoint " + dir + "/ck --data " + dir +
+                    "/data --batch-size 16 --int8 "
                     "--calibration-batches 2");
   ASSERT_EQ(side.code, 0) << side.out;
-  Result q = run("quantize --checkpoint " + dir + "/ck --data " + dir + "/data --out " + dir + "/r8.h5 "
+  Result q = run("quantize --checkpoint " + dir + "/ck --data " + dir + "/data --out " + dir +
+                 "/r8.h5 "
                  "--batch-size 16 --calibration-batches 2");
   ASSERT_EQ(q.code, 0) << q.out;
   EXPECT_NE(q.out.find("22 int8 steps"), std::string::npos) << q.out;
@@ -292,7 +299,8 @@ TEST(CliMpi, ExitStatusesSayHowTheRunEnded) {
   EXPECT_EQ(mpirun(2, "train --synthetic --steps 2 --threads 1 --progress off").code, 0);
   Result bad = mpirun(2, "train --synthetic --lr -1 --progress off");
   EXPECT_EQ(bad.code, 2) << bad.out;
-  Result diverged = mpirun(2, "train --synthetic --model mlp --steps 20 --lr 1e30 --log-every 1 --threads 1 --progress off");
+  Result diverged =
+      mpirun(2, "train --synthetic --model mlp --steps 20 --lr 1e30 --log-every 1 --threads 1 --progress off");
   EXPECT_EQ(diverged.code, 3) << diverged.out;
   EXPECT_EQ(count(diverged.out, "loss became"), 1u) << diverged.out;  // said once, by rank 0
   // A missing checkpoint names the option the user gave.
@@ -332,8 +340,9 @@ TEST(CliMpi, TrainsOnTwoRanksAndMatchesOneRank) {
 TEST(Cli, DataModeStreamSaysWhyAndResumesExactly) {
   const std::string dir = dtrain::test::temp_dir("cli-stream");
   dtrain::test::make_band_dataset(dir + "/band", 1000, 8, 4, 100);
-  const std::string common = "train --data " + dir + "/band --model mlp --hidden 16 --batch-size 16 --threads 1 " +
-                             "--data-mode stream --data-cache-mb 1 --log-every 1 --progress off --lr-schedule constant ";
+  const std::string common =
+      "train --data " + dir + "/band --model mlp --hidden 16 --batch-size 16 --threads 1 " +
+      "--data-mode stream --data-cache-mb 1 --log-every 1 --progress off --lr-schedule constant ";
   Result whole = run(common + "--steps 20 --metrics " + dir + "/whole.jsonl");
   ASSERT_EQ(whole.code, 0) << whole.out;
   EXPECT_EQ(count(whole.out, "mode stream (0.1 MB in 10 shard(s) <= cache budget 1.0 MB per rank"), 1u) << whole.out;
@@ -355,11 +364,11 @@ TEST(Cli, DataModeStreamSaysWhyAndResumesExactly) {
 // Trains `options` on 2 ranks (rank 0 slowed down) and truncates every shard once step `at` is
 // logged; returns the log and sets `rc` to the job's exit status.
 std::string train_while_truncating(const std::string& dir, const std::string& options, int at, int& rc) {
-  const std::string train = "DTRAIN_TEST_SLOW=0:data:150 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
-                            "timeout 120 mpiexec -n 2 --oversubscribe --bind-to none " +
-                            std::string(DTRAIN_BINARY_DIR) + "/dtrain train --data " + dir + "/band --model mlp " +
-                            "--hidden 16 --threads 1 --progress off " + options + " > " + dir + "/log 2>&1; echo $? > " +
-                            dir + "/rc";
+  const std::string train =
+      "DTRAIN_TEST_SLOW=0:data:150 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+      "timeout 120 mpiexec -n 2 --oversubscribe --bind-to none " +
+      std::string(DTRAIN_BINARY_DIR) + "/dtrain train --data " + dir + "/band --model mlp " +
+      "--hidden 16 --threads 1 --progress off " + options + " > " + dir + "/log 2>&1; echo $? > " + dir + "/rc";
   shell("(" + train + ") & until grep -q 'step " + std::to_string(at) + "/' " + dir + "/log 2>/dev/null || [ -s " +
         dir + "/rc ]; do sleep 0.05; done; for f in " + dir + "/band/*.h5; do truncate -s 4096 $f; done; wait");
   std::ifstream rc_file(dir + "/rc");
@@ -403,8 +412,9 @@ TEST(CliMpi, NodeSharedCacheReadsEachShardOnceAndTrainsTheSame) {
                              "--threads 1 --log-every 1 --progress off ";
   Result shared = mpirun(2, common + "--metrics " + dir + "/shared.jsonl");
   ASSERT_EQ(shared.code, 0) << shared.out;
-  EXPECT_EQ(count(shared.out, "mode cache (auto: 0.1 MB in 20 shard(s) <= cache budget 2048 MB per node: one copy "
-                              "shared by the node's 2 rank(s))"),
+  EXPECT_EQ(count(shared.out,
+                  "mode cache (auto: 0.1 MB in 20 shard(s) <= cache budget 2048 MB per node: one copy "
+                  "shared by the node's 2 rank(s))"),
             1u)
       << shared.out;
   Result rows = mpirun(2, common + "--data-mode cache --data-cache-mb 0 --metrics " + dir + "/rows.jsonl");
@@ -496,7 +506,8 @@ TEST(CliMpi, TrainerGroupsTrainAsAloneAndADivergingOneStopsAlone) {
                               "--sweep-dir " + dir + "/four");
   EXPECT_EQ(four.code, 3) << four.out;
   EXPECT_EQ(count(four.out, "trainer 2 stopped (diverged)"), 1u) << four.out;
-  for (int t : {0, 1, 3}) EXPECT_EQ(step_losses(dir + "/four/trainer-" + std::to_string(t) + "/metrics.jsonl").size(), 12u);
+  for (int t : {0, 1, 3})
+    EXPECT_EQ(step_losses(dir + "/four/trainer-" + std::to_string(t) + "/metrics.jsonl").size(), 12u);
   const std::string json = file_text(dir + "/four/summary.json");
   EXPECT_EQ(count(json, "\"status\": \"ok\""), 3u) << json;
   EXPECT_EQ(count(json, "\"status\": \"diverged\""), 1u) << json;
@@ -507,9 +518,9 @@ TEST(CliMpi, TrainerGroupsTrainAsAloneAndADivergingOneStopsAlone) {
 
   // Population-based training: rounds at steps 4 and 8; the diverging trainer stops before the
   // first and sits out (no exchange with it, no hang), the others pair up and the losers go on.
-  Result pbt = mpirun(4, "train --config " + dir + "/mlp.ini --test-data " + dir + "/band --momentum 0.9 " +
-                             "--trainers 4 --sweep lr=0.01,0.05,1e30,0.1 --pbt-every 4 --target-accuracy 1 " +
-                             "--sweep-dir " + dir + "/pbt");
+  const std::string population = "train --config " + dir + "/mlp.ini --test-data " + dir + "/band --momentum 0.9 " +
+                                 "--trainers 4 --sweep lr=0.01,0.05,1e30,0.1 --pbt-every 4 --target-accuracy 1 ";
+  Result pbt = mpirun(4, population + "--sweep-dir " + dir + "/pbt");
   EXPECT_EQ(pbt.code, 3) << pbt.out;
   const std::string ranked = file_text(dir + "/pbt/summary.json");
   EXPECT_EQ(count(ranked, "\"time_to_target_s\": \"-1\""), 1u) << ranked;  // all but the diverged one got there
@@ -522,7 +533,18 @@ TEST(CliMpi, TrainerGroupsTrainAsAloneAndADivergingOneStopsAlone) {
   }
   EXPECT_GE(rounds[0], 1) << pbt.out;  // one pair of live trainers at least in each round
   EXPECT_GE(rounds[1], 1) << pbt.out;
-  for (int t : {0, 1, 3}) EXPECT_EQ(step_losses(dir + "/pbt/trainer-" + std::to_string(t) + "/metrics.jsonl").size(), 12u);
+  for (int t : {0, 1, 3})
+    EXPECT_EQ(step_losses(dir + "/pbt/trainer-" + std::to_string(t) + "/metrics.jsonl").size(), 12u);
+  // The same population on the simulated device (the device code path on CPU ranks): the winners'
+  // state travels as device tensors through the MPI backend's host staging, and every trainer's
+  // losses equal the CPU run's.
+  Result sim = mpirun(4, population + "--device sim --sweep-dir " + dir + "/pbt-sim");
+  EXPECT_EQ(sim.code, 3) << sim.out;
+  for (int t : {0, 1, 3})
+    EXPECT_EQ(step_losses(dir + "/pbt-sim/trainer-" + std::to_string(t) + "/metrics.jsonl"),
+              step_losses(dir + "/pbt/trainer-" + std::to_string(t) + "/metrics.jsonl"))
+        << "trainer " << t;
+  EXPECT_EQ(file_text(dir + "/pbt-sim/pbt.jsonl"), file_text(dir + "/pbt/pbt.jsonl"));
   fs::remove_all(dir);
 }
 
@@ -663,9 +685,9 @@ TEST(CliMpi, GptPipelineTrainAndGenerateFromStageCheckpoints) {
   EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --pp-split 1,1"), "--pp-split");
   EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --schedule zigzag"), "--schedule");
   EXPECT_FAILS_NAMING(run("train --config " + dir + "/gpt.ini --device tpu"), "--device");
-  if (dtrain::enable_cuda() == 0)  // without a GPU the option says so; with one, --pp 2 on a GPU is refused
+  if (dtrain::enable_cuda() == 0)  // without a GPU the option says so
     EXPECT_FAILS_NAMING(run("train --config " + dir + "/gpt.ini --device cuda"), "--device cuda");
-  else
-    EXPECT_FAILS_NAMING(mpirun(2, "train --config " + dir + "/gpt.ini --pp 2 --device cuda"), "--device cuda");
+  EXPECT_FAILS_NAMING(run("train --config " + dir + "/gpt.ini --comm nccl"), "--comm nccl");  // GPU memory only
+  EXPECT_FAILS_NAMING(run("train --config " + dir + "/gpt.ini --comm gloo"), "--comm");
   fs::remove_all(dir);
 }
