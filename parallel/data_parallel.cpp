@@ -99,8 +99,19 @@ void DataParallel::set_step(int64_t step) { hook_->on_step(step, opt_.compressio
 
 void DataParallel::broadcast_state(int root) {
   std::vector<std::shared_ptr<comm::Work>> works{comm_.broadcast(flat_param_, root)};
-  for (nn::Buffer* b : model_.buffers()) works.push_back(comm_.broadcast(b->value, root));
+  std::vector<std::pair<Tensor, Tensor*>> staged;  // host buffers (a dropout's RNG state) on a GPU's NCCL
+  for (nn::Buffer* b : model_.buffers()) {
+    if (comm_.supports(b->value.device())) {
+      works.push_back(comm_.broadcast(b->value, root));
+      continue;
+    }
+    Tensor& there =
+        staged.emplace_back(Tensor::empty(b->value.shape(), b->value.dtype(), flat_param_.device()), &b->value).first;
+    copy_any(b->value, there);
+    works.push_back(comm_.broadcast(there, root));
+  }
   for (auto& w : works) w->wait();
+  for (auto& [there, host] : staged) copy_any(there, *host);
   reload_shard();
 }
 
@@ -309,9 +320,11 @@ Tensor DataParallel::own_slice(const Tensor& flat) const {
 double DataParallel::grad_norm() {
   Engine& e = engine_for(flat_grad_.device());
   if (!opt_.zero1) return std::sqrt(e.sum_squares(flat_grad_));
-  Tensor ss = Tensor::from({1}, {static_cast<float>(e.sum_squares(shard_.grad))});
+  // The slices' sums of squares added on the buckets' device (NCCL takes device memory only).
+  Tensor ss = Tensor::empty({1}, DType::F32, flat_grad_.device());
+  copy_any(Tensor::from({1}, {static_cast<float>(e.sum_squares(shard_.grad))}), ss);
   if (comm_.size() > 1) comm_.allreduce(ss, comm::ReduceOp::Sum)->wait();
-  return std::sqrt(static_cast<double>(ss.f32()[0]));
+  return std::sqrt(static_cast<double>(to_host(ss).f32()[0]));
 }
 
 }  // namespace dtrain::parallel

@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
-# Installs exactly the Debian 12 packages dtrain needs to build, test and run its quick start.
+# Installs exactly the Debian 12 packages dtrain needs to build, test and run its quick start;
+# DTRAIN_DEPS=run: only what building dtrain and training on Fashion-MNIST need (the quick start).
 # Idempotent: packages already present are left alone and apt-get is not called at all.
 set -euo pipefail
 
+# What building dtrain and its main job need (the quick start: DTRAIN_DEPS=run installs only these).
 PACKAGES=(
   build-essential cmake pkg-config
   libopenmpi-dev openmpi-bin
-  libhdf5-openmpi-dev hdf5-tools
+  libhdf5-openmpi-dev
   libboost-program-options-dev
   libopenblas-dev libdnnl-dev ocl-icd-opencl-dev opencl-c-headers  # dnnl-config.cmake looks for OpenCL
   zlib1g-dev
   libjpeg62-turbo-dev libpng-dev  # dtrain convert images
   libsentencepiece-dev  # dtrain convert text --tokenizer bpe
-  libgtest-dev libbenchmark-dev
-  clang libclang-rt-14-dev libomp-dev  # the fuzz targets (scripts/fuzz.sh): libFuzzer, ASan/UBSan, OpenMP for clang
   dataset-fashion-mnist
-  fortunes  # English text for the GPT example (examples/gpt_fortunes.ini)
+)
+# What the tests add: HDF5's tools, GoogleTest, the micro-benchmarks, the fuzz and sanitizer
+# builds (clang), the GPT example's text.
+if [[ ${DTRAIN_DEPS:-all} != run ]]; then
+  PACKAGES+=(
+    hdf5-tools
+    libgtest-dev libbenchmark-dev
+    clang libclang-rt-14-dev libomp-dev  # the fuzz targets (scripts/fuzz.sh): libFuzzer, ASan/UBSan, OpenMP for clang
+    fortunes  # English text for the GPT example (examples/gpt_fortunes.ini)
+  )
+fi
 )
 # The side-by-side peer benchmarks need PyTorch; the tests do not.
 if [[ "${DTRAIN_WITH_PEERS:-0}" == "1" ]]; then
@@ -26,13 +36,13 @@ fi
 # default: the daemons need it, and the tests skip themselves elsewhere. DTRAIN_WITH_SLURM=0|1 decides.
 # Installed on its own so that a machine where they cannot be installed still gets the rest.
 OPTIONAL=()
-if [[ "${DTRAIN_WITH_SLURM:-$([[ $(id -u) -eq 0 ]] && echo 1 || echo 0)}" == "1" ]]; then
+if [[ ${DTRAIN_DEPS:-all} != run && "${DTRAIN_WITH_SLURM:-$([[ $(id -u) -eq 0 ]] && echo 1 || echo 0)}" == "1" ]]; then
   OPTIONAL+=(slurmctld slurmd slurm-client munge)
 fi
 # The scaling harness (benchmarks/scaling/) and its test: numpy, and matplotlib for the plots; h5py for the
 # test that reads a converted shard with an independent HDF5 reader.
 # PIL for the test that checks dtrain convert images against it.
-if [[ "${DTRAIN_WITH_PLOTS:-1}" == "1" ]]; then OPTIONAL+=(python3-numpy python3-matplotlib python3-h5py python3-pil); fi
+if [[ ${DTRAIN_DEPS:-all} != run && "${DTRAIN_WITH_PLOTS:-1}" == "1" ]]; then OPTIONAL+=(python3-numpy python3-matplotlib python3-h5py python3-pil); fi
 
 missing=()
 missing_optional=()

@@ -107,6 +107,17 @@ run compress-powersgd-zero1 2 fp32 3e-2 --model simple_cnn "${IMG[@]}" "${SGD[@]
 run syncbn-resnet20 2 fp32 2e-3 --model resnet20 --synthetic --synthetic-shape 3,16,16 --batch-size 16 --lr 0.002 \
   --sync-batchnorm true
 run distill-simple_cnn 2 fp32 2e-3 --model simple_cnn "${IMG[@]}" "${SGD[@]}" --teacher "$WORK/teacher" --distill-weight 0.5
+# With two GPUs or more, the data-parallel gradients over NCCL too (one GPU a rank).
+if [[ $DEVICE == cuda && $(nvidia-smi -L 2>/dev/null | wc -l) -ge 2 ]]; then
+  run nccl-dp 2 fp32 2e-3 --model simple_cnn "${IMG[@]}" "${SGD[@]}" --comm nccl
+  run nccl-zero1-clip 2 fp32 2e-3 --model simple_cnn "${IMG[@]}" --optimizer adamw --lr 0.003 --zero1 true \
+    --clip-grad-norm 1 --comm nccl
+  for c in topk:0.05 powersgd:2 onebit qsgd:16; do
+    run "nccl-$c" 2 fp32 3e-2 --model simple_cnn "${IMG[@]}" "${SGD[@]}" --compression "$c" --compression-warmup 5 \
+      --comm nccl
+  done
+  run nccl-tp2-dp2-gpt 4 fp32 2e-3 "${LM[@]}" --tp 2 --comm auto
+fi
 
 if ((failed)); then say "RESULT: FAILED (logs of the failed rows in $OUT_DIR)"; else say "RESULT: all passed"; fi
 rm -rf "$WORK"

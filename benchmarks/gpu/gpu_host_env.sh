@@ -16,5 +16,7 @@ export OMPI_MCA_ess_singleton_isolated=1 OMPI_MCA_mca_base_component_show_load_e
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 DTRAIN_EXE=$here/bin/dtrain
 # Several ranks: the carried mpirun starts them on this host (orted on the PATH for its helpers).
 export MPIRUN=$here/bin/mpirun PATH=$here/bin:$PATH DTRAIN_CHECK_DATA=$here/data/fortunes
+# A host without ssh/rsh: mpirun looks for a remote agent at start even for local ranks.
+command -v ssh >/dev/null || export OMPI_MCA_plm_rsh_agent=false
 echo "CUDA libraries from: $CUDALIBS"
 ldd "$here/bin/dtrain" | grep "not found"

@@ -11,7 +11,8 @@ OUT=${1:-.gpu}
 mkdir -p "$OUT/bin" "$OUT/data" /tmp/dtrain-pack/lib /tmp/dtrain-pack/lib2
 cp build/dtrain build/tests/kernels/test_kernels_cuda "$OUT/bin/"
 cp -L "$(readlink -f /usr/bin/mpirun)" "$OUT/bin/mpirun"
-cp -L "$(command -v orted)" "$OUT/bin/orted"
+orted=$(command -v orted) || { echo "pack.sh: no orted on the PATH (Open MPI 4's daemon)" >&2; exit 1; }
+cp -L "$orted" "$OUT/bin/orted"
 keep() { awk '/=>/{print $3}' | sort -u |
   grep -v -E "/(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s)\.so|/usr/local/cuda|ld-linux"; }
 ldd build/dtrain build/tests/kernels/test_kernels_cuda "$OUT/bin/mpirun" "$OUT/bin/orted" | keep >/tmp/dtrain-pack/libs.txt

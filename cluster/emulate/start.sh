@@ -40,8 +40,14 @@ shape="nodes=$nodes rate=${rate:-none} slurm=$slurm prefix=$EMU_PREFIX subnet=$E
 if [[ -f "$dir/shape" && "$(cat "$dir/shape")" == "$shape" ]] && emu_alive "$dir"; then
   emu_say "already running in $dir ($shape)"; exit 0
 fi
+# DIR is removed and remade only when this script made it (its marker file): a folder the user
+# named that holds anything else is refused, never removed.
+if [[ -d "$dir" && -n "$(ls -A "$dir")" && ! -f "$dir/.dtrain-emu" ]]; then
+  emu_say "$dir holds files this script did not make (no .dtrain-emu): give an empty or new folder"; exit 1
+fi
 "$here/stop.sh" "$dir" 2>/dev/null || true
 mkdir -p "$dir"
+touch "$dir/.dtrain-emu"
 trap 'emu_say "start failed; cleaning up"; "$here/stop.sh" "$dir" || true' ERR
 
 emu_make_network "$dir" "$nodes" "$rate"

@@ -17,6 +17,6 @@ for node in $nodes; do
 done
 for node in $nodes; do ip netns del "$node" 2>/dev/null; done
 ip netns del "$EMU_SWITCH" 2>/dev/null
-[[ "${DTRAIN_EMU_KEEP:-0}" == "1" ]] || rm -rf "$dir"
+[[ "${DTRAIN_EMU_KEEP:-0}" == "1" || ! -f "$dir/.dtrain-emu" ]] || rm -rf "$dir"  # only a folder start.sh made
 [[ -n "$nodes" ]] && emu_say "stopped ($dir)"
 exit 0

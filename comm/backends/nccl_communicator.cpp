@@ -273,6 +273,7 @@ class NcclCommunicator final : public Communicator {
     DT_NCCL_CHECK(ncclCommSplit(comm_, color == kNoColor ? NCCL_SPLIT_NOCOLOR : color, key, &sub, nullptr));
     if (!sub_shadow || !sub) return nullptr;
     auto c = std::make_unique<NcclCommunicator>(std::move(sub_shadow), sub, device_, name);
+    c->set_input_stream(input_);  // a sub-communicator's collectives wait for the same compute stream
     c->set_timeout(timeout_s_);
     c->set_timeout_action(timeout_action_);
     return c;

@@ -85,6 +85,7 @@ void Compressor::load_state_tensors(const std::map<std::string, Tensor>& state) 
     const std::string field = key.substr(dot + 1);
     BucketState& st = loaded[id];
     st.id = id;
+    if (field == "rng") continue;  // a checkpoint from before the draws' count: they restart at 0
     if (field == "draws") {
       DT_INPUT_CHECK(t.dtype() == DType::I64 && t.numel() == 1 && t.device().is_cpu() && t.data<int64_t>()[0] >= 0,
                      name() << ": " << key << " must be one non-negative i64, got " << t.str());

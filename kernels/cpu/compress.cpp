@@ -39,8 +39,7 @@ void CpuEngine::sign_decode_add(const Tensor& payload, Tensor& y) {
   const int64_t n = y.numel();
   check_payload(payload, 4 + (n + 7) / 8, "sign_decode_add");
   const uint8_t* in = payload.device_data<uint8_t>();
-  float scale;
-  std::memcpy(&scale, in, 4);
+  const float scale = fn::payload_head(in);
   float* out = y.device_f32();
   for (int64_t i = 0; i < n; ++i) out[i] += scale * fn::sign_unit(in + 4, i);
 }
@@ -66,8 +65,7 @@ void CpuEngine::qsgd_decode_add(const Tensor& payload, int levels, Tensor& y) {
   const int64_t n = y.numel();
   check_payload(payload, 4 + n, "qsgd_decode_add");
   const uint8_t* in = payload.device_data<uint8_t>();
-  float norm;
-  std::memcpy(&norm, in, 4);
+  const float norm = fn::payload_head(in);
   const auto* q = reinterpret_cast<const int8_t*>(in + 4);
   const float s = static_cast<float>(levels);
   float* out = y.device_f32();

@@ -58,13 +58,13 @@ __global__ void payload_header_kernel(const float* x, int64_t n, bool norm, uint
   if (threadIdx.x == 0) {
     float v =
         norm ? static_cast<float>(sqrt(part[0])) : (n > 0 ? static_cast<float>(part[0] / static_cast<double>(n)) : 0.f);
-    *reinterpret_cast<float*>(payload) = v;
+    *reinterpret_cast<float*>(payload) = v;  // a payload's own buffer: aligned
   }
 }
 
 // Byte j of the sign bits, and what was sent leaves x (each thread owns 8 elements).
 __global__ void sign_pack_kernel(float* x, int64_t n, uint8_t* payload) {
-  const float scale = *reinterpret_cast<const float*>(payload);
+  const float scale = fn::payload_head(payload);
   uint8_t* bits = payload + 4;
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < (n + 7) / 8;
        j += gridDim.x * static_cast<int64_t>(blockDim.x)) {
@@ -75,14 +75,14 @@ __global__ void sign_pack_kernel(float* x, int64_t n, uint8_t* payload) {
 }
 
 __global__ void sign_unpack_add_kernel(const uint8_t* payload, int64_t n, float* y) {
-  const float scale = *reinterpret_cast<const float*>(payload);
+  const float scale = fn::payload_head(payload);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += gridDim.x * static_cast<int64_t>(blockDim.x))
     y[i] += scale * fn::sign_unit(payload + 4, i);
 }
 
 __global__ void qsgd_pack_kernel(const float* x, int64_t n, int levels, uint64_t seed, uint8_t* payload) {
-  const float norm = *reinterpret_cast<const float*>(payload);
+  const float norm = fn::payload_head(payload);
   auto* q = reinterpret_cast<int8_t*>(payload + 4);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += gridDim.x * static_cast<int64_t>(blockDim.x))
@@ -90,7 +90,7 @@ __global__ void qsgd_pack_kernel(const float* x, int64_t n, int levels, uint64_t
 }
 
 __global__ void qsgd_unpack_add_kernel(const uint8_t* payload, int64_t n, int levels, float* y) {
-  const float norm = *reinterpret_cast<const float*>(payload);
+  const float norm = fn::payload_head(payload);
   const auto* q = reinterpret_cast<const int8_t*>(payload + 4);
   const float s = static_cast<float>(levels);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;

@@ -108,9 +108,9 @@ int64_t Tensor::size(int64_t d) const {
   return shape_[static_cast<size_t>(d)];
 }
 
-float* Tensor::f32(std::source_location at) const {
+float* Tensor::f32(const char* file, int line) const {
   DT_CHECK(dtype_ == DType::F32, "expected an f32 tensor, got " << str());
-  return data<float>(at);
+  return data<float>(file, line);
 }
 
 float* Tensor::device_f32() const {
@@ -118,13 +118,13 @@ float* Tensor::device_f32() const {
   return device_data<float>();
 }
 
-void Tensor::host_access_error(const std::source_location& at) const {
-  std::string file = at.file_name();  // the folder and file: "parallel/data_parallel.cpp"
+void Tensor::host_access_error(const char* file_name, int line) const {
+  std::string file = file_name;  // the folder and file: "parallel/data_parallel.cpp"
   if (auto last = file.rfind('/'); last != std::string::npos && last > 0)
     if (auto cut = file.rfind('/', last - 1); cut != std::string::npos) file = file.substr(cut + 1);
   throw Error("device",
-              "host code read or wrote device memory: " + str() + " at " + file + ":" + std::to_string(at.line()) +
-                  " (" + at.function_name() + "); device tensors go through the engine (copy_any, to_host)",
+              "host code read or wrote device memory: " + str() + " at " + file + ":" + std::to_string(line) +
+                  "; device tensors go through the engine (copy_any, to_host)",
               __FILE__, __LINE__);
 }
 

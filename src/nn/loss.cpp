@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "dtrain/kernels/engine.h"
 
@@ -53,15 +54,29 @@ void SoftTargetLoss::prepare(const Tensor& student, const Tensor& teacher) {
   e.softmax_rows(teacher, 1.f / t_, p_teacher_);
 }
 
-// T^2 KL(p_teacher || p_student), averaged over the rows, in f64 on host copies (a figure for the
-// caller; training needs only backward).
+namespace {
+// log softmax(x / t) of row i of a host [N, C] tensor, in f64.
+std::vector<double> log_softmax_row(const Tensor& x, int64_t i, float t) {
+  const int64_t c = x.size(1);
+  const float* row = x.f32() + i * c;
+  double mx = row[0] / static_cast<double>(t), sum = 0;
+  for (int64_t j = 1; j < c; ++j) mx = std::max(mx, row[j] / static_cast<double>(t));
+  for (int64_t j = 0; j < c; ++j) sum += std::exp(row[j] / static_cast<double>(t) - mx);
+  std::vector<double> out(static_cast<size_t>(c));
+  for (int64_t j = 0; j < c; ++j) out[static_cast<size_t>(j)] = row[j] / static_cast<double>(t) - mx - std::log(sum);
+  return out;
+}
+}  // namespace
+
+// T^2 KL(p_teacher || p_student), averaged over the rows: a figure for the caller (training needs
+// only backward), in f64 from host copies of the logits.
 float SoftTargetLoss::forward(const Tensor& student, const Tensor& teacher) {
   prepare(student, teacher);
-  const Tensor ps = to_host(p_student_), pt = to_host(p_teacher_);
+  const Tensor s = to_host(student), t = to_host(teacher);
   double kl = 0;
-  for (int64_t i = 0; i < ps.numel(); ++i) {
-    const double q = pt.f32()[i], p = ps.f32()[i];
-    if (q > 0) kl += q * (std::log(q) - std::log(std::max(p, 1e-45)));
+  for (int64_t i = 0; i < s.size(0); ++i) {
+    const std::vector<double> ls = log_softmax_row(s, i, t_), lt = log_softmax_row(t, i, t_);
+    for (size_t j = 0; j < ls.size(); ++j) kl += std::exp(lt[j]) * (lt[j] - ls[j]);
   }
   return static_cast<float>(static_cast<double>(t_) * t_ * kl / static_cast<double>(student.size(0)));
 }

@@ -1,13 +1,17 @@
 #include "dtrain/train/checkpoint.h"
 
+#include <fcntl.h>
 #include <hdf5.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -52,55 +56,134 @@ std::vector<int64_t> attr_i64s(hid_t obj, const char* name) {
   return data::h5::read_attr_i64(obj, name, v) ? v : std::vector<int64_t>();
 }
 
+// zlib's crc32_z takes a size_t length: tensors of 4 GiB and more are covered whole.
+uLong crc_bytes(uLong crc, const void* p, size_t n) { return crc32_z(crc, static_cast<const Bytef*>(p), n); }
+
 uint32_t crc_of(const std::map<std::string, Tensor>& tensors) {
   uLong crc = crc32(0L, Z_NULL, 0);
   for (const auto& [name, t] : tensors) {  // std::map: sorted, so the order is the same on load
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(name.data()), static_cast<uInt>(name.size()));
-    if (t.nbytes()) crc = crc32(crc, static_cast<const Bytef*>(t.raw()), static_cast<uInt>(t.nbytes()));
+    crc = crc_bytes(crc, name.data(), name.size());
+    if (t.nbytes()) crc = crc_bytes(crc, t.raw(), t.nbytes());
   }
   return static_cast<uint32_t>(crc);
 }
 
+// The attributes that say what a file is (step, rank, run, layout, ...), covered by a checksum of
+// their own: a flipped bit there would otherwise load as another step or another rank's part.
+// (The checksums and the format tag themselves are not covered.)
+uint32_t attributes_crc(const CheckpointState& s) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  for (const auto& [k, v] : s.strings)
+    if (k != "format") {
+      crc = crc_bytes(crc, k.data(), k.size());
+      crc = crc_bytes(crc, v.data(), v.size());
+    }
+  for (const auto& [k, v] : s.ints)
+    if (k != "checksum" && k != "attributes_checksum") {
+      crc = crc_bytes(crc, k.data(), k.size());
+      crc = crc_bytes(crc, &v, sizeof v);
+    }
+  for (const auto& [k, v] : s.int_lists)
+    if (!v.empty()) {  // an empty list's attribute may not come back at all
+      crc = crc_bytes(crc, k.data(), k.size());
+      crc = crc_bytes(crc, v.data(), v.size() * sizeof(int64_t));
+    }
+  return static_cast<uint32_t>(crc);
+}
+
+// A file's or a folder's contents on the disk, not only in the page cache, before anything relies
+// on them (the rename that makes a checkpoint the newest, the pruning of the one before).
+void sync_to_disk(const std::string& path, bool folder) {
+  const int fd = ::open(path.c_str(), (folder ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  DT_INPUT_CHECK(fd >= 0, "cannot open '" << path << "' to sync it to disk: " << std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  DT_INPUT_CHECK(rc == 0, "fsync of '" << path << "' failed: " << std::strerror(err));
+}
+
+}  // namespace
+
+namespace {
+// One tensor into `file` as dataset `name`, in slabs of rows of about 4 MiB, the HDF5 lock taken per
+// call: a background write never holds the loader threads' reads for a whole checkpoint.
+void write_dataset(hid_t file, hid_t lcpl, const std::string& name, const Tensor& t, const std::string& where) {
+  using data::h5::Handle;
+  constexpr int64_t kSlabBytes = int64_t(4) << 20;
+  std::vector<hsize_t> dims;
+  for (int64_t d : t.shape()) dims.push_back(static_cast<hsize_t>(d));
+  if (dims.empty()) dims.push_back(1);
+  Handle ds, space;
+  {
+    auto lock = data::h5::lock();
+    space = Handle(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
+    ds = Handle(H5Dcreate2(file, name.c_str(), h5_type(t.dtype()), space.get(), lcpl, H5P_DEFAULT, H5P_DEFAULT),
+                H5Dclose);
+    DT_INPUT_CHECK(ds.valid() && data::h5::write_attr_string(ds.get(), "dtype", dtype_name(t.dtype())),
+                   "cannot create dataset " << name << " in '" << where << "' (disk full?)");
+  }
+  const int64_t rows = static_cast<int64_t>(dims[0]);
+  const int64_t row_bytes = rows ? static_cast<int64_t>(t.nbytes()) / rows : 0;
+  const int64_t slab = row_bytes ? std::max<int64_t>(1, kSlabBytes / row_bytes) : rows;
+  for (int64_t r = 0; r < rows && t.nbytes(); r += slab) {
+    const int64_t k = std::min(slab, rows - r);
+    std::vector<hsize_t> start(dims.size(), 0), count = dims;
+    start[0] = static_cast<hsize_t>(r);
+    count[0] = static_cast<hsize_t>(k);
+    auto lock = data::h5::lock();
+    Handle mem(H5Screate_simple(static_cast<int>(count.size()), count.data(), nullptr), H5Sclose);
+    const bool ok =
+        H5Sselect_hyperslab(space.get(), H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr) >= 0 &&
+        H5Dwrite(ds.get(), h5_type(t.dtype()), mem.get(), space.get(), H5P_DEFAULT,
+                 static_cast<const char*>(t.raw()) + r * row_bytes) >= 0;
+    DT_INPUT_CHECK(ok, "cannot write dataset " << name << " to '" << where << "' (disk full?)");
+  }
+  auto lock = data::h5::lock();
+  space.reset();
+  DT_INPUT_CHECK(H5Dclose(ds.release()) >= 0, "cannot write dataset " << name << " to '" << where << "' (disk full?)");
+}
 }  // namespace
 
 void save_checkpoint(const std::string& path, const CheckpointState& s) {
   using data::h5::Handle;
-  auto lock = data::h5::lock();  // HDF5 is not thread-safe and loader threads read shards
   fs::path final_path(path);
-  if (final_path.has_parent_path()) fs::create_directories(final_path.parent_path());
+  const fs::path folder = final_path.has_parent_path() ? final_path.parent_path() : fs::path(".");
+  fs::create_directories(folder);
   std::string tmp = path + ".tmp";
   {
-    Handle file(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
-    DT_INPUT_CHECK(file.valid(), "cannot create checkpoint file '" << tmp << "'");
-    Handle lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
-    H5Pset_create_intermediate_group(lcpl.get(), 1);
+    Handle file, lcpl;
+    {
+      auto lock = data::h5::lock();  // HDF5 is not thread-safe and loader threads read shards
+      file = Handle(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+      DT_INPUT_CHECK(file.valid(), "cannot create checkpoint file '" << tmp << "'");
+      lcpl = Handle(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
+      H5Pset_create_intermediate_group(lcpl.get(), 1);
+    }
     for (const auto& [name, t] : s.tensors) {
       DT_CHECK(t.device().is_cpu(), "checkpoint tensors must be on the host, " << name << " is " << t.str());
-      std::vector<hsize_t> dims;
-      for (int64_t d : t.shape()) dims.push_back(static_cast<hsize_t>(d));
-      if (dims.empty()) dims.push_back(1);
-      Handle space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
-      Handle ds(
-          H5Dcreate2(file.get(), name.c_str(), h5_type(t.dtype()), space.get(), lcpl.get(), H5P_DEFAULT, H5P_DEFAULT),
-          H5Dclose);
-      DT_CHECK(ds.valid(), "creating dataset " << name << " in " << tmp);
-      DT_CHECK(t.nbytes() == 0 || H5Dwrite(ds.get(), h5_type(t.dtype()), H5S_ALL, H5S_ALL, H5P_DEFAULT, t.raw()) >= 0,
-               "writing dataset " << name << " to " << tmp);
-      data::h5::write_attr_string(ds.get(), "dtype", dtype_name(t.dtype()));
+      write_dataset(file.get(), lcpl.get(), name, t, tmp);
     }
-    for (const auto& [k, v] : s.strings) data::h5::write_attr_string(file.get(), k.c_str(), v);
-    for (const auto& [k, v] : s.ints) data::h5::write_attr_i64(file.get(), k.c_str(), {v});
-    for (const auto& [k, v] : s.int_lists)
-      data::h5::write_attr_i64(file.get(), ("list:" + k).c_str(), v.empty() ? std::vector<int64_t>{} : v);
-    data::h5::write_attr_i64(file.get(), "checksum", {static_cast<int64_t>(crc_of(s.tensors))});
-    data::h5::write_attr_string(file.get(), "format", "dtrain-checkpoint-1");
-    DT_CHECK(H5Fflush(file.get(), H5F_SCOPE_GLOBAL) >= 0, "flushing " << tmp);
+    const int64_t tensors_crc = crc_of(s.tensors), attributes = attributes_crc(s);  // outside the lock
+    auto lock = data::h5::lock();
+    bool attrs = true;
+    for (const auto& [k, v] : s.strings) attrs = attrs && data::h5::write_attr_string(file.get(), k.c_str(), v);
+    for (const auto& [k, v] : s.ints) attrs = attrs && data::h5::write_attr_i64(file.get(), k.c_str(), {v});
+    for (const auto& [k, v] : s.int_lists)  // an empty list is written where HDF5 can, and is not required
+      attrs = (data::h5::write_attr_i64(file.get(), ("list:" + k).c_str(), v) || v.empty()) && attrs;
+    attrs = attrs && data::h5::write_attr_i64(file.get(), "checksum", {tensors_crc}) &&
+            data::h5::write_attr_i64(file.get(), "attributes_checksum", {attributes}) &&
+            data::h5::write_attr_string(file.get(), "format", "dtrain-checkpoint-1");
+    DT_INPUT_CHECK(attrs, "cannot write the attributes of '" << tmp << "' (disk full?)");
+    lcpl.reset();
+    DT_INPUT_CHECK(H5Fclose(file.release()) >= 0, "cannot close '" << tmp << "' (disk full?)");
   }
+  sync_to_disk(tmp, false);
   // Test hook: a pause with the file complete but not yet in place (a crash here must leave the
   // previous checkpoint the newest loadable one).
   if (const char* ms = std::getenv("DTRAIN_TEST_CHECKPOINT_RENAME_DELAY_MS"))
     std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
-  fs::rename(tmp, final_path);  // atomic on one file system: the old checkpoint stays until this
+  fs::rename(tmp, final_path);          // atomic on one file system: the old checkpoint stays until this
+  sync_to_disk(folder.string(), true);  // the rename itself on the disk
 }
 
 CheckpointState load_checkpoint(const std::string& path) {
@@ -167,6 +250,12 @@ CheckpointState load_checkpoint(const std::string& path) {
         return 0;
       },
       &attrs);
+  // Files written before the attributes had a checksum of their own have none to check.
+  if (const auto a = s.ints.find("attributes_checksum"); a != s.ints.end()) {
+    DT_INPUT_CHECK(static_cast<uint32_t>(a->second) == attributes_crc(s),
+                   "checkpoint '" << path << "' fails the checksum of its attributes: the file is corrupt");
+    s.ints.erase(a);
+  }
   return s;
 }
 
@@ -181,14 +270,16 @@ CheckpointState load_checkpoint_set(const std::string& main_file) {
     CheckpointState part = load_checkpoint(f);
     DT_INPUT_CHECK(part.ints["step"] == s.ints["step"],
                    f << " is from step " << part.ints["step"] << ", " << main_file << " from step " << s.ints["step"]);
+    DT_INPUT_CHECK(part.ints["run_id"] == s.ints["run_id"],
+                   f << " was written by another run than " << main_file << " (run ids differ)");
     for (auto& [name, t] : part.tensors) s.tensors.emplace(name, t);  // a tied weight's copy: stage 0's
   }
   return s;
 }
 
-std::string resolve_checkpoint(const std::string& p, const std::string& option) {
+std::vector<std::string> checkpoint_candidates(const std::string& p, const std::string& option) {
   DT_INPUT_CHECK(fs::exists(p), "option --" << option << ": '" << p << "' does not exist");
-  if (!fs::is_directory(p)) return p;
+  if (!fs::is_directory(p)) return {p};
   std::vector<std::string> found;
   for (const auto& e : fs::directory_iterator(p)) {
     std::string n = e.path().filename().string();
@@ -197,8 +288,26 @@ std::string resolve_checkpoint(const std::string& p, const std::string& option) 
       found.push_back(e.path().string());
   }
   DT_INPUT_CHECK(!found.empty(), "option --" << option << ": no ckpt-*.h5 checkpoint in directory '" << p << "'");
-  std::sort(found.begin(), found.end());  // names carry zero-padded step numbers
-  return found.back();
+  std::sort(found.rbegin(), found.rend());  // names carry zero-padded step numbers: newest first
+  return found;
+}
+
+std::string resolve_checkpoint(const std::string& p, const std::string& option) {
+  return checkpoint_candidates(p, option).front();
+}
+
+std::vector<std::string> remove_unfinished_writes(const std::string& dir) {
+  std::vector<std::string> removed;
+  if (!fs::is_directory(dir)) return removed;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("ckpt-step", 0) == 0 && e.path().extension() == ".tmp" && fs::is_regular_file(e.path())) {
+      fs::remove(e.path());
+      removed.push_back(n);
+    }
+  }
+  std::sort(removed.begin(), removed.end());
+  return removed;
 }
 
 std::string checkpoint_file(const std::string& dir, int64_t step) {
@@ -252,7 +361,7 @@ void prune_checkpoints(const std::string& dir, const std::string& just_written, 
 }
 
 bool write_compression_parts(const std::string& main_file, const parallel::DataParallel* dp, comm::Communicator* world,
-                             int64_t step, const std::string& compression) {
+                             int64_t step, const std::string& compression, int64_t run_id) {
   if (!dp) return false;
   const std::map<std::string, Tensor> state = dp->compression_state();
   const int rank = world ? world->rank() : 0;
@@ -264,6 +373,7 @@ bool write_compression_parts(const std::string& main_file, const parallel::DataP
     part.ints["step"] = step;
     part.ints["rank"] = rank;
     part.ints["world_size"] = world ? world->size() : 1;
+    part.ints["run_id"] = run_id;
     save_checkpoint(rank_part_file(main_file, rank), part);
   };
   if (world)
@@ -300,6 +410,9 @@ std::string load_compression_part(const CheckpointState& main, const std::string
   DT_INPUT_CHECK(cs.ints["step"] == step && cs.ints["rank"] == rank,
                  "'" << part << "' is rank " << cs.ints["rank"] << "'s state at step " << cs.ints["step"]
                      << ", not rank " << rank << "'s at step " << step);
+  const auto run = main.ints.find("run_id");
+  DT_INPUT_CHECK(cs.ints["run_id"] == (run == main.ints.end() ? 0 : run->second),
+                 "'" << part << "' was written by another run than " << main_file << " (run ids differ)");
   std::map<std::string, Tensor> state;
   for (auto& [key, t] : cs.tensors)
     if (key.rfind("compress/", 0) == 0) state[key.substr(9)] = t;

@@ -148,6 +148,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add_switch(common, "checkpoint-async", &c.checkpoint_async, def.checkpoint_async, "write checkpoints in a background thread: the loop stalls only to copy the state (with --pp: written in the loop)");
   add(common, "checkpoint-every", &c.checkpoint_every, def.checkpoint_every, "steps between checkpoints (0: image models at each epoch end, the gpt at the end)");
   add(common, "keep-checkpoints", &c.keep_checkpoints, def.keep_checkpoints, "checkpoints kept in --checkpoint-dir");
+  add(common, "checkpoint-timeout", &c.checkpoint_timeout, def.checkpoint_timeout, "seconds the ranks wait for a checkpoint's writers (instead of the communication timeout: a slow file system is not a lost rank); 0: without limit");
   add_path(common, "resume", &c.resume, "resume from this checkpoint file (or the newest in this directory)");
   add(common, "preempt-signals", &c.preempt_signals, def.preempt_signals, "signals that checkpoint at the next step and exit with code 42: comma list of TERM, USR1, USR2, INT, HUP, CONT, or none");
   add(common, "preempt-check-every", &c.preempt_check_every, def.preempt_check_every, "steps between the ranks' agreement on a received preemption signal");
@@ -192,7 +193,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(image, "lr-schedule", &c.lr_schedule, def.lr_schedule, "constant, step or cosine (per step, to --min-lr at the end; the gpt: cosine)");
   add(image, "lr-step-size", &c.lr_step_size, def.lr_step_size, "step schedule: steps between decays");
   add(image, "lr-gamma", &c.lr_gamma, def.lr_gamma, "step schedule: decay factor");
-  add(common, "progress", &c.progress, def.progress, "progress bar on rank 0: auto, on, off");
+  add(common, "progress", &c.progress, def.progress, "progress bar on rank 0: on, off, or auto (a bar where a person watches a terminal: not in a SLURM or PBS job, nor where the launcher writes to a file; plain lines there)");
   add_path(common, "trace", &c.trace, "write a Chrome trace (Perfetto) of each rank's data wait, compute, communication wait and optimizer to this JSON file");
   add(common, "trace-steps", &c.trace_steps, def.trace_steps, "steps recorded by --trace, from the first");
   add(image, "eval", &c.eval_each_epoch, def.eval_each_epoch, "evaluate on --test-data after each epoch");
@@ -320,6 +321,7 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.augment.rotate_deg >= 0.f && c.augment.rotate_deg <= 180.f,
                  "option --augment-rotate must be in [0, 180]");
   DT_INPUT_CHECK(c.keep_checkpoints >= 1, "option --keep-checkpoints must be >= 1");
+  DT_INPUT_CHECK(c.checkpoint_timeout >= 0, "option --checkpoint-timeout must be >= 0 (0: without limit)");
   DT_INPUT_CHECK(c.bucket_mb > 0, "option --bucket-mb must be > 0");
   DT_INPUT_CHECK(c.allreduce.empty() || c.allreduce == "auto" || c.allreduce == "mpi" || c.allreduce == "shm" ||
                      c.allreduce == "hier",

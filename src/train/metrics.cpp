@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <sstream>
@@ -18,7 +19,6 @@ std::string fixed(double v, int digits) {
   o << v;
   return o.str();
 }
-
 
 static void json_string(std::string& out, const std::string& s) {
   out += '"';
@@ -78,8 +78,25 @@ void MetricsWriter::write(const JsonFields& fields) {
   std::fflush(f_);
 }
 
+namespace {
+// Whether a person watches this process's output: it goes to a terminal, no batch system runs the
+// job, and the launcher that started this rank (mpirun, orted, srun's step daemon: the parent)
+// writes to a terminal too. Under `mpirun ... > log` a rank's output is a pty of mpirun's, so its
+// own isatty alone would draw a bar's carriage returns into the log file.
+bool output_is_watched() {
+  if (!isatty(STDOUT_FILENO)) return false;
+  if (std::getenv("SLURM_JOB_ID") || std::getenv("PBS_JOBID")) return false;
+  char target[256];
+  const std::string parent_out = "/proc/" + std::to_string(getppid()) + "/fd/1";
+  const ssize_t n = readlink(parent_out.c_str(), target, sizeof target - 1);
+  if (n <= 0) return true;  // no /proc, or no permission: the own terminal decides
+  const std::string out(target, static_cast<size_t>(n));
+  return out.rfind("/dev/pts/", 0) == 0 || out.rfind("/dev/tty", 0) == 0;
+}
+}  // namespace
+
 Progress::Progress(const std::string& mode, bool speak)
-    : speak_(speak), bar_(speak && (mode == "on" || (mode == "auto" && isatty(STDOUT_FILENO)))) {}
+    : speak_(speak), bar_(speak && (mode == "on" || (mode == "auto" && output_is_watched()))) {}
 
 std::string format_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";

@@ -359,6 +359,17 @@ bool Trainer::preempted(int64_t epoch, int64_t batch_in_epoch, bool saved) {
 // ------------------------------------------------------------------ the loop
 TrainResult Trainer::run() {
   ResumePoint at;
+  // What a killed write left behind is removed before anyone writes there again.
+  if (!cfg_.checkpoint_dir.empty())
+    comm::agree_on_inputs(world_, [&] {
+      if (rank_ != 0) return;
+      const std::vector<std::string> removed = remove_unfinished_writes(cfg_.checkpoint_dir);
+      std::string names;
+      for (const std::string& n : removed) names += (names.empty() ? "" : ", ") + n;
+      if (!removed.empty())
+        say("removed " + std::to_string(removed.size()) + " unfinished checkpoint file(s) of a killed write in " +
+            cfg_.checkpoint_dir + ": " + names);
+    });
   // A checkpoint part or file one rank cannot read fails every rank alike.
   if (!cfg_.resume.empty()) comm::agree_on_inputs(world_, [&] { at = restore(cfg_.resume); });
   if (dp_) dp_->broadcast_state(0);

@@ -1,5 +1,6 @@
 // The one loop's checkpoints: the parameters, buffers and optimizer state of any dp x tp x pp
 // layout gathered into the one-rank layout and written as one set of files; restored into any.
+#include <filesystem>
 #include <map>
 #include <string>
 #include <utility>
@@ -11,6 +12,8 @@
 #include "dtrain/train/trainer.h"
 
 namespace dtrain::train {
+
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -83,11 +86,13 @@ void Trainer::load_optimizer_state(CheckpointState& s) {
 // copy on the host: a background write's snapshot while the loop goes on changing the state.
 // Copied into the tensors of `reuse` (the previous snapshot) where they fit, so that the loop's
 // stall is the copy alone, not allocation and first-touch page faults.
-CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch, const std::map<std::string, Tensor>& reuse) {
+CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch,
+                                          const std::map<std::string, Tensor>& reuse) {
   nn::Module& model = task_->model();
   CheckpointState s;
   const std::map<std::string, Tensor> old_params = entries_under(reuse, "param/");
-  for (auto& [name, t] : parallel::gather_full_parameters(model, &grid_->tp(), &old_params)) s.tensors["param/" + name] = t;
+  for (auto& [name, t] : parallel::gather_full_parameters(model, &grid_->tp(), &old_params))
+    s.tensors["param/" + name] = t;
   for (auto& [name, t] : optimizer_state_full(entries_under(reuse, "optim/"))) s.tensors["optim/" + name] = t;
   for (nn::Buffer* b : model.buffers())
     s.tensors["buffer/" + b->name] = host_copy(b->value, entry(reuse, "buffer/" + b->name));
@@ -109,6 +114,7 @@ CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch,
   s.ints["pp_stages"] = cfg_.pp;
   s.ints["tp"] = cfg_.tp;
   s.ints["dp"] = grid_->dp_size();
+  s.ints["run_id"] = run_id_;  // every part of the set carries it: a part of another run is never merged
   if (scaler_) {
     s.tensors["meta/loss_scale"] = Tensor::from({1}, {scaler_->scale()});
     s.ints["loss_scale_good_steps"] = scaler_->good_steps();
@@ -129,7 +135,11 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch, bool wait) {
   finish_pending_checkpoint();
   CheckpointState s = checkpoint_state(epoch, batch_in_epoch, std::exchange(snapshot_arena_, {}));
   const std::string file = checkpoint_file(cfg_.checkpoint_dir, step_);
-  const bool parts = write_compression_parts(file, dp_.get(), &world_, step_, cfg_.compression);
+  bool parts = false;
+  {
+    CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
+    parts = write_compression_parts(file, dp_.get(), &world_, step_, cfg_.compression, run_id_);
+  }
   s.ints["compression_ranks"] = parts ? world_.size() : 0;  // ranks with a <checkpoint>.rank<r> part
   write_checkpoint_set(file, s, wait || !cfg_.checkpoint_async || cfg_.pp > 1);
   const double stall = now_s() - t0;
@@ -140,11 +150,30 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch, bool wait) {
   }
   result_.checkpoint = file;
   if (!progress_->bar()) say("checkpoint " + file + " (" + fixed(stall, 3) + " s)");
+  say_if_slow(file, stall);
 }
+
+// A write that took more than half the communication timeout would have ended the job under it.
+void Trainer::say_if_slow(const std::string& file, double seconds) {
+  const double comm_timeout = world_.timeout();
+  if (comm_timeout > 0 && seconds > comm_timeout / 2)
+    say("checkpoint " + file + " took " + fixed(seconds, 1) + " s, over half the communication timeout (" +
+        fixed(comm_timeout, 0) + " s): the ranks waited under --checkpoint-timeout (" +
+        fixed(cfg_.checkpoint_timeout, 0) + " s); a slow file system?");
+}
+
+// While the ranks wait for a checkpoint's writers, the world's waits take --checkpoint-timeout
+// instead of the communication timeout: a busy parallel file system is not a lost rank.
+Trainer::CheckpointWaits::CheckpointWaits(comm::Communicator& world, double timeout_s)
+    : world_(world), before_(world.timeout()) {
+  world.set_timeout(timeout_s);
+}
+Trainer::CheckpointWaits::~CheckpointWaits() { world_.set_timeout(before_); }
 
 void Trainer::write_checkpoint_set(const std::string& file, CheckpointState& s, bool wait) {
   const bool writer = grid_->dp_rank() == 0 && grid_->tp_rank() == 0, first = grid_->pp_rank() == 0;
   if (wait) {
+    CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
     comm::agree_on_inputs(world_, [&] {
       if (writer && !first) save_checkpoint(stage_part_file(file, grid_->pp_rank()), s);
     });
@@ -175,6 +204,7 @@ void Trainer::write_checkpoint_set(const std::string& file, CheckpointState& s, 
 void Trainer::finish_pending_checkpoint() {
   if (!pending_) return;
   std::unique_ptr<PendingCheckpoint> p = std::move(pending_);
+  CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
   comm::agree_on_inputs(world_, [&] {
     if (p->writer.joinable()) p->writer.join();
     if (p->error) std::rethrow_exception(p->error);
@@ -184,15 +214,53 @@ void Trainer::finish_pending_checkpoint() {
   if (!progress_->bar())
     say("checkpoint " + p->file + " (" + fixed(p->stall_s, 3) + " s; written in the background in " +
         fixed(p->write_s, 3) + " s)");
+  say_if_slow(p->file, p->write_s);
 }
 
-// Every rank reads the checkpoint set (any dp x tp x pp layout wrote it) and keeps its part.
+// The set of `file` read whole and checked: the main file, every stage's part and (where this run
+// will use them) every rank's compression part present, of the same step and run, each passing its
+// checksums. Collective: the ranks agree, so all take the same set.
+CheckpointState Trainer::load_verified_set(const std::string& file) {
+  CheckpointState s;
+  comm::agree_on_inputs(world_, [&] {
+    s = load_checkpoint_set(file);
+    const auto ranks = s.ints.find("compression_ranks");
+    if (ranks == s.ints.end() || ranks->second != world_.size() || s.strings["compression"] != cfg_.compression) return;
+    for (int r = 0; r < world_.size(); ++r)
+      DT_INPUT_CHECK(fs::exists(rank_part_file(file, r)),
+                     "rank " << r << "'s compression part " << rank_part_file(file, r) << " is missing");
+    const CheckpointState mine = load_checkpoint(rank_part_file(file, rank_));  // its checksums
+    DT_INPUT_CHECK(mine.ints.count("step") && mine.ints.at("step") == s.ints["step"] &&
+                       (mine.ints.count("run_id") ? mine.ints.at("run_id") : 0) == s.ints["run_id"],
+                   rank_part_file(file, rank_) << " is not of this set (another step or run)");
+  });
+  return s;
+}
+
+// Every rank reads the checkpoint set (any dp x tp x pp layout wrote it) and keeps its part. From a
+// folder it takes the newest set that is complete and verifies, naming each newer one it skipped.
 ResumePoint Trainer::restore(const std::string& where) {
-  const std::string file = resolve_checkpoint(where);
+  std::string file;
+  CheckpointState s;
+  std::vector<std::string> skipped;
+  for (const std::string& candidate : checkpoint_candidates(where)) {
+    try {
+      s = load_verified_set(candidate);
+      file = candidate;
+      break;
+    } catch (const InputError& e) {
+      skipped.push_back(candidate + ": " + e.what());
+    }
+  }
+  if (file.empty()) {
+    std::string why;
+    for (const std::string& line : skipped) why += "\n  " + line;
+    DT_INPUT_CHECK(false, "option --resume " << where << ": no checkpoint set there is complete and verifies:" << why);
+  }
+  for (const std::string& line : skipped) say("resume: skipped " + line);
   ResumePoint at;
   std::string compression_note, changed;
   try {
-    CheckpointState s = load_checkpoint_set(file);
     task_->check_checkpoint(s);
     DT_INPUT_CHECK(s.strings["optimizer"] == opt_->kind(),
                    "it used optimizer " << s.strings["optimizer"] << ", not --optimizer " << opt_->kind());
@@ -203,9 +271,9 @@ ResumePoint Trainer::restore(const std::string& where) {
     parallel::load_full_parameters(model, params);
     for (nn::Buffer* b : model.buffers()) {
       auto it = s.tensors.find("buffer/" + b->name);
-      DT_INPUT_CHECK(it != s.tensors.end() && it->second.numel() == b->value.numel() &&
-                         it->second.dtype() == b->value.dtype(),
-                     "it has no buffer " << b->name << " of " << b->value.str());
+      DT_INPUT_CHECK(
+          it != s.tensors.end() && it->second.numel() == b->value.numel() && it->second.dtype() == b->value.dtype(),
+          "it has no buffer " << b->name << " of " << b->value.str());
       copy_any(it->second.reshape(b->value.shape()), b->value);
     }
     load_optimizer_state(s);
@@ -224,8 +292,7 @@ ResumePoint Trainer::restore(const std::string& where) {
     step_ = s.ints["step"];
     opt_->set_steps(s.ints.count("optimizer_steps") ? s.ints["optimizer_steps"] : step_);
     const bool same_layout = s.ints["tp"] == cfg_.tp && s.ints["pp_stages"] == cfg_.pp;
-    compression_note =
-        load_compression_part(s, file, dp_.get(), rank_, world_.size(), cfg_.compression, same_layout);
+    compression_note = load_compression_part(s, file, dp_.get(), rank_, world_.size(), cfg_.compression, same_layout);
     at = task_->resume_point(s, step_);
     changed = resume_changes(s.strings["provenance"], config_ini(cfg_));
   } catch (const InputError& e) {
@@ -237,6 +304,5 @@ ResumePoint Trainer::restore(const std::string& where) {
       (has_epochs_ ? " (epoch " + std::to_string(at.epoch + 1) + ")" : std::string()));
   return at;
 }
-
 
 }  // namespace dtrain::train

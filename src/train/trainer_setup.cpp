@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -37,6 +38,22 @@ namespace fs = std::filesystem;
 namespace dtrain::train {
 
 // ------------------------------------------------------------------ set-up
+namespace {
+// A number this run's ranks share and no other run has (rank 0's draw, broadcast): the checkpoint
+// files of one set carry it, so a part of another run with the same step is never merged.
+int64_t draw_run_id(comm::Communicator& world) {
+  Tensor id = Tensor::zeros({1}, DType::I64);
+  if (world.rank() == 0) {
+    std::random_device rd;
+    const uint64_t bits = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                          static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    id.data<int64_t>()[0] = static_cast<int64_t>((bits & 0x7fffffffffffffffull) | 1);
+  }
+  if (world.size() > 1) world.broadcast(id, 0)->wait();
+  return id.data<int64_t>()[0];
+}
+}  // namespace
+
 Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* world)
     : cfg_(cfg), rt_(rt), world_(world ? *world : rt.world()), phases_(world_) {
   rank_ = world_.rank();
@@ -49,6 +66,7 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
                                                  : std::string("."));
   // A host short of GPUs fails every rank alike, before any rank creates a communicator.
   comm::agree_on_inputs(world_, [this] { choose_device(); });
+  run_id_ = draw_run_id(world_);
   // Every communicator of the grid is split from the world and inherits its allreduce algorithm.
   if (!cfg_.allreduce.empty()) world_.set_allreduce_algorithm(comm::allreduce_algorithm_from_name(cfg_.allreduce));
   grid_ = std::make_unique<parallel::ProcessGrid>(world_, cfg_.tp, cfg_.pp);  // the same check on every rank
@@ -92,15 +110,20 @@ std::string Trainer::choose_comm() const {
     return device_.is_cpu() ? "mpi" : "mpi (host-staged)";
   }
   const bool gpu_each = topo.local_size <= topo.cuda_device_count;
+  // The inter-node scope splits the data-parallel communicator by node, agreeing over host memory.
+  const bool by_node = cfg_.compression != "none" && cfg_.compression_scope == "inter-node";
   if (cfg_.comm == "nccl") {
     DT_INPUT_CHECK(comm::nccl_compiled(), "option --comm nccl: this dtrain was built without NCCL; use --comm mpi");
     DT_INPUT_CHECK(world_.size() == 1 || gpu_each,
                    "option --comm nccl: " << topo.local_size << " ranks on host " << topo.host << " share "
                                           << topo.cuda_device_count
                                           << " GPU(s), and NCCL refuses two ranks on one GPU; use --comm mpi");
+    DT_INPUT_CHECK(!by_node,
+                   "option --comm nccl does not combine with --compression-scope inter-node in this "
+                   "version (the split by node runs over MPI); use --comm mpi or auto");
     return "nccl";
   }
-  if (cfg_.comm == "auto" && comm::nccl_compiled() && gpu_each) return "nccl";
+  if (cfg_.comm == "auto" && comm::nccl_compiled() && gpu_each && !by_node) return "nccl";
   return "mpi (host-staged)";
 }
 

@@ -310,6 +310,45 @@ TEST(CliMpi, ExitStatusesSayHowTheRunEnded) {
   EXPECT_EQ(gen.out.find("--resume"), std::string::npos) << gen.out;
 }
 
+// A checkpoint write slower than the communication timeout (2 s here; the writer pauses 3 s before
+// its rename): the other rank waits under --checkpoint-timeout instead, the run finishes, and the
+// log says the write was slow. With --checkpoint-timeout 1 the same wait ends the job, naming it.
+TEST(CliMpi, ASlowCheckpointWriteDoesNotEndTheJob) {
+  const std::string dir = dtrain::test::temp_dir("cli-slow-ckpt");
+  const std::string cmd =
+      "DTRAIN_COMM_TIMEOUT=2 DTRAIN_TEST_CHECKPOINT_RENAME_DELAY_MS=3000 OMPI_ALLOW_RUN_AS_ROOT=1 "
+      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n 2 --oversubscribe --bind-to none " +
+      std::string(DTRAIN_BINARY_DIR) + "/dtrain train --model mlp --synthetic --steps 6 " +
+      "--checkpoint-every 3 --checkpoint-async false --progress off --threads 1 --checkpoint-dir " + dir;
+  Result slow = shell(cmd + "/a 2>&1");
+  EXPECT_EQ(slow.code, 0) << slow.out;
+  EXPECT_NE(slow.out.find("over half the communication timeout"), std::string::npos) << slow.out;
+  EXPECT_TRUE(fs::exists(dir + "/a/ckpt-step000000006.h5"));
+  Result strict = shell(cmd + "/b --checkpoint-timeout 1 2>&1");
+  EXPECT_NE(strict.code, 0) << strict.out;
+  EXPECT_NE(strict.out.find("did not complete within 1 s"), std::string::npos) << strict.out;
+  fs::remove_all(dir);
+}
+
+// --progress auto draws a bar only where a person watches: on a terminal (a pty from `script`), the
+// bar's carriage returns come; with mpirun's output sent to a file, the ranks' output is still a pty
+// of mpirun's, yet the log gets plain lines.
+TEST(CliMpi, ProgressBarOnlyWhereATerminalWatches) {
+  const std::string dir = dtrain::test::temp_dir("cli-progress");
+  const std::string train = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpiexec -n 1 --bind-to none " +
+                            std::string(DTRAIN_BINARY_DIR) + "/dtrain train --model mlp --synthetic --steps 40 " +
+                            "--log-every 10 --threads 1";
+  Result watched = shell("timeout 120 script -qec '" + train + "' /dev/null 2>&1");
+  ASSERT_EQ(watched.code, 0) << watched.out;
+  EXPECT_NE(watched.out.find('\r'), std::string::npos) << "no bar on a terminal: " << watched.out;
+  Result logged = shell("timeout 120 script -qec '" + train + " > " + dir + "/log 2>&1' /dev/null 2>&1");
+  ASSERT_EQ(logged.code, 0) << logged.out;
+  const std::string log = file_text(dir + "/log");
+  EXPECT_EQ(log.find('\r'), std::string::npos) << log;
+  EXPECT_NE(log.find("step 40/40"), std::string::npos) << log;
+  fs::remove_all(dir);
+}
+
 TEST(CliMpi, TrainsOnTwoRanksAndMatchesOneRank) {
   std::string dir = dtrain::test::temp_dir("cli-dp");
   dtrain::test::make_band_dataset(dir + "/train", 256);

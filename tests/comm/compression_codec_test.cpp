@@ -77,6 +77,14 @@ TEST(CompressionCodec, SignEncodeKeepsTheResidualAndDecodes) {
   }
   Tensor wrong = Tensor::empty({4}, DType::U8);
   EXPECT_THROW(e.sign_encode(x, wrong), Error);
+  // Rank 1's payload in a gathered buffer starts at an odd byte here (4 + 5 bytes each).
+  const int64_t b = payload.numel();
+  Tensor two = Tensor::empty({2 * b}, DType::U8);
+  std::memcpy(two.data<uint8_t>(), payload.raw(), static_cast<size_t>(b));
+  std::memcpy(two.data<uint8_t>() + b, payload.raw(), static_cast<size_t>(b));
+  Tensor again = Tensor::zeros({n});
+  e.sign_decode_add(two.slice0(b, 2 * b), again);
+  EXPECT_EQ(std::memcmp(again.raw(), y.raw(), y.nbytes()), 0);
 }
 
 namespace {

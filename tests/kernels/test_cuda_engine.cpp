@@ -527,6 +527,25 @@ TEST_F(CudaEngineTest, SignQsgdAndOrthonormalisationMatchTheCpu) {
   gpu->qsgd_decode_add(dev(q), 16, gz);
   expect_close(gz, z, 1e-6, "qsgd_decode_add");
 
+  // Rank 1's payload in a gathered buffer starts at an odd byte offset here (n is odd): the
+  // decoders read its head byte by byte.
+  for (const Tensor* payload : {&px, &q}) {
+    const int64_t b = payload->numel();
+    Tensor two = Tensor::empty({2 * b}, DType::U8);
+    std::memcpy(two.data<uint8_t>(), payload->raw(), static_cast<size_t>(b));
+    std::memcpy(two.data<uint8_t>() + b, payload->raw(), static_cast<size_t>(b));
+    Tensor gtwo = dev(two), w = random({n}, 55), gw = dev(w);
+    Tensor second = two.slice0(b, 2 * b), gsecond = gtwo.slice0(b, 2 * b);
+    if (payload == &px) {
+      cpu.sign_decode_add(second, w);
+      gpu->sign_decode_add(gsecond, gw);
+    } else {
+      cpu.qsgd_decode_add(second, 16, w);
+      gpu->qsgd_decode_add(gsecond, 16, gw);
+    }
+    expect_close(gw, w, 1e-6, payload == &px ? "sign decode at an odd offset" : "qsgd decode at an odd offset");
+  }
+
   Tensor m = random({300, 4}, 54), gm = dev(m);
   cpu.orthonormalize_columns(m);
   gpu->orthonormalize_columns(gm);

@@ -15,6 +15,7 @@
 #include "dtrain/comm/runtime.h"
 #include "dtrain/kernels/engine.h"
 #include "dtrain/train/trainer.h"
+#include "trainer_params.h"
 
 using namespace dtrain;
 
@@ -38,48 +39,14 @@ const std::string& images() {
   return dir;
 }
 
-train::TrainConfig config(std::vector<std::string> args) {
-  std::vector<std::string> all = {"train",      "--data",        images(),  "--threads", "1",
-                                  "--progress", "off",           "--steps", "12",        "--global-batch-size",
-                                  "16",         "--lr-schedule", "constant"};
-  all.insert(all.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : all) argv.push_back(a.data());
-  train::TrainConfig c;
-  train::parse_train_config(static_cast<int>(argv.size()), argv.data(), c);
-  return c;
-}
+train::TrainConfig config(std::vector<std::string> args) { return test::trainer_config(images(), 12, std::move(args)); }
 
-using ParamValues = std::map<std::string, std::vector<float>>;
+using test::ParamValues;
+using test::train_params;
 
-// Parameters and f32 buffers after training, read back through the engine (never by host access).
-ParamValues train_params(const train::TrainConfig& c, comm::Communicator& comm) {
-  train::Trainer t(c, comm::Runtime::get(), &comm);
-  EXPECT_EQ(t.run().steps, 12);
-  ParamValues out;
-  for (nn::Parameter* p : t.model().parameters()) {
-    EXPECT_EQ(p->value.device().str(), c.device == "sim" ? "sim:0" : "cpu") << p->name;
-    const Tensor v = to_host(p->value);
-    out[p->name].assign(v.f32(), v.f32() + v.numel());
-  }
-  for (nn::Buffer* b : t.model().buffers())
-    if (b->value.dtype() == DType::F32) {
-      const Tensor v = to_host(b->value);
-      out["buffer:" + b->name].assign(v.f32(), v.f32() + v.numel());
-    }
-  return out;
-}
-
+// The parameters of `got` within `tolerance` of `want`'s.
 void expect_close(const ParamValues& got, const ParamValues& want, double tolerance, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (const auto& [name, w] : want) {
-    const std::vector<float>& g = got.at(name);
-    ASSERT_EQ(g.size(), w.size()) << what << ": " << name;
-    double worst = 0;
-    for (size_t i = 0; i < w.size(); ++i)
-      worst = std::max(worst, std::abs(double(g[i]) - w[i]) / std::max(1.0, std::abs(double(w[i]))));
-    EXPECT_LE(worst, tolerance) << what << ": " << name << " differs by " << worst;
-  }
+  test::expect_params_close(got, want, what, tolerance);
 }
 
 std::vector<std::string> with(std::vector<std::string> run, std::initializer_list<std::string> more) {
@@ -231,14 +198,7 @@ TEST(DeviceCodePath, RunsResumeExactlyFromTheDevice) {
 TEST(DeviceCodePath, LanguageModelLayoutsMatchOneRank) {
   const std::string dir =
       shared_dir("lm", [](const std::string& d) { test::write_lm_corpus(d, "the quick fox", 600); });
-  nn::GptConfig g;
-  g.vocab = 40;
-  g.context = 8;
-  g.layers = 4;
-  g.heads = 4;
-  g.width = 16;
-  g.seed = 9;
-  train::TrainConfig c = test::small_lm_config(std::filesystem::path(dir) / "tok", g);
+  train::TrainConfig c = test::small_lm_config(std::filesystem::path(dir) / "tok", test::small_gpt());
   auto solo = world().split(world().rank(), 0, "solo");
   const train::TrainResult ref = train::train_lm(c, solo.get());
   struct Layout {

@@ -1,6 +1,7 @@
 // Data parallel under a real mpiexec: every layout trains to the same parameters as one rank with
 // the whole batch. The single-rank reference runs on every rank over a communicator of its own.
 #include <gtest/gtest.h>
+#include <hdf5.h>
 #include <mpi.h>
 #include <unistd.h>
 
@@ -12,8 +13,10 @@
 #include "dtrain/comm/communicator.h"
 #include "dtrain/comm/nccl.h"
 #include "dtrain/comm/runtime.h"
+#include "dtrain/data/hdf5_util.h"
 #include "dtrain/parallel/sync_batchnorm.h"
 #include "dtrain/train/trainer.h"
+#include "trainer_params.h"
 
 using namespace dtrain;
 
@@ -33,53 +36,12 @@ const std::string& dataset() {
 }
 
 train::TrainConfig config(std::vector<std::string> args) {
-  std::vector<std::string> all = {"train",      "--data",        dataset(), "--threads", "1",
-                                  "--progress", "off",           "--steps", "20",        "--global-batch-size",
-                                  "16",         "--lr-schedule", "constant"};
-  all.insert(all.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : all) argv.push_back(a.data());
-  train::TrainConfig c;
-  train::parse_train_config(static_cast<int>(argv.size()), argv.data(), c);
-  return c;
+  return test::trainer_config(dataset(), 20, std::move(args));
 }
 
-std::map<std::string, std::vector<float>> train_params(const train::TrainConfig& c, comm::Communicator& comm) {
-  train::Trainer t(c, comm::Runtime::get(), &comm);
-  EXPECT_EQ(t.run().steps, 20);
-  std::map<std::string, std::vector<float>> out;
-  auto host = [](const Tensor& v) {  // a GPU run's tensors are copied back first
-    if (v.device().is_cpu()) return v;
-    Tensor h = Tensor::empty(v.shape(), v.dtype());
-    engine_for(v.device()).copy(v, h);
-    return h;
-  };
-  for (nn::Parameter* p : t.model().parameters()) {
-    Tensor v = host(p->value);
-    out[p->name].assign(v.f32(), v.f32() + v.numel());
-  }
-  for (nn::Buffer* b : t.model().buffers())
-    if (b->value.dtype() == DType::F32) {
-      Tensor v = host(b->value);
-      out["buffer:" + b->name].assign(v.f32(), v.f32() + v.numel());
-    }
-  return out;
-}
-
-using ParamValues = std::map<std::string, std::vector<float>>;
-
-// Every parameter and buffer of `got` within relative 1e-5 of `want`'s.
-void expect_params_close(const ParamValues& got, const ParamValues& want, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (const auto& [name, w] : want) {
-    const std::vector<float>& g = got.at(name);
-    ASSERT_EQ(g.size(), w.size()) << what << ": " << name;
-    double worst = 0;
-    for (size_t i = 0; i < w.size(); ++i)
-      worst = std::max(worst, std::abs(double(g[i]) - w[i]) / std::max(1.0, std::abs(double(w[i]))));
-    EXPECT_LE(worst, 1e-5) << what << ": " << name << " differs by " << worst;
-  }
-}
+using test::expect_params_close;
+using test::ParamValues;
+using test::train_params;
 
 // Parameters of `layout` on all ranks equal the single-rank run of `reference` (relative 1e-5).
 void expect_same_training(const std::vector<std::string>& layout, const std::vector<std::string>& reference) {
@@ -260,6 +222,69 @@ TEST(DataParallel, CompressedRunsResumeExactly) {
     }
     world.barrier();
     if (world.rank() == 0) std::filesystem::remove_all(dir);
+  }
+}
+
+// The compression parts of the newest set are checked before a resume from the folder takes it: a
+// flipped byte in one rank's part, a missing part, or a part of another run with the same step (a
+// second run into another folder) makes every rank skip that set, name it, and resume from the one
+// before, ending bitwise where the uninterrupted run ended.
+TEST(DataParallel, ResumeSkipsASetWithABadCompressionPart) {
+  comm::Communicator& world = comm::Runtime::get().world();
+  if (world.size() == 1) GTEST_SKIP() << "needs several ranks";
+  const std::string dir = dataset() + "-bad-part", other = dataset() + "-other-run";
+  if (world.rank() == 0) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::remove_all(other);
+  }
+  world.barrier();
+  const std::vector<std::string> args = {
+      "--model", "simple_cnn", "--optimizer",   "sgd",       "--momentum",         "0.9",
+      "--lr",    "0.05",       "--compression", "topk:0.05", "--checkpoint-every", "10"};
+  std::vector<std::string> straight = args, elsewhere = args, resumed = args;
+  straight.insert(straight.end(), {"--checkpoint-dir", dir});
+  elsewhere.insert(elsewhere.end(), {"--checkpoint-dir", other});
+  resumed.insert(resumed.end(), {"--resume", dir});
+  const ParamValues want = train_params(config(straight), world);
+  train_params(config(elsewhere), world);
+  const std::string newest = dir + "/ckpt-step000000020.h5", part1 = newest + ".rank1";
+  const std::string saved = dir + "/saved.rank1";
+  if (world.rank() == 0) std::filesystem::copy_file(part1, saved);
+  for (const std::string fault : {"flipped", "missing", "other run"}) {
+    world.barrier();
+    if (world.rank() == 0) {
+      std::filesystem::copy_file(saved, part1, std::filesystem::copy_options::overwrite_existing);
+      if (fault == std::string("missing")) std::filesystem::remove(part1);
+      if (fault == std::string("other run"))
+        std::filesystem::copy_file(other + "/ckpt-step000000020.h5.rank1", part1,
+                                   std::filesystem::copy_options::overwrite_existing);
+      if (fault == std::string("flipped")) {
+        std::streamoff at = 0;  // a byte inside the residual's data, which only the checksum can see
+        {
+          auto lock = data::h5::lock();
+          hid_t file = H5Fopen(part1.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+          hid_t ds = H5Dopen2(file, "compress/bucket0.residual", H5P_DEFAULT);
+          at = static_cast<std::streamoff>(H5Dget_offset(ds) + 40);
+          H5Dclose(ds);
+          H5Fclose(file);
+        }
+        std::fstream f(part1, std::ios::in | std::ios::out | std::ios::binary);
+        char c;
+        f.seekg(at);
+        f.get(c);
+        f.seekp(at);
+        f.put(static_cast<char>(c ^ 0x01));
+      }
+    }
+    world.barrier();
+    SCOPED_TRACE(fault);
+    const ParamValues got = train_params(config(resumed), world);
+    for (const auto& [name, w] : want) EXPECT_EQ(got.at(name), w) << name;
+  }
+  world.barrier();
+  if (world.rank() == 0) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::remove_all(other);
   }
 }
 

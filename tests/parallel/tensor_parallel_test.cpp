@@ -13,13 +13,13 @@
 #include <filesystem>
 #include <fstream>
 
+#include <cstdio>
 #include "../train/lm_test_util.h"
 #include "dtrain/comm/nccl.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/data/text.h"
 #include "dtrain/nn/gpt.h"
 #include "dtrain/optim/optimizer.h"
-#include <cstdio>
 
 #include "dtrain/parallel/data_parallel.h"
 #include "dtrain/parallel/pipeline.h"
@@ -66,16 +66,7 @@ double expect_rel_close(const Tensor& got, const Tensor& want, double tol, const
   return diff / scale;
 }
 
-nn::GptConfig small_gpt() {
-  nn::GptConfig c;
-  c.vocab = 40;
-  c.context = 8;
-  c.layers = 4;
-  c.heads = 4;
-  c.width = 16;
-  c.seed = 9;
-  return c;
-}
+using test::small_gpt;
 
 // Trains `steps` SGD (momentum) steps of the GPT on a fixed sequence of batches, dp x tp x pp
 // over the world (pp > 1: a pipeline of `micro` micro-batches under `schedule`), against the
@@ -90,8 +81,7 @@ nn::GptConfig small_gpt() {
 //   on some processors, whatever the learning rate.
 // (Not Adam: the key bias has an exactly zero gradient, softmax being shift-invariant, and Adam
 // turns its rounding noise into full-size steps that differ between any two summation orders.)
-void compare_grid_with_one_rank(bool sync, int tp, int pp, int steps,
-                                 parallel::PipelineSchedule schedule, int micro) {
+void compare_grid_with_one_rank(bool sync, int tp, int pp, int steps, parallel::PipelineSchedule schedule, int micro) {
   parallel::ProcessGrid grid(world(), tp, pp);
   nn::GptConfig cfg = small_gpt();
   nn::Gpt ref(cfg);
@@ -194,8 +184,8 @@ void compare_grid_with_one_rank(bool sync, int tp, int pp, int steps,
         p->value.copy_from(expected_shard(own[p->name], p->name, ref_params[p->name]->value));
   }
   if (world().rank() == 0 && sync)
-    std::printf("tp %d pp %d: worst relative gradient difference over %d steps at the same parameters: %.2e\n", tp,
-                pp, steps, worst_grad);
+    std::printf("tp %d pp %d: worst relative gradient difference over %d steps at the same parameters: %.2e\n", tp, pp,
+                steps, worst_grad);
   if (world().rank() == 0 && !sync)
     std::printf("tp %d pp %d: worst relative loss difference over %d independent steps: %.2e\n", tp, pp, steps,
                 worst_loss);

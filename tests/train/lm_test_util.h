@@ -6,6 +6,7 @@
 #include <string>
 
 #include "dtrain/data/text.h"
+#include "dtrain/nn/gpt.h"
 #include "dtrain/train/lm_trainer.h"
 
 namespace dtrain::test {
@@ -18,6 +19,18 @@ inline void write_lm_corpus(const std::filesystem::path& dir, const std::string&
     for (int i = 0; i < lines; ++i) out << line << " " << i % 7 << ". ";
   }
   data::convert_text({(dir / "text").string()}, (dir / "tok").string());
+}
+
+// A GPT of 4 blocks of width 16 (4 heads), context 8, for the layout tests.
+inline nn::GptConfig small_gpt() {
+  nn::GptConfig c;
+  c.vocab = 40;
+  c.context = 8;
+  c.layers = 4;
+  c.heads = 4;
+  c.width = 16;
+  c.seed = 9;
+  return c;
 }
 
 inline train::TrainConfig small_lm_config(const std::filesystem::path& tokens, const nn::GptConfig& model) {

@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <hdf5.h>
 
 #include <cstring>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <limits>
 
 #include "dtrain/comm/runtime.h"
+#include "dtrain/data/hdf5_util.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/trainer.h"
 #include "divergence_test_util.h"
@@ -196,6 +198,82 @@ TEST(Trainer, ResumeContinuesExactly) {
   for (auto& [name, t] : straight) {
     const Tensor& u = after[name];
     for (int64_t i = 0; i < t.numel(); ++i) ASSERT_EQ(t.f32()[i], u.f32()[i]) << name << "[" << i << "]";
+  }
+  fs::remove_all(dir);
+}
+
+// Resume from a folder takes the newest set that is complete and verifies: with the newest main file
+// torn (truncated) or with a flipped byte, the run falls back to the set before it, names what it
+// skipped and why, and ends bitwise where the uninterrupted run ended (0 steps lost beyond the
+// interval). A write killed before its rename leaves a .tmp, removed at the next start with a
+// message; a folder with no usable set fails naming every set.
+TEST(Trainer, ResumeFallsBackToTheNewestGoodSet) {
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("fallback");
+  test::make_band_dataset(dir + "/train", 256);
+  std::vector<std::string> base = {"--data",       dir + "/train", "--model",   "mlp",     "--hidden",
+                                   "32",           "--epochs",     "2",         "--steps", "24",
+                                   "--batch-size", "16",           "--threads", "1",       "--progress",
+                                   "off",          "--optimizer",  "adamw",     "--lr",    "0.01"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return parse(a);
+  };
+  std::map<std::string, Tensor> straight;
+  {
+    train::Trainer t(with({"--checkpoint-dir", dir + "/a", "--checkpoint-every", "8", "--keep-checkpoints", "3"}), rt);
+    EXPECT_EQ(t.run().steps, 24);
+    straight = params_of(t.model());
+  }
+  const std::string newest = dir + "/a/ckpt-step000000024.h5", before = dir + "/a/ckpt-step000000016.h5";
+  ASSERT_TRUE(fs::exists(newest) && fs::exists(before));
+  const std::string kept = dir + "/kept.h5";
+  fs::copy_file(newest, kept);
+  auto expect_resumes_at_16 = [&](const std::string& fault) {
+    train::Trainer resumed(with({"--resume", dir + "/a"}), rt);
+    EXPECT_EQ(resumed.run().steps, 24) << fault;
+    for (auto& [name, t] : params_of(resumed.model()))
+      EXPECT_EQ(std::memcmp(t.raw(), straight.at(name).raw(), t.nbytes()), 0) << fault << ": " << name;
+  };
+  fs::resize_file(newest, fs::file_size(newest) / 2);  // torn
+  expect_resumes_at_16("a truncated newest main file");
+  fs::copy_file(kept, newest, fs::copy_options::overwrite_existing);
+  {
+    // A byte inside the data of a parameter (where HDF5 put it), which only the checksum can see.
+    auto lock = data::h5::lock();
+    hid_t file = H5Fopen(newest.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    hid_t ds = H5Dopen2(file, "param/1.weight", H5P_DEFAULT);
+    const auto at = static_cast<std::streamoff>(H5Dget_offset(ds) + 10);
+    H5Dclose(ds);
+    H5Fclose(file);
+    ASSERT_GT(at, 10);
+    std::fstream f(newest, std::ios::in | std::ios::out | std::ios::binary);
+    char c;
+    f.seekg(at);
+    f.get(c);
+    f.seekp(at);
+    f.put(static_cast<char>(c ^ 0x10));
+  }
+  expect_resumes_at_16("a flipped byte in the newest main file");
+  // A killed write's temporary file: removed, with a message, at the start of the next run there.
+  fs::copy_file(kept, dir + "/a/ckpt-step000000032.h5.tmp");
+  {
+    train::Trainer again(with({"--checkpoint-dir", dir + "/a", "--resume", before, "--checkpoint-every", "100"}), rt);
+    again.run();
+  }
+  EXPECT_FALSE(fs::exists(dir + "/a/ckpt-step000000032.h5.tmp"));
+  // Nothing usable: every set is named with its reason.
+  for (const auto& e : fs::directory_iterator(dir + "/a"))
+    if (e.path().extension() == ".h5") fs::resize_file(e.path(), 100);
+  try {
+    train::Trainer(with({"--resume", dir + "/a"}), rt).run();
+    ADD_FAILURE() << "resumed from a folder of torn checkpoints";
+  } catch (const InputError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("no checkpoint set there is complete and verifies"), std::string::npos) << what;
+    EXPECT_NE(what.find("ckpt-step000000024.h5"), std::string::npos) << what;
+    EXPECT_NE(what.find("ckpt-step000000016.h5"), std::string::npos) << what;
   }
   fs::remove_all(dir);
 }

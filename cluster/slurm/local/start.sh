@@ -23,8 +23,15 @@ if [[ -f "$dir/env.sh" ]] && [[ -f "$dir/slurmctld.pid" ]] && kill -0 "$(cat "$d
   say "already running in $dir"; exit 0
 fi
 
-rm -rf "$dir"
+# The folder is emptied only when this script made it (its marker file is there): a DIR the user
+# named that holds anything else is refused, never removed.
+marker=.dtrain-slurm-local
+if [[ -d "$dir" && -n "$(ls -A "$dir")" && ! -f "$dir/$marker" ]]; then
+  say "$dir holds files this script did not make (no $marker): give an empty or new folder"; exit 1
+fi
+[[ -f "$dir/$marker" ]] && rm -rf "$dir"
 mkdir -p "$dir"
+touch "$dir/$marker"
 source "$(dirname "$0")/lib.sh"
 node=$(hostname -s)
 slurm_local_write_conf "$dir" "$port" "$node(127.0.0.1)" "$dir/slurmd.pid" "$node:127.0.0.1"

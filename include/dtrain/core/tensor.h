@@ -5,7 +5,6 @@
 #include <functional>
 #include <initializer_list>
 #include <memory>
-#include <source_location>
 #include <string>
 #include <vector>
 
@@ -65,18 +64,19 @@ class Tensor {
   Device device() const { return storage_ ? storage_->device() : Device::cpu(); }
 
   // Host access to the elements. A device's tensor (a GPU's, or the simulated device's) throws an
-  // Error naming the caller's file and line: host code reaches device memory only through the
-  // engine (copy_any, to_host), so a CPU test on the simulated device catches what would read a
-  // GPU pointer on the host.
-  void* raw(std::source_location at = std::source_location::current()) const {
-    if (!host_readable()) host_access_error(at);
+  // Error naming the caller's file and line (the compilers' __builtin_FILE/LINE as default
+  // arguments: clang 14, the sanitizer builds' compiler, has no std::source_location): host code
+  // reaches device memory only through the engine (copy_any, to_host), so a CPU test on the
+  // simulated device catches what would read a GPU pointer on the host.
+  void* raw(const char* file = __builtin_FILE(), int line = __builtin_LINE()) const {
+    if (!host_readable()) host_access_error(file, line);
     return device_raw();
   }
   template <typename T>
-  T* data(std::source_location at = std::source_location::current()) const {
-    return static_cast<T*>(raw(at));
+  T* data(const char* file = __builtin_FILE(), int line = __builtin_LINE()) const {
+    return static_cast<T*>(raw(file, line));
   }
-  float* f32(std::source_location at = std::source_location::current()) const;  // checks dtype F32
+  float* f32(const char* file = __builtin_FILE(), int line = __builtin_LINE()) const;  // checks dtype F32
   // The address in the tensor's own memory (a device pointer for a GPU's tensor), unchecked: for
   // the engines and communication backends, which know where the memory lives.
   void* device_raw() const { return static_cast<char*>(storage_->data()) + offset_; }
@@ -106,7 +106,7 @@ class Tensor {
   std::string str() const;  // "f32[64, 1, 28, 28] on cpu"
 
  private:
-  [[noreturn]] void host_access_error(const std::source_location& at) const;
+  [[noreturn]] void host_access_error(const char* file, int line) const;
   std::shared_ptr<Storage> storage_;
   size_t offset_ = 0;
   Shape shape_;

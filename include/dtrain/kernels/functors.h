@@ -3,6 +3,7 @@
 // with OpenMP and the CUDA engine launches them in kernels, so CPU tests cover the GPU's arithmetic.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "dtrain/core/dtype.h"
 
@@ -87,6 +88,19 @@ DT_HD inline uint8_t sign_byte(const float* x, int64_t n, int64_t j) {
   for (int b = 0; b < 8 && 8 * j + b < n; ++b)
     if (x[8 * j + b] >= 0.f) byte = static_cast<uint8_t>(byte | (1u << b));
   return byte;
+}
+// The f32 at the head of a payload, which may lie at any byte address: rank r's payload starts r
+// payloads into the gathered buffer, and a payload's size is rarely a multiple of 4.
+DT_HD inline float payload_head(const uint8_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
+                        static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+#endif
 }
 // QSGD's level of x for a vector of norm `norm` (> 0), s levels, u uniform in [0, 1).
 DT_HD inline int8_t qsgd_level(float x, float norm, int levels, float u) {

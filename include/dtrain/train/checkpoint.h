@@ -1,6 +1,8 @@
 #pragma once
-// Checkpoints: one HDF5 file, data only. Written to "<name>.tmp" and renamed, so a crash never
-// leaves a broken file under the final name; a CRC-32 over every tensor is checked on load.
+// Checkpoints: one HDF5 file, data only. Written to "<name>.tmp", synced to the disk, renamed, and
+// the folder synced, so neither a crash nor a power loss leaves a broken file under the final name
+// or loses the rename; every HDF5 write and close is checked. A CRC-32 over every tensor and one
+// over the attributes (step, rank, run id, layout) are checked on load.
 #include <cstdint>
 #include <map>
 #include <string>
@@ -36,6 +38,12 @@ CheckpointState load_checkpoint_set(const std::string& main_file);
 // A file is returned as is; for a directory, its newest "ckpt-*.h5". Throws InputError naming
 // `option` (the option that gave the path: "resume", "checkpoint") when there is none.
 std::string resolve_checkpoint(const std::string& file_or_dir, const std::string& option = "resume");
+// The same, every candidate: a file alone, or a directory's main files newest first (a resume takes
+// the newest that loads and verifies).
+std::vector<std::string> checkpoint_candidates(const std::string& file_or_dir, const std::string& option = "resume");
+// Removes the "ckpt-step*.tmp" files a killed write left in `dir` (none is ever renamed into place
+// once its writer is gone); returns their names. Call before any rank writes into `dir`.
+std::vector<std::string> remove_unfinished_writes(const std::string& dir);
 
 // The checkpoint file set, the same for every model. A checkpoint of step N is
 // <dir>/ckpt-step<N, 9 digits>.h5 (the main file); beside it may stand parts that belong to it:
@@ -56,15 +64,15 @@ void prune_checkpoints(const std::string& dir, const std::string& just_written, 
 // to rank_part_file(main_file, rank) before the main file is written, inside an agreement (a part
 // one rank cannot write fails every rank). Returns whether parts were written (the main file
 // records that as "compression_ranks"); nothing without `dp` or without state. Collective.
-bool write_compression_parts(const std::string& main_file, const parallel::DataParallel* dp,
-                             comm::Communicator* world, int64_t step, const std::string& compression);
+// Each part carries `run_id` (the main file's too), so a part of another run is never merged.
+bool write_compression_parts(const std::string& main_file, const parallel::DataParallel* dp, comm::Communicator* world,
+                             int64_t step, const std::string& compression, int64_t run_id = 0);
 // On resume: this rank's part goes back into `dp` when the checkpoint `main` (read from main_file)
 // holds parts of `world` ranks of the same --compression and `same_layout`; otherwise error feedback
 // restarts from zero and the returned line says so ("" when loaded or when there is nothing to
 // say). Every rank checks every part, so a missing part fails all ranks alike (InputError).
-std::string load_compression_part(const CheckpointState& main, const std::string& main_file,
-                                  parallel::DataParallel* dp, int rank, int world, const std::string& compression,
-                                  bool same_layout);
+std::string load_compression_part(const CheckpointState& main, const std::string& main_file, parallel::DataParallel* dp,
+                                  int rank, int world, const std::string& compression, bool same_layout);
 
 // The finite checks before anything is kept: a non-finite training loss (checked where the
 // trainers read their losses) or non-finite weights (checked before every checkpoint) throw a

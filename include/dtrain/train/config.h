@@ -68,6 +68,7 @@ struct TrainConfig {
   int64_t checkpoint_every = 0;  // steps; 0: at the end of each epoch only
   bool checkpoint_async = true;  // snapshot, then write in a background thread (one pipeline stage)
   int keep_checkpoints = 2;
+  double checkpoint_timeout = 3600;  // s the ranks wait for a checkpoint's writers (0: no limit)
   std::string resume;
   // Preemption: these signals make every rank stop at a common step boundary, checkpoint and exit
   // with kPreemptedExitCode (42); ranks agree by an allreduce every `preempt_check_every` steps.

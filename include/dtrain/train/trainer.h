@@ -117,6 +117,20 @@ class Trainer {
   // Waits for the background write and makes the ranks agree on its outcome (collective).
   void finish_pending_checkpoint();
   ResumePoint restore(const std::string& where);
+  CheckpointState load_verified_set(const std::string& main_file);  // collective
+  void say_if_slow(const std::string& file, double seconds);        // a checkpoint write near the timeout
+  // The world's waits under --checkpoint-timeout for a scope (the writers write meanwhile).
+  class CheckpointWaits {
+   public:
+    CheckpointWaits(comm::Communicator& world, double timeout_s);
+    ~CheckpointWaits();
+    CheckpointWaits(const CheckpointWaits&) = delete;
+    CheckpointWaits& operator=(const CheckpointWaits&) = delete;
+
+   private:
+    comm::Communicator& world_;
+    double before_;
+  };
 
   TrainConfig cfg_;
   comm::Runtime& rt_;
@@ -125,6 +139,7 @@ class Trainer {
   std::unique_ptr<Task> task_;
   std::unique_ptr<parallel::ProcessGrid> grid_;
   int rank_ = 0;
+  int64_t run_id_ = 0;  // drawn by rank 0 at start: every file of this run's checkpoint sets carries it
   int64_t batch_ = 0;
   int parts_ = 1;                             // micro-batches of a step: --accumulate, or the pipeline's
   Device device_ = Device::cpu();             // where the model trains (--device)
