@@ -24,9 +24,9 @@ if [[ ${DTRAIN_DEPS:-all} != run ]]; then
     libgtest-dev libbenchmark-dev
     clang libclang-rt-14-dev libomp-dev  # the fuzz targets (scripts/fuzz.sh): libFuzzer, ASan/UBSan, OpenMP for clang
     fortunes  # English text for the GPT example (examples/gpt_fortunes.ini)
+    iproute2  # the emulated nodes of the multinode tests (cluster/emulate: ip netns, tc)
   )
 fi
-)
 # The side-by-side peer benchmarks need PyTorch; the tests do not.
 if [[ "${DTRAIN_WITH_PEERS:-0}" == "1" ]]; then
   PACKAGES+=(python3-torch python3-torchvision python3-h5py python3-numpy time)

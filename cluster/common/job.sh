@@ -6,8 +6,8 @@
 #   DTRAIN_HOME        the dtrain source tree (default: the folder above cluster/)
 #   DTRAIN_BIN         the dtrain executable (default: dtrain on PATH, else $DTRAIN_HOME/build/dtrain)
 #   DTRAIN_RUN_DIR     where this job writes checkpoints and metrics (default: set by each script)
-#   DTRAIN_CKPT_DIR    checkpoints (default: $DTRAIN_RUN_DIR/ckpt); a job restarted with the same
-#                      folder resumes from its newest checkpoint
+#   DTRAIN_CKPT_DIR    checkpoints (default: $DTRAIN_RUN_DIR/ckpt, or the user's --checkpoint-dir);
+#                      a requeued job resumes from its own newest checkpoint, wherever they go
 #   DTRAIN_METRICS     JSON-lines metrics (default: $DTRAIN_RUN_DIR/metrics.jsonl)
 #   DTRAIN_ARGS        extra `dtrain train` options, split on spaces (script arguments are added too)
 #   DTRAIN_PREEMPTED_EXIT  the exit status dtrain uses after a preemption checkpoint (default 42)
@@ -44,8 +44,30 @@ dtrain_find_bin() {
   fi
 }
 
+# dtrain_option NAME ARGS...: the value `dtrain train ARGS` takes for option NAME, from the effective
+# configuration (--print-config: the command line over the INI file), else from the words of ARGS
+# ("--NAME VALUE" or "--NAME=VALUE"); empty when unset.
+dtrain_option() {
+  local name=$1
+  shift
+  local v
+  v=$("$DTRAIN_BIN" train "$@" --print-config 2>/dev/null | sed -n "s/^$name *= *//p" | head -1)
+  if [[ -z $v ]]; then
+    local args=("$@") i
+    for ((i = 0; i < ${#args[@]}; ++i)); do
+      [[ ${args[i]} == "--$name" ]] && v=${args[i + 1]:-}
+      [[ ${args[i]} == "--$name="* ]] && v=${args[i]#--$name=}
+    done
+  fi
+  echo "$v"
+}
+
 # dtrain_train_args ARGS...: fills the array DTRAIN_TRAIN_ARGS with `train`, the user's options,
 # and --checkpoint-dir / --metrics / --resume (and --sweep-dir for trainer groups) unless the user gave them.
+# A requeued or rerun job (the same SLURM/PBS job id started again: a marker in its checkpoint folder
+# says so) resumes from the newest complete set this job wrote, wherever its checkpoints go (the
+# script's folder, the user's --checkpoint-dir or the INI's); the user's --resume is for its first
+# start only.
 dtrain_train_args() {
   local user=("$@")
   if [[ -n "${DTRAIN_ARGS:-}" ]]; then
@@ -55,21 +77,47 @@ dtrain_train_args() {
   fi
   DTRAIN_CKPT_DIR=${DTRAIN_CKPT_DIR:-$DTRAIN_RUN_DIR/ckpt}
   DTRAIN_METRICS=${DTRAIN_METRICS:-$DTRAIN_RUN_DIR/metrics.jsonl}
-  DTRAIN_TRAIN_ARGS=(train "${user[@]}")
-  local joined=" ${user[*]} "
-  if [[ "$joined" != *" --checkpoint-dir"* ]]; then
-    mkdir -p "$DTRAIN_CKPT_DIR"
-    DTRAIN_TRAIN_ARGS+=(--checkpoint-dir "$DTRAIN_CKPT_DIR")
+  local joined=" ${user[*]} " ckpt
+  ckpt=$(dtrain_option checkpoint-dir "${user[@]}")
+  local own_ckpt=0
+  if [[ -z $ckpt ]]; then
+    ckpt=$DTRAIN_CKPT_DIR own_ckpt=1
   fi
+  mkdir -p "$ckpt"
+  local job=${SLURM_JOB_ID:-${PBS_JOBID:-}} restart=0
+  if [[ -n $job ]]; then
+    local marker="$ckpt/.dtrain-job-${job//[^A-Za-z0-9_.-]/_}"
+    [[ -e $marker ]] && restart=1
+    touch "$marker"
+  fi
+  # A restart of a job that wrote checkpoints takes them; one that wrote none starts as the first did.
+  compgen -G "$ckpt/ckpt-step*.h5" >/dev/null || restart=0
+  if ((restart)); then  # the user's --resume is dropped: this job's own sets come first now
+    local kept=() i
+    for ((i = 0; i < ${#user[@]}; ++i)); do
+      if [[ ${user[i]} == --resume ]]; then ((++i)); continue; fi
+      [[ ${user[i]} == --resume=* ]] && continue
+      kept+=("${user[i]}")
+    done
+    user=("${kept[@]}")
+    joined=" ${user[*]} "
+  fi
+  DTRAIN_TRAIN_ARGS=(train "${user[@]}")
+  ((own_ckpt)) && DTRAIN_TRAIN_ARGS+=(--checkpoint-dir "$ckpt")
   [[ "$joined" == *" --metrics"* ]] || DTRAIN_TRAIN_ARGS+=(--metrics "$DTRAIN_METRICS")
   # Trainer groups keep each trainer's folder (and the resume of a requeued sweep) in the run folder.
   if [[ "$joined" == *" --trainers"* || "$joined" == *" --sweep"* ]] && [[ "$joined" != *" --sweep-dir"* ]]; then
     DTRAIN_TRAIN_ARGS+=(--sweep-dir "$DTRAIN_RUN_DIR/sweep")
   fi
-  if [[ "$joined" != *" --resume"* ]] && compgen -G "$DTRAIN_CKPT_DIR/ckpt-step*.h5" >/dev/null; then
-    dtrain_log "resuming from the newest checkpoint in $DTRAIN_CKPT_DIR"
-    DTRAIN_TRAIN_ARGS+=(--resume "$DTRAIN_CKPT_DIR")
+  if compgen -G "$ckpt/ckpt-step*.h5" >/dev/null && { ((restart)) || { ((own_ckpt)) && [[ "$joined" != *" --resume"* ]]; }; }; then
+    if ((restart)); then
+      dtrain_log "restart of job $job: resuming from its newest checkpoint in $ckpt"
+    else
+      dtrain_log "resuming from the newest checkpoint in $ckpt"
+    fi
+    DTRAIN_TRAIN_ARGS+=(--resume "$ckpt")
   fi
+  DTRAIN_CKPT_DIR=$ckpt
 }
 
 # dtrain_run_forwarding CMD...: runs CMD in the background; SIGTERM, SIGUSR1 or SIGINT reaching this
