@@ -182,7 +182,19 @@ class HostStagedWork final : public Work {
   std::shared_ptr<Work> inner_;
   CopyBack back_;
 };
+
+// What a staged call copies back: `host` into `device`, unless they are the one tensor (an output
+// already on the host beside a staged input).
+HostStagedWork::CopyBack results_back(const Tensor& host, const Tensor& device) {
+  if (host.storage_id() == device.storage_id()) return {};
+  return {{host, device}};
+}
 }  // namespace
+
+// A tensor the host call can take: `t` itself on the host, else its staged host copy.
+Tensor Communicator::host_side(const Tensor& t, bool with_contents) const {
+  return stages(t.device()) ? host_stage(t, with_contents) : t;
+}
 
 std::shared_ptr<Work> Communicator::allreduce(Tensor& t, ReduceOp op) {
   check_buffer(t, "t", "allreduce");
@@ -212,8 +224,9 @@ std::shared_ptr<Work> Communicator::allgather(const Tensor& in, Tensor& out) {
   DT_CHECK(out.numel() == in.numel() * size_, "allgather: out " << out.str() << " must hold size() * in.numel() = "
                                                                 << size_ << " * " << in.numel() << " elements");
   if (stages(in.device()) || stages(out.device())) {
-    Tensor hin = stages(in.device()) ? host_stage(in, true) : in, hout = host_stage(out, false);
-    return std::make_shared<HostStagedWork>(allgather(hin, hout), HostStagedWork::CopyBack{{hout, out}});
+    const Tensor hin = host_side(in, true);
+    Tensor hout = host_side(out, false);
+    return std::make_shared<HostStagedWork>(allgather(hin, hout), results_back(hout, out));
   }
   return issue({detail::CollectiveKind::Allgather, in.dtype(), in.numel(), 0}, [&] { return do_allgather(in, out); });
 }
@@ -226,8 +239,9 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const Tensor& in, Tensor& out
   DT_CHECK(in.numel() == out.numel() * size_, "reduce_scatter: in " << in.str() << " must hold size() * out.numel() = "
                                                                     << size_ << " * " << out.numel() << " elements");
   if (stages(in.device()) || stages(out.device())) {
-    Tensor hin = stages(in.device()) ? host_stage(in, true) : in, hout = host_stage(out, false);
-    return std::make_shared<HostStagedWork>(reduce_scatter(hin, hout, op), HostStagedWork::CopyBack{{hout, out}});
+    const Tensor hin = host_side(in, true);
+    Tensor hout = host_side(out, false);
+    return std::make_shared<HostStagedWork>(reduce_scatter(hin, hout, op), results_back(hout, out));
   }
   return issue({detail::CollectiveKind::ReduceScatter, in.dtype(), in.numel(), static_cast<int32_t>(op)},
                [&] { return do_reduce_scatter(in, out, op); });
@@ -247,9 +261,9 @@ std::shared_ptr<Work> Communicator::alltoallv(const Tensor& in, const std::vecto
   DT_CHECK(total(send_counts) <= in.numel() && total(recv_counts) <= out.numel(),
            "alltoallv: in " << in.str() << " or out " << out.str() << " is smaller than its counts");
   if (stages(in.device()) || stages(out.device())) {
-    Tensor hin = stages(in.device()) ? host_stage(in, true) : in, hout = host_stage(out, false);
-    return std::make_shared<HostStagedWork>(alltoallv(hin, send_counts, hout, recv_counts),
-                                            HostStagedWork::CopyBack{{hout, out}});
+    const Tensor hin = host_side(in, true);
+    Tensor hout = host_side(out, false);
+    return std::make_shared<HostStagedWork>(alltoallv(hin, send_counts, hout, recv_counts), results_back(hout, out));
   }
   return issue({detail::CollectiveKind::Alltoall, in.dtype(), 0, 0},
                [&] { return do_alltoallv(in, send_counts, out, recv_counts); });

@@ -34,24 +34,32 @@ class AllreduceHook final : public GradHook {
   int64_t sent_ = 0;
 };
 
-// One compressor over every data-parallel rank; the compressor owns the per-bucket state.
-class CompressHook final : public GradHook {
+// What a hook with a compressor says of itself: the compressor's warm-up, tensor buckets and state.
+class CompressorHook : public GradHook {
  public:
-  CompressHook(std::unique_ptr<comm::Compressor> c, comm::Communicator& dp) : compressor_(std::move(c)), dp_(dp) {}
-  std::string name() const override { return compressor_->name(); }
-  std::shared_ptr<comm::Work> run(Tensor& bucket, int index, int64_t rows) override {
-    return compressor_->reduce(bucket, dp_, comm::ReduceOp::Avg, index, rows);
-  }
+  explicit CompressorHook(std::unique_ptr<comm::Compressor> c) : compressor_(std::move(c)) {}
   void on_step(int64_t step, int64_t warmup_steps) override { compressor_->on_step(step, warmup_steps); }
   bool per_tensor() const override { return compressor_->per_tensor(); }
   bool compresses() const override { return true; }
   std::map<std::string, Tensor> state() const override { return compressor_->state_tensors(); }
   void load_state(const std::map<std::string, Tensor>& state) override { compressor_->load_state_tensors(state); }
+
+ protected:
+  std::unique_ptr<comm::Compressor> compressor_;
+};
+
+// One compressor over every data-parallel rank; the compressor owns the per-bucket state.
+class CompressHook final : public CompressorHook {
+ public:
+  CompressHook(std::unique_ptr<comm::Compressor> c, comm::Communicator& dp) : CompressorHook(std::move(c)), dp_(dp) {}
+  std::string name() const override { return compressor_->name(); }
+  std::shared_ptr<comm::Work> run(Tensor& bucket, int index, int64_t rows) override {
+    return compressor_->reduce(bucket, dp_, comm::ReduceOp::Avg, index, rows);
+  }
   void set_momentum_correction(float m) override { compressor_->set_momentum_correction(m); }
   int64_t bytes_sent() const override { return compressor_->stats().bytes_sent; }
 
  private:
-  std::unique_ptr<comm::Compressor> compressor_;
   comm::Communicator& dp_;
 };
 
@@ -59,10 +67,10 @@ class CompressHook final : public GradHook {
 // grad-ready hook, overlapping backward); finish_step() then sends each bucket through the
 // compressor between the ranks of this local rank on every node. Every local rank holds its node's
 // average, so all of them exchange the same compressed messages in parallel.
-class InterNodeHook final : public GradHook {
+class InterNodeHook final : public CompressorHook {
  public:
   InterNodeHook(std::unique_ptr<comm::Compressor> c, comm::NodeSplit split)
-      : compressor_(std::move(c)), node_(std::move(split.node)), cross_(std::move(split.cross)) {}
+      : CompressorHook(std::move(c)), node_(std::move(split.node)), cross_(std::move(split.cross)) {}
   std::string name() const override { return compressor_->name() + " between nodes"; }
   std::shared_ptr<comm::Work> run(Tensor& bucket, int index, int64_t rows) override {
     pending_.push_back({bucket, index, rows});
@@ -76,11 +84,6 @@ class InterNodeHook final : public GradHook {
     for (auto& w : works) w->wait();
     pending_.clear();
   }
-  void on_step(int64_t step, int64_t warmup_steps) override { compressor_->on_step(step, warmup_steps); }
-  bool per_tensor() const override { return compressor_->per_tensor(); }
-  bool compresses() const override { return true; }
-  std::map<std::string, Tensor> state() const override { return compressor_->state_tensors(); }
-  void load_state(const std::map<std::string, Tensor>& state) override { compressor_->load_state_tensors(state); }
   int64_t bytes_sent() const override { return node_sent_ + compressor_->stats().bytes_sent; }
 
  private:
@@ -89,7 +92,6 @@ class InterNodeHook final : public GradHook {
     int index;
     int64_t rows;
   };
-  std::unique_ptr<comm::Compressor> compressor_;
   std::unique_ptr<comm::Communicator> node_, cross_;
   std::vector<Pending> pending_;
   int64_t node_sent_ = 0;

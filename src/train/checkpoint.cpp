@@ -383,18 +383,28 @@ bool write_compression_parts(const std::string& main_file, const parallel::DataP
   return !state.empty();
 }
 
-std::string load_compression_part(const CheckpointState& main, const std::string& main_file, parallel::DataParallel* dp,
-                                  int rank, int world, const std::string& compression, bool same_layout) {
+bool uses_compression_parts(const CheckpointState& main, const parallel::DataParallel* dp, int world,
+                            const std::string& compression, bool same_layout, std::string* why_not) {
   const auto ranks = main.ints.find("compression_ranks");
   const auto kept = main.strings.find("compression");
-  if (ranks == main.ints.end() || ranks->second == 0) return "";
-  if (!dp || !dp->compresses())
-    return "resume: the checkpoint kept gradient compression state (--compression " +
-           (kept == main.strings.end() ? std::string("?") : kept->second) +
-           "); this run does not compress, so it is not used";
-  if (ranks->second != world || kept == main.strings.end() || kept->second != compression || !same_layout)
-    return "resume: --compression, the rank count or the layout changed since the checkpoint; error feedback "
-           "restarts from zero";
+  std::string why;
+  if (ranks == main.ints.end() || ranks->second == 0)
+    why = "";
+  else if (!dp || !dp->compresses())
+    why = "resume: the checkpoint kept gradient compression state (--compression " +
+          (kept == main.strings.end() ? std::string("?") : kept->second) +
+          "); this run does not compress, so it is not used";
+  else if (ranks->second != world || kept == main.strings.end() || kept->second != compression || !same_layout)
+    why =
+        "resume: --compression, the rank count or the layout changed since the checkpoint; error feedback "
+        "restarts from zero";
+  else
+    return true;
+  if (why_not) *why_not = why;
+  return false;
+}
+
+CheckpointState load_rank_part(const CheckpointState& main, const std::string& main_file, int rank, int world) {
   for (int r = 0; r < world; ++r) {
     const std::string part = rank_part_file(main_file, r);
     DT_INPUT_CHECK(fs::exists(part), "checkpoint '" << main_file << "' keeps rank " << r
@@ -413,14 +423,25 @@ std::string load_compression_part(const CheckpointState& main, const std::string
   const auto run = main.ints.find("run_id");
   DT_INPUT_CHECK(cs.ints["run_id"] == (run == main.ints.end() ? 0 : run->second),
                  "'" << part << "' was written by another run than " << main_file << " (run ids differ)");
+  return cs;
+}
+
+void put_compression_part(const CheckpointState& part, const std::string& part_file, parallel::DataParallel* dp) {
   std::map<std::string, Tensor> state;
-  for (auto& [key, t] : cs.tensors)
+  for (const auto& [key, t] : part.tensors)
     if (key.rfind("compress/", 0) == 0) state[key.substr(9)] = t;
   try {
     dp->load_compression_state(state);
   } catch (const InputError& e) {
-    DT_INPUT_CHECK(false, "'" << part << "': " << e.what());
+    DT_INPUT_CHECK(false, "'" << part_file << "': " << e.what());
   }
+}
+
+std::string load_compression_part(const CheckpointState& main, const std::string& main_file, parallel::DataParallel* dp,
+                                  int rank, int world, const std::string& compression, bool same_layout) {
+  std::string why_not;
+  if (!uses_compression_parts(main, dp, world, compression, same_layout, &why_not)) return why_not;
+  put_compression_part(load_rank_part(main, main_file, rank, world), rank_part_file(main_file, rank), dp);
   return "";
 }
 

@@ -1,6 +1,5 @@
 // The one loop's checkpoints: the parameters, buffers and optimizer state of any dp x tp x pp
 // layout gathered into the one-rank layout and written as one set of files; restored into any.
-#include <filesystem>
 #include <map>
 #include <string>
 #include <utility>
@@ -12,8 +11,6 @@
 #include "dtrain/train/trainer.h"
 
 namespace dtrain::train {
-
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -217,22 +214,21 @@ void Trainer::finish_pending_checkpoint() {
   say_if_slow(p->file, p->write_s);
 }
 
-// The set of `file` read whole and checked: the main file, every stage's part and (where this run
-// will use them) every rank's compression part present, of the same step and run, each passing its
-// checksums. Collective: the ranks agree, so all take the same set.
-CheckpointState Trainer::load_verified_set(const std::string& file) {
+// Whether the checkpoint `s` was written in this run's tp x pp layout (its compression parts fit).
+bool Trainer::same_layout(CheckpointState& s) const {
+  return s.ints["tp"] == cfg_.tp && s.ints["pp_stages"] == cfg_.pp;
+}
+
+// The set of `file` read whole and checked: the main file, every stage's part and, where this run
+// takes them, every rank's compression part present and this rank's (kept in `part`) of the same step
+// and run, each passing its checksums. Collective: the ranks agree, so all take the same set.
+CheckpointState Trainer::load_verified_set(const std::string& file, CheckpointState& part) {
   CheckpointState s;
   comm::agree_on_inputs(world_, [&] {
     s = load_checkpoint_set(file);
-    const auto ranks = s.ints.find("compression_ranks");
-    if (ranks == s.ints.end() || ranks->second != world_.size() || s.strings["compression"] != cfg_.compression) return;
-    for (int r = 0; r < world_.size(); ++r)
-      DT_INPUT_CHECK(fs::exists(rank_part_file(file, r)),
-                     "rank " << r << "'s compression part " << rank_part_file(file, r) << " is missing");
-    const CheckpointState mine = load_checkpoint(rank_part_file(file, rank_));  // its checksums
-    DT_INPUT_CHECK(mine.ints.count("step") && mine.ints.at("step") == s.ints["step"] &&
-                       (mine.ints.count("run_id") ? mine.ints.at("run_id") : 0) == s.ints["run_id"],
-                   rank_part_file(file, rank_) << " is not of this set (another step or run)");
+    part = uses_compression_parts(s, dp_.get(), world_.size(), cfg_.compression, same_layout(s), nullptr)
+               ? load_rank_part(s, file, rank_, world_.size())
+               : CheckpointState{};
   });
   return s;
 }
@@ -241,11 +237,11 @@ CheckpointState Trainer::load_verified_set(const std::string& file) {
 // folder it takes the newest set that is complete and verifies, naming each newer one it skipped.
 ResumePoint Trainer::restore(const std::string& where) {
   std::string file;
-  CheckpointState s;
+  CheckpointState s, part;  // part: this rank's compression part, where the run takes them
   std::vector<std::string> skipped;
   for (const std::string& candidate : checkpoint_candidates(where)) {
     try {
-      s = load_verified_set(candidate);
+      s = load_verified_set(candidate, part);
       file = candidate;
       break;
     } catch (const InputError& e) {
@@ -291,8 +287,8 @@ ResumePoint Trainer::restore(const std::string& where) {
     DT_INPUT_CHECK(s.ints.count("step"), "it has no step attribute");
     step_ = s.ints["step"];
     opt_->set_steps(s.ints.count("optimizer_steps") ? s.ints["optimizer_steps"] : step_);
-    const bool same_layout = s.ints["tp"] == cfg_.tp && s.ints["pp_stages"] == cfg_.pp;
-    compression_note = load_compression_part(s, file, dp_.get(), rank_, world_.size(), cfg_.compression, same_layout);
+    if (uses_compression_parts(s, dp_.get(), world_.size(), cfg_.compression, same_layout(s), &compression_note))
+      put_compression_part(part, rank_part_file(file, rank_), dp_.get());
     at = task_->resume_point(s, step_);
     changed = resume_changes(s.strings["provenance"], config_ini(cfg_));
   } catch (const InputError& e) {

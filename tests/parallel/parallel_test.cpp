@@ -1,7 +1,6 @@
 // Data parallel under a real mpiexec: every layout trains to the same parameters as one rank with
 // the whole batch. The single-rank reference runs on every rank over a communicator of its own.
 #include <gtest/gtest.h>
-#include <hdf5.h>
 #include <mpi.h>
 #include <unistd.h>
 
@@ -13,7 +12,6 @@
 #include "dtrain/comm/communicator.h"
 #include "dtrain/comm/nccl.h"
 #include "dtrain/comm/runtime.h"
-#include "dtrain/data/hdf5_util.h"
 #include "dtrain/parallel/sync_batchnorm.h"
 #include "dtrain/train/trainer.h"
 #include "trainer_params.h"
@@ -258,22 +256,8 @@ TEST(DataParallel, ResumeSkipsASetWithABadCompressionPart) {
       if (fault == std::string("other run"))
         std::filesystem::copy_file(other + "/ckpt-step000000020.h5.rank1", part1,
                                    std::filesystem::copy_options::overwrite_existing);
-      if (fault == std::string("flipped")) {
-        std::streamoff at = 0;  // a byte inside the residual's data, which only the checksum can see
-        {
-          auto lock = data::h5::lock();
-          hid_t file = H5Fopen(part1.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
-          hid_t ds = H5Dopen2(file, "compress/bucket0.residual", H5P_DEFAULT);
-          at = static_cast<std::streamoff>(H5Dget_offset(ds) + 40);
-          H5Dclose(ds);
-          H5Fclose(file);
-        }
-        std::fstream f(part1, std::ios::in | std::ios::out | std::ios::binary);
-        char c;
-        f.seekg(at);
-        f.get(c);
-        f.seekp(at);
-        f.put(static_cast<char>(c ^ 0x01));
+      if (fault == std::string("flipped")) {  // inside the residual's data: only the checksum sees it
+        EXPECT_TRUE(test::flip_dataset_byte(part1, "compress/bucket0.residual", 40, 0x01));
       }
     }
     world.barrier();

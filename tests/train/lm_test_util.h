@@ -1,6 +1,9 @@
 #pragma once
 // A small language-model run for tests: a text corpus of repeated lines converted to token files,
 // and the GPT configuration the tests share (byte vocabulary, batch 4, 10 AdamW steps, evaluation at the end).
+#include <gtest/gtest.h>
+
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -51,6 +54,17 @@ inline train::TrainConfig small_lm_config(const std::filesystem::path& tokens, c
   c.log_every = 5;
   c.quiet = true;
   return c;
+}
+
+// A layout's run against the one-rank run: every step's loss (where `logs_steps`: the rank that
+// logs them) and the validation loss within relative 1e-5.
+inline void expect_lm_losses_match(const train::TrainResult& got, const train::TrainResult& ref, bool logs_steps) {
+  if (logs_steps) {
+    EXPECT_EQ(got.step_losses.size(), ref.step_losses.size());
+    for (size_t i = 0; i < std::min(got.step_losses.size(), ref.step_losses.size()); ++i)
+      EXPECT_NEAR(got.step_losses[i], ref.step_losses[i], 1e-5 * ref.step_losses[i]) << "step " << i;
+  }
+  EXPECT_NEAR(got.last_eval.loss, ref.last_eval.loss, 1e-5 * ref.last_eval.loss);
 }
 
 }  // namespace dtrain::test

@@ -1,5 +1,4 @@
 #include <gtest/gtest.h>
-#include <hdf5.h>
 
 #include <cstring>
 #include <unistd.h>
@@ -11,7 +10,6 @@
 #include <limits>
 
 #include "dtrain/comm/runtime.h"
-#include "dtrain/data/hdf5_util.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/trainer.h"
 #include "divergence_test_util.h"
@@ -239,22 +237,7 @@ TEST(Trainer, ResumeFallsBackToTheNewestGoodSet) {
   fs::resize_file(newest, fs::file_size(newest) / 2);  // torn
   expect_resumes_at_16("a truncated newest main file");
   fs::copy_file(kept, newest, fs::copy_options::overwrite_existing);
-  {
-    // A byte inside the data of a parameter (where HDF5 put it), which only the checksum can see.
-    auto lock = data::h5::lock();
-    hid_t file = H5Fopen(newest.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
-    hid_t ds = H5Dopen2(file, "param/1.weight", H5P_DEFAULT);
-    const auto at = static_cast<std::streamoff>(H5Dget_offset(ds) + 10);
-    H5Dclose(ds);
-    H5Fclose(file);
-    ASSERT_GT(at, 10);
-    std::fstream f(newest, std::ios::in | std::ios::out | std::ios::binary);
-    char c;
-    f.seekg(at);
-    f.get(c);
-    f.seekp(at);
-    f.put(static_cast<char>(c ^ 0x10));
-  }
+  ASSERT_TRUE(test::flip_dataset_byte(newest, "param/1.weight", 10, 0x10));  // only the checksum sees it
   expect_resumes_at_16("a flipped byte in the newest main file");
   // A killed write's temporary file: removed, with a message, at the start of the next run there.
   fs::copy_file(kept, dir + "/a/ckpt-step000000032.h5.tmp");

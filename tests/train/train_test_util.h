@@ -1,10 +1,14 @@
 #pragma once
 // A small learnable image set written as HDF5 shards: class c has a bright c-th row band, plus noise.
+#include <hdf5.h>
+
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "dtrain/core/rng.h"
 #include "dtrain/data/convert.h"
+#include "dtrain/data/hdf5_util.h"
 
 namespace dtrain::test {
 
@@ -29,6 +33,29 @@ inline std::string make_band_dataset(const std::string& dir, int64_t n, int64_t 
   o.shard_size = shard_size;
   data::write_shards(set, dir, o);
   return dir;
+}
+
+// Flips the bits `mask` of byte `offset` of dataset `name`'s data where HDF5 stored it in `path`: a
+// change only the file's checksum can see. False when the dataset has no data in the file.
+inline bool flip_dataset_byte(const std::string& path, const std::string& name, int64_t offset, unsigned char mask) {
+  haddr_t data = HADDR_UNDEF;
+  {
+    auto lock = data::h5::lock();
+    hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    hid_t ds = H5Dopen2(file, name.c_str(), H5P_DEFAULT);
+    data = H5Dget_offset(ds);
+    H5Dclose(ds);
+    H5Fclose(file);
+  }
+  if (data == HADDR_UNDEF) return false;
+  const auto at = static_cast<std::streamoff>(data + static_cast<haddr_t>(offset));
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  char c;
+  f.seekg(at);
+  f.get(c);
+  f.seekp(at);
+  f.put(static_cast<char>(c ^ static_cast<char>(mask)));
+  return static_cast<bool>(f);
 }
 
 inline std::string temp_dir(const std::string& name) {

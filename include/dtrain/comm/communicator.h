@@ -175,6 +175,7 @@ class Communicator {
 
  private:
   void check_buffer(const Tensor& t, const char* what, const char* call) const;
+  Tensor host_side(const Tensor& t, bool with_contents) const;  // t, or its host copy where stages(t)
   // Runs the backend's call and records it (or skips it for the DTRAIN_TEST_SKIP_COLLECTIVE hook).
   std::shared_ptr<Work> issue(const detail::CollectiveCall& call, const std::function<std::shared_ptr<Work>()>& run);
 

@@ -67,7 +67,18 @@ void prune_checkpoints(const std::string& dir, const std::string& just_written, 
 // Each part carries `run_id` (the main file's too), so a part of another run is never merged.
 bool write_compression_parts(const std::string& main_file, const parallel::DataParallel* dp, comm::Communicator* world,
                              int64_t step, const std::string& compression, int64_t run_id = 0);
-// On resume: this rank's part goes back into `dp` when the checkpoint `main` (read from main_file)
+// Whether a resume takes the compression parts of the checkpoint `main`: it kept parts of `world`
+// ranks, of the same --compression, `same_layout`, and `dp` compresses. Otherwise `why_not` (may be
+// null) gets the line that says why ("" when the checkpoint kept none).
+bool uses_compression_parts(const CheckpointState& main, const parallel::DataParallel* dp, int world,
+                            const std::string& compression, bool same_layout, std::string* why_not);
+// This rank's part of the set, checked: every rank's part present, this one passing its checksums,
+// of the set's step and run and of this rank (InputError naming the part otherwise).
+CheckpointState load_rank_part(const CheckpointState& main, const std::string& main_file, int rank, int world);
+// A part read by load_rank_part (from `part_file`) into `dp` (InputError naming the file when it does
+// not fit the buckets).
+void put_compression_part(const CheckpointState& part, const std::string& part_file, parallel::DataParallel* dp);
+// The three in one: on resume, this rank's part goes back into `dp` when the checkpoint `main` (read from main_file)
 // holds parts of `world` ranks of the same --compression and `same_layout`; otherwise error feedback
 // restarts from zero and the returned line says so ("" when loaded or when there is nothing to
 // say). Every rank checks every part, so a missing part fails all ranks alike (InputError).

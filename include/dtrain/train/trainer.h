@@ -117,8 +117,9 @@ class Trainer {
   // Waits for the background write and makes the ranks agree on its outcome (collective).
   void finish_pending_checkpoint();
   ResumePoint restore(const std::string& where);
-  CheckpointState load_verified_set(const std::string& main_file);  // collective
-  void say_if_slow(const std::string& file, double seconds);        // a checkpoint write near the timeout
+  CheckpointState load_verified_set(const std::string& main_file, CheckpointState& part);  // collective
+  bool same_layout(CheckpointState& s) const;
+  void say_if_slow(const std::string& file, double seconds);  // a checkpoint write near the timeout
   // The world's waits under --checkpoint-timeout for a scope (the writers write meanwhile).
   class CheckpointWaits {
    public:
