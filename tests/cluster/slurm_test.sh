@@ -8,7 +8,17 @@ set -euo pipefail
 mode=$1
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-fail() { echo "FAIL: $*"; exit 1; }
+# fail MESSAGE: the message, then what SLURM knows of the jobs and the tail of its daemons' logs,
+# and the message again (CI shows the end of a long output).
+fail() {
+  echo "FAIL: $*"
+  if [[ -n "${slurm_dir:-}" && -f "${slurm_dir}/env.sh" ]]; then
+    scontrol show job 2>/dev/null | grep -E 'JobId=|JobState=|Restarts=|ExitCode=' || true
+    for f in "$slurm_dir"/log/*.log; do echo "== $f"; tail -15 "$f"; done 2>/dev/null || true
+  fi
+  echo "FAIL: $*"
+  exit 1
+}
 
 slurm_dir=$(mktemp -d /tmp/dtrain-slurm-test.XXXXXX)
 export DTRAIN_SLURM_PORT=${DTRAIN_SLURM_PORT:-16827}
@@ -77,10 +87,10 @@ case "$mode" in
     bin=$2 work=$3
     rm -rf "$work" && mkdir -p "$work" && cd "$work"
     export DTRAIN_BIN=$bin
-    preempt_job dtrain 6000 --synthetic --model mlp --threads 1 --progress off --log-every 50
+    preempt_job dtrain 6000 --synthetic --model mlp --threads 1 --progress off --log-every 1000
     "$bin" convert text --inputs /usr/share/games/fortunes --out "$work/tokens" >/dev/null
     preempt_job dtrain-gpt 20000 --model gpt --data "$work/tokens" --layers 2 --heads 2 --width 32 --context 32 \
-      --batch-size 4 --eval-every 0 --eval-batches 2 --log-every 100 --threads 1
+      --batch-size 4 --eval-every 0 --eval-batches 2 --log-every 1000 --threads 1 --progress off
     ;;
   *) fail "mode must be train or preempt" ;;
 esac
