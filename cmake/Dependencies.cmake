@@ -17,6 +17,7 @@ find_package(JPEG REQUIRED)  # dtrain convert images: libjpeg-turbo
 find_package(PNG REQUIRED)
 find_package(PkgConfig REQUIRED)  # SentencePiece ships a .pc file only
 pkg_check_modules(SENTENCEPIECE REQUIRED IMPORTED_TARGET GLOBAL sentencepiece)
+pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET GLOBAL libxxhash)  # checkpoint checksums (XXH3)
 find_path(DTRAIN_CBLAS_INCLUDE_DIR cblas.h PATH_SUFFIXES openblas openblas-pthread REQUIRED)
 
 # HDF5's variables become one imported target.

@@ -4,10 +4,12 @@
 #include <atomic>
 #include <climits>
 #include <cstring>
+#include <exception>
 #include <numeric>
 
 #include "algorithms/node_allreduce.h"
 #include "control/flight_recorder.h"
+#include "control/phase_deadline.h"
 #include "dtrain/comm/mpi_check.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/env.h"
@@ -333,6 +335,7 @@ NodeSharedMemory::NodeSharedMemory(Communicator& c, size_t bytes, const std::str
   DT_CHECK(node != MPI_COMM_NULL, "node-shared memory for " << name << " needs MPI communicators");
   void* base = nullptr;
   const MPI_Aint mine = split_.node->rank() == 0 ? static_cast<MPI_Aint>(std::max<size_t>(bytes, 1)) : 0;
+  detail::PhaseDeadline deadline("creating the node-shared window of " + name);
   DT_MPI_CHECK(MPI_Win_allocate_shared(mine, 1, MPI_INFO_NULL, node, &base, &window_));
   MPI_Aint size = 0;
   int unit = 0;
@@ -343,7 +346,11 @@ NodeSharedMemory::NodeSharedMemory(Communicator& c, size_t bytes, const std::str
 NodeSharedMemory::~NodeSharedMemory() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized && window_ != MPI_WIN_NULL) MPI_Win_free(&window_);
+  // MPI_Win_free waits for the node's other ranks: while an error unwinds this rank alone they may
+  // never come, so the window is left to MPI's end.
+  if (finalized || window_ == MPI_WIN_NULL || std::uncaught_exceptions() > 0) return;
+  detail::PhaseDeadline deadline("freeing a node-shared window");
+  MPI_Win_free(&window_);
 }
 
 void Communicator::track_step_phases(bool on) { recorder_->track_phases(on); }

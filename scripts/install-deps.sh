@@ -12,6 +12,7 @@ PACKAGES=(
   libboost-program-options-dev
   libopenblas-dev libdnnl-dev ocl-icd-opencl-dev opencl-c-headers  # dnnl-config.cmake looks for OpenCL
   zlib1g-dev
+  libxxhash-dev  # checkpoint checksums (XXH3)
   libjpeg62-turbo-dev libpng-dev  # dtrain convert images
   libsentencepiece-dev  # dtrain convert text --tokenizer bpe
   dataset-fashion-mnist
@@ -43,6 +44,12 @@ fi
 # test that reads a converted shard with an independent HDF5 reader.
 # PIL for the test that checks dtrain convert images against it.
 if [[ ${DTRAIN_DEPS:-all} != run && "${DTRAIN_WITH_PLOTS:-1}" == "1" ]]; then OPTIONAL+=(python3-numpy python3-matplotlib python3-h5py python3-pil); fi
+# PyTorch (Debian's 1.13, CPU) for the export test (tests/cli/export_pytorch.sh: dtrain's exports loaded
+# by PyTorch): about a minute to install, two to run. DTRAIN_WITH_PYTORCH=0 leaves it out (the test
+# then says "skipped: no PyTorch").
+if [[ ${DTRAIN_DEPS:-all} != run && "${DTRAIN_WITH_PYTORCH:-1}" == "1" ]]; then
+  OPTIONAL+=(python3-torch python3-torchvision python3-numpy python3-h5py)
+fi
 
 missing=()
 missing_optional=()

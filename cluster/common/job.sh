@@ -11,6 +11,8 @@
 #   DTRAIN_METRICS     JSON-lines metrics (default: $DTRAIN_RUN_DIR/metrics.jsonl)
 #   DTRAIN_ARGS        extra `dtrain train` options, split on spaces (script arguments are added too)
 #   DTRAIN_PREEMPTED_EXIT  the exit status dtrain uses after a preemption checkpoint (default 42)
+#   DTRAIN_MAX_RESTARTS    relaunches inside the allocation after a lost rank or node (default 2; the
+#                      script argument --max-restarts N says the same and is not passed to dtrain)
 #   DTRAIN_LAUNCHER_GRACE  seconds the launcher may live on after this node's ranks have all
 #                      exited before it is ended (default 60; 0: never). mpirun can hang tearing
 #                      down a job whose other node is unreachable; the job must still end.
@@ -75,6 +77,8 @@ dtrain_train_args() {
     read -r -a extra <<<"$DTRAIN_ARGS"
     user=("${extra[@]}" "${user[@]}")
   fi
+  dtrain_take_max_restarts "${user[@]}"
+  user=("${DTRAIN_USER_ARGS[@]}")
   DTRAIN_CKPT_DIR=${DTRAIN_CKPT_DIR:-$DTRAIN_RUN_DIR/ckpt}
   DTRAIN_METRICS=${DTRAIN_METRICS:-$DTRAIN_RUN_DIR/metrics.jsonl}
   local joined=" ${user[*]} " ckpt
@@ -118,6 +122,47 @@ dtrain_train_args() {
     DTRAIN_TRAIN_ARGS+=(--resume "$ckpt")
   fi
   DTRAIN_CKPT_DIR=$ckpt
+}
+
+# dtrain_take_max_restarts ARGS...: DTRAIN_MAX_RESTARTS from --max-restarts N (or =N) among ARGS,
+# which the job script reads and dtrain does not; DTRAIN_USER_ARGS holds the other arguments.
+dtrain_take_max_restarts() {
+  local args=("$@") i
+  DTRAIN_MAX_RESTARTS=${DTRAIN_MAX_RESTARTS:-2} DTRAIN_USER_ARGS=()
+  for ((i = 0; i < ${#args[@]}; ++i)); do
+    case "${args[i]}" in
+      --max-restarts) DTRAIN_MAX_RESTARTS=${args[i + 1]:-}; ((++i)) ;;
+      --max-restarts=*) DTRAIN_MAX_RESTARTS=${args[i]#--max-restarts=} ;;
+      *) DTRAIN_USER_ARGS+=("${args[i]}") ;;
+    esac
+  done
+  [[ $DTRAIN_MAX_RESTARTS =~ ^[0-9]+$ ]] || { dtrain_log "--max-restarts must be a count, got '$DTRAIN_MAX_RESTARTS'"; exit 2; }
+}
+
+# dtrain_restart_wanted RC RESTARTS: whether a run that ended with RC, after RESTARTS relaunches
+# inside this allocation, is relaunched again: a lost rank or node (status 1, or the launcher's or
+# a signal's), not success, bad input (2), divergence (3) or a preemption (requeued instead).
+dtrain_restart_wanted() {
+  case "$1" in 0 | 2 | 3 | "$DTRAIN_PREEMPTED_EXIT") return 1 ;; esac
+  (($2 < DTRAIN_MAX_RESTARTS))
+}
+
+# dtrain_record_restart N LOST RANKS NODES: says in the log and the metrics that relaunch N (of
+# DTRAIN_MAX_RESTARTS) starts RANKS ranks on NODES after LOST (nodes, or "none": a rank failed on a
+# node that still answers), resuming from the newest checkpoint; the steps lost are those the
+# metrics had logged past it (at least that many; --log-every bounds the rest).
+dtrain_record_restart() {
+  local n=$1 lost=$2 ranks=$3 nodes=$4 newest last resume=0 metrics
+  newest=$(compgen -G "$DTRAIN_CKPT_DIR/ckpt-step*.h5" | sort | tail -1 || true)
+  [[ -n $newest ]] && resume=$((10#$(basename "$newest" .h5 | sed 's/^ckpt-step//; s/[^0-9].*//')))
+  metrics=$(dtrain_option metrics "${DTRAIN_TRAIN_ARGS[@]:1}")
+  metrics=${metrics:-$DTRAIN_METRICS}
+  last=$(grep -o '"step": [0-9]*' "$metrics" 2>/dev/null | tail -1 | grep -o '[0-9]*$' || true)
+  last=${last:-$resume}
+  local lost_steps=$((last > resume ? last - resume : 0))
+  dtrain_log "restart $n/$DTRAIN_MAX_RESTARTS inside the allocation: lost $lost; $ranks ranks on $nodes resume from step $resume (at least $lost_steps steps lost)"
+  printf '{"event": "restart", "restart": %d, "lost_nodes": "%s", "ranks": %d, "nodes": "%s", "resume_step": %d, "last_logged_step": %d, "steps_lost": %d}\n' \
+    "$n" "$lost" "$ranks" "$nodes" "$resume" "$last" "$lost_steps" >>"$metrics"
 }
 
 # dtrain_run_forwarding CMD...: runs CMD in the background; SIGTERM, SIGUSR1 or SIGINT reaching this

@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <exception>
 #include <ctime>
 #include <new>
 
+#include "control/phase_deadline.h"
 #include "dtrain/comm/mpi_check.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/env.h"
@@ -100,6 +102,8 @@ int node_color() {
 }
 
 NodeAllreduce::NodeAllreduce(MPI_Comm comm, double timeout_s) : timeout_s_(timeout_s) {
+  detail::PhaseDeadline deadline("creating the shared-memory allreduce's node window", timeout_s,
+                                 detail::PhaseDeadline::Ending::abort_job);
   int rank = 0;
   DT_MPI_CHECK(MPI_Comm_rank(comm, &rank));
   node_comm_ = split_by_node(comm);
@@ -144,7 +148,10 @@ NodeAllreduce::NodeAllreduce(MPI_Comm comm, double timeout_s) : timeout_s_(timeo
 NodeAllreduce::~NodeAllreduce() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (finalized) return;
+  // As NodeSharedMemory's: not while an error unwinds this rank alone (the others may never come).
+  if (finalized || std::uncaught_exceptions() > 0) return;
+  detail::PhaseDeadline deadline("freeing the shared-memory allreduce's node window", timeout_s_,
+                                 detail::PhaseDeadline::Ending::abort_job);
   if (window_ != MPI_WIN_NULL) MPI_Win_free(&window_);
   if (cross_comm_ != MPI_COMM_NULL) MPI_Comm_free(&cross_comm_);
   if (node_comm_ != MPI_COMM_NULL) MPI_Comm_free(&node_comm_);

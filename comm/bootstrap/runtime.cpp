@@ -27,9 +27,11 @@
 #include "backends/mpi_types.h"
 #include "bootstrap/topology_internal.h"
 #include "control/control_channel.h"
+#include "control/phase_deadline.h"
 #include "dtrain/comm/communicator.h"
 #include "dtrain/comm/mpi_check.h"
 #include "dtrain/core/cores.h"
+#include "dtrain/core/env.h"
 #include "dtrain/core/error.h"
 
 namespace dtrain::comm {
@@ -62,6 +64,19 @@ std::unique_ptr<Runtime> g_runtime;
 std::atomic<bool> g_ready{false};
 std::atomic<int> g_world_rank{0};
 bool g_finalized = false;
+
+// The test hook DTRAIN_TEST_START_DELAY=RANK:SECONDS: the launcher's rank RANK sleeps before MPI_Init,
+// a rank that never arrives for the start-up deadline.
+void delay_start_for_test() {
+  const std::string hook = env::get("DTRAIN_TEST_START_DELAY");
+  if (hook.empty()) return;
+  const char* rank = nullptr;
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"})
+    if ((rank = std::getenv(name))) break;
+  const auto colon = hook.find(':');
+  if (rank && colon != std::string::npos && hook.substr(0, colon) == rank)
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::stod(hook.substr(colon + 1))));
+}
 }  // namespace
 
 Runtime& Runtime::init(int* argc, char*** argv) {
@@ -94,8 +109,13 @@ void Runtime::bootstrap(int* argc, char*** argv) {
   MPI_Initialized(&inited);
   int provided = MPI_THREAD_SINGLE;
   if (!inited) {
+    delay_start_for_test();
     lsan_disable();
-    int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+    int rc = 0;
+    {
+      detail::PhaseDeadline deadline("MPI start-up (MPI_Init)", detail::PhaseDeadline::Ending::exit_process);
+      rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+    }
     lsan_enable();
     if (rc != MPI_SUCCESS) {
       char text[MPI_MAX_ERROR_STRING];
@@ -108,6 +128,7 @@ void Runtime::bootstrap(int* argc, char*** argv) {
     MPI_Query_thread(&provided);
   }
   topo_.mpi_thread_level = provided;
+  detail::PhaseDeadline deadline("MPI start-up (topology, communicators)");
   // Errors come back as return codes, which DT_MPI_CHECK turns into typed errors.
   DT_MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
   DT_MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN));
@@ -124,6 +145,8 @@ void Runtime::bootstrap(int* argc, char*** argv) {
 
   DT_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &internal_));
   DT_MPI_CHECK(MPI_Comm_set_errhandler(internal_, MPI_ERRORS_RETURN));
+  DT_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &ending_));
+  DT_MPI_CHECK(MPI_Comm_set_errhandler(ending_, MPI_ERRORS_RETURN));
 
   // Node-local ranks: the ranks that share memory with us. Keyed by world rank, so local rank 0
   // is the lowest world rank of the node, and nodes are numbered in order of that rank.
@@ -200,9 +223,25 @@ std::string Runtime::topology_table() const {
   row.node_cores = topo_.node_cores;
   std::snprintf(row.host, sizeof row.host, "%s", topo_.host.c_str());
   std::vector<detail::TopologyRow> rows(topo_.rank == 0 ? static_cast<size_t>(topo_.size) : 0);
+  detail::PhaseDeadline deadline("the topology table's gather");
   DT_MPI_CHECK(MPI_Gather(&row, sizeof row, MPI_BYTE, rows.data(), sizeof row, MPI_BYTE, 0, internal_));
   if (topo_.rank != 0) return "";
   return detail::format_topology_table(topo_, rows, threaded_);
+}
+
+bool Runtime::all_ranks_arrive_within(double seconds) {
+  Runtime& rt = get();
+  if (rt.topo_.size == 1) return true;
+  MPI_Request req = MPI_REQUEST_NULL;
+  if (MPI_Ibarrier(rt.ending_, &req) != MPI_SUCCESS) return false;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  for (;;) {
+    int done = 0;
+    if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
+    if (done) return true;
+    if (std::chrono::steady_clock::now() >= until) return false;  // the request is left: the job ends
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
 }
 
 void Runtime::finalize() {
@@ -210,6 +249,7 @@ void Runtime::finalize() {
   if (!g_runtime) return;
   g_ready.store(false);
   Runtime& rt = *g_runtime;
+  detail::PhaseDeadline deadline("shutdown (the communicators' threads, MPI_Finalize)");
   // Communicators first (they drain their queues), then the control thread that serves them.
   detail::shutdown_all_mpi_communicators();
   detail::control_service_stop();
@@ -219,6 +259,7 @@ void Runtime::finalize() {
   if (!fin) {
     detail::free_user_ops();
     if (rt.internal_ != MPI_COMM_NULL) MPI_Comm_free(&rt.internal_);
+    if (rt.ending_ != MPI_COMM_NULL) MPI_Comm_free(&rt.ending_);
     if (rt.owns_mpi_) {
       lsan_check_now();
       MPI_Finalize();

@@ -1,5 +1,7 @@
 #include "control/control_channel.h"
 
+#include "control/phase_deadline.h"
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -70,6 +72,7 @@ struct ControlChannel::SequenceQuery {
 
 ControlChannel::ControlChannel(MPI_Comm comm, std::string comm_name, std::shared_ptr<FlightRecorder> recorder)
     : name_(std::move(comm_name)), recorder_(std::move(recorder)) {
+  PhaseDeadline deadline("the control channel set-up of communicator '" + name_ + "'");
   DT_MPI_CHECK(MPI_Comm_dup(comm, &ctrl_));
   DT_MPI_CHECK(MPI_Comm_set_errhandler(ctrl_, MPI_ERRORS_RETURN));
   DT_MPI_CHECK(MPI_Comm_rank(ctrl_, &rank_));

@@ -9,6 +9,7 @@
 
 #include "commands.h"
 #include "dtrain/comm/runtime.h"
+#include "dtrain/core/env.h"
 #include "dtrain/core/error.h"
 #include "dtrain/train/signals.h"
 
@@ -31,11 +32,16 @@ void usage() {
       "launch on several ranks with mpirun -n N dtrain train ... or srun dtrain train ...\n");
 }
 
-// An error every rank has (the same message): rank 0 prints it, every rank exits with `status`.
+// An error found the same way on every rank (same options, same files, or agreed by
+// comm::agree_on_inputs): rank 0 says it for all and every rank exits with `status`. When the
+// others do not come to say it within DTRAIN_ERROR_WAIT seconds (a file only this rank read, such as
+// its part of a validation set), this rank reports it alone, naming itself, and ends the job.
 int report_agreed(const std::string& cmd, const char* what, const char* message, int status) {
   using dtrain::comm::Runtime;
-  if (!Runtime::initialized() || Runtime::get().topology().rank == 0)
-    std::fprintf(stderr, "dtrain %s: %s: %s\n", cmd.c_str(), what, message);
+  const std::string text = "dtrain " + cmd + ": " + what + ": " + message;
+  if (Runtime::initialized() && !Runtime::all_ranks_arrive_within(dtrain::env::get_double("DTRAIN_ERROR_WAIT")))
+    Runtime::abort(status, text + " (found by this rank alone)");
+  if (!Runtime::initialized() || Runtime::get().topology().rank == 0) std::fprintf(stderr, "%s\n", text.c_str());
   Runtime::finalize();
   return status;
 }
@@ -83,8 +89,6 @@ int main(int argc, char** argv) {
     else
       throw InputError("unknown command '" + cmd + "' (commands: train, eval, quantize, prune-export, convert, generate, export, bench, info)");
   } catch (const InputError& e) {
-    // Input errors are found the same way on every rank (same options, same files, or agreed by
-    // comm::agree_on_inputs), so rank 0 speaks for all and every rank exits without tearing MPI down.
     return report_agreed(cmd, "error", e.what(), kExitBadInput);
   } catch (const DivergenceError& e) {
     // Divergence is agreed over the ranks where the trainers read their losses: every rank has it.

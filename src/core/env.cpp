@@ -13,6 +13,9 @@ const std::vector<Knob>& knobs() {
        "allreduce algorithm of the MPI backend for f32 host buffers: mpi, auto (by size and layout), shm (one "
        "node's shared memory), hier (shm within nodes, MPI between them); --allreduce sets it for a run"},
       {"DTRAIN_COMM_TIMEOUT", "300", "seconds any collective or point-to-point wait may take before the job aborts"},
+      {"DTRAIN_ERROR_WAIT", "10",
+       "seconds a rank that found an error waits for the others to report it too (then one rank says it for "
+       "all) before it reports its own error alone and ends the job"},
       {"DTRAIN_FLIGHT_RECORDER", "512",
        "collectives each communicator's flight recorder keeps (printed in the hang forensics, compared by the "
        "desync check)"},
@@ -21,9 +24,16 @@ const std::vector<Knob>& knobs() {
       {"DTRAIN_PROGRESS", "auto", "progress bar on rank 0: auto (when stdout is a terminal), on, off"},
       {"DTRAIN_SHM_CHUNK_MB", "4",
        "MiB per chunk of the shared-memory allreduce (each rank's window holds two chunks)"},
+      {"DTRAIN_TEST_CHECKPOINT_RENAME_DELAY_MS", "0",
+       "a test hook: every checkpoint file waits MS milliseconds complete and synced before its rename (a kill "
+       "then leaves it unfinished)"},
       {"DTRAIN_TEST_FLIP_BIT", "",
        "a test hook: RANK:STEP flips the top mantissa bit of the first weight on world rank RANK after step "
        "STEP (a silent corruption for --check-replicas to find)"},
+      {"DTRAIN_TEST_KILL_CHECKPOINT", "",
+       "a test hook: before:NAME or during:NAME makes the process that writes checkpoint file NAME (ckpt-step"
+       "000000060.h5, ckpt-step000000060.h5.rank1, ckpt-step000000060.stage1.h5) kill itself with SIGKILL just "
+       "before creating it, or with its temporary file half written"},
       {"DTRAIN_TEST_RANKS_PER_NODE", "",
        "a test hook: N makes the topology-aware allreduce treat world ranks [kN, (k+1)N) as node k, so one host "
        "runs the hierarchical algorithm for real"},
@@ -33,6 +43,9 @@ const std::vector<Knob>& knobs() {
       {"DTRAIN_TEST_SLOW", "",
        "a test hook: RANK:SECTION:MS makes world rank RANK sleep MS milliseconds in SECTION (data, forward, "
        "backward, optimizer) of every step, a straggler for --straggler-every to name"},
+      {"DTRAIN_TEST_START_DELAY", "",
+       "a test hook: RANK:SECONDS makes the launcher's rank RANK sleep before MPI_Init, a rank that never "
+       "arrives for the start-up deadline"},
       {"DTRAIN_TEST_STOP", "",
        "a test hook: RANK:STEP stops world rank RANK with SIGSTOP after step STEP, a hung rank for the comm "
        "timeout and its hang forensics"},

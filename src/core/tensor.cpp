@@ -1,7 +1,9 @@
 #include "dtrain/core/tensor.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <unordered_map>
 
@@ -16,10 +18,19 @@ std::string shape_str(const Shape& s) {
   return out + "]";
 }
 
-int64_t shape_numel(const Shape& s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
+int64_t shape_numel(const Shape& s) { return shape_numel(s, ""); }
+
+int64_t shape_numel(const Shape& s, const std::string& what) {
+  int64_t nonzero = 1;
+  bool empty = false;
+  for (int64_t d : s) {
+    DT_INPUT_CHECK(d >= 0,
+                   what << (what.empty() ? "" : ": ") << "shape " << shape_str(s) << " has a negative dimension");
+    DT_INPUT_CHECK(!__builtin_mul_overflow(nonzero, std::max<int64_t>(d, 1), &nonzero),
+                   what << (what.empty() ? "" : ": ") << "shape " << shape_str(s) << " has more than 2^63 elements");
+    empty = empty || d == 0;
+  }
+  return empty ? 0 : nonzero;
 }
 
 Storage::Storage(void* data, size_t bytes, Device device, Deleter deleter)
@@ -76,6 +87,8 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   t.shape_ = shape;
   t.numel_ = shape_numel(shape);
   t.dtype_ = dtype;
+  DT_CHECK(t.numel_ <= std::numeric_limits<int64_t>::max() / static_cast<int64_t>(dtype_size(dtype)),
+           "Tensor::empty: " << shape_str(shape) << " of " << dtype_name(dtype) << " passes 2^63 bytes");
   t.storage_ = allocate(static_cast<size_t>(t.numel_) * dtype_size(dtype), device);
   return t;
 }

@@ -30,6 +30,13 @@ namespace {
 
 // Larger images are refused before anything is allocated for them (PIL's own bomb limit is 179 M).
 constexpr uint64_t kMaxPixels = uint64_t(1) << 28;
+// libjpeg's own memory for one image (a progressive JPEG's coefficients: 2 bytes per pixel and
+// component at 4:4:4, allocated from the declared size before any scan is read): past it, libjpeg
+// fails with "Backing store not supported" instead of allocating what a header asks for.
+constexpr long kMaxJpegMemory = 1L << 30;
+// A PNG's pixels are deflated rows of at least one bit per pixel, and deflate expands at most 1032
+// times: a file declaring more pixels than 8 x 1032 per byte of it cannot hold them.
+constexpr uint64_t kMaxPngPixelsPerByte = 8 * 1032;
 
 std::vector<uint8_t> read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
@@ -42,10 +49,11 @@ std::vector<uint8_t> read_file(const std::string& path) {
   return bytes;
 }
 
-void check_pixels(uint64_t width, uint64_t height, const std::string& path) {
+void check_pixels(uint64_t width, uint64_t height, const std::string& path, uint64_t max = kMaxPixels) {
   DT_INPUT_CHECK(width > 0 && height > 0, "'" << path << "' declares an empty image");
-  DT_INPUT_CHECK(width * height <= kMaxPixels, "'" << path << "' declares " << width << " x " << height
-                                                   << " pixels, more than the " << kMaxPixels << " accepted");
+  DT_INPUT_CHECK(width * height <= max, "'" << path << "' declares " << width << " x " << height
+                                            << " pixels, more than the " << max << " accepted"
+                                            << (max < kMaxPixels ? " for a file of its size" : ""));
 }
 
 // ---- JPEG (libjpeg's API: errors leave through longjmp) ----
@@ -65,10 +73,13 @@ struct JpegJob {
   std::longjmp(job->jump, 1);
 }
 
-// A stream that ends early is corrupt (libjpeg would pad it with grey and warn); other warnings,
-// such as extraneous bytes before a marker, are common in photographs and harmless.
+// A stream that ends early, or a data segment that ends before the image does, is corrupt
+// (libjpeg would pad it with grey and warn: a file of a few hundred bytes would decode to the
+// largest image its header may declare); other warnings, such as extraneous bytes before a marker,
+// are common in photographs and harmless.
 void jpeg_message(j_common_ptr cinfo, int level) {
-  if (level < 0 && cinfo->err->msg_code == JWRN_JPEG_EOF) jpeg_fail(cinfo);
+  if (level < 0 && (cinfo->err->msg_code == JWRN_JPEG_EOF || cinfo->err->msg_code == JWRN_HIT_MARKER))
+    jpeg_fail(cinfo);
 }
 
 // Runs between setjmp and a possible longjmp: no C++ object with a destructor may live here.
@@ -93,9 +104,14 @@ void jpeg_decode_steps(JpegJob& job, const std::vector<uint8_t>& bytes, int chan
   img.width = static_cast<int>(c.output_width);
   img.height = static_cast<int>(c.output_height);
   img.channels = c.output_components;
-  img.pixels.resize(static_cast<size_t>(img.width) * img.height * img.channels);
+  // Reserved (address space only) and filled row by row as rows are decoded: a file that declares
+  // more rows than it holds fails at its end (JWRN_JPEG_EOF) before the memory of the rows it lacks
+  // is touched.
+  const size_t row_bytes = static_cast<size_t>(img.width) * img.channels;
+  img.pixels.reserve(row_bytes * img.height);
   while (c.output_scanline < c.output_height) {
-    JSAMPROW row = img.pixels.data() + static_cast<size_t>(c.output_scanline) * img.width * img.channels;
+    img.pixels.resize(img.pixels.size() + row_bytes);
+    JSAMPROW row = img.pixels.data() + img.pixels.size() - row_bytes;
     jpeg_read_scanlines(&c, &row, 1);
   }
   jpeg_finish_decompress(&c);
@@ -135,6 +151,7 @@ DecodedImage decode_jpeg(const std::vector<uint8_t>& bytes, int channels, int mi
   job->errors.emit_message = jpeg_message;
   job->cinfo.client_data = job.get();
   jpeg_create_decompress(&job->cinfo);
+  job->cinfo.mem->max_memory_to_use = kMaxJpegMemory;
   bool decoded = false;
   try {
     decoded = jpeg_run(*job, bytes, channels, min_shorter_side, path);
@@ -155,9 +172,10 @@ DecodedImage decode_png(const std::vector<uint8_t>& bytes, int channels, const s
   png.version = PNG_IMAGE_VERSION;
   DT_INPUT_CHECK(png_image_begin_read_from_memory(&png, bytes.data(), bytes.size()),
                  "'" << path << "' is not a readable PNG: " << png.message);
-  if (static_cast<uint64_t>(png.width) * png.height > kMaxPixels) {
+  const uint64_t max = std::min<uint64_t>(kMaxPixels, bytes.size() * kMaxPngPixelsPerByte);
+  if (static_cast<uint64_t>(png.width) * png.height > max) {
     png_image_free(&png);
-    check_pixels(png.width, png.height, path);
+    check_pixels(png.width, png.height, path, max);
   }
   png.format = channels == 1 ? PNG_FORMAT_GRAY : PNG_FORMAT_RGB;
   DecodedImage img{static_cast<int>(png.height), static_cast<int>(png.width), channels, {}};

@@ -11,7 +11,6 @@
 #include <filesystem>
 #include <limits>
 #include <map>
-#include <numeric>
 #include <span>
 #include <thread>
 
@@ -51,6 +50,25 @@ std::vector<std::string> unpack_names(const std::vector<uint8_t>& packed, const 
   return names;
 }
 
+// Each shard's rows of samples, as the index states them, fit in the bytes it records for the
+// shard (at most h5::kMaxInflation times them: deflate's limit): the sizes a run derives from the
+// index (a row's bytes, a shard's, the cache's) are bounded by the shards' files, which the index is
+// compared with before it is used.
+void check_rows_fit_shards(const ShardIndex& ix, const std::string& path) {
+  const int64_t row_bytes = shape_numel(ix.sample_shape, "'" + path + "': attribute sample_shape");
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  for (size_t s = 0; s < ix.rows.size(); ++s) {
+    const uint64_t stored = static_cast<uint64_t>(std::max<int64_t>(ix.stamps[s].bytes, 0));
+    const uint64_t limit = stored > kMax / h5::kMaxInflation ? kMax : stored * h5::kMaxInflation;
+    uint64_t bytes = 0;
+    DT_INPUT_CHECK(
+        !__builtin_mul_overflow(static_cast<uint64_t>(ix.rows[s]), static_cast<uint64_t>(row_bytes), &bytes) &&
+            bytes <= limit,
+        "'" << path << "' gives shard '" << ix.names[s] << "' " << ix.rows[s] << " rows of "
+            << shape_str(ix.sample_shape) << " bytes, more than its " << ix.stamps[s].bytes << " bytes can hold");
+  }
+}
+
 // The index file at `path`, checked for consistency with itself (not yet with the folder).
 ShardIndex read_index_file(const std::string& path) {
   h5::Handle file = h5::file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
@@ -69,19 +87,25 @@ ShardIndex read_index_file(const std::string& path) {
   DT_INPUT_CHECK(n > 0 && bytes.size() == n && mtimes.size() == n && ix.rows.size() == n,
                  "'" << path << "' lists " << n << " names, " << bytes.size() << " sizes, " << mtimes.size()
                      << " times and " << ix.rows.size() << " row counts");
+  // Every row is a label of this file, so the sum of the row counts is bounded by its size.
+  int64_t samples = 0;
   for (size_t s = 0; s < n; ++s) {
-    DT_INPUT_CHECK(ix.rows[s] >= 0, "'" << path << "' gives shard '" << ix.names[s] << "' " << ix.rows[s] << " rows");
+    DT_INPUT_CHECK(ix.rows[s] >= 0 && ix.rows[s] <= static_cast<int64_t>(ix.labels.size()) - samples,
+                   "'" << path << "' gives shard '" << ix.names[s] << "' " << ix.rows[s] << " rows, but holds "
+                       << ix.labels.size() << " labels in all");
+    samples += ix.rows[s];
     ix.stamps.push_back({bytes[s], mtimes[s]});
   }
-  const int64_t samples = std::accumulate(ix.rows.begin(), ix.rows.end(), int64_t{0});
   DT_INPUT_CHECK(samples == static_cast<int64_t>(ix.labels.size()),
                  "'" << path << "' counts " << samples << " rows but holds " << ix.labels.size() << " labels");
   std::vector<int64_t> shape, classes;
-  DT_INPUT_CHECK(h5::read_attr_i64(f, "sample_shape", shape) && !shape.empty() && shape_numel(Shape(shape)) > 0 &&
+  DT_INPUT_CHECK(h5::read_attr_i64(f, "sample_shape", shape) && !shape.empty() &&
+                     std::all_of(shape.begin(), shape.end(), [](int64_t d) { return d > 0; }) &&
                      h5::read_attr_i64(f, "num_classes", classes) && classes.size() == 1 && classes[0] > 0 &&
                      classes[0] <= std::numeric_limits<int32_t>::max(),
                  "'" << path << "' has no valid sample_shape and num_classes attributes");
   ix.sample_shape = Shape(shape);
+  check_rows_fit_shards(ix, path);
   ix.num_classes = static_cast<int>(classes[0]);
   h5::read_attr_strings(f, "class_names", ix.class_names);
   const bool mean = h5::read_attr_f64(f, "mean", ix.mean), stdev = h5::read_attr_f64(f, "std", ix.std);

@@ -1,15 +1,19 @@
 #include "dtrain/nn/model_file.h"
 
+#include <algorithm>
 #include <boost/property_tree/ini_parser.hpp>
 #include <boost/property_tree/json_parser.hpp>
 #include <boost/property_tree/ptree.hpp>
 #include <charconv>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include "dtrain/nn/models.h"
 #include "dtrain/nn/vision.h"
@@ -22,12 +26,48 @@ namespace pt = boost::property_tree;
 using Tree = pt::ptree;
 using Args = std::map<std::string, std::string>;
 
+// Boost's JSON parser, write_json and a tree's destructor recurse once per level of nesting, so a
+// file of a few thousand brackets would overflow the stack before any check: deeper files are
+// refused before they are parsed. A model file is small text; a larger one is refused unread.
+constexpr int kMaxNesting = 64;
+constexpr uintmax_t kMaxModelFileBytes = uintmax_t{16} << 20;
+// An integer field (a width, kernel, stride, padding) is at most this, so the shapes computed from
+// them stay far from int64's end; the model's size is bounded by ModelBudget.
+constexpr int64_t kMaxField = int64_t{1} << 30;
+
+// The deepest nesting of objects and arrays in JSON text `json`, counted up to kMaxNesting + 1.
+int json_nesting(std::string_view json) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : json) {
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      deepest = std::max(deepest, ++depth);
+      if (deepest > kMaxNesting) break;
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 // INI sections are paths in the tree ("layers/3/body/0"); section [model] holds the top-level keys.
 // A section met again, or after one below it, adds its keys to the same node.
 Tree tree_of_ini(const Tree& ini) {
   Tree tree;
   for (const auto& [section, keys] : ini) {
     Tree* node = &tree;
+    if (std::count(section.begin(), section.end(), '/') >= kMaxNesting)
+      throw pt::ptree_error("section [" + section.substr(0, 64) + "...] nests deeper than " +
+                            std::to_string(kMaxNesting) + " levels");
     if (section != "model") {
       std::stringstream parts(section);
       for (std::string part; std::getline(parts, part, '/');) {
@@ -35,12 +75,18 @@ Tree tree_of_ini(const Tree& ini) {
         node = it != node->not_found() ? &it->second : &node->push_back({part, Tree()})->second;
       }
     }
-    for (const auto& [key, value] : keys) node->put_child(pt::ptree::path_type(key, '\0'), value);
+    for (const auto& [key, value] : keys) {
+      if (key.empty() || key.find('\0') != std::string::npos)  // put_child asserts on an empty path
+        throw pt::ptree_error("section [" + section.substr(0, 64) + "] has a key without a name or with a NUL byte");
+      node->put_child(pt::ptree::path_type(key, '\0'), value);
+    }
   }
   return tree;
 }
 
 Tree parse_definition(const std::string& definition) {
+  if (json_nesting(definition) > kMaxNesting)
+    throw pt::ptree_error("it nests objects and lists deeper than " + std::to_string(kMaxNesting) + " levels");
   Tree tree;
   std::istringstream in(definition);
   pt::read_json(in, tree);
@@ -57,8 +103,8 @@ struct Layer {
 
 class DefinitionBuilder {
  public:
-  DefinitionBuilder(const Tree& def, const ModelSpec& spec, Rng& rng)
-      : def_(def), spec_(spec), rng_(rng), dropout_seed_(derive_seed(spec.seed, 99)) {
+  DefinitionBuilder(const Tree& def, const ModelSpec& spec, Rng& rng, ModelBudget& budget)
+      : def_(def), spec_(spec), rng_(rng), budget_(budget), dropout_seed_(derive_seed(spec.seed, 99)) {
     where_ = "model " + spec.name + (spec.definition_source.empty() ? "" : " (" + spec.definition_source + ")");
     if (auto blocks = def.get_child_optional("blocks"))
       for (const auto& [name, block] : *blocks) blocks_[name] = &block;
@@ -109,8 +155,9 @@ class DefinitionBuilder {
     if (*s == "classes") return spec_.classes;
     int64_t v = 0;
     auto [end, ec] = std::from_chars(s->data(), s->data() + s->size(), v);
-    if (ec != std::errc() || end != s->data() + s->size() || v < min)
-      fail(l, "field \"" + key + "\" must be an integer >= " + std::to_string(min) + ", got '" + *s + "'");
+    if (ec != std::errc() || end != s->data() + s->size() || v < min || v > kMaxField)
+      fail(l, "field \"" + key + "\" must be an integer in [" + std::to_string(min) + ", " + std::to_string(kMaxField) +
+                  "], got '" + *s + "'");
     return v;
   }
 
@@ -175,17 +222,25 @@ class DefinitionBuilder {
     if (type.empty()) fail(probe, "needs field \"type\"");
     const Layer l{node, path, type, args};
     if (depth > 32) fail(l, "blocks nest deeper than 32 levels (a block that contains itself?)");
-    if (auto m = image_layer(l, shape)) return m;
-    if (auto m = vector_layer(l, shape)) return m;
-    if (auto m = token_layer(l, shape)) return m;
-    if (type == "sequential") {
+    budget_.add_layer(l.path, type);
+    ModulePtr m = leaf_layer(l, shape);
+    if (m) {
+      budget_.output(l.path, type, shape);
+    } else if (type == "sequential") {
       only(l, {"layers"});
       auto list = node.get_child_optional("layers");
       if (!list || list->empty()) fail(l, "needs a \"layers\" list");
-      return sequence(*list, path, args, shape, depth + 1);
+      m = sequence(*list, path, args, shape, depth + 1);
+    } else {
+      m = type == "residual" ? residual(l, shape, depth) : block(l, shape, depth);
     }
-    if (type == "residual") return residual(l, shape, depth);
-    return block(l, shape, depth);
+    return m;
+  }
+
+  ModulePtr leaf_layer(const Layer& l, Shape& shape) {
+    if (auto m = image_layer(l, shape)) return m;
+    if (auto m = vector_layer(l, shape)) return m;
+    return token_layer(l, shape);
   }
 
   // Layers over images (C, H, W).
@@ -199,6 +254,7 @@ class DefinitionBuilder {
       if (shape[1] + 2 * pad < k || shape[2] + 2 * pad < k)
         fail(l, "input " + shape_str(shape) + " is smaller than kernel " + std::to_string(k) + " with padding " +
                     std::to_string(pad));
+      budget_.take(l.path, l.type, {{out, shape[0], k, k}, {boolean(l, "bias", true) ? out : 0}});
       auto m = std::make_unique<Conv2d>(shape[0], out, k, s, pad, boolean(l, "bias", true), rng_);
       shape = {out, g.out_h(), g.out_w()};
       return m;
@@ -216,6 +272,7 @@ class DefinitionBuilder {
     if (l.type == "batchnorm") {
       only(l, {"eps", "momentum"});
       need_image(l, shape);
+      budget_.take(l.path, l.type, {{shape[0]}, {shape[0]}});
       return std::make_unique<BatchNorm2d>(shape[0], real(l, "eps", 1e-5f, 0.f, 1.f),
                                            real(l, "momentum", 0.1f, 0.f, 1.f));
     }
@@ -233,12 +290,14 @@ class DefinitionBuilder {
     if (l.type == "linear") {
       only(l, {"out", "bias"});
       const int64_t out = integer(l, "out", {});
+      budget_.take(l.path, l.type, {{out, shape.back()}, {boolean(l, "bias", true) ? out : 0}});
       auto m = std::make_unique<Linear>(shape.back(), out, boolean(l, "bias", true), rng_);
       shape.back() = out;
       return m;
     }
     if (l.type == "layernorm") {
       only(l, {"eps"});
+      budget_.take(l.path, l.type, {{shape.back()}, {shape.back()}});
       return std::make_unique<LayerNorm>(shape.back(), real(l, "eps", 1e-5f, 0.f, 1.f));
     }
     if (l.type == "flatten") {
@@ -263,6 +322,7 @@ class DefinitionBuilder {
       only(l, {"class_token"});
       need_image(l, shape);
       const bool cls = boolean(l, "class_token", true);
+      budget_.take(l.path, l.type, {{cls ? shape[0] : 0}});
       auto m = std::make_unique<PatchTokens>(shape[0], cls);
       shape = {shape[1] * shape[2] + (cls ? 1 : 0), shape[0]};
       return m;
@@ -272,6 +332,7 @@ class DefinitionBuilder {
     const int64_t width = shape[1];
     if (l.type == "position_embedding") {
       only(l, {});
+      budget_.take(l.path, l.type, {{shape[0], width}});
       return std::make_unique<PositionEmbedding>(shape[0], width, rng_);
     }
     if (l.type == "first_token") {
@@ -283,7 +344,11 @@ class DefinitionBuilder {
     const int64_t heads = integer(l, "heads", {});
     if (width % heads != 0)
       fail(l, "width " + std::to_string(width) + " is not a multiple of heads " + std::to_string(heads));
-    return make_vit_block(width, heads, integer(l, "mlp", 4 * width), real(l, "eps", 1e-6f, 0.f, 1.f), rng_);
+    const int64_t mlp = integer(l, "mlp", 4 * width);
+    // Two LayerNorms, the attention's in_proj [3D, D] and out_proj [D, D], the MLP's two Linears.
+    budget_.take(l.path, l.type,
+                 {{4, width}, {3 * width, width + 1}, {width, width + 1}, {mlp, width + 1}, {width, mlp + 1}});
+    return make_vit_block(width, heads, mlp, real(l, "eps", 1e-6f, 0.f, 1.f), rng_);
   }
 
   // body(x) + shortcut(x), then `after`. "shortcut": a list of layers, "projection" (a 1x1
@@ -332,6 +397,7 @@ class DefinitionBuilder {
       fail(l, "a projection shortcut needs images, its body gives " + shape_str(out));
     const int64_t stride = (in[1] + out[1] - 1) / out[1];
     const Conv2dGeom g{1, in[0], in[1], in[2], out[0], 1, 1, stride, 0};
+    budget_.take(l.path + ".shortcut", "projection", {{out[0], in[0]}, {2, out[0]}});
     auto p = std::make_unique<Sequential>();
     p->add(std::make_unique<Conv2d>(in[0], out[0], 1, stride, 0, false, rng_));
     p->add(std::make_unique<BatchNorm2d>(out[0]));
@@ -370,6 +436,7 @@ class DefinitionBuilder {
   const Tree& def_;
   const ModelSpec& spec_;
   Rng& rng_;
+  ModelBudget& budget_;
   uint64_t dropout_seed_;
   std::string where_;
   std::map<std::string, const Tree*> blocks_;
@@ -380,15 +447,27 @@ class DefinitionBuilder {
 
 std::string read_model_file(const std::string& path) {
   DT_INPUT_CHECK(std::filesystem::is_regular_file(path), "model file '" << path << "' does not exist");
+  std::error_code ec;
+  const uintmax_t bytes = std::filesystem::file_size(path, ec);
+  DT_INPUT_CHECK(!ec && bytes <= kMaxModelFileBytes, "model file '" << path << "' holds " << bytes
+                                                                    << " bytes, more than a model file's "
+                                                                    << kMaxModelFileBytes);
+  std::ifstream file(path, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  DT_INPUT_CHECK(file, "cannot read model file '" << path << "'");
   const std::string ext = std::filesystem::path(path).extension().string();
+  const bool ini = ext == ".ini" || ext == ".cfg";
+  DT_INPUT_CHECK(ini || json_nesting(text) <= kMaxNesting,
+                 "model file '" << path << "' nests objects and lists deeper than " << kMaxNesting << " levels");
   Tree tree;
   try {
-    if (ext == ".ini" || ext == ".cfg") {
-      Tree ini;
-      pt::read_ini(path, ini);
-      tree = tree_of_ini(ini);
+    std::istringstream in(text);
+    if (ini) {
+      Tree sections;
+      pt::read_ini(in, sections);
+      tree = tree_of_ini(sections);
     } else {
-      pt::read_json(path, tree);
+      pt::read_json(in, tree);
     }
   } catch (const pt::file_parser_error& e) {
     throw InputError("model file '" + path + "'" + (e.line() ? " line " + std::to_string(e.line()) : "") + ": " +
@@ -401,21 +480,33 @@ std::string read_model_file(const std::string& path) {
                                                                         << "language model's (--model gpt)");
   std::ostringstream out;
   pt::write_json(out, tree, false);
+  // The definition a checkpoint keeps must read back: write_json passes bytes that are not UTF-8
+  // (an INI file's) through unchecked, and read_json refuses them.
+  try {
+    parse_definition(out.str());
+  } catch (const pt::ptree_error& e) {
+    throw InputError("model file '" + path + "' does not give a definition that reads back (" + e.what() +
+                     "; text that is not UTF-8?)");
+  }
   return out.str();
 }
 
 std::string model_definition_name(const std::string& definition) {
-  return parse_definition(definition).get<std::string>("name", "");
+  try {
+    return parse_definition(definition).get<std::string>("name", "");
+  } catch (const pt::ptree_error& e) {
+    throw InputError(std::string("a model definition does not parse: ") + e.what());
+  }
 }
 
-std::unique_ptr<Sequential> build_model_definition(const ModelSpec& spec, Rng& rng) {
+std::unique_ptr<Sequential> build_model_definition(const ModelSpec& spec, Rng& rng, ModelBudget& budget) {
   Tree def;
   try {
     def = parse_definition(spec.definition);
   } catch (const pt::ptree_error& e) {
     throw InputError("model " + spec.name + ": its stored definition does not parse: " + e.what());
   }
-  return DefinitionBuilder(def, spec, rng).model();
+  return DefinitionBuilder(def, spec, rng, budget).model();
 }
 
 }  // namespace dtrain::nn

@@ -89,11 +89,23 @@ std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s) {
   cfg.layers = cfg_it->second[2];
   cfg.heads = cfg_it->second[3];
   cfg.width = cfg_it->second[4];
+  // The attributes size the model: it is built only when the checkpoint's tensors hold as many
+  // parameters as they ask for (each then has to match in shape).
+  int64_t held = 0;
+  for (const auto& [name, t] : s.tensors)
+    if (name.starts_with("param/")) held += t.numel();
+  const int64_t wanted = nn::gpt_parameter_count(cfg);
+  DT_INPUT_CHECK(wanted >= 0 && wanted <= held,
+                 "the checkpoint's attribute gpt "
+                     << shape_str(cfg_it->second) << " (vocab, context, layers, heads, width) asks for "
+                     << (wanted < 0 ? std::string("non-positive sizes or more than 2^63") : std::to_string(wanted))
+                     << " parameters; its tensors hold " << held);
   auto model = std::make_unique<nn::Gpt>(cfg);
   for (nn::Parameter* p : model->parameters()) {
     auto t = s.tensors.find("param/" + p->name);
-    DT_INPUT_CHECK(t != s.tensors.end() && t->second.numel() == p->value.numel(),
-                   "the checkpoint lacks parameter " << p->name << " of " << p->value.str());
+    DT_INPUT_CHECK(
+        t != s.tensors.end() && t->second.numel() == p->value.numel() && t->second.dtype() == p->value.dtype(),
+        "the checkpoint lacks parameter " << p->name << " of " << p->value.str());
     p->value.copy_from(t->second);
   }
   return model;

@@ -574,17 +574,30 @@ ImageCheckpoint image_model_from_checkpoint(const std::string& path, CheckpointS
     c.spec.definition_source = "checkpoint " + path;
   }
   DT_INPUT_CHECK(!c.spec.name.empty(), "checkpoint '" << path << "' holds no image model");
+  // The attributes size the model: every layer is checked, before it allocates, against the
+  // parameters the file holds (it must hold them all), not against what the attributes ask for.
+  int64_t held = 0;
+  for (const auto& [name, t] : s.tensors)
+    if (name.starts_with("param/")) held += t.numel();
+  c.spec.limits.parameters = held;
+  c.spec.limits.parameters_from = "the " + std::to_string(held) + " parameters checkpoint '" + path +
+                                  "' holds (attributes model, input_shape, hidden, channels, classes" +
+                                  (c.spec.definition.empty() ? ")" : ", model_definition)");
   c.model = nn::make_sequential_model(c.spec);
   for (nn::Parameter* p : c.model->parameters()) {
     auto it = s.tensors.find("param/" + p->name);
-    DT_INPUT_CHECK(it != s.tensors.end() && it->second.shape() == p->value.shape(),
-                   "checkpoint '" << path << "' does not hold parameter " << p->name << " of shape "
-                                  << shape_str(p->value.shape()));
+    DT_INPUT_CHECK(
+        it != s.tensors.end() && it->second.shape() == p->value.shape() && it->second.dtype() == p->value.dtype(),
+        "checkpoint '" << path << "' does not hold parameter " << p->name << " as " << dtype_name(p->value.dtype())
+                       << shape_str(p->value.shape()));
     p->value.copy_from(it->second);
   }
   for (nn::Buffer* b : c.model->buffers()) {
     auto it = s.tensors.find("buffer/" + b->name);
-    DT_INPUT_CHECK(it != s.tensors.end(), "checkpoint '" << path << "' does not hold buffer " << b->name);
+    DT_INPUT_CHECK(
+        it != s.tensors.end() && it->second.shape() == b->value.shape() && it->second.dtype() == b->value.dtype(),
+        "checkpoint '" << path << "' does not hold buffer " << b->name << " as " << dtype_name(b->value.dtype())
+                       << shape_str(b->value.shape()));
     b->value.copy_from(it->second);
   }
   c.model->eval();

@@ -133,12 +133,13 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch, bool wait) {
   CheckpointState s = checkpoint_state(epoch, batch_in_epoch, std::exchange(snapshot_arena_, {}));
   const std::string file = checkpoint_file(cfg_.checkpoint_dir, step_);
   bool parts = false;
+  SavedFile rank_part;
   {
     CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
-    parts = write_compression_parts(file, dp_.get(), &world_, step_, cfg_.compression, run_id_);
+    parts = write_compression_parts(file, dp_.get(), &world_, step_, cfg_.compression, run_id_, &rank_part);
   }
   s.ints["compression_ranks"] = parts ? world_.size() : 0;  // ranks with a <checkpoint>.rank<r> part
-  write_checkpoint_set(file, s, wait || !cfg_.checkpoint_async || cfg_.pp > 1);
+  write_checkpoint_set(file, s, parts ? &rank_part : nullptr, wait || !cfg_.checkpoint_async || cfg_.pp > 1);
   const double stall = now_s() - t0;
   result_.checkpoint_stall_s += stall;
   if (pending_) {
@@ -167,13 +168,24 @@ Trainer::CheckpointWaits::CheckpointWaits(comm::Communicator& world, double time
 }
 Trainer::CheckpointWaits::~CheckpointWaits() { world_.set_timeout(before_); }
 
-void Trainer::write_checkpoint_set(const std::string& file, CheckpointState& s, bool wait) {
+// Every part is on the disk (written, synced, renamed) before the main file lists it in its manifest
+// and is written itself; the older sets are pruned only after that, so until the new set is durable
+// the previous one stays whole, also under --keep-checkpoints 1.
+void Trainer::write_checkpoint_set(const std::string& file, CheckpointState& s, const SavedFile* rank_part, bool wait) {
   const bool writer = grid_->dp_rank() == 0 && grid_->tp_rank() == 0, first = grid_->pp_rank() == 0;
+  {
+    CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
+    SavedFile stage_part;
+    if (wait)  // (a background write has one stage)
+      comm::agree_on_inputs(world_, [&] {
+        if (writer && !first) stage_part = save_checkpoint(stage_part_file(file, grid_->pp_rank()), s);
+      });
+    const bool staged = wait && writer && !first;
+    add_manifest(s, gather_set_parts(&world_, grid_->pp_rank(), rank_part, staged ? &stage_part : nullptr),
+                 world_.size());
+  }
   if (wait) {
     CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
-    comm::agree_on_inputs(world_, [&] {
-      if (writer && !first) save_checkpoint(stage_part_file(file, grid_->pp_rank()), s);
-    });
     comm::agree_on_inputs(world_, [&] {
       if (!writer || !first) return;
       save_checkpoint(file, s);
@@ -219,13 +231,15 @@ bool Trainer::same_layout(CheckpointState& s) const {
   return s.ints["tp"] == cfg_.tp && s.ints["pp_stages"] == cfg_.pp;
 }
 
-// The set of `file` read whole and checked: the main file, every stage's part and, where this run
-// takes them, every rank's compression part present and this rank's (kept in `part`) of the same step
-// and run, each passing its checksums. Collective: the ranks agree, so all take the same set.
+// The set of `file` read whole and checked: the main file, every part its manifest lists (present,
+// of its size, checksum, run, step, rank and stage), every stage's part and, where this run takes
+// them, every rank's compression part present and this rank's (kept in `part`) of the same step and
+// run, each passing its checksums. Collective: the ranks agree, so all take the same set or skip it.
 CheckpointState Trainer::load_verified_set(const std::string& file, CheckpointState& part) {
   CheckpointState s;
   comm::agree_on_inputs(world_, [&] {
     s = load_checkpoint_set(file);
+    check_manifest(s, file, rank_, world_.size());  // every part listed, the checks shared among the ranks
     part = uses_compression_parts(s, dp_.get(), world_.size(), cfg_.compression, same_layout(s), nullptr)
                ? load_rank_part(s, file, rank_, world_.size())
                : CheckpointState{};

@@ -11,7 +11,8 @@ bin=$1 fmnist=$2 work=$3
 here=$(cd "$(dirname "$0")" && pwd)
 check="$here/../../benchmarks/peers/check_export.py"
 if ! /usr/bin/python3 -c "import torch, numpy, h5py" 2>/dev/null; then
-  echo "SKIP: /usr/bin/python3 lacks torch, numpy or h5py (scripts/install-deps.sh with DTRAIN_WITH_PEERS=1)"
+  echo "skipped: no PyTorch (/usr/bin/python3 lacks torch, numpy or h5py; scripts/install-deps.sh installs them" \
+    "unless DTRAIN_WITH_PYTORCH=0)"
   exit 77
 fi
 rm -rf "$work" && mkdir -p "$work"

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <filesystem>
@@ -292,6 +293,53 @@ TEST(CliMpi, AnErrorOnRankZeroOnlyEndsEveryRankAtOnce) {
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_EQ(count(r.out, "/proc/no/such/m.jsonl"), 1u) << r.out;
   EXPECT_LT(s, 30.0) << "a rank waited for the failed one";
+}
+
+// A validation shard that only rank 1 finds corrupt (each rank runs in a folder of its own with its
+// own copy of the test set, as nodes with node-local copies would): the shard is opened on its first
+// read at the epoch's end, outside every agreed check. Rank 1's own message is printed, naming it
+// and the file, and the job ends within seconds with the bad-input status on every rank.
+TEST(CliMpi, AnInputErrorOnOneRankAloneIsHeardAndEndsTheJob) {
+  const std::string dir = dtrain::test::temp_dir("cli-lone-error");
+  dtrain::test::make_band_dataset(dir + "/train", 400, 28, 4, 200);
+  for (const char* r : {"rank0", "rank1"}) dtrain::test::make_band_dataset(dir + "/" + r + "/test", 200, 28, 4, 100);
+  std::vector<fs::path> shards;
+  for (const auto& e : fs::directory_iterator(dir + "/rank1/test"))
+    if (e.path().extension() == ".h5" && e.path().filename() != "shards.index") shards.push_back(e.path());
+  ASSERT_EQ(shards.size(), 2u);
+  std::sort(shards.begin(), shards.end());
+  const fs::path bad = shards.back();
+  const auto stamp = fs::last_write_time(bad);  // the same size and time: shards.index still trusts it
+  {
+    std::fstream f(bad, std::ios::in | std::ios::out | std::ios::binary);
+    f.write("\0\0\0\0\0\0\0\0", 8);  // the HDF5 signature gone
+  }
+  fs::last_write_time(bad, stamp);
+  auto t0 = std::chrono::steady_clock::now();
+  Result r = shell("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n 2 "
+                   "--oversubscribe --bind-to none sh -c 'cd " + dir + "/rank$OMPI_COMM_WORLD_RANK && exec " +
+                   DTRAIN_BINARY_DIR + "/dtrain train --data " + dir + "/train --test-data test --model mlp "
+                   "--hidden 16 --epochs 1 --threads 1 --progress off' 2>&1");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex("rank 1 on [^)]*\\): dtrain train: error: .*" +
+                                                      bad.filename().string() + ".*found by this rank alone")))
+      << r.out;
+  EXPECT_LT(s, 30.0) << r.out;
+  fs::remove_all(dir);
+}
+
+// A rank that never reaches MPI_Init (the DTRAIN_TEST_START_DELAY hook): the others do not wait for
+// it past the start-up deadline (DTRAIN_COMM_TIMEOUT), and say which phase it was.
+TEST(CliMpi, ARankThatNeverStartsEndsTheJobAtTheStartUpDeadline) {
+  auto t0 = std::chrono::steady_clock::now();
+  Result r = shell("DTRAIN_COMM_TIMEOUT=3 DTRAIN_TEST_START_DELAY=1:60 OMPI_ALLOW_RUN_AS_ROOT=1 "
+                   "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n 2 --oversubscribe --bind-to none " +
+                   std::string(DTRAIN_BINARY_DIR) + "/dtrain info 2>&1");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("MPI start-up (MPI_Init) did not finish within 3 s"), std::string::npos) << r.out;
+  EXPECT_LT(s, 40.0) << r.out;
 }
 
 // README "Exit statuses": the same status on every rank, one per kind of ending.

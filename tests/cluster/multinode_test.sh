@@ -12,6 +12,10 @@
 #   multinode_test.sh node-loss BIN DATA WORK  a node's link goes down mid-run: the other node's
 #                                              ranks exit within the comm timeout naming the node,
 #                                              the job ends, the last checkpoint resumes
+#   multinode_test.sh restart   BIN WORK       train-multinode.sbatch -N 2 on a 2-node SLURM; emu2 dies
+#                                              mid-run (every process on it killed): the job relaunches
+#                                              2 ranks on emu1 inside its allocation, resumes from its
+#                                              newest checkpoint and finishes
 #   multinode_test.sh data      BIN DATA WORK  the training set read on 2 nodes x 2 ranks: the job-
 #                                              wide store (chosen by auto past a node's budget)
 #                                              and the node-shared cache train on the batches of
@@ -115,6 +119,48 @@ case "$mode" in
     SBATCH_SHAPE="-N 2 --ntasks-per-node=2" preempt_job dtrain 600 --synthetic --model mlp --threads 1 --progress off \
       --log-every 50
     for out in "$work"/dtrain-*.out; do grep -q "dtrain: 4 ranks on 2 nodes" "$out" || fail "$out: not on 2 nodes"; done
+    ;;
+  restart)
+    bin=$2 work=$3
+    rm -rf "$work" && mkdir -p "$work"
+    start_cluster --nodes 2 --slurm
+    for c in sbatch scontrol scancel sinfo; do eval "$c() { on emu1 $c \"\$@\"; }"; done
+    source "$root/tests/cluster/slurm_lib.sh"
+    export DTRAIN_BIN=$bin
+    steps=1200
+    id=$(DTRAIN_COMM_TIMEOUT=10 DTRAIN_GPUS_PER_TASK= sbatch --parsable -N 2 --ntasks-per-node=2 --gpus-per-task=0 \
+      --cpus-per-task=1 --job-name=dtrain-restart "$root/cluster/slurm/train-multinode.sbatch" --synthetic --model mlp \
+      --steps $steps --threads 1 --progress off --log-every 50 --checkpoint-every 100 --max-restarts 1)
+    metrics="$work/runs/dtrain-restart-$id/metrics.jsonl"
+    for ((i = 0; i < 1500; ++i)); do
+      grep -Eq '"step": (2[5-9][0-9]|[3-9][0-9]{2}|[0-9]{4})' "$metrics" 2>/dev/null && break
+      sleep 0.2
+    done
+    grep -q '"step": ' "$metrics" || { cat "$work/dtrain-$id.out"; fail "the job did not start training"; }
+    # emu2 dies: every process on it (slurmd, its step daemon, its 2 ranks) but the namespaces' holder.
+    holder=$(cat "$work/emu/nodes/emu2/pid")
+    for p in $(ip netns pids emu2); do [[ $p == "$holder" ]] || kill -KILL "$p" 2>/dev/null || true; done
+    died=$(grep -o '"step": [0-9]*' "$metrics" | tail -1 | grep -o '[0-9]*$')
+    echo "emu2 killed after step $died was logged"
+    state=$(wait_job "$id" 400)
+    out="$work/dtrain-$id.out"
+    cat "$out"
+    [[ "$state" == COMPLETED ]] || fail "job $id ended $state"
+    grep -Eq "restart 1/1 inside the allocation: lost emu2; 2 ranks on emu1 resume from step [0-9]+" "$out" ||
+      fail "no restart on emu1 without emu2 in the log"
+    resume=$(grep -o 'ranks on emu1 resume from step [0-9]*' "$out" | grep -o '[0-9]*$')
+    ((resume > 0 && resume % 100 == 0)) || fail "resumed from step '$resume', not a checkpoint's"
+    grep -Eq "resumed from .*ckpt-step0*$resume.h5 at step $resume( |\$)" "$out" || fail "dtrain did not resume at step $resume"
+    grep -q "dtrain: 2 ranks on 1 node; launcher SLURM" "$out" || fail "the relaunch did not run 2 ranks on 1 node"
+    grep -q '"event": "restart", "restart": 1, "lost_nodes": "emu2", "ranks": 2, "nodes": "emu1"' "$metrics" ||
+      fail "no restart event in $metrics"
+    grep -q "resume: 4 -> 2 rank(s), global batch 256 -> 128" "$out" || fail "the relaunch did not say how the world changed"
+    # The epoch goes on at the sample it reached: step R of 256 samples is batch 2R of 128, so the
+    # epoch of $steps batches of 128 ends at step $steps - R.
+    grep -q "\"summary\": \"run\", \"steps\": $((steps - resume))," "$metrics" ||
+      fail "the run did not finish its epoch at step $((steps - resume))"
+    lost=$(grep -o '"steps_lost": [0-9]*' "$metrics" | grep -o '[0-9]*$')
+    echo "PASS: emu2 lost after step $died; 2 ranks on emu1 resumed at step $resume inside job $id ($lost logged steps lost), finished the epoch at step $((steps - resume))"
     ;;
   node-loss)
     bin=$2 data=$3 work=$4

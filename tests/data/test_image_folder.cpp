@@ -2,6 +2,9 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <string>
+
+#include <zlib.h>
 
 #include "data_test_util.h"
 #include "dtrain/data/dataset.h"
@@ -59,9 +62,38 @@ TEST(ImageDecode, BrokenFilesNameThemselves) {
   testing::write_jpeg(tmp / "cut.jpg", 40, 40, 3, px);
   fs::resize_file(tmp / "cut.jpg", fs::file_size(tmp / "cut.jpg") / 2);
   expect_input_error([&] { decode_image(tmp / "cut.jpg", 3); }, {"cut.jpg", "not a readable JPEG"});
+  // Its data segment ended by the end marker: libjpeg would fill the rest with grey (a file of a few
+  // hundred bytes could decode to the largest image its header declares).
+  testing::write_jpeg(tmp / "ended.jpg", 40, 40, 3, px);
+  fs::resize_file(tmp / "ended.jpg", fs::file_size(tmp / "ended.jpg") / 2);
+  std::ofstream(tmp / "ended.jpg", std::ios::binary | std::ios::app) << "\xff\xd9";
+  expect_input_error([&] { decode_image(tmp / "ended.jpg", 3); },
+                     {"ended.jpg", "not a readable JPEG", "premature end of data segment"});
   testing::write_png(tmp / "cut.png", 40, 40, 3, px);
   fs::resize_file(tmp / "cut.png", fs::file_size(tmp / "cut.png") / 2);
   expect_input_error([&] { decode_image(tmp / "cut.png", 3); }, {"cut.png", "not a readable PNG"});
+}
+
+// A PNG chunk: length, type, data, CRC-32 of type and data.
+std::string png_chunk(const std::string& type, const std::string& data) {
+  auto be32 = [](uint32_t x) {
+    return std::string{static_cast<char>(x >> 24), static_cast<char>(x >> 16), static_cast<char>(x >> 8),
+                       static_cast<char>(x)};
+  };
+  const std::string body = type + data;
+  return be32(static_cast<uint32_t>(data.size())) + body +
+         be32(static_cast<uint32_t>(crc32(0, reinterpret_cast<const Bytef*>(body.data()), body.size())));
+}
+
+// A PNG header may declare any size; pixels the file cannot hold (deflate expands at most 1032
+// times, a pixel takes at least a bit) are refused before the image is allocated.
+TEST(ImageDecode, APngDeclaringMorePixelsThanItsBytesCanHoldIsRefused) {
+  TempDir tmp;
+  const std::string ihdr = std::string("\x00\x00\x3a\x98\x00\x00\x3a\x98\x08\x02\x00\x00\x00", 13);  // 15000^2 RGB
+  std::ofstream(tmp / "bomb.png", std::ios::binary) << std::string("\x89PNG\r\n\x1a\n", 8) << png_chunk("IHDR", ihdr)
+                                                    << png_chunk("IDAT", std::string(12, 'x')) << png_chunk("IEND", "");
+  expect_input_error([&] { decode_image(tmp / "bomb.png", 3); },
+                     {"bomb.png' declares 15000 x 15000 pixels, more than the ", " accepted for a file of its size"});
 }
 
 TEST(ImageResize, CropsTheCentreOfTheShorterSideResize) {

@@ -3,14 +3,17 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 
-#include <cstring>
 #include <atomic>
+#include <cstring>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <thread>
 
 #include "data_test_util.h"
 #include "dtrain/core/rng.h"
 #include "dtrain/data/dataset.h"
+#include "dtrain/data/hdf5_util.h"
 #include "dtrain/data/shard_index.h"
 
 namespace dtrain::data {
@@ -202,6 +205,52 @@ TEST(ShardIndex, WritingOneChecksEveryShard) {
   expect_input_error([&] { write_shard_index(tmp / "d"); }, {"shard-00004.h5", "not an HDF5 file"});
   EXPECT_FALSE(fs::exists(tmp / "d/shards.index"));
   expect_input_error([&] { write_shard_index(tmp / "nowhere"); }, {"nowhere", "not a folder of shards"});
+}
+
+// Edits the index of `dir` in place through HDF5 (a crafted index): `edit` gets the open file.
+void edit_index(const std::string& dir, const std::function<void(hid_t)>& edit) {
+  auto lock = h5::lock();
+  h5::Handle f = h5::file(H5Fopen((dir + "/shards.index").c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+  ASSERT_TRUE(f.valid());
+  edit(f.get());
+}
+
+// Sizes a run derives from the index (a row's bytes, a shard's, their sums) are overflow-checked and
+// bounded by the shards' files the index records, so a crafted index cannot ask for terabytes.
+TEST(ShardIndex, SizesItStatesAreBoundedByTheShardsFiles) {
+  TempDir tmp;
+  make_dataset(tmp / "d");
+  const std::string dir = tmp / "d";
+  auto opened = [&] { return ShardedHdf5Dataset(dir).info().opened; };
+  auto with_shape = [&](std::vector<int64_t> shape) {
+    edit_index(dir, [&](hid_t f) { ASSERT_TRUE(h5::write_attr_i64(f, "sample_shape", shape)); });
+  };
+  with_shape({int64_t{1} << 40, int64_t{1} << 40, 1});
+  std::string why = opened();
+  EXPECT_TRUE(has(why,
+                  "shards.index': attribute sample_shape: shape [1099511627776, 1099511627776, 1] has more "
+                  "than 2^63 elements"))
+      << why;
+  with_shape({1, 4, int64_t{1} << 30});  // 10 rows of 4 GiB in a shard of a few KiB
+  why = opened();
+  EXPECT_TRUE(has(why, "gives shard 'shard-00000.h5' 10 rows of [1, 4, 1073741824] bytes, more than its ")) << why;
+  with_shape({1, -4, -3});
+  EXPECT_TRUE(has(opened(), "no valid sample_shape"));
+  with_shape({1, 4, 3});
+  EXPECT_TRUE(has(opened(), "from shards.index"));
+
+  // Row counts whose sum wraps around int64 to the number of labels.
+  std::vector<int64_t> rows(10, 0);
+  rows[0] = std::numeric_limits<int64_t>::max();
+  rows[1] = std::numeric_limits<int64_t>::max();
+  rows[2] = 97;  // 2 * (2^63 - 1) + 97 = 95 mod 2^64
+  edit_index(dir, [&](hid_t f) {
+    h5::Handle d = h5::dataset(H5Dopen2(f, "rows", H5P_DEFAULT));
+    ASSERT_GE(H5Dwrite(d.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()), 0);
+  });
+  why = opened();
+  EXPECT_TRUE(has(why, "gives shard 'shard-00000.h5' 9223372036854775807 rows, but holds 95 labels in all")) << why;
+  EXPECT_EQ(ShardedHdf5Dataset(dir).size(), 95);
 }
 
 }  // namespace

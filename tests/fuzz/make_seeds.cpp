@@ -2,15 +2,19 @@
 //   fuzz_make_seeds <tests/fuzz/corpus> <repository root>
 // Run by hand after a change of a file format; the corpus is kept in the repository. With a third
 // argument, <tests/fuzz/regressions>, it writes the hand-made regression inputs there instead.
+#include <png.h>
 #include <zlib.h>
-
+// jpeglib.h needs size_t and FILE declared before it.
+#include <jpeglib.h>
 #include <cstdio>
+
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "dtrain/data/convert.h"
 #include "dtrain/data/hdf5_util.h"
+#include "dtrain/data/shard_index.h"
 #include "dtrain/data/text.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/config.h"
@@ -234,6 +238,108 @@ void text_seeds() {
   seed("tokens", "val.h5", fuzz::read_file(dir / "out" / "val.h5"));
 }
 
+// Model files: the examples (built-in and standard models, JSON and INI) and small ones that build
+// for the target's [3, 8, 8] samples: every type, blocks with arguments, residuals of both names.
+void model_file_seeds(const fs::path& repo) {
+  for (const char* name : {"mlp.json", "simple_cnn.json", "simple_cnn.ini", "resnet20.json", "vit_mini.json"})
+    seed("model_file", name, fuzz::read_file(repo / "examples" / "models" / name));
+  seed("model_file", "small_resnet.json", R"({"name": "small_resnet", "blocks": {"basic": {"args": {"width": null,
+  "stride": 1}, "layer": {"type": "residual", "shortcut": "projection", "after": "relu", "body": [
+  {"type": "conv", "out": "$width", "kernel": 3, "stride": "$stride", "padding": 1, "bias": false},
+  {"type": "batchnorm"}, {"type": "relu"}, {"type": "conv", "out": "$width", "kernel": 3, "padding": 1,
+  "bias": false}, {"type": "batchnorm", "eps": 0.001, "momentum": 0.2}]}}}, "layers": [{"name": "stem", "type": "conv",
+  "out": 4, "kernel": 3, "padding": 1}, {"type": "basic", "width": 4}, {"type": "basic", "width": 8, "stride": 2},
+  {"type": "maxpool", "kernel": 2, "padding": 1}, {"type": "avgpool", "kernel": 2, "stride": 1}, {"type": "global_avgpool"},
+  {"name": "fc", "type": "linear", "out": "classes"}]})");
+  seed("model_file", "vit.json", R"({"name": "vit", "layers": [{"name": "conv_proj", "type": "conv", "out": 8,
+  "kernel": 4, "stride": 4}, {"name": "", "type": "tokens"}, {"name": "encoder", "type": "position_embedding"},
+  {"name": "encoder.layers.encoder_layer_0", "type": "transformer_block", "heads": 2, "mlp": 16},
+  {"name": "encoder.ln", "type": "layernorm", "eps": 1e-6}, {"type": "first_token"}, {"type": "dropout", "p": 0.1},
+  {"type": "gelu"}, {"name": "heads.head", "type": "linear", "out": "classes", "bias": false}]})");
+  seed("model_file", "flat.json", R"({"layers": [{"type": "residual", "names": "flat", "shortcut_name": "downsample",
+  "shortcut": [{"type": "conv", "out": 2, "kernel": 1}], "body": [{"name": "conv1", "type": "conv", "out": 2,
+  "kernel": 3, "padding": 1}, {"type": "gelu_exact"}]}, {"type": "flatten"}, {"type": "layernorm"},
+  {"type": "sequential", "layers": [{"type": "linear", "out": 6}, {"type": "relu"}]},
+  {"type": "linear", "out": "classes"}]})");
+  seed("model_file", "blocks.ini",
+       "[model]\nname = blocks\n\n[blocks/b/args]\nw = 3\n\n[blocks/b/layer]\n"
+       "type = conv\nout = $w\nkernel = 1\n\n[layers/0]\ntype = b\nw = 2\n\n[layers/1]\ntype = flatten\n\n"
+       "[layers/2]\ntype = linear\nout = classes\n");
+}
+
+// shards.index (its first byte picks the target's set of shards): indexes of sets like the target's.
+void shard_index_seeds() {
+  for (int k = 0; k < 3; ++k) {
+    data::ShardWriterOptions opt;
+    opt.shard_size = 2 + k;
+    opt.chunk_rows = 1 + k % 2;
+    opt.compress_level = k == 2 ? 1 : 0;
+    const fs::path dir = fuzz::fresh_scratch() / "shards";
+    data::ImageSet set = image_set(5 + 2 * k, {1 + k % 2, 2, 2 + k});
+    if (k == 1) set.class_names = {"a", "b", "c"};
+    data::write_shards(set, dir.string(), opt);
+    seed("shard_index", "set" + std::to_string(k),
+         std::string(1, static_cast<char>(k)) + fuzz::read_file(dir / data::kShardIndexName));
+  }
+}
+
+// A width x height image of a gradient with `channels` channels (1, 3, or 4: CMYK), as a JPEG.
+std::string jpeg(int width, int height, int channels, bool progressive, int quality) {
+  std::vector<uint8_t> px(static_cast<size_t>(width) * height * channels);
+  for (size_t i = 0; i < px.size(); ++i) px[i] = static_cast<uint8_t>(i * 37 / 5);
+  unsigned char* out = nullptr;
+  unsigned long size = 0;
+  jpeg_compress_struct c{};
+  jpeg_error_mgr err{};
+  c.err = jpeg_std_error(&err);
+  jpeg_create_compress(&c);
+  jpeg_mem_dest(&c, &out, &size);
+  c.image_width = static_cast<JDIMENSION>(width);
+  c.image_height = static_cast<JDIMENSION>(height);
+  c.input_components = channels;
+  c.in_color_space = channels == 1 ? JCS_GRAYSCALE : channels == 3 ? JCS_RGB : JCS_CMYK;
+  jpeg_set_defaults(&c);
+  jpeg_set_quality(&c, quality, TRUE);
+  if (progressive) jpeg_simple_progression(&c);
+  jpeg_start_compress(&c, TRUE);
+  while (c.next_scanline < c.image_height) {
+    JSAMPROW row = px.data() + static_cast<size_t>(c.next_scanline) * width * channels;
+    jpeg_write_scanlines(&c, &row, 1);
+  }
+  jpeg_finish_compress(&c);
+  jpeg_destroy_compress(&c);
+  std::string bytes(reinterpret_cast<char*>(out), size);
+  std::free(out);
+  return bytes;
+}
+
+std::string png(int width, int height, png_uint_32 format) {
+  png_image img{};
+  img.version = PNG_IMAGE_VERSION;
+  img.width = static_cast<png_uint_32>(width);
+  img.height = static_cast<png_uint_32>(height);
+  img.format = format;
+  std::vector<uint8_t> px(PNG_IMAGE_SIZE(img));
+  for (size_t i = 0; i < px.size(); ++i) px[i] = static_cast<uint8_t>(i * 13 / 3);
+  png_alloc_size_t size = 0;
+  png_image_write_to_memory(&img, nullptr, &size, 0, px.data(), 0, nullptr);
+  std::string bytes(size, '\0');
+  png_image_write_to_memory(&img, bytes.data(), &size, 0, px.data(), 0, nullptr);
+  bytes.resize(size);
+  return bytes;
+}
+
+// Images (the input's length picks grey or RGB and the JPEG scale: the seeds cover both).
+void image_seeds() {
+  seed("image", "rgb.jpg", jpeg(12, 9, 3, false, 90));
+  seed("image", "grey.jpg", jpeg(17, 16, 1, false, 50) + "\x00");
+  seed("image", "progressive.jpg", jpeg(20, 18, 3, true, 75));
+  seed("image", "cmyk.jpg", jpeg(9, 10, 4, false, 80));
+  seed("image", "rgb.png", png(10, 7, PNG_FORMAT_RGB));
+  seed("image", "grey-alpha.png", png(5, 12, PNG_FORMAT_GA) + "\x00");
+  seed("image", "rgba16.png", png(6, 6, PNG_FORMAT_LINEAR_RGB_ALPHA));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -259,5 +365,8 @@ int main(int argc, char** argv) {
   idx_seeds();
   cifar_seeds();
   text_seeds();
+  model_file_seeds(argv[2]);
+  shard_index_seeds();
+  image_seeds();
   return 0;
 }

@@ -223,10 +223,61 @@ TEST(DataParallel, CompressedRunsResumeExactly) {
   }
 }
 
-// The compression parts of the newest set are checked before a resume from the folder takes it: a
-// flipped byte in one rank's part, a missing part, or a part of another run with the same step (a
-// second run into another folder) makes every rank skip that set, name it, and resume from the one
-// before, ending bitwise where the uninterrupted run ended.
+namespace {
+
+// Makes `fault` of checkpoint part `part` (from its good copy `saved`): "flipped" (a byte of dataset
+// `tensor`'s data: only the part's own checksum sees it), "missing", "torn" (truncated), "grown"
+// (bytes appended: HDF5 still reads it, only the manifest's size sees it), "rewritten" (a file that
+// passes its own checksums with one value of `tensor` changed: only the manifest's checksum sees it),
+// or "other run" (`other`'s copy). Returns the words the refusal must hold.
+std::string make_part_fault(const std::string& fault, const std::string& part, const std::string& saved,
+                            const std::string& tensor, const std::string& other = "") {
+  namespace fs = std::filesystem;
+  fs::copy_file(saved, part, fs::copy_options::overwrite_existing);
+  if (fault == "flipped") {
+    EXPECT_TRUE(test::flip_dataset_byte(part, tensor, 40, 0x01));
+    return "fails its checksum";
+  }
+  if (fault == "missing") {
+    fs::remove(part);
+    return "is missing";
+  }
+  if (fault == "torn" || fault == "grown") {
+    if (fault == "torn") fs::resize_file(part, fs::file_size(part) * 3 / 4);
+    if (fault == "grown") std::ofstream(part, std::ios::app | std::ios::binary) << "more bytes";
+    return "(torn or replaced)";
+  }
+  if (fault == "rewritten") {
+    train::CheckpointState s = train::load_checkpoint(part);
+    s.tensors.at(tensor).f32()[0] += 1.f;
+    train::save_checkpoint(part, s);
+    EXPECT_EQ(fs::file_size(part), fs::file_size(saved)) << "the rewritten part has another size";
+    return "(rewritten or replaced)";
+  }
+  fs::copy_file(other, part, fs::copy_options::overwrite_existing);
+  return "was written by another run";
+}
+
+// What a resume's checks say of the set `main_file` (checked as rank `rank` of `world` checks it).
+std::string set_refusal(const std::string& main_file, int rank, int world) {
+  try {
+    const train::CheckpointState m = train::load_checkpoint_set(main_file);
+    train::check_manifest(m, main_file);
+    if (m.ints.count("compression_ranks") && m.ints.at("compression_ranks") > 0)
+      train::load_rank_part(m, main_file, rank, world);
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "(no refusal)";
+}
+
+}  // namespace
+
+// The parts of the newest set are checked against its manifest before a resume from the folder
+// takes it: a flipped byte in one rank's compression part, a missing, torn, grown or rewritten part,
+// or a part of another run with the same step (a second run into another folder) makes every rank
+// skip that set, naming the part and why, and resume from the one before, ending bitwise where the
+// uninterrupted run ended (0 steps lost beyond the checkpoint interval).
 TEST(DataParallel, ResumeSkipsASetWithABadCompressionPart) {
   comm::Communicator& world = comm::Runtime::get().world();
   if (world.size() == 1) GTEST_SKIP() << "needs several ranks";
@@ -248,20 +299,17 @@ TEST(DataParallel, ResumeSkipsASetWithABadCompressionPart) {
   const std::string newest = dir + "/ckpt-step000000020.h5", part1 = newest + ".rank1";
   const std::string saved = dir + "/saved.rank1";
   if (world.rank() == 0) std::filesystem::copy_file(part1, saved);
-  for (const std::string fault : {"flipped", "missing", "other run"}) {
+  for (const std::string fault : {"flipped", "missing", "other run", "torn", "grown", "rewritten"}) {
+    SCOPED_TRACE(fault);
     world.barrier();
     if (world.rank() == 0) {
-      std::filesystem::copy_file(saved, part1, std::filesystem::copy_options::overwrite_existing);
-      if (fault == std::string("missing")) std::filesystem::remove(part1);
-      if (fault == std::string("other run"))
-        std::filesystem::copy_file(other + "/ckpt-step000000020.h5.rank1", part1,
-                                   std::filesystem::copy_options::overwrite_existing);
-      if (fault == std::string("flipped")) {  // inside the residual's data: only the checksum sees it
-        EXPECT_TRUE(test::flip_dataset_byte(part1, "compress/bucket0.residual", 40, 0x01));
-      }
+      const std::string reason =
+          make_part_fault(fault, part1, saved, "compress/bucket0.residual", other + "/ckpt-step000000020.h5.rank1");
+      const std::string refusal = set_refusal(newest, 1, world.size());
+      EXPECT_NE(refusal.find(reason), std::string::npos) << refusal;
+      EXPECT_NE(refusal.find(part1), std::string::npos) << refusal;
     }
     world.barrier();
-    SCOPED_TRACE(fault);
     const ParamValues got = train_params(config(resumed), world);
     for (const auto& [name, w] : want) EXPECT_EQ(got.at(name), w) << name;
   }
@@ -270,6 +318,47 @@ TEST(DataParallel, ResumeSkipsASetWithABadCompressionPart) {
     std::filesystem::remove_all(dir);
     std::filesystem::remove_all(other);
   }
+}
+
+// The same for a pipeline stage's part (2 stages): a flipped byte, a missing, torn, grown or
+// rewritten stage part makes the resume skip the newest set, naming the part, and end bitwise where
+// the uninterrupted pipelined run ended.
+TEST(Pipeline, ResumeSkipsASetWithABadStagePart) {
+  comm::Communicator& world = comm::Runtime::get().world();
+  if (world.size() != 2) GTEST_SKIP() << "runs at 2 ranks";
+  const std::string dir = dataset() + "-bad-stage";
+  if (world.rank() == 0) std::filesystem::remove_all(dir);
+  world.barrier();
+  const std::vector<std::string> args = {
+      "--model", "simple_cnn", "--lr", "0.05", "--pp", "2", "--micro-batches", "2", "--checkpoint-every", "10"};
+  std::vector<std::string> straight = args, resumed = args;
+  straight.insert(straight.end(), {"--checkpoint-dir", dir});
+  resumed.insert(resumed.end(), {"--resume", dir});
+  const ParamValues want = train_params(config(straight), world);
+  const std::string newest = dir + "/ckpt-step000000020.h5", part = train::stage_part_file(newest, 1);
+  const std::string saved = dir + "/saved.stage1";
+  std::string tensor;  // the stage's first parameter
+  if (world.rank() == 0) {
+    std::filesystem::copy_file(part, saved);
+    for (const auto& [name, t] : train::load_checkpoint(part).tensors)
+      if (tensor.empty() && name.rfind("param/", 0) == 0 && t.dtype() == DType::F32 && t.numel() > 16) tensor = name;
+    ASSERT_FALSE(tensor.empty());
+  }
+  for (const std::string fault : {"flipped", "missing", "torn", "grown", "rewritten"}) {
+    SCOPED_TRACE(fault);
+    world.barrier();
+    if (world.rank() == 0) {
+      const std::string reason = make_part_fault(fault, part, saved, tensor);
+      const std::string refusal = set_refusal(newest, 0, world.size());
+      EXPECT_NE(refusal.find(reason), std::string::npos) << refusal;
+      EXPECT_NE(refusal.find(part), std::string::npos) << refusal;
+    }
+    world.barrier();
+    const ParamValues got = train_params(config(resumed), world);
+    for (const auto& [name, w] : want) EXPECT_EQ(got.at(name), w) << name;
+  }
+  world.barrier();
+  if (world.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 TEST(DataParallel, OneRanksCheckpointPartFailureFailsEveryRank) {

@@ -3,6 +3,8 @@
 #include <cstring>
 #include <unistd.h>
 
+#include <zlib.h>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -149,6 +151,142 @@ TEST(Checkpoint, RoundTripIsExactAndCorruptionIsCaught) {
   fs::resize_file(trunc, 1000);
   EXPECT_THROW(train::load_checkpoint(trunc), InputError);
   EXPECT_THROW(train::load_checkpoint(dir + "/missing.h5"), InputError);
+  fs::remove_all(dir);
+}
+
+// The manifest of a set gives each part its size and 64-bit checksum: a part that is missing, torn
+// (truncated), grown, rewritten (a file that passes its own checksums but holds other tensors: only
+// the manifest sees it), of another run or of another step fails the check, naming the part and the
+// reason; a listed stage part is checked before load_checkpoint_set merges it.
+TEST(Checkpoint, ManifestCatchesEveryFaultOfAPart) {
+  const std::string dir = test::temp_dir("manifest"), main_file = train::checkpoint_file(dir, 8);
+  auto part_state = [](int64_t run, int64_t step, float v) {
+    train::CheckpointState p;
+    p.tensors["compress/bucket0.residual"] = Tensor::from({4}, {v, 2, 3, 4});
+    p.ints["step"] = step;
+    p.ints["rank"] = 1;
+    p.ints["run_id"] = run;
+    return p;
+  };
+  train::CheckpointState stage, main;
+  stage.tensors["param/3.weight"] = Tensor::from({2}, {5, 6});
+  stage.ints = {{"step", 8}, {"pp_stage", 1}, {"run_id", 77}};
+  const std::string part = train::rank_part_file(main_file, 1), stage_file = train::stage_part_file(main_file, 1);
+  const train::SavedFile r1 = train::save_checkpoint(part, part_state(77, 8, 1));
+  const train::SavedFile s1 = train::save_checkpoint(stage_file, stage);
+  EXPECT_EQ(r1.bytes, static_cast<int64_t>(fs::file_size(part)));
+  main.tensors["param/0.weight"] = Tensor::from({2}, {1, 2});
+  main.ints = {{"step", 8}, {"pp_stages", 2}, {"run_id", 77}};
+  train::add_manifest(
+      main,
+      {{train::SetPart::kStage, 1, 1, s1.bytes, s1.checksum}, {train::SetPart::kRank, 1, 1, r1.bytes, r1.checksum}}, 2);
+  train::save_checkpoint(main_file, main);
+  const train::CheckpointState m = train::load_checkpoint_set(main_file);
+  EXPECT_TRUE(m.tensors.count("param/3.weight")) << "the stage part is merged";
+  ASSERT_EQ(train::manifest_parts(m, main_file).size(), 2u);
+  EXPECT_EQ(m.ints.at("manifest_world_size"), 2);
+  EXPECT_NO_THROW(train::check_manifest(m, main_file));
+  const std::string saved = dir + "/saved";
+  fs::copy_file(part, saved);
+  auto expect_fault = [&](const std::string& fault, const std::string& reason, const std::function<void()>& make) {
+    fs::copy_file(saved, part, fs::copy_options::overwrite_existing);
+    make();
+    try {
+      train::check_manifest(m, main_file);
+      ADD_FAILURE() << "a part " << fault << " passed the manifest";
+    } catch (const InputError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("rank 1's compression part '" + part + "'"), std::string::npos) << fault << ": " << what;
+      EXPECT_NE(what.find(reason), std::string::npos) << fault << ": " << what;
+    }
+  };
+  expect_fault("missing", "is missing", [&] { fs::remove(part); });
+  expect_fault("torn", "(torn or replaced)", [&] { fs::resize_file(part, fs::file_size(part) / 2); });
+  expect_fault("grown", "(torn or replaced)", [&] { std::ofstream(part, std::ios::app | std::ios::binary) << "more"; });
+  auto rewrite = [&](int64_t run, int64_t step, float v) {
+    train::save_checkpoint(part, part_state(run, step, v));
+    ASSERT_EQ(static_cast<int64_t>(fs::file_size(part)), r1.bytes) << "the rewritten part has another size";
+  };
+  expect_fault("rewritten", "(rewritten or replaced)", [&] { rewrite(77, 8, 9); });
+  expect_fault("of another run", "was written by another run", [&] { rewrite(78, 8, 1); });
+  expect_fault("of another step", "is from step 9", [&] { rewrite(77, 9, 1); });
+  fs::copy_file(saved, part, fs::copy_options::overwrite_existing);
+  fs::resize_file(stage_file, fs::file_size(stage_file) - 1);
+  try {
+    train::load_checkpoint_set(main_file);
+    ADD_FAILURE() << "a torn stage part was merged";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("pipeline stage 1's part"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+namespace {
+
+// Rewrites checkpoint `path` as format 1 wrote it (dtrain-checkpoint-1: zlib's CRC-32 over the
+// tensors and over the attributes, no manifest), as existing users' checkpoints are.
+void rewrite_as_format1(const std::string& path) {
+  train::CheckpointState s = train::load_checkpoint(path);
+  for (const char* k : {"manifest_parts", "manifest_world_size"}) s.ints.erase(k);
+  s.tensors.erase("manifest/parts");
+  auto crc = [](uLong c, const void* p, size_t n) { return n ? crc32_z(c, static_cast<const Bytef*>(p), n) : c; };
+  uLong tensors = crc32(0L, Z_NULL, 0), attributes = crc32(0L, Z_NULL, 0);
+  for (const auto& [name, t] : s.tensors) tensors = crc(crc(tensors, name.data(), name.size()), t.raw(), t.nbytes());
+  for (const auto& [k, v] : s.strings)
+    if (k != "format") attributes = crc(crc(attributes, k.data(), k.size()), v.data(), v.size());
+  for (const auto& [k, v] : s.ints) attributes = crc(crc(attributes, k.data(), k.size()), &v, sizeof v);
+  for (const auto& [k, v] : s.int_lists)
+    if (!v.empty()) attributes = crc(crc(attributes, k.data(), k.size()), v.data(), v.size() * sizeof(int64_t));
+  auto lock = data::h5::lock();
+  data::h5::Handle file = data::h5::file(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+  ASSERT_TRUE(file.valid()) << path;
+  for (const char* a : {"tensors_xxh3", "attributes_xxh3", "format", "manifest_parts", "manifest_world_size"})
+    if (H5Aexists(file.get(), a) > 0) {
+      ASSERT_GE(H5Adelete(file.get(), a), 0) << a;
+    }
+  if (H5Lexists(file.get(), "manifest", H5P_DEFAULT) > 0) {
+    ASSERT_GE(H5Ldelete(file.get(), "manifest", H5P_DEFAULT), 0);
+  }
+  ASSERT_TRUE(data::h5::write_attr_string(file.get(), "format", "dtrain-checkpoint-1") &&
+              data::h5::write_attr_i64(file.get(), "checksum", {static_cast<int64_t>(tensors)}) &&
+              data::h5::write_attr_i64(file.get(), "attributes_checksum", {static_cast<int64_t>(attributes)}));
+}
+
+}  // namespace
+
+// A checkpoint of the previous format (CRC-32 checksums, no manifest) still resumes, bitwise, and
+// its checksums are still checked.
+TEST(Trainer, ResumesFromACheckpointOfFormat1) {
+  comm::Runtime& rt = runtime();
+  std::string dir = test::temp_dir("format1");
+  test::make_band_dataset(dir + "/train", 256);
+  std::vector<std::string> base = {
+      "--data", dir + "/train", "--model", "mlp",       "--hidden", "32",         "--epochs", "2",           "--steps",
+      "24",     "--batch-size", "16",      "--threads", "1",        "--progress", "off",      "--optimizer", "adamw"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return parse(a);
+  };
+  std::map<std::string, Tensor> straight;
+  {
+    train::Trainer t(with({"--checkpoint-dir", dir + "/a", "--checkpoint-every", "8", "--keep-checkpoints", "3"}), rt);
+    t.run();
+    straight = params_of(t.model());
+  }
+  const std::string old = dir + "/a/ckpt-step000000016.h5";
+  rewrite_as_format1(old);
+  train::Trainer resumed(with({"--resume", old}), rt);
+  EXPECT_EQ(resumed.run().steps, 24);
+  for (auto& [name, t] : params_of(resumed.model()))
+    EXPECT_EQ(std::memcmp(t.raw(), straight.at(name).raw(), t.nbytes()), 0) << name;
+  ASSERT_TRUE(test::flip_dataset_byte(old, "param/1.weight", 10, 0x10));
+  try {
+    train::load_checkpoint(old);
+    ADD_FAILURE() << "a corrupt checkpoint of format 1 loaded";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("fails its checksum"), std::string::npos) << e.what();
+  }
   fs::remove_all(dir);
 }
 

@@ -53,6 +53,12 @@ class Runtime {
   // ranks get "". Past 32 ranks the table shows one line per node.
   std::string topology_table() const;
 
+  // Whether every rank of the world calls this within `seconds` (a non-blocking barrier on a
+  // communicator of its own, so it never meets another collective): the ranks that found the same
+  // error may then say it once. False on a rank whose error the others did not find (they are in
+  // some collective, or gone): that rank reports alone and ends the job. Once per process.
+  static bool all_ranks_arrive_within(double seconds);
+
   // Stops the communicators' threads, frees MPI objects and calls MPI_Finalize. Idempotent.
   static void finalize();
   // Prints "dtrain: fatal (rank r on host): message" once per process, then MPI_Abort so every
@@ -75,6 +81,7 @@ class Runtime {
   bool owns_mpi_ = false;
   bool threaded_ = false;
   MPI_Comm internal_ = MPI_COMM_NULL;  // the runtime's own duplicate of the world (table gather)
+  MPI_Comm ending_ = MPI_COMM_NULL;    // another, for all_ranks_arrive_within only
   std::unique_ptr<Communicator> world_;
 };
 

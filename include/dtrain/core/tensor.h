@@ -16,7 +16,12 @@ namespace dtrain {
 
 using Shape = std::vector<int64_t>;
 std::string shape_str(const Shape& s);
+// The number of elements of `s`. Throws InputError naming the shape when a dimension is negative or
+// the product of its non-zero dimensions passes int64 (a shape of no rows still has a row's size):
+// shapes come from files and attributes, and a product that wraps would size an allocation.
 int64_t shape_numel(const Shape& s);
+// The same, the message naming what the shape is ("'x.index': attribute sample_shape").
+int64_t shape_numel(const Shape& s, const std::string& what);
 
 // Memory from one device's allocator. Not copyable: a buffer is owned by exactly one Storage.
 class Storage {

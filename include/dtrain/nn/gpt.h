@@ -4,6 +4,7 @@
 // and an unembedding tied to the token embedding. Shapes: B batch, T positions (<= context),
 // C width, H heads (C % H == 0), V vocabulary (256 for bytes).
 #include <functional>
+#include <limits>
 #include <memory>
 
 #include "dtrain/core/rng.h"
@@ -166,5 +167,19 @@ struct GptCosts {
   double embed, block, head;
 };
 GptCosts gpt_costs(const GptConfig& cfg, int64_t seq_len);
+
+// The parameters of the whole model of `c` (token and position tables, `layers` blocks of
+// 12 C^2 + 13 C, the final LayerNorm), or -1 when a size is not positive or the count passes int64:
+// what a checkpoint's tensors must hold before its attributes may size a Gpt.
+inline int64_t gpt_parameter_count(const GptConfig& c) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  if (c.vocab <= 0 || c.context <= 0 || c.layers <= 0 || c.width <= 0 || c.width > (kMax - 13) / 12) return -1;
+  int64_t tables = 0, block = 0, total = 0;
+  const bool overflow =
+      __builtin_add_overflow(c.vocab, c.context, &tables) || __builtin_mul_overflow(tables, c.width, &tables) ||
+      __builtin_mul_overflow(c.width, 12 * c.width + 13, &block) || __builtin_mul_overflow(block, c.layers, &block) ||
+      __builtin_add_overflow(tables, block, &total) || __builtin_add_overflow(total, 2 * c.width, &total);
+  return overflow ? -1 : total;
+}
 
 }  // namespace dtrain::nn

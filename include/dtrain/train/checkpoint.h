@@ -1,8 +1,9 @@
 #pragma once
 // Checkpoints: one HDF5 file, data only. Written to "<name>.tmp", synced to the disk, renamed, and
 // the folder synced, so neither a crash nor a power loss leaves a broken file under the final name
-// or loses the rename; every HDF5 write and close is checked. A CRC-32 over every tensor and one
-// over the attributes (step, rank, run id, layout) are checked on load.
+// or loses the rename; every HDF5 write and close is checked. A 64-bit XXH3 over every tensor and
+// one over the attributes (step, rank, run id, layout) are checked on load (format
+// "dtrain-checkpoint-2"; the CRC-32s of format 1 are checked in files written before it).
 #include <cstdint>
 #include <map>
 #include <string>
@@ -28,7 +29,13 @@ struct CheckpointState {
   std::map<std::string, std::vector<int64_t>> int_lists;  // input shape, hidden widths
 };
 
-void save_checkpoint(const std::string& path, const CheckpointState& s);
+// What a written file is, for the manifest of its set: its size on the disk and its tensor checksum
+// (the XXH3 stored in it as "tensors_xxh3").
+struct SavedFile {
+  int64_t bytes = 0;
+  uint64_t checksum = 0;
+};
+SavedFile save_checkpoint(const std::string& path, const CheckpointState& s);
 // Throws InputError naming the file when it is missing, not HDF5, truncated or fails its checksum.
 CheckpointState load_checkpoint(const std::string& path);
 // A checkpoint set: the main file with every pipeline stage's part merged in (a model cut into
@@ -53,6 +60,37 @@ std::vector<std::string> remove_unfinished_writes(const std::string& dir);
 std::string checkpoint_file(const std::string& dir, int64_t step);
 std::string stage_part_file(const std::string& main_file, int64_t stage);
 std::string rank_part_file(const std::string& main_file, int rank);
+
+// The manifest of a set, in its main file: one row per part (dataset "manifest/parts", int64 [P, 5]:
+// kind, rank, stage, bytes, checksum) and attributes "manifest_parts" (P) and "manifest_world_size"
+// (the ranks that wrote the set); the set's "run_id" and "step" are the main file's own. The main
+// file is written after every part is on the disk, so the parts' sizes and checksums are known.
+struct SetPart {
+  enum Kind : int64_t { kStage = 1, kRank = 2 };
+  int64_t kind = kStage;
+  int64_t rank = 0;       // the world rank that wrote it
+  int64_t stage = 0;      // its pipeline stage
+  int64_t bytes = 0;      // the file's size
+  uint64_t checksum = 0;  // its tensor checksum (SavedFile::checksum)
+  // Its file (stage_part_file or rank_part_file) and what it is ("rank 1's compression part",
+  // "pipeline stage 2's part").
+  std::string file(const std::string& main_file) const;
+  std::string what() const;
+};
+// Every rank's parts (its compression part, its stage's part where it wrote one: null otherwise)
+// gathered over `world` (collective; null: one rank).
+std::vector<SetPart> gather_set_parts(comm::Communicator* world, int64_t stage, const SavedFile* rank_part,
+                                      const SavedFile* stage_part);
+void add_manifest(CheckpointState& main, const std::vector<SetPart>& parts, int world_size);
+// The parts `main` lists (none for a set written before manifests).
+std::vector<SetPart> manifest_parts(const CheckpointState& main, const std::string& main_file);
+// One listed part against the manifest: present, of the listed size, and its own checksum, run,
+// step, rank and stage those of the set (reads its attributes only: its tensors are checked when it
+// is loaded). InputError naming the part and the reason otherwise.
+void check_set_part(const CheckpointState& main, const std::string& main_file, const SetPart& part);
+// Every `stride`-th part from `first` (the ranks of a resume share the checks).
+void check_manifest(const CheckpointState& main, const std::string& main_file, int first = 0, int stride = 1);
+
 // Keeps the newest `keep` checkpoints up to `just_written` (the main file just written, which is
 // never removed): older main files go with all their parts. Files of later steps (a run resumed
 // behind them) are left alone. Parts whose main file was never written (the job died in between)
@@ -65,15 +103,18 @@ void prune_checkpoints(const std::string& dir, const std::string& just_written, 
 // one rank cannot write fails every rank). Returns whether parts were written (the main file
 // records that as "compression_ranks"); nothing without `dp` or without state. Collective.
 // Each part carries `run_id` (the main file's too), so a part of another run is never merged.
+// `saved` (may be null) gets this rank's part's size and checksum for the manifest.
 bool write_compression_parts(const std::string& main_file, const parallel::DataParallel* dp, comm::Communicator* world,
-                             int64_t step, const std::string& compression, int64_t run_id = 0);
+                             int64_t step, const std::string& compression, int64_t run_id = 0,
+                             SavedFile* saved = nullptr);
 // Whether a resume takes the compression parts of the checkpoint `main`: it kept parts of `world`
 // ranks, of the same --compression, `same_layout`, and `dp` compresses. Otherwise `why_not` (may be
 // null) gets the line that says why ("" when the checkpoint kept none).
 bool uses_compression_parts(const CheckpointState& main, const parallel::DataParallel* dp, int world,
                             const std::string& compression, bool same_layout, std::string* why_not);
 // This rank's part of the set, checked: every rank's part present, this one passing its checksums,
-// of the set's step and run and of this rank (InputError naming the part otherwise).
+// of the set's step and run and of this rank, and as the manifest lists it (InputError naming the
+// part otherwise).
 CheckpointState load_rank_part(const CheckpointState& main, const std::string& main_file, int rank, int world);
 // A part read by load_rank_part (from `part_file`) into `dp` (InputError naming the file when it does
 // not fit the buckets).

@@ -113,7 +113,9 @@ class Trainer {
   // otherwise, with --checkpoint-async, the state is snapshotted and written in the background.
   void save(int64_t epoch, int64_t batch_in_epoch, bool wait = false);
   CheckpointState checkpoint_state(int64_t epoch, int64_t batch_in_epoch, const std::map<std::string, Tensor>& reuse);
-  void write_checkpoint_set(const std::string& file, CheckpointState& s, bool wait);
+  // The stage parts, then the manifest of every part (this rank's compression part: `rank_part`, or
+  // null), then the main file (collective).
+  void write_checkpoint_set(const std::string& file, CheckpointState& s, const SavedFile* rank_part, bool wait);
   // Waits for the background write and makes the ranks agree on its outcome (collective).
   void finish_pending_checkpoint();
   ResumePoint restore(const std::string& where);

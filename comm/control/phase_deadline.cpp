@@ -1,0 +1,46 @@
+#include "control/phase_deadline.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#include "control/control_channel.h"
+#include "dtrain/core/env.h"
+#include "dtrain/core/error.h"
+
+namespace dtrain::comm::detail {
+
+PhaseDeadline::PhaseDeadline(std::string phase, Ending ending)
+    : PhaseDeadline(std::move(phase), env::get_double("DTRAIN_COMM_TIMEOUT"), ending) {}
+
+PhaseDeadline::PhaseDeadline(std::string phase, double seconds, Ending ending) {
+  if (seconds > 0) watcher_ = std::thread([this, phase = std::move(phase), seconds, ending] { watch(phase, seconds, ending); });
+}
+
+PhaseDeadline::~PhaseDeadline() {
+  if (!watcher_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    finished_ = true;
+  }
+  cv_.notify_one();
+  watcher_.join();
+}
+
+void PhaseDeadline::watch(std::string phase, double seconds, Ending ending) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (cv_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return finished_; })) return;
+  const std::string message = phase + " did not finish within " + std::to_string(static_cast<long>(seconds)) +
+                              " s (DTRAIN_COMM_TIMEOUT): a rank that never started, or a node that is gone?";
+  if (ending == Ending::abort_job) abort_job(1, message, 0);
+  // Before MPI_Init returns this process knows only its host.
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  std::fprintf(stderr, "dtrain: fatal (on %s): %s\n", host, message.c_str());
+  std::fflush(stderr);
+  std::_Exit(1);
+}
+
+}  // namespace dtrain::comm::detail
