@@ -88,6 +88,17 @@ case "$mode" in
     rm -rf "$work" && mkdir -p "$work" && cd "$work"
     export DTRAIN_BIN=$bin
     preempt_job dtrain 6000 --synthetic --model mlp --threads 1 --progress off --log-every 1000
+    # The user's own --checkpoint-dir and --resume OLD: the first start resumes from OLD, the
+    # requeued one from the newest set this job wrote into the user's folder.
+    "$bin" train --synthetic --model mlp --steps 40 --threads 1 --progress off --checkpoint-dir "$work/old" >/dev/null
+    preempt_job dtrain-user 6000 --synthetic --model mlp --threads 1 --progress off --log-every 1000 \
+      --checkpoint-dir "$work/mine" --resume "$work/old"
+    out=$(ls -t "$work"/dtrain-*.out | head -1)
+    grep -q "resumed from $work/old/ckpt-step000000040.h5 at step 40" "$out" || fail "the first start did not resume from --resume"
+    grep -Eq "resumed from $work/mine/ckpt-step[0-9]+.h5 at step [0-9]+" "$out" ||
+      fail "the requeued start did not resume from the job's own set in --checkpoint-dir"
+    [[ -z $(ls "$work/runs/dtrain-user-"*/ckpt 2>/dev/null) ]] || fail "checkpoints went to the script's folder"
+    echo "PASS (dtrain-user): --resume for the first start, the job's own sets in --checkpoint-dir after the requeue"
     "$bin" convert text --inputs /usr/share/games/fortunes --out "$work/tokens" >/dev/null
     preempt_job dtrain-gpt 20000 --model gpt --data "$work/tokens" --layers 2 --heads 2 --width 32 --context 32 \
       --batch-size 4 --eval-every 0 --eval-batches 2 --log-every 1000 --threads 1 --progress off

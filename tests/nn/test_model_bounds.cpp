@@ -111,10 +111,12 @@ TEST(ModelBounds, AFileWhoseDefinitionDoesNotReadBackIsRefused) {
   EXPECT_NE(e.find("model file '"), std::string::npos) << e;
   EXPECT_NE(e.find("latin1.ini' does not give a definition that reads back"), std::string::npos) << e;
   EXPECT_THROW(nn::model_definition_name("{\"name\": \"caf\xe9\"}"), InputError);
-  // A key holding a NUL byte (Boost's put_child asserts on the empty path between two; found by
-  // fuzz_model_file).
+  // A key holding NUL bytes (Boost's put_child asserts on the empty path between two; found by
+  // fuzz_model_file): refused naming the file, whether the reader keeps the bytes after the first
+  // NUL (the key check) or not (the layer's unknown field).
   const std::string k = build_error("nul.ini", std::string("[layers/0]\ntype = relu\nou\0\0t = 3\n", 33));
-  EXPECT_NE(k.find("nul.ini': section [layers/0] has a key without a name or with a NUL byte"), std::string::npos)
+  EXPECT_TRUE(k.find("nul.ini': section [layers/0] has a key without a name or with a NUL byte") != std::string::npos ||
+              k.find("model nul (nul.ini): layer 0 (relu): has no field") != std::string::npos)
       << k;
 }
 
