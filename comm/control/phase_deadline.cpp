@@ -16,7 +16,8 @@ PhaseDeadline::PhaseDeadline(std::string phase, Ending ending)
     : PhaseDeadline(std::move(phase), env::get_double("DTRAIN_COMM_TIMEOUT"), ending) {}
 
 PhaseDeadline::PhaseDeadline(std::string phase, double seconds, Ending ending) {
-  if (seconds > 0) watcher_ = std::thread([this, phase = std::move(phase), seconds, ending] { watch(phase, seconds, ending); });
+  if (seconds > 0)
+    watcher_ = std::thread([this, phase = std::move(phase), seconds, ending] { watch(phase, seconds, ending); });
 }
 
 PhaseDeadline::~PhaseDeadline() {
