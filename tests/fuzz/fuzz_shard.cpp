@@ -29,14 +29,7 @@ void read_shards(const fuzz::fs::path& dir, bool cached) {
     opt.cache_bytes = cached ? int64_t(1) << 20 : 0;
     data::ShardedHdf5Dataset ds(dir.string(), opt);
     const int64_t n = ds.size();
-    const std::vector<int64_t> rows = {n - 1, 0, n / 2, n - 1};
-    Tensor inputs, labels;
-    ds.read(rows, inputs, labels);
-    for (int64_t i = 0; i < labels.numel(); ++i) {
-      const int32_t l = labels.data<int32_t>()[i];
-      if (l < 0 || l >= ds.info().num_classes)
-        fuzz::fail("label " + std::to_string(l) + " outside [0, " + std::to_string(ds.info().num_classes) + ")");
-    }
+    fuzz::read_checking_labels(ds, {n - 1, 0, n / 2, n - 1});
   } catch (const InputError& e) {
     fuzz::rejected(e);
   }

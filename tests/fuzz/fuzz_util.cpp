@@ -97,6 +97,16 @@ void expect_no_open_hdf5_objects(const char* after) {
          " (files: " + std::to_string(H5Fget_obj_count(H5F_OBJ_ALL, H5F_OBJ_FILE)) + ")");
 }
 
+void read_checking_labels(data::ShardedHdf5Dataset& ds, const std::vector<int64_t>& rows) {
+  Tensor inputs, labels;
+  ds.read(rows, inputs, labels);
+  for (int64_t i = 0; i < labels.numel(); ++i) {
+    const int32_t l = labels.data<int32_t>()[i];
+    if (l < 0 || l >= ds.info().num_classes)
+      fail("label " + std::to_string(l) + " outside [0, " + std::to_string(ds.info().num_classes) + ")");
+  }
+}
+
 void expect_shards_round_trip(const data::ImageSet& set, const fs::path& dir, size_t variant) {
   data::ShardWriterOptions opt;
   opt.shard_size = 1 + static_cast<int64_t>(variant % 3);

@@ -16,6 +16,7 @@
 
 namespace dtrain::data {
 struct ImageSet;
+class ShardedHdf5Dataset;
 }
 
 namespace dtrain::fuzz {
@@ -47,6 +48,10 @@ void expect_no_open_hdf5_objects(const char* after);
 // picked by `variant`), opens them with ShardedHdf5Dataset and aborts unless every sample and label
 // reads back as it was given.
 void expect_shards_round_trip(const data::ImageSet& set, const fs::path& dir, size_t variant);
+
+// The readers' oracle: reads `rows` of `ds` and aborts on a label outside [0, classes) (a bad label
+// must be refused when the dataset opens, not reach the model).
+void read_checking_labels(data::ShardedHdf5Dataset& ds, const std::vector<int64_t>& rows);
 
 // A clean rejection (an InputError): printed when DTRAIN_FUZZ_VERBOSE is set, to see what a
 // corpus input is refused for; otherwise nothing.

@@ -37,6 +37,12 @@ train::TrainConfig parse(std::vector<std::string> args) {
   return c;
 }
 
+// A test's base options followed by `extra`.
+train::TrainConfig parse(std::vector<std::string> base, const std::vector<std::string>& extra) {
+  base.insert(base.end(), extra.begin(), extra.end());
+  return parse(std::move(base));
+}
+
 std::string input_error(std::vector<std::string> args) {
   try {
     parse(std::move(args));
@@ -263,20 +269,15 @@ TEST(Trainer, ResumesFromACheckpointOfFormat1) {
   std::vector<std::string> base = {
       "--data", dir + "/train", "--model", "mlp",       "--hidden", "32",         "--epochs", "2",           "--steps",
       "24",     "--batch-size", "16",      "--threads", "1",        "--progress", "off",      "--optimizer", "adamw"};
-  auto with = [&](std::vector<std::string> extra) {
-    auto a = base;
-    a.insert(a.end(), extra.begin(), extra.end());
-    return parse(a);
-  };
   std::map<std::string, Tensor> straight;
   {
-    train::Trainer t(with({"--checkpoint-dir", dir + "/a", "--checkpoint-every", "8", "--keep-checkpoints", "3"}), rt);
+    train::Trainer t(parse(base, {"--checkpoint-dir", dir + "/a", "--checkpoint-every", "8", "--keep-checkpoints", "3"}), rt);
     t.run();
     straight = params_of(t.model());
   }
   const std::string old = dir + "/a/ckpt-step000000016.h5";
   rewrite_as_format1(old);
-  train::Trainer resumed(with({"--resume", old}), rt);
+  train::Trainer resumed(parse(base, {"--resume", old}), rt);
   EXPECT_EQ(resumed.run().steps, 24);
   for (auto& [name, t] : params_of(resumed.model()))
     EXPECT_EQ(std::memcmp(t.raw(), straight.at(name).raw(), t.nbytes()), 0) << name;
@@ -315,19 +316,14 @@ TEST(Trainer, ResumeContinuesExactly) {
                                    "--epochs", "2", "--batch-size", "16", "--threads", "1", "--progress", "off",
                                    "--optimizer", "adamw", "--weight-decay", "0.01", "--lr", "0.01",
                                    "--loader-threads", "2"};
-  auto with = [&](std::vector<std::string> extra) {
-    auto a = base;
-    a.insert(a.end(), extra.begin(), extra.end());
-    return parse(a);
-  };
   std::map<std::string, Tensor> straight;
   {
-    train::Trainer t(with({"--checkpoint-dir", dir + "/a", "--checkpoint-every", "10", "--keep-checkpoints", "10"}), rt);
+    train::Trainer t(parse(base, {"--checkpoint-dir", dir + "/a", "--checkpoint-every", "10", "--keep-checkpoints", "10"}), rt);
     EXPECT_EQ(t.run().steps, 32);
     straight = params_of(t.model());
   }
   ASSERT_TRUE(fs::exists(dir + "/a/ckpt-step000000020.h5"));
-  train::Trainer resumed(with({"--resume", dir + "/a/ckpt-step000000020.h5"}), rt);
+  train::Trainer resumed(parse(base, {"--resume", dir + "/a/ckpt-step000000020.h5"}), rt);
   EXPECT_EQ(resumed.run().steps, 32);
   auto after = params_of(resumed.model());
   ASSERT_EQ(after.size(), straight.size());
@@ -351,14 +347,9 @@ TEST(Trainer, ResumeFallsBackToTheNewestGoodSet) {
                                    "32",           "--epochs",     "2",         "--steps", "24",
                                    "--batch-size", "16",           "--threads", "1",       "--progress",
                                    "off",          "--optimizer",  "adamw",     "--lr",    "0.01"};
-  auto with = [&](std::vector<std::string> extra) {
-    auto a = base;
-    a.insert(a.end(), extra.begin(), extra.end());
-    return parse(a);
-  };
   std::map<std::string, Tensor> straight;
   {
-    train::Trainer t(with({"--checkpoint-dir", dir + "/a", "--checkpoint-every", "8", "--keep-checkpoints", "3"}), rt);
+    train::Trainer t(parse(base, {"--checkpoint-dir", dir + "/a", "--checkpoint-every", "8", "--keep-checkpoints", "3"}), rt);
     EXPECT_EQ(t.run().steps, 24);
     straight = params_of(t.model());
   }
@@ -367,7 +358,7 @@ TEST(Trainer, ResumeFallsBackToTheNewestGoodSet) {
   const std::string kept = dir + "/kept.h5";
   fs::copy_file(newest, kept);
   auto expect_resumes_at_16 = [&](const std::string& fault) {
-    train::Trainer resumed(with({"--resume", dir + "/a"}), rt);
+    train::Trainer resumed(parse(base, {"--resume", dir + "/a"}), rt);
     EXPECT_EQ(resumed.run().steps, 24) << fault;
     for (auto& [name, t] : params_of(resumed.model()))
       EXPECT_EQ(std::memcmp(t.raw(), straight.at(name).raw(), t.nbytes()), 0) << fault << ": " << name;
@@ -380,7 +371,7 @@ TEST(Trainer, ResumeFallsBackToTheNewestGoodSet) {
   // A killed write's temporary file: removed, with a message, at the start of the next run there.
   fs::copy_file(kept, dir + "/a/ckpt-step000000032.h5.tmp");
   {
-    train::Trainer again(with({"--checkpoint-dir", dir + "/a", "--resume", before, "--checkpoint-every", "100"}), rt);
+    train::Trainer again(parse(base, {"--checkpoint-dir", dir + "/a", "--resume", before, "--checkpoint-every", "100"}), rt);
     again.run();
   }
   EXPECT_FALSE(fs::exists(dir + "/a/ckpt-step000000032.h5.tmp"));
@@ -388,7 +379,7 @@ TEST(Trainer, ResumeFallsBackToTheNewestGoodSet) {
   for (const auto& e : fs::directory_iterator(dir + "/a"))
     if (e.path().extension() == ".h5") fs::resize_file(e.path(), 100);
   try {
-    train::Trainer(with({"--resume", dir + "/a"}), rt).run();
+    train::Trainer(parse(base, {"--resume", dir + "/a"}), rt).run();
     ADD_FAILURE() << "resumed from a folder of torn checkpoints";
   } catch (const InputError& e) {
     const std::string what = e.what();
@@ -409,20 +400,15 @@ TEST(Trainer, PruningMasksResumeExactly) {
                                    "--batch-size", "16", "--threads", "1", "--progress", "off",
                                    "--prune-sparsity", "0.7", "--prune-start", "5", "--prune-end", "25",
                                    "--prune-every", "5"};
-  auto with = [&](std::vector<std::string> extra) {
-    auto a = base;
-    a.insert(a.end(), extra.begin(), extra.end());
-    return parse(a);
-  };
   std::map<std::string, Tensor> straight;
   {
-    train::Trainer t(with({"--checkpoint-dir", dir + "/a", "--checkpoint-every", "12", "--keep-checkpoints", "10"}), rt);
+    train::Trainer t(parse(base, {"--checkpoint-dir", dir + "/a", "--checkpoint-every", "12", "--keep-checkpoints", "10"}), rt);
     EXPECT_NEAR(t.run().sparsity, 0.7, 1e-3);
     straight = params_of(t.model());
   }
   const train::CheckpointState ck = train::load_checkpoint(dir + "/a/ckpt-step000000012.h5");
   EXPECT_TRUE(ck.tensors.count("mask/0.weight")) << "the masks are in the checkpoint";
-  train::Trainer resumed(with({"--resume", dir + "/a/ckpt-step000000012.h5"}), rt);
+  train::Trainer resumed(parse(base, {"--resume", dir + "/a/ckpt-step000000012.h5"}), rt);
   resumed.run();
   auto after = params_of(resumed.model());
   int64_t zero = 0, total = 0;
@@ -446,18 +432,13 @@ TEST(Trainer, DistillationWeightZeroIsPlainTrainingAndBadTeachersAreNamed) {
   test::make_band_dataset(dir + "/train", 128);
   std::vector<std::string> base = {"--data", dir + "/train", "--epochs", "1", "--batch-size", "16",
                                    "--threads", "1", "--progress", "off", "--seed", "5"};
-  auto with = [&](std::vector<std::string> extra) {
-    auto a = base;
-    a.insert(a.end(), extra.begin(), extra.end());
-    return parse(a);
-  };
-  train::Trainer(with({"--model", "mlp", "--checkpoint-dir", dir + "/teacher"}), rt).run();
+  train::Trainer(parse(base, {"--model", "mlp", "--checkpoint-dir", dir + "/teacher"}), rt).run();
   std::map<std::string, Tensor> plain, weight0, taught;
   for (auto [out, extra] : {std::pair{&plain, std::vector<std::string>{}},
                             {&weight0, {"--teacher", dir + "/teacher", "--distill-weight", "0"}},
                             {&taught, {"--teacher", dir + "/teacher", "--distill-weight", "0.5"}}}) {
     extra.insert(extra.end(), {"--model", "simple_cnn"});
-    train::Trainer t(with(extra), rt);
+    train::Trainer t(parse(base, extra), rt);
     t.run();
     *out = params_of(t.model());
   }
@@ -470,7 +451,7 @@ TEST(Trainer, DistillationWeightZeroIsPlainTrainingAndBadTeachersAreNamed) {
   }
   EXPECT_TRUE(changed) << "a teacher with weight 0.5 must change the student's training";
   try {
-    train::Trainer(with({"--model", "simple_cnn", "--teacher", dir + "/teacher", "--synthetic",
+    train::Trainer(parse(base, {"--model", "simple_cnn", "--teacher", dir + "/teacher", "--synthetic",
                          "--synthetic-shape", "1,28,28", "--synthetic-classes", "3", "--steps", "2"}),
                    rt);
     FAIL() << "a teacher of 10 classes cannot teach a student of 3";
@@ -589,12 +570,7 @@ TEST(Trainer, ResumeRefusesStateOfAnotherSizeOrType) {
   std::vector<std::string> base = {"--data", dir + "/train", "--model", "mlp", "--hidden", "16", "--steps", "3",
                                    "--batch-size", "16", "--threads", "1", "--progress", "off", "--precision", "fp16",
                                    "--prune-sparsity", "0.5", "--prune-start", "1", "--prune-end", "1"};
-  auto with = [&](std::vector<std::string> extra) {
-    auto a = base;
-    a.insert(a.end(), extra.begin(), extra.end());
-    return parse(a);
-  };
-  train::Trainer(with({"--checkpoint-dir", dir + "/ck", "--checkpoint-every", "2"}), rt).run();
+  train::Trainer(parse(base, {"--checkpoint-dir", dir + "/ck", "--checkpoint-every", "2"}), rt).run();
   const train::CheckpointState good = train::load_checkpoint(dir + "/ck/ckpt-step000000002.h5");
   ASSERT_TRUE(good.tensors.count("meta/loss_scale"));
   ASSERT_TRUE(good.tensors.count("mask/1.weight"));
@@ -612,7 +588,7 @@ TEST(Trainer, ResumeRefusesStateOfAnotherSizeOrType) {
     fs::create_directories(dir + "/bad");
     train::save_checkpoint(file, s);
     try {
-      train::Trainer(with({"--resume", file}), rt).run();
+      train::Trainer(parse(base, {"--resume", file}), rt).run();
       ADD_FAILURE() << "resumed from a checkpoint with a bad " << what;
     } catch (const InputError& e) {
       EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
