@@ -54,9 +54,14 @@ std::unique_ptr<fuzz::LocalDataParallel> run_for(const std::string& kept) {
 const fuzz::H5Vocabulary kVocabulary{
     {{"param/1.weight", H5T_IEEE_F32LE, 2},
      {"compress/bucket0.factor", H5T_IEEE_F32LE, 1},
-     {"compress/bucket0.draws", H5T_STD_I64LE, 1}},
+     {"compress/bucket0.draws", H5T_STD_I64LE, 1},
+     {"manifest/parts", H5T_STD_I64LE, 2}},
     {{"format", H5T_C_S1, 0},
      {"checksum", H5T_STD_I64LE, 1},
+     {"tensors_xxh3", H5T_STD_I64LE, 1},
+     {"attributes_xxh3", H5T_STD_I64LE, 1},
+     {"manifest_parts", H5T_STD_I64LE, 1},
+     {"manifest_world_size", H5T_STD_I64LE, 1},
      {"step", H5T_STD_I64LE, 1},
      {"pp_stages", H5T_STD_I64LE, 1},
      {"compression_ranks", H5T_STD_I64LE, 1},
@@ -64,7 +69,7 @@ const fuzz::H5Vocabulary kVocabulary{
      {"rank", H5T_STD_I64LE, 1},
      {"list:input_shape", H5T_STD_I64LE, 1},
      {"dtype", H5T_C_S1, 0}},
-    {"dtrain-checkpoint-1", "f32", "bf16", "f16", "i32", "i64", "u8", "f64", "topk:0.5", "powersgd:1", "qsgd:4"}};
+    {"dtrain-checkpoint-1", "dtrain-checkpoint-2", "f32", "bf16", "f16", "i32", "i64", "u8", "f64", "topk:0.5", "powersgd:1", "qsgd:4"}};
 
 // What the files of one set agree on most of the time, so that a recipe reaches the checks behind
 // the first ones (the stages' step, the compression parts' rank and step, their tensors' sizes).
