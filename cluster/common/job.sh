@@ -64,6 +64,12 @@ dtrain_option() {
   echo "$v"
 }
 
+# dtrain_newest_set DIR: the newest main file of a checkpoint set in DIR (not a stage's or a rank's
+# part, which are written before it), or nothing.
+dtrain_newest_set() {
+  compgen -G "$1/ckpt-step*.h5" | grep -E '/ckpt-step[0-9]+\.h5$' | sort | tail -1 || true
+}
+
 # dtrain_train_args ARGS...: fills the array DTRAIN_TRAIN_ARGS with `train`, the user's options,
 # and --checkpoint-dir / --metrics / --resume (and --sweep-dir for trainer groups) unless the user gave them.
 # A requeued or rerun job (the same SLURM/PBS job id started again: a marker in its checkpoint folder
@@ -95,7 +101,9 @@ dtrain_train_args() {
     touch "$marker"
   fi
   # A restart of a job that wrote checkpoints takes them; one that wrote none starts as the first did.
-  compgen -G "$ckpt/ckpt-step*.h5" >/dev/null || restart=0
+  local newest
+  newest=$(dtrain_newest_set "$ckpt")
+  [[ -n $newest ]] || restart=0
   if ((restart)); then  # the user's --resume is dropped: this job's own sets come first now
     local kept=() i
     for ((i = 0; i < ${#user[@]}; ++i)); do
@@ -113,7 +121,7 @@ dtrain_train_args() {
   if [[ "$joined" == *" --trainers"* || "$joined" == *" --sweep"* ]] && [[ "$joined" != *" --sweep-dir"* ]]; then
     DTRAIN_TRAIN_ARGS+=(--sweep-dir "$DTRAIN_RUN_DIR/sweep")
   fi
-  if compgen -G "$ckpt/ckpt-step*.h5" >/dev/null && { ((restart)) || { ((own_ckpt)) && [[ "$joined" != *" --resume"* ]]; }; }; then
+  if [[ -n $newest ]] && { ((restart)) || { ((own_ckpt)) && [[ "$joined" != *" --resume"* ]]; }; }; then
     if ((restart)); then
       dtrain_log "restart of job $job: resuming from its newest checkpoint in $ckpt"
     else
@@ -153,7 +161,7 @@ dtrain_restart_wanted() {
 # metrics had logged past it (at least that many; --log-every bounds the rest).
 dtrain_record_restart() {
   local n=$1 lost=$2 ranks=$3 nodes=$4 newest last resume=0 metrics
-  newest=$(compgen -G "$DTRAIN_CKPT_DIR/ckpt-step*.h5" | sort | tail -1 || true)
+  newest=$(dtrain_newest_set "$DTRAIN_CKPT_DIR")
   [[ -n $newest ]] && resume=$((10#$(basename "$newest" .h5 | sed 's/^ckpt-step//; s/[^0-9].*//')))
   metrics=$(dtrain_option metrics "${DTRAIN_TRAIN_ARGS[@]:1}")
   metrics=${metrics:-$DTRAIN_METRICS}

@@ -249,11 +249,15 @@ void Runtime::finalize() {
   if (!g_runtime) return;
   g_ready.store(false);
   Runtime& rt = *g_runtime;
-  detail::PhaseDeadline deadline("shutdown (the communicators' threads, MPI_Finalize)");
-  // Communicators first (they drain their queues), then the control thread that serves them.
-  detail::shutdown_all_mpi_communicators();
-  detail::control_service_stop();
-  rt.world_.reset();
+  {
+    // MPI_Finalize itself is left outside: it waits for every rank, and some commands keep rank 0
+    // working while the others have finished (convert, export).
+    detail::PhaseDeadline deadline("shutdown (draining the communicators, freeing their windows)");
+    // Communicators first (they drain their queues), then the control thread that serves them.
+    detail::shutdown_all_mpi_communicators();
+    detail::control_service_stop();
+    rt.world_.reset();
+  }
   int fin = 0;
   MPI_Finalized(&fin);
   if (!fin) {

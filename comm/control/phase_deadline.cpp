@@ -3,10 +3,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 
-#include "control/control_channel.h"
+#include "dtrain/comm/runtime.h"
 #include "dtrain/core/env.h"
 #include "dtrain/core/error.h"
 
@@ -16,7 +17,8 @@ PhaseDeadline::PhaseDeadline(std::string phase, Ending ending)
     : PhaseDeadline(std::move(phase), env::get_double("DTRAIN_COMM_TIMEOUT"), ending) {}
 
 PhaseDeadline::PhaseDeadline(std::string phase, double seconds, Ending ending) {
-  if (seconds > 0)
+  // 0 (or less) is no deadline; so is one past any job's life, which the clock could not hold.
+  if (seconds > 0 && std::isfinite(seconds) && seconds < 1e9)
     watcher_ = std::thread([this, phase = std::move(phase), seconds, ending] { watch(phase, seconds, ending); });
 }
 
@@ -33,9 +35,10 @@ PhaseDeadline::~PhaseDeadline() {
 void PhaseDeadline::watch(std::string phase, double seconds, Ending ending) {
   std::unique_lock<std::mutex> lock(mu_);
   if (cv_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return finished_; })) return;
+  lock.unlock();  // the phase's owner must not block on this if ending the job takes a while
   const std::string message = phase + " did not finish within " + std::to_string(static_cast<long>(seconds)) +
                               " s (DTRAIN_COMM_TIMEOUT): a rank that never started, or a node that is gone?";
-  if (ending == Ending::abort_job) abort_job(1, message, 0);
+  if (ending == Ending::abort_job) Runtime::abort(1, message);  // staggered by rank, as every abort
   // Before MPI_Init returns this process knows only its host.
   char host[256] = {};
   gethostname(host, sizeof host - 1);

@@ -36,10 +36,13 @@ void usage() {
 // comm::agree_on_inputs): rank 0 says it for all and every rank exits with `status`. When the
 // others do not come to say it within DTRAIN_ERROR_WAIT seconds (a file only this rank read, such as
 // its part of a validation set), this rank reports it alone, naming itself, and ends the job.
+// Commands whose work runs on rank 0 alone report there without waiting for the others.
 int report_agreed(const std::string& cmd, const char* what, const char* message, int status) {
   using dtrain::comm::Runtime;
   const std::string text = "dtrain " + cmd + ": " + what + ": " + message;
-  if (Runtime::initialized() && !Runtime::all_ranks_arrive_within(dtrain::env::get_double("DTRAIN_ERROR_WAIT")))
+  const bool rank0_only = cmd == "convert" || cmd == "quantize" || cmd == "prune-export" || cmd == "export";
+  if (Runtime::initialized() && !rank0_only &&
+      !Runtime::all_ranks_arrive_within(dtrain::env::get_double("DTRAIN_ERROR_WAIT")))
     Runtime::abort(status, text + " (found by this rank alone)");
   if (!Runtime::initialized() || Runtime::get().topology().rank == 0) std::fprintf(stderr, "%s\n", text.c_str());
   Runtime::finalize();

@@ -342,7 +342,7 @@ TEST(Pipeline, ResumeSkipsASetWithABadStagePart) {
     std::filesystem::copy_file(part, saved);
     for (const auto& [name, t] : train::load_checkpoint(part).tensors)
       if (tensor.empty() && name.rfind("param/", 0) == 0 && t.dtype() == DType::F32 && t.numel() > 16) tensor = name;
-    ASSERT_FALSE(tensor.empty());
+    EXPECT_FALSE(tensor.empty());  // not ASSERT: rank 1 waits at the next barrier
   }
   for (const std::string fault : {"flipped", "missing", "torn", "grown", "rewritten"}) {
     SCOPED_TRACE(fault);
