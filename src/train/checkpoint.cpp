@@ -346,6 +346,13 @@ CheckpointState load_checkpoint(const std::string& path) {
   return s;
 }
 
+int64_t held_parameters(const CheckpointState& s) {
+  int64_t held = 0;
+  for (const auto& [name, t] : s.tensors)
+    if (name.starts_with("param/")) held += t.numel();
+  return held;
+}
+
 CheckpointState load_checkpoint_set(const std::string& main_file) {
   CheckpointState s = load_checkpoint(main_file);
   auto it = s.ints.find("pp_stages");

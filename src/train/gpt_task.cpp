@@ -91,9 +91,7 @@ std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s) {
   cfg.width = cfg_it->second[4];
   // The attributes size the model: it is built only when the checkpoint's tensors hold as many
   // parameters as they ask for (each then has to match in shape).
-  int64_t held = 0;
-  for (const auto& [name, t] : s.tensors)
-    if (name.starts_with("param/")) held += t.numel();
+  const int64_t held = held_parameters(s);
   const int64_t wanted = nn::gpt_parameter_count(cfg);
   DT_INPUT_CHECK(wanted >= 0 && wanted <= held,
                  "the checkpoint's attribute gpt "

@@ -576,9 +576,7 @@ ImageCheckpoint image_model_from_checkpoint(const std::string& path, CheckpointS
   DT_INPUT_CHECK(!c.spec.name.empty(), "checkpoint '" << path << "' holds no image model");
   // The attributes size the model: every layer is checked, before it allocates, against the
   // parameters the file holds (it must hold them all), not against what the attributes ask for.
-  int64_t held = 0;
-  for (const auto& [name, t] : s.tensors)
-    if (name.starts_with("param/")) held += t.numel();
+  const int64_t held = held_parameters(s);
   c.spec.limits.parameters = held;
   c.spec.limits.parameters_from = "the " + std::to_string(held) + " parameters checkpoint '" + path +
                                   "' holds (attributes model, input_shape, hidden, channels, classes" +

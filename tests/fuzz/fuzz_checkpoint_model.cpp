@@ -142,9 +142,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   train::save_checkpoint(path, s);
   try {
     train::CheckpointState loaded = train::load_checkpoint(path);
-    int64_t held = 0;
-    for (const auto& [name, t] : loaded.tensors)
-      if (name.starts_with("param/")) held += t.numel();
+    const int64_t held = train::held_parameters(loaded);
     if (gpt) {
       auto g = train::gpt_from_checkpoint(loaded);
       if (g->parameter_count() > held) fuzz::fail("a gpt of more parameters than the file holds was built");

@@ -42,6 +42,9 @@ CheckpointState load_checkpoint(const std::string& path);
 // stages writes ckpt-stepN.h5 for stage 0 and ckpt-stepN.stage<s>.h5 for the others). Throws
 // InputError naming a missing part or one of another step.
 CheckpointState load_checkpoint_set(const std::string& main_file);
+// The elements of every parameter a loaded checkpoint holds (`param/...`): what a model built from
+// its attributes may ask for at most.
+int64_t held_parameters(const CheckpointState& s);
 // A file is returned as is; for a directory, its newest "ckpt-*.h5". Throws InputError naming
 // `option` (the option that gave the path: "resume", "checkpoint") when there is none.
 std::string resolve_checkpoint(const std::string& file_or_dir, const std::string& option = "resume");
