@@ -134,6 +134,22 @@ bool skipped_for_test(const std::string& comm, int64_t phase) {
 }
 }  // namespace
 
+// What a ring algorithm moves out of each rank for this call (nccl-tests' bus bytes): an allreduce
+// 2 (n-1)/n of its buffer, a reduce-scatter (n-1)/n of its input, an allgather (n-1) blocks, a
+// broadcast its buffer once. Counted on the wire's dtype, so bf16 transfers count half of f32's.
+int64_t Communicator::wire_bytes(const detail::CollectiveCall& call) const {
+  const int64_t n = size_;
+  if (n <= 1) return 0;
+  const int64_t bytes = call.count * static_cast<int64_t>(dtype_size(call.dtype));
+  switch (call.kind) {
+    case detail::CollectiveKind::Allreduce: return 2 * (n - 1) * bytes / n;
+    case detail::CollectiveKind::ReduceScatter: return (n - 1) * bytes / n;
+    case detail::CollectiveKind::Allgather: return (n - 1) * bytes;
+    case detail::CollectiveKind::Broadcast: return bytes;
+    default: return 0;
+  }
+}
+
 std::shared_ptr<Work> Communicator::issue(const detail::CollectiveCall& call,
                                           const std::function<std::shared_ptr<Work>()>& run) {
   if (call.kind != detail::CollectiveKind::Split && skipped_for_test(name_, detail::current_phase()))
@@ -141,6 +157,7 @@ std::shared_ptr<Work> Communicator::issue(const detail::CollectiveCall& call,
                                "' (DTRAIN_TEST_SKIP_COLLECTIVE)");
   const double t = detail::wall_s();
   const int64_t before = collectives_issued_;
+  wire_bytes_ += wire_bytes(call);
   std::shared_ptr<Work> w = run();
   // A backend takes one sequence number per collective (NCCL's split takes none on itself).
   if (collectives_issued_ == before + 1) recorder_->issued(collectives_issued_, call, recorder_->phase_now(), t);

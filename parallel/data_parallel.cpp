@@ -6,13 +6,21 @@
 #include <map>
 
 #include "dtrain/core/timer.h"
+#include "dtrain/parallel/zero/sharded_data_parallel.h"
 
 namespace dtrain::parallel {
 
-DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt)
+DataParallel::~DataParallel() = default;
+
+void DataParallel::load_compression_state(const std::map<std::string, Tensor>& state) {
+  DT_INPUT_CHECK(state.empty(), "gradient compression state given to a run without --compression");
+}
+
+ReplicatedDataParallel::ReplicatedDataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt)
     : model_(model), comm_(comm), opt_(opt) {
   DT_INPUT_CHECK(opt.bucket_bytes > 0, "data parallel: bucket size must be positive");
-  DT_INPUT_CHECK(!opt.zero1 || opt.compression == "none" || opt.compression_scope == "all",
+  DT_CHECK(opt.zero == 0 || opt.zero == 1, "ReplicatedDataParallel takes ZeRO 0 or 1, not " << opt.zero);
+  DT_INPUT_CHECK(opt.zero != 1 || opt.compression == "none" || opt.compression_scope == "all",
                  "option --compression-scope inter-node does not combine with --zero1");
   hook_ = make_grad_hook({opt.compression, opt.compression_scope, opt.seed}, comm);
   if (opt.momentum_correction > 0) hook_->set_momentum_correction(opt.momentum_correction);
@@ -65,11 +73,11 @@ DataParallel::DataParallel(nn::Module& model, comm::Communicator& comm, DataPara
     buckets_.push_back(Bucket{off, padded, 0, 0, 0, nullptr});
   }
 
-  if (opt_.zero1) make_shard(total);
+  if (zero1()) make_shard(total);
   model_.set_grad_ready_hook([this](nn::Parameter& p) { on_grad_ready(p); });
 }
 
-DataParallel::~DataParallel() {
+ReplicatedDataParallel::~ReplicatedDataParallel() {
   model_.set_grad_ready_hook(nullptr);
   try {
     settle();  // nothing may still write into the buckets once they are freed
@@ -77,9 +85,9 @@ DataParallel::~DataParallel() {
   }
 }
 
-std::map<std::string, Tensor> DataParallel::compression_state() const { return hook_->state(); }
+std::map<std::string, Tensor> ReplicatedDataParallel::compression_state() const { return hook_->state(); }
 
-void DataParallel::load_compression_state(const std::map<std::string, Tensor>& state) {
+void ReplicatedDataParallel::load_compression_state(const std::map<std::string, Tensor>& state) {
   // Every f32 entry of bucket i is the bucket's size, except PowerSGD's Q (its own shape).
   for (const auto& [key, t] : state) {
     const size_t dot = key.find('.');
@@ -95,9 +103,9 @@ void DataParallel::load_compression_state(const std::map<std::string, Tensor>& s
   hook_->load_state(state);
 }
 
-void DataParallel::set_step(int64_t step) { hook_->on_step(step, opt_.compression_warmup_steps); }
+void ReplicatedDataParallel::set_step(int64_t step) { hook_->on_step(step, opt_.compression_warmup_steps); }
 
-void DataParallel::broadcast_state(int root) {
+void ReplicatedDataParallel::broadcast_state(int root) {
   std::vector<std::shared_ptr<comm::Work>> works{comm_.broadcast(flat_param_, root)};
   std::vector<std::pair<Tensor, Tensor*>> staged;  // host buffers (a dropout's RNG state) on a GPU's NCCL
   for (nn::Buffer* b : model_.buffers()) {
@@ -115,7 +123,7 @@ void DataParallel::broadcast_state(int root) {
   reload_shard();
 }
 
-void DataParallel::begin_backward(bool sync) {
+void ReplicatedDataParallel::begin_backward(bool sync) {
   settle();
   syncing_ = sync && comm_.size() > 1;
   for (Bucket& b : buckets_) {
@@ -124,17 +132,17 @@ void DataParallel::begin_backward(bool sync) {
   }
 }
 
-void DataParallel::on_grad_ready(nn::Parameter& p) {
+void ReplicatedDataParallel::on_grad_ready(nn::Parameter& p) {
   // ZeRO-1 without compression reduce-scatters the whole flat gradient in finish(); without
   // overlap, every bucket goes out there too.
-  if (!syncing_ || (opt_.zero1 && !hook_->compresses()) || !opt_.overlap) return;
+  if (!syncing_ || (zero1() && !hook_->compresses()) || !opt_.overlap) return;
   auto it = bucket_of_.find(&p);
   DT_CHECK(it != bucket_of_.end(), "gradient of " << p.name << " is not in any data-parallel bucket");
   Bucket& b = buckets_[it->second];
   if (++b.ready == b.params) launch(b);
 }
 
-void DataParallel::launch(Bucket& b) {
+void ReplicatedDataParallel::launch(Bucket& b) {
   Tensor view = flat_grad_.slice0(b.begin, b.end);
   const int64_t before = hook_->bytes_sent();
   b.work = hook_->run(view, static_cast<int>(&b - buckets_.data()), b.rows);
@@ -143,13 +151,13 @@ void DataParallel::launch(Bucket& b) {
   ++stats_.collectives;
 }
 
-void DataParallel::finish() {
+void ReplicatedDataParallel::finish() {
   if (!syncing_) {
-    if (opt_.zero1 && comm_.size() == 1) engine_for(flat_grad_.device()).copy(flat_grad_, shard_.grad);
+    if (zero1() && comm_.size() == 1) engine_for(flat_grad_.device()).copy(flat_grad_, shard_.grad);
     return;
   }
   double t0 = now_s();
-  if (opt_.zero1 && !hook_->compresses()) {
+  if (zero1() && !hook_->compresses()) {
     comm_.reduce_scatter(flat_grad_, shard_.grad, comm::ReduceOp::Avg)->wait();
     stats_.bytes_reduced += static_cast<int64_t>(flat_grad_.nbytes());
     stats_.bytes_sent += static_cast<int64_t>(flat_grad_.nbytes());
@@ -165,20 +173,20 @@ void DataParallel::finish() {
     stats_.bytes_sent += hook_->bytes_sent() - before;
     // ZeRO-1 with compression: the compressed exchange (top-k's allgathers, PowerSGD's factors, ...)
     // leaves the averaged gradient everywhere; the sharded optimizer takes this rank's slice.
-    if (opt_.zero1) engine_for(flat_grad_.device()).copy(own_slice(flat_grad_), shard_.grad);
+    if (zero1()) engine_for(flat_grad_.device()).copy(own_slice(flat_grad_), shard_.grad);
   }
   stats_.comm_wait_s += now_s() - t0;
   syncing_ = false;
 }
 
-void DataParallel::complete(const std::shared_ptr<comm::Work>& w) {
+void ReplicatedDataParallel::complete(const std::shared_ptr<comm::Work>& w) {
   if (opt_.device_stream && w->order_stream(opt_.device_stream))
     deferred_.push_back(w);
   else
     w->wait();
 }
 
-void DataParallel::settle() {
+void ReplicatedDataParallel::settle() {
   if (deferred_.empty()) return;
   double t0 = now_s();
   std::vector<std::shared_ptr<comm::Work>> works;
@@ -187,13 +195,13 @@ void DataParallel::settle() {
   stats_.comm_wait_s += now_s() - t0;
 }
 
-std::pair<int64_t, int64_t> DataParallel::overlap(const nn::Parameter* p, int64_t begin, int64_t end) const {
+std::pair<int64_t, int64_t> ReplicatedDataParallel::overlap(const nn::Parameter* p, int64_t begin, int64_t end) const {
   const int64_t off = offset_.at(p);
   return {std::max(begin, off), std::min(end, off + p->value.numel())};
 }
 
 // ZeRO-1: this rank's master slice and gradient slice, and the parameters' pieces in them.
-void DataParallel::make_shard(int64_t model_numel) {
+void ReplicatedDataParallel::make_shard(int64_t model_numel) {
   // A slice of padding only would give its rank no optimizer state, and the state's collectives
   // (gather_state) would not match over the ranks.
   DT_INPUT_CHECK(flat_param_.numel() - model_numel < shard_numel(),
@@ -217,8 +225,8 @@ void DataParallel::make_shard(int64_t model_numel) {
   }
 }
 
-std::vector<optim::ParamGroup> DataParallel::optimizer_groups(const std::vector<optim::ParamGroup>& model_groups) {
-  if (!opt_.zero1) return model_groups;
+std::vector<optim::ParamGroup> ReplicatedDataParallel::optimizer_groups(const std::vector<optim::ParamGroup>& model_groups) {
+  if (!zero1()) return model_groups;
   std::vector<optim::ParamGroup> groups;
   for (const optim::ParamGroup& g : model_groups) {
     optim::ParamGroup& mine = groups.emplace_back(g);
@@ -231,7 +239,7 @@ std::vector<optim::ParamGroup> DataParallel::optimizer_groups(const std::vector<
   return groups;
 }
 
-std::pair<int64_t, std::string> DataParallel::place_in_slice(const optim::StateTensor& st) const {
+std::pair<int64_t, std::string> ReplicatedDataParallel::place_in_slice(const optim::StateTensor& st) const {
   const size_t dot = st.name.rfind('.');
   auto it = dot == std::string::npos ? start_in_slice_.end() : start_in_slice_.find(st.name.substr(0, dot));
   DT_CHECK(it != start_in_slice_.end(),
@@ -239,8 +247,8 @@ std::pair<int64_t, std::string> DataParallel::place_in_slice(const optim::StateT
   return {it->second, st.name.substr(dot + 1)};
 }
 
-std::map<std::string, Tensor> DataParallel::gather_state(const std::vector<optim::StateTensor>& state) {
-  if (!opt_.zero1) return optim::state_by_name(state);  // whole parameters already
+std::map<std::string, Tensor> ReplicatedDataParallel::gather_state(const std::vector<optim::StateTensor>& state) {
+  if (!zero1()) return optim::state_by_name(state);  // whole parameters already
   // Each kind of state ("exp_avg", ...) as this rank's slice, assembled from its tensors (the
   // padding stays zero), then gathered whole; std::map orders the kinds alike on every rank.
   std::map<std::string, Tensor> slices;
@@ -262,8 +270,8 @@ std::map<std::string, Tensor> DataParallel::gather_state(const std::vector<optim
   return full;
 }
 
-void DataParallel::load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state) {
-  if (!opt_.zero1) {
+void ReplicatedDataParallel::load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state) {
+  if (!zero1()) {
     optim::load_state_by_name(full, state);
     return;
   }
@@ -287,12 +295,12 @@ void DataParallel::load_state(const std::map<std::string, Tensor>& full, const s
   }
 }
 
-void DataParallel::reload_shard() {
-  if (opt_.zero1) engine_for(flat_param_.device()).copy(own_slice(flat_param_), shard_.value);
+void ReplicatedDataParallel::reload_shard() {
+  if (zero1()) engine_for(flat_param_.device()).copy(own_slice(flat_param_), shard_.value);
 }
 
-void DataParallel::after_step() {
-  if (!opt_.zero1) return;
+void ReplicatedDataParallel::after_step() {
+  if (!zero1()) return;
   double t0 = now_s();
   if (comm_.size() > 1) {
     comm_.allgather(shard_.value, flat_param_)->wait();
@@ -304,7 +312,7 @@ void DataParallel::after_step() {
   stats_.comm_wait_s += now_s() - t0;
 }
 
-Tensor DataParallel::gather_flat(const Tensor& slice) {
+Tensor ReplicatedDataParallel::gather_flat(const Tensor& slice) {
   Tensor full = zeros_on(flat_param_.shape(), flat_param_.device());
   if (comm_.size() > 1)
     comm_.allgather(slice, full)->wait();
@@ -313,18 +321,39 @@ Tensor DataParallel::gather_flat(const Tensor& slice) {
   return full;
 }
 
-Tensor DataParallel::own_slice(const Tensor& flat) const {
+Tensor ReplicatedDataParallel::own_slice(const Tensor& flat) const {
   return flat.slice0(slice_begin(), slice_begin() + shard_numel());
 }
 
-double DataParallel::grad_norm() {
+std::map<std::string, int64_t> ReplicatedDataParallel::memory_bytes() const {
+  const int64_t shard = zero1() ? static_cast<int64_t>(shard_.value.nbytes() + shard_.grad.nbytes()) : 0;
+  return {{"parameters", static_cast<int64_t>(flat_param_.nbytes())},
+          {"gradients", static_cast<int64_t>(flat_grad_.nbytes())},
+          {"shard (ZeRO-1 master and gradient)", shard},
+          {"gathered units", 0},
+          {"communication buffers", 0}};
+}
+
+double ReplicatedDataParallel::grad_norm() {
   Engine& e = engine_for(flat_grad_.device());
-  if (!opt_.zero1) return std::sqrt(e.sum_squares(flat_grad_));
+  if (!zero1()) return std::sqrt(e.sum_squares(flat_grad_));
   // The slices' sums of squares added on the buckets' device (NCCL takes device memory only).
   Tensor ss = Tensor::empty({1}, DType::F32, flat_grad_.device());
   copy_any(Tensor::from({1}, {static_cast<float>(e.sum_squares(shard_.grad))}), ss);
   if (comm_.size() > 1) comm_.allreduce(ss, comm::ReduceOp::Sum)->wait();
   return std::sqrt(static_cast<double>(to_host(ss).f32()[0]));
+}
+
+}  // namespace dtrain::parallel
+
+namespace dtrain::parallel {
+
+std::unique_ptr<DataParallel> make_data_parallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt) {
+  DT_INPUT_CHECK(opt.zero >= 0 && opt.zero <= 3, "option --zero must be 0, 1, 2 or 3, got " << opt.zero);
+  if (opt.zero <= 1) return std::make_unique<ReplicatedDataParallel>(model, comm, opt);
+  DT_INPUT_CHECK(opt.compression == "none", "option --zero " << opt.zero << " does not combine with --compression "
+                                                             << opt.compression << " (use --zero 1)");
+  return std::make_unique<ShardedDataParallel>(model, comm, opt);
 }
 
 }  // namespace dtrain::parallel

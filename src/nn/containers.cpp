@@ -36,14 +36,24 @@ void Sequential::set_needs_input_grad(bool needed) {
 
 Tensor Sequential::forward(const Tensor& x) {
   Tensor h = x;
-  for (auto& l : layers_) h = l->forward(h);
+  for (auto& l : layers_) h = l->run_forward(h);
   return h;
 }
 
 Tensor Sequential::backward(const Tensor& dy) {
   Tensor g = dy;
-  for (auto it = layers_.rbegin(); it != layers_.rend() && g.defined(); ++it) g = (*it)->backward(g);
+  for (auto it = layers_.rbegin(); it != layers_.rend() && g.defined(); ++it) g = (*it)->run_backward(g);
   return g;  // undefined when the input gradient was not asked for
+}
+
+ShardUnits Sequential::shard_units() {
+  ShardUnits units;
+  for (auto& l : layers_) {
+    if (l->parameters().empty()) continue;
+    units.unit_of.push_back(static_cast<int>(units.entries.size()));
+    units.entries.push_back(l.get());
+  }
+  return units;
 }
 
 std::vector<std::pair<std::string, Module*>> Sequential::children() {

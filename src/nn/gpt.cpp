@@ -291,31 +291,52 @@ std::vector<std::pair<std::string, Module*>> Gpt::children() {
 }
 
 Tensor Gpt::forward(const Tensor& x) {
-  Tensor h = embed_ ? embed_->forward(x) : x;
+  Tensor h = embed_ ? embed_->run_forward(x) : x;
   if (!embed_)
     DT_CHECK(h.dim() == 3 && h.size(2) == cfg_.width, kind() << " needs activations [B, T, C], got " << h.str());
   // The blocks' temporaries are scratch: one set shared by all blocks, as in backward.
   for (auto& [name, b] : blocks_) {
     b->give_buffers(std::move(scratch_), true);
-    h = b->forward(h);
+    h = b->run_forward(h);
     scratch_ = b->take_buffers(true);
   }
-  return head_ ? head_->forward(h) : h;
+  return head_ ? head_->run_forward(h) : h;
 }
 
 Tensor Gpt::backward(const Tensor& dy) {
   PhaseScope phase(Phase::Backward);
-  Tensor g = head_ ? head_->backward(dy) : dy;
+  Tensor g = head_ ? head_->run_backward(dy) : dy;
   // The blocks share one set of scratch buffers, taken in turn. Block l's d(input), which block
   // l-1 reads, lies in the slot of the attention residual's d(input), which block l-1 writes last,
   // after the last read of its d(output); no other slot holds it.
   for (size_t i = blocks_.size(); i-- > 0;) {
     Module& b = *blocks_[i].second;
     b.give_buffers(std::move(scratch_), true);
-    g = b.backward(g);
+    g = b.run_backward(g);
     scratch_ = b.take_buffers(true);
   }
-  return embed_ ? embed_->backward(g) : g;
+  return embed_ ? embed_->run_backward(g) : g;
+}
+
+// The embedding and a head tied to it are one unit (the weight they share is gathered once, from
+// the embedding's forward to the head's, and its gradient is whole after the embedding's backward).
+ShardUnits Gpt::shard_units() {
+  ShardUnits units;
+  const bool tied = embed_ && head_ && !head_->owns_wte();
+  int next = 0;
+  if (embed_) {
+    units.entries.push_back(embed_.get());
+    units.unit_of.push_back(next++);
+  }
+  for (auto& [name, b] : blocks_) {
+    units.entries.push_back(b.get());
+    units.unit_of.push_back(next++);
+  }
+  if (head_) {
+    units.entries.push_back(head_.get());
+    units.unit_of.push_back(tied ? 0 : next++);
+  }
+  return units;
 }
 
 // Multiply-adds per token, forward; backward is about twice that. Attention: q k^T and att v over

@@ -122,6 +122,20 @@ void Module::set_grad_ready_hook(GradReadyHook hook) {
   for (auto& [name, child] : children()) child->set_grad_ready_hook(hook);
 }
 
+Tensor Module::run_forward(const Tensor& x) {
+  if (pass_hooks_ && pass_hooks_->before_forward) pass_hooks_->before_forward();
+  Tensor y = forward(x);
+  if (pass_hooks_ && pass_hooks_->after_forward) pass_hooks_->after_forward();
+  return y;
+}
+
+Tensor Module::run_backward(const Tensor& dy) {
+  if (pass_hooks_ && pass_hooks_->before_backward) pass_hooks_->before_backward();
+  Tensor dx = backward(dy);
+  if (pass_hooks_ && pass_hooks_->after_backward) pass_hooks_->after_backward();
+  return dx;
+}
+
 void Module::track(Tensor& slot, bool scratch) {
   Tensor* p = &slot;
   if (std::find(activation_slots_.begin(), activation_slots_.end(), p) != activation_slots_.end() ||

@@ -205,7 +205,11 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(common, "compression-warmup", &c.compression_warmup, def.compression_warmup, "compression warm-up steps (-1: one epoch, the gpt: --warmup-steps; 0: none): top-k's kept fraction falls from 25 % to the target; PowerSGD sends uncompressed gradients until then");
   add(image, "momentum-correction", &c.momentum_correction, def.momentum_correction, "top-k with SGD momentum: accumulate momentum, not raw gradients, in the compressor (Deep Gradient Compression); the optimizer then runs without momentum");
   add(common, "accumulate", &c.accumulate, def.accumulate, "micro-batches per optimizer step (gradient accumulation)");
-  add(common, "zero1", &c.zero1, def.zero1, "ZeRO stage 1: shard optimizer state over the data-parallel ranks (each parameter's piece keeps its optimizer group)");
+  add(common, "zero", &c.zero, def.zero, "ZeRO stage over the data-parallel ranks: 0 replicated; 1 optimizer state sharded (each parameter's piece keeps its optimizer group); 2 gradients sharded too (reduce-scattered unit by unit in backward); 3 parameters too (gathered per unit for its forward and backward)");
+  add(common, "zero1", &c.zero1, def.zero1, "true: --zero 1");
+  add(common, "reshard-after-forward", &c.reshard_after_forward, def.reshard_after_forward, "--zero 3: free a unit's parameters after its forward and gather them again for its backward (false: keep them, ZeRO-2's memory during the pass)");
+  add(common, "zero-prefetch", &c.zero_prefetch, def.zero_prefetch, "--zero 3: start the next unit's all-gather while the current one computes");
+  add(common, "zero-gather-dtype", &c.zero_gather_dtype, def.zero_gather_dtype, "--zero 3: dtype of the parameters' all-gathers, f32 or bf16 (half the bytes; the master shards stay f32)");
   add(image, "sync-batchnorm", &c.sync_batchnorm, def.sync_batchnorm, "batch statistics over all data-parallel ranks");
 
   add(lm, "layers", &c.layers, def.layers, "transformer blocks");
@@ -288,13 +292,23 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.loss_scale_init >= 1.f && c.loss_scale_init <= 16777216.f,
                  "option --loss-scale-init must be in [1, 2^24], got " << c.loss_scale_init);
   DT_INPUT_CHECK(c.accumulate >= 1, "option --accumulate must be >= 1, got " << c.accumulate);
-  DT_INPUT_CHECK(!c.zero1 || (c.optimizer != "lars" && c.optimizer != "lamb"),
-                 "option --zero1 does not combine with --optimizer "
-                     << c.optimizer << " (its per-layer trust ratios need whole tensors)");
-  DT_INPUT_CHECK(!c.zero1 || (c.tp == 1 && c.pp == 1), "option --zero1 does not combine with --"
-                                                           << (c.tp > 1 ? "tp" : "pp")
-                                                           << " in this version (clipping and the tied embedding read "
-                                                              "whole gradients)");
+  DT_INPUT_CHECK(c.zero >= 0 && c.zero <= 3, "option --zero must be 0, 1, 2 or 3, got " << c.zero);
+  DT_INPUT_CHECK(c.zero_gather_dtype == "f32" || c.zero_gather_dtype == "bf16",
+                 "option --zero-gather-dtype must be f32 or bf16, got '" << c.zero_gather_dtype << "'");
+  const std::string zero = "option --zero " + std::to_string(c.zero);
+  DT_INPUT_CHECK(c.zero == 0 || (c.optimizer != "lars" && c.optimizer != "lamb"),
+                 zero << " does not combine with --optimizer " << c.optimizer
+                      << " (its per-layer trust ratios need whole tensors)");
+  DT_INPUT_CHECK(c.zero == 0 || (c.tp == 1 && c.pp == 1), zero << " does not combine with --"
+                                                              << (c.tp > 1 ? "tp" : "pp")
+                                                              << " in this version (clipping and the tied embedding read "
+                                                                 "whole gradients)");
+  DT_INPUT_CHECK(c.zero < 2 || c.compression == "none",
+                 zero << " does not combine with --compression " << c.compression << " in this version (use --zero 1)");
+  DT_INPUT_CHECK(c.zero < 3 || c.prune_sparsity == 0.f,
+                 zero << " does not combine with --prune-sparsity (the masks read whole weights)");
+  DT_INPUT_CHECK(c.zero < 3 || c.check_replicas == 0,
+                 zero << " does not combine with --check-replicas (no rank holds a whole replica)");
   DT_INPUT_CHECK(c.straggler_every >= 0 && c.straggler_threshold > 0,
                  "option --straggler-every must be >= 0 and --straggler-threshold > 0");
   DT_INPUT_CHECK(c.check_replicas >= 0, "option --check-replicas must be >= 0, got " << c.check_replicas);
@@ -390,6 +404,11 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   for (const char* name : {"model", "hidden", "dropout"})
     DT_INPUT_CHECK(c.model_file.empty() || vm[name].defaulted(),
                    "option --" << name << " does not combine with --model-file (the file describes the whole model)");
+  if (c.zero1) {
+    DT_INPUT_CHECK(vm["zero"].defaulted() || c.zero == 1,
+                   "option --zero1 true is --zero 1; it does not combine with --zero " << c.zero);
+    c.zero = 1;
+  }
   check_ranges(c);
   // Relative data paths in a config file are relative to the file, so a job runs from any directory.
   if (!c.config_file.empty()) {

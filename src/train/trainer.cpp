@@ -113,7 +113,7 @@ void Trainer::exchange() {
 bool Trainer::update(float lr) {
   // fp16: unscale and check for inf/NaN after the exchange; ranks that hold different parameters
   // (ZeRO-1 slices, tp shards, stages) agree on the verdict, so a step is taken everywhere or nowhere.
-  const bool different = (dp_ && dp_->zero1()) || cfg_.tp > 1 || cfg_.pp > 1;
+  const bool different = (dp_ && dp_->zero_stage() > 0) || cfg_.tp > 1 || cfg_.pp > 1;
   const bool take_step = unscale_and_agree(scaler_.get(), opt_->params(), different ? &world_ : nullptr);
   if (take_step && cfg_.clip_grad_norm > 0.f) clip_gradients();
   if (take_step) opt_->step(lr);
@@ -371,8 +371,12 @@ TrainResult Trainer::run() {
             cfg_.checkpoint_dir + ": " + names);
     });
   // A checkpoint part or file one rank cannot read fails every rank alike.
-  if (!cfg_.resume.empty()) comm::agree_on_inputs(world_, [&] { at = restore(cfg_.resume); });
-  if (dp_) dp_->broadcast_state(0);
+  {
+    // ZeRO-3: a checkpoint loads into whole parameters, which then give each rank its shard.
+    parallel::WholeModel whole(cfg_.resume.empty() ? nullptr : dp_.get());
+    if (!cfg_.resume.empty()) comm::agree_on_inputs(world_, [&] { at = restore(cfg_.resume); });
+    if (dp_) dp_->broadcast_state(0);
+  }
   PreemptionGuard preemption(parse_signal_list(cfg_.preempt_signals, "preempt-signals"));
   trace_ = std::make_unique<ChromeTrace>(cfg_.trace, rank_, cfg_.trace_steps);
   announce();

@@ -34,7 +34,7 @@ const Tensor* entry(const std::map<std::string, Tensor>& snapshot, const std::st
 // (collectives). Without ZeRO-1 the live state is copied once, by gather_full.
 std::map<std::string, Tensor> Trainer::optimizer_state_full(const std::map<std::string, Tensor>& reuse) {
   std::map<std::string, Tensor> local;
-  if (dp_ && dp_->zero1())
+  if (dp_ && dp_->zero_stage() > 0)
     local = dp_->gather_state(opt_->state());
   else
     for (const optim::StateTensor& st : opt_->state()) local[st.name] = *st.value;
@@ -86,6 +86,7 @@ void Trainer::load_optimizer_state(CheckpointState& s) {
 CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch,
                                           const std::map<std::string, Tensor>& reuse) {
   nn::Module& model = task_->model();
+  parallel::WholeModel whole(dp_.get());  // ZeRO-3: every unit gathered while the snapshot is taken
   CheckpointState s;
   const std::map<std::string, Tensor> old_params = entries_under(reuse, "param/");
   for (auto& [name, t] : parallel::gather_full_parameters(model, &grid_->tp(), &old_params))

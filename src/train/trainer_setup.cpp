@@ -153,10 +153,13 @@ void Trainer::check_layout() {
 // After the ranks agreed on the inputs: creates the NCCL communicator, which every rank must reach.
 void Trainer::setup_exchange() {
   nn::Module& model = task_->model();
-  if (grid_->dp_size() > 1 || cfg_.zero1 || cfg_.compression != "none") {
+  if (grid_->dp_size() > 1 || cfg_.zero > 0 || cfg_.compression != "none") {
     parallel::DataParallelOptions dpo;
     dpo.bucket_bytes = static_cast<int64_t>(cfg_.bucket_mb * 1048576.0);
-    dpo.zero1 = cfg_.zero1;
+    dpo.zero = cfg_.zero;
+    dpo.reshard_after_forward = cfg_.reshard_after_forward;
+    dpo.prefetch = cfg_.zero_prefetch;
+    dpo.gather_dtype = cfg_.zero_gather_dtype == "bf16" ? DType::BF16 : DType::F32;
     dpo.overlap = cfg_.overlap;
     dpo.compression = cfg_.compression;  // PowerSGD per tensor: matrices factorised, vectors sent whole
     dpo.compression_scope = cfg_.compression_scope;
@@ -165,7 +168,7 @@ void Trainer::setup_exchange() {
     dpo.device_stream = compute_stream_of(device_);
     if (grid_->dp_size() > 1 && comm_ == "nccl") nccl_ = gpu_gradient_communicator(grid_->dp(), device_, "dp-nccl");
     if (nccl_) nccl_->track_step_phases(true);
-    dp_ = std::make_unique<parallel::DataParallel>(model, nccl_ ? *nccl_ : grid_->dp(), dpo);
+    dp_ = parallel::make_data_parallel(model, nccl_ ? *nccl_ : grid_->dp(), dpo);
   }
   if (cfg_.pp > 1)
     pipe_ = std::make_unique<parallel::PipelineStage>(model, grid_->pp(),
@@ -294,7 +297,7 @@ void Trainer::announce() {
   const double mib = 1.0 / 1048576.0, params = static_cast<double>(task_->model().parameter_count()) * 4;
   say("memory per rank: parameters " + fixed(params * mib, 2) + " MiB, gradients " + fixed(params * mib, 2) +
       " MiB, optimizer state " + fixed(state * mib, 2) + " MiB" +
-      (cfg_.zero1 ? " (ZeRO-1: 1/" + std::to_string(grid_->dp_size()) + " of it)" : std::string()) +
+      (cfg_.zero > 0 ? " (ZeRO-" + std::to_string(cfg_.zero) + ": 1/" + std::to_string(grid_->dp_size()) + " of it)" : std::string()) +
       (dp_ ? ", " + std::to_string(dp_->bucket_count()) + " gradient bucket(s), compression " + cfg_.compression
            : std::string()) +
       (topk_momentum_correction() > 0 ? " with momentum correction" : ""));

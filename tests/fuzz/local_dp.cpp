@@ -64,7 +64,7 @@ LocalDataParallel::LocalDataParallel(const std::string& c, int rank) : compressi
   model = nn::make_model(spec);
   parallel::DataParallelOptions opt;
   opt.compression = compression;
-  dp = std::make_unique<parallel::DataParallel>(*model, comm, opt);
+  dp = std::make_unique<parallel::ReplicatedDataParallel>(*model, comm, opt);
 }
 
 void LocalDataParallel::step() {

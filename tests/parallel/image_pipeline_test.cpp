@@ -175,7 +175,7 @@ void expect_pipeline_matches_one_rank(const nn::ModelSpec& spec, int pp, const s
   ref->set_needs_input_grad(false);
 
   std::unique_ptr<parallel::DataParallel> ddp;
-  if (grid.dp_size() > 1) ddp = std::make_unique<parallel::DataParallel>(*stage, grid.dp());
+  if (grid.dp_size() > 1) ddp = std::make_unique<parallel::ReplicatedDataParallel>(*stage, grid.dp());
   parallel::PipelineStage pipe(*stage, grid.pp(), schedule, micro);
   ImagePipeline p{grid, pipe, ddp.get(), {shapes[starts[s]], shapes[starts[s + 1]]}, micro, mbs};
   optim::SgdOptions so;

@@ -177,7 +177,7 @@ TEST(LmDataParallel, Zero1MatchesPlainDataParallel) {
   std::vector<double> plain_losses, zero1_losses;
   const auto plain = params_after(c, &plain_losses);
   train::TrainConfig z = c;
-  z.zero1 = true;
+  z.zero = 1;
   z.checkpoint_dir = (corpus.dir / "ckpt").string();
   z.checkpoint_every = 15;
   const auto sharded = params_after(z, &zero1_losses);

@@ -111,7 +111,7 @@ void compare_grid_with_one_rank(bool sync, int tp, int pp, int steps, parallel::
   nn::Parameter* wte = model.embedding_wte() ? model.embedding_wte() : model.head_wte_copy();
 
   std::unique_ptr<parallel::DataParallel> ddp;
-  if (grid.dp_size() > 1) ddp = std::make_unique<parallel::DataParallel>(model, grid.dp());
+  if (grid.dp_size() > 1) ddp = std::make_unique<parallel::ReplicatedDataParallel>(model, grid.dp());
   std::unique_ptr<parallel::PipelineStage> pipe;
   if (pp > 1) pipe = std::make_unique<parallel::PipelineStage>(model, grid.pp(), schedule, micro);
   optim::SgdOptions so;

@@ -46,7 +46,7 @@ enum class Sharding { none, pieces };
 struct GptRun {
   using Groups = std::function<std::vector<optim::ParamGroup>(const std::vector<nn::Parameter*>&)>;
   nn::Gpt model{tiny_gpt()};
-  parallel::DataParallel dp;
+  parallel::ReplicatedDataParallel dp;
   optim::Adam opt;
   nn::SoftmaxCrossEntropy xent;
 
@@ -56,7 +56,7 @@ struct GptRun {
 
   static parallel::DataParallelOptions options(bool zero1) {
     parallel::DataParallelOptions o;
-    o.zero1 = zero1;
+    o.zero = zero1 ? 1 : 0;
     return o;
   }
   // eps 1e-4, not 1e-8: the attention's key bias has an exactly zero gradient (softmax is
@@ -137,7 +137,7 @@ void expect_params_equal(const ParamValues& got, const ParamValues& want, const 
 // the parts of all ranks cover every parameter exactly once.
 TEST(Zero1Groups, PiecesKeepTheirGroupAndCoverEveryParameterOnce) {
   nn::Gpt model(tiny_gpt());
-  parallel::DataParallel dp(model, world(), GptRun::options(true));
+  parallel::ReplicatedDataParallel dp(model, world(), GptRun::options(true));
   const std::vector<optim::ParamGroup> model_groups = decay_matrices(model.parameters());
   const std::vector<optim::ParamGroup> groups = dp.optimizer_groups(model_groups);
   ASSERT_EQ(groups.size(), model_groups.size());

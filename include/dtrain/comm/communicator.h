@@ -141,6 +141,9 @@ class Communicator {
   void set_timeout_action(TimeoutAction a) { timeout_action_ = a; }
   TimeoutAction timeout_action() const { return timeout_action_; }
   int64_t collectives_issued() const { return collectives_issued_; }
+  // Bytes this rank's collectives put on the wire so far, as a ring moves them (see wire_bytes in
+  // communicator.cpp): what stages of sharding and compressors are compared by.
+  int64_t wire_bytes_sent() const { return wire_bytes_; }
   // Inherited by split() communicators; the default comes from DTRAIN_ALLREDUCE.
   void set_allreduce_algorithm(AllreduceAlgorithm a) { allreduce_algorithm_ = a; }
   AllreduceAlgorithm allreduce_algorithm() const { return allreduce_algorithm_; }
@@ -178,10 +181,12 @@ class Communicator {
   Tensor host_side(const Tensor& t, bool with_contents) const;  // t, or its host copy where stages(t)
   // Runs the backend's call and records it (or skips it for the DTRAIN_TEST_SKIP_COLLECTIVE hook).
   std::shared_ptr<Work> issue(const detail::CollectiveCall& call, const std::function<std::shared_ptr<Work>()>& run);
+  int64_t wire_bytes(const detail::CollectiveCall& call) const;
 
   int rank_, size_;
   std::string name_;
   int64_t collectives_issued_ = 0;
+  int64_t wire_bytes_ = 0;
   std::shared_ptr<detail::FlightRecorder> recorder_;
 };
 

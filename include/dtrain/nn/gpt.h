@@ -146,6 +146,7 @@ class Gpt : public Module {
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override;
   std::vector<std::pair<std::string, Module*>> children() override;
+  ShardUnits shard_units() override;  // the blocks; the embedding with the head tied to it
   const GptConfig& config() const { return cfg_; }
   const GptPart& part() const { return part_; }
   // The head's own copy of the tied weight (a last pipeline stage without the embedding), else null.

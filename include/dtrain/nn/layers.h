@@ -209,6 +209,7 @@ class Sequential : public Module {
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override { return "Sequential"; }
   void set_needs_input_grad(bool needed) override;
+  ShardUnits shard_units() override;  // every layer with parameters
   std::vector<std::pair<std::string, Module*>> children() override;
   size_t size() const { return layers_.size(); }
   Module& operator[](size_t i) { return *layers_[i]; }

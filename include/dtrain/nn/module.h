@@ -42,6 +42,22 @@ struct Buffer {
 
 using GradReadyHook = std::function<void(Parameter&)>;
 
+// What runs around a module's passes when its container calls it through run_forward and
+// run_backward: ZeRO-3 gathers a unit's parameters before its forward and backward and frees them
+// after, ZeRO-2/3 reduce-scatter its gradients after its backward. Each may be empty.
+struct PassHooks {
+  std::function<void()> before_forward, after_forward, before_backward, after_backward;
+};
+
+class Module;
+// A model cut into units for sharding (ZeRO-2/3): the modules that use parameters, in the order
+// forward runs them, each with its unit. A unit may have several entries (the GPT's embedding and
+// its head share the tied weight), and owns every parameter below its entries.
+struct ShardUnits {
+  std::vector<Module*> entries;
+  std::vector<int> unit_of;  // per entry
+};
+
 // Which pass is running on this thread. Buffers a module first makes inside a backward pass are
 // scratch (every micro-batch reuses them); those made in forward hold activations, which a
 // pipeline stashes per micro-batch and activation checkpointing frees. The default is forward.
@@ -85,6 +101,15 @@ class Module {
   void eval() { train(false); }
   bool training() const { return training_; }
   void set_grad_ready_hook(GradReadyHook hook);  // on this module and all below it
+
+  // forward/backward between this module's pass hooks (set by a sharding strategy; none by
+  // default). Containers call their children through these.
+  Tensor run_forward(const Tensor& x);
+  Tensor run_backward(const Tensor& dy);
+  void set_pass_hooks(std::shared_ptr<const PassHooks> hooks) { pass_hooks_ = std::move(hooks); }
+  // This model's units for ZeRO-2/3: a Sequential's layers with parameters, the GPT's blocks and
+  // its embedding with its head. Empty: the model cannot be cut (ZeRO-2/3 refuse it).
+  virtual ShardUnits shard_units() { return {}; }
   // Whether backward must produce d(input). The model's first layer need not (its input is the
   // data): for a first convolution that is a whole backward-data pass saved.
   virtual void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
@@ -164,6 +189,7 @@ class Module {
   std::vector<std::unique_ptr<Buffer>> buffers_;
   std::vector<std::string> param_names_, buffer_names_;  // local names ("weight")
   GradReadyHook hook_;
+  std::shared_ptr<const PassHooks> pass_hooks_;
 };
 
 using ModulePtr = std::unique_ptr<Module>;

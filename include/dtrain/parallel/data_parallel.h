@@ -1,6 +1,11 @@
 #pragma once
-// DataParallel: every rank holds the whole model; gradients are averaged over the data-parallel
-// communicator.
+// Data parallelism over the data-parallel communicator, as one interface (DataParallel) the
+// trainers drive without asking which layout runs (make_data_parallel picks it from --zero):
+//   ReplicatedDataParallel  ZeRO 0 and 1 (below): every rank holds the whole model and gradient
+//   ShardedDataParallel     ZeRO 2 and 3 (zero/sharded_data_parallel.h): gradients, and at 3 the
+//                           parameters, are sharded unit by unit
+//
+// ReplicatedDataParallel: every rank holds the whole model; gradients are averaged.
 //
 // All parameters and gradients are moved into two flat buffers, laid out in the order backward
 // produces gradients (last layer first), and each parameter's value and grad become views into
@@ -20,6 +25,7 @@
 // With gradient compression the buckets go through the compressor as without ZeRO-1 (a compressed
 // reduce-scatter does not exist for top-k or PowerSGD), and each rank then keeps its slice of the
 // averaged gradient: the communication of the compressor, the optimizer memory of ZeRO-1.
+#include <exception>
 #include <map>
 #include <memory>
 #include <unordered_map>
@@ -34,7 +40,16 @@ namespace dtrain::parallel {
 
 struct DataParallelOptions {
   int64_t bucket_bytes = 25ll << 20;  // as PyTorch DDP's default 25 MiB
-  bool zero1 = false;
+  // ZeRO stage: 0 replicated, 1 optimizer state sharded, 2 gradients too, 3 parameters too.
+  int zero = 0;
+  // ZeRO-3: a unit's parameters are freed after its forward and gathered again for its backward
+  // (false: kept from forward to backward, ZeRO-2's parameter memory during the pass).
+  bool reshard_after_forward = true;
+  // ZeRO-3: the next unit's all-gather starts while the current one computes.
+  bool prefetch = true;
+  // ZeRO-3: the dtype parameters travel in for the all-gathers (F32, or BF16: half the bytes; the
+  // master shards stay f32 and the gathered values are the bf16-rounded masters).
+  DType gather_dtype = DType::F32;
   bool overlap = true;  // false: every bucket goes out after backward (to measure what overlap hides)
   // Gradient compression per bucket ("none", "fp16", "bf16", "topk:0.01", "powersgd:2", "onebit",
   // "qsgd:16"; see comm/compression.h). With zero1 too (see above).
@@ -69,24 +84,81 @@ struct DataParallelStats {
   int64_t collectives = 0;
 };
 
+// What trainers call, in step order: begin_backward before each micro-batch's backward, finish
+// after the last, then the optimizer over optimizer_groups, then after_step.
 class DataParallel {
  public:
-  DataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt = {});
-  ~DataParallel();
+  virtual ~DataParallel();
+  DataParallel() = default;
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
+  virtual void broadcast_state(int root = 0) = 0;
+  virtual void begin_backward(bool sync = true) = 0;
+  virtual void finish() = 0;
+  virtual void settle() {}
+  virtual std::vector<optim::ParamGroup> optimizer_groups(const std::vector<optim::ParamGroup>& model_groups) = 0;
+  virtual std::map<std::string, Tensor> gather_state(const std::vector<optim::StateTensor>& state) = 0;
+  virtual void load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state) = 0;
+  virtual void after_step() = 0;
+  virtual void reload_shard() = 0;
+  virtual double grad_norm() = 0;
+  // Every parameter's whole value in its Parameter (on: ZeRO-3 gathers every unit and keeps them;
+  // off: frees them again, after taking each rank's shard from them, so values written meanwhile,
+  // a checkpoint's, hold). A no-op where the parameters are always whole. Collective.
+  virtual void hold_whole_model(bool on) { (void)on; }
+  virtual std::map<std::string, Tensor> compression_state() const { return {}; }
+  virtual void load_compression_state(const std::map<std::string, Tensor>& state);
+  virtual void set_step(int64_t step) { (void)step; }
+  virtual void set_compression_warmup(int64_t steps) { (void)steps; }
+  virtual int zero_stage() const = 0;
+  virtual bool compresses() const { return false; }
+  virtual size_t bucket_count() const = 0;
+  // Bytes this rank holds per kind ("parameters", "gradients", "optimizer state" is the
+  // optimizer's, "gathered units", "communication buffers") and the peak of what it gathered.
+  virtual std::map<std::string, int64_t> memory_bytes() const = 0;
+  DataParallelStats& stats() { return stats_; }
+
+ protected:
+  DataParallelStats stats_;
+};
+
+// hold_whole_model(true) for a scope (no-op for a null DataParallel); release is collective, so an
+// exception leaves the values held rather than start a collective other ranks may never reach.
+class WholeModel {
+ public:
+  explicit WholeModel(DataParallel* dp) : dp_(dp) {
+    if (dp_) dp_->hold_whole_model(true);
+  }
+  ~WholeModel() {
+    if (dp_ && std::uncaught_exceptions() == 0) dp_->hold_whole_model(false);
+  }
+  WholeModel(const WholeModel&) = delete;
+  WholeModel& operator=(const WholeModel&) = delete;
+
+ private:
+  DataParallel* dp_;
+};
+
+// The layout --zero asks for (InputError naming the option for a model or option it cannot take).
+std::unique_ptr<DataParallel> make_data_parallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt);
+
+class ReplicatedDataParallel final : public DataParallel {
+ public:
+  ReplicatedDataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt = {});
+  ~ReplicatedDataParallel() override;
+
   // Copies rank `root`'s parameters and buffers to every rank (call once before training).
-  void broadcast_state(int root = 0);
+  void broadcast_state(int root = 0) override;
   // Arms the grad-ready hooks for the backward that follows. With sync == false (a gradient
   // accumulation micro-step) nothing is sent and gradients keep accumulating locally.
-  void begin_backward(bool sync = true);
+  void begin_backward(bool sync = true) override;
   // Waits for the gradient exchange: plain DP leaves the averaged gradients in every parameter's
   // grad; ZeRO-1 leaves this rank's averaged slice in the grads of optimizer_groups' pieces.
-  void finish();
+  void finish() override;
   // Waits on the host for exchanges finish() left to the device stream (see device_stream), and
   // throws their error; a no-op when none is outstanding.
-  void settle();
+  void settle() override;
   // The optimizer's parameter groups in this layout, from groups over the model's parameters (form
   // them on the model: optim::decay_groups decides by shape and name). Without ZeRO-1 they come
   // back as they are. With ZeRO-1 each parameter's part inside this rank's slice takes its place: a
@@ -95,38 +167,38 @@ class DataParallel {
   // empty), the padding is in no group, every group keeps its settings. The pieces live as long as
   // this DataParallel. Optimizers with per-tensor trust ratios (LARS, LAMB) would take them per
   // piece: ZeRO-1 is for element-wise optimizers (SGD, Adam/AdamW).
-  std::vector<optim::ParamGroup> optimizer_groups(const std::vector<optim::ParamGroup>& model_groups);
+  std::vector<optim::ParamGroup> optimizer_groups(const std::vector<optim::ParamGroup>& model_groups) override;
   // Optimizer state in the one-rank layout, for checkpoints: every parameter's whole tensor of each
   // kind, named "<param>.<kind>", as host copies on every rank (under ZeRO-1 a collective over the
   // communicator: each slice is all-gathered). `state` is the optimizer's, built from
   // optimizer_groups.
-  std::map<std::string, Tensor> gather_state(const std::vector<optim::StateTensor>& state);
+  std::map<std::string, Tensor> gather_state(const std::vector<optim::StateTensor>& state) override;
   // The inverse: each rank takes its part of `full` (any ZeRO-1 layout's gather_state, or a one-rank
   // run's state by name); InputError naming the tensor when one is missing or has another shape.
-  void load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state);
+  void load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state) override;
   // ZeRO-1: gathers the updated slices into every rank's parameters. Plain DP: nothing.
-  void after_step();
+  void after_step() override;
   // After the parameters changed outside the optimizer (pruning masks applied to the whole
   // weights): ZeRO-1's slice is taken from them again, so the next update starts from there.
-  void reload_shard();
+  void reload_shard() override;
   // L2 norm of the averaged gradient over the whole model (a collective under ZeRO-1).
-  double grad_norm();
+  double grad_norm() override;
 
   // Checkpointing the gradient compression state of this rank (the compressor's buckets, copied to
   // the host), as named host tensors; empty without compression state. load_compression_state puts such a set back onto
   // this rank's buckets: InputError when it does not fit them (another compression or bucket layout).
-  std::map<std::string, Tensor> compression_state() const;
-  void load_compression_state(const std::map<std::string, Tensor>& state);
+  std::map<std::string, Tensor> compression_state() const override;
+  void load_compression_state(const std::map<std::string, Tensor>& state) override;
   // Tells the exchange which optimizer step the next backward belongs to (compression warm-up).
-  void set_step(int64_t step);
-  void set_compression_warmup(int64_t steps) { opt_.compression_warmup_steps = steps; }
+  void set_step(int64_t step) override;
+  void set_compression_warmup(int64_t steps) override { opt_.compression_warmup_steps = steps; }
 
   int world() const { return comm_.size(); }
-  bool zero1() const { return opt_.zero1; }
-  bool compresses() const { return hook_->compresses(); }
+  int zero_stage() const override { return opt_.zero; }
+  bool compresses() const override { return hook_->compresses(); }
   const GradHook& hook() const { return *hook_; }
-  size_t bucket_count() const { return buckets_.size(); }
-  DataParallelStats& stats() { return stats_; }
+  size_t bucket_count() const override { return buckets_.size(); }
+  std::map<std::string, int64_t> memory_bytes() const override;
 
  private:
   struct Bucket {
@@ -138,6 +210,7 @@ class DataParallel {
   void on_grad_ready(nn::Parameter& p);
   void launch(Bucket& b);
   void complete(const std::shared_ptr<comm::Work>& w);  // on the device stream where it can, else on the host
+  bool zero1() const { return opt_.zero == 1; }
   int64_t shard_numel() const { return flat_param_.numel() / comm_.size(); }  // a rank's ZeRO-1 slice
   int64_t slice_begin() const { return comm_.rank() * shard_numel(); }        // in the flat buffers
   Tensor own_slice(const Tensor& flat) const;  // this rank's slice of a flat (padded) vector
@@ -169,7 +242,6 @@ class DataParallel {
   std::map<std::string, int64_t> start_in_slice_;
   std::unique_ptr<GradHook> hook_;  // each bucket's exchange (grad_hook.h); its state on the buckets' device
   std::vector<std::shared_ptr<comm::Work>> deferred_;  // exchanges the device stream waits for
-  DataParallelStats stats_;
 };
 
 }  // namespace dtrain::parallel

@@ -85,7 +85,11 @@ struct TrainConfig {
   int64_t compression_warmup = -1;        // top-k sparsity / PowerSGD uncompressed warm-up steps; -1: one epoch
   bool momentum_correction = true;        // top-k under SGD momentum: the compressor keeps the momentum (DGC)
   int64_t accumulate = 1;                 // micro-batches per optimizer step (gradients communicated on the last)
-  bool zero1 = false;                     // ZeRO stage 1: optimizer state sharded over the data-parallel ranks
+  bool zero1 = false;                     // --zero1 true: a spelling of --zero 1
+  int zero = 0;                           // ZeRO stage (parallel::DataParallelOptions::zero)
+  bool reshard_after_forward = true;      // ZeRO-3: free a unit's values after its forward
+  bool zero_prefetch = true;              // ZeRO-3: gather the next unit while this one computes
+  std::string zero_gather_dtype = "f32";  // ZeRO-3: the dtype of the parameters' all-gathers
   bool sync_batchnorm = false;
   int64_t straggler_every = 100;     // steps between the ranks' comparisons of their step times (0: off)
   double straggler_threshold = 0.2;  // a rank busier than the median by more than this fraction is named

@@ -1,0 +1,111 @@
+#pragma once
+// ShardedDataParallel: ZeRO stages 2 and 3 (Rajbhandari et al., ZeRO; PyTorch FSDP's units).
+//
+// The model is cut into units (Module::shard_units: a Sequential's layers with parameters, the
+// GPT's blocks and its embedding with the tied head). Each unit's parameters form one flat vector,
+// padded to a multiple of the data-parallel size; rank r owns block r of every unit's vector: its
+// f32 master values and its averaged gradient (the shard), which the optimizer updates through
+// pieces, 1-D views named as their parameters (as ZeRO-1's: optimizer state stays per parameter).
+// Pass hooks on each unit's modules (nn::PassHooks) do the rest, unit by unit:
+//   stage 2  parameters stay whole on every rank. Before a unit's backward its gradient buffer is
+//            made; after it the gradient is reduce-scattered into the owners' shards and the buffer
+//            freed, so no rank holds the whole gradient across the step. after_step all-gathers
+//            the updated shards into the units' values.
+//   stage 3  parameters are sharded too: a unit's values are all-gathered just before its forward
+//            and freed after it (reshard_after_forward; else kept to its backward), gathered again
+//            before its backward, its gradient reduce-scattered right after. With prefetch, the
+//            next unit's all-gather (forward order in forward, the reverse in backward) runs while
+//            the current one computes. Between passes a Parameter's value is empty.
+// Every micro-batch's backward reduce-scatters (gradient accumulation adds into the shard), so
+// begin_backward's sync flag changes nothing here.
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "dtrain/parallel/data_parallel.h"
+
+namespace dtrain::parallel {
+
+class ShardedDataParallel final : public DataParallel {
+ public:
+  // InputError when the model has parameters in no unit (it cannot be cut) or a unit's parameters
+  // leave a rank's block of it empty.
+  ShardedDataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt);
+  ~ShardedDataParallel() override;
+
+  void broadcast_state(int root = 0) override;
+  void begin_backward(bool sync = true) override;
+  void finish() override;
+  std::vector<optim::ParamGroup> optimizer_groups(const std::vector<optim::ParamGroup>& model_groups) override;
+  std::map<std::string, Tensor> gather_state(const std::vector<optim::StateTensor>& state) override;
+  void load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state) override;
+  void after_step() override;
+  void reload_shard() override;
+  double grad_norm() override;
+  void hold_whole_model(bool on) override;
+  int zero_stage() const override { return opt_.zero; }
+  size_t bucket_count() const override { return units_.size(); }
+  std::map<std::string, int64_t> memory_bytes() const override;
+
+ private:
+  struct Unit {
+    std::vector<nn::Parameter*> params;  // forward order
+    std::vector<int64_t> offset;         // of each parameter in the unit's flat vector
+    std::vector<Shape> shapes;           // of each parameter (its value is empty between passes)
+    int64_t numel = 0, padded = 0;       // padded: a multiple of the data-parallel size
+    int64_t shard_begin = 0;             // where this rank's block starts in the shard buffers
+    std::vector<int> entries;            // positions in order_ of the unit's modules
+    Tensor full;                         // the gathered values (stage 2: always)
+    Tensor wire;                         // the gather's buffer when it travels in another dtype
+    Tensor wire_block;                   // this rank's block in that dtype
+    std::shared_ptr<comm::Work> gathering;
+    bool fresh = false;  // gathered (or on its way) since the parameters last pointed at `full`
+    Tensor grad;  // the whole gradient, from before the unit's backward to its reduce-scatter
+    int forwards = 0, backwards = 0;  // entries passed in the current forward / backward
+  };
+  struct Pending {  // a reduce-scatter in flight
+    Unit* unit;
+    Tensor block;  // this rank's averaged block, added into the shard's gradient when done
+    std::shared_ptr<comm::Work> work;
+  };
+
+  int64_t block_numel(const Unit& u) const { return u.padded / comm_.size(); }
+  Tensor shard_block(const Tensor& shard, const Unit& u) const;  // u's block in a shard buffer
+  void install_hooks();
+  void before_forward(int entry);
+  void after_forward(int entry);
+  void before_backward(int entry);
+  void after_backward(int entry);
+  void start_gather(Unit& u);
+  void finish_gather(Unit& u);  // waits for u's values and points its parameters at them
+  void release(Unit& u);        // stage 3: frees u's values
+  void prefetch(int entry);     // starts the gather of the unit at position `entry` of order_
+  void retire(Pending& p);      // adds a finished reduce-scatter into the shard's gradient
+  void retire_finished(bool wait_all);
+  static Tensor view(const Tensor& flat, const Unit& u, size_t i);  // parameter i's part of a unit vector
+  void point_values(Unit& u);  // the parameters' values as views into u.full
+  void take_shard(Unit& u);    // this rank's block of u's (whole) values into the shard master
+  void take_back(Unit& u);     // the inverse, on one rank
+  bool whole(const Unit& u) const { return u.full.defined() && !u.gathering; }
+  std::pair<const Unit*, size_t> find(const std::string& param) const;  // a parameter's unit and index
+  std::pair<int64_t, std::string> place_in_shard(const optim::StateTensor& st) const;
+
+  nn::Module& model_;
+  comm::Communicator& comm_;
+  DataParallelOptions opt_;
+  Device device_;
+  std::vector<Unit> units_;
+  std::vector<nn::Module*> order_;  // the units' modules in forward order
+  std::vector<int> unit_at_;        // per position in order_
+  nn::Parameter shard_;             // this rank's blocks of every unit: f32 masters and gradients
+  std::vector<nn::Parameter> pieces_;
+  std::map<const nn::Parameter*, nn::Parameter*> piece_of_;
+  std::map<std::string, int64_t> start_in_shard_;  // per piece, by its parameter's name
+  std::vector<Pending> pending_;
+  bool step_open_ = false;  // the shard's gradient holds this step's first micro-batch already
+  bool hold_ = false;       // hold_whole_model(true)
+  int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
+  int64_t grad_bytes_ = 0, peak_grad_bytes_ = 0;
+};
+
+}  // namespace dtrain::parallel

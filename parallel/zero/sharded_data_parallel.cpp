@@ -1,0 +1,448 @@
+#include "dtrain/parallel/zero/sharded_data_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "dtrain/core/timer.h"
+
+namespace dtrain::parallel {
+
+namespace {
+Tensor empty_on(Device dev) { return Tensor::empty({0}, DType::F32, dev); }  // a value between passes
+}  // namespace
+
+ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt)
+    : model_(model), comm_(comm), opt_(opt) {
+  DT_CHECK(opt.zero == 2 || opt.zero == 3, "ShardedDataParallel takes ZeRO 2 or 3, not " << opt.zero);
+  DT_INPUT_CHECK(opt.gather_dtype == DType::F32 || opt.gather_dtype == DType::BF16,
+                 "option --zero-gather-dtype must be f32 or bf16");
+  const nn::ShardUnits cut = model.shard_units();
+  DT_INPUT_CHECK(!cut.entries.empty(), "option --zero " << opt.zero << ": the model (" << model.kind()
+                                                        << ") cannot be cut into units to shard");
+  order_ = cut.entries;
+  unit_at_ = cut.unit_of;
+  units_.resize(static_cast<size_t>(*std::max_element(unit_at_.begin(), unit_at_.end()) + 1));
+  std::set<nn::Parameter*> seen;
+  for (size_t pos = 0; pos < order_.size(); ++pos) {
+    Unit& u = units_[static_cast<size_t>(unit_at_[pos])];
+    u.entries.push_back(static_cast<int>(pos));
+    for (nn::Parameter* p : order_[pos]->parameters())
+      if (seen.insert(p).second) u.params.push_back(p);
+  }
+  const std::vector<nn::Parameter*> all = model.parameters();
+  for (nn::Parameter* p : all)
+    DT_INPUT_CHECK(seen.count(p), "option --zero " << opt.zero << ": parameter " << p->name << " is in no unit of "
+                                                   << model.kind() << ", so it cannot be sharded");
+  device_ = all.front()->value.device();
+  const int64_t world = comm.size();
+  int64_t shard_total = 0;
+  for (Unit& u : units_) {
+    for (nn::Parameter* p : u.params) {
+      DT_CHECK(p->value.dtype() == DType::F32 && p->value.device() == device_,
+               "sharded data parallel keeps f32 parameters on one device; " << p->name << " is " << p->value.str());
+      u.offset.push_back(u.numel);
+      u.shapes.push_back(p->value.shape());
+      u.numel += p->value.numel();
+    }
+    u.padded = (u.numel + world - 1) / world * world;
+    u.shard_begin = shard_total;
+    shard_total += u.padded / world;
+  }
+  shard_.value = zeros_on({shard_total}, device_);
+  shard_.grad = zeros_on({shard_total}, device_);
+  // Every rank's model holds the same initial values (drawn from the seed); each keeps its blocks.
+  size_t piece_count = 0;
+  for (Unit& u : units_) {
+    u.full = zeros_on({u.padded}, device_);
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      Tensor part = u.full.slice0(u.offset[i], u.offset[i] + u.params[i]->value.numel());
+      copy_any(u.params[i]->value.reshape({u.params[i]->value.numel()}), part);
+    }
+    point_values(u);
+    take_shard(u);
+    for (nn::Parameter* p : u.params) p->grad = empty_on(device_);
+    piece_count += u.params.size();
+    release(u);
+  }
+  pieces_.reserve(piece_count);  // piece_of_ keeps pointers into it
+  const int64_t r = comm.rank();
+  for (Unit& u : units_) {
+    const int64_t b = block_numel(u), begin = r * b;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      const int64_t first = std::max(begin, u.offset[i]);
+      const int64_t last = std::min(begin + b, u.offset[i] + shape_numel(u.shapes[i]));
+      if (first >= last) continue;
+      nn::Parameter& piece = pieces_.emplace_back();
+      piece.name = u.params[i]->name;
+      const int64_t at = u.shard_begin + first - begin;
+      piece.value = shard_.value.slice0(at, at + last - first);
+      piece.grad = shard_.grad.slice0(at, at + last - first);
+      piece_of_[u.params[i]] = &piece;
+      start_in_shard_[piece.name] = at;
+    }
+  }
+  DT_INPUT_CHECK(!pieces_.empty(), "option --zero " << opt.zero << " over " << world << " ranks: the model's "
+                                                    << all.size() << " parameters leave rank " << r << " nothing to hold");
+  install_hooks();
+}
+
+ShardedDataParallel::~ShardedDataParallel() {
+  for (nn::Module* m : order_) m->set_pass_hooks(nullptr);
+  try {
+    retire_finished(true);  // nothing may still write into the blocks once they are freed
+    for (Unit& u : units_)
+      if (u.gathering) u.gathering->wait();
+  } catch (const std::exception&) {
+  }
+}
+
+void ShardedDataParallel::install_hooks() {
+  for (size_t pos = 0; pos < order_.size(); ++pos) {
+    const int e = static_cast<int>(pos);
+    auto hooks = std::make_shared<nn::PassHooks>();
+    hooks->before_forward = [this, e] { before_forward(e); };
+    hooks->after_forward = [this, e] { after_forward(e); };
+    hooks->before_backward = [this, e] { before_backward(e); };
+    hooks->after_backward = [this, e] { after_backward(e); };
+    order_[pos]->set_pass_hooks(hooks);
+  }
+}
+
+Tensor ShardedDataParallel::shard_block(const Tensor& shard, const Unit& u) const {
+  return shard.slice0(u.shard_begin, u.shard_begin + block_numel(u));
+}
+
+Tensor ShardedDataParallel::view(const Tensor& flat, const Unit& u, size_t i) {
+  return flat.slice0(u.offset[i], u.offset[i] + shape_numel(u.shapes[i])).reshape(u.shapes[i]);
+}
+
+void ShardedDataParallel::point_values(Unit& u) {
+  for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->value = view(u.full, u, i);
+}
+
+void ShardedDataParallel::take_shard(Unit& u) {
+  Tensor block = shard_block(shard_.value, u);
+  engine_for(device_).copy(u.full.slice0(comm_.rank() * block_numel(u), (comm_.rank() + 1) * block_numel(u)), block);
+}
+
+// ---- the passes -------------------------------------------------------------------------------
+
+void ShardedDataParallel::before_forward(int entry) {
+  Unit& u = units_[static_cast<size_t>(unit_at_[static_cast<size_t>(entry)])];
+  if (entry == u.entries.front()) u.forwards = 0;
+  if (opt_.zero == 3) {
+    start_gather(u);
+    finish_gather(u);
+    if (opt_.prefetch) prefetch(entry + 1);
+  }
+}
+
+void ShardedDataParallel::after_forward(int entry) {
+  Unit& u = units_[static_cast<size_t>(unit_at_[static_cast<size_t>(entry)])];
+  ++u.forwards;
+  if (entry != u.entries.back()) return;  // a later module of the unit still reads its values
+  const bool training = order_[static_cast<size_t>(entry)]->training();
+  // In training the last unit's backward comes next: it keeps its values (as FSDP's root does).
+  if (training && (!opt_.reshard_after_forward || entry + 1 == static_cast<int>(order_.size()))) return;
+  release(u);
+}
+
+void ShardedDataParallel::before_backward(int entry) {
+  Unit& u = units_[static_cast<size_t>(unit_at_[static_cast<size_t>(entry)])];
+  if (entry == u.entries.back()) u.backwards = 0;
+  if (opt_.zero == 3) {
+    start_gather(u);
+    finish_gather(u);
+    if (opt_.prefetch) prefetch(entry - 1);
+  }
+  if (u.grad.defined()) return;
+  u.grad = zeros_on({u.padded}, device_);
+  for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->grad = view(u.grad, u, i);
+  grad_bytes_ += static_cast<int64_t>(u.grad.nbytes());
+  peak_grad_bytes_ = std::max(peak_grad_bytes_, grad_bytes_);
+}
+
+void ShardedDataParallel::after_backward(int entry) {
+  Unit& u = units_[static_cast<size_t>(unit_at_[static_cast<size_t>(entry)])];
+  ++u.backwards;
+  if (entry != u.entries.front()) return;  // an earlier module of the unit still adds to its gradient
+  Pending p{&u, Tensor::empty({block_numel(u)}, DType::F32, device_), nullptr};
+  const int64_t w0 = comm_.wire_bytes_sent();
+  if (comm_.size() > 1)
+    p.work = comm_.reduce_scatter(u.grad, p.block, comm::ReduceOp::Avg);
+  else
+    engine_for(device_).copy(u.grad, p.block);
+  stats_.bytes_sent += comm_.wire_bytes_sent() - w0;
+  stats_.bytes_reduced += static_cast<int64_t>(u.grad.nbytes());
+  ++stats_.collectives;
+  pending_.push_back(std::move(p));
+  release(u);
+  retire_finished(false);
+}
+
+void ShardedDataParallel::prefetch(int entry) {
+  if (entry < 0 || entry >= static_cast<int>(order_.size())) return;
+  start_gather(units_[static_cast<size_t>(unit_at_[static_cast<size_t>(entry)])]);
+}
+
+// ---- gathering and freeing a unit's values ------------------------------------------------------
+
+void ShardedDataParallel::start_gather(Unit& u) {
+  if (u.full.defined()) return;  // gathered, or on its way
+  const DType wire = hold_ ? DType::F32 : opt_.gather_dtype;
+  u.full = Tensor::empty({u.padded}, DType::F32, device_);
+  gathered_bytes_ += static_cast<int64_t>(u.full.nbytes());
+  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+  const Tensor mine = shard_block(shard_.value, u);
+  Engine& e = engine_for(device_);
+  u.fresh = true;
+  if (comm_.size() == 1) {
+    e.copy(mine, u.full);
+    return;
+  }
+  const int64_t w0 = comm_.wire_bytes_sent();
+  if (wire == DType::F32) {
+    u.gathering = comm_.allgather(mine, u.full);
+  } else {
+    u.wire_block = Tensor::empty({block_numel(u)}, wire, device_);
+    e.cast(mine, u.wire_block);
+    u.wire = Tensor::empty({u.padded}, wire, device_);
+    u.gathering = comm_.allgather(u.wire_block, u.wire);
+  }
+  stats_.bytes_sent += comm_.wire_bytes_sent() - w0;
+  ++stats_.collectives;
+}
+
+void ShardedDataParallel::finish_gather(Unit& u) {
+  if (!u.fresh) return;
+  if (u.gathering) {
+    const double t0 = now_s();
+    u.gathering->wait();
+    stats_.comm_wait_s += now_s() - t0;
+    u.gathering.reset();
+  }
+  if (u.wire.defined()) {
+    engine_for(device_).cast(u.wire, u.full);
+    u.wire = Tensor();
+    u.wire_block = Tensor();
+  }
+  u.fresh = false;
+  point_values(u);
+  nn::update_working_copies(u.params, engine_for(device_).math_precision());
+}
+
+void ShardedDataParallel::release(Unit& u) {
+  if (opt_.zero != 3 || hold_ || !u.full.defined()) return;
+  if (u.gathering) {
+    u.gathering->wait();
+    u.gathering.reset();
+  }
+  for (nn::Parameter* p : u.params) {
+    p->value = empty_on(device_);
+    p->working = Tensor();
+  }
+  u.fresh = false;
+  gathered_bytes_ -= static_cast<int64_t>(u.full.nbytes());
+  u.full = Tensor();
+  u.wire = Tensor();
+  u.wire_block = Tensor();
+}
+
+// ---- the step -----------------------------------------------------------------------------------
+
+void ShardedDataParallel::begin_backward(bool) {
+  if (step_open_) return;
+  engine_for(device_).fill(shard_.grad, 0.f);  // the step's first micro-batch
+  step_open_ = true;
+}
+
+void ShardedDataParallel::retire(Pending& p) {
+  if (p.work) {
+    const double t0 = now_s();
+    p.work->wait();
+    stats_.comm_wait_s += now_s() - t0;
+  }
+  Tensor mine = shard_block(shard_.grad, *p.unit);
+  engine_for(device_).axpy(1.f, p.block, mine);
+  Unit& u = *p.unit;
+  grad_bytes_ -= static_cast<int64_t>(u.grad.nbytes());
+  u.grad = Tensor();
+  for (nn::Parameter* q : u.params) q->grad = empty_on(device_);
+}
+
+void ShardedDataParallel::retire_finished(bool wait_all) {
+  // In issue order: a reduce-scatter completes before a later one on the same communicator.
+  size_t done = 0;
+  while (done < pending_.size() && (wait_all || !pending_[done].work || pending_[done].work->test())) retire(pending_[done++]);
+  pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
+}
+
+void ShardedDataParallel::finish() {
+  // A unit whose modules this step's graph skipped never reduce-scattered: every rank must issue
+  // the same collectives, so its (zero) gradient goes now.
+  for (size_t pos = 0; pos < order_.size(); ++pos) {
+    Unit& u = units_[static_cast<size_t>(unit_at_[pos])];
+    if (u.backwards == 0 && static_cast<int>(pos) == u.entries.front()) {
+      before_backward(static_cast<int>(pos));
+      for (int e : u.entries) after_backward(e);
+    }
+  }
+  retire_finished(true);
+  for (Unit& u : units_) u.backwards = 0;
+  step_open_ = false;
+}
+
+void ShardedDataParallel::after_step() {
+  if (opt_.zero == 3) return;  // the next forward gathers the updated blocks
+  const double t0 = now_s();
+  std::vector<std::shared_ptr<comm::Work>> works;
+  for (Unit& u : units_) {
+    if (comm_.size() == 1) {
+      take_back(u);
+      continue;
+    }
+    const int64_t w0 = comm_.wire_bytes_sent();
+    works.push_back(comm_.allgather(shard_block(shard_.value, u), u.full));
+    stats_.bytes_sent += comm_.wire_bytes_sent() - w0;
+    ++stats_.collectives;
+  }
+  for (auto& w : works) w->wait();
+  stats_.comm_wait_s += now_s() - t0;
+}
+
+void ShardedDataParallel::take_back(Unit& u) { engine_for(device_).copy(shard_block(shard_.value, u), u.full); }
+
+double ShardedDataParallel::grad_norm() {
+  Engine& e = engine_for(device_);
+  Tensor ss = Tensor::empty({1}, DType::F32, device_);
+  copy_any(Tensor::from({1}, {static_cast<float>(e.sum_squares(shard_.grad))}), ss);
+  if (comm_.size() > 1) comm_.allreduce(ss, comm::ReduceOp::Sum)->wait();
+  return std::sqrt(static_cast<double>(to_host(ss).f32()[0]));
+}
+
+// ---- optimizer state, checkpoints -----------------------------------------------------------------
+
+std::vector<optim::ParamGroup> ShardedDataParallel::optimizer_groups(const std::vector<optim::ParamGroup>& model_groups) {
+  std::vector<optim::ParamGroup> groups;
+  for (const optim::ParamGroup& g : model_groups) {
+    optim::ParamGroup& mine = groups.emplace_back(g);
+    mine.params.clear();
+    for (nn::Parameter* p : g.params)
+      if (auto it = piece_of_.find(p); it != piece_of_.end()) mine.params.push_back(it->second);
+  }
+  return groups;
+}
+
+std::pair<const ShardedDataParallel::Unit*, size_t> ShardedDataParallel::find(const std::string& param) const {
+  for (const Unit& u : units_)
+    for (size_t i = 0; i < u.params.size(); ++i)
+      if (u.params[i]->name == param) return {&u, i};
+  DT_CHECK(false, "sharded data parallel: no parameter " << param);
+  return {nullptr, 0};
+}
+
+std::pair<int64_t, std::string> ShardedDataParallel::place_in_shard(const optim::StateTensor& st) const {
+  const size_t dot = st.name.rfind('.');
+  auto it = dot == std::string::npos ? start_in_shard_.end() : start_in_shard_.find(st.name.substr(0, dot));
+  DT_CHECK(it != start_in_shard_.end(), "optimizer state " << st.name << " is of no piece of this rank's shard");
+  return {it->second, st.name.substr(dot + 1)};
+}
+
+std::map<std::string, Tensor> ShardedDataParallel::gather_state(const std::vector<optim::StateTensor>& state) {
+  // Each kind of state as this rank's shard (padding zero), then every unit's blocks gathered.
+  std::map<std::string, Tensor> shards;
+  for (const optim::StateTensor& st : state) {
+    const auto [start, kind] = place_in_shard(st);
+    Tensor& shard = shards[kind];
+    if (!shard.defined()) shard = zeros_on(shard_.value.shape(), device_);
+    Tensor part = shard.slice0(start, start + st.value->numel());
+    copy_any(st.value->reshape({st.value->numel()}), part);
+  }
+  std::map<std::string, Tensor> full;
+  for (const auto& [kind, shard] : shards)
+    for (Unit& u : units_) {
+      Tensor whole = zeros_on({u.padded}, device_);
+      if (comm_.size() > 1)
+        comm_.allgather(shard_block(shard, u), whole)->wait();
+      else
+        engine_for(device_).copy(shard_block(shard, u), whole);
+      const Tensor host = to_host(whole);
+      for (size_t i = 0; i < u.params.size(); ++i) full[u.params[i]->name + "." + kind] = view(host, u, i).clone();
+    }
+  return full;
+}
+
+void ShardedDataParallel::load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state) {
+  const int64_t r = comm_.rank();
+  for (const optim::StateTensor& st : state) {
+    const auto [start, kind] = place_in_shard(st);
+    const std::string param = st.name.substr(0, st.name.size() - kind.size() - 1);
+    const auto [u, i] = find(param);
+    const std::string name = param + "." + kind;
+    auto it = full.find(name);
+    DT_INPUT_CHECK(it != full.end(), "no optimizer state " << name);
+    DT_INPUT_CHECK(it->second.shape() == u->shapes[i],
+                   "optimizer state " << name << " is " << it->second.str() << ", parameter " << param << " is "
+                                      << shape_str(u->shapes[i]));
+    // The piece starts at element max(block start, offset) of the unit: that minus the offset in
+    // the parameter.
+    const int64_t from = std::max(r * block_numel(*u), u->offset[i]) - u->offset[i];
+    Tensor dst = st.value->reshape({st.value->numel()});
+    copy_any(it->second.reshape({it->second.numel()}).slice0(from, from + dst.numel()), dst);
+  }
+}
+
+// ---- whole values, for checkpoints and the start ---------------------------------------------------
+
+void ShardedDataParallel::hold_whole_model(bool on) {
+  if (on == hold_) return;
+  if (on) {
+    if (opt_.gather_dtype != DType::F32)
+      for (Unit& u : units_) release(u);  // kept values may be bf16-rounded: gather the masters
+    hold_ = true;  // gathers in f32 from here
+    for (Unit& u : units_) start_gather(u);
+    for (Unit& u : units_) finish_gather(u);
+    return;
+  }
+  reload_shard();  // values written meanwhile (a checkpoint's) become the masters
+  hold_ = false;
+  for (Unit& u : units_) release(u);
+}
+
+void ShardedDataParallel::reload_shard() {
+  for (Unit& u : units_)
+    if (whole(u)) take_shard(u);
+}
+
+void ShardedDataParallel::broadcast_state(int root) {
+  std::vector<std::shared_ptr<comm::Work>> works;
+  for (Unit& u : units_)  // at ZeRO-3 every rank's blocks came from the same seed: only held values travel
+    if (opt_.zero == 2 || hold_) works.push_back(comm_.broadcast(u.full, root));
+  std::vector<std::pair<Tensor, Tensor*>> staged;  // host buffers (a dropout's RNG state) on a GPU's NCCL
+  for (nn::Buffer* b : model_.buffers()) {
+    if (comm_.supports(b->value.device())) {
+      works.push_back(comm_.broadcast(b->value, root));
+      continue;
+    }
+    Tensor& there = staged.emplace_back(Tensor::empty(b->value.shape(), b->value.dtype(), device_), &b->value).first;
+    copy_any(b->value, there);
+    works.push_back(comm_.broadcast(there, root));
+  }
+  for (auto& w : works) w->wait();
+  for (auto& [there, host] : staged) copy_any(there, *host);
+  reload_shard();
+}
+
+std::map<std::string, int64_t> ShardedDataParallel::memory_bytes() const {
+  int64_t whole_params = 0;
+  if (opt_.zero == 2)
+    for (const Unit& u : units_) whole_params += static_cast<int64_t>(u.full.nbytes());
+  return {{"parameters", whole_params},
+          {"gradients", peak_grad_bytes_},
+          {"shard (master and gradient)", static_cast<int64_t>(shard_.value.nbytes() + shard_.grad.nbytes())},
+          {"gathered units", opt_.zero == 3 ? peak_gathered_bytes_ : 0},
+          {"communication buffers", 0}};
+}
+
+}  // namespace dtrain::parallel
