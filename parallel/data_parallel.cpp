@@ -326,12 +326,10 @@ Tensor ReplicatedDataParallel::own_slice(const Tensor& flat) const {
 }
 
 std::map<std::string, int64_t> ReplicatedDataParallel::memory_bytes() const {
-  const int64_t shard = zero1() ? static_cast<int64_t>(shard_.value.nbytes() + shard_.grad.nbytes()) : 0;
   return {{"parameters", static_cast<int64_t>(flat_param_.nbytes())},
           {"gradients", static_cast<int64_t>(flat_grad_.nbytes())},
-          {"shard (ZeRO-1 master and gradient)", shard},
-          {"gathered units", 0},
-          {"communication buffers", 0}};
+          {"master shard", zero1() ? static_cast<int64_t>(shard_.value.nbytes()) : 0},
+          {"gradient shard", zero1() ? static_cast<int64_t>(shard_.grad.nbytes()) : 0}};
 }
 
 double ReplicatedDataParallel::grad_norm() {

@@ -9,7 +9,9 @@
 namespace dtrain::parallel {
 
 namespace {
-Tensor empty_on(Device dev) { return Tensor::empty({0}, DType::F32, dev); }  // a value between passes
+// A value or gradient between passes: empty, of the parameter's rank (what decides its optimizer
+// group: optim::decay_groups keeps vectors undecayed).
+Tensor empty_like_rank(const Shape& shape, Device dev) { return Tensor::empty(Shape(shape.size(), 0), DType::F32, dev); }
 }  // namespace
 
 ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt)
@@ -49,19 +51,23 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
     u.shard_begin = shard_total;
     shard_total += u.padded / world;
   }
-  shard_.value = zeros_on({shard_total}, device_);
+  // ZeRO-2's masters are the whole values themselves (each piece a view of its block of them);
+  // ZeRO-3 keeps this rank's blocks in a buffer of their own.
+  if (opt.zero == 3) shard_.value = zeros_on({shard_total}, device_);
   shard_.grad = zeros_on({shard_total}, device_);
   // Every rank's model holds the same initial values (drawn from the seed); each keeps its blocks.
   size_t piece_count = 0;
   for (Unit& u : units_) {
     u.full = zeros_on({u.padded}, device_);
+    gathered_bytes_ += static_cast<int64_t>(u.full.nbytes());  // one unit at a time (release counts it out)
+    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
     for (size_t i = 0; i < u.params.size(); ++i) {
       Tensor part = u.full.slice0(u.offset[i], u.offset[i] + u.params[i]->value.numel());
       copy_any(u.params[i]->value.reshape({u.params[i]->value.numel()}), part);
     }
     point_values(u);
     take_shard(u);
-    for (nn::Parameter* p : u.params) p->grad = empty_on(device_);
+    for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->grad = empty_like_rank(u.shapes[i], device_);
     piece_count += u.params.size();
     release(u);
   }
@@ -76,7 +82,7 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
       nn::Parameter& piece = pieces_.emplace_back();
       piece.name = u.params[i]->name;
       const int64_t at = u.shard_begin + first - begin;
-      piece.value = shard_.value.slice0(at, at + last - first);
+      piece.value = opt.zero == 3 ? shard_.value.slice0(at, at + last - first) : u.full.slice0(first, last);
       piece.grad = shard_.grad.slice0(at, at + last - first);
       piece_of_[u.params[i]] = &piece;
       start_in_shard_[piece.name] = at;
@@ -122,6 +128,7 @@ void ShardedDataParallel::point_values(Unit& u) {
 }
 
 void ShardedDataParallel::take_shard(Unit& u) {
+  if (opt_.zero == 2) return;  // the pieces are views of the whole values
   Tensor block = shard_block(shard_.value, u);
   engine_for(device_).copy(u.full.slice0(comm_.rank() * block_numel(u), (comm_.rank() + 1) * block_numel(u)), block);
 }
@@ -142,9 +149,7 @@ void ShardedDataParallel::after_forward(int entry) {
   Unit& u = units_[static_cast<size_t>(unit_at_[static_cast<size_t>(entry)])];
   ++u.forwards;
   if (entry != u.entries.back()) return;  // a later module of the unit still reads its values
-  const bool training = order_[static_cast<size_t>(entry)]->training();
-  // In training the last unit's backward comes next: it keeps its values (as FSDP's root does).
-  if (training && (!opt_.reshard_after_forward || entry + 1 == static_cast<int>(order_.size()))) return;
+  if (order_[static_cast<size_t>(entry)]->training() && !opt_.reshard_after_forward) return;  // kept for backward
   release(u);
 }
 
@@ -238,9 +243,9 @@ void ShardedDataParallel::release(Unit& u) {
     u.gathering->wait();
     u.gathering.reset();
   }
-  for (nn::Parameter* p : u.params) {
-    p->value = empty_on(device_);
-    p->working = Tensor();
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    u.params[i]->value = empty_like_rank(u.shapes[i], device_);
+    u.params[i]->working = Tensor();
   }
   u.fresh = false;
   gathered_bytes_ -= static_cast<int64_t>(u.full.nbytes());
@@ -252,6 +257,7 @@ void ShardedDataParallel::release(Unit& u) {
 // ---- the step -----------------------------------------------------------------------------------
 
 void ShardedDataParallel::begin_backward(bool) {
+  retire_finished(true);  // a gradient buffer still being reduce-scattered is not written again
   if (step_open_) return;
   engine_for(device_).fill(shard_.grad, 0.f);  // the step's first micro-batch
   step_open_ = true;
@@ -268,7 +274,7 @@ void ShardedDataParallel::retire(Pending& p) {
   Unit& u = *p.unit;
   grad_bytes_ -= static_cast<int64_t>(u.grad.nbytes());
   u.grad = Tensor();
-  for (nn::Parameter* q : u.params) q->grad = empty_on(device_);
+  for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->grad = empty_like_rank(u.shapes[i], device_);
 }
 
 void ShardedDataParallel::retire_finished(bool wait_all) {
@@ -295,23 +301,21 @@ void ShardedDataParallel::finish() {
 
 void ShardedDataParallel::after_step() {
   if (opt_.zero == 3) return;  // the next forward gathers the updated blocks
+  if (comm_.size() == 1) return;  // the optimizer updated the whole values
   const double t0 = now_s();
   std::vector<std::shared_ptr<comm::Work>> works;
+  std::vector<Tensor> blocks;  // MPI's allgather takes no input inside its output
   for (Unit& u : units_) {
-    if (comm_.size() == 1) {
-      take_back(u);
-      continue;
-    }
+    const int64_t b = block_numel(u);
+    blocks.push_back(u.full.slice0(comm_.rank() * b, (comm_.rank() + 1) * b).clone());
     const int64_t w0 = comm_.wire_bytes_sent();
-    works.push_back(comm_.allgather(shard_block(shard_.value, u), u.full));
+    works.push_back(comm_.allgather(blocks.back(), u.full));
     stats_.bytes_sent += comm_.wire_bytes_sent() - w0;
     ++stats_.collectives;
   }
   for (auto& w : works) w->wait();
   stats_.comm_wait_s += now_s() - t0;
 }
-
-void ShardedDataParallel::take_back(Unit& u) { engine_for(device_).copy(shard_block(shard_.value, u), u.full); }
 
 double ShardedDataParallel::grad_norm() {
   Engine& e = engine_for(device_);
@@ -355,7 +359,7 @@ std::map<std::string, Tensor> ShardedDataParallel::gather_state(const std::vecto
   for (const optim::StateTensor& st : state) {
     const auto [start, kind] = place_in_shard(st);
     Tensor& shard = shards[kind];
-    if (!shard.defined()) shard = zeros_on(shard_.value.shape(), device_);
+    if (!shard.defined()) shard = zeros_on(shard_.grad.shape(), device_);
     Tensor part = shard.slice0(start, start + st.value->numel());
     copy_any(st.value->reshape({st.value->numel()}), part);
   }
@@ -439,10 +443,10 @@ std::map<std::string, int64_t> ShardedDataParallel::memory_bytes() const {
   if (opt_.zero == 2)
     for (const Unit& u : units_) whole_params += static_cast<int64_t>(u.full.nbytes());
   return {{"parameters", whole_params},
-          {"gradients", peak_grad_bytes_},
-          {"shard (master and gradient)", static_cast<int64_t>(shard_.value.nbytes() + shard_.grad.nbytes())},
-          {"gathered units", opt_.zero == 3 ? peak_gathered_bytes_ : 0},
-          {"communication buffers", 0}};
+          {"master shard", shard_.value.defined() ? static_cast<int64_t>(shard_.value.nbytes()) : 0},
+          {"gradient shard", static_cast<int64_t>(shard_.grad.nbytes())},
+          {"gathered units (peak)", peak_gathered_bytes_},
+          {"gradient buffers (peak)", peak_grad_bytes_}};
 }
 
 }  // namespace dtrain::parallel

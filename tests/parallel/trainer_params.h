@@ -38,6 +38,7 @@ using ParamValues = std::map<std::string, std::vector<float>>;
 inline ParamValues train_params(const train::TrainConfig& c, comm::Communicator& comm) {
   train::Trainer t(c, comm::Runtime::get(), &comm);
   EXPECT_EQ(t.run().steps, c.steps);
+  parallel::WholeModel whole(t.data_parallel());  // ZeRO-3's units gathered
   ParamValues out;
   for (nn::Parameter* p : t.model().parameters()) {
     EXPECT_EQ(p->value.device().is_cpu(), c.device == "cpu") << p->name << " is on " << p->value.device().str();

@@ -114,8 +114,10 @@ class DataParallel {
   virtual int zero_stage() const = 0;
   virtual bool compresses() const { return false; }
   virtual size_t bucket_count() const = 0;
-  // Bytes this rank holds per kind ("parameters", "gradients", "optimizer state" is the
-  // optimizer's, "gathered units", "communication buffers") and the peak of what it gathered.
+  // Bytes this rank holds for the model, by kind: "parameters" and "gradients" (whole, held across
+  // the step), "master shard" and "gradient shard" (ZeRO), "gathered units (peak)" and "gradient
+  // buffers (peak)" (ZeRO-2/3: the most held at once during a pass). Optimizer state is the
+  // optimizer's.
   virtual std::map<std::string, int64_t> memory_bytes() const = 0;
   DataParallelStats& stats() { return stats_; }
 

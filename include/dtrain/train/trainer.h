@@ -64,6 +64,9 @@ class Trainer {
   TrainResult run();
 
   nn::Module& model() { return task_->model(); }
+  // The data-parallel layout (null on one rank without ZeRO or compression). Under ZeRO-3 the
+  // model's parameters are whole only inside a parallel::WholeModel of it.
+  parallel::DataParallel* data_parallel() { return dp_.get(); }
   int64_t per_rank_batch() const { return batch_; }
 
   // Population-based training (train/sweep.cpp) works on a run between its steps: `hook` runs on

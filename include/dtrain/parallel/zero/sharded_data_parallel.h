@@ -15,7 +15,8 @@
 //            and freed after it (reshard_after_forward; else kept to its backward), gathered again
 //            before its backward, its gradient reduce-scattered right after. With prefetch, the
 //            next unit's all-gather (forward order in forward, the reverse in backward) runs while
-//            the current one computes. Between passes a Parameter's value is empty.
+//            the current one computes. Between passes a Parameter's value is empty (of its
+//            rank, all sizes 0), as is its gradient outside the unit's backward.
 // Every micro-batch's backward reduce-scatters (gradient accumulation adds into the shard), so
 // begin_backward's sync flag changes nothing here.
 #include <map>
@@ -85,7 +86,6 @@ class ShardedDataParallel final : public DataParallel {
   static Tensor view(const Tensor& flat, const Unit& u, size_t i);  // parameter i's part of a unit vector
   void point_values(Unit& u);  // the parameters' values as views into u.full
   void take_shard(Unit& u);    // this rank's block of u's (whole) values into the shard master
-  void take_back(Unit& u);     // the inverse, on one rank
   bool whole(const Unit& u) const { return u.full.defined() && !u.gathering; }
   std::pair<const Unit*, size_t> find(const std::string& param) const;  // a parameter's unit and index
   std::pair<int64_t, std::string> place_in_shard(const optim::StateTensor& st) const;
