@@ -307,7 +307,8 @@ void ShardedDataParallel::after_step() {
   std::vector<Tensor> blocks;  // MPI's allgather takes no input inside its output
   for (Unit& u : units_) {
     const int64_t b = block_numel(u);
-    blocks.push_back(u.full.slice0(comm_.rank() * b, (comm_.rank() + 1) * b).clone());
+    blocks.push_back(Tensor::empty({b}, DType::F32, device_));
+    engine_for(device_).copy(u.full.slice0(comm_.rank() * b, (comm_.rank() + 1) * b), blocks.back());
     const int64_t w0 = comm_.wire_bytes_sent();
     works.push_back(comm_.allgather(blocks.back(), u.full));
     stats_.bytes_sent += comm_.wire_bytes_sent() - w0;

@@ -103,8 +103,8 @@ TEST(DeviceCodePath, StagedCollectivesEqualTheHostOnes) {
   }
 }
 
-// Data parallel, ZeRO-1 and SyncBatchNorm on the simulated device equal one rank with the whole
-// batch (as the CPU runs do, DataParallel.* in parallel_test).
+// Data parallel, ZeRO-1, 2 and 3 and SyncBatchNorm on the simulated device equal one rank with the
+// whole batch (as the CPU runs do, DataParallel.* and Zero.* in parallel_test).
 TEST(DeviceCodePath, ImageLayoutsMatchOneRank) {
   auto solo = world().split(world().rank(), 0, "solo");
   const std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> cases = {
@@ -112,6 +112,9 @@ TEST(DeviceCodePath, ImageLayoutsMatchOneRank) {
       {{"--model", "simple_cnn", "--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01"},
        {"--zero1", "true"}},
       {{"--model", "resnet20", "--lr", "0.002"}, {"--sync-batchnorm", "true"}},
+      {{"--model", "simple_cnn", "--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01"}, {"--zero", "2"}},
+      {{"--model", "simple_cnn", "--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01"}, {"--zero", "3"}},
+      {{"--model", "resnet20", "--lr", "0.002"}, {"--sync-batchnorm", "true", "--zero", "3"}},
   };
   for (const auto& [run, layout] : cases) {
     SCOPED_TRACE(run[1] + (layout.empty() ? "" : " " + layout[0]));
@@ -173,7 +176,8 @@ TEST(DeviceCodePath, RunsResumeExactlyFromTheDevice) {
   const std::vector<std::vector<std::string>> kinds = {with(sgd, {"--compression", "topk:0.05"}),
                                                        with(sgd, {"--compression", "powersgd:2"}),
                                                        with(sgd, {"--compression", "qsgd:16"}),
-                                                       {"--optimizer", "adamw", "--lr", "0.003", "--zero1", "true"}};
+                                                       {"--optimizer", "adamw", "--lr", "0.003", "--zero1", "true"},
+                                                       {"--optimizer", "adamw", "--lr", "0.003", "--zero", "3"}};
   int n = 0;
   for (const auto& kind : kinds) {
     std::string what;
