@@ -349,8 +349,6 @@ namespace dtrain::parallel {
 std::unique_ptr<DataParallel> make_data_parallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt) {
   DT_INPUT_CHECK(opt.zero >= 0 && opt.zero <= 3, "option --zero must be 0, 1, 2 or 3, got " << opt.zero);
   if (opt.zero <= 1) return std::make_unique<ReplicatedDataParallel>(model, comm, opt);
-  DT_INPUT_CHECK(opt.compression == "none", "option --zero " << opt.zero << " does not combine with --compression "
-                                                             << opt.compression << " (use --zero 1)");
   return std::make_unique<ShardedDataParallel>(model, comm, opt);
 }
 

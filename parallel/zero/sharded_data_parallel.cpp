@@ -19,6 +19,10 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
   DT_CHECK(opt.zero == 2 || opt.zero == 3, "ShardedDataParallel takes ZeRO 2 or 3, not " << opt.zero);
   DT_INPUT_CHECK(opt.gather_dtype == DType::F32 || opt.gather_dtype == DType::BF16,
                  "option --zero-gather-dtype must be f32 or bf16");
+  if (opt.compression != "none") {
+    hook_ = make_grad_hook({opt.compression, opt.compression_scope, opt.seed}, comm);
+    if (opt.momentum_correction > 0) hook_->set_momentum_correction(opt.momentum_correction);
+  }
   const nn::ShardUnits cut = model.shard_units();
   DT_INPUT_CHECK(!cut.entries.empty(), "option --zero " << opt.zero << ": the model (" << model.kind()
                                                         << ") cannot be cut into units to shard");
@@ -37,6 +41,12 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
     DT_INPUT_CHECK(seen.count(p), "option --zero " << opt.zero << ": parameter " << p->name << " is in no unit of "
                                                    << model.kind() << ", so it cannot be sharded");
   device_ = all.front()->value.device();
+  // A per-tensor compressor keys each tensor as data parallel does (last parameter first), so its
+  // state and draws (PowerSGD's first factors) are the unsharded run's.
+  std::map<const nn::Parameter*, int> from_last;
+  for (size_t i = 0; i < all.size(); ++i) from_last[all[i]] = static_cast<int>(all.size() - 1 - i);
+  for (Unit& u : units_)
+    for (nn::Parameter* p : u.params) u.bucket.push_back(from_last.at(p));
   const int64_t world = comm.size();
   int64_t shard_total = 0;
   for (Unit& u : units_) {
@@ -172,6 +182,11 @@ void ShardedDataParallel::after_backward(int entry) {
   Unit& u = units_[static_cast<size_t>(unit_at_[static_cast<size_t>(entry)])];
   ++u.backwards;
   if (entry != u.entries.front()) return;  // an earlier module of the unit still adds to its gradient
+  if (hook_) {
+    if (syncing_) exchange_compressed(u);
+    release(u);
+    return;
+  }
   Pending p{&u, Tensor::empty({block_numel(u)}, DType::F32, device_), nullptr};
   const int64_t w0 = comm_.wire_bytes_sent();
   if (comm_.size() > 1)
@@ -256,7 +271,8 @@ void ShardedDataParallel::release(Unit& u) {
 
 // ---- the step -----------------------------------------------------------------------------------
 
-void ShardedDataParallel::begin_backward(bool) {
+void ShardedDataParallel::begin_backward(bool sync) {
+  syncing_ = sync || !hook_;  // compressed exchanges wait for the micro-batch that syncs
   retire_finished(true);  // a gradient buffer still being reduce-scattered is not written again
   if (step_open_) return;
   engine_for(device_).fill(shard_.grad, 0.f);  // the step's first micro-batch
@@ -295,6 +311,7 @@ void ShardedDataParallel::finish() {
     }
   }
   retire_finished(true);
+  if (hook_) keep_compressed_blocks();
   for (Unit& u : units_) u.backwards = 0;
   step_open_ = false;
 }
@@ -324,6 +341,59 @@ double ShardedDataParallel::grad_norm() {
   copy_any(Tensor::from({1}, {static_cast<float>(e.sum_squares(shard_.grad))}), ss);
   if (comm_.size() > 1) comm_.allreduce(ss, comm::ReduceOp::Sum)->wait();
   return std::sqrt(static_cast<double>(to_host(ss).f32()[0]));
+}
+
+// ---- compression -------------------------------------------------------------------------------
+
+void ShardedDataParallel::exchange_compressed(Unit& u) {
+  const int64_t before = hook_->bytes_sent();
+  if (hook_->per_tensor()) {
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      Tensor g = u.grad.slice0(u.offset[i], u.offset[i] + shape_numel(u.shapes[i]));
+      const int64_t rows = u.shapes[i].size() >= 2 ? u.shapes[i][0] : 1;
+      compressed_works_.push_back(hook_->run(g, u.bucket[i], rows));
+    }
+  } else {
+    compressed_works_.push_back(hook_->run(u.grad, static_cast<int>(&u - units_.data()), 0));
+  }
+  stats_.bytes_sent += hook_->bytes_sent() - before;
+  stats_.bytes_reduced += static_cast<int64_t>(u.grad.nbytes());
+  ++stats_.collectives;
+  compressed_units_.push_back(&u);
+}
+
+void ShardedDataParallel::keep_compressed_blocks() {
+  const double t0 = now_s();
+  for (auto& w : compressed_works_) w->wait();
+  const int64_t before = hook_->bytes_sent();
+  hook_->finish_step();
+  stats_.bytes_sent += hook_->bytes_sent() - before;
+  stats_.comm_wait_s += now_s() - t0;
+  compressed_works_.clear();
+  for (Unit* u : compressed_units_) {
+    const int64_t b = block_numel(*u);
+    Tensor mine = shard_block(shard_.grad, *u);
+    engine_for(device_).axpy(1.f, u->grad.slice0(comm_.rank() * b, (comm_.rank() + 1) * b), mine);
+    grad_bytes_ -= static_cast<int64_t>(u->grad.nbytes());
+    u->grad = Tensor();
+    for (size_t i = 0; i < u->params.size(); ++i) u->params[i]->grad = empty_like_rank(u->shapes[i], device_);
+  }
+  compressed_units_.clear();
+}
+
+std::map<std::string, Tensor> ShardedDataParallel::compression_state() const {
+  return hook_ ? hook_->state() : std::map<std::string, Tensor>{};
+}
+
+void ShardedDataParallel::load_compression_state(const std::map<std::string, Tensor>& state) {
+  if (hook_)
+    hook_->load_state(state);
+  else
+    DataParallel::load_compression_state(state);
+}
+
+void ShardedDataParallel::set_step(int64_t step) {
+  if (hook_) hook_->on_step(step, opt_.compression_warmup_steps);
 }
 
 // ---- optimizer state, checkpoints -----------------------------------------------------------------

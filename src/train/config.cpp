@@ -303,8 +303,6 @@ void check_ranges(const TrainConfig& c) {
                                                               << (c.tp > 1 ? "tp" : "pp")
                                                               << " in this version (clipping and the tied embedding read "
                                                                  "whole gradients)");
-  DT_INPUT_CHECK(c.zero < 2 || c.compression == "none",
-                 zero << " does not combine with --compression " << c.compression << " in this version (use --zero 1)");
   DT_INPUT_CHECK(c.zero < 3 || c.prune_sparsity == 0.f,
                  zero << " does not combine with --prune-sparsity (the masks read whole weights)");
   DT_INPUT_CHECK(c.zero < 3 || c.check_replicas == 0,

@@ -96,8 +96,6 @@ TEST(Cli, OneConfigurationForEveryModel) {
   EXPECT_FAILS_NAMING(run("train --model gpt --data x --zero1 true --pp 2"), "option --zero 1 does not combine with --pp");
   EXPECT_FAILS_NAMING(run("train --synthetic --zero1 true --zero 3"), "option --zero1 true is --zero 1");
   EXPECT_FAILS_NAMING(run("train --synthetic --zero 4"), "option --zero must be 0, 1, 2 or 3");
-  EXPECT_FAILS_NAMING(run("train --synthetic --zero 2 --compression topk:0.01"),
-                      "option --zero 2 does not combine with --compression topk:0.01");
   EXPECT_FAILS_NAMING(run("train --synthetic --zero 3 --prune-sparsity 0.5"),
                       "option --zero 3 does not combine with --prune-sparsity");
   EXPECT_FAILS_NAMING(run("train --synthetic --zero 3 --zero-gather-dtype f16"), "option --zero-gather-dtype");

@@ -177,7 +177,8 @@ TEST(DeviceCodePath, RunsResumeExactlyFromTheDevice) {
                                                        with(sgd, {"--compression", "powersgd:2"}),
                                                        with(sgd, {"--compression", "qsgd:16"}),
                                                        {"--optimizer", "adamw", "--lr", "0.003", "--zero1", "true"},
-                                                       {"--optimizer", "adamw", "--lr", "0.003", "--zero", "3"}};
+                                                       {"--optimizer", "adamw", "--lr", "0.003", "--zero", "3"},
+                                                       with(sgd, {"--compression", "powersgd:2", "--zero", "3"})};
   int n = 0;
   for (const auto& kind : kinds) {
     std::string what;

@@ -19,6 +19,12 @@
 //            rank, all sizes 0), as is its gradient outside the unit's backward.
 // Every micro-batch's backward reduce-scatters (gradient accumulation adds into the shard), so
 // begin_backward's sync flag changes nothing here.
+//
+// With --compression the unit's gradient goes through the GradHook instead (grad_hook.h: top-k,
+// PowerSGD per tensor, ..., the inter-node scope), which leaves the average on every rank; each
+// rank then keeps its block. The gradient buffers then live until finish() (a hook may have a
+// second phase there) and accumulate locally over micro-batches, as data parallel's do: the
+// compressor's bytes with ZeRO's optimizer (and, at 3, parameter) memory.
 #include <map>
 #include <memory>
 #include <vector>
@@ -45,6 +51,11 @@ class ShardedDataParallel final : public DataParallel {
   double grad_norm() override;
   void hold_whole_model(bool on) override;
   int zero_stage() const override { return opt_.zero; }
+  bool compresses() const override { return hook_ != nullptr; }
+  std::map<std::string, Tensor> compression_state() const override;
+  void load_compression_state(const std::map<std::string, Tensor>& state) override;
+  void set_step(int64_t step) override;
+  void set_compression_warmup(int64_t steps) override { opt_.compression_warmup_steps = steps; }
   size_t bucket_count() const override { return units_.size(); }
   std::map<std::string, int64_t> memory_bytes() const override;
 
@@ -53,6 +64,7 @@ class ShardedDataParallel final : public DataParallel {
     std::vector<nn::Parameter*> params;  // forward order
     std::vector<int64_t> offset;         // of each parameter in the unit's flat vector
     std::vector<Shape> shapes;           // of each parameter (its value is empty between passes)
+    std::vector<int> bucket;             // each parameter's key with a per-tensor compressor
     int64_t numel = 0, padded = 0;       // padded: a multiple of the data-parallel size
     int64_t shard_begin = 0;             // where this rank's block starts in the shard buffers
     std::vector<int> entries;            // positions in order_ of the unit's modules
@@ -83,6 +95,8 @@ class ShardedDataParallel final : public DataParallel {
   void prefetch(int entry);     // starts the gather of the unit at position `entry` of order_
   void retire(Pending& p);      // adds a finished reduce-scatter into the shard's gradient
   void retire_finished(bool wait_all);
+  void exchange_compressed(Unit& u);  // the unit's gradient through the hook
+  void keep_compressed_blocks();      // after the hook's works: each rank's block into its shard
   static Tensor view(const Tensor& flat, const Unit& u, size_t i);  // parameter i's part of a unit vector
   void point_values(Unit& u);  // the parameters' values as views into u.full
   void take_shard(Unit& u);    // this rank's block of u's (whole) values into the shard master
@@ -102,6 +116,10 @@ class ShardedDataParallel final : public DataParallel {
   std::map<const nn::Parameter*, nn::Parameter*> piece_of_;
   std::map<std::string, int64_t> start_in_shard_;  // per piece, by its parameter's name
   std::vector<Pending> pending_;
+  std::unique_ptr<GradHook> hook_;  // with --compression only
+  std::vector<std::shared_ptr<comm::Work>> compressed_works_;
+  std::vector<Unit*> compressed_units_;  // whose gradients the hook is averaging
+  bool syncing_ = true;
   bool step_open_ = false;  // the shard's gradient holds this step's first micro-batch already
   bool hold_ = false;       // hold_whole_model(true)
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
