@@ -69,8 +69,10 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
   size_t piece_count = 0;
   for (Unit& u : units_) {
     u.full = zeros_on({u.padded}, device_);
-    gathered_bytes_ += static_cast<int64_t>(u.full.nbytes());  // one unit at a time (release counts it out)
-    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+    if (opt.zero == 3) {  // one unit at a time (release counts it out); ZeRO-2's values are its parameters
+      gathered_bytes_ += static_cast<int64_t>(u.full.nbytes());
+      peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+    }
     for (size_t i = 0; i < u.params.size(); ++i) {
       Tensor part = u.full.slice0(u.offset[i], u.offset[i] + u.params[i]->value.numel());
       copy_any(u.params[i]->value.reshape({u.params[i]->value.numel()}), part);

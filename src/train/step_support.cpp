@@ -1,5 +1,8 @@
 #include "dtrain/train/step_support.h"
 
+#include <algorithm>
+#include <fstream>
+
 #include "dtrain/comm/nccl.h"
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
 #include "dtrain/kernels/cuda.h"
@@ -65,6 +68,32 @@ bool unscale_and_agree(optim::LossScaler* scaler, const std::vector<nn::Paramete
   }
   scaler->update(finite);
   return finite;
+}
+
+}  // namespace dtrain::train
+
+namespace dtrain::train {
+
+std::pair<int64_t, std::string> memory_per_rank(double configured_mb, Device dev, int local_ranks) {
+  if (configured_mb > 0) return {static_cast<int64_t>(configured_mb * 1048576.0), "--memory-per-rank-mb"};
+#if defined(DTRAIN_WITH_CUDA_ENGINE)
+  if (dev.type == DeviceType::CUDA) {
+    const double gib = cuda::device_info(dev.index).memory_gib;
+    return {static_cast<int64_t>(gib * 1073741824.0), "the memory of cuda:" + std::to_string(dev.index)};
+  }
+#endif
+  (void)dev;
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  while (meminfo >> key >> kib) {
+    if (key == "MemTotal:") {
+      const int ranks = std::max(local_ranks, 1);
+      return {kib * 1024 / ranks, "this node's memory over its " + std::to_string(ranks) + " rank(s)"};
+    }
+    meminfo.ignore(256, '\n');
+  }
+  return {0, ""};
 }
 
 }  // namespace dtrain::train

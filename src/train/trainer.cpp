@@ -491,6 +491,7 @@ void Trainer::finish() {
   }
 #endif
   if (!gpu_memory.empty()) say("GPU memory (rank 0, cuda:" + std::to_string(device_.index) + "): " + gpu_memory);
+  report_memory();
   const std::string unit = task_->unit();
   say("done: " + std::to_string(step_) + " steps, " + fixed(result_.units_per_s, 0) + " " + unit + "/s, first step " +
       fixed(result_.first_step_at_s, 3) + " s after process start, peak RSS " + fixed(peak_rss_mib(), 1) +

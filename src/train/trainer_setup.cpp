@@ -11,7 +11,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -28,6 +30,7 @@
 #include "dtrain/data/loader.h"
 #include "dtrain/optim/large_batch.h"
 #include "dtrain/parallel/tensor_parallel.h"
+#include "dtrain/parallel/zero/memory_plan.h"
 #include "dtrain/train/provenance.h"
 #include "dtrain/train/signals.h"
 #include "dtrain/train/step_support.h"
@@ -153,6 +156,7 @@ void Trainer::check_layout() {
 // After the ranks agreed on the inputs: creates the NCCL communicator, which every rank must reach.
 void Trainer::setup_exchange() {
   nn::Module& model = task_->model();
+  refuse_what_cannot_fit();
   if (grid_->dp_size() > 1 || cfg_.zero > 0 || cfg_.compression != "none") {
     parallel::DataParallelOptions dpo;
     dpo.bucket_bytes = static_cast<int64_t>(cfg_.bucket_mb * 1048576.0);
@@ -209,6 +213,105 @@ void Trainer::setup_exchange() {
     metrics_ = std::make_unique<MetricsWriter>(cfg_.metrics, !cfg_.resume.empty());  // a resumed run adds to its file
     metrics_->write(provenance_);
   }
+}
+
+namespace {
+
+int optimizer_floats(const TrainConfig& c) {  // f32 values the optimizer keeps per parameter
+  if (c.optimizer == "sgd") return c.momentum > 0.f ? 1 : 0;
+  if (c.optimizer == "lars") return 1;
+  return 2;  // adam, adamw, lamb
+}
+
+std::vector<int64_t> unit_sizes(nn::Module& model) {
+  const nn::ShardUnits cut = model.shard_units();
+  std::map<int, std::set<nn::Parameter*>> units;
+  for (size_t i = 0; i < cut.entries.size(); ++i)
+    for (nn::Parameter* p : cut.entries[i]->parameters()) units[cut.unit_of[i]].insert(p);
+  std::vector<int64_t> sizes;
+  for (const auto& [u, params] : units) {
+    int64_t n = 0;
+    for (nn::Parameter* p : params) n += p->value.numel();
+    sizes.push_back(n);
+  }
+  return sizes;
+}
+
+}  // namespace
+
+// Before anything of the step is allocated: the model state this rank would hold at this --zero
+// stage (parallel::plan_model_state) against the memory it may fill. A run that cannot fit stops
+// here on every rank (an input error), with the bytes and what would fit instead.
+void Trainer::refuse_what_cannot_fit() {
+  const comm::Topology& topo = comm::Runtime::get().topology();
+  const auto [budget, source] = memory_per_rank(cfg_.memory_per_rank_mb, device_, topo.local_size);
+  if (budget <= 0) return;
+  nn::Module& model = task_->model();
+  const int64_t params = model.parameter_count();
+  const std::vector<int64_t> units = unit_sizes(model);
+  const int dp = grid_->dp_size(), k = optimizer_floats(cfg_);
+  const auto plan = [&](int zero, int ranks) {
+    return parallel::plan_model_state(params, units, zero, ranks, k, cfg_.zero_prefetch);
+  };
+  const parallel::ModelStateBytes need = plan(cfg_.zero, dp);
+  if (need.total() <= budget) return;
+  const auto gib = parallel::bytes_text;
+  std::string fits;
+  for (int zero = cfg_.zero + 1; zero <= 3 && !units.empty(); ++zero)
+    if (plan(zero, dp).total() <= budget) {
+      fits = "--zero " + std::to_string(zero) + " (" + gib(plan(zero, dp).total()) + ")";
+      break;
+    }
+  const int sharded = cfg_.zero > 0 || units.empty() ? std::max(cfg_.zero, 1) : 3;  // more ranks help a ZeRO stage
+  for (int ranks = 2 * dp; ranks <= 64 * dp; ranks *= 2)
+    if (plan(sharded, ranks).total() <= budget) {
+      fits += (fits.empty() ? "" : ", or ") + std::to_string(ranks) + " data-parallel ranks at --zero " +
+              std::to_string(sharded) + " (" + gib(plan(sharded, ranks).total()) + ")";
+      break;
+    }
+  throw InputError("the model state of this run needs " + parallel::describe(need) + " on each rank at --zero " +
+                   std::to_string(cfg_.zero) + " over " + std::to_string(dp) + " data-parallel rank(s), more than the " +
+                   gib(budget) + " a rank may fill (" + source + "); " +
+                   (fits.empty() ? std::string("no ZeRO stage or rank count up to 64 x fits it")
+                                 : "it fits with " + fits) +
+                   ". Activations come on top: --checkpoint-activations makes them smaller");
+}
+
+// This rank's model state by kind, in bytes: the data-parallel layout's (parameters, gradients,
+// ZeRO's shards and peaks) or the model's own, and the optimizer's.
+std::map<std::string, int64_t> Trainer::model_state_bytes() {
+  std::map<std::string, int64_t> bytes;
+  if (dp_) {
+    bytes = dp_->memory_bytes();
+  } else {
+    const int64_t whole = task_->model().parameter_count() * 4;
+    bytes = {{"parameters", whole}, {"gradients", whole}};
+  }
+  int64_t state = 0;
+  for (const optim::StateTensor& st : opt_->state()) state += static_cast<int64_t>(st.value->nbytes());
+  bytes["optimizer state"] = state;
+  return bytes;
+}
+
+// At the end, on rank 0 (every rank with --memory-report): the model state by kind, ZeRO's peaks,
+// the activations the last step kept, and the process's peak RSS.
+void Trainer::report_memory() {
+  if (rank_ != 0 && !cfg_.memory_report) return;
+  const std::map<std::string, int64_t> held = model_state_bytes();
+  std::string line;
+  int64_t total = 0;
+  for (const auto& [kind, bytes] : held) {
+    if (kind.find("(peak)") == std::string::npos) total += bytes;
+    if (bytes > 0) line += ", " + kind + " " + fixed(static_cast<double>(bytes) / 1048576.0, 2);
+  }
+  const double activations = static_cast<double>(task_->model().activation_bytes()) / 1048576.0;
+  const std::string text = "memory of rank " + std::to_string(rank_) + " (MiB): model state " +
+                           fixed(static_cast<double>(total) / 1048576.0, 2) + line + ", activations " +
+                           fixed(activations, 2) + ", peak RSS " + fixed(peak_rss_mib(), 1);
+  if (rank_ == 0)
+    say(text);
+  else
+    std::fprintf(stderr, "%s\n", text.c_str());
 }
 
 // The momentum top-k compression takes over from SGD (Deep Gradient Compression's momentum
@@ -291,14 +394,16 @@ void Trainer::announce() {
     << device_.str() << ", comm " << comm_;
   say(o.str());
   if (std::string note = engine_for(device_).precision_note(); !note.empty()) say("precision: " + note);
-  // Training state per rank: parameters and gradients whole, optimizer state sharded by ZeRO-1.
-  double state = 0;
-  for (const optim::StateTensor& st : opt_->state()) state += static_cast<double>(st.value->nbytes());
-  const double mib = 1.0 / 1048576.0, params = static_cast<double>(task_->model().parameter_count()) * 4;
-  say("memory per rank: parameters " + fixed(params * mib, 2) + " MiB, gradients " + fixed(params * mib, 2) +
-      " MiB, optimizer state " + fixed(state * mib, 2) + " MiB" +
-      (cfg_.zero > 0 ? " (ZeRO-" + std::to_string(cfg_.zero) + ": 1/" + std::to_string(grid_->dp_size()) + " of it)" : std::string()) +
-      (dp_ ? ", " + std::to_string(dp_->bucket_count()) + " gradient bucket(s), compression " + cfg_.compression
+  // Training state per rank as it is held now (ZeRO's gathered units and gradient buffers come and
+  // go during the passes: report_memory gives their peaks).
+  const std::map<std::string, int64_t> held = model_state_bytes();
+  std::string kinds;
+  for (const auto& [kind, bytes] : held)
+    if (bytes > 0 && kind.find("(peak)") == std::string::npos)
+      kinds += (kinds.empty() ? "" : ", ") + kind + " " + fixed(static_cast<double>(bytes) / 1048576.0, 2) + " MiB";
+  say("memory per rank: " + kinds + (cfg_.zero > 0 ? " (ZeRO-" + std::to_string(cfg_.zero) + " over " + std::to_string(grid_->dp_size()) + " ranks)" : std::string()) +
+      (dp_ ? ", " + std::to_string(dp_->bucket_count()) + (cfg_.zero >= 2 ? " unit(s)" : " gradient bucket(s)") +
+                 ", compression " + cfg_.compression
            : std::string()) +
       (topk_momentum_correction() > 0 ? " with momentum correction" : ""));
   if (pruner_)

@@ -284,6 +284,23 @@ TEST(CliMpi, BadOptionFailsEveryRankWithOneMessage) {
   EXPECT_EQ(count(r.out, "--lr must be > 0"), 1u) << r.out;  // said once, by rank 0
 }
 
+// A model state larger than a rank may hold (--memory-per-rank-mb, here below simple_cnn's 0.31 MiB
+// with AdamW) is refused before the first step on every rank, once, with what it needs and the
+// stages and rank counts that fit.
+TEST(CliMpi, AModelThatCannotFitIsRefusedBeforeItsFirstStep) {
+  Result r = mpirun(2, "train --synthetic --steps 5 --threads 1 --progress off --optimizer adamw --memory-per-rank-mb 0.25");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_EQ(count(r.out, "the model state of this run needs 0.31 MiB"), 1u) << r.out;
+  EXPECT_NE(r.out.find("it fits with --zero 2 (0.20 MiB)"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("step 1/"), std::string::npos) << r.out;
+  Result small = mpirun(2, "train --synthetic --steps 5 --threads 1 --progress off --optimizer adamw --memory-per-rank-mb 0.15");
+  EXPECT_EQ(small.code, 2) << small.out;
+  EXPECT_NE(small.out.find("data-parallel ranks at --zero 3"), std::string::npos) << small.out;
+  Result fits = mpirun(2, "train --synthetic --steps 2 --threads 1 --progress off --optimizer adamw --memory-per-rank-mb 0.25 --zero 2");
+  EXPECT_EQ(fits.code, 0) << fits.out;
+  EXPECT_NE(fits.out.find("memory of rank 0 (MiB): model state 0.20"), std::string::npos) << fits.out;
+}
+
 TEST(CliMpi, MissingDataOnTwoRanks) {
   Result r = mpirun(2, "train --data /nonexistent/dir --progress off");
   EXPECT_NE(r.code, 0) << r.out;

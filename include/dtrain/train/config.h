@@ -90,6 +90,8 @@ struct TrainConfig {
   bool reshard_after_forward = true;      // ZeRO-3: free a unit's values after its forward
   bool zero_prefetch = true;              // ZeRO-3: gather the next unit while this one computes
   std::string zero_gather_dtype = "f32";  // ZeRO-3: the dtype of the parameters' all-gathers
+  double memory_per_rank_mb = 0;          // the model state a rank may hold (0: its share of the node or GPU)
+  bool memory_report = false;             // every rank reports its memory at the end
   bool sync_batchnorm = false;
   int64_t straggler_every = 100;     // steps between the ranks' comparisons of their step times (0: off)
   double straggler_threshold = 0.2;  // a rank busier than the median by more than this fraction is named

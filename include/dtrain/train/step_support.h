@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtrain/comm/communicator.h"
@@ -32,6 +33,11 @@ int64_t gpu_malloc_count(Device dev);
 // "allocated 12.0 MiB (peak 40.0 MiB), reserved ...; 0 cudaMalloc calls inside the steps after the
 // first two" for a GPU ("" on the CPU); the mallocs part only after more than two steps.
 std::string gpu_memory_report(Device dev, int64_t steps_run, int64_t step_mallocs);
+
+// The memory one rank may fill, in bytes, and where the figure comes from: `configured_mb` when
+// positive; else a GPU's whole memory, or the node's (MemTotal) divided among its `local_ranks`.
+// 0 when it cannot be found.
+std::pair<int64_t, std::string> memory_per_rank(double configured_mb, Device dev, int local_ranks);
 
 // fp16's dynamic loss scaler (null for other precisions: bf16 has fp32's exponent range).
 std::unique_ptr<optim::LossScaler> make_loss_scaler(const std::string& precision, int64_t growth_interval,

@@ -87,6 +87,9 @@ class Trainer {
   std::string choose_comm() const;  // --comm: "nccl" or "mpi (host-staged)" for the device chosen
   void check_layout();              // the batch and the grid's combinations
   void setup_exchange();            // data parallel (NCCL), pipeline, optimizer, schedule, metrics
+  void refuse_what_cannot_fit();    // the model state this rank would hold against its memory
+  void report_memory();             // at the end: what each kind of state took
+  std::map<std::string, int64_t> model_state_bytes();
   void build_optimizer();
   void build_pruner();
   float topk_momentum_correction() const;
