@@ -174,7 +174,8 @@ void ShardedDataParallel::before_backward(int entry) {
     if (opt_.prefetch) prefetch(entry - 1);
   }
   if (u.grad.defined()) return;
-  u.grad = zeros_on({u.padded}, device_);
+  u.grad = take_buffer(u.padded);
+  engine_for(device_).fill(u.grad, 0.f);
   for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->grad = view(u.grad, u, i);
   grad_bytes_ += static_cast<int64_t>(u.grad.nbytes());
   peak_grad_bytes_ = std::max(peak_grad_bytes_, grad_bytes_);
@@ -213,9 +214,9 @@ void ShardedDataParallel::prefetch(int entry) {
 void ShardedDataParallel::start_gather(Unit& u) {
   if (u.full.defined()) return;  // gathered, or on its way
   const DType wire = hold_ ? DType::F32 : opt_.gather_dtype;
-  u.full = Tensor::empty({u.padded}, DType::F32, device_);
+  u.full = take_buffer(u.padded);
   gathered_bytes_ += static_cast<int64_t>(u.full.nbytes());
-  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_ + spare_bytes_);
   const Tensor mine = shard_block(shard_.value, u);
   Engine& e = engine_for(device_);
   u.fresh = true;
@@ -266,9 +267,32 @@ void ShardedDataParallel::release(Unit& u) {
   }
   u.fresh = false;
   gathered_bytes_ -= static_cast<int64_t>(u.full.nbytes());
-  u.full = Tensor();
+  give_buffer(u.full);
   u.wire = Tensor();
   u.wire_block = Tensor();
+}
+
+// A freed unit buffer (values or gradient) is kept for the next unit of its size, as the blocks of a
+// model are alike: a pass then allocates nothing and touches no fresh pages. One at most; the
+// memory report counts them with the gathered units.
+Tensor ShardedDataParallel::take_buffer(int64_t numel) {
+  for (auto it = spare_.begin(); it != spare_.end(); ++it)
+    if (it->numel() == numel) {
+      Tensor t = *it;
+      spare_.erase(it);
+      spare_bytes_ -= static_cast<int64_t>(t.nbytes());
+      return t;
+    }
+  return Tensor::empty({numel}, DType::F32, device_);
+}
+
+void ShardedDataParallel::give_buffer(Tensor& t) {
+  if (spare_.empty()) {
+    spare_bytes_ += static_cast<int64_t>(t.nbytes());
+    spare_.push_back(t);
+    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_ + spare_bytes_);
+  }
+  t = Tensor();
 }
 
 // ---- the step -----------------------------------------------------------------------------------
@@ -291,7 +315,7 @@ void ShardedDataParallel::retire(Pending& p) {
   engine_for(device_).axpy(1.f, p.block, mine);
   Unit& u = *p.unit;
   grad_bytes_ -= static_cast<int64_t>(u.grad.nbytes());
-  u.grad = Tensor();
+  give_buffer(u.grad);
   for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->grad = empty_like_rank(u.shapes[i], device_);
 }
 
@@ -377,7 +401,7 @@ void ShardedDataParallel::keep_compressed_blocks() {
     Tensor mine = shard_block(shard_.grad, *u);
     engine_for(device_).axpy(1.f, u->grad.slice0(comm_.rank() * b, (comm_.rank() + 1) * b), mine);
     grad_bytes_ -= static_cast<int64_t>(u->grad.nbytes());
-    u->grad = Tensor();
+    give_buffer(u->grad);
     for (size_t i = 0; i < u->params.size(); ++i) u->params[i]->grad = empty_like_rank(u->shapes[i], device_);
   }
   compressed_units_.clear();

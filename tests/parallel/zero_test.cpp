@@ -24,11 +24,11 @@ comm::Communicator& world() { return comm::Runtime::get().world(); }
 
 constexpr int64_t kRows = 2, kSeq = 16;  // windows per rank and step, tokens per window
 
-nn::GptConfig tiny_gpt() {
+nn::GptConfig tiny_gpt(int layers = 3) {
   nn::GptConfig c;
   c.vocab = 64;
   c.context = 16;
-  c.layers = 3;
+  c.layers = layers;
   c.heads = 2;
   c.width = 32;
   c.seed = 7;
@@ -52,13 +52,14 @@ parallel::DataParallelOptions zero(int stage, bool prefetch = true, bool reshard
 // A data-parallel GPT with AdamW (decoupled decay on matrices only), stepped on fixed batches: step
 // s draws the same global batch in every run and each rank takes its rows.
 struct GptRun {
-  nn::Gpt model{tiny_gpt()};
+  nn::Gpt model;
   std::unique_ptr<parallel::DataParallel> dp;
   std::unique_ptr<optim::Adam> opt;
   nn::SoftmaxCrossEntropy xent;
   std::vector<double> losses;
 
-  explicit GptRun(const parallel::DataParallelOptions& o) : dp(parallel::make_data_parallel(model, world(), o)) {
+  explicit GptRun(const parallel::DataParallelOptions& o, int layers = 3)
+      : model(tiny_gpt(layers)), dp(parallel::make_data_parallel(model, world(), o)) {
     optim::AdamOptions a;
     a.decoupled = true;
     a.eps = 1e-4f;  // the attention key bias's gradient is rounding noise (see zero1_groups_test.cpp)
@@ -192,7 +193,8 @@ TEST(Zero, WireBytesPerStepAreZerosRatios) {
 
 // The model state a rank holds, from memory_bytes() and the optimizer's state: ZeRO-2 at most
 // 1.05 x (4 + 12/N) bytes a parameter; ZeRO-3 at most 1.05 x 16/N plus the largest units gathered
-// at once (its peak, here the embedding with the head and a block).
+// at once (its peak: the embedding with the head, which spans the pass, a block, the next one and
+// the spare buffer), never the whole model (8 blocks here).
 TEST(Zero, ModelStatePerRankIsZerosShare) {
   const double n = world().size();
   auto bytes = [](GptRun& run) {
@@ -202,16 +204,16 @@ TEST(Zero, ModelStatePerRankIsZerosShare) {
     for (const optim::StateTensor& st : run.opt->state()) sum += static_cast<double>(st.value->nbytes());
     return sum;
   };
-  GptRun two(zero(2));
+  GptRun two(zero(2), 8);
   two.train(2);
-  const double params = static_cast<double>(nn::gpt_parameter_count(tiny_gpt()));
+  const double params = static_cast<double>(nn::gpt_parameter_count(tiny_gpt(8)));
   EXPECT_LE(bytes(two) / params, 1.05 * (4 + 12 / n));
-  GptRun three(zero(3));
+  GptRun three(zero(3), 8);
   three.train(2);
   const double gathered = static_cast<double>(three.dp->memory_bytes().at("gathered units (peak)"));
   EXPECT_GT(gathered, 0);
   EXPECT_LE(bytes(three) / params, 1.05 * 16 / n);
-  EXPECT_LT(gathered, 4 * params);  // never the whole model at once
+  EXPECT_LT(gathered, 0.6 * 4 * params);  // never the whole model at once
   if (world().rank() == 0)
     std::printf("[ measured ] %d ranks: ZeRO-2 %.2f, ZeRO-3 %.2f bytes a parameter (+ %.0f gathered at the peak)\n",
                 world().size(), bytes(two) / params, bytes(three) / params, gathered);

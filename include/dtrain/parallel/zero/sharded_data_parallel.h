@@ -95,6 +95,8 @@ class ShardedDataParallel final : public DataParallel {
   void prefetch(int entry);     // starts the gather of the unit at position `entry` of order_
   void retire(Pending& p);      // adds a finished reduce-scatter into the shard's gradient
   void retire_finished(bool wait_all);
+  Tensor take_buffer(int64_t numel);  // a spare of that size, or a new one
+  void give_buffer(Tensor& t);        // kept as the spare (or freed); t is left empty
   void exchange_compressed(Unit& u);  // the unit's gradient through the hook
   void keep_compressed_blocks();      // after the hook's works: each rank's block into its shard
   static Tensor view(const Tensor& flat, const Unit& u, size_t i);  // parameter i's part of a unit vector
@@ -124,6 +126,8 @@ class ShardedDataParallel final : public DataParallel {
   bool hold_ = false;       // hold_whole_model(true)
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
   int64_t grad_bytes_ = 0, peak_grad_bytes_ = 0;
+  std::vector<Tensor> spare_;
+  int64_t spare_bytes_ = 0;
 };
 
 }  // namespace dtrain::parallel
