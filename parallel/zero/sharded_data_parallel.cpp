@@ -11,7 +11,9 @@ namespace dtrain::parallel {
 namespace {
 // A value or gradient between passes: empty, of the parameter's rank (what decides its optimizer
 // group: optim::decay_groups keeps vectors undecayed).
-Tensor empty_like_rank(const Shape& shape, Device dev) { return Tensor::empty(Shape(shape.size(), 0), DType::F32, dev); }
+Tensor empty_like_rank(const Shape& shape, Device dev) {
+  return Tensor::empty(Shape(shape.size(), 0), DType::F32, dev);
+}
 }  // namespace
 
 ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt)
@@ -47,7 +49,19 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
   for (size_t i = 0; i < all.size(); ++i) from_last[all[i]] = static_cast<int>(all.size() - 1 - i);
   for (Unit& u : units_)
     for (nn::Parameter* p : u.params) u.bucket.push_back(from_last.at(p));
-  const int64_t world = comm.size();
+  DT_INPUT_CHECK(opt.shard_scope == "all" || opt.shard_scope == "node",
+                 "option --shard-scope must be all or node, got '" << opt.shard_scope << "'");
+  if (opt.shard_scope == "node") {
+    comm::NodeSplit split = comm::split_by_node(comm);
+    DT_INPUT_CHECK(split.uniform,
+                   "option --shard-scope node needs as many data-parallel ranks on every node; "
+                   "this job's nodes hold different counts");
+    if (split.cross->size() > 1) {  // on one node the node is the whole data-parallel group
+      node_ = std::move(split.node);
+      cross_ = std::move(split.cross);
+    }
+  }
+  const int64_t world = shards().size();
   int64_t shard_total = 0;
   for (Unit& u : units_) {
     for (nn::Parameter* p : u.params) {
@@ -84,7 +98,7 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
     release(u);
   }
   pieces_.reserve(piece_count);  // piece_of_ keeps pointers into it
-  const int64_t r = comm.rank();
+  const int64_t r = shards().rank();
   for (Unit& u : units_) {
     const int64_t b = block_numel(u), begin = r * b;
     for (size_t i = 0; i < u.params.size(); ++i) {
@@ -101,7 +115,8 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
     }
   }
   DT_INPUT_CHECK(!pieces_.empty(), "option --zero " << opt.zero << " over " << world << " ranks: the model's "
-                                                    << all.size() << " parameters leave rank " << r << " nothing to hold");
+                                                    << all.size() << " parameters leave rank " << r
+                                                    << " nothing to hold");
   install_hooks();
 }
 
@@ -142,7 +157,8 @@ void ShardedDataParallel::point_values(Unit& u) {
 void ShardedDataParallel::take_shard(Unit& u) {
   if (opt_.zero == 2) return;  // the pieces are views of the whole values
   Tensor block = shard_block(shard_.value, u);
-  engine_for(device_).copy(u.full.slice0(comm_.rank() * block_numel(u), (comm_.rank() + 1) * block_numel(u)), block);
+  engine_for(device_).copy(u.full.slice0(shards().rank() * block_numel(u), (shards().rank() + 1) * block_numel(u)),
+                           block);
 }
 
 // ---- the passes -------------------------------------------------------------------------------
@@ -190,13 +206,13 @@ void ShardedDataParallel::after_backward(int entry) {
     release(u);
     return;
   }
-  Pending p{&u, Tensor::empty({block_numel(u)}, DType::F32, device_), nullptr};
-  const int64_t w0 = comm_.wire_bytes_sent();
-  if (comm_.size() > 1)
-    p.work = comm_.reduce_scatter(u.grad, p.block, comm::ReduceOp::Avg);
+  Pending p{&u, Tensor::empty({block_numel(u)}, DType::F32, device_), nullptr, false};
+  const int64_t w0 = wire_bytes();
+  if (shards().size() > 1)
+    p.work = shards().reduce_scatter(u.grad, p.block, comm::ReduceOp::Avg);
   else
     engine_for(device_).copy(u.grad, p.block);
-  stats_.bytes_sent += comm_.wire_bytes_sent() - w0;
+  stats_.bytes_sent += wire_bytes() - w0;
   stats_.bytes_reduced += static_cast<int64_t>(u.grad.nbytes());
   ++stats_.collectives;
   pending_.push_back(std::move(p));
@@ -220,20 +236,20 @@ void ShardedDataParallel::start_gather(Unit& u) {
   const Tensor mine = shard_block(shard_.value, u);
   Engine& e = engine_for(device_);
   u.fresh = true;
-  if (comm_.size() == 1) {
+  if (shards().size() == 1) {
     e.copy(mine, u.full);
     return;
   }
-  const int64_t w0 = comm_.wire_bytes_sent();
+  const int64_t w0 = wire_bytes();
   if (wire == DType::F32) {
-    u.gathering = comm_.allgather(mine, u.full);
+    u.gathering = shards().allgather(mine, u.full);
   } else {
     u.wire_block = Tensor::empty({block_numel(u)}, wire, device_);
     e.cast(mine, u.wire_block);
     u.wire = Tensor::empty({u.padded}, wire, device_);
-    u.gathering = comm_.allgather(u.wire_block, u.wire);
+    u.gathering = shards().allgather(u.wire_block, u.wire);
   }
-  stats_.bytes_sent += comm_.wire_bytes_sent() - w0;
+  stats_.bytes_sent += wire_bytes() - w0;
   ++stats_.collectives;
 }
 
@@ -299,18 +315,34 @@ void ShardedDataParallel::give_buffer(Tensor& t) {
 
 void ShardedDataParallel::begin_backward(bool sync) {
   syncing_ = sync || !hook_;  // compressed exchanges wait for the micro-batch that syncs
-  retire_finished(true);  // a gradient buffer still being reduce-scattered is not written again
+  retire_finished(true);      // a gradient buffer still being reduce-scattered is not written again
   if (step_open_) return;
   engine_for(device_).fill(shard_.grad, 0.f);  // the step's first micro-batch
   step_open_ = true;
 }
 
-void ShardedDataParallel::retire(Pending& p) {
+// Moves p on as far as it goes without waiting (or to its end with `wait`): its reduce-scatter, then
+// with --shard-scope node the average of its block between the nodes. Whether both are done.
+bool ShardedDataParallel::advance(Pending& p, bool wait) {
+  const double t0 = now_s();
   if (p.work) {
-    const double t0 = now_s();
+    if (!wait && !p.work->test()) return false;
     p.work->wait();
-    stats_.comm_wait_s += now_s() - t0;
+    p.work.reset();
   }
+  if (cross_ && !p.crossed) {
+    const int64_t w0 = cross_->wire_bytes_sent();
+    p.work = cross_->allreduce(p.block, comm::ReduceOp::Avg);
+    stats_.bytes_sent += cross_->wire_bytes_sent() - w0;
+    ++stats_.collectives;
+    p.crossed = true;
+    return advance(p, wait);
+  }
+  if (wait) stats_.comm_wait_s += now_s() - t0;
+  return true;
+}
+
+void ShardedDataParallel::retire(Pending& p) {
   Tensor mine = shard_block(shard_.grad, *p.unit);
   engine_for(device_).axpy(1.f, p.block, mine);
   Unit& u = *p.unit;
@@ -322,7 +354,7 @@ void ShardedDataParallel::retire(Pending& p) {
 void ShardedDataParallel::retire_finished(bool wait_all) {
   // In issue order: a reduce-scatter completes before a later one on the same communicator.
   size_t done = 0;
-  while (done < pending_.size() && (wait_all || !pending_[done].work || pending_[done].work->test())) retire(pending_[done++]);
+  while (done < pending_.size() && advance(pending_[done], wait_all)) retire(pending_[done++]);
   pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
 }
 
@@ -343,18 +375,18 @@ void ShardedDataParallel::finish() {
 }
 
 void ShardedDataParallel::after_step() {
-  if (opt_.zero == 3) return;  // the next forward gathers the updated blocks
-  if (comm_.size() == 1) return;  // the optimizer updated the whole values
+  if (opt_.zero == 3) return;        // the next forward gathers the updated blocks
+  if (shards().size() == 1) return;  // the optimizer updated the whole values
   const double t0 = now_s();
   std::vector<std::shared_ptr<comm::Work>> works;
   std::vector<Tensor> blocks;  // MPI's allgather takes no input inside its output
   for (Unit& u : units_) {
     const int64_t b = block_numel(u);
     blocks.push_back(Tensor::empty({b}, DType::F32, device_));
-    engine_for(device_).copy(u.full.slice0(comm_.rank() * b, (comm_.rank() + 1) * b), blocks.back());
-    const int64_t w0 = comm_.wire_bytes_sent();
-    works.push_back(comm_.allgather(blocks.back(), u.full));
-    stats_.bytes_sent += comm_.wire_bytes_sent() - w0;
+    engine_for(device_).copy(u.full.slice0(shards().rank() * b, (shards().rank() + 1) * b), blocks.back());
+    const int64_t w0 = wire_bytes();
+    works.push_back(shards().allgather(blocks.back(), u.full));
+    stats_.bytes_sent += wire_bytes() - w0;
     ++stats_.collectives;
   }
   for (auto& w : works) w->wait();
@@ -365,7 +397,7 @@ double ShardedDataParallel::grad_norm() {
   Engine& e = engine_for(device_);
   Tensor ss = Tensor::empty({1}, DType::F32, device_);
   copy_any(Tensor::from({1}, {static_cast<float>(e.sum_squares(shard_.grad))}), ss);
-  if (comm_.size() > 1) comm_.allreduce(ss, comm::ReduceOp::Sum)->wait();
+  if (shards().size() > 1) shards().allreduce(ss, comm::ReduceOp::Sum)->wait();  // replicas hold the same
   return std::sqrt(static_cast<double>(to_host(ss).f32()[0]));
 }
 
@@ -399,7 +431,7 @@ void ShardedDataParallel::keep_compressed_blocks() {
   for (Unit* u : compressed_units_) {
     const int64_t b = block_numel(*u);
     Tensor mine = shard_block(shard_.grad, *u);
-    engine_for(device_).axpy(1.f, u->grad.slice0(comm_.rank() * b, (comm_.rank() + 1) * b), mine);
+    engine_for(device_).axpy(1.f, u->grad.slice0(shards().rank() * b, (shards().rank() + 1) * b), mine);
     grad_bytes_ -= static_cast<int64_t>(u->grad.nbytes());
     give_buffer(u->grad);
     for (size_t i = 0; i < u->params.size(); ++i) u->params[i]->grad = empty_like_rank(u->shapes[i], device_);
@@ -424,7 +456,8 @@ void ShardedDataParallel::set_step(int64_t step) {
 
 // ---- optimizer state, checkpoints -----------------------------------------------------------------
 
-std::vector<optim::ParamGroup> ShardedDataParallel::optimizer_groups(const std::vector<optim::ParamGroup>& model_groups) {
+std::vector<optim::ParamGroup> ShardedDataParallel::optimizer_groups(
+    const std::vector<optim::ParamGroup>& model_groups) {
   std::vector<optim::ParamGroup> groups;
   for (const optim::ParamGroup& g : model_groups) {
     optim::ParamGroup& mine = groups.emplace_back(g);
@@ -452,20 +485,20 @@ std::pair<int64_t, std::string> ShardedDataParallel::place_in_shard(const optim:
 
 std::map<std::string, Tensor> ShardedDataParallel::gather_state(const std::vector<optim::StateTensor>& state) {
   // Each kind of state as this rank's shard (padding zero), then every unit's blocks gathered.
-  std::map<std::string, Tensor> shards;
+  std::map<std::string, Tensor> by_kind;
   for (const optim::StateTensor& st : state) {
     const auto [start, kind] = place_in_shard(st);
-    Tensor& shard = shards[kind];
+    Tensor& shard = by_kind[kind];
     if (!shard.defined()) shard = zeros_on(shard_.grad.shape(), device_);
     Tensor part = shard.slice0(start, start + st.value->numel());
     copy_any(st.value->reshape({st.value->numel()}), part);
   }
   std::map<std::string, Tensor> full;
-  for (const auto& [kind, shard] : shards)
+  for (const auto& [kind, shard] : by_kind)
     for (Unit& u : units_) {
       Tensor whole = zeros_on({u.padded}, device_);
-      if (comm_.size() > 1)
-        comm_.allgather(shard_block(shard, u), whole)->wait();
+      if (shards().size() > 1)
+        shards().allgather(shard_block(shard, u), whole)->wait();
       else
         engine_for(device_).copy(shard_block(shard, u), whole);
       const Tensor host = to_host(whole);
@@ -474,8 +507,9 @@ std::map<std::string, Tensor> ShardedDataParallel::gather_state(const std::vecto
   return full;
 }
 
-void ShardedDataParallel::load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state) {
-  const int64_t r = comm_.rank();
+void ShardedDataParallel::load_state(const std::map<std::string, Tensor>& full,
+                                     const std::vector<optim::StateTensor>& state) {
+  const int64_t r = shards().rank();
   for (const optim::StateTensor& st : state) {
     const auto [start, kind] = place_in_shard(st);
     const std::string param = st.name.substr(0, st.name.size() - kind.size() - 1);
@@ -483,9 +517,9 @@ void ShardedDataParallel::load_state(const std::map<std::string, Tensor>& full, 
     const std::string name = param + "." + kind;
     auto it = full.find(name);
     DT_INPUT_CHECK(it != full.end(), "no optimizer state " << name);
-    DT_INPUT_CHECK(it->second.shape() == u->shapes[i],
-                   "optimizer state " << name << " is " << it->second.str() << ", parameter " << param << " is "
-                                      << shape_str(u->shapes[i]));
+    DT_INPUT_CHECK(it->second.shape() == u->shapes[i], "optimizer state " << name << " is " << it->second.str()
+                                                                          << ", parameter " << param << " is "
+                                                                          << shape_str(u->shapes[i]));
     // The piece starts at element max(block start, offset) of the unit: that minus the offset in
     // the parameter.
     const int64_t from = std::max(r * block_numel(*u), u->offset[i]) - u->offset[i];
@@ -501,7 +535,7 @@ void ShardedDataParallel::hold_whole_model(bool on) {
   if (on) {
     if (opt_.gather_dtype != DType::F32)
       for (Unit& u : units_) release(u);  // kept values may be bf16-rounded: gather the masters
-    hold_ = true;  // gathers in f32 from here
+    hold_ = true;                         // gathers in f32 from here
     for (Unit& u : units_) start_gather(u);
     for (Unit& u : units_) finish_gather(u);
     return;

@@ -211,6 +211,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(common, "zero-prefetch", &c.zero_prefetch, def.zero_prefetch, "--zero 3: start the next unit's all-gather while the current one computes");
   add(common, "memory-per-rank-mb", &c.memory_per_rank_mb, def.memory_per_rank_mb, "memory a rank may fill with the model's training state (parameters, gradients, optimizer state, ZeRO's shards and gathered units); a run that needs more is refused before its first step, naming what would fit (0: the GPU's memory, or the node's divided among its ranks)");
   add_switch(common, "memory-report", &c.memory_report, def.memory_report, "every rank reports its memory at the end (rank 0 always does): model state by kind, activations, ZeRO's peaks, peak RSS");
+  add(common, "shard-scope", &c.shard_scope, def.shard_scope, "--zero 2 and 3: all (shard over every data-parallel rank) or node (shard within each node, replicate across nodes: the all-gathers never leave the node, each block's gradient is averaged between nodes)");
   add(common, "zero-gather-dtype", &c.zero_gather_dtype, def.zero_gather_dtype, "--zero 3: dtype of the parameters' all-gathers, f32 or bf16 (half the bytes; the master shards stay f32)");
   add(image, "sync-batchnorm", &c.sync_batchnorm, def.sync_batchnorm, "batch statistics over all data-parallel ranks");
 
@@ -295,6 +296,10 @@ void check_ranges(const TrainConfig& c) {
                  "option --loss-scale-init must be in [1, 2^24], got " << c.loss_scale_init);
   DT_INPUT_CHECK(c.accumulate >= 1, "option --accumulate must be >= 1, got " << c.accumulate);
   DT_INPUT_CHECK(c.zero >= 0 && c.zero <= 3, "option --zero must be 0, 1, 2 or 3, got " << c.zero);
+  DT_INPUT_CHECK(c.shard_scope == "all" || c.shard_scope == "node",
+                 "option --shard-scope must be all or node, got '" << c.shard_scope << "'");
+  DT_INPUT_CHECK(c.shard_scope == "all" || c.zero >= 2,
+                 "option --shard-scope node needs --zero 2 or 3, got --zero " << c.zero);
   DT_INPUT_CHECK(c.memory_per_rank_mb >= 0, "option --memory-per-rank-mb must be >= 0, got " << c.memory_per_rank_mb);
   DT_INPUT_CHECK(c.zero_gather_dtype == "f32" || c.zero_gather_dtype == "bf16",
                  "option --zero-gather-dtype must be f32 or bf16, got '" << c.zero_gather_dtype << "'");
@@ -302,10 +307,10 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.zero == 0 || (c.optimizer != "lars" && c.optimizer != "lamb"),
                  zero << " does not combine with --optimizer " << c.optimizer
                       << " (its per-layer trust ratios need whole tensors)");
-  DT_INPUT_CHECK(c.zero == 0 || (c.tp == 1 && c.pp == 1), zero << " does not combine with --"
-                                                              << (c.tp > 1 ? "tp" : "pp")
-                                                              << " in this version (clipping and the tied embedding read "
-                                                                 "whole gradients)");
+  DT_INPUT_CHECK(c.zero == 0 || (c.tp == 1 && c.pp == 1),
+                 zero << " does not combine with --" << (c.tp > 1 ? "tp" : "pp")
+                      << " in this version (clipping and the tied embedding read "
+                         "whole gradients)");
   DT_INPUT_CHECK(c.zero < 3 || c.prune_sparsity == 0.f,
                  zero << " does not combine with --prune-sparsity (the masks read whole weights)");
   DT_INPUT_CHECK(c.zero < 3 || c.check_replicas == 0,

@@ -164,6 +164,7 @@ void Trainer::setup_exchange() {
     dpo.reshard_after_forward = cfg_.reshard_after_forward;
     dpo.prefetch = cfg_.zero_prefetch;
     dpo.gather_dtype = cfg_.zero_gather_dtype == "bf16" ? DType::BF16 : DType::F32;
+    dpo.shard_scope = cfg_.shard_scope;
     dpo.overlap = cfg_.overlap;
     dpo.compression = cfg_.compression;  // PowerSGD per tensor: matrices factorised, vectors sent whole
     dpo.compression_scope = cfg_.compression_scope;
@@ -249,7 +250,9 @@ void Trainer::refuse_what_cannot_fit() {
   nn::Module& model = task_->model();
   const int64_t params = model.parameter_count();
   const std::vector<int64_t> units = unit_sizes(model);
-  const int dp = grid_->dp_size(), k = optimizer_floats(cfg_);
+  // --shard-scope node shards over a node's ranks only.
+  const int dp = cfg_.shard_scope == "node" ? std::min(grid_->dp_size(), topo.local_size) : grid_->dp_size();
+  const int k = optimizer_floats(cfg_);
   const auto plan = [&](int zero, int ranks) {
     return parallel::plan_model_state(params, units, zero, ranks, k, cfg_.zero_prefetch);
   };
@@ -269,12 +272,12 @@ void Trainer::refuse_what_cannot_fit() {
               std::to_string(sharded) + " (" + gib(plan(sharded, ranks).total()) + ")";
       break;
     }
-  throw InputError("the model state of this run needs " + parallel::describe(need) + " on each rank at --zero " +
-                   std::to_string(cfg_.zero) + " over " + std::to_string(dp) + " data-parallel rank(s), more than the " +
-                   gib(budget) + " a rank may fill (" + source + "); " +
-                   (fits.empty() ? std::string("no ZeRO stage or rank count up to 64 x fits it")
-                                 : "it fits with " + fits) +
-                   ". Activations come on top: --checkpoint-activations makes them smaller");
+  throw InputError(
+      "the model state of this run needs " + parallel::describe(need) + " on each rank at --zero " +
+      std::to_string(cfg_.zero) + " over " + std::to_string(dp) + " data-parallel rank(s), more than the " +
+      gib(budget) + " a rank may fill (" + source + "); " +
+      (fits.empty() ? std::string("no ZeRO stage or rank count up to 64 x fits it") : "it fits with " + fits) +
+      ". Activations come on top: --checkpoint-activations makes them smaller");
 }
 
 // This rank's model state by kind, in bytes: the data-parallel layout's (parameters, gradients,
@@ -401,7 +404,10 @@ void Trainer::announce() {
   for (const auto& [kind, bytes] : held)
     if (bytes > 0 && kind.find("(peak)") == std::string::npos)
       kinds += (kinds.empty() ? "" : ", ") + kind + " " + fixed(static_cast<double>(bytes) / 1048576.0, 2) + " MiB";
-  say("memory per rank: " + kinds + (cfg_.zero > 0 ? " (ZeRO-" + std::to_string(cfg_.zero) + " over " + std::to_string(grid_->dp_size()) + " ranks)" : std::string()) +
+  say("memory per rank: " + kinds +
+      (cfg_.zero > 0 ? " (ZeRO-" + std::to_string(cfg_.zero) + " over " + std::to_string(grid_->dp_size()) + " ranks" +
+                           (cfg_.shard_scope == "node" ? ", sharded within each node)" : ")")
+                     : std::string()) +
       (dp_ ? ", " + std::to_string(dp_->bucket_count()) + (cfg_.zero >= 2 ? " unit(s)" : " gradient bucket(s)") +
                  ", compression " + cfg_.compression
            : std::string()) +

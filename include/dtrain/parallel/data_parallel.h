@@ -50,6 +50,10 @@ struct DataParallelOptions {
   // ZeRO-3: the dtype parameters travel in for the all-gathers (F32, or BF16: half the bytes; the
   // master shards stay f32 and the gathered values are the bf16-rounded masters).
   DType gather_dtype = DType::F32;
+  // ZeRO-2/3: "all" shards over every data-parallel rank; "node" over each node's ranks, replicated
+  // across nodes (the all-gathers stay within the node; the blocks' gradients are averaged between
+  // nodes).
+  std::string shard_scope = "all";
   bool overlap = true;  // false: every bucket goes out after backward (to measure what overlap hides)
   // Gradient compression per bucket ("none", "fp16", "bf16", "topk:0.01", "powersgd:2", "onebit",
   // "qsgd:16"; see comm/compression.h). With zero1 too (see above).

@@ -90,6 +90,7 @@ struct TrainConfig {
   bool reshard_after_forward = true;      // ZeRO-3: free a unit's values after its forward
   bool zero_prefetch = true;              // ZeRO-3: gather the next unit while this one computes
   std::string zero_gather_dtype = "f32";  // ZeRO-3: the dtype of the parameters' all-gathers
+  std::string shard_scope = "all";        // ZeRO-2/3: shard over all ranks, or within each node
   double memory_per_rank_mb = 0;          // the model state a rank may hold (0: its share of the node or GPU)
   bool memory_report = false;             // every rank reports its memory at the end
   bool sync_batchnorm = false;

@@ -20,6 +20,10 @@
 // Every micro-batch's backward reduce-scatters (gradient accumulation adds into the shard), so
 // begin_backward's sync flag changes nothing here.
 //
+// --shard-scope node shards over each node's ranks only and replicates across nodes: a unit's
+// gradient is reduce-scattered within the node, then each block averaged between the ranks of the
+// same local rank on every node; the all-gathers never leave the node.
+//
 // With --compression the unit's gradient goes through the GradHook instead (grad_hook.h: top-k,
 // PowerSGD per tensor, ..., the inter-node scope), which leaves the average on every rank; each
 // rank then keeps its block. The gradient buffers then live until finish() (a hook may have a
@@ -72,17 +76,21 @@ class ShardedDataParallel final : public DataParallel {
     Tensor wire;                         // the gather's buffer when it travels in another dtype
     Tensor wire_block;                   // this rank's block in that dtype
     std::shared_ptr<comm::Work> gathering;
-    bool fresh = false;  // gathered (or on its way) since the parameters last pointed at `full`
-    Tensor grad;  // the whole gradient, from before the unit's backward to its reduce-scatter
+    bool fresh = false;               // gathered (or on its way) since the parameters last pointed at `full`
+    Tensor grad;                      // the whole gradient, from before the unit's backward to its reduce-scatter
     int forwards = 0, backwards = 0;  // entries passed in the current forward / backward
   };
   struct Pending {  // a reduce-scatter in flight
     Unit* unit;
-    Tensor block;  // this rank's averaged block, added into the shard's gradient when done
-    std::shared_ptr<comm::Work> work;
+    Tensor block;                      // this rank's averaged block, added into the shard's gradient when done
+    std::shared_ptr<comm::Work> work;  // the reduce-scatter, then the average between nodes
+    bool crossed;                      // the latter was issued
   };
 
-  int64_t block_numel(const Unit& u) const { return u.padded / comm_.size(); }
+  // The ranks the units are sharded over: the data-parallel group, or this node's part of it.
+  comm::Communicator& shards() const { return node_ ? *node_ : comm_; }
+  int64_t wire_bytes() const { return shards().wire_bytes_sent(); }
+  int64_t block_numel(const Unit& u) const { return u.padded / shards().size(); }
   Tensor shard_block(const Tensor& shard, const Unit& u) const;  // u's block in a shard buffer
   void install_hooks();
   void before_forward(int entry);
@@ -93,15 +101,16 @@ class ShardedDataParallel final : public DataParallel {
   void finish_gather(Unit& u);  // waits for u's values and points its parameters at them
   void release(Unit& u);        // stage 3: frees u's values
   void prefetch(int entry);     // starts the gather of the unit at position `entry` of order_
-  void retire(Pending& p);      // adds a finished reduce-scatter into the shard's gradient
+  bool advance(Pending& p, bool wait);
+  void retire(Pending& p);  // adds a finished reduce-scatter into the shard's gradient
   void retire_finished(bool wait_all);
   Tensor take_buffer(int64_t numel);  // a spare of that size, or a new one
   void give_buffer(Tensor& t);        // kept as the spare (or freed); t is left empty
   void exchange_compressed(Unit& u);  // the unit's gradient through the hook
   void keep_compressed_blocks();      // after the hook's works: each rank's block into its shard
   static Tensor view(const Tensor& flat, const Unit& u, size_t i);  // parameter i's part of a unit vector
-  void point_values(Unit& u);  // the parameters' values as views into u.full
-  void take_shard(Unit& u);    // this rank's block of u's (whole) values into the shard master
+  void point_values(Unit& u);                                       // the parameters' values as views into u.full
+  void take_shard(Unit& u);  // this rank's block of u's (whole) values into the shard master
   bool whole(const Unit& u) const { return u.full.defined() && !u.gathering; }
   std::pair<const Unit*, size_t> find(const std::string& param) const;  // a parameter's unit and index
   std::pair<int64_t, std::string> place_in_shard(const optim::StateTensor& st) const;
@@ -119,6 +128,9 @@ class ShardedDataParallel final : public DataParallel {
   std::map<std::string, int64_t> start_in_shard_;  // per piece, by its parameter's name
   std::vector<Pending> pending_;
   std::unique_ptr<GradHook> hook_;  // with --compression only
+  // --shard-scope node over several nodes: this node's data-parallel ranks, and the ranks of this
+  // local rank on every node (null otherwise).
+  std::unique_ptr<comm::Communicator> node_, cross_;
   std::vector<std::shared_ptr<comm::Work>> compressed_works_;
   std::vector<Unit*> compressed_units_;  // whose gradients the hook is averaging
   bool syncing_ = true;
