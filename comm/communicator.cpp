@@ -142,11 +142,16 @@ int64_t Communicator::wire_bytes(const detail::CollectiveCall& call) const {
   if (n <= 1) return 0;
   const int64_t bytes = call.count * static_cast<int64_t>(dtype_size(call.dtype));
   switch (call.kind) {
-    case detail::CollectiveKind::Allreduce: return 2 * (n - 1) * bytes / n;
-    case detail::CollectiveKind::ReduceScatter: return (n - 1) * bytes / n;
-    case detail::CollectiveKind::Allgather: return (n - 1) * bytes;
-    case detail::CollectiveKind::Broadcast: return bytes;
-    default: return 0;
+    case detail::CollectiveKind::Allreduce:
+      return 2 * (n - 1) * bytes / n;
+    case detail::CollectiveKind::ReduceScatter:
+      return (n - 1) * bytes / n;
+    case detail::CollectiveKind::Allgather:
+      return (n - 1) * bytes;
+    case detail::CollectiveKind::Broadcast:
+      return bytes;
+    default:
+      return 0;
   }
 }
 

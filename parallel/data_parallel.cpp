@@ -225,7 +225,8 @@ void ReplicatedDataParallel::make_shard(int64_t model_numel) {
   }
 }
 
-std::vector<optim::ParamGroup> ReplicatedDataParallel::optimizer_groups(const std::vector<optim::ParamGroup>& model_groups) {
+std::vector<optim::ParamGroup> ReplicatedDataParallel::optimizer_groups(
+    const std::vector<optim::ParamGroup>& model_groups) {
   if (!zero1()) return model_groups;
   std::vector<optim::ParamGroup> groups;
   for (const optim::ParamGroup& g : model_groups) {
@@ -270,7 +271,8 @@ std::map<std::string, Tensor> ReplicatedDataParallel::gather_state(const std::ve
   return full;
 }
 
-void ReplicatedDataParallel::load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state) {
+void ReplicatedDataParallel::load_state(const std::map<std::string, Tensor>& full,
+                                        const std::vector<optim::StateTensor>& state) {
   if (!zero1()) {
     optim::load_state_by_name(full, state);
     return;

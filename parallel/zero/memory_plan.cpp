@@ -30,10 +30,10 @@ std::string describe(const ModelStateBytes& b) {
   const double unit = large ? 1073741824.0 : 1048576.0;
   const auto v = [&](int64_t bytes) { return static_cast<double>(bytes) / unit; };
   char s[256];
-  std::snprintf(s, sizeof s,
-                "%.2f %s (parameters %.2f, gradients %.2f, optimizer state %.2f, ZeRO shards %.2f, gathered units %.2f)",
-                v(b.total()), large ? "GiB" : "MiB", v(b.parameters), v(b.gradients), v(b.optimizer), v(b.shards),
-                v(b.gathered));
+  std::snprintf(
+      s, sizeof s,
+      "%.2f %s (parameters %.2f, gradients %.2f, optimizer state %.2f, ZeRO shards %.2f, gathered units %.2f)",
+      v(b.total()), large ? "GiB" : "MiB", v(b.parameters), v(b.gradients), v(b.optimizer), v(b.shards), v(b.gathered));
   return s;
 }
 

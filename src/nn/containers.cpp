@@ -86,7 +86,8 @@ std::vector<Shape> layer_boundary_shapes(Sequential& model, const Shape& input) 
 
 Residual::Residual(ModulePtr body, ModulePtr shortcut, ResidualNames names, ModulePtr after)
     : body_(std::move(body)), shortcut_(std::move(shortcut)), after_(std::move(after)), names_(std::move(names)) {
-  DT_CHECK(!names_.flat_body || dynamic_cast<Sequential*>(body_.get()), "Residual: a flat-named body must be a Sequential");
+  DT_CHECK(!names_.flat_body || dynamic_cast<Sequential*>(body_.get()),
+           "Residual: a flat-named body must be a Sequential");
 }
 
 Tensor Residual::forward(const Tensor& x) {

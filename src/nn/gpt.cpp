@@ -17,8 +17,7 @@ SelfAttention::SelfAttention(int64_t width, int64_t heads, Rng& rng)
   proj_->set_output_temporary(true);  // used up by the residual add
 }
 
-SelfAttention::SelfAttention(ModulePtr qkv, ModulePtr proj, int64_t width, int64_t local_heads,
-                                         int64_t head_dim)
+SelfAttention::SelfAttention(ModulePtr qkv, ModulePtr proj, int64_t width, int64_t local_heads, int64_t head_dim)
     : c_(width), h_(local_heads), hd_(head_dim), qkv_(std::move(qkv)), proj_(std::move(proj)) {
   DT_INPUT_CHECK(width > 0 && local_heads > 0 && head_dim > 0,
                  "attention width " << width << ", " << local_heads << " heads of " << head_dim);
@@ -36,8 +35,8 @@ void SelfAttention::copy_gemm_inputs() {
 }
 
 std::string SelfAttention::kind() const {
-  return std::string(causal_ ? "Causal" : "") + "SelfAttention(" + std::to_string(c_) + ", heads=" + std::to_string(h_) +
-         ")";
+  return std::string(causal_ ? "Causal" : "") + "SelfAttention(" + std::to_string(c_) +
+         ", heads=" + std::to_string(h_) + ")";
 }
 
 std::vector<std::pair<std::string, Module*>> SelfAttention::children() {
@@ -70,8 +69,9 @@ Tensor SelfAttention::forward(const Tensor& x) {
   DT_CHECK(qkv.numel() == b_ * t_ * 3 * hc, kind() << ": qkv gave " << qkv.str());
   ensure_temp(split_, {3, b_ * t_, hc}, dev);
   e.permute_0213(qkv, 1, b_ * t_, 3, hc, split_);  // [3, B*T, H*hd]
-  low_ = !e.rounds_gemm(t_, t_) || !e.rounds_gemm(t_, hd_)            ? DType::F32
-         : e.math_precision() == MathPrecision::F16 ? DType::F16 : DType::BF16;
+  low_ = !e.rounds_gemm(t_, t_) || !e.rounds_gemm(t_, hd_) ? DType::F32
+         : e.math_precision() == MathPrecision::F16        ? DType::F16
+                                                           : DType::BF16;
   if (low_ == DType::F32) {
     ensure(qkvh_, {3 * bh, t_, hd_}, dev);
     e.permute_0213(split_, 3 * b_, t_, h_, hd_, qkvh_);  // [3B, H, T, hd]
@@ -79,7 +79,7 @@ Tensor SelfAttention::forward(const Tensor& x) {
     e.permute_0213(split_, 3 * b_, t_, h_, hd_, ensure_temp(wide_, {3 * bh, t_, hd_}, dev));
     e.cast(wide_, ensure(qkvh_, {3 * bh, t_, hd_}, dev, low_));
   }
-  ensure_temp(scores_, {bh, t_, t_}, dev);             // dead once softmax has run
+  ensure_temp(scores_, {bh, t_, t_}, dev);  // dead once softmax has run
   ensure(att_, {bh, t_, t_}, dev);
   ensure_temp(yh_, {bh, t_, hd_}, dev);  // permuted into y_ at once
   Tensor heads = qkvh_.reshape({3 * bh, t_ * hd_});
@@ -232,8 +232,8 @@ Tensor GptHead::backward(const Tensor& dlogits) {
   Engine& e = engine(dlogits);
   ensure(dhf_, hf_.shape(), dlogits.device());
   e.gemm(false, false, m_, c_, v, 1.f, dlogits, gemm_operand(e, *wte_, m_, c_), 0.f, dhf_);  // dhf = dlogits wte
-  e.gemm(true, false, v, c_, m_, 1.f, dlogits, hf_, 1.f, wte_->grad);     // dwte += dlogits^T hf
-  if (shard_.sharded()) shard_.sum(dhf_);                                 // every rank's vocabulary columns contribute
+  e.gemm(true, false, v, c_, m_, 1.f, dlogits, hf_, 1.f, wte_->grad);                        // dwte += dlogits^T hf
+  if (shard_.sharded()) shard_.sum(dhf_);  // every rank's vocabulary columns contribute
   if (owns_) grad_ready(*wte_);
   return ln_f_->backward(dhf_);
 }

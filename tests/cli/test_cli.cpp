@@ -93,7 +93,8 @@ TEST(Cli, OneConfigurationForEveryModel) {
   EXPECT_EQ(sync_bn.code, 2) << sync_bn.out;
   EXPECT_NE(sync_bn.out.find("option --sync-batchnorm does not combine with --model gpt"), std::string::npos)
       << sync_bn.out;
-  EXPECT_FAILS_NAMING(run("train --model gpt --data x --zero1 true --pp 2"), "option --zero 1 does not combine with --pp");
+  EXPECT_FAILS_NAMING(run("train --model gpt --data x --zero1 true --pp 2"),
+                      "option --zero 1 does not combine with --pp");
   EXPECT_FAILS_NAMING(run("train --synthetic --zero1 true --zero 3"), "option --zero1 true is --zero 1");
   EXPECT_FAILS_NAMING(run("train --synthetic --zero 4"), "option --zero must be 0, 1, 2 or 3");
   EXPECT_FAILS_NAMING(run("train --synthetic --zero 3 --prune-sparsity 0.5"),
@@ -288,15 +289,18 @@ TEST(CliMpi, BadOptionFailsEveryRankWithOneMessage) {
 // with AdamW) is refused before the first step on every rank, once, with what it needs and the
 // stages and rank counts that fit.
 TEST(CliMpi, AModelThatCannotFitIsRefusedBeforeItsFirstStep) {
-  Result r = mpirun(2, "train --synthetic --steps 5 --threads 1 --progress off --optimizer adamw --memory-per-rank-mb 0.25");
+  Result r =
+      mpirun(2, "train --synthetic --steps 5 --threads 1 --progress off --optimizer adamw --memory-per-rank-mb 0.25");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_EQ(count(r.out, "the model state of this run needs 0.31 MiB"), 1u) << r.out;
   EXPECT_NE(r.out.find("it fits with --zero 2 (0.20 MiB)"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("step 1/"), std::string::npos) << r.out;
-  Result small = mpirun(2, "train --synthetic --steps 5 --threads 1 --progress off --optimizer adamw --memory-per-rank-mb 0.15");
+  Result small =
+      mpirun(2, "train --synthetic --steps 5 --threads 1 --progress off --optimizer adamw --memory-per-rank-mb 0.15");
   EXPECT_EQ(small.code, 2) << small.out;
   EXPECT_NE(small.out.find("data-parallel ranks at --zero 3"), std::string::npos) << small.out;
-  Result fits = mpirun(2, "train --synthetic --steps 2 --threads 1 --progress off --optimizer adamw --memory-per-rank-mb 0.25 --zero 2");
+  Result fits = mpirun(
+      2, "train --synthetic --steps 2 --threads 1 --progress off --optimizer adamw --memory-per-rank-mb 0.25 --zero 2");
   EXPECT_EQ(fits.code, 0) << fits.out;
   EXPECT_NE(fits.out.find("memory of rank 0 (MiB): model state 0.20"), std::string::npos) << fits.out;
 }
@@ -338,14 +342,16 @@ TEST(CliMpi, AnInputErrorOnOneRankAloneIsHeardAndEndsTheJob) {
   }
   fs::last_write_time(bad, stamp);
   auto t0 = std::chrono::steady_clock::now();
-  Result r = shell("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n 2 "
-                   "--oversubscribe --bind-to none sh -c 'cd " + dir + "/rank$OMPI_COMM_WORLD_RANK && exec " +
-                   DTRAIN_BINARY_DIR + "/dtrain train --data " + dir + "/train --test-data test --model mlp "
-                   "--hidden 16 --epochs 1 --threads 1 --progress off' 2>&1");
+  Result r = shell(
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n 2 "
+      "--oversubscribe --bind-to none sh -c 'cd " +
+      dir + "/rank$OMPI_COMM_WORLD_RANK && exec " + DTRAIN_BINARY_DIR + "/dtrain train --data " + dir +
+      "/train --test-data test --model mlp "
+      "--hidden 16 --epochs 1 --threads 1 --progress off' 2>&1");
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(std::regex_search(r.out, std::regex("rank 1 on [^)]*\\): dtrain train: error: .*" +
-                                                      bad.filename().string() + ".*found by this rank alone")))
+                                                  bad.filename().string() + ".*found by this rank alone")))
       << r.out;
   EXPECT_LT(s, 30.0) << r.out;
   fs::remove_all(dir);
@@ -355,9 +361,10 @@ TEST(CliMpi, AnInputErrorOnOneRankAloneIsHeardAndEndsTheJob) {
 // it past the start-up deadline (DTRAIN_COMM_TIMEOUT), and say which phase it was.
 TEST(CliMpi, ARankThatNeverStartsEndsTheJobAtTheStartUpDeadline) {
   auto t0 = std::chrono::steady_clock::now();
-  Result r = shell("DTRAIN_COMM_TIMEOUT=3 DTRAIN_TEST_START_DELAY=1:60 OMPI_ALLOW_RUN_AS_ROOT=1 "
-                   "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n 2 --oversubscribe --bind-to none " +
-                   std::string(DTRAIN_BINARY_DIR) + "/dtrain info 2>&1");
+  Result r = shell(
+      "DTRAIN_COMM_TIMEOUT=3 DTRAIN_TEST_START_DELAY=1:60 OMPI_ALLOW_RUN_AS_ROOT=1 "
+      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n 2 --oversubscribe --bind-to none " +
+      std::string(DTRAIN_BINARY_DIR) + "/dtrain info 2>&1");
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("MPI start-up (MPI_Init) did not finish within 3 s"), std::string::npos) << r.out;

@@ -24,9 +24,10 @@ comm::Communicator& world() { return comm::Runtime::get().world(); }
 // Sentences of words drawn at random (seeded): the spelling can be learnt, the word order cannot, so
 // the loss levels off well above zero and relative differences between runs mean something.
 void write_random_words(const std::filesystem::path& dir) {
-  const char* words[] = {"time", "river", "stone", "green", "under", "light", "seven", "paper", "quiet", "north",
-                         "apple", "moving", "garden", "window", "silver", "before", "thunder", "market", "yellow",
-                         "winter", "bridge", "forest", "candle", "mirror", "engine", "harbor", "pocket", "castle"};
+  const char* words[] = {"time",   "river",  "stone",   "green",  "under",  "light",  "seven",
+                         "paper",  "quiet",  "north",   "apple",  "moving", "garden", "window",
+                         "silver", "before", "thunder", "market", "yellow", "winter", "bridge",
+                         "forest", "candle", "mirror",  "engine", "harbor", "pocket", "castle"};
   std::filesystem::create_directories(dir / "text");
   {
     std::ofstream out(dir / "text" / "a.txt");
@@ -84,8 +85,9 @@ TEST(LmDataParallel, EveryCompressorTrainsNearTheUncompressedRun) {
     const char* compression;
     double tolerance;
   };
-  for (const Kind& k : {Kind{"topk:1", 1e-5}, Kind{"fp16", 1e-3}, Kind{"bf16", 1e-3}, Kind{"topk:0.1", 0.30},
-                        Kind{"powersgd:2", 0.12}, Kind{"powersgd:8", 0.02}, Kind{"onebit", 0.35}, Kind{"qsgd:16", 0.35}}) {
+  for (const Kind& k :
+       {Kind{"topk:1", 1e-5}, Kind{"fp16", 1e-3}, Kind{"bf16", 1e-3}, Kind{"topk:0.1", 0.30}, Kind{"powersgd:2", 0.12},
+        Kind{"powersgd:8", 0.02}, Kind{"onebit", 0.35}, Kind{"qsgd:16", 0.35}}) {
     c.compression = k.compression;
     const train::TrainResult got = train::train_lm(c, &world());
     EXPECT_TRUE(std::isfinite(got.last_eval.loss)) << k.compression;
@@ -112,7 +114,8 @@ TEST(LmDataParallel, CompressedRunsResumeExactly) {
     const train::TrainResult resumed = train::train_lm(c, &world());
     if (world().rank() == 0) {
       ASSERT_EQ(resumed.step_losses.size(), 100u) << kind;
-      for (size_t i = 0; i < 100; ++i) EXPECT_EQ(resumed.step_losses[i], whole.step_losses[100 + i]) << kind << " " << i;
+      for (size_t i = 0; i < 100; ++i)
+        EXPECT_EQ(resumed.step_losses[i], whole.step_losses[100 + i]) << kind << " " << i;
     }
     EXPECT_EQ(resumed.last_eval.loss, whole.last_eval.loss) << kind;
     // Without compression the parts are not used, and the run says so instead of failing.
@@ -186,8 +189,7 @@ TEST(LmDataParallel, Zero1MatchesPlainDataParallel) {
     for (const auto& [name, want] : plain) {
       const Tensor& g = got.at(name);
       double worst = 0;
-      for (int64_t i = 0; i < want.numel(); ++i)
-        worst = std::max(worst, std::abs(double(g.f32()[i]) - want.f32()[i]));
+      for (int64_t i = 0; i < want.numel(); ++i) worst = std::max(worst, std::abs(double(g.f32()[i]) - want.f32()[i]));
       EXPECT_LE(worst, 1e-5) << what << ": " << name;
     }
   };

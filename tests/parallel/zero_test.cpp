@@ -63,7 +63,8 @@ struct GptRun {
     optim::AdamOptions a;
     a.decoupled = true;
     a.eps = 1e-4f;  // the attention key bias's gradient is rounding noise (see zero1_groups_test.cpp)
-    opt = std::make_unique<optim::Adam>(dp->optimizer_groups(optim::decay_groups(model.parameters(), 0.1f, {"wpe"})), a);
+    opt =
+        std::make_unique<optim::Adam>(dp->optimizer_groups(optim::decay_groups(model.parameters(), 0.1f, {"wpe"})), a);
     dp->broadcast_state(0);
   }
 
@@ -142,7 +143,8 @@ TEST(Zero, EveryStageTrainsAsPlainDataParallel) {
     std::string where;
     const double diff = max_abs_diff(run.params(), want, &where);
     EXPECT_LE(diff, 1e-5) << v.name << ": " << where;
-    if (world().rank() == 0) std::printf("[ measured ] %s: max abs difference %.3g (%s)\n", v.name, diff, where.c_str());
+    if (world().rank() == 0)
+      std::printf("[ measured ] %s: max abs difference %.3g (%s)\n", v.name, diff, where.c_str());
   }
   GptRun bf16(zero(3, true, true, DType::BF16));
   bf16.train(30);
