@@ -300,16 +300,24 @@ void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>
 }
 
 double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp,
-                         const nn::Parameter* skip) {
+                         const nn::Parameter* skip, const std::vector<nn::Parameter*>* pieces,
+                         comm::Communicator* shards) {
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
   double split = 0, replicated = 0;
-  for (nn::Parameter* p : model.parameters()) {
-    if (p == skip) continue;
+  const std::vector<nn::Parameter*> grads = pieces ? *pieces : model.parameters();
+  for (nn::Parameter* p : grads) {
+    if (skip && p->name == skip->name) continue;
     nn::Module* m = own.at(p->name);
     bool sharded = dynamic_cast<ColumnParallelLinear*>(m) ||
                    (dynamic_cast<RowParallelLinear*>(m) && p->name.ends_with("weight")) || vocab_shard_of(m, p->name);
     (sharded ? split : replicated) += engine_for(p->grad.device()).sum_squares(p->grad);
+  }
+  if (shards && shards->size() > 1) {  // ZeRO: each rank of `shards` holds other elements
+    Tensor s = Tensor::from({2}, {static_cast<float>(split), static_cast<float>(replicated)});
+    shards->allreduce(s)->wait();
+    split = s.f32()[0];
+    replicated = s.f32()[1];
   }
   if (tp.size() > 1) {
     Tensor s = Tensor::full({1}, static_cast<float>(split));
@@ -325,7 +333,7 @@ double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_n
   double norm = std::sqrt(total);
   if (max_norm > 0 && norm > max_norm) {
     float k = static_cast<float>(max_norm / (norm + 1e-6));
-    for (nn::Parameter* p : model.parameters()) engine_for(p->grad.device()).scale(p->grad, k);
+    for (nn::Parameter* p : grads) engine_for(p->grad.device()).scale(p->grad, k);
   }
   return norm;
 }

@@ -307,10 +307,9 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.zero == 0 || (c.optimizer != "lars" && c.optimizer != "lamb"),
                  zero << " does not combine with --optimizer " << c.optimizer
                       << " (its per-layer trust ratios need whole tensors)");
-  DT_INPUT_CHECK(c.zero == 0 || (c.tp == 1 && c.pp == 1),
-                 zero << " does not combine with --" << (c.tp > 1 ? "tp" : "pp")
-                      << " in this version (clipping and the tied embedding read "
-                         "whole gradients)");
+  DT_INPUT_CHECK(c.zero == 0 || c.pp == 1,
+                 zero << " does not combine with --pp in this version (the tied "
+                         "embedding's copies on the first and last stage add whole gradients)");
   DT_INPUT_CHECK(c.zero < 3 || c.prune_sparsity == 0.f,
                  zero << " does not combine with --prune-sparsity (the masks read whole weights)");
   DT_INPUT_CHECK(c.zero < 3 || c.check_replicas == 0,

@@ -89,8 +89,10 @@ void Trainer::forward_backward(float loss_scale) {
 void Trainer::clip_gradients() {
   const double max_norm = cfg_.clip_grad_norm;
   if (cfg_.tp > 1 || cfg_.pp > 1) {
+    const bool sharded = dp_ && dp_->shard_group();  // ZeRO: the gradients are the optimizer's pieces
     parallel::clip_grad_norm_tp(task_->model(), grid_->tp(), max_norm, cfg_.pp > 1 ? &grid_->pp() : nullptr,
-                                task_->duplicate());
+                                task_->duplicate(), sharded ? &opt_->params() : nullptr,
+                                sharded ? dp_->shard_group() : nullptr);
     return;
   }
   const double norm = dp_ ? dp_->grad_norm() : optim::grad_norm(opt_->params());

@@ -268,6 +268,33 @@ TEST(TensorParallel, LmTrainerTp2MatchesOneRankAndCheckpointReloads) {
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// ZeRO within the data-parallel group of a tp 2 layout (at 4 ranks dp 2 x tp 2): every stage ends
+// each step with the loss of tp 2 without ZeRO within 1e-5, with a clipping threshold low enough
+// to clip every step (the norm then adds the optimizer's pieces over dp, the split ones over tp).
+TEST(TensorParallel, ZeroStagesWithinTheDataParallelGroupMatchTp2) {
+  int pid = static_cast<int>(::getpid());
+  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  std::filesystem::path dir = "/tmp/dtrain-tp-zero-" + std::to_string(pid);
+  if (world().rank() == 0) test::write_lm_corpus(dir, "the quick brown fox", 600);
+  world().barrier();
+  train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
+  c.tp = 2;
+  c.lr = 3e-3f;
+  c.clip_grad_norm = 0.05f;
+  const train::TrainResult want = train::train_lm(c, &world());
+  for (int zero : {1, 2, 3}) {
+    c.zero = zero;
+    const train::TrainResult got = train::train_lm(c, &world());
+    ASSERT_EQ(got.step_losses.size(), want.step_losses.size()) << "ZeRO-" << zero;
+    for (size_t i = 0; i < want.step_losses.size(); ++i)
+      EXPECT_NEAR(got.step_losses[i], want.step_losses[i], 1e-5 * want.step_losses[i])
+          << "ZeRO-" << zero << " step " << i;
+    EXPECT_NEAR(got.last_eval.loss, want.last_eval.loss, 1e-5 * want.last_eval.loss) << "ZeRO-" << zero;
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
 // ------------------------------------------------------------------ pipeline parallel
 
 TEST(Pipeline, SchedulesRunEveryMicroBatchOnceForwardBeforeBackward) {

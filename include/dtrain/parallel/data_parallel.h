@@ -118,6 +118,9 @@ class DataParallel {
   virtual int zero_stage() const = 0;
   virtual bool compresses() const { return false; }
   virtual size_t bucket_count() const = 0;
+  // The ranks over which the optimizer's pieces are spread (each holds other elements of every
+  // parameter), for norms over them; null where every rank holds the whole gradient.
+  virtual comm::Communicator* shard_group() { return nullptr; }
   // Bytes this rank holds for the model, by kind: "parameters" and "gradients" (whole, held across
   // the step), "master shard" and "gradient shard" (ZeRO), "gathered units (peak)" and "gradient
   // buffers (peak)" (ZeRO-2/3: the most held at once during a pass). Optimizer state is the
@@ -204,6 +207,7 @@ class ReplicatedDataParallel final : public DataParallel {
   bool compresses() const override { return hook_->compresses(); }
   const GradHook& hook() const { return *hook_; }
   size_t bucket_count() const override { return buckets_.size(); }
+  comm::Communicator* shard_group() override { return zero1() ? &comm_ : nullptr; }
   std::map<std::string, int64_t> memory_bytes() const override;
 
  private:

@@ -89,7 +89,7 @@ class VocabParallelCrossEntropy : public nn::SoftmaxCrossEntropy {
 // over the tp communicator of the layers), and the inverse, which keeps this rank's shards.
 // A vocabulary-parallel embedding is gathered over `tp` (required when the model has one).
 std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Communicator* tp = nullptr,
-                                                    const std::map<std::string, Tensor>* reuse = nullptr);
+                                                     const std::map<std::string, Tensor>* reuse = nullptr);
 void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>& full);
 // The same for any tensor of a parameter's shape and layout (optimizer state): `pick` gives it,
 // the maps are keyed by parameter name. Every tensor returned is a new host copy, or, for a
@@ -106,7 +106,10 @@ bool is_tensor_parallel_shard(nn::Module& model, const std::string& name);
 // Global-norm clipping that counts every weight once: the split parameters' squares are summed
 // over `tp`, the replicated ones (equal on every tp rank) taken once; with `pp`, the stages' sums
 // are added, leaving out `skip` (the last stage's copy of the tied embedding). Returns the norm.
+// Under ZeRO the gradients are the optimizer's pieces (`pieces`, named as the model's parameters,
+// each rank's part of them), whose squares add over the ranks of `shards` too.
 double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp = nullptr,
-                         const nn::Parameter* skip = nullptr);
+                         const nn::Parameter* skip = nullptr, const std::vector<nn::Parameter*>* pieces = nullptr,
+                         comm::Communicator* shards = nullptr);
 
 }  // namespace dtrain::parallel

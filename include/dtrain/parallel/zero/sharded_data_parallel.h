@@ -61,6 +61,7 @@ class ShardedDataParallel final : public DataParallel {
   void set_step(int64_t step) override;
   void set_compression_warmup(int64_t steps) override { opt_.compression_warmup_steps = steps; }
   size_t bucket_count() const override { return units_.size(); }
+  comm::Communicator* shard_group() override { return &shards(); }
   std::map<std::string, int64_t> memory_bytes() const override;
 
  private:
