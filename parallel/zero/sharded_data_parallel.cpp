@@ -112,6 +112,9 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
       piece.grad = shard_.grad.slice0(at, at + last - first);
       piece_of_[u.params[i]] = &piece;
       start_in_shard_[piece.name] = at;
+      std::vector<int64_t>& range = piece_range_[piece.name];
+      range = {first - u.offset[i], last - first};
+      range.insert(range.end(), u.shapes[i].begin(), u.shapes[i].end());
     }
   }
   DT_INPUT_CHECK(!pieces_.empty(), "option --zero " << opt.zero << " over " << world << " ranks: the model's "
@@ -526,6 +529,23 @@ void ShardedDataParallel::load_state(const std::map<std::string, Tensor>& full,
     Tensor dst = st.value->reshape({st.value->numel()});
     copy_any(it->second.reshape({it->second.numel()}).slice0(from, from + dst.numel()), dst);
   }
+}
+
+std::map<std::string, Tensor> ShardedDataParallel::shard_pieces(const std::vector<optim::StateTensor>& state) const {
+  std::map<std::string, Tensor> out;
+  auto put = [&](const std::string& key, const std::string& param, const Tensor& piece) {
+    const std::vector<int64_t>& range = piece_range_.at(param);
+    out[key] = to_host(piece.reshape({piece.numel()})).clone();
+    out["range/" + key] = Tensor::empty({static_cast<int64_t>(range.size())}, DType::I64);
+    std::copy(range.begin(), range.end(), out["range/" + key].data<int64_t>());
+  };
+  for (const nn::Parameter& piece : pieces_) put("param/" + piece.name, piece.name, piece.value);
+  for (const optim::StateTensor& st : state) {
+    const auto [start, kind] = place_in_shard(st);
+    (void)start;
+    put("optim/" + st.name, st.name.substr(0, st.name.size() - kind.size() - 1), *st.value);
+  }
+  return out;
 }
 
 // ---- whole values, for checkpoints and the start ---------------------------------------------------

@@ -353,6 +353,66 @@ int64_t held_parameters(const CheckpointState& s) {
   return held;
 }
 
+namespace {
+
+// The shard parts of a ZeRO-2/3 set, each checked against the manifest and the set, assembled into
+// the whole tensors of the one-rank layout; every element must come from exactly one piece.
+void assemble_shards(CheckpointState& s, const std::string& main_file, const std::vector<SetPart>& listed,
+                     int64_t ranks) {
+  DT_INPUT_CHECK(ranks < (1 << 20), "checkpoint " << main_file << " says " << ranks << " ranks wrote shards");
+  std::map<std::string, int64_t> covered;
+  for (int r = 0; r < ranks; ++r) {
+    const std::string f = shard_part_file(main_file, r);
+    bool in_manifest = false;
+    for (const SetPart& p : listed)
+      if (p.kind == SetPart::kShard && p.rank == r) {
+        check_set_part(s, main_file, p);
+        in_manifest = true;
+      }
+    DT_INPUT_CHECK(in_manifest, "checkpoint " << main_file << " keeps its parameters in " << ranks
+                                              << " shard parts, but its manifest lists no " << f);
+    const CheckpointState part = load_checkpoint(f);
+    for (const auto& [key, piece] : part.tensors) {
+      if (key.rfind("range/", 0) == 0) continue;
+      const auto range = part.tensors.find("range/" + key);
+      DT_INPUT_CHECK(range != part.tensors.end() && range->second.dtype() == DType::I64 && range->second.numel() >= 3,
+                     f << ": piece " << key << " has no range");
+      const int64_t* r64 = range->second.data<int64_t>();
+      const Shape shape(r64 + 2, r64 + range->second.numel());
+      const int64_t whole = shape_numel(shape, f + ": " + key);
+      DT_INPUT_CHECK(r64[0] >= 0 && r64[1] == piece.numel() && r64[0] <= whole - r64[1] && piece.dtype() == DType::F32,
+                     f << ": piece " << key << " of " << piece.str() << " does not fit its range [" << r64[0] << ", +"
+                       << r64[1] << ") of " << shape_str(shape));
+      Tensor& t = s.tensors[key];
+      if (!t.defined()) t = Tensor::zeros(shape);
+      DT_INPUT_CHECK(t.shape() == shape, f << ": " << key << " is " << shape_str(shape) << " here, "
+                                           << shape_str(t.shape()) << " in another part");
+      std::copy(piece.f32(), piece.f32() + piece.numel(), t.f32() + r64[0]);
+      covered[key] += r64[1];
+    }
+  }
+  for (const auto& [key, n] : covered)
+    DT_INPUT_CHECK(n == s.tensors.at(key).numel(), "checkpoint " << main_file << ": its shard parts hold " << n
+                                                                 << " elements of " << key << ", which has "
+                                                                 << s.tensors.at(key).numel());
+}
+
+}  // namespace
+
+void write_shard_part(const std::string& main_file, const std::map<std::string, Tensor>& pieces,
+                      comm::Communicator& world, int64_t step, int64_t run_id, SavedFile* saved) {
+  comm::agree_on_inputs(world, [&] {
+    CheckpointState part;
+    part.tensors = pieces;
+    part.ints["step"] = step;
+    part.ints["rank"] = world.rank();
+    part.ints["world_size"] = world.size();
+    part.ints["run_id"] = run_id;
+    const SavedFile written = save_checkpoint(shard_part_file(main_file, world.rank()), part);
+    if (saved) *saved = written;
+  });
+}
+
 CheckpointState load_checkpoint_set(const std::string& main_file) {
   CheckpointState s = load_checkpoint(main_file);
   auto it = s.ints.find("pp_stages");
@@ -371,22 +431,27 @@ CheckpointState load_checkpoint_set(const std::string& main_file) {
                    f << " was written by another run than " << main_file << " (run ids differ)");
     for (auto& [name, t] : part.tensors) s.tensors.emplace(name, t);  // a tied weight's copy: stage 0's
   }
+  const auto shards = s.ints.find("zero_shard_ranks");
+  if (shards != s.ints.end() && shards->second > 0) assemble_shards(s, main_file, listed, shards->second);
   return s;
 }
 
 std::string SetPart::file(const std::string& main_file) const {
+  if (kind == kShard) return shard_part_file(main_file, static_cast<int>(rank));
   return kind == kStage ? stage_part_file(main_file, stage) : rank_part_file(main_file, static_cast<int>(rank));
 }
 
 std::string SetPart::what() const {
+  if (kind == kShard) return "rank " + std::to_string(rank) + "'s ZeRO shard part";
   return kind == kStage ? "pipeline stage " + std::to_string(stage) + "'s part"
                         : "rank " + std::to_string(rank) + "'s compression part";
 }
 
 std::vector<SetPart> gather_set_parts(comm::Communicator* world, int64_t stage, const SavedFile* rank_part,
-                                      const SavedFile* stage_part) {
-  // Per rank: its compression part's bytes (-1: none) and checksum, its stage part's likewise, its stage.
-  constexpr int64_t kRow = 5;
+                                      const SavedFile* stage_part, const SavedFile* shard_part) {
+  // Per rank: its compression part's bytes (-1: none) and checksum, its stage part's likewise, its
+  // stage, its shard part's bytes and checksum.
+  constexpr int64_t kRow = 7;
   Tensor mine = Tensor::empty({kRow}, DType::I64);
   int64_t* m = mine.data<int64_t>();
   m[0] = rank_part ? rank_part->bytes : -1;
@@ -394,6 +459,8 @@ std::vector<SetPart> gather_set_parts(comm::Communicator* world, int64_t stage, 
   m[2] = stage_part ? stage_part->bytes : -1;
   m[3] = stage_part ? static_cast<int64_t>(stage_part->checksum) : 0;
   m[4] = stage;
+  m[5] = shard_part ? shard_part->bytes : -1;
+  m[6] = shard_part ? static_cast<int64_t>(shard_part->checksum) : 0;
   const int n = world ? world->size() : 1;
   Tensor all = mine;
   if (n > 1) {
@@ -401,9 +468,12 @@ std::vector<SetPart> gather_set_parts(comm::Communicator* world, int64_t stage, 
     world->allgather(mine, all)->wait();
   }
   std::vector<SetPart> parts;
-  for (const int64_t kind : {SetPart::kStage, SetPart::kRank})
+  for (const int64_t kind : {SetPart::kStage, SetPart::kRank, SetPart::kShard})
     for (int r = 0; r < n; ++r) {
-      const int64_t* a = all.data<int64_t>() + kRow * r + (kind == SetPart::kStage ? 2 : 0);
+      const int64_t* a = all.data<int64_t>() + kRow * r +
+                         (kind == SetPart::kStage   ? 2
+                          : kind == SetPart::kShard ? 5
+                                                    : 0);
       if (a[0] >= 0) parts.push_back({kind, r, all.data<int64_t>()[kRow * r + 4], a[0], static_cast<uint64_t>(a[1])});
     }
   return parts;
@@ -435,8 +505,8 @@ std::vector<SetPart> manifest_parts(const CheckpointState& main, const std::stri
   std::vector<SetPart> parts;
   for (const int64_t* r = rows->second.data<int64_t>(); n > static_cast<int64_t>(parts.size()); r += 5) {
     const SetPart p{r[0], r[1], r[2], r[3], static_cast<uint64_t>(r[4])};
-    DT_INPUT_CHECK((p.kind == SetPart::kStage || p.kind == SetPart::kRank) && p.rank >= 0 && p.rank < (1 << 30) &&
-                       p.stage >= 0 && p.stage < (1 << 30) && p.bytes >= 0,
+    DT_INPUT_CHECK((p.kind == SetPart::kStage || p.kind == SetPart::kRank || p.kind == SetPart::kShard) &&
+                       p.rank >= 0 && p.rank < (1 << 30) && p.stage >= 0 && p.stage < (1 << 30) && p.bytes >= 0,
                    "checkpoint '" << main_file << "': row " << parts.size() << " of its manifest is not a part");
     parts.push_back(p);
   }
@@ -478,7 +548,7 @@ void check_set_part(const CheckpointState& main, const std::string& main_file, c
   DT_INPUT_CHECK(
       int_or(a, "step", -1) == int_or(main.ints, "step", -2),
       where << " is from step " << int_or(a, "step", -1) << ", the set from step " << int_or(main.ints, "step", -2));
-  const bool rank = part.kind == SetPart::kRank;
+  const bool rank = part.kind != SetPart::kStage;
   DT_INPUT_CHECK(
       rank ? int_or(a, "rank", -1) == part.rank : int_or(a, "pp_stage", -1) == part.stage,
       where << " says it is " << (rank ? "rank " : "stage ") << int_or(a, rank ? "rank" : "pp_stage", -1) << "'s");
@@ -542,6 +612,10 @@ std::string rank_part_file(const std::string& main_file, int rank) {
   return main_file + ".rank" + std::to_string(rank);
 }
 
+std::string shard_part_file(const std::string& main_file, int rank) {
+  return main_file + ".shard" + std::to_string(rank);
+}
+
 namespace {
 
 // The main file a file of the set belongs to ("ckpt-step1.h5" for itself and for
@@ -549,6 +623,7 @@ namespace {
 std::string main_file_of(const std::string& name) {
   if (name.rfind("ckpt-step", 0) != 0) return "";
   if (const size_t at = name.find(".h5.rank"); at != std::string::npos) return name.substr(0, at + 3);
+  if (const size_t at = name.find(".h5.shard"); at != std::string::npos) return name.substr(0, at + 3);
   if (const size_t at = name.find(".stage"); at != std::string::npos) return name.substr(0, at) + ".h5";
   return name.size() > 3 && name.compare(name.size() - 3, 3, ".h5") == 0 ? name : "";
 }

@@ -222,7 +222,9 @@ void Trainer::read_losses(bool before_save) {
       result_.final_loss = loss;
       result_.step_losses.push_back(loss);
     }
-    if (before_save) check_finite_weights(task_->model().parameters(), step_, rank_);
+    // Under ZeRO-3 the masters are the optimizer's pieces (each rank checks its own).
+    if (before_save)
+      check_finite_weights(dp_ && dp_->zero_stage() >= 3 ? opt_->params() : task_->model().parameters(), step_, rank_);
   });
   if (n == 0) return;
   engine_for(device_).fill(rows_, 0.f);

@@ -86,12 +86,16 @@ void Trainer::load_optimizer_state(CheckpointState& s) {
 CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch,
                                           const std::map<std::string, Tensor>& reuse) {
   nn::Module& model = task_->model();
-  parallel::WholeModel whole(dp_.get());  // ZeRO-3: every unit gathered while the snapshot is taken
   CheckpointState s;
-  const std::map<std::string, Tensor> old_params = entries_under(reuse, "param/");
-  for (auto& [name, t] : parallel::gather_full_parameters(model, &grid_->tp(), &old_params))
-    s.tensors["param/" + name] = t;
-  for (auto& [name, t] : optimizer_state_full(entries_under(reuse, "optim/"))) s.tensors["optim/" + name] = t;
+  if (writes_shards()) {
+    s.ints["zero_shard_ranks"] = world_.size();  // the parameters and optimizer state: in the shard parts
+  } else {
+    parallel::WholeModel whole(dp_.get());  // ZeRO-3 with tp: every unit gathered while the snapshot is taken
+    const std::map<std::string, Tensor> old_params = entries_under(reuse, "param/");
+    for (auto& [name, t] : parallel::gather_full_parameters(model, &grid_->tp(), &old_params))
+      s.tensors["param/" + name] = t;
+    for (auto& [name, t] : optimizer_state_full(entries_under(reuse, "optim/"))) s.tensors["optim/" + name] = t;
+  }
   for (nn::Buffer* b : model.buffers())
     s.tensors["buffer/" + b->name] = host_copy(b->value, entry(reuse, "buffer/" + b->name));
   if (pruner_)
@@ -134,13 +138,16 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch, bool wait) {
   CheckpointState s = checkpoint_state(epoch, batch_in_epoch, std::exchange(snapshot_arena_, {}));
   const std::string file = checkpoint_file(cfg_.checkpoint_dir, step_);
   bool parts = false;
-  SavedFile rank_part;
+  SavedFile rank_part, shard_part;
   {
     CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
     parts = write_compression_parts(file, dp_.get(), &world_, step_, cfg_.compression, run_id_, &rank_part);
+    // ZeRO-2/3: each rank writes its own pieces; no rank gathers the model.
+    if (writes_shards()) write_shard_part(file, dp_->shard_pieces(opt_->state()), world_, step_, run_id_, &shard_part);
   }
   s.ints["compression_ranks"] = parts ? world_.size() : 0;  // ranks with a <checkpoint>.rank<r> part
-  write_checkpoint_set(file, s, parts ? &rank_part : nullptr, wait || !cfg_.checkpoint_async || cfg_.pp > 1);
+  write_checkpoint_set(file, s, parts ? &rank_part : nullptr, writes_shards() ? &shard_part : nullptr,
+                       wait || !cfg_.checkpoint_async || cfg_.pp > 1);
   const double stall = now_s() - t0;
   result_.checkpoint_stall_s += stall;
   if (pending_) {
@@ -172,7 +179,8 @@ Trainer::CheckpointWaits::~CheckpointWaits() { world_.set_timeout(before_); }
 // Every part is on the disk (written, synced, renamed) before the main file lists it in its manifest
 // and is written itself; the older sets are pruned only after that, so until the new set is durable
 // the previous one stays whole, also under --keep-checkpoints 1.
-void Trainer::write_checkpoint_set(const std::string& file, CheckpointState& s, const SavedFile* rank_part, bool wait) {
+void Trainer::write_checkpoint_set(const std::string& file, CheckpointState& s, const SavedFile* rank_part,
+                                   const SavedFile* shard_part, bool wait) {
   const bool writer = grid_->dp_rank() == 0 && grid_->tp_rank() == 0, first = grid_->pp_rank() == 0;
   {
     CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
@@ -182,7 +190,7 @@ void Trainer::write_checkpoint_set(const std::string& file, CheckpointState& s, 
         if (writer && !first) stage_part = save_checkpoint(stage_part_file(file, grid_->pp_rank()), s);
       });
     const bool staged = wait && writer && !first;
-    add_manifest(s, gather_set_parts(&world_, grid_->pp_rank(), rank_part, staged ? &stage_part : nullptr),
+    add_manifest(s, gather_set_parts(&world_, grid_->pp_rank(), rank_part, staged ? &stage_part : nullptr, shard_part),
                  world_.size());
   }
   if (wait) {

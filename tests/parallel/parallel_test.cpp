@@ -598,9 +598,10 @@ TEST(Zero, ShardScopeNodeTrainsAsPlainDataParallel) {
                       "--shard-scope node with fp16 compression");
 }
 
-// A checkpoint written under ZeRO-3 (every unit gathered while the snapshot is taken) resumes on 1
-// rank without ZeRO, and on every rank at ZeRO-1 and ZeRO-3, with the same global batch: the
-// parameters after 20 steps equal the uninterrupted run's within 1e-5.
+// A checkpoint written under ZeRO-3 is every rank's shard part beside a main file without
+// parameters or optimizer state (no rank gathers the model). It resumes on 1 rank without ZeRO, and
+// on every rank at ZeRO-1 and ZeRO-3, with the same global batch: the parameters after 20 steps
+// equal the uninterrupted run's within 1e-5. A set missing a shard part is refused naming it.
 TEST(Zero, Stage3CheckpointResumesInEveryLayout) {
   comm::Communicator& world = comm::Runtime::get().world();
   if (world.size() == 1) GTEST_SKIP() << "needs several ranks";
@@ -619,6 +620,22 @@ TEST(Zero, Stage3CheckpointResumesInEveryLayout) {
   expect_params_close(resumed({}, *solo), whole, "resumed on 1 rank without ZeRO");
   expect_params_close(resumed({"--zero", "1"}, world), whole, "resumed at ZeRO-1");
   expect_params_close(resumed({"--zero", "3"}, world), whole, "resumed at ZeRO-3");
+  const std::string main_file = dir + "/ckpt-step000000010.h5";
+  const train::CheckpointState main = train::load_checkpoint(main_file);
+  for (const auto& [name, t] : main.tensors)
+    EXPECT_TRUE(name.rfind("param/", 0) != 0 && name.rfind("optim/", 0) != 0) << name << " is in the main file";
+  EXPECT_EQ(main.ints.at("zero_shard_ranks"), world.size());
+  for (int r = 0; r < world.size(); ++r) EXPECT_TRUE(std::filesystem::exists(train::shard_part_file(main_file, r)));
+  world.barrier();
+  if (world.rank() == 0) std::filesystem::remove(train::shard_part_file(main_file, world.size() - 1));
+  world.barrier();
+  try {
+    resumed({"--zero", "3"}, world);
+    ADD_FAILURE() << "a set without its last shard part resumed";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(train::shard_part_file(main_file, world.size() - 1)), std::string::npos)
+        << e.what();
+  }
   world.barrier();
   if (world.rank() == 0) std::filesystem::remove_all(dir);
 }

@@ -111,6 +111,14 @@ class DataParallel {
   // off: frees them again, after taking each rank's shard from them, so values written meanwhile,
   // a checkpoint's, hold). A no-op where the parameters are always whole. Collective.
   virtual void hold_whole_model(bool on) { (void)on; }
+  // This rank's pieces of the parameters and of the optimizer's state, for a checkpoint written
+  // shard by shard (train/checkpoint.h, write_shard_part): host copies keyed "param/<name>" and
+  // "optim/<name>.<kind>", each with "range/<key>" (first element, count, then the whole tensor's
+  // dimensions). Empty where the parameters are whole on every rank (the set is then gathered).
+  virtual std::map<std::string, Tensor> shard_pieces(const std::vector<optim::StateTensor>& state) const {
+    (void)state;
+    return {};
+  }
   virtual std::map<std::string, Tensor> compression_state() const { return {}; }
   virtual void load_compression_state(const std::map<std::string, Tensor>& state);
   virtual void set_step(int64_t step) { (void)step; }

@@ -39,8 +39,10 @@ SavedFile save_checkpoint(const std::string& path, const CheckpointState& s);
 // Throws InputError naming the file when it is missing, not HDF5, truncated or fails its checksum.
 CheckpointState load_checkpoint(const std::string& path);
 // A checkpoint set: the main file with every pipeline stage's part merged in (a model cut into
-// stages writes ckpt-stepN.h5 for stage 0 and ckpt-stepN.stage<s>.h5 for the others). Throws
-// InputError naming a missing part or one of another step.
+// stages writes ckpt-stepN.h5 for stage 0 and ckpt-stepN.stage<s>.h5 for the others), and every
+// rank's ZeRO shard part assembled into whole tensors (a set written under ZeRO-2/3 keeps the
+// parameters and optimizer state there, "zero_shard_ranks" parts of them). Throws InputError
+// naming a missing part, one of another step, or tensors the shard parts do not cover.
 CheckpointState load_checkpoint_set(const std::string& main_file);
 // The elements of every parameter a loaded checkpoint holds (`param/...`): what a model built from
 // its attributes may ask for at most.
@@ -57,19 +59,28 @@ std::vector<std::string> remove_unfinished_writes(const std::string& dir);
 
 // The checkpoint file set, the same for every model. A checkpoint of step N is
 // <dir>/ckpt-step<N, 9 digits>.h5 (the main file); beside it may stand parts that belong to it:
-// <main>.rank<r> (rank r's gradient compression state) and ckpt-step<N>.stage<s>.h5 (pipeline
-// stage s's parameters). Parts are written before the main file, so a main file that exists has
-// all its parts.
+// <main>.rank<r> (rank r's gradient compression state), <main>.shard<r> (rank r's ZeRO shard of
+// the parameters and optimizer state) and ckpt-step<N>.stage<s>.h5 (pipeline stage s's
+// parameters). Parts are written before the main file, so a main file that exists has all its
+// parts.
 std::string checkpoint_file(const std::string& dir, int64_t step);
 std::string stage_part_file(const std::string& main_file, int64_t stage);
 std::string rank_part_file(const std::string& main_file, int rank);
+std::string shard_part_file(const std::string& main_file, int rank);
+
+// A ZeRO shard part's tensors: each a 1-D piece of a tensor of the one-rank layout ("param/<name>",
+// "optim/<name>.<kind>"), with "range/<key>" (i64: the piece's first element in the flattened
+// tensor, its element count, then the whole tensor's dimensions). Each rank of `world` writes its
+// own, inside an agreement; `saved` gets its size and checksum for the manifest. Collective.
+void write_shard_part(const std::string& main_file, const std::map<std::string, Tensor>& pieces,
+                      comm::Communicator& world, int64_t step, int64_t run_id, SavedFile* saved);
 
 // The manifest of a set, in its main file: one row per part (dataset "manifest/parts", int64 [P, 5]:
 // kind, rank, stage, bytes, checksum) and attributes "manifest_parts" (P) and "manifest_world_size"
 // (the ranks that wrote the set); the set's "run_id" and "step" are the main file's own. The main
 // file is written after every part is on the disk, so the parts' sizes and checksums are known.
 struct SetPart {
-  enum Kind : int64_t { kStage = 1, kRank = 2 };
+  enum Kind : int64_t { kStage = 1, kRank = 2, kShard = 3 };
   int64_t kind = kStage;
   int64_t rank = 0;       // the world rank that wrote it
   int64_t stage = 0;      // its pipeline stage
@@ -83,7 +94,7 @@ struct SetPart {
 // Every rank's parts (its compression part, its stage's part where it wrote one: null otherwise)
 // gathered over `world` (collective; null: one rank).
 std::vector<SetPart> gather_set_parts(comm::Communicator* world, int64_t stage, const SavedFile* rank_part,
-                                      const SavedFile* stage_part);
+                                      const SavedFile* stage_part, const SavedFile* shard_part = nullptr);
 void add_manifest(CheckpointState& main, const std::vector<SetPart>& parts, int world_size);
 // The parts `main` lists (none for a set written before manifests).
 std::vector<SetPart> manifest_parts(const CheckpointState& main, const std::string& main_file);

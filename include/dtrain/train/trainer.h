@@ -121,7 +121,11 @@ class Trainer {
   CheckpointState checkpoint_state(int64_t epoch, int64_t batch_in_epoch, const std::map<std::string, Tensor>& reuse);
   // The stage parts, then the manifest of every part (this rank's compression part: `rank_part`, or
   // null), then the main file (collective).
-  void write_checkpoint_set(const std::string& file, CheckpointState& s, const SavedFile* rank_part, bool wait);
+  void write_checkpoint_set(const std::string& file, CheckpointState& s, const SavedFile* rank_part,
+                            const SavedFile* shard_part, bool wait);
+  // Whether checkpoints keep the parameters and optimizer state as every rank's shard (ZeRO-2/3
+  // without tp or pp) instead of gathering them into the main file.
+  bool writes_shards() const { return dp_ && dp_->zero_stage() >= 2 && cfg_.tp == 1 && cfg_.pp == 1; }
   // Waits for the background write and makes the ranks agree on its outcome (collective).
   void finish_pending_checkpoint();
   ResumePoint restore(const std::string& where);

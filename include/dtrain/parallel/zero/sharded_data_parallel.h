@@ -54,6 +54,7 @@ class ShardedDataParallel final : public DataParallel {
   void reload_shard() override;
   double grad_norm() override;
   void hold_whole_model(bool on) override;
+  std::map<std::string, Tensor> shard_pieces(const std::vector<optim::StateTensor>& state) const override;
   int zero_stage() const override { return opt_.zero; }
   bool compresses() const override { return hook_ != nullptr; }
   std::map<std::string, Tensor> compression_state() const override;
@@ -126,7 +127,8 @@ class ShardedDataParallel final : public DataParallel {
   nn::Parameter shard_;             // this rank's blocks of every unit: f32 masters and gradients
   std::vector<nn::Parameter> pieces_;
   std::map<const nn::Parameter*, nn::Parameter*> piece_of_;
-  std::map<std::string, int64_t> start_in_shard_;  // per piece, by its parameter's name
+  std::map<std::string, int64_t> start_in_shard_;            // per piece, by its parameter's name
+  std::map<std::string, std::vector<int64_t>> piece_range_;  // per piece: first element, count, the shape
   std::vector<Pending> pending_;
   std::unique_ptr<GradHook> hook_;  // with --compression only
   // --shard-scope node over several nodes: this node's data-parallel ranks, and the ranks of this
