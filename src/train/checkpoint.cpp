@@ -356,11 +356,17 @@ int64_t held_parameters(const CheckpointState& s) {
 namespace {
 
 // The shard parts of a ZeRO-2/3 set, each checked against the manifest and the set, assembled into
-// the whole tensors of the one-rank layout; every element must come from exactly one piece.
+// the whole tensors of the one-rank layout. The pieces of each tensor must tile it exactly (checked
+// before anything is allocated, so a forged shape cannot ask for more than the parts hold).
 void assemble_shards(CheckpointState& s, const std::string& main_file, const std::vector<SetPart>& listed,
                      int64_t ranks) {
   DT_INPUT_CHECK(ranks < (1 << 20), "checkpoint " << main_file << " says " << ranks << " ranks wrote shards");
-  std::map<std::string, int64_t> covered;
+  struct Piece {
+    int64_t from, count;
+    const Tensor* values;
+  };
+  std::vector<CheckpointState> parts;
+  std::map<std::string, std::pair<Shape, std::vector<Piece>>> tensors;
   for (int r = 0; r < ranks; ++r) {
     const std::string f = shard_part_file(main_file, r);
     bool in_manifest = false;
@@ -371,11 +377,15 @@ void assemble_shards(CheckpointState& s, const std::string& main_file, const std
       }
     DT_INPUT_CHECK(in_manifest, "checkpoint " << main_file << " keeps its parameters in " << ranks
                                               << " shard parts, but its manifest lists no " << f);
-    const CheckpointState part = load_checkpoint(f);
-    for (const auto& [key, piece] : part.tensors) {
+    parts.push_back(load_checkpoint(f));
+  }
+  for (int r = 0; r < ranks; ++r) {
+    const std::string f = shard_part_file(main_file, r);
+    for (const auto& [key, piece] : parts[static_cast<size_t>(r)].tensors) {
       if (key.rfind("range/", 0) == 0) continue;
-      const auto range = part.tensors.find("range/" + key);
-      DT_INPUT_CHECK(range != part.tensors.end() && range->second.dtype() == DType::I64 && range->second.numel() >= 3,
+      const auto range = parts[static_cast<size_t>(r)].tensors.find("range/" + key);
+      DT_INPUT_CHECK(range != parts[static_cast<size_t>(r)].tensors.end() && range->second.dtype() == DType::I64 &&
+                         range->second.numel() >= 2 && range->second.numel() <= 10,
                      f << ": piece " << key << " has no range");
       const int64_t* r64 = range->second.data<int64_t>();
       const Shape shape(r64 + 2, r64 + range->second.numel());
@@ -383,18 +393,29 @@ void assemble_shards(CheckpointState& s, const std::string& main_file, const std
       DT_INPUT_CHECK(r64[0] >= 0 && r64[1] == piece.numel() && r64[0] <= whole - r64[1] && piece.dtype() == DType::F32,
                      f << ": piece " << key << " of " << piece.str() << " does not fit its range [" << r64[0] << ", +"
                        << r64[1] << ") of " << shape_str(shape));
-      Tensor& t = s.tensors[key];
-      if (!t.defined()) t = Tensor::zeros(shape);
-      DT_INPUT_CHECK(t.shape() == shape, f << ": " << key << " is " << shape_str(shape) << " here, "
-                                           << shape_str(t.shape()) << " in another part");
-      std::copy(piece.f32(), piece.f32() + piece.numel(), t.f32() + r64[0]);
-      covered[key] += r64[1];
+      auto& [have, pieces] = tensors[key];
+      if (pieces.empty()) have = shape;
+      DT_INPUT_CHECK(have == shape,
+                     f << ": " << key << " is " << shape_str(shape) << " here, " << shape_str(have) << " in another part");
+      pieces.push_back({r64[0], r64[1], &piece});
     }
   }
-  for (const auto& [key, n] : covered)
-    DT_INPUT_CHECK(n == s.tensors.at(key).numel(), "checkpoint " << main_file << ": its shard parts hold " << n
-                                                                 << " elements of " << key << ", which has "
-                                                                 << s.tensors.at(key).numel());
+  for (auto& [key, entry] : tensors) {
+    auto& [shape, pieces] = entry;
+    std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.from < b.from; });
+    int64_t next = 0;
+    for (const Piece& p : pieces) {
+      DT_INPUT_CHECK(p.from == next, "checkpoint " << main_file << ": the shard parts' pieces of " << key
+                                                   << " leave out or repeat elements from " << std::min(next, p.from));
+      next += p.count;
+    }
+    DT_INPUT_CHECK(next == shape_numel(shape), "checkpoint " << main_file << ": the shard parts hold " << next
+                                                             << " elements of " << key << ", which has "
+                                                             << shape_numel(shape));
+    Tensor t = Tensor::empty(shape, DType::F32);
+    for (const Piece& p : pieces) std::copy(p.values->f32(), p.values->f32() + p.count, t.f32() + p.from);
+    s.tensors[key] = t;
+  }
 }
 
 }  // namespace

@@ -55,7 +55,8 @@ const fuzz::H5Vocabulary kVocabulary{
     {{"param/1.weight", H5T_IEEE_F32LE, 2},
      {"compress/bucket0.factor", H5T_IEEE_F32LE, 1},
      {"compress/bucket0.draws", H5T_STD_I64LE, 1},
-     {"manifest/parts", H5T_STD_I64LE, 2}},
+     {"manifest/parts", H5T_STD_I64LE, 2},
+     {"range/param/1.weight", H5T_STD_I64LE, 1}},
     {{"format", H5T_C_S1, 0},
      {"checksum", H5T_STD_I64LE, 1},
      {"tensors_xxh3", H5T_STD_I64LE, 1},
@@ -65,6 +66,7 @@ const fuzz::H5Vocabulary kVocabulary{
      {"step", H5T_STD_I64LE, 1},
      {"pp_stages", H5T_STD_I64LE, 1},
      {"compression_ranks", H5T_STD_I64LE, 1},
+     {"zero_shard_ranks", H5T_STD_I64LE, 1},
      {"compression", H5T_C_S1, 0},
      {"rank", H5T_STD_I64LE, 1},
      {"list:input_shape", H5T_STD_I64LE, 1},
@@ -77,6 +79,7 @@ struct SetPlan {
   int64_t step;
   std::string compression;
   int stages, ranks;
+  int shards;  // ZeRO shard parts
 };
 
 int64_t any_int(FuzzedDataProvider& in) {
@@ -103,8 +106,8 @@ train::CheckpointState state_recipe(FuzzedDataProvider& in, const SetPlan& plan,
                                                    "compress/bucket0.bogus",
                                                    "compress/bucket-1.residual",
                                                    "compress/bucketx.residual"};
-  static const std::vector<std::string> ints = {"step", "pp_stages",  "compression_ranks",
-                                                "rank", "world_size", "stage"};
+  static const std::vector<std::string> ints = {"step",       "pp_stages", "compression_ranks", "rank",
+                                                "world_size", "stage",     "zero_shard_ranks"};
   train::CheckpointState s;
   for (int n = in.ConsumeIntegralInRange(0, 6); n > 0; --n) {
     const std::string name = tensors[in.ConsumeIntegralInRange<size_t>(0, tensors.size() - 1)];
@@ -128,6 +131,7 @@ train::CheckpointState state_recipe(FuzzedDataProvider& in, const SetPlan& plan,
       if (plan.stages > 0) s.ints["pp_stages"] = plan.stages + 1;
       s.ints["compression_ranks"] = plan.ranks;
       s.strings["compression"] = plan.compression;
+      if (plan.shards > 0) s.ints["zero_shard_ranks"] = plan.shards;
     } else if (part.rfind("rank", 0) == 0) {
       s.ints["rank"] = std::stoi(part.substr(4));
       s.strings["compression"] = plan.compression;
@@ -138,6 +142,33 @@ train::CheckpointState state_recipe(FuzzedDataProvider& in, const SetPlan& plan,
   if (in.ConsumeIntegralInRange(0, 7) == 0)
     s.strings[in.PickValueInArray({"model", "compression"})] = in.ConsumeRandomLengthString(16);
   if (in.ConsumeBool()) s.int_lists["input_shape"] = {in.ConsumeIntegral<int8_t>(), 2, 2};
+  return s;
+}
+
+// Rank r's ZeRO shard part: pieces of "param/1.weight" ([4, 3]) and of others, whose ranges mostly
+// tile the tensor over the plan's parts (rank r: elements [6r, 6r + 6) of 2 parts), sometimes not.
+train::CheckpointState shard_recipe(FuzzedDataProvider& in, const SetPlan& plan, int r) {
+  train::CheckpointState s;
+  s.ints["step"] = plan.step;
+  s.ints["rank"] = in.ConsumeIntegralInRange(0, 7) != 0 ? r : static_cast<int>(any_int(in));
+  for (int n = in.ConsumeIntegralInRange(0, 3); n > 0; --n) {
+    const std::string key = in.PickValueInArray<std::string>({"param/1.weight", "optim/1.weight.exp_avg", "param/wte"});
+    const bool follow = in.ConsumeIntegralInRange(0, 3) != 0;
+    const int64_t from = follow ? 6 * r : any_int(in), count = follow ? 6 : in.ConsumeIntegralInRange<int64_t>(0, 16);
+    const DType dtype = in.ConsumeIntegralInRange(0, 7) != 0 ? DType::F32 : DType::I32;
+    Tensor piece = Tensor::zeros({std::clamp<int64_t>(count + (follow ? 0 : in.ConsumeIntegralInRange(-1, 1)), 0, 16)},
+                                 dtype);
+    const std::vector<uint8_t> bytes = in.ConsumeBytes<uint8_t>(piece.nbytes());
+    if (!bytes.empty()) std::memcpy(piece.raw(), bytes.data(), bytes.size());
+    std::vector<int64_t> range = {from, count, 4, 3};
+    if (!follow)
+      for (size_t d = 2; d < range.size(); ++d) range[d] = in.ConsumeBool() ? any_int(in) : range[d];
+    range.resize(in.ConsumeIntegralInRange(0, 7) != 0 ? range.size() : in.ConsumeIntegralInRange<size_t>(0, 12), 2);
+    Tensor r64 = Tensor::empty({static_cast<int64_t>(range.size())}, DType::I64);
+    std::copy(range.begin(), range.end(), r64.data<int64_t>());
+    s.tensors[key] = piece;
+    if (in.ConsumeIntegralInRange(0, 7) != 0) s.tensors["range/" + key] = r64;
+  }
   return s;
 }
 
@@ -163,7 +194,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   plan.compression = in.PickValueInArray<std::string>({"topk:0.5", "powersgd:1", "qsgd:4", "onebit", "fp16"});
   plan.stages = in.ConsumeIntegralInRange(0, 2);
   plan.ranks = in.PickValueInArray({0, 2, 2, 1, 3});
-  write_part(in, plan, "main", main_file);
+  plan.shards = in.PickValueInArray({0, 0, 2, 1});
+  // The shard parts first, so that the main file's manifest may list them as written.
+  std::vector<train::SetPart> listed;
+  for (int r = 0; r < plan.shards; ++r) {
+    const train::SavedFile saved = train::save_checkpoint(train::shard_part_file(main_file, r), shard_recipe(in, plan, r));
+    if (in.ConsumeIntegralInRange(0, 7) != 0) listed.push_back({train::SetPart::kShard, r, 0, saved.bytes, saved.checksum});
+  }
+  {
+    train::CheckpointState main = state_recipe(in, plan, "main");
+    if (!listed.empty() && in.ConsumeIntegralInRange(0, 3) != 0) train::add_manifest(main, listed, plan.shards);
+    train::save_checkpoint(main_file, main);
+    auto lock = data::h5::lock();
+    data::h5::Handle file = data::h5::file(H5Fopen(main_file.c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    if (!file.valid()) fuzz::fail("cannot reopen " + main_file);
+    fuzz::add_h5_objects(in, file.get(), kVocabulary, in.ConsumeIntegralInRange(0, 3), false);
+  }
   for (int s = 1; s <= plan.stages; ++s) write_part(in, plan, "stage", train::stage_part_file(main_file, s));
   for (int r = 0; r < std::min(plan.ranks, 2); ++r)
     write_part(in, plan, "rank" + std::to_string(r), train::rank_part_file(main_file, r));
@@ -175,6 +221,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       fuzz::write_file(train::stage_part_file(main_file, s), parts[i].bytes);
     else if (const int r = tag_number(parts[i].tag, "rank", 4); r >= 0)
       fuzz::write_file(train::rank_part_file(main_file, r), parts[i].bytes);
+    else if (const int z = tag_number(parts[i].tag, "shard", 4); z >= 0)
+      fuzz::write_file(train::shard_part_file(main_file, z), parts[i].bytes);
     else
       return -1;  // a part of no known role
   }
