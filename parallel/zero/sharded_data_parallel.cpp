@@ -548,6 +548,23 @@ std::map<std::string, Tensor> ShardedDataParallel::shard_pieces(const std::vecto
   return out;
 }
 
+std::vector<Tensor*> ShardedDataParallel::parameter_state(const std::vector<nn::Parameter*>&,
+                                                          const std::vector<nn::Parameter*>& pieces) {
+  std::vector<Tensor*> out;
+  for (nn::Parameter* p : pieces) out.push_back(&p->value);
+  return out;
+}
+
+// The pieces were overwritten: ZeRO-2 gathers the blocks into the whole values; ZeRO-3 drops what a
+// pass kept gathered (the next pass gathers the new masters).
+void ShardedDataParallel::state_replaced() {
+  if (opt_.zero == 2) {
+    after_step();
+    return;
+  }
+  for (Unit& u : units_) release(u);
+}
+
 // ---- whole values, for checkpoints and the start ---------------------------------------------------
 
 void ShardedDataParallel::hold_whole_model(bool on) {

@@ -37,7 +37,7 @@ double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, in
   nn::update_working_copies(model.parameters(), engine_for(device).math_precision());
   bool was_training = model.training();
   model.eval();
-  StagedTensor ids, targets;  // on a GPU: page-locked staging, reused by every batch
+  StagedTensor ids, targets;                            // on a GPU: page-locked staging, reused by every batch
   Tensor stats = zeros_on({kXentStatsFloats}, device);  // summed on the device, read once
   for (int64_t k = 0; k < batches; ++k) {
     data::TokenBatch b = data::sequential_windows(s, batch, t, k * batch);
@@ -182,6 +182,7 @@ class GptTask final : public Task {
   std::vector<int> starts_;
   nn::GptConfig model_cfg_;
   std::unique_ptr<nn::Gpt> model_;
+  int64_t parameters_ = 0;  // this rank's part of the model, counted when it was made
   std::unique_ptr<nn::SoftmaxCrossEntropy> xent_;
   std::unique_ptr<comm::Communicator> tied_;  // first and last stage: the tied embedding's gradient
   StagedSteps staged_;
@@ -207,8 +208,8 @@ void GptTask::setup(const TaskSetup& s) {
   DT_INPUT_CHECK(val_.tokenizer.name() == train_.tokenizer.name() && val_.tokenizer.model() == train_.tokenizer.model(),
                  "'" << c.data << "': train.h5 and val.h5 were made with different tokenizers");
   DT_INPUT_CHECK(c.vocab == 0 || train_.vocab <= c.vocab, "the tokens of '" << c.data << "' need a vocabulary of "
-                                                                          << train_.vocab << ", not --vocab "
-                                                                          << c.vocab << " (0: theirs)");
+                                                                            << train_.vocab << ", not --vocab "
+                                                                            << c.vocab << " (0: theirs)");
   data_seed_ = derive_seed(c.seed, static_cast<uint64_t>(s.grid.dp_rank()));  // each dp group its own windows
   model_cfg_ = nn::GptConfig{};
   model_cfg_.vocab = c.vocab > 0 ? c.vocab : train_.vocab;
@@ -222,7 +223,8 @@ void GptTask::setup(const TaskSetup& s) {
   nn::GptPart part{starts_[stage], starts_[stage + 1], stage == 0, stage == c.pp - 1};
   // Under tensor parallelism the vocabulary is split too: embedding rows, logit columns, and the
   // cross-entropy over them.
-  const nn::GptVocabShard vocab = tp > 1 ? parallel::vocab_parallel_shard(model_cfg_.vocab, s.grid.tp()) : nn::GptVocabShard();
+  const nn::GptVocabShard vocab =
+      tp > 1 ? parallel::vocab_parallel_shard(model_cfg_.vocab, s.grid.tp()) : nn::GptVocabShard();
   // Under bf16/fp16 the activations the blocks' GEMMs read are held in 16 bits
   // (GptConfig::copy_gemm_inputs; the tensor-parallel blocks keep f32 references).
   nn::GptConfig held = model_cfg_;
@@ -232,6 +234,7 @@ void GptTask::setup(const TaskSetup& s) {
       c.checkpoint_activations, vocab);
   model_->to(device_);  // drawn on the host (the same numbers everywhere), trained where the engine is
   model_->train();
+  parameters_ = model_->parameter_count();  // before ZeRO-3 leaves the values empty between passes
   xent_ = tp > 1 ? std::make_unique<parallel::VocabParallelCrossEntropy>(s.grid.tp(), vocab.offset)
                  : std::make_unique<nn::SoftmaxCrossEntropy>();
 }
@@ -259,9 +262,8 @@ std::vector<int> GptTask::balanced_starts() const {
 
 std::string GptTask::describe() {
   std::ostringstream o;
-  o << model_->kind() << ", " << model_->parameter_count() << " parameters on rank 0, batch " << batch_
-    << " x " << seq_len_ << " tokens per dp rank, " << train_.tokens.size() << " train / " << val_.tokens.size()
-    << " val tokens";
+  o << model_->kind() << ", " << parameters_ << " parameters on rank 0, batch " << batch_ << " x " << seq_len_
+    << " tokens per dp rank, " << train_.tokens.size() << " train / " << val_.tokens.size() << " val tokens";
   return o.str();
 }
 
@@ -279,12 +281,11 @@ bool GptTask::load_step(int64_t step, double& wait_s) {
 Validation GptTask::validate(parallel::PipelineStage* pipe) {
   int64_t batches = data::window_count(val_, seq_len_) / batch_;
   if (cfg_->eval_batches > 0) batches = std::min(batches, cfg_->eval_batches);
-  DT_INPUT_CHECK(batches > 0, "the validation stream (" << val_.tokens.size() << " tokens) holds no batch of "
-                                                        << batch_ << " windows of " << seq_len_ + 1
-                                                        << " tokens");
+  DT_INPUT_CHECK(batches > 0, "the validation stream (" << val_.tokens.size() << " tokens) holds no batch of " << batch_
+                                                        << " windows of " << seq_len_ + 1 << " tokens");
   Validation v;
-  v.result.loss = pipe ? pipeline_val_loss(*pipe, batches)
-                       : eval_stream(*model_, val_, batch_, seq_len_, batches, *xent_, device_);
+  v.result.loss =
+      pipe ? pipeline_val_loss(*pipe, batches) : eval_stream(*model_, val_, batch_, seq_len_, batches, *xent_, device_);
   v.result.samples = batches * batch_;
   const double bpb = bits_per_byte(val_, v.result.loss, batches * batch_, seq_len_);
   char line[80];

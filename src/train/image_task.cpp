@@ -93,7 +93,7 @@ class ImageTask final : public Task {
   void use_store();
   nn::Module& model() override { return *model_; }
   std::string describe() override {
-    return "model " + spec_.name + " (" + std::to_string(model_->parameter_count()) + " parameters" +
+    return "model " + spec_.name + " (" + std::to_string(parameters_) + " parameters" +
            (cfg_->pp > 1 ? " on rank 0's stage" : "") + "), " +
            (cfg_->synthetic ? std::string("synthetic data")
                             : "data " + cfg_->data + " (" + train_ds_->info().opened + "), " + reading_.text) +
@@ -181,6 +181,7 @@ class ImageTask final : public Task {
   std::vector<data::Batch> synthetic_;  // a few fixed random batches, cycled (no data path at all)
   nn::ModelSpec spec_;
   nn::ModulePtr model_;
+  int64_t parameters_ = 0;  // this rank's part of the model, counted when it was made
   nn::SoftmaxCrossEntropy ce_;
   nn::ModulePtr teacher_;  // --teacher: forward only, in eval mode
   nn::ModelSpec teacher_spec_;
@@ -291,6 +292,7 @@ void ImageTask::connect() {
   }
   if (reading_.node_shared) share_training_set();
   if (reading_.mode == "store") use_store();
+  parameters_ = model_->parameter_count();  // before ZeRO-3 leaves the values empty between passes
 }
 
 // The job-wide store: the batches' rows travel between the data-parallel ranks on a communicator of

@@ -151,7 +151,9 @@ std::string point_text(const SweepPoint& p) {
 class TrainerGroups {
  public:
   TrainerGroups(int argc, char** argv, const TrainConfig& cfg, comm::Runtime& rt)
-      : args_(argv, argv + argc), cfg_(cfg), rt_(rt),
+      : args_(argv, argv + argc),
+        cfg_(cfg),
+        rt_(rt),
         grid_(cfg.sweep_random > 0 ? sweep_random(cfg.sweep, cfg.sweep_random, cfg.seed) : sweep_grid(cfg.sweep)) {
     comm::Communicator& world = rt.world();
     DT_INPUT_CHECK(world.size() % cfg.trainers == 0,
@@ -161,6 +163,8 @@ class TrainerGroups {
                    "option --pbt-every needs every configuration training at once: --trainers "
                        << grid_.size() << " for the " << grid_.size() << " --sweep configuration(s), at least 2");
     group_size_ = size;
+    DT_INPUT_CHECK(cfg.pbt_every == 0 || cfg.model == "gpt" || !cfg.test_data.empty(),
+                   "option --pbt-every ranks the trainers by their validation: it needs --test-data");
     DT_INPUT_CHECK(cfg.pbt_every == 0 || cfg.steps > 0,
                    "option --pbt-every needs --steps (every trainer meets the "
                    "others at the same steps)");
@@ -174,8 +178,8 @@ class TrainerGroups {
                                                         -static_cast<float>(rt.topology().node_index)});
     group_->allreduce(nodes, comm::ReduceOp::Max)->wait();
     const int last = static_cast<int>(nodes.f32()[0]), first = static_cast<int>(-nodes.f32()[1]);
-    nodes_ = first == last ? "node " + std::to_string(first)
-                           : "nodes " + std::to_string(first) + "-" + std::to_string(last);
+    nodes_ =
+        first == last ? "node " + std::to_string(first) : "nodes " + std::to_string(first) + "-" + std::to_string(last);
   }
 
   int run() {
@@ -200,7 +204,8 @@ class TrainerGroups {
 
   // The trainer's own command line: the shared options, its sweep values, seed and folder.
   std::vector<std::string> trainer_args(int i) const {
-    std::vector<std::string> drop = {"trainers", "sweep", "sweep-random", "sweep-dir", "seed", "metrics", "checkpoint-dir", "resume"};
+    std::vector<std::string> drop = {"trainers", "sweep",   "sweep-random",   "sweep-dir",
+                                     "seed",     "metrics", "checkpoint-dir", "resume"};
     if (cfg_.trainers > 1) drop.push_back("progress");  // several groups' bars would overwrite each other
     for (const auto& [k, v] : grid_[static_cast<size_t>(i)]) drop.push_back(k);
     std::vector<std::string> a = without_options(args_, drop);
@@ -332,6 +337,7 @@ class TrainerGroups {
     for (Tensor* x : t.state_tensors())
       works.push_back(send ? rt_.world().send(*x, peer, tag++) : rt_.world().recv(*x, peer, tag++));
     for (auto& w : works) w->wait(0);
+    if (!send) t.state_received();
   }
 
   void log_exchange(int64_t step, int winner, int loser, const float* f, float lr, float momentum, bool by_loss) const {

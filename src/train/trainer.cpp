@@ -302,7 +302,10 @@ EvalResult Trainer::evaluate() { return task_->validate(pipe_.get()).result; }
 
 std::vector<Tensor*> Trainer::state_tensors() {
   std::vector<Tensor*> out;
-  for (nn::Parameter* p : task_->model().parameters()) out.push_back(&p->value);
+  if (dp_)
+    out = dp_->parameter_state(task_->model().parameters(), opt_->params());
+  else
+    for (nn::Parameter* p : task_->model().parameters()) out.push_back(&p->value);
   for (nn::Buffer* b : task_->model().buffers()) out.push_back(&b->value);
   for (const optim::StateTensor& s : opt_->state()) out.push_back(s.value);
   return out;

@@ -651,6 +651,25 @@ TEST(CliMpi, TrainerGroupsTrainAsAloneAndADivergingOneStopsAlone) {
   EXPECT_GE(rounds[1], 1) << pbt.out;
   for (int t : {0, 1, 3})
     EXPECT_EQ(step_losses(dir + "/pbt/trainer-" + std::to_string(t) + "/metrics.jsonl").size(), 12u);
+  // Two trainers of 2 ranks under ZeRO-1, 2 and 3: the winner's state travels as each rank's pieces
+  // (and ZeRO-1's master slice is taken from the received parameters), so every trainer's losses
+  // equal those without ZeRO.
+  const std::string pairs = "train --config " + dir + "/mlp.ini --test-data " + dir + "/band --optimizer adamw " +
+                            "--lr 0.01 --trainers 2 --sweep lr=0.003,0.03 --pbt-every 4 ";
+  Result plain = mpirun(4, pairs + "--sweep-dir " + dir + "/pairs-0");
+  ASSERT_EQ(plain.code, 0) << plain.out;
+  for (const char* zero : {"1", "2", "3"}) {
+    const std::string out = dir + "/pairs-" + zero;
+    Result sharded = mpirun(4, pairs + "--zero " + zero + " --sweep-dir " + out);
+    EXPECT_EQ(sharded.code, 0) << sharded.out;
+    for (int t : {0, 1})
+      EXPECT_EQ(step_losses(out + "/trainer-" + std::to_string(t) + "/metrics.jsonl"),
+                step_losses(dir + "/pairs-0/trainer-" + std::to_string(t) + "/metrics.jsonl"))
+          << "--zero " << zero << ", trainer " << t;
+  }
+  EXPECT_FAILS_NAMING(mpirun(4, "train --synthetic --trainers 2 --sweep lr=0.01,0.1 --pbt-every 2 --steps 4"),
+                      "option --pbt-every ranks the trainers by their validation: it needs --test-data");
+
   // The same population on the simulated device (the device code path on CPU ranks): the winners'
   // state travels as device tensors through the MPI backend's host staging, and every trainer's
   // losses equal the CPU run's.

@@ -106,6 +106,17 @@ class DataParallel {
   virtual void load_state(const std::map<std::string, Tensor>& full, const std::vector<optim::StateTensor>& state) = 0;
   virtual void after_step() = 0;
   virtual void reload_shard() = 0;
+  // The tensors a copy of this rank's training state takes (population-based training hands a
+  // trainer's to another of the same layout): the whole parameters, or under ZeRO-2/3 the
+  // optimizer's pieces (`pieces`: its parameters). state_replaced() then brings the rest in line.
+  virtual std::vector<Tensor*> parameter_state(const std::vector<nn::Parameter*>& model_params,
+                                               const std::vector<nn::Parameter*>& pieces) {
+    (void)pieces;
+    std::vector<Tensor*> out;
+    for (nn::Parameter* p : model_params) out.push_back(&p->value);
+    return out;
+  }
+  virtual void state_replaced() { reload_shard(); }
   virtual double grad_norm() = 0;
   // Every parameter's whole value in its Parameter (on: ZeRO-3 gathers every unit and keeps them;
   // off: frees them again, after taking each rank's shard from them, so values written meanwhile,

@@ -76,6 +76,11 @@ class Trainer {
   // This rank's parameters, buffers and optimizer state, in an order every run of this model,
   // optimizer and layout shares.
   std::vector<Tensor*> state_tensors();
+  // After state_tensors were overwritten (another trainer's state received): what is derived from
+  // them (ZeRO's masters or whole values) is brought in line.
+  void state_received() {
+    if (dp_) dp_->state_replaced();
+  }
   // The learning rate the schedule scales (--lr), and SGD's momentum (false: the optimizer has none).
   float base_lr() const { return cfg_.lr * lr_scale_; }
   void set_base_lr(float lr) { lr_scale_ = lr / cfg_.lr; }

@@ -54,6 +54,9 @@ class ShardedDataParallel final : public DataParallel {
   void reload_shard() override;
   double grad_norm() override;
   void hold_whole_model(bool on) override;
+  std::vector<Tensor*> parameter_state(const std::vector<nn::Parameter*>& model_params,
+                                       const std::vector<nn::Parameter*>& pieces) override;
+  void state_replaced() override;
   std::map<std::string, Tensor> shard_pieces(const std::vector<optim::StateTensor>& state) const override;
   int zero_stage() const override { return opt_.zero; }
   bool compresses() const override { return hook_ != nullptr; }
