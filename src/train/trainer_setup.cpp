@@ -266,10 +266,10 @@ void Trainer::refuse_what_cannot_fit() {
       break;
     }
   const int sharded = cfg_.zero > 0 || units.empty() ? std::max(cfg_.zero, 1) : 3;  // more ranks help a ZeRO stage
-  for (int ranks = 2 * dp; ranks <= 64 * dp; ranks *= 2)
+  for (int ranks = 2 * dp; ranks <= 64 * dp && fits.empty(); ranks *= 2)
     if (plan(sharded, ranks).total() <= budget) {
-      fits += (fits.empty() ? "" : ", or ") + std::to_string(ranks) + " data-parallel ranks at --zero " +
-              std::to_string(sharded) + " (" + gib(plan(sharded, ranks).total()) + ")";
+      fits = std::to_string(ranks) + " data-parallel ranks at --zero " + std::to_string(sharded) + " (" +
+             gib(plan(sharded, ranks).total()) + ")";
       break;
     }
   throw InputError(
