@@ -105,21 +105,24 @@ void ReplicatedDataParallel::load_compression_state(const std::map<std::string, 
 
 void ReplicatedDataParallel::set_step(int64_t step) { hook_->on_step(step, opt_.compression_warmup_steps); }
 
-void ReplicatedDataParallel::broadcast_state(int root) {
-  std::vector<std::shared_ptr<comm::Work>> works{comm_.broadcast(flat_param_, root)};
+void DataParallel::broadcast_with_buffers(nn::Module& model, comm::Communicator& comm, Device dev, int root,
+                                          std::vector<std::shared_ptr<comm::Work>> works) {
   std::vector<std::pair<Tensor, Tensor*>> staged;  // host buffers (a dropout's RNG state) on a GPU's NCCL
-  for (nn::Buffer* b : model_.buffers()) {
-    if (comm_.supports(b->value.device())) {
-      works.push_back(comm_.broadcast(b->value, root));
+  for (nn::Buffer* b : model.buffers()) {
+    if (comm.supports(b->value.device())) {
+      works.push_back(comm.broadcast(b->value, root));
       continue;
     }
-    Tensor& there =
-        staged.emplace_back(Tensor::empty(b->value.shape(), b->value.dtype(), flat_param_.device()), &b->value).first;
+    Tensor& there = staged.emplace_back(Tensor::empty(b->value.shape(), b->value.dtype(), dev), &b->value).first;
     copy_any(b->value, there);
-    works.push_back(comm_.broadcast(there, root));
+    works.push_back(comm.broadcast(there, root));
   }
   for (auto& w : works) w->wait();
   for (auto& [there, host] : staged) copy_any(there, *host);
+}
+
+void ReplicatedDataParallel::broadcast_state(int root) {
+  broadcast_with_buffers(model_, comm_, flat_param_.device(), root, {comm_.broadcast(flat_param_, root)});
   reload_shard();
 }
 

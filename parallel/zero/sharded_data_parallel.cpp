@@ -591,18 +591,7 @@ void ShardedDataParallel::broadcast_state(int root) {
   std::vector<std::shared_ptr<comm::Work>> works;
   for (Unit& u : units_)  // at ZeRO-3 every rank's blocks came from the same seed: only held values travel
     if (opt_.zero == 2 || hold_) works.push_back(comm_.broadcast(u.full, root));
-  std::vector<std::pair<Tensor, Tensor*>> staged;  // host buffers (a dropout's RNG state) on a GPU's NCCL
-  for (nn::Buffer* b : model_.buffers()) {
-    if (comm_.supports(b->value.device())) {
-      works.push_back(comm_.broadcast(b->value, root));
-      continue;
-    }
-    Tensor& there = staged.emplace_back(Tensor::empty(b->value.shape(), b->value.dtype(), device_), &b->value).first;
-    copy_any(b->value, there);
-    works.push_back(comm_.broadcast(there, root));
-  }
-  for (auto& w : works) w->wait();
-  for (auto& [there, host] : staged) copy_any(there, *host);
+  broadcast_with_buffers(model_, comm_, device_, root, std::move(works));
   reload_shard();
 }
 

@@ -148,6 +148,11 @@ class DataParallel {
   DataParallelStats& stats() { return stats_; }
 
  protected:
+  // Waits for `works` (the layout's parameter broadcasts) and broadcasts `model`'s buffers from
+  // `root` beside them (host buffers staged through `dev` where the communicator takes no host
+  // memory).
+  static void broadcast_with_buffers(nn::Module& model, comm::Communicator& comm, Device dev, int root,
+                                     std::vector<std::shared_ptr<comm::Work>> works);
   DataParallelStats stats_;
 };
 
