@@ -21,12 +21,34 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
   DT_CHECK(opt.zero == 2 || opt.zero == 3, "ShardedDataParallel takes ZeRO 2 or 3, not " << opt.zero);
   DT_INPUT_CHECK(opt.gather_dtype == DType::F32 || opt.gather_dtype == DType::BF16,
                  "option --zero-gather-dtype must be f32 or bf16");
+  DT_INPUT_CHECK(opt.shard_scope == "all" || opt.shard_scope == "node",
+                 "option --shard-scope must be all or node, got '" << opt.shard_scope << "'");
   if (opt.compression != "none") {
     hook_ = make_grad_hook({opt.compression, opt.compression_scope, opt.seed}, comm);
     if (opt.momentum_correction > 0) hook_->set_momentum_correction(opt.momentum_correction);
   }
-  const nn::ShardUnits cut = model.shard_units();
-  DT_INPUT_CHECK(!cut.entries.empty(), "option --zero " << opt.zero << ": the model (" << model.kind()
+  if (opt.shard_scope == "node") {
+    comm::NodeSplit split = comm::split_by_node(comm);
+    DT_INPUT_CHECK(split.uniform,
+                   "option --shard-scope node needs as many data-parallel ranks on every node; "
+                   "this job's nodes hold different counts");
+    if (split.cross->size() > 1) {  // on one node the node is the whole data-parallel group
+      node_ = std::move(split.node);
+      cross_ = std::move(split.cross);
+    }
+  }
+  cut_into_units();
+  lay_out_units();
+  make_pieces();
+  install_hooks();
+}
+
+// The model's units (Module::shard_units), each with the parameters its modules hold and the key a
+// per-tensor compressor gives each (data parallel's: last parameter first, so its state and draws,
+// PowerSGD's first factors, are the unsharded run's).
+void ShardedDataParallel::cut_into_units() {
+  const nn::ShardUnits cut = model_.shard_units();
+  DT_INPUT_CHECK(!cut.entries.empty(), "option --zero " << opt_.zero << ": the model (" << model_.kind()
                                                         << ") cannot be cut into units to shard");
   order_ = cut.entries;
   unit_at_ = cut.unit_of;
@@ -38,29 +60,22 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
     for (nn::Parameter* p : order_[pos]->parameters())
       if (seen.insert(p).second) u.params.push_back(p);
   }
-  const std::vector<nn::Parameter*> all = model.parameters();
-  for (nn::Parameter* p : all)
-    DT_INPUT_CHECK(seen.count(p), "option --zero " << opt.zero << ": parameter " << p->name << " is in no unit of "
-                                                   << model.kind() << ", so it cannot be sharded");
-  device_ = all.front()->value.device();
-  // A per-tensor compressor keys each tensor as data parallel does (last parameter first), so its
-  // state and draws (PowerSGD's first factors) are the unsharded run's.
+  const std::vector<nn::Parameter*> all = model_.parameters();
   std::map<const nn::Parameter*, int> from_last;
-  for (size_t i = 0; i < all.size(); ++i) from_last[all[i]] = static_cast<int>(all.size() - 1 - i);
+  for (size_t i = 0; i < all.size(); ++i) {
+    DT_INPUT_CHECK(seen.count(all[i]), "option --zero " << opt_.zero << ": parameter " << all[i]->name
+                                                        << " is in no unit of " << model_.kind()
+                                                        << ", so it cannot be sharded");
+    from_last[all[i]] = static_cast<int>(all.size() - 1 - i);
+  }
+  device_ = all.front()->value.device();
   for (Unit& u : units_)
     for (nn::Parameter* p : u.params) u.bucket.push_back(from_last.at(p));
-  DT_INPUT_CHECK(opt.shard_scope == "all" || opt.shard_scope == "node",
-                 "option --shard-scope must be all or node, got '" << opt.shard_scope << "'");
-  if (opt.shard_scope == "node") {
-    comm::NodeSplit split = comm::split_by_node(comm);
-    DT_INPUT_CHECK(split.uniform,
-                   "option --shard-scope node needs as many data-parallel ranks on every node; "
-                   "this job's nodes hold different counts");
-    if (split.cross->size() > 1) {  // on one node the node is the whole data-parallel group
-      node_ = std::move(split.node);
-      cross_ = std::move(split.cross);
-    }
-  }
+}
+
+// Each unit's flat layout and this rank's blocks. Every rank's model holds the same initial values
+// (drawn from the seed): each keeps its blocks of them, and at ZeRO-3 frees the rest.
+void ShardedDataParallel::lay_out_units() {
   const int64_t world = shards().size();
   int64_t shard_total = 0;
   for (Unit& u : units_) {
@@ -77,27 +92,31 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
   }
   // ZeRO-2's masters are the whole values themselves (each piece a view of its block of them);
   // ZeRO-3 keeps this rank's blocks in a buffer of their own.
-  if (opt.zero == 3) shard_.value = zeros_on({shard_total}, device_);
+  if (opt_.zero == 3) shard_.value = zeros_on({shard_total}, device_);
   shard_.grad = zeros_on({shard_total}, device_);
-  // Every rank's model holds the same initial values (drawn from the seed); each keeps its blocks.
-  size_t piece_count = 0;
   for (Unit& u : units_) {
     u.full = zeros_on({u.padded}, device_);
-    if (opt.zero == 3) {  // one unit at a time (release counts it out); ZeRO-2's values are its parameters
+    if (opt_.zero == 3) {  // one unit at a time (release counts it out); ZeRO-2's values are its parameters
       gathered_bytes_ += static_cast<int64_t>(u.full.nbytes());
       peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
     }
     for (size_t i = 0; i < u.params.size(); ++i) {
-      Tensor part = u.full.slice0(u.offset[i], u.offset[i] + u.params[i]->value.numel());
-      copy_any(u.params[i]->value.reshape({u.params[i]->value.numel()}), part);
+      Tensor part = view(u.full, u, i);
+      copy_any(u.params[i]->value, part);
     }
     point_values(u);
     take_shard(u);
     for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->grad = empty_like_rank(u.shapes[i], device_);
-    piece_count += u.params.size();
     release(u);
   }
-  pieces_.reserve(piece_count);  // piece_of_ keeps pointers into it
+}
+
+// The parameters' parts in this rank's blocks: 1-D views into the shard (named as their
+// parameters), what optimizer_groups hands out, with their ranges for shard_pieces.
+void ShardedDataParallel::make_pieces() {
+  size_t count = 0;
+  for (const Unit& u : units_) count += u.params.size();
+  pieces_.reserve(count);  // piece_of_ keeps pointers into it
   const int64_t r = shards().rank();
   for (Unit& u : units_) {
     const int64_t b = block_numel(u), begin = r * b;
@@ -108,7 +127,7 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
       nn::Parameter& piece = pieces_.emplace_back();
       piece.name = u.params[i]->name;
       const int64_t at = u.shard_begin + first - begin;
-      piece.value = opt.zero == 3 ? shard_.value.slice0(at, at + last - first) : u.full.slice0(first, last);
+      piece.value = opt_.zero == 3 ? shard_.value.slice0(at, at + last - first) : u.full.slice0(first, last);
       piece.grad = shard_.grad.slice0(at, at + last - first);
       piece_of_[u.params[i]] = &piece;
       start_in_shard_[piece.name] = at;
@@ -117,10 +136,9 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
       range.insert(range.end(), u.shapes[i].begin(), u.shapes[i].end());
     }
   }
-  DT_INPUT_CHECK(!pieces_.empty(), "option --zero " << opt.zero << " over " << world << " ranks: the model's "
-                                                    << all.size() << " parameters leave rank " << r
+  DT_INPUT_CHECK(!pieces_.empty(), "option --zero " << opt_.zero << " over " << shards().size()
+                                                    << " ranks: the model's parameters leave rank " << r
                                                     << " nothing to hold");
-  install_hooks();
 }
 
 ShardedDataParallel::~ShardedDataParallel() {

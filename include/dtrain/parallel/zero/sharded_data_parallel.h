@@ -96,6 +96,9 @@ class ShardedDataParallel final : public DataParallel {
   comm::Communicator& shards() const { return node_ ? *node_ : comm_; }
   int64_t wire_bytes() const { return shards().wire_bytes_sent(); }
   int64_t block_numel(const Unit& u) const { return u.padded / shards().size(); }
+  void cut_into_units();
+  void lay_out_units();
+  void make_pieces();
   Tensor shard_block(const Tensor& shard, const Unit& u) const;  // u's block in a shard buffer
   void install_hooks();
   void before_forward(int entry);
