@@ -104,6 +104,11 @@ std::vector<SetPart> manifest_parts(const CheckpointState& main, const std::stri
 void check_set_part(const CheckpointState& main, const std::string& main_file, const SetPart& part);
 // Every `stride`-th part from `first` (the ranks of a resume share the checks).
 void check_manifest(const CheckpointState& main, const std::string& main_file, int first = 0, int stride = 1);
+// The shard parts of a ZeRO-2/3 set (`ranks` of them, each checked against `listed`, the manifest)
+// assembled into `main`'s whole tensors; their pieces must tile each tensor exactly (checked before
+// anything is allocated). load_checkpoint_set calls it.
+void assemble_shard_parts(CheckpointState& main, const std::string& main_file, const std::vector<SetPart>& listed,
+                          int64_t ranks);
 
 // Keeps the newest `keep` checkpoints up to `just_written` (the main file just written, which is
 // never removed): older main files go with all their parts. Files of later steps (a run resumed

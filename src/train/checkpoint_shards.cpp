@@ -1,0 +1,113 @@
+// The ZeRO shard parts of a checkpoint set (checkpoint.h): each rank's pieces written beside the
+// main file, and assembled into the one-rank layout's whole tensors on load.
+#include <algorithm>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/communicator.h"
+#include "dtrain/core/error.h"
+#include "dtrain/train/checkpoint.h"
+
+namespace dtrain::train {
+
+std::string shard_part_file(const std::string& main_file, int rank) {
+  return main_file + ".shard" + std::to_string(rank);
+}
+
+namespace {
+
+// One tensor's pieces from the shard parts (their values in the parts' tensors).
+struct ShardPiece {
+  int64_t from, count;
+  const Tensor* values;
+};
+
+// The shard parts of a set, each listed in the manifest and checked against it.
+std::vector<CheckpointState> read_shard_parts(const CheckpointState& s, const std::string& main_file,
+                                              const std::vector<SetPart>& listed, int64_t ranks) {
+  DT_INPUT_CHECK(ranks < (1 << 20), "checkpoint " << main_file << " says " << ranks << " ranks wrote shards");
+  std::vector<CheckpointState> parts;
+  for (int r = 0; r < ranks; ++r) {
+    const std::string f = shard_part_file(main_file, r);
+    bool in_manifest = false;
+    for (const SetPart& p : listed)
+      if (p.kind == SetPart::kShard && p.rank == r) {
+        check_set_part(s, main_file, p);
+        in_manifest = true;
+      }
+    DT_INPUT_CHECK(in_manifest, "checkpoint " << main_file << " keeps its parameters in " << ranks
+                                              << " shard parts, but its manifest lists no " << f);
+    parts.push_back(load_checkpoint(f));
+  }
+  return parts;
+}
+
+// The pieces of part `part` (file `f`) by tensor, each fitting its range, the tensor's shape the
+// same in every part.
+void collect_pieces(const CheckpointState& part, const std::string& f,
+                    std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>>& tensors) {
+  for (const auto& [key, piece] : part.tensors) {
+    if (key.rfind("range/", 0) == 0) continue;
+    const auto range = part.tensors.find("range/" + key);
+    DT_INPUT_CHECK(range != part.tensors.end() && range->second.dtype() == DType::I64 && range->second.numel() >= 2 &&
+                       range->second.numel() <= 10,
+                   f << ": piece " << key << " has no range");
+    const int64_t* r64 = range->second.data<int64_t>();
+    const Shape shape(r64 + 2, r64 + range->second.numel());
+    const int64_t whole = shape_numel(shape, f + ": " + key);
+    DT_INPUT_CHECK(r64[0] >= 0 && r64[1] == piece.numel() && r64[0] <= whole - r64[1] && piece.dtype() == DType::F32,
+                   f << ": piece " << key << " of " << piece.str() << " does not fit its range [" << r64[0] << ", +"
+                     << r64[1] << ") of " << shape_str(shape));
+    auto& [have, pieces] = tensors[key];
+    if (pieces.empty()) have = shape;
+    DT_INPUT_CHECK(have == shape, f << ": " << key << " is " << shape_str(shape) << " here, " << shape_str(have)
+                                    << " in another part");
+    pieces.push_back({r64[0], r64[1], &piece});
+  }
+}
+
+// The shard parts of a ZeRO-2/3 set assembled into the whole tensors of the one-rank layout. The
+// pieces of each tensor must tile it exactly (checked before anything is allocated, so a forged
+// shape cannot ask for more than the parts hold).
+}  // namespace
+
+void assemble_shard_parts(CheckpointState& s, const std::string& main_file, const std::vector<SetPart>& listed,
+                          int64_t ranks) {
+  const std::vector<CheckpointState> parts = read_shard_parts(s, main_file, listed, ranks);
+  std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>> tensors;
+  for (size_t r = 0; r < parts.size(); ++r)
+    collect_pieces(parts[r], shard_part_file(main_file, static_cast<int>(r)), tensors);
+  for (auto& [key, entry] : tensors) {
+    auto& [shape, pieces] = entry;
+    std::sort(pieces.begin(), pieces.end(), [](const ShardPiece& a, const ShardPiece& b) { return a.from < b.from; });
+    int64_t next = 0;
+    for (const ShardPiece& p : pieces) {
+      DT_INPUT_CHECK(p.from == next, "checkpoint " << main_file << ": the shard parts' pieces of " << key
+                                                   << " leave out or repeat elements from " << std::min(next, p.from));
+      next += p.count;
+    }
+    DT_INPUT_CHECK(next == shape_numel(shape), "checkpoint " << main_file << ": the shard parts hold " << next
+                                                             << " elements of " << key << ", which has "
+                                                             << shape_numel(shape));
+    Tensor t = Tensor::empty(shape, DType::F32);
+    for (const ShardPiece& p : pieces) std::copy(p.values->f32(), p.values->f32() + p.count, t.f32() + p.from);
+    s.tensors[key] = t;
+  }
+}
+
+void write_shard_part(const std::string& main_file, const std::map<std::string, Tensor>& pieces,
+                      comm::Communicator& world, int64_t step, int64_t run_id, SavedFile* saved) {
+  comm::agree_on_inputs(world, [&] {
+    CheckpointState part;
+    part.tensors = pieces;
+    part.ints["step"] = step;
+    part.ints["rank"] = world.rank();
+    part.ints["world_size"] = world.size();
+    part.ints["run_id"] = run_id;
+    const SavedFile written = save_checkpoint(shard_part_file(main_file, world.rank()), part);
+    if (saved) *saved = written;
+  });
+}
+
+}  // namespace dtrain::train
