@@ -340,10 +340,14 @@ std::map<std::string, int64_t> ReplicatedDataParallel::memory_bytes() const {
 double ReplicatedDataParallel::grad_norm() {
   Engine& e = engine_for(flat_grad_.device());
   if (!zero1()) return std::sqrt(e.sum_squares(flat_grad_));
-  // The slices' sums of squares added on the buckets' device (NCCL takes device memory only).
-  Tensor ss = Tensor::empty({1}, DType::F32, flat_grad_.device());
-  copy_any(Tensor::from({1}, {static_cast<float>(e.sum_squares(shard_.grad))}), ss);
-  if (comm_.size() > 1) comm_.allreduce(ss, comm::ReduceOp::Sum)->wait();
+  return sharded_norm(shard_.grad, comm_);
+}
+
+double DataParallel::sharded_norm(const Tensor& grad, comm::Communicator& shards) {
+  // The slices' sums of squares added on their device (NCCL takes device memory only).
+  Tensor ss = Tensor::empty({1}, DType::F32, grad.device());
+  copy_any(Tensor::from({1}, {static_cast<float>(engine_for(grad.device()).sum_squares(grad))}), ss);
+  if (shards.size() > 1) shards.allreduce(ss, comm::ReduceOp::Sum)->wait();
   return std::sqrt(static_cast<double>(to_host(ss).f32()[0]));
 }
 

@@ -366,7 +366,10 @@ bool ShardedDataParallel::advance(Pending& p, bool wait) {
 void ShardedDataParallel::retire(Pending& p) {
   Tensor mine = shard_block(shard_.grad, *p.unit);
   engine_for(device_).axpy(1.f, p.block, mine);
-  Unit& u = *p.unit;
+  free_grad(*p.unit);
+}
+
+void ShardedDataParallel::free_grad(Unit& u) {
   grad_bytes_ -= static_cast<int64_t>(u.grad.nbytes());
   give_buffer(u.grad);
   for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->grad = empty_like_rank(u.shapes[i], device_);
@@ -414,13 +417,7 @@ void ShardedDataParallel::after_step() {
   stats_.comm_wait_s += now_s() - t0;
 }
 
-double ShardedDataParallel::grad_norm() {
-  Engine& e = engine_for(device_);
-  Tensor ss = Tensor::empty({1}, DType::F32, device_);
-  copy_any(Tensor::from({1}, {static_cast<float>(e.sum_squares(shard_.grad))}), ss);
-  if (shards().size() > 1) shards().allreduce(ss, comm::ReduceOp::Sum)->wait();  // replicas hold the same
-  return std::sqrt(static_cast<double>(to_host(ss).f32()[0]));
-}
+double ShardedDataParallel::grad_norm() { return sharded_norm(shard_.grad, shards()); }  // replicas hold the same
 
 // ---- compression -------------------------------------------------------------------------------
 
@@ -453,9 +450,7 @@ void ShardedDataParallel::keep_compressed_blocks() {
     const int64_t b = block_numel(*u);
     Tensor mine = shard_block(shard_.grad, *u);
     engine_for(device_).axpy(1.f, u->grad.slice0(shards().rank() * b, (shards().rank() + 1) * b), mine);
-    grad_bytes_ -= static_cast<int64_t>(u->grad.nbytes());
-    give_buffer(u->grad);
-    for (size_t i = 0; i < u->params.size(); ++i) u->params[i]->grad = empty_like_rank(u->shapes[i], device_);
+    free_grad(*u);
   }
   compressed_units_.clear();
 }

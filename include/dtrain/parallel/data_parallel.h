@@ -148,6 +148,8 @@ class DataParallel {
   DataParallelStats& stats() { return stats_; }
 
  protected:
+  // The L2 norm of a gradient each rank of `shards` holds a distinct slice of (`grad`: this rank's).
+  static double sharded_norm(const Tensor& grad, comm::Communicator& shards);
   // Waits for `works` (the layout's parameter broadcasts) and broadcasts `model`'s buffers from
   // `root` beside them (host buffers staged through `dev` where the communicator takes no host
   // memory).
