@@ -20,12 +20,14 @@ wait_job() {
 
 # preempt_job NAME STEPS ARGS...: submits train.sbatch ($SBATCH_SHAPE, default -n 2), signals the batch
 # script as --signal=B:USR1@T does before the time limit, and checks that the job was
-# requeued once, resumed at the preempted step and finished at STEPS.
+# requeued once, resumed at the preempted step and finished at STEPS. Rank 0 sleeps 3 ms a step
+# (DTRAIN_TEST_SLOW) so that a run cannot end before the signal reaches it on a loaded machine.
 preempt_job() {
   local name=$1 steps=$2
   shift 2
   local id metrics out state step
-  id=$(sbatch --parsable ${SBATCH_SHAPE:--n 2} --job-name="$name" "$root/cluster/slurm/train.sbatch" --steps "$steps" "$@")
+  id=$(DTRAIN_TEST_SLOW=0:data:3 sbatch --parsable ${SBATCH_SHAPE:--n 2} --job-name="$name" \
+    "$root/cluster/slurm/train.sbatch" --steps "$steps" "$@")
   metrics="$work/runs/$name-$id/metrics.jsonl"
   for ((i = 0; i < 600; ++i)); do grep -q '"step"' "$metrics" 2>/dev/null && break; sleep 0.2; done
   scancel --batch --signal=USR1 "$id"

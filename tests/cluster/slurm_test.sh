@@ -14,7 +14,13 @@ fail() {
   echo "FAIL: $*"
   if [[ -n "${slurm_dir:-}" && -f "${slurm_dir}/env.sh" ]]; then
     scontrol show job 2>/dev/null | grep -E 'JobId=|JobState=|Restarts=|ExitCode=' || true
-    for f in "$slurm_dir"/log/*.log; do echo "== $f"; tail -15 "$f"; done 2>/dev/null || true
+    # What the daemons logged of each job (slurmd: its batch scripts' and steps' lines), then the
+    # ends of their logs.
+    for f in "$slurm_dir"/log/slurm*.log; do
+      echo "== $f"
+      grep -E 'JobId=|job [0-9]+|\[[0-9]+\.' "$f" | grep -v 'state file' | tail -40
+      tail -5 "$f"
+    done 2>/dev/null || true
   fi
   echo "FAIL: $*"
   exit 1
@@ -87,11 +93,11 @@ case "$mode" in
     bin=$2 work=$3
     rm -rf "$work" && mkdir -p "$work" && cd "$work"
     export DTRAIN_BIN=$bin
-    preempt_job dtrain 6000 --synthetic --model mlp --threads 1 --progress off --log-every 1000
+    preempt_job dtrain 3000 --synthetic --model mlp --threads 1 --progress off --log-every 100
     # The user's own --checkpoint-dir and --resume OLD: the first start resumes from OLD, the
     # requeued one from the newest set this job wrote into the user's folder.
     "$bin" train --synthetic --model mlp --steps 40 --threads 1 --progress off --checkpoint-dir "$work/old" >/dev/null
-    preempt_job dtrain-user 6000 --synthetic --model mlp --threads 1 --progress off --log-every 1000 \
+    preempt_job dtrain-user 3000 --synthetic --model mlp --threads 1 --progress off --log-every 100 \
       --checkpoint-dir "$work/mine" --resume "$work/old"
     out=$(ls -t "$work"/dtrain-*.out | head -1)
     grep -q "resumed from $work/old/ckpt-step000000040.h5 at step 40" "$out" || fail "the first start did not resume from --resume"
@@ -100,8 +106,8 @@ case "$mode" in
     [[ -z $(ls "$work/runs/dtrain-user-"*/ckpt 2>/dev/null) ]] || fail "checkpoints went to the script's folder"
     echo "PASS (dtrain-user): --resume for the first start, the job's own sets in --checkpoint-dir after the requeue"
     "$bin" convert text --inputs /usr/share/games/fortunes --out "$work/tokens" >/dev/null
-    preempt_job dtrain-gpt 20000 --model gpt --data "$work/tokens" --layers 2 --heads 2 --width 32 --context 32 \
-      --batch-size 4 --eval-every 0 --eval-batches 2 --log-every 1000 --threads 1 --progress off
+    preempt_job dtrain-gpt 3000 --model gpt --data "$work/tokens" --layers 2 --heads 2 --width 32 --context 32 \
+      --batch-size 4 --eval-every 0 --eval-batches 2 --log-every 100 --threads 1 --progress off
     ;;
   *) fail "mode must be train or preempt" ;;
 esac
