@@ -5,6 +5,7 @@
 #include <set>
 
 #include "dtrain/core/timer.h"
+#include "dtrain/parallel/zero/sharded_init.h"
 
 namespace dtrain::parallel {
 
@@ -74,17 +75,26 @@ void ShardedDataParallel::cut_into_units() {
 }
 
 // Each unit's flat layout and this rank's blocks. Every rank's model holds the same initial values
-// (drawn from the seed): each keeps its blocks of them, and at ZeRO-3 frees the rest.
+// (drawn from the seed): each keeps its blocks of them, and at ZeRO-3 frees the rest; or, built
+// shard by shard (opt.built), each rank kept only its blocks while the model was built.
 void ShardedDataParallel::lay_out_units() {
   const int64_t world = shards().size();
+  DT_CHECK(!opt_.built || (opt_.zero == 3 && opt_.built->ranks() == world && opt_.built->rank() == shards().rank()),
+           "the model was built in blocks for rank " << opt_.built->rank() << " of " << opt_.built->ranks()
+                                                     << ", not for this ZeRO-" << opt_.zero << " group");
   int64_t shard_total = 0;
+  std::vector<const ShardedInit::Unit*> built;
   for (Unit& u : units_) {
-    for (nn::Parameter* p : u.params) {
+    built.push_back(opt_.built ? opt_.built->find(u.params.front()) : nullptr);
+    DT_CHECK(!opt_.built || (built.back() && built.back()->params == u.params),
+             "unit of " << u.params.front()->name << " was not built as this model cuts it");
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      const nn::Parameter* p = u.params[i];
       DT_CHECK(p->value.dtype() == DType::F32 && p->value.device() == device_,
                "sharded data parallel keeps f32 parameters on one device; " << p->name << " is " << p->value.str());
       u.offset.push_back(u.numel);
-      u.shapes.push_back(p->value.shape());
-      u.numel += p->value.numel();
+      u.shapes.push_back(built.back() ? built.back()->shapes[i] : p->value.shape());
+      u.numel += shape_numel(u.shapes.back());
     }
     u.padded = (u.numel + world - 1) / world * world;
     u.shard_begin = shard_total;
@@ -94,7 +104,17 @@ void ShardedDataParallel::lay_out_units() {
   // ZeRO-3 keeps this rank's blocks in a buffer of their own.
   if (opt_.zero == 3) shard_.value = zeros_on({shard_total}, device_);
   shard_.grad = zeros_on({shard_total}, device_);
-  for (Unit& u : units_) {
+  for (size_t k = 0; k < units_.size(); ++k) {
+    Unit& u = units_[k];
+    if (built[k]) {
+      Tensor mine = shard_block(shard_.value, u);
+      copy_any(built[k]->block, mine);
+      for (size_t i = 0; i < u.params.size(); ++i) {
+        u.params[i]->value = empty_like_rank(u.shapes[i], device_);
+        u.params[i]->grad = empty_like_rank(u.shapes[i], device_);
+      }
+      continue;
+    }
     u.full = zeros_on({u.padded}, device_);
     if (opt_.zero == 3) {  // one unit at a time (release counts it out); ZeRO-2's values are its parameters
       gathered_bytes_ += static_cast<int64_t>(u.full.nbytes());

@@ -267,9 +267,17 @@ Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks, GptPart part, bool
     ModulePtr b = blocks ? blocks(l, rng) : make_gpt_block(cfg.width, cfg.heads, rng, cfg.copy_gemm_inputs);
     if (l < part_.first_block || l >= part_.end_block) continue;
     if (checkpoint_blocks) b = std::make_unique<Checkpointed>(std::move(b), pool);
+    if (cfg.sink) cfg.sink->unit_built({b.get()});
     blocks_.emplace_back("blocks." + std::to_string(l), std::move(b));
   }
-  if (part_.head) head_ = std::make_unique<GptHead>(cfg.width, embed_ ? &embed_->wte() : nullptr, wte.clone(), vocab);
+  if (part_.head)
+    head_ = std::make_unique<GptHead>(cfg.width, embed_ ? &embed_->wte() : nullptr, embed_ ? Tensor() : wte, vocab);
+  wte = wpe = Tensor();  // the embedding holds them (or the sink its block of them)
+  if (!cfg.sink) return;
+  const bool tied = embed_ && head_;
+  if (tied) cfg.sink->unit_built({embed_.get(), head_.get()});
+  if (embed_ && !tied) cfg.sink->unit_built({embed_.get()});
+  if (head_ && !tied) cfg.sink->unit_built({head_.get()});
 }
 
 std::string Gpt::kind() const {

@@ -229,12 +229,14 @@ void GptTask::setup(const TaskSetup& s) {
   // (GptConfig::copy_gemm_inputs; the tensor-parallel blocks keep f32 references).
   nn::GptConfig held = model_cfg_;
   held.copy_gemm_inputs = (c.precision == "bf16" || c.precision == "fp16") && tp == 1;
+  held.sink = s.built;
   model_ = std::make_unique<nn::Gpt>(
       held, tp > 1 ? parallel::tensor_parallel_gpt_blocks(c.width, c.heads, s.grid.tp()) : nn::GptBlockFactory(), part,
       c.checkpoint_activations, vocab);
   model_->to(device_);  // drawn on the host (the same numbers everywhere), trained where the engine is
   model_->train();
-  parameters_ = model_->parameter_count();  // before ZeRO-3 leaves the values empty between passes
+  // Before ZeRO-3 leaves the values empty between passes (built shard by shard: already).
+  parameters_ = s.built ? s.built->parameter_count() : model_->parameter_count();
   xent_ = tp > 1 ? std::make_unique<parallel::VocabParallelCrossEntropy>(s.grid.tp(), vocab.offset)
                  : std::make_unique<nn::SoftmaxCrossEntropy>();
 }

@@ -73,9 +73,12 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
   // Every communicator of the grid is split from the world and inherits its allreduce algorithm.
   if (!cfg_.allreduce.empty()) world_.set_allreduce_algorithm(comm::allreduce_algorithm_from_name(cfg_.allreduce));
   grid_ = std::make_unique<parallel::ProcessGrid>(world_, cfg_.tp, cfg_.pp);  // the same check on every rank
+  // ZeRO-3 over the data-parallel group keeps only this rank's blocks while the model is built.
+  if (cfg_.zero == 3 && cfg_.shard_scope == "all")
+    built_ = std::make_unique<parallel::ShardedInit>(grid_->dp_rank(), grid_->dp_size());
   comm::agree_on_inputs(world_, [this] {
     check_layout();
-    task_->setup(TaskSetup{cfg_, *grid_, device_, batch_, parts_, rt_.topology().local_size});
+    task_->setup(TaskSetup{cfg_, *grid_, device_, batch_, parts_, rt_.topology().local_size, built_.get()});
   });
   task_->connect();
   comm::agree_on_inputs(world_, [this] { setup_exchange(); });
@@ -173,7 +176,9 @@ void Trainer::setup_exchange() {
     dpo.device_stream = compute_stream_of(device_);
     if (grid_->dp_size() > 1 && comm_ == "nccl") nccl_ = gpu_gradient_communicator(grid_->dp(), device_, "dp-nccl");
     if (nccl_) nccl_->track_step_phases(true);
+    dpo.built = built_.get();
     dp_ = parallel::make_data_parallel(model, nccl_ ? *nccl_ : grid_->dp(), dpo);
+    built_.reset();  // the blocks are the shard's now
   }
   if (cfg_.pp > 1)
     pipe_ = std::make_unique<parallel::PipelineStage>(model, grid_->pp(),
@@ -248,8 +253,8 @@ void Trainer::refuse_what_cannot_fit() {
   const auto [budget, source] = memory_per_rank(cfg_.memory_per_rank_mb, device_, topo.local_size);
   if (budget <= 0) return;
   nn::Module& model = task_->model();
-  const int64_t params = model.parameter_count();
-  const std::vector<int64_t> units = unit_sizes(model);
+  const int64_t params = built_ ? built_->parameter_count() : model.parameter_count();
+  const std::vector<int64_t> units = built_ ? built_->unit_sizes() : unit_sizes(model);
   // --shard-scope node shards over a node's ranks only.
   const int dp = cfg_.shard_scope == "node" ? std::min(grid_->dp_size(), topo.local_size) : grid_->dp_size();
   const int k = optimizer_floats(cfg_);

@@ -15,6 +15,7 @@
 #include "dtrain/core/rng.h"
 #include "dtrain/nn/gpt.h"
 #include "dtrain/parallel/data_parallel.h"
+#include "dtrain/parallel/zero/sharded_init.h"
 
 using namespace dtrain;
 
@@ -24,8 +25,9 @@ comm::Communicator& world() { return comm::Runtime::get().world(); }
 
 constexpr int64_t kRows = 2, kSeq = 16;  // windows per rank and step, tokens per window
 
-nn::GptConfig tiny_gpt(int layers = 3) {
+nn::GptConfig tiny_gpt(int layers = 3, nn::UnitSink* sink = nullptr) {
   nn::GptConfig c;
+  c.sink = sink;
   c.vocab = 64;
   c.context = 16;
   c.layers = layers;
@@ -33,6 +35,11 @@ nn::GptConfig tiny_gpt(int layers = 3) {
   c.width = 32;
   c.seed = 7;
   return c;
+}
+
+parallel::DataParallelOptions with_built(parallel::DataParallelOptions o, const parallel::ShardedInit* built) {
+  o.built = built;
+  return o;
 }
 
 struct Variant {
@@ -58,8 +65,9 @@ struct GptRun {
   nn::SoftmaxCrossEntropy xent;
   std::vector<double> losses;
 
-  explicit GptRun(const parallel::DataParallelOptions& o, int layers = 3)
-      : model(tiny_gpt(layers)), dp(parallel::make_data_parallel(model, world(), o)) {
+  // built: the model is built shard by shard into it (ZeRO-3).
+  explicit GptRun(parallel::DataParallelOptions o, int layers = 3, parallel::ShardedInit* built = nullptr)
+      : model(tiny_gpt(layers, built)), dp(parallel::make_data_parallel(model, world(), with_built(o, built))) {
     optim::AdamOptions a;
     a.decoupled = true;
     a.eps = 1e-4f;  // the attention key bias's gradient is rounding noise (see zero1_groups_test.cpp)
@@ -150,6 +158,51 @@ TEST(Zero, EveryStageTrainsAsPlainDataParallel) {
   bf16.train(30);
   for (size_t i = 0; i < bf16.losses.size(); ++i)
     EXPECT_NEAR(bf16.losses[i], plain.losses[i], 1e-2 * plain.losses[i]) << "bf16 all-gathers, step " << i;
+}
+
+// ZeRO-3 built shard by shard: after the GPT's constructor every value is empty and each unit's
+// block holds the numbers a whole (one-rank) build has at that place; it trains as plain data
+// parallel, bit for bit as ZeRO-3 over a whole build.
+TEST(Zero, ShardByShardInitialisationKeepsOnlyEachRanksBlocks) {
+  const int r = world().rank(), n = world().size();
+  parallel::ShardedInit built(r, n);
+  nn::Gpt sharded(tiny_gpt(3, &built));
+  nn::Gpt whole(tiny_gpt(3));
+  for (nn::Parameter* p : sharded.parameters()) EXPECT_EQ(p->value.numel(), 0) << p->name;
+  const nn::ShardUnits cut = sharded.shard_units(), whole_cut = whole.shard_units();
+  std::map<int, std::vector<nn::Module*>> units, whole_units;
+  for (size_t i = 0; i < cut.entries.size(); ++i) {
+    units[cut.unit_of[i]].push_back(cut.entries[i]);
+    whole_units[whole_cut.unit_of[i]].push_back(whole_cut.entries[i]);
+  }
+  ASSERT_EQ(units.size(), 4u);  // the embedding with the tied head, three blocks
+  int64_t total = 0;
+  for (const auto& [u, entries] : units) {
+    const parallel::ShardedInit::Unit* got = built.find(parallel::unit_parameters(entries).front());
+    ASSERT_NE(got, nullptr) << "unit " << u;
+    std::vector<float> flat;
+    for (nn::Parameter* p : parallel::unit_parameters(whole_units[u]))
+      flat.insert(flat.end(), p->value.f32(), p->value.f32() + p->value.numel());
+    total += static_cast<int64_t>(flat.size());
+    const int64_t b = (static_cast<int64_t>(flat.size()) + n - 1) / n;
+    ASSERT_EQ(got->block.numel(), b) << "unit " << u;
+    for (int64_t j = 0; j < b; ++j) {
+      const int64_t at = r * b + j;
+      ASSERT_EQ(got->block.f32()[j], at < static_cast<int64_t>(flat.size()) ? flat[static_cast<size_t>(at)] : 0.f)
+          << "unit " << u << " element " << at;
+    }
+  }
+  EXPECT_EQ(built.parameter_count(), total);
+  EXPECT_EQ(total, whole.parameter_count());
+
+  GptRun plain(zero(3));
+  plain.train(10);
+  parallel::ShardedInit into(r, n);
+  GptRun blocks(zero(3), 3, &into);
+  blocks.train(10);
+  EXPECT_EQ(blocks.losses, plain.losses);
+  std::string where;
+  EXPECT_EQ(max_abs_diff(blocks.params(), plain.params(), &where), 0.0) << where;
 }
 
 // Gradient accumulation under ZeRO-2/3 reduce-scatters every micro-batch into the shard: the same

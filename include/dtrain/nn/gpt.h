@@ -23,6 +23,9 @@ struct GptConfig {
   // the LayerNorm, GELU and attention outputs feeding them become temporaries: under bf16/fp16 the
   // activations the GEMMs read are held in 16 bits, half the bytes, with the same arithmetic.
   bool copy_gemm_inputs = false;
+  // Given each unit as it is built (the blocks in order, then the embedding with the head): ZeRO-3
+  // keeps this rank's blocks of them. Drawn values are the same with or without one.
+  UnitSink* sink = nullptr;
 };
 
 // x [B, T, C] -> y [B, T, C]: y = proj(softmax(q k^T / sqrt(C/H)) v), heads concatenated; causal

@@ -58,6 +58,15 @@ struct ShardUnits {
   std::vector<int> unit_of;  // per entry
 };
 
+// Takes a model's units as its constructor completes each one (the units of shard_units, each
+// given by its entries in forward order): ZeRO-3 keeps this rank's block of the unit's values and
+// frees the rest (parallel::ShardedInit), so no rank holds the whole model while it is built.
+class UnitSink {
+ public:
+  virtual ~UnitSink() = default;
+  virtual void unit_built(const std::vector<Module*>& entries) = 0;
+};
+
 // Which pass is running on this thread. Buffers a module first makes inside a backward pass are
 // scratch (every micro-batch reuses them); those made in forward hold activations, which a
 // pipeline stashes per micro-batch and activation checkpointing frees. The default is forward.

@@ -38,6 +38,8 @@
 
 namespace dtrain::parallel {
 
+class ShardedInit;
+
 struct DataParallelOptions {
   int64_t bucket_bytes = 25ll << 20;  // as PyTorch DDP's default 25 MiB
   // ZeRO stage: 0 replicated, 1 optimizer state sharded, 2 gradients too, 3 parameters too.
@@ -79,6 +81,9 @@ struct DataParallelOptions {
   // queued, before anything that waits for the GPU (which would hang on a stuck collective instead
   // of timing out); begin_backward() calls it too. Null: finish() waits on the host.
   void* device_stream = nullptr;
+  // ZeRO-3: the blocks this rank kept while the model was built (zero/sharded_init.h); null: the
+  // model is whole and each rank takes its blocks of it.
+  const ShardedInit* built = nullptr;
 };
 
 struct DataParallelStats {

@@ -13,6 +13,7 @@
 #include "dtrain/nn/module.h"
 #include "dtrain/optim/optimizer.h"
 #include "dtrain/parallel/pipeline.h"
+#include "dtrain/parallel/zero/sharded_init.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/config.h"
 #include "dtrain/train/metrics.h"
@@ -26,11 +27,12 @@ namespace dtrain::train {
 // What the loop has decided when a task builds its part of the run.
 struct TaskSetup {
   const TrainConfig& cfg;
-  parallel::ProcessGrid& grid;  // dp x tp x pp over the run's ranks
-  Device device;                // where the model trains
-  int64_t batch = 0;            // this rank's rows per micro-batch of --accumulate (the global batch split)
-  int parts = 1;                // micro-batches per step: --accumulate, or the pipeline's --micro-batches
-  int ranks_on_node = 1;        // the ranks sharing this one's node (they split --data-cache-mb)
+  parallel::ProcessGrid& grid;             // dp x tp x pp over the run's ranks
+  Device device;                           // where the model trains
+  int64_t batch = 0;                       // this rank's rows per micro-batch of --accumulate (the global batch split)
+  int parts = 1;                           // micro-batches per step: --accumulate, or the pipeline's --micro-batches
+  int ranks_on_node = 1;                   // the ranks sharing this one's node (they split --data-cache-mb)
+  parallel::ShardedInit* built = nullptr;  // ZeRO-3: the sink of the model's units as they are built
 };
 
 struct EvalResult {
@@ -91,7 +93,7 @@ class Task {
   // d(loss)/d(output) times `grad_scale`.
   virtual Tensor micro_input(int k, int parts) = 0;
   virtual Tensor micro_loss(const Tensor& out, int k, int parts, Tensor& stats, float grad_scale) = 0;
-  virtual int64_t step_units() const = 0;  // this rank's samples or tokens of the loaded step
+  virtual int64_t step_units() const = 0;                           // this rank's samples or tokens of the loaded step
   virtual std::string bad_label(int64_t step, int rank) const = 0;  // the message for an out-of-range label
 
   // After the gradient exchange, before the step: gradients the layout keeps twice (a tied weight

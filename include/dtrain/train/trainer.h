@@ -23,6 +23,7 @@
 #include "dtrain/parallel/data_parallel.h"
 #include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/process_grid.h"
+#include "dtrain/parallel/zero/sharded_init.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/config.h"
 #include "dtrain/train/metrics.h"
@@ -164,6 +165,8 @@ class Trainer {
   std::string comm_ = "mpi";                  // how device tensors travel: "nccl" or "mpi (host-staged)" (choose_comm)
   std::unique_ptr<comm::Communicator> nccl_;  // data parallel on GPUs (declared before dp_, which uses it)
   std::unique_ptr<parallel::DataParallel> dp_;
+  // ZeRO-3: this rank's blocks of the model's values, kept as the model was built; handed to dp_.
+  std::unique_ptr<parallel::ShardedInit> built_;
   std::unique_ptr<parallel::PipelineStage> pipe_;
   std::unique_ptr<optim::Optimizer> opt_;
   std::unique_ptr<optim::LrSchedule> sched_;

@@ -1,0 +1,66 @@
+#include "dtrain/parallel/zero/sharded_init.h"
+
+#include <algorithm>
+#include <set>
+
+namespace dtrain::parallel {
+
+std::vector<nn::Parameter*> unit_parameters(const std::vector<nn::Module*>& entries) {
+  std::vector<nn::Parameter*> params;
+  std::set<nn::Parameter*> seen;
+  for (nn::Module* m : entries)
+    for (nn::Parameter* p : m->parameters())
+      if (seen.insert(p).second) params.push_back(p);
+  return params;
+}
+
+ShardedInit::ShardedInit(int rank, int ranks) : rank_(rank), ranks_(ranks) {
+  DT_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "ShardedInit: rank " << rank << " of " << ranks);
+}
+
+void ShardedInit::unit_built(const std::vector<nn::Module*>& entries) {
+  Unit u;
+  u.params = unit_parameters(entries);
+  if (u.params.empty()) return;
+  int64_t numel = 0;
+  for (const nn::Parameter* p : u.params) numel += p->value.numel();
+  const int64_t block = (numel + ranks_ - 1) / ranks_, begin = rank_ * block;
+  u.block = Tensor::zeros({block});
+  int64_t offset = 0;
+  for (nn::Parameter* p : u.params) {
+    DT_CHECK(p->value.dtype() == DType::F32 && p->value.device().is_cpu(),
+             "shard-by-shard initialisation takes f32 values on the host; " << p->name << " is " << p->value.str());
+    const int64_t n = p->value.numel();
+    const int64_t first = std::max(begin, offset), last = std::min(begin + block, offset + n);
+    if (first < last)
+      std::copy(p->value.f32() + (first - offset), p->value.f32() + (last - offset), u.block.f32() + (first - begin));
+    u.shapes.push_back(p->value.shape());
+    p->value = Tensor::empty(Shape(u.shapes.back().size(), 0));  // of the parameter's rank, as between passes
+    offset += n;
+  }
+  const nn::Parameter* first = u.params.front();
+  units_[first] = std::move(u);
+}
+
+const ShardedInit::Unit* ShardedInit::find(const nn::Parameter* first) const {
+  auto it = units_.find(first);
+  return it == units_.end() ? nullptr : &it->second;
+}
+
+int64_t ShardedInit::parameter_count() const {
+  int64_t n = 0;
+  for (int64_t s : unit_sizes()) n += s;
+  return n;
+}
+
+std::vector<int64_t> ShardedInit::unit_sizes() const {
+  std::vector<int64_t> sizes;
+  for (const auto& [first, u] : units_) {
+    int64_t n = 0;
+    for (const Shape& s : u.shapes) n += shape_numel(s);
+    sizes.push_back(n);
+  }
+  return sizes;
+}
+
+}  // namespace dtrain::parallel
