@@ -102,13 +102,17 @@ void ShardedDataParallel::lay_out_units() {
   }
   // ZeRO-2's masters are the whole values themselves (each piece a view of its block of them);
   // ZeRO-3 keeps this rank's blocks in a buffer of their own.
-  if (opt_.zero == 3) shard_.value = zeros_on({shard_total}, device_);
+  // Built in blocks, the shard is written block by block as the blocks are freed (its pages are
+  // touched no sooner): the two are not held at once.
+  if (opt_.zero == 3)
+    shard_.value = opt_.built ? Tensor::empty({shard_total}, DType::F32, device_) : zeros_on({shard_total}, device_);
   shard_.grad = zeros_on({shard_total}, device_);
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = units_[k];
     if (built[k]) {
       Tensor mine = shard_block(shard_.value, u);
       copy_any(built[k]->block, mine);
+      opt_.built->free_block(u.params.front());
       for (size_t i = 0; i < u.params.size(); ++i) {
         u.params[i]->value = empty_like_rank(u.shapes[i], device_);
         u.params[i]->grad = empty_like_rank(u.shapes[i], device_);

@@ -47,6 +47,8 @@ const ShardedInit::Unit* ShardedInit::find(const nn::Parameter* first) const {
   return it == units_.end() ? nullptr : &it->second;
 }
 
+void ShardedInit::free_block(const nn::Parameter* first) { units_.at(first).block = Tensor(); }
+
 int64_t ShardedInit::parameter_count() const {
   int64_t n = 0;
   for (int64_t s : unit_sizes()) n += s;

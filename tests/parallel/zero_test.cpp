@@ -37,7 +37,7 @@ nn::GptConfig tiny_gpt(int layers = 3, nn::UnitSink* sink = nullptr) {
   return c;
 }
 
-parallel::DataParallelOptions with_built(parallel::DataParallelOptions o, const parallel::ShardedInit* built) {
+parallel::DataParallelOptions with_built(parallel::DataParallelOptions o, parallel::ShardedInit* built) {
   o.built = built;
   return o;
 }

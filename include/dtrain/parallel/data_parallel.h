@@ -81,9 +81,10 @@ struct DataParallelOptions {
   // queued, before anything that waits for the GPU (which would hang on a stuck collective instead
   // of timing out); begin_backward() calls it too. Null: finish() waits on the host.
   void* device_stream = nullptr;
-  // ZeRO-3: the blocks this rank kept while the model was built (zero/sharded_init.h); null: the
-  // model is whole and each rank takes its blocks of it.
-  const ShardedInit* built = nullptr;
+  // ZeRO-3: the blocks this rank kept while the model was built (zero/sharded_init.h), which the
+  // shard takes over (each block is freed once copied); null: the model is whole and each rank
+  // takes its blocks of it.
+  ShardedInit* built = nullptr;
 };
 
 struct DataParallelStats {
