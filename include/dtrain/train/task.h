@@ -27,12 +27,14 @@ namespace dtrain::train {
 // What the loop has decided when a task builds its part of the run.
 struct TaskSetup {
   const TrainConfig& cfg;
-  parallel::ProcessGrid& grid;             // dp x tp x pp over the run's ranks
-  Device device;                           // where the model trains
-  int64_t batch = 0;                       // this rank's rows per micro-batch of --accumulate (the global batch split)
-  int parts = 1;                           // micro-batches per step: --accumulate, or the pipeline's --micro-batches
-  int ranks_on_node = 1;                   // the ranks sharing this one's node (they split --data-cache-mb)
-  parallel::ShardedInit* built = nullptr;  // ZeRO-3: the sink of the model's units as they are built
+  parallel::ProcessGrid& grid;  // dp x tp x pp over the run's ranks
+  Device device;                // where the model trains
+  int64_t batch = 0;            // this rank's rows per micro-batch of --accumulate (the global batch split)
+  int parts = 1;                // micro-batches per step: --accumulate, or the pipeline's --micro-batches
+  int ranks_on_node = 1;        // the ranks sharing this one's node (they split --data-cache-mb)
+  // ZeRO-3: the sink of the model's units as they are built; a task that builds its model whole
+  // leaves it empty.
+  parallel::ShardedInit* built = nullptr;
 };
 
 struct EvalResult {

@@ -26,6 +26,7 @@ class ShardedInit final : public nn::UnitSink {
 
   const Unit* find(const nn::Parameter* first) const;  // the unit whose first parameter is `first`
   void free_block(const nn::Parameter* first);         // that unit's block, once the shard holds it
+  bool empty() const { return units_.empty(); }        // no unit was built into it
   int rank() const { return rank_; }
   int ranks() const { return ranks_; }
   int64_t parameter_count() const;          // the elements of the units' values
