@@ -17,6 +17,16 @@ Tensor empty_like_rank(const Shape& shape, Device dev) {
 }
 }  // namespace
 
+ShardGroups shard_groups(comm::Communicator& dp, const std::string& scope) {
+  if (scope != "node") return {};
+  comm::NodeSplit split = comm::split_by_node(dp);
+  DT_INPUT_CHECK(split.uniform,
+                 "option --shard-scope node needs as many data-parallel ranks on every node; "
+                 "this job's nodes hold different counts");
+  if (split.cross->size() == 1) return {};  // on one node the node is the whole data-parallel group
+  return {std::move(split.node), std::move(split.cross)};
+}
+
 ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& comm, DataParallelOptions opt)
     : model_(model), comm_(comm), opt_(opt) {
   DT_CHECK(opt.zero == 2 || opt.zero == 3, "ShardedDataParallel takes ZeRO 2 or 3, not " << opt.zero);
@@ -28,16 +38,9 @@ ShardedDataParallel::ShardedDataParallel(nn::Module& model, comm::Communicator& 
     hook_ = make_grad_hook({opt.compression, opt.compression_scope, opt.seed}, comm);
     if (opt.momentum_correction > 0) hook_->set_momentum_correction(opt.momentum_correction);
   }
-  if (opt.shard_scope == "node") {
-    comm::NodeSplit split = comm::split_by_node(comm);
-    DT_INPUT_CHECK(split.uniform,
-                   "option --shard-scope node needs as many data-parallel ranks on every node; "
-                   "this job's nodes hold different counts");
-    if (split.cross->size() > 1) {  // on one node the node is the whole data-parallel group
-      node_ = std::move(split.node);
-      cross_ = std::move(split.cross);
-    }
-  }
+  ShardGroups groups = shard_groups(comm, opt.shard_scope);
+  node_ = std::move(groups.node);
+  cross_ = std::move(groups.cross);
   cut_into_units();
   lay_out_units();
   make_pieces();

@@ -31,6 +31,7 @@
 #include "dtrain/optim/large_batch.h"
 #include "dtrain/parallel/tensor_parallel.h"
 #include "dtrain/parallel/zero/memory_plan.h"
+#include "dtrain/parallel/zero/sharded_data_parallel.h"
 #include "dtrain/train/provenance.h"
 #include "dtrain/train/signals.h"
 #include "dtrain/train/step_support.h"
@@ -73,9 +74,15 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
   // Every communicator of the grid is split from the world and inherits its allreduce algorithm.
   if (!cfg_.allreduce.empty()) world_.set_allreduce_algorithm(comm::allreduce_algorithm_from_name(cfg_.allreduce));
   grid_ = std::make_unique<parallel::ProcessGrid>(world_, cfg_.tp, cfg_.pp);  // the same check on every rank
-  // ZeRO-3 over the data-parallel group keeps only this rank's blocks while the model is built.
-  if (cfg_.zero == 3 && cfg_.shard_scope == "all")
-    built_ = std::make_unique<parallel::ShardedInit>(grid_->dp_rank(), grid_->dp_size());
+  // ZeRO-3 keeps only this rank's blocks while the model is built: of the data-parallel group's
+  // blocks, or with --shard-scope node of its node's.
+  if (cfg_.zero == 3) {
+    comm::agree_on_inputs(world_, [this] {
+      const parallel::ShardGroups g = parallel::shard_groups(grid_->dp(), cfg_.shard_scope);
+      const comm::Communicator& over = g.node ? *g.node : grid_->dp();
+      built_ = std::make_unique<parallel::ShardedInit>(over.rank(), over.size());
+    });
+  }
   comm::agree_on_inputs(world_, [this] {
     check_layout();
     task_->setup(TaskSetup{cfg_, *grid_, device_, batch_, parts_, rt_.topology().local_size, built_.get()});

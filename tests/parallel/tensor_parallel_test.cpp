@@ -295,6 +295,30 @@ TEST(TensorParallel, ZeroStagesWithinTheDataParallelGroupMatchTp2) {
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// --shard-scope node at ZeRO-3 on 2 nodes of 2 ranks (the DTRAIN_TEST_RANKS_PER_NODE hook): the
+// GPT is built in its node's blocks (a mismatch with the node's shard group stops the set-up) and
+// every step's loss equals plain data parallel's within 1e-5.
+TEST(TensorParallel, ZeroShardScopeNodeBuildsTheGptInNodeBlocks) {
+  if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks (2 emulated nodes of 2)";
+  int pid = static_cast<int>(::getpid());
+  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  std::filesystem::path dir = "/tmp/dtrain-node-zero-" + std::to_string(pid);
+  if (world().rank() == 0) test::write_lm_corpus(dir, "the quick brown fox", 600);
+  world().barrier();
+  ::setenv("DTRAIN_TEST_RANKS_PER_NODE", "2", 1);
+  train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
+  const train::TrainResult want = train::train_lm(c, &world());
+  c.zero = 3;
+  c.shard_scope = "node";
+  const train::TrainResult got = train::train_lm(c, &world());
+  ::unsetenv("DTRAIN_TEST_RANKS_PER_NODE");
+  ASSERT_EQ(got.step_losses.size(), want.step_losses.size());
+  for (size_t i = 0; i < want.step_losses.size(); ++i)
+    EXPECT_NEAR(got.step_losses[i], want.step_losses[i], 1e-5 * want.step_losses[i]) << "step " << i;
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
 // ------------------------------------------------------------------ pipeline parallel
 
 TEST(Pipeline, SchedulesRunEveryMicroBatchOnceForwardBeforeBackward) {

@@ -31,11 +31,20 @@
 // compressor's bytes with ZeRO's optimizer (and, at 3, parameter) memory.
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "dtrain/parallel/data_parallel.h"
 
 namespace dtrain::parallel {
+
+// The ranks ZeRO-2/3 shard over: with --shard-scope node and several nodes, this node's
+// data-parallel ranks (node) and the ranks of this local rank on every node (cross); else none
+// (the whole data-parallel group). Collective over `dp`.
+struct ShardGroups {
+  std::unique_ptr<comm::Communicator> node, cross;
+};
+ShardGroups shard_groups(comm::Communicator& dp, const std::string& scope);
 
 class ShardedDataParallel final : public DataParallel {
  public:
