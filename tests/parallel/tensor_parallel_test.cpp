@@ -240,16 +240,24 @@ TEST(TensorParallel, GptTpOverAllRanksMatchesOneRank) {
   expect_tp_matches_one_rank(world().size(), 10);
 }
 
+namespace {
+// A small text corpus converted to token shards in a fresh directory (rank 0 writes it).
+std::filesystem::path make_corpus(const std::string& tag) {
+  int pid = static_cast<int>(::getpid());
+  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  std::filesystem::path dir = "/tmp/dtrain-" + tag + "-" + std::to_string(pid);
+  if (world().rank() == 0) test::write_lm_corpus(dir, "the quick brown fox", 600);
+  world().barrier();
+  return dir;
+}
+}  // namespace
+
 // The language-model trainer with --tp 2 over the world gives the losses of one rank (dp groups
 // draw their own windows, so the comparison runs at dp = 1), and its checkpoint, gathered into the
 // one-rank layout, reloads on one rank to the same validation loss.
 TEST(TensorParallel, LmTrainerTp2MatchesOneRankAndCheckpointReloads) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (tp 2, dp 1)";
-  int pid = static_cast<int>(::getpid());
-  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  std::filesystem::path dir = "/tmp/dtrain-tp-lm-" + std::to_string(pid);
-  if (world().rank() == 0) test::write_lm_corpus(dir, "the quick brown fox", 600);
-  world().barrier();
+  const std::filesystem::path dir = make_corpus("tp-lm");
   train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
   auto solo = world().split(world().rank(), 0, "solo");
   train::TrainResult ref = train::train_lm(c, solo.get());
@@ -272,11 +280,7 @@ TEST(TensorParallel, LmTrainerTp2MatchesOneRankAndCheckpointReloads) {
 // each step with the loss of tp 2 without ZeRO within 1e-5, with a clipping threshold low enough
 // to clip every step (the norm then adds the optimizer's pieces over dp, the split ones over tp).
 TEST(TensorParallel, ZeroStagesWithinTheDataParallelGroupMatchTp2) {
-  int pid = static_cast<int>(::getpid());
-  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  std::filesystem::path dir = "/tmp/dtrain-tp-zero-" + std::to_string(pid);
-  if (world().rank() == 0) test::write_lm_corpus(dir, "the quick brown fox", 600);
-  world().barrier();
+  const std::filesystem::path dir = make_corpus("tp-zero");
   train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
   c.tp = 2;
   c.lr = 3e-3f;
@@ -300,11 +304,7 @@ TEST(TensorParallel, ZeroStagesWithinTheDataParallelGroupMatchTp2) {
 // every step's loss equals plain data parallel's within 1e-5.
 TEST(TensorParallel, ZeroShardScopeNodeBuildsTheGptInNodeBlocks) {
   if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks (2 emulated nodes of 2)";
-  int pid = static_cast<int>(::getpid());
-  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  std::filesystem::path dir = "/tmp/dtrain-node-zero-" + std::to_string(pid);
-  if (world().rank() == 0) test::write_lm_corpus(dir, "the quick brown fox", 600);
-  world().barrier();
+  const std::filesystem::path dir = make_corpus("node-zero");
   ::setenv("DTRAIN_TEST_RANKS_PER_NODE", "2", 1);
   train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
   const train::TrainResult want = train::train_lm(c, &world());
@@ -404,15 +404,6 @@ TEST(Pipeline, OneFOneBHoldsFewerActivationsThanGPipe) {
 }
 
 namespace {
-// A small text corpus converted to token shards in a fresh directory (rank 0 writes it).
-std::filesystem::path make_corpus(const std::string& tag) {
-  int pid = static_cast<int>(::getpid());
-  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  std::filesystem::path dir = "/tmp/dtrain-" + tag + "-" + std::to_string(pid);
-  if (world().rank() == 0) test::write_lm_corpus(dir, "the quick brown fox", 600);
-  world().barrier();
-  return dir;
-}
 
 // The LM trainer in layout (tp, pp) over the whole world (dp 1) against one rank: every step's
 // loss and the validation loss within 1e-5; the checkpoint, one part per stage, reloads on one
