@@ -136,6 +136,7 @@ void ShardedDataParallel::lay_out_units() {
     for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->grad = empty_like_rank(u.shapes[i], device_);
     release(u);
   }
+  opt_.built = nullptr;  // the blocks are the shard now; the sink goes with the build
 }
 
 // The parameters' parts in this rank's blocks: 1-D views into the shard (named as their

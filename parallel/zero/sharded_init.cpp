@@ -35,7 +35,9 @@ void ShardedInit::unit_built(const std::vector<nn::Module*>& entries) {
     if (first < last)
       std::copy(p->value.f32() + (first - offset), p->value.f32() + (last - offset), u.block.f32() + (first - begin));
     u.shapes.push_back(p->value.shape());
-    p->value = Tensor::empty(Shape(u.shapes.back().size(), 0));  // of the parameter's rank, as between passes
+    // Empty, of the parameter's rank, as between passes; so is the gradient the layer made whole.
+    p->value = Tensor::empty(Shape(u.shapes.back().size(), 0));
+    p->grad = Tensor::empty(Shape(u.shapes.back().size(), 0));
     offset += n;
   }
   const nn::Parameter* first = u.params.front();

@@ -273,6 +273,7 @@ Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks, GptPart part, bool
   if (part_.head)
     head_ = std::make_unique<GptHead>(cfg.width, embed_ ? &embed_->wte() : nullptr, embed_ ? Tensor() : wte, vocab);
   wte = wpe = Tensor();  // the embedding holds them (or the sink its block of them)
+  cfg_.sink = nullptr;   // the sink lives as long as the build only
   if (!cfg.sink) return;
   const bool tied = embed_ && head_;
   if (tied) cfg.sink->unit_built({embed_.get(), head_.get()});

@@ -168,7 +168,10 @@ TEST(Zero, ShardByShardInitialisationKeepsOnlyEachRanksBlocks) {
   parallel::ShardedInit built(r, n);
   nn::Gpt sharded(tiny_gpt(3, &built));
   nn::Gpt whole(tiny_gpt(3));
-  for (nn::Parameter* p : sharded.parameters()) EXPECT_EQ(p->value.numel(), 0) << p->name;
+  for (nn::Parameter* p : sharded.parameters()) {
+    EXPECT_EQ(p->value.numel(), 0) << p->name;
+    EXPECT_EQ(p->grad.numel(), 0) << p->name;
+  }
   const nn::ShardUnits cut = sharded.shard_units(), whole_cut = whole.shard_units();
   std::map<int, std::vector<nn::Module*>> units, whole_units;
   for (size_t i = 0; i < cut.entries.size(); ++i) {
