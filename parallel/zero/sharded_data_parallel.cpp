@@ -99,7 +99,7 @@ void ShardedDataParallel::lay_out_units() {
       u.shapes.push_back(built.back() ? built.back()->shapes[i] : p->value.shape());
       u.numel += shape_numel(u.shapes.back());
     }
-    u.padded = (u.numel + world - 1) / world * world;
+    u.padded = unit_block_numel(u.numel, world) * world;
     u.shard_begin = shard_total;
     shard_total += u.padded / world;
   }

@@ -24,7 +24,7 @@ void ShardedInit::unit_built(const std::vector<nn::Module*>& entries) {
   if (u.params.empty()) return;
   int64_t numel = 0;
   for (const nn::Parameter* p : u.params) numel += p->value.numel();
-  const int64_t block = (numel + ranks_ - 1) / ranks_, begin = rank_ * block;
+  const int64_t block = unit_block_numel(numel, ranks_), begin = rank_ * block;
   u.block = Tensor::zeros({block});
   int64_t offset = 0;
   for (nn::Parameter* p : u.params) {

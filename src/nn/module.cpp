@@ -106,6 +106,16 @@ Device device_of(Module& m) {
   return params.empty() ? Device::cpu() : params.front()->value.device();
 }
 
+std::vector<std::vector<Module*>> ShardUnits::by_unit() const {
+  std::vector<std::vector<Module*>> units;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto u = static_cast<size_t>(unit_of[i]);
+    if (units.size() <= u) units.resize(u + 1);
+    units[u].push_back(entries[i]);
+  }
+  return units;
+}
+
 int64_t Module::parameter_count() {
   int64_t n = 0;
   for (Parameter* p : parameters()) n += p->value.numel();

@@ -13,7 +13,6 @@
 #include <functional>
 #include <map>
 #include <random>
-#include <set>
 #include <sstream>
 #include <thread>
 
@@ -238,14 +237,10 @@ int optimizer_floats(const TrainConfig& c) {  // f32 values the optimizer keeps 
 }
 
 std::vector<int64_t> unit_sizes(nn::Module& model) {
-  const nn::ShardUnits cut = model.shard_units();
-  std::map<int, std::set<nn::Parameter*>> units;
-  for (size_t i = 0; i < cut.entries.size(); ++i)
-    for (nn::Parameter* p : cut.entries[i]->parameters()) units[cut.unit_of[i]].insert(p);
   std::vector<int64_t> sizes;
-  for (const auto& [u, params] : units) {
+  for (const std::vector<nn::Module*>& entries : model.shard_units().by_unit()) {
     int64_t n = 0;
-    for (nn::Parameter* p : params) n += p->value.numel();
+    for (const nn::Parameter* p : parallel::unit_parameters(entries)) n += p->value.numel();
     sizes.push_back(n);
   }
   return sizes;

@@ -172,16 +172,13 @@ TEST(Zero, ShardByShardInitialisationKeepsOnlyEachRanksBlocks) {
     EXPECT_EQ(p->value.numel(), 0) << p->name;
     EXPECT_EQ(p->grad.numel(), 0) << p->name;
   }
-  const nn::ShardUnits cut = sharded.shard_units(), whole_cut = whole.shard_units();
-  std::map<int, std::vector<nn::Module*>> units, whole_units;
-  for (size_t i = 0; i < cut.entries.size(); ++i) {
-    units[cut.unit_of[i]].push_back(cut.entries[i]);
-    whole_units[whole_cut.unit_of[i]].push_back(whole_cut.entries[i]);
-  }
+  const std::vector<std::vector<nn::Module*>> units = sharded.shard_units().by_unit(),
+                                              whole_units = whole.shard_units().by_unit();
   ASSERT_EQ(units.size(), 4u);  // the embedding with the tied head, three blocks
+  ASSERT_EQ(whole_units.size(), units.size());
   int64_t total = 0;
-  for (const auto& [u, entries] : units) {
-    const parallel::ShardedInit::Unit* got = built.find(parallel::unit_parameters(entries).front());
+  for (size_t u = 0; u < units.size(); ++u) {
+    const parallel::ShardedInit::Unit* got = built.find(parallel::unit_parameters(units[u]).front());
     ASSERT_NE(got, nullptr) << "unit " << u;
     std::vector<float> flat;
     for (nn::Parameter* p : parallel::unit_parameters(whole_units[u]))

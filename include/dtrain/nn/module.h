@@ -55,7 +55,8 @@ class Module;
 // its head share the tied weight), and owns every parameter below its entries.
 struct ShardUnits {
   std::vector<Module*> entries;
-  std::vector<int> unit_of;  // per entry
+  std::vector<int> unit_of;                           // per entry
+  std::vector<std::vector<Module*>> by_unit() const;  // each unit's entries, in forward order
 };
 
 // Takes a model's units as its constructor completes each one (the units of shard_units, each

@@ -122,9 +122,8 @@ class ShardedDataParallel final : public DataParallel {
   void retire(Pending& p);  // adds a finished reduce-scatter into the shard's gradient
   void retire_finished(bool wait_all);
   Tensor take_buffer(int64_t numel);  // a spare of that size, or a new one
-  void give_buffer(Tensor& t);
-  void free_grad(Unit& u);  // u's gradient buffer back, its parameters' gradients empty again        // kept as the
-                            // spare (or freed); t is left empty
+  void give_buffer(Tensor& t);        // kept as the spare (or freed); t is left empty
+  void free_grad(Unit& u);            // u's gradient buffer back, its parameters' gradients empty again
   void exchange_compressed(Unit& u);  // the unit's gradient through the hook
   void keep_compressed_blocks();      // after the hook's works: each rank's block into its shard
   static Tensor view(const Tensor& flat, const Unit& u, size_t i);  // parameter i's part of a unit vector

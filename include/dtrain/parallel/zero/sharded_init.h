@@ -40,4 +40,8 @@ class ShardedInit final : public nn::UnitSink {
 // A unit's parameters: those of its entries, each once, in order.
 std::vector<nn::Parameter*> unit_parameters(const std::vector<nn::Module*>& entries);
 
+// The elements of each rank's block of a unit of `numel` values over `ranks` ranks: the unit's flat
+// vector padded to a multiple of the ranks, cut in equal blocks.
+inline int64_t unit_block_numel(int64_t numel, int64_t ranks) { return (numel + ranks - 1) / ranks; }
+
 }  // namespace dtrain::parallel
