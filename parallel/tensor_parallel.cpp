@@ -19,10 +19,19 @@ void allreduce_sum(comm::Communicator& c, Tensor& t) {
 
 // ------------------------------------------------------------------ ColumnParallelLinear
 ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp,
-                                           int64_t chunks)
-    : nn::Linear(in, out / tp.size()), full_out_(out), chunks_(chunks), tp_(tp) {
-  DT_INPUT_CHECK(in > 0 && chunks > 0 && out % (chunks * tp.size()) == 0,
-                 "ColumnParallelLinear(" << in << ", " << out << "): " << chunks
+                                           std::vector<int64_t> blocks)
+    : nn::Linear(in, out / tp.size()),
+      full_out_(out),
+      blocks_(blocks.empty() ? std::vector<int64_t>{out} : std::move(blocks)),
+      tp_(tp) {
+  int64_t sum = 0;
+  bool even = true;
+  for (int64_t b : blocks_) {
+    sum += b;
+    even = even && b > 0 && b % tp.size() == 0;
+  }
+  DT_INPUT_CHECK(in > 0 && sum == out && even,
+                 "ColumnParallelLinear(" << in << ", " << out << "): its " << blocks_.size()
                                          << " block(s) of outputs must split over " << tp.size() << " tp ranks");
   auto [w, b] = nn::Linear::init(in, out, bias, rng);  // the one-rank layer's draws, then this rank's rows
   set_parameters(shard_of(w), bias ? shard_of(b) : Tensor());
@@ -36,16 +45,19 @@ std::string ColumnParallelLinear::kind() const {
 Tensor ColumnParallelLinear::shard_of(const Tensor& full) const {
   DT_CHECK(full.dim() >= 1 && full.size(0) == full_out_, kind() << ": cannot shard " << full.str());
   const int64_t row = full.numel() / full_out_;  // elements per output row
-  const int64_t block = full_out_ / chunks_, mine = block / tp_.size();
   Shape s = full.shape();
   s[0] = out_;
   Tensor t = Tensor::empty(s, full.dtype());
-  const size_t bytes = static_cast<size_t>(mine * row) * dtype_size(full.dtype());
-  for (int64_t k = 0; k < chunks_; ++k)  // rows [k*block + r*mine, k*block + (r+1)*mine) of every block
-    std::memcpy(static_cast<char*>(t.raw()) + k * bytes,
-                static_cast<const char*>(full.raw()) +
-                    static_cast<size_t>((k * block + tp_.rank() * mine) * row) * dtype_size(full.dtype()),
-                bytes);
+  const size_t es = dtype_size(full.dtype());
+  int64_t start = 0, at = 0;
+  for (int64_t block : blocks_) {  // rows [start + r*mine, start + (r+1)*mine) of every block
+    const int64_t mine = block / tp_.size();
+    std::memcpy(static_cast<char*>(t.raw()) + static_cast<size_t>(at * row) * es,
+                static_cast<const char*>(full.raw()) + static_cast<size_t>((start + tp_.rank() * mine) * row) * es,
+                static_cast<size_t>(mine * row) * es);
+    start += block;
+    at += mine;
+  }
   return t;
 }
 
@@ -57,15 +69,22 @@ Tensor ColumnParallelLinear::gather_full(const Tensor& on_device) const {
     tp_.allgather(local, all)->wait();
   else
     all.copy_from(local.reshape({n}));
-  const int64_t row = n / out_, block = full_out_ / chunks_, mine = block / tp;
+  const int64_t row = n / out_;
   Shape s = local.shape();
   s[0] = full_out_;
   Tensor full = Tensor::empty(s, local.dtype());
-  const size_t es = dtype_size(local.dtype()), bytes = static_cast<size_t>(mine * row) * es;
-  for (int64_t r = 0; r < tp; ++r)  // rank r's block k holds full rows [k*block + r*mine, +mine)
-    for (int64_t k = 0; k < chunks_; ++k)
-      std::memcpy(static_cast<char*>(full.raw()) + static_cast<size_t>((k * block + r * mine) * row) * es,
-                  static_cast<const char*>(all.raw()) + static_cast<size_t>(r * n) * es + k * bytes, bytes);
+  const size_t es = dtype_size(local.dtype());
+  for (int64_t r = 0; r < tp; ++r) {  // rank r's part of a block starting at `start` is rows [start + r*mine, +mine)
+    int64_t start = 0, at = 0;
+    for (int64_t block : blocks_) {
+      const int64_t mine = block / tp;
+      std::memcpy(static_cast<char*>(full.raw()) + static_cast<size_t>((start + r * mine) * row) * es,
+                  static_cast<const char*>(all.raw()) + static_cast<size_t>(r * n + at * row) * es,
+                  static_cast<size_t>(mine * row) * es);
+      start += block;
+      at += mine;
+    }
+  }
   return full;
 }
 
@@ -134,30 +153,18 @@ Tensor RowParallelLinear::forward(const Tensor& x) {
 }
 
 // ------------------------------------------------------------------ GPT blocks
-nn::GptBlockFactory tensor_parallel_gpt_blocks(int64_t width, int64_t heads, comm::Communicator& tp) {
-  DT_INPUT_CHECK(heads % tp.size() == 0 && width % heads == 0,
-                 "tensor parallel GPT: " << heads << " heads must split over " << tp.size()
-                                         << " tp ranks and divide the width " << width);
-  return [width, heads, &tp](int64_t, Rng& rng) -> nn::ModulePtr {
-    // The same draws, in the same order, as nn::make_gpt_block: qkv, proj, fc, fc2.
-    const int64_t hd = width / heads;
-    auto qkv = std::make_unique<ColumnParallelLinear>(width, 3 * width, true, rng, tp, 3);
-    auto proj = std::make_unique<RowParallelLinear>(width, width, true, rng, tp);
-    auto attn = std::make_unique<nn::Sequential>();
-    attn->add(std::make_unique<nn::LayerNorm>(width));
-    attn->add(std::make_unique<nn::SelfAttention>(std::move(qkv), std::move(proj), width, heads / tp.size(), hd));
-    auto mlp = std::make_unique<nn::Sequential>();
-    mlp->add(std::make_unique<nn::LayerNorm>(width));
-    mlp->add(std::make_unique<ColumnParallelLinear>(width, 4 * width, true, rng, tp));
-    mlp->add(nn::GELU());
-    auto fc2 = std::make_unique<RowParallelLinear>(4 * width, width, true, rng, tp);
-    fc2->set_output_temporary(true);  // used up by the residual add
-    mlp->add(std::move(fc2));
-    auto block = std::make_unique<nn::Sequential>();
-    block->add(std::make_unique<nn::Residual>(std::move(attn)));
-    block->add(std::make_unique<nn::Residual>(std::move(mlp)));
-    return block;
+nn::GptBlockFactory tensor_parallel_gpt_blocks(const nn::GptConfig& cfg, comm::Communicator& tp) {
+  nn::BlockLinears linears;
+  linears.ranks = tp.size();
+  linears.column = [&tp](int64_t in, const std::vector<int64_t>& blocks, bool bias, Rng& rng) -> nn::ModulePtr {
+    int64_t out = 0;
+    for (int64_t b : blocks) out += b;
+    return std::make_unique<ColumnParallelLinear>(in, out, bias, rng, tp, blocks);
   };
+  linears.row = [&tp](int64_t in, int64_t out, bool bias, Rng& rng) -> nn::ModulePtr {
+    return std::make_unique<RowParallelLinear>(in, out, bias, rng, tp);
+  };
+  return [cfg, linears](int64_t, Rng& rng) { return nn::make_lm_block(cfg, rng, &linears); };
 }
 
 nn::GptVocabShard vocab_parallel_shard(int64_t vocab, comm::Communicator& tp) {
@@ -225,7 +232,7 @@ void owners(nn::Module& m, const std::string& prefix, std::map<std::string, nn::
 
 // The vocabulary shard when `name` (owned by `m`) is a token embedding split over tp ranks.
 const nn::GptVocabShard* vocab_shard_of(nn::Module* m, const std::string& name) {
-  if (!name.ends_with("wte")) return nullptr;
+  if (!name.ends_with("wte") && !name.ends_with("lm_head")) return nullptr;
   const nn::GptVocabShard* s = nullptr;
   if (auto* e = dynamic_cast<nn::GptEmbedding*>(m)) s = &e->shard();
   if (auto* h = dynamic_cast<nn::GptHead*>(m)) s = &h->shard();

@@ -2,8 +2,9 @@
 """A dtrain checkpoint in PyTorch: `dtrain export` (safetensors, PyTorch names) loaded into the
 PyTorch definition of the same model (torch_simple_cnn.py's SimpleCNN, an MLP or ResNet-20 as
 nn.Sequential with dtrain's module paths, torchvision's resnet18, resnet50 and VisionTransformer
-for examples/models/resnet18.json, resnet50.json and vit_mini.json, or
-torch_gpt.py's GPT, whose names the GPT-2 ones of the export are mapped onto), then checked
+for examples/models/resnet18.json, resnet50.json and vit_mini.json,
+torch_gpt.py's GPT, whose names the GPT-2 ones of the export are mapped onto, or torch_llama.py's
+Llama under Hugging Face's names), then checked
   - on one batch: `dtrain eval --save-batch` writes the inputs the model took and dtrain's logits;
     PyTorch's logits on the same inputs must be within --tolerance (max abs difference, 1e-5), or,
     where PyTorch's own fp32 forward is further than that from the same model in float64, dtrain's
@@ -182,9 +183,13 @@ def main():
     weights, batch_file = os.path.join(work, "model.safetensors"), os.path.join(work, "batch.safetensors")
     subprocess.run([args.dtrain, "export", "--checkpoint", args.checkpoint, "--out", weights], check=True)
     tensors, meta = read_safetensors(np, weights)
-    gpt = meta["model"] == "gpt"
-    model = gpt_model(torch, tensors, meta) if gpt else image_model(torch, tensors, meta)
-    if not gpt:
+    gpt = meta["model"] in ("gpt", "llama")
+    if meta["model"] == "llama":  # Hugging Face's names: the peer's own
+        import torch_llama
+        model = torch_llama.from_export_metadata(meta)
+    else:
+        model = gpt_model(torch, tensors, meta) if gpt else image_model(torch, tensors, meta)
+    if not gpt or meta["model"] == "llama":
         state = {k: torch.from_numpy(v) for k, v in tensors.items()}
         model.load_state_dict(state, strict=True)
     model.eval()
@@ -210,12 +215,12 @@ def main():
         with h5py.File(os.path.join(args.data, "val.h5"), "r") as h:
             tokens = np.asarray(h["tokens"][...], dtype=np.int64)
         ctx = ints(meta, "gpt")[1]
-        # dtrain eval's windows: consecutive, ctx + 1 tokens each overlapping by one, whole batches only
-        windows = (len(tokens) - 1) // ctx // args.batch_size * args.batch_size
+        # dtrain eval's windows: consecutive, ctx + 1 tokens each overlapping by one, every one of them
+        windows = (len(tokens) - 1) // ctx
         total, count = 0.0, 0
         with torch.no_grad():
             for b in range(0, windows, args.batch_size):
-                n = args.batch_size
+                n = min(args.batch_size, windows - b)
                 span = tokens[b * ctx:(b + n) * ctx + 1]
                 ids = torch.from_numpy(span[:-1].reshape(n, ctx))
                 tgt = torch.from_numpy(span[1:].reshape(n, ctx))

@@ -1,4 +1,5 @@
-// BatchNorm (per channel over N and H*W) and LayerNorm (per row over the last dim), OpenMP loops.
+// BatchNorm (per channel over N and H*W), LayerNorm and RMSNorm (per row over the last dim), OpenMP
+// loops.
 #include <cmath>
 
 #include "cpu_engine.h"
@@ -218,6 +219,61 @@ void CpuEngine::layernorm_backward(const Tensor& x, const Tensor& dy, const Tens
   kernel(px, pdy, g, pm, pr, nullptr, dg, db, m, d);
   for_slices(m, grain, 1, [&](int64_t i, int64_t rows) {
     kernel(px + i * d, pdy + i * d, g, pm + i, pr + i, pdx + i * d, nullptr, nullptr, rows, d);
+  });
+}
+
+void CpuEngine::rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& rstd, Tensor& y) {
+  const int64_t d = gamma.numel();
+  DT_CHECK(d > 0 && x.size(-1) == d, "rmsnorm over " << d << " features of " << x.str());
+  const int64_t m = x.numel() / d;
+  DT_CHECK(y.numel() == x.numel() && rstd.numel() == m,
+           "rmsnorm of " << x.str() << " into " << y.str() << ", rstd " << rstd.str());
+  const float* px = x.device_f32();
+  const float* g = gamma.device_f32();
+  float* py = y.device_f32();
+  float* pr = rstd.device_f32();
+  for_slices(m, (1 << 15) / d, 1, [&](int64_t first, int64_t rows) {
+    for (int64_t i = first; i < first + rows; ++i) {
+      const float* row = px + i * d;
+      double ss = 0;
+      for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(row[j]) * row[j];
+      const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
+      pr[i] = r;
+      float* out = py + i * d;
+      for (int64_t j = 0; j < d; ++j) out[j] = row[j] * r * g[j];
+    }
+  });
+}
+
+void CpuEngine::rmsnorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& rstd, Tensor& dx,
+                                 Tensor& dgamma) {
+  const int64_t d = gamma.numel();
+  const int64_t m = x.numel() / d;
+  DT_CHECK(dy.numel() == x.numel() && dx.numel() == x.numel() && dgamma.numel() == d && rstd.numel() == m,
+           "rmsnorm_backward of " << x.str() << " with dy " << dy.str() << " into " << dx.str());
+  const float* px = x.device_f32();
+  const float* pdy = dy.device_f32();
+  const float* g = gamma.device_f32();
+  const float* pr = rstd.device_f32();
+  float* pdx = dx.device_f32();
+  float* dg = dgamma.device_f32();
+  // The gain's gradient sums over all rows: one thread, so the order is fixed.
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = px + i * d;
+    const float* drow = pdy + i * d;
+    for (int64_t j = 0; j < d; ++j) dg[j] += drow[j] * row[j] * pr[i];
+  }
+  for_slices(m, (1 << 15) / d, 1, [&](int64_t first, int64_t rows) {
+    for (int64_t i = first; i < first + rows; ++i) {
+      const float* row = px + i * d;
+      const float* drow = pdy + i * d;
+      double s = 0;
+      for (int64_t j = 0; j < d; ++j) s += static_cast<double>(drow[j]) * g[j] * row[j];
+      const float r = pr[i];
+      const float k = static_cast<float>(s / static_cast<double>(d)) * r * r;
+      float* out = pdx + i * d;
+      for (int64_t j = 0; j < d; ++j) out[j] = r * (drow[j] * g[j] - row[j] * k);
+    }
   });
 }
 

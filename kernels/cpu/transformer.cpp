@@ -72,6 +72,60 @@ void CpuEngine::attention_softmax_backward(const Tensor& probs, const Tensor& dp
              [&](int64_t r, int64_t n) { kernel(pp + r * t, pd + r * t, pg + r * t, r, n, t, scale, causal); });
 }
 
+void CpuEngine::rotary(const Tensor& x, int64_t t, const Tensor& table, int64_t pos0, bool inverse, Tensor& y) {
+  DT_CHECK(table.dim() == 2 && table.size(1) % 2 == 0 && t > 0 && pos0 >= 0 && pos0 + t <= table.size(0),
+           "rotary: positions [" << pos0 << ", " << pos0 + t << ") of the table " << table.str());
+  const int64_t d = table.size(1), half = d / 2;
+  DT_CHECK(x.numel() % (t * d) == 0, "rotary: " << x.str() << " is not [N, " << t << ", " << d << "]");
+  check_f32_numel(x, x.numel(), "rotary input");
+  check_f32_numel(y, x.numel(), "rotary output");
+  check_f32_numel(table, table.numel(), "rotary table");
+  const int64_t rows = x.numel() / d;
+  const float* px = x.device_f32();
+  const float* pt = table.device_f32();
+  float* py = y.device_f32();
+  const fn::RotatePair rotate{inverse};
+  for_slices(rows, kGrain / d, 1, [&](int64_t first, int64_t n) {
+    for (int64_t r = first; r < first + n; ++r) {
+      const float* cs = pt + (pos0 + r % t) * d;
+      const float* in = px + r * d;
+      float* out = py + r * d;
+      for (int64_t i = 0; i < half; ++i) rotate(in[i], in[i + half], cs[i], cs[i + half], out[i], out[i + half]);
+    }
+  });
+}
+
+void CpuEngine::swiglu_forward(const Tensor& gu, Tensor& y) {
+  DT_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0, "swiglu needs [M, 2F], got " << gu.str());
+  const int64_t f = gu.size(-1) / 2, m = gu.numel() / (2 * f);
+  check_f32_numel(gu, gu.numel(), "swiglu input");
+  check_f32_numel(y, m * f, "swiglu output");
+  const float* pg = gu.device_f32();
+  float* py = y.device_f32();
+  const fn::SwiGlu op;
+  for_slices(m, kGrain / f + 1, 1, [&](int64_t first, int64_t n) {
+    for (int64_t r = first; r < first + n; ++r)
+      for (int64_t i = 0; i < f; ++i) py[r * f + i] = op(pg[r * 2 * f + i], pg[r * 2 * f + f + i]);
+  });
+}
+
+void CpuEngine::swiglu_backward(const Tensor& gu, const Tensor& dy, Tensor& dgu) {
+  DT_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0, "swiglu_backward needs [M, 2F], got " << gu.str());
+  const int64_t f = gu.size(-1) / 2, m = gu.numel() / (2 * f);
+  check_f32_numel(gu, gu.numel(), "swiglu_backward input");
+  check_f32_numel(dy, m * f, "swiglu_backward dy");
+  check_f32_numel(dgu, gu.numel(), "swiglu_backward dgu");
+  const float* pg = gu.device_f32();
+  const float* pd = dy.device_f32();
+  float* po = dgu.device_f32();
+  const fn::SwiGluGrad op;
+  for_slices(m, kGrain / f + 1, 1, [&](int64_t first, int64_t n) {
+    for (int64_t r = first; r < first + n; ++r)
+      for (int64_t i = 0; i < f; ++i)
+        op(pg[r * 2 * f + i], pg[r * 2 * f + f + i], pd[r * f + i], po[r * 2 * f + i], po[r * 2 * f + f + i]);
+  });
+}
+
 void CpuEngine::row_max(const Tensor& x, Tensor& out) {
   DT_CHECK(x.dim() == 2, "row_max needs [M, N], got " << x.str());
   const int64_t m = x.size(0), n = x.size(1);

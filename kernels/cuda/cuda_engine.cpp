@@ -527,6 +527,27 @@ void CudaEngine::layernorm_backward(const Tensor& x, const Tensor& dy, const Ten
                         dx.device_f32(), dgamma.device_f32(), dbeta.device_f32(), x.numel() / d, d, compute_);
 }
 
+void CudaEngine::rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& rstd, Tensor& y) {
+  const int64_t d = gamma.numel();
+  DT_CHECK(d > 0 && x.size(-1) == d, "rmsnorm over " << d << " features of " << x.str());
+  const int64_t m = x.numel() / d;
+  DT_CHECK(y.numel() == x.numel() && rstd.numel() == m,
+           "rmsnorm of " << x.str() << " into " << y.str() << ", rstd " << rstd.str());
+  bind();
+  k::rmsnorm_forward(x.device_f32(), gamma.device_f32(), eps, rstd.device_f32(), y.device_f32(), m, d, compute_);
+}
+
+void CudaEngine::rmsnorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& rstd,
+                                  Tensor& dx, Tensor& dgamma) {
+  const int64_t d = gamma.numel();
+  const int64_t m = x.numel() / d;
+  DT_CHECK(dy.numel() == x.numel() && dx.numel() == x.numel() && dgamma.numel() == d && rstd.numel() == m,
+           "rmsnorm_backward of " << x.str() << " with dy " << dy.str() << " into " << dx.str());
+  bind();
+  k::rmsnorm_backward(x.device_f32(), dy.device_f32(), gamma.device_f32(), rstd.device_f32(), dx.device_f32(),
+                      dgamma.device_f32(), m, d, compute_);
+}
+
 // ------------------------------------------------------------------ per-channel reductions (SyncBatchNorm)
 namespace {
 struct NchwView {

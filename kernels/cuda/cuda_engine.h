@@ -62,6 +62,9 @@ class CudaEngine final : public Engine {
                          Tensor& rstd, Tensor& y) override;
   void layernorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
                           const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override;
+  void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& rstd, Tensor& y) override;
+  void rmsnorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& rstd, Tensor& dx,
+                        Tensor& dgamma) override;
 
   void channel_sums(const Tensor& x, int64_t channels, Tensor& sum, Tensor& sumsq) override;
   void channel_dot(const Tensor& a, const Tensor& b, int64_t channels, Tensor& out) override;
@@ -99,6 +102,9 @@ class CudaEngine final : public Engine {
                            const Tensor& sumexp, float scale, Tensor& dlogits) override;
   void vocab_xent_loss_accumulate(const Tensor& rowmax, const Tensor& sumexp, const Tensor& target,
                                   Tensor& stats) override;
+  void rotary(const Tensor& x, int64_t t, const Tensor& table, int64_t pos0, bool inverse, Tensor& y) override;
+  void swiglu_forward(const Tensor& gu, Tensor& y) override;
+  void swiglu_backward(const Tensor& gu, const Tensor& dy, Tensor& dgu) override;
   void embedding_forward(const Tensor& ids, const Tensor& table, int64_t offset, Tensor& y) override;
   void embedding_backward(const Tensor& ids, const Tensor& dy, int64_t offset, Tensor& dtable) override;
 

@@ -44,6 +44,37 @@ void CudaEngine::attention_softmax_backward(const Tensor& probs, const Tensor& d
                                 scale, causal, compute_);
 }
 
+void CudaEngine::rotary(const Tensor& x, int64_t t, const Tensor& table, int64_t pos0, bool inverse, Tensor& y) {
+  DT_CHECK(table.dim() == 2 && table.size(1) % 2 == 0 && t > 0 && pos0 >= 0 && pos0 + t <= table.size(0),
+           "rotary: positions [" << pos0 << ", " << pos0 + t << ") of the table " << table.str());
+  const int64_t d = table.size(1);
+  DT_CHECK(x.numel() % (t * d) == 0, "rotary: " << x.str() << " is not [N, " << t << ", " << d << "]");
+  check_dev_numel(x, -1, "rotary input", index_);
+  check_dev_numel(y, x.numel(), "rotary output", index_);
+  check_dev_numel(table, -1, "rotary table", index_);
+  bind();
+  k::rotary(x.device_f32(), table.device_f32(), y.device_f32(), x.numel() / d, t, d, pos0, inverse, compute_);
+}
+
+void CudaEngine::swiglu_forward(const Tensor& gu, Tensor& y) {
+  DT_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0, "swiglu needs [M, 2F], got " << gu.str());
+  const int64_t f = gu.size(-1) / 2, m = gu.numel() / (2 * f);
+  check_dev_numel(gu, -1, "swiglu input", index_);
+  check_dev_numel(y, m * f, "swiglu output", index_);
+  bind();
+  k::swiglu_forward(gu.device_f32(), y.device_f32(), m, f, compute_);
+}
+
+void CudaEngine::swiglu_backward(const Tensor& gu, const Tensor& dy, Tensor& dgu) {
+  DT_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0, "swiglu_backward needs [M, 2F], got " << gu.str());
+  const int64_t f = gu.size(-1) / 2, m = gu.numel() / (2 * f);
+  check_dev_numel(gu, -1, "swiglu_backward input", index_);
+  check_dev_numel(dy, m * f, "swiglu_backward dy", index_);
+  check_dev_numel(dgu, gu.numel(), "swiglu_backward dgu", index_);
+  bind();
+  k::swiglu_backward(gu.device_f32(), dy.device_f32(), dgu.device_f32(), m, f, compute_);
+}
+
 void CudaEngine::embedding_forward(const Tensor& ids, const Tensor& table, int64_t offset, Tensor& y) {
   check_dev_numel(ids, -1, "embedding ids", index_, DType::I32);
   DT_CHECK(table.dim() == 2, "embedding table must be [V, C], got " << table.str());

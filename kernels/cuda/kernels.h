@@ -66,6 +66,15 @@ void channel_affine(const float* x, const float* scale, const float* shift, floa
 
 // ---- transformer.cu: attention and embedding pieces (shapes as in the Engine contract)
 // y[i,k,j,:] = x[i,j,k,:] for x [a,b,c,d].
+// RMSNorm rows of x [M, D] (rowwise.cu); Llama's rotary pairs and SwiGLU (transformer.cu).
+void rmsnorm_forward(const float* x, const float* gamma, float eps, float* rstd, float* y, int64_t m, int64_t d,
+                     cudaStream_t s);
+void rmsnorm_backward(const float* x, const float* dy, const float* gamma, const float* rstd, float* dx, float* dgamma,
+                      int64_t m, int64_t d, cudaStream_t s);
+void rotary(const float* x, const float* table, float* y, int64_t rows, int64_t t, int64_t d, int64_t pos0,
+            bool inverse, cudaStream_t s);
+void swiglu_forward(const float* gu, float* y, int64_t m, int64_t f, cudaStream_t s);
+void swiglu_backward(const float* gu, const float* dy, float* dgu, int64_t m, int64_t f, cudaStream_t s);
 void permute_0213(const float* x, float* y, int64_t a, int64_t b, int64_t c, int64_t d, cudaStream_t s);
 // probs/scores [rows = N*T, T]; row r is query position r % T.
 void attention_softmax_forward(const float* scores, float* probs, int64_t rows, int64_t t, float scale, bool causal,

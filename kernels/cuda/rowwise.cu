@@ -1,4 +1,4 @@
-// Row-wise kernels: softmax cross-entropy over logits [M,C] and LayerNorm over x [M,D]. One block
+// Row-wise kernels: softmax cross-entropy over logits [M,C], LayerNorm and RMSNorm over x [M,D]. One block
 // per row; the CPU engine's loops (kernels/cpu/) are the reference the tests compare against.
 #include <cfloat>
 
@@ -218,6 +218,52 @@ __global__ void layernorm_backward_params_kernel(const float* x, const float* dy
   }
 }
 
+// RMSNorm, x, y: [M,D]; rstd: [M]. One block per row, squares summed in f64 as the CPU does.
+__global__ void rmsnorm_forward_kernel(const float* x, const float* gamma, float eps, float* rstd, float* y,
+                                       int64_t d) {
+  __shared__ double dsh[32];
+  const float* row = x + blockIdx.x * d;
+  float* out = y + blockIdx.x * d;
+  double ss = 0;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) ss += static_cast<double>(row[j]) * row[j];
+  ss = block_reduce(ss, Sum{}, dsh);
+  const float r = static_cast<float>(1.0 / sqrt(ss / d + eps));
+  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = row[j] * r * gamma[j];
+}
+
+// dx = rstd (dy gamma - x rstd^2 mean(dy gamma x)).
+__global__ void rmsnorm_backward_dx_kernel(const float* x, const float* dy, const float* gamma, const float* rstd,
+                                           float* dx, int64_t d) {
+  __shared__ double dsh[32];
+  const int64_t i = blockIdx.x;
+  const float* row = x + i * d;
+  const float* drow = dy + i * d;
+  float* out = dx + i * d;
+  double s = 0;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) s += static_cast<double>(drow[j]) * gamma[j] * row[j];
+  s = block_reduce(s, Sum{}, dsh);
+  const float r = rstd[i], k = static_cast<float>(s / d) * r * r;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = r * (drow[j] * gamma[j] - row[j] * k);
+}
+
+// dgamma [D] += sum_i dy x rstd: a 32-column strip per block, 8 row groups.
+__global__ void rmsnorm_backward_gamma_kernel(const float* x, const float* dy, const float* rstd, float* dgamma,
+                                              int64_t m, int64_t d) {
+  __shared__ float pg[8][33];
+  int64_t col = blockIdx.x * 32 + threadIdx.x;
+  float ag = 0.f;
+  if (col < d)
+    for (int64_t r = threadIdx.y; r < m; r += 8) ag += dy[r * d + col] * x[r * d + col] * rstd[r];
+  pg[threadIdx.y][threadIdx.x] = ag;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < d) {
+    float tg = 0.f;
+    for (int j = 0; j < 8; ++j) tg += pg[j][threadIdx.x];
+    dgamma[col] += tg;
+  }
+}
+
 // Block per channel c of x [N,C,HW]; see kernels.h.
 __global__ void channel_reduce_kernel(const float* x, const float* b, float* out1, float* out2, int64_t n, int64_t c,
                                       int64_t hw) {
@@ -330,6 +376,21 @@ void layernorm_backward(const float* x, const float* dy, const float* gamma, con
   DT_CUDA_LAUNCHED();
   layernorm_backward_params_kernel<<<static_cast<unsigned>((d + 31) / 32), dim3(32, 8), 0, s>>>(x, dy, mean, rstd,
                                                                                                 dgamma, dbeta, m, d);
+  DT_CUDA_LAUNCHED();
+}
+
+void rmsnorm_forward(const float* x, const float* gamma, float eps, float* rstd, float* y, int64_t m, int64_t d,
+                     cudaStream_t s) {
+  if (m > 0) rmsnorm_forward_kernel<<<static_cast<unsigned>(m), kRowThreads, 0, s>>>(x, gamma, eps, rstd, y, d);
+  DT_CUDA_LAUNCHED();
+}
+
+void rmsnorm_backward(const float* x, const float* dy, const float* gamma, const float* rstd, float* dx, float* dgamma,
+                      int64_t m, int64_t d, cudaStream_t s) {
+  if (m <= 0 || d <= 0) return;
+  rmsnorm_backward_dx_kernel<<<static_cast<unsigned>(m), kRowThreads, 0, s>>>(x, dy, gamma, rstd, dx, d);
+  DT_CUDA_LAUNCHED();
+  rmsnorm_backward_gamma_kernel<<<static_cast<unsigned>((d + 31) / 32), dim3(32, 8), 0, s>>>(x, dy, rstd, dgamma, m, d);
   DT_CUDA_LAUNCHED();
 }
 

@@ -3,6 +3,7 @@
 #include <cfloat>
 
 #include "cuda_common.h"
+#include "dtrain/kernels/functors.h"
 #include "kernels.h"
 
 namespace dtrain::cuda::k {
@@ -25,8 +26,8 @@ __global__ void permute_0213_kernel(const float* x, float* y, int64_t a, int64_t
 }
 
 // One warp per row of T scores; causal: row r is query position r % t, so keys 0..i are visible.
-__global__ void attention_softmax_forward_kernel(const float* scores, float* probs, int64_t rows, int64_t t, float scale,
-                                                 bool causal) {
+__global__ void attention_softmax_forward_kernel(const float* scores, float* probs, int64_t rows, int64_t t,
+                                                 float scale, bool causal) {
   int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
   int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -78,6 +79,33 @@ __global__ void embedding_backward_kernel(const int32_t* ids, const float* dy, f
   if (row >= 0 && row < v) atomicAdd(dtable + row * c + col, dy[idx]);
 }
 
+// One thread per rotary pair of x viewed as [N, T, D].
+__global__ void rotary_kernel(const float* x, const float* table, float* y, int64_t pairs, int64_t t, int64_t d,
+                              int64_t pos0, bool inverse) {
+  int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= pairs) return;
+  const int64_t half = d / 2, i = idx % half, r = idx / half;
+  const float* cs = table + (pos0 + r % t) * d;
+  const float* in = x + r * d;
+  float* out = y + r * d;
+  fn::RotatePair{inverse}(in[i], in[i + half], cs[i], cs[i + half], out[i], out[i + half]);
+}
+
+// One thread per output element of gu [M, 2F] -> y [M, F].
+__global__ void swiglu_forward_kernel(const float* gu, float* y, int64_t m, int64_t f) {
+  int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= m * f) return;
+  const int64_t r = idx / f, i = idx % f;
+  y[idx] = fn::SwiGlu{}(gu[r * 2 * f + i], gu[r * 2 * f + f + i]);
+}
+
+__global__ void swiglu_backward_kernel(const float* gu, const float* dy, float* dgu, int64_t m, int64_t f) {
+  int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= m * f) return;
+  const int64_t r = idx / f, i = idx % f;
+  fn::SwiGluGrad{}(gu[r * 2 * f + i], gu[r * 2 * f + f + i], dy[idx], dgu[r * 2 * f + i], dgu[r * 2 * f + f + i]);
+}
+
 }  // namespace
 
 void permute_0213(const float* x, float* y, int64_t a, int64_t b, int64_t c, int64_t d, cudaStream_t s) {
@@ -113,6 +141,26 @@ void embedding_backward(const int32_t* ids, const float* dy, float* dtable, int6
                         int64_t offset, cudaStream_t s) {
   if (n * c == 0) return;
   embedding_backward_kernel<<<blocks_for(n * c), kThreads, 0, s>>>(ids, dy, dtable, n, v, c, offset);
+  DT_CUDA_LAUNCHED();
+}
+
+void rotary(const float* x, const float* table, float* y, int64_t rows, int64_t t, int64_t d, int64_t pos0,
+            bool inverse, cudaStream_t s) {
+  const int64_t pairs = rows * (d / 2);
+  if (pairs == 0) return;
+  rotary_kernel<<<blocks_for(pairs), kThreads, 0, s>>>(x, table, y, pairs, t, d, pos0, inverse);
+  DT_CUDA_LAUNCHED();
+}
+
+void swiglu_forward(const float* gu, float* y, int64_t m, int64_t f, cudaStream_t s) {
+  if (m * f == 0) return;
+  swiglu_forward_kernel<<<blocks_for(m * f), kThreads, 0, s>>>(gu, y, m, f);
+  DT_CUDA_LAUNCHED();
+}
+
+void swiglu_backward(const float* gu, const float* dy, float* dgu, int64_t m, int64_t f, cudaStream_t s) {
+  if (m * f == 0) return;
+  swiglu_backward_kernel<<<blocks_for(m * f), kThreads, 0, s>>>(gu, dy, dgu, m, f);
   DT_CUDA_LAUNCHED();
 }
 

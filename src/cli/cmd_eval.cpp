@@ -14,10 +14,10 @@
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/timer.h"
 #include "dtrain/data/text.h"
-#include "dtrain/train/lm_trainer.h"
 #include "dtrain/nn/models.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/export.h"
+#include "dtrain/train/lm_trainer.h"
 #include "dtrain/train/options.h"
 #include "dtrain/train/quantize.h"
 #include "dtrain/train/trainer.h"
@@ -31,9 +31,9 @@ namespace {
 void check_dataset(const data::ShardedHdf5Dataset& ds, const std::string& dir, const Shape& input, int64_t classes,
                    const std::string& model, const std::string& path) {
   DT_INPUT_CHECK(ds.info().sample_shape == input, "dataset '" << dir << "' has samples of shape "
-                                                              << shape_str(ds.info().sample_shape) << " but checkpoint '"
-                                                              << path << "' holds a " << model << " for inputs "
-                                                              << shape_str(input));
+                                                              << shape_str(ds.info().sample_shape)
+                                                              << " but checkpoint '" << path << "' holds a " << model
+                                                              << " for inputs " << shape_str(input));
   DT_INPUT_CHECK(ds.info().num_classes <= classes,
                  "dataset '" << dir << "' has " << ds.info().num_classes << " classes, the model only " << classes);
 }
@@ -56,8 +56,10 @@ void save_batch(const std::string& path, const Tensor& inputs, const Tensor& log
 void eval_gpt(const train::CheckpointState& s, const std::string& path, const std::string& data_dir, int64_t batch,
               bool int8, const std::string& batch_file) {
   const std::string val = (std::filesystem::path(data_dir) / "val.h5").string();
-  DT_INPUT_CHECK(std::filesystem::is_regular_file(val), "checkpoint '" << path << "' holds a gpt: --data must be a "
-                                                        "folder of dtrain convert text with val.h5; '" << val << "' is missing");
+  DT_INPUT_CHECK(std::filesystem::is_regular_file(val), "checkpoint '" << path
+                                                                       << "' holds a gpt: --data must be a "
+                                                                          "folder of dtrain convert text with val.h5; '"
+                                                                       << val << "' is missing");
   auto model = train::gpt_from_checkpoint(s);
   const int64_t ctx = model->config().context;
   const data::TokenStream stream = data::load_tokens(val);  // read once: the timings are forward passes only
@@ -66,8 +68,10 @@ void eval_gpt(const train::CheckpointState& s, const std::string& path, const st
     const double t0 = now_s();
     const double nats = train::evaluate_lm(*model, stream, batch, ctx, 0);
     const double t = now_s() - t0;
-    const double bpb = train::bits_per_byte(stream, nats, data::window_count(stream, ctx) / batch * batch, ctx);
-    std::printf("%-5s loss %.4f nats/token, %.4f bits/byte, forward %.3f s\n", what, nats, bpb, t);
+    const int64_t windows = train::scored_windows(stream, batch, ctx, 0);
+    const double bpb = train::bits_per_byte(stream, nats, windows, ctx);
+    std::printf("%-5s loss %.4f nats/token, %.4f bits/byte over all %lld windows, forward %.3f s\n", what, nats, bpb,
+                static_cast<long long>(windows), t);
     return std::pair{bpb, t};
   };
   std::printf("eval %s (gpt) on %s, windows of %lld, batch %lld (%d threads)\n", path.c_str(), val.c_str(),
@@ -82,10 +86,11 @@ void eval_gpt(const train::CheckpointState& s, const std::string& path, const st
   if (!int8) return;
   const nn::WeightOnlyReport w = nn::quantize_linear_weights_int8(*model);
   const auto [bpb8, t8] = run("int8");
-  std::printf("int8 weights (weight-only, per output row) in %lld Linear layers: %.2f MiB -> %.2f MiB; "
-              "int8 - fp32: %+.4f bits/byte, forward speed-up %.2fx\n",
-              static_cast<long long>(w.layers), w.f32_bytes / 1048576.0, w.int8_bytes / 1048576.0,
-              bpb8 - bpb32, t8 > 0 ? t32 / t8 : 0.0);
+  std::printf(
+      "int8 weights (weight-only, per output row) in %lld Linear layers: %.2f MiB -> %.2f MiB; "
+      "int8 - fp32: %+.4f bits/byte, forward speed-up %.2fx\n",
+      static_cast<long long>(w.layers), w.f32_bytes / 1048576.0, w.int8_bytes / 1048576.0, bpb8 - bpb32,
+      t8 > 0 ? t32 / t8 : 0.0);
 }
 
 }  // namespace
@@ -101,7 +106,8 @@ int cmd_eval(int argc, char** argv) {
       "data", po::value<std::string>(&data_dir), "directory of HDF5 shards to evaluate on")(
       "batch-size", po::value<int64_t>(&batch)->default_value(256), "samples per batch per rank")(
       "threads", po::value<int>(&threads)->default_value(0), "compute threads per rank (0: cores / ranks on node)")(
-      "int8", po::bool_switch(&int8), "also run the model quantized to int8 (CPU, oneDNN), side by side with fp32 (a gpt: weight-only int8)")(
+      "int8", po::bool_switch(&int8),
+      "also run the model quantized to int8 (CPU, oneDNN), side by side with fp32 (a gpt: weight-only int8)")(
       "calibration-batches", po::value<int64_t>(&calib_batches)->default_value(10),
       "with --int8: batches of --calibration-data that calibrate the activation ranges")(
       "calibration-data", po::value<std::string>(&calib_dir),
@@ -109,7 +115,8 @@ int cmd_eval(int argc, char** argv) {
       "save-batch", po::value<std::string>(&batch_file),
       "write the first batch's inputs (as the model takes them) and fp32 logits to this safetensors file");
   po::variables_map vm;
-  if (!train::parse_options(argc, argv, opts, "usage: dtrain eval --checkpoint FILE --data DIR [options]", vm)) return 0;
+  if (!train::parse_options(argc, argv, opts, "usage: dtrain eval --checkpoint FILE --data DIR [options]", vm))
+    return 0;
   DT_INPUT_CHECK(!ckpt.empty(), "option --checkpoint is required");
   DT_INPUT_CHECK(!data_dir.empty(), "option --data is required");
   DT_INPUT_CHECK(batch > 0, "option --batch-size must be > 0");
@@ -120,7 +127,7 @@ int cmd_eval(int argc, char** argv) {
 
   std::string path = train::resolve_checkpoint(ckpt, "checkpoint");
   train::CheckpointState s = train::load_checkpoint_set(path);  // every pipeline stage's part
-  if (s.strings["model"] == "gpt") {
+  if (train::is_language_model(s.strings["model"])) {
     if (topo.rank == 0) eval_gpt(s, path, data_dir, batch, int8, batch_file);
     return 0;
   }
@@ -170,9 +177,9 @@ int cmd_eval(int argc, char** argv) {
   train::EvalResult r8 =
       train::evaluate_forward([&](const Tensor& x) { return q.forward(x); }, ds, batch, world, c.mean, c.std, &t8);
   if (topo.rank == 0) {
-    std::printf("eval %s on %s, int8 calibrated on %lld batches of %s (%d threads)\n", path.c_str(),
-                data_dir.c_str(), static_cast<long long>(calib_batches),
-                (calib_dir.empty() ? data_dir : calib_dir).c_str(), cpu_engine().threads());
+    std::printf("eval %s on %s, int8 calibrated on %lld batches of %s (%d threads)\n", path.c_str(), data_dir.c_str(),
+                static_cast<long long>(calib_batches), (calib_dir.empty() ? data_dir : calib_dir).c_str(),
+                cpu_engine().threads());
     report("fp32", r32, t32);
     report("int8", r8, t8);
     std::printf("int8 - fp32: %+.2f points, forward speed-up %.2fx\n", 100.0 * (r8.accuracy - r32.accuracy),

@@ -30,7 +30,8 @@ std::string joined(const T* v, int64_t n) {
 
 std::map<std::string, std::string> export_metadata(const train::CheckpointState& s, const std::string& names) {
   std::map<std::string, std::string> m{{"format", "dtrain-export-1"}, {"names", names}};
-  for (const char* k : {"model", "model_definition"})  // the definition: a model file's layers (JSON)
+  for (const char* k :
+       {"model", "model_definition", "rope_base"})  // a model file's layers (JSON); a Llama's rotary base
     if (auto it = s.strings.find(k); it != s.strings.end()) m[k] = it->second;
   for (const auto& [k, v] : s.int_lists) m[k] = joined(v.data(), static_cast<int64_t>(v.size()));
   for (const char* k : {"classes", "step"})
@@ -49,18 +50,21 @@ int cmd_export(int argc, char** argv) {
       "out", po::value<std::string>(&out), "file to write")(
       "format", po::value<std::string>(&format)->default_value(format), "safetensors or hdf5")(
       "names", po::value<std::string>(&names)->default_value(names),
-      "pytorch (image models: the nn.Sequential's names; the GPT: GPT-2's names and layouts) or dtrain");
+      "pytorch (image models: the nn.Sequential's names; the GPT: GPT-2's names and layouts; a Llama: Hugging Face's) "
+      "or dtrain");
   po::variables_map vm;
   if (!train::parse_options(argc, argv, opts, "usage: dtrain export --checkpoint X --out Y [options]", vm)) return 0;
   DT_INPUT_CHECK(!ckpt.empty(), "option --checkpoint is required");
   DT_INPUT_CHECK(!out.empty(), "option --out is required");
   DT_INPUT_CHECK(format == "safetensors" || format == "hdf5",
                  "option --format must be safetensors or hdf5, got '" << format << "'");
-  DT_INPUT_CHECK(names == "pytorch" || names == "dtrain", "option --names must be pytorch or dtrain, got '" << names << "'");
+  DT_INPUT_CHECK(names == "pytorch" || names == "dtrain",
+                 "option --names must be pytorch or dtrain, got '" << names << "'");
   if (comm::Runtime::get().topology().rank != 0) return 0;  // one file: rank 0 writes it
   const std::string path = train::resolve_checkpoint(ckpt, "checkpoint");
   const train::CheckpointState s = train::load_checkpoint_set(path);
-  DT_INPUT_CHECK(!train::is_int8_checkpoint(s), "checkpoint '" << path << "' is an int8 checkpoint: export its fp32 checkpoint");
+  DT_INPUT_CHECK(!train::is_int8_checkpoint(s),
+                 "checkpoint '" << path << "' is an int8 checkpoint: export its fp32 checkpoint");
   const train::NamedTensorList tensors =
       train::export_tensors(s, names == "pytorch" ? train::ExportNames::PyTorch : train::ExportNames::Dtrain);
   const std::map<std::string, std::string> meta = export_metadata(s, names);

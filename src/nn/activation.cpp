@@ -17,6 +17,22 @@ Tensor Activation::backward(const Tensor& dy) {
   return dx;
 }
 
+Tensor SwiGLU::forward(const Tensor& x) {
+  DT_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, kind() << " needs [..., 2F], got " << x.str());
+  keep(x_, x);
+  Shape s = x.shape();
+  s.back() /= 2;
+  Tensor& y = ensure_output(y_, s, x.device());
+  engine(x).swiglu_forward(x, y);
+  return y;
+}
+
+Tensor SwiGLU::backward(const Tensor& dy) {
+  Tensor& dx = ensure(dx_, x_.shape(), dy.device());
+  engine(dy).swiglu_backward(x_, dy, dx);
+  return dx;
+}
+
 Dropout::Dropout(float p, uint64_t seed) : p_(p) {
   DT_INPUT_CHECK(p >= 0.f && p < 1.f, "dropout probability must be in [0, 1), got " << p);
   Tensor state = Tensor::empty({4}, DType::I64);

@@ -3,12 +3,13 @@
 #include "dtrain/nn/gpt.h"
 
 #include <cmath>
+#include <limits>
 
 namespace dtrain::nn {
 
 // ------------------------------------------------------------------ SelfAttention
 SelfAttention::SelfAttention(int64_t width, int64_t heads, Rng& rng)
-    : c_(width), h_(heads), hd_(heads > 0 ? width / heads : 0) {
+    : c_(width), h_(heads), hd_(heads > 0 ? width / heads : 0), kvh_(heads) {
   DT_INPUT_CHECK(width > 0 && heads > 0 && width % heads == 0,
                  "attention width " << width << " must be a positive multiple of the head count " << heads);
   qkv_ = std::make_unique<Linear>(c_, 3 * c_, true, rng);
@@ -17,10 +18,17 @@ SelfAttention::SelfAttention(int64_t width, int64_t heads, Rng& rng)
   proj_->set_output_temporary(true);  // used up by the residual add
 }
 
-SelfAttention::SelfAttention(ModulePtr qkv, ModulePtr proj, int64_t width, int64_t local_heads, int64_t head_dim)
-    : c_(width), h_(local_heads), hd_(head_dim), qkv_(std::move(qkv)), proj_(std::move(proj)) {
-  DT_INPUT_CHECK(width > 0 && local_heads > 0 && head_dim > 0,
-                 "attention width " << width << ", " << local_heads << " heads of " << head_dim);
+SelfAttention::SelfAttention(ModulePtr qkv, ModulePtr proj, int64_t width, int64_t local_heads, int64_t head_dim,
+                             int64_t local_kv_heads)
+    : c_(width),
+      h_(local_heads),
+      hd_(head_dim),
+      kvh_(local_kv_heads > 0 ? local_kv_heads : local_heads),
+      qkv_(std::move(qkv)),
+      proj_(std::move(proj)) {
+  DT_INPUT_CHECK(width > 0 && local_heads > 0 && head_dim > 0 && local_heads % kvh_ == 0,
+                 "attention width " << width << ", " << local_heads << " heads of " << head_dim << " over " << kvh_
+                                    << " key/value heads");
   qkv_->set_output_temporary(true);
   proj_->set_output_temporary(true);
 }
@@ -36,7 +44,36 @@ void SelfAttention::copy_gemm_inputs() {
 
 std::string SelfAttention::kind() const {
   return std::string(causal_ ? "Causal" : "") + "SelfAttention(" + std::to_string(c_) +
-         ", heads=" + std::to_string(h_) + ")";
+         ", heads=" + std::to_string(h_) + (kvh_ != h_ ? ", kv_heads=" + std::to_string(kvh_) : "") +
+         (rope_base_ > 0 ? ", rotary" : "") + ")";
+}
+
+void SelfAttention::set_rotary(float base, int64_t context) {
+  DT_INPUT_CHECK(base > 1.f && context > 0 && hd_ % 2 == 0,
+                 "rotary positions need a base above 1 and an even head width, not " << base << " and " << hd_);
+  rope_base_ = base;
+  rope_context_ = context;
+  rope_ = Tensor();
+}
+
+// cos and sin of p * base^(-2i/hd), rounded as PyTorch computes them in f32 (inverse frequencies,
+// then the angle), so imported models see the same rotations.
+const Tensor& SelfAttention::rope_table(Device dev) {
+  if (rope_.defined() && rope_.device() == dev) return rope_;
+  const int64_t half = hd_ / 2;
+  Tensor t = Tensor::empty({rope_context_, hd_});
+  for (int64_t i = 0; i < half; ++i) {
+    const float exponent = static_cast<float>(2 * i) / static_cast<float>(hd_);
+    const float inv = 1.f / static_cast<float>(std::pow(static_cast<double>(rope_base_), exponent));
+    for (int64_t p = 0; p < rope_context_; ++p) {
+      const float angle = static_cast<float>(p) * inv;
+      t.f32()[p * hd_ + i] = static_cast<float>(std::cos(static_cast<double>(angle)));
+      t.f32()[p * hd_ + half + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
+    }
+  }
+  rope_ = Tensor::empty(t.shape(), DType::F32, dev);
+  copy_any(t, rope_);
+  return rope_;
 }
 
 std::vector<std::pair<std::string, Module*>> SelfAttention::children() {
@@ -55,39 +92,67 @@ void SelfAttention::set_needs_input_grad(bool needed) {
   qkv_->set_needs_input_grad(needed);
 }
 
-// Heads in the layout [3, B, H, T, hd] (q, k and v each [B*H, T, hd]), so every product below is
-// ONE batched GEMM over all B*H heads with uniform strides (one launch on a GPU, not one per
-// sequence). From qkv [B, T, 3, H, hd]: [B*T, 3, C] -> [3, B*T, C] = [3B, T, H, hd] -> [3B, H, T, hd].
+// Heads in the layout q [B, H, T, hd], k and v [B, KV, T, hd], so every product below is ONE
+// batched GEMM with uniform strides (one launch on a GPU, not one per sequence). Query heads
+// h = kv G + g (G = H / KV) read key/value head kv, so the G query heads of a key/value head are
+// G*T consecutive rows: the products run over B*KV batches of G*T rows, and d(k), d(v) sum their
+// group in the GEMM. From qkv [B*T, H + 2 KV, hd]: -> [H + 2 KV, B*T, hd]; each of q, k and v
+// [heads, B, T*hd] -> [B, heads, T*hd].
+void SelfAttention::split_heads(Engine& e, const Tensor& qkv, Tensor& heads) {
+  const int64_t nh = h_ + 2 * kvh_, bt = b_ * t_;
+  ensure_temp(split_, {nh, bt, hd_}, qkv.device());
+  e.permute_0213(qkv, 1, bt, nh, hd_, split_);
+  Tensor flat = heads.reshape({nh * bt * hd_}), from = split_.reshape({nh * bt * hd_});
+  int64_t at = 0;
+  for (int64_t n : {h_, kvh_, kvh_}) {
+    Tensor dst = flat.slice0(at, at + n * bt * hd_);
+    e.permute_0213(from.slice0(at, at + n * bt * hd_), 1, n, b_, t_ * hd_, dst);
+    at += n * bt * hd_;
+  }
+}
+
+// The inverse of split_heads: d(q), d(k), d(v) back to [B*T, H + 2 KV, hd].
+void SelfAttention::merge_heads(Engine& e, const Tensor& heads, Tensor& dqkv) {
+  const int64_t nh = h_ + 2 * kvh_, bt = b_ * t_;
+  ensure_temp(split_, {nh, bt, hd_}, heads.device());
+  Tensor flat = heads.reshape({nh * bt * hd_}), to = split_.reshape({nh * bt * hd_});
+  int64_t at = 0;
+  for (int64_t n : {h_, kvh_, kvh_}) {
+    Tensor dst = to.slice0(at, at + n * bt * hd_);
+    e.permute_0213(flat.slice0(at, at + n * bt * hd_), 1, b_, n, t_ * hd_, dst);
+    at += n * bt * hd_;
+  }
+  e.permute_0213(split_, 1, nh, bt, hd_, dqkv);
+}
+
 Tensor SelfAttention::forward(const Tensor& x) {
   DT_CHECK(x.dim() == 3 && x.size(2) == c_, kind() << " needs input [B, T, " << c_ << "], got " << x.str());
   b_ = x.size(0);
   t_ = x.size(1);
   Device dev = x.device();
   Engine& e = engine(x);
-  Tensor qkv = qkv_->forward(x);  // [B, T, 3*H*hd]
-  const int64_t hc = h_ * hd_, bh = b_ * h_;
-  DT_CHECK(qkv.numel() == b_ * t_ * 3 * hc, kind() << ": qkv gave " << qkv.str());
-  ensure_temp(split_, {3, b_ * t_, hc}, dev);
-  e.permute_0213(qkv, 1, b_ * t_, 3, hc, split_);  // [3, B*T, H*hd]
+  Tensor qkv = qkv_->forward(x);  // [B, T, (H + 2 KV) * hd]
+  const int64_t hc = h_ * hd_, bh = b_ * h_, bkv = b_ * kvh_, g = h_ / kvh_, n = (bh + 2 * bkv) * t_ * hd_;
+  DT_CHECK(qkv.numel() == n, kind() << ": qkv gave " << qkv.str());
   low_ = !e.rounds_gemm(t_, t_) || !e.rounds_gemm(t_, hd_) ? DType::F32
          : e.math_precision() == MathPrecision::F16        ? DType::F16
                                                            : DType::BF16;
-  if (low_ == DType::F32) {
-    ensure(qkvh_, {3 * bh, t_, hd_}, dev);
-    e.permute_0213(split_, 3 * b_, t_, h_, hd_, qkvh_);  // [3B, H, T, hd]
-  } else {
-    e.permute_0213(split_, 3 * b_, t_, h_, hd_, ensure_temp(wide_, {3 * bh, t_, hd_}, dev));
-    e.cast(wide_, ensure(qkvh_, {3 * bh, t_, hd_}, dev, low_));
+  Tensor& wide = low_ == DType::F32 ? ensure(qkvh_, {n}, dev) : ensure_temp(wide_, {n}, dev);
+  split_heads(e, qkv, wide);
+  if (rope_base_ > 0) {  // q and k rotated in place
+    Tensor qk = wide.slice0(0, (bh + bkv) * t_ * hd_);
+    e.rotary(qk, t_, rope_table(dev), 0, false, qk);
   }
+  if (low_ != DType::F32) e.cast(wide_, ensure(qkvh_, {n}, dev, low_));
   ensure_temp(scores_, {bh, t_, t_}, dev);  // dead once softmax has run
   ensure(att_, {bh, t_, t_}, dev);
   ensure_temp(yh_, {bh, t_, hd_}, dev);  // permuted into y_ at once
-  Tensor heads = qkvh_.reshape({3 * bh, t_ * hd_});
-  Tensor q = heads.slice0(0, bh), k = heads.slice0(bh, 2 * bh), v = heads.slice0(2 * bh, 3 * bh);
-  const int64_t qs = t_ * hd_, ss = t_ * t_;
-  e.gemm_batched(bh, false, true, t_, t_, hd_, 1.f, q, qs, k, qs, 0.f, scores_, ss);  // s = q k^T [T, T]
+  Tensor q = qkvh_.slice0(0, bh * t_ * hd_), k = qkvh_.slice0(bh * t_ * hd_, (bh + bkv) * t_ * hd_),
+         v = qkvh_.slice0((bh + bkv) * t_ * hd_, n);
+  const int64_t qs = g * t_ * hd_, ks = t_ * hd_, ss = g * t_ * t_, gt = g * t_;
+  e.gemm_batched(bkv, false, true, gt, t_, hd_, 1.f, q, qs, k, ks, 0.f, scores_, ss);  // s = q k^T [G*T, T]
   e.attention_softmax_forward(scores_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), causal_, att_);
-  e.gemm_batched(bh, false, false, t_, hd_, t_, 1.f, att_, ss, v, qs, 0.f, yh_, qs);  // y = att v [T, hd]
+  e.gemm_batched(bkv, false, false, gt, hd_, t_, 1.f, att_, ss, v, ks, 0.f, yh_, qs);  // y = att v [G*T, hd]
   if (copies_)
     ensure_temp(y_, {b_, t_, hc}, dev);  // proj keeps its own copy
   else
@@ -100,67 +165,110 @@ Tensor SelfAttention::backward(const Tensor& dout) {
   DT_CHECK(dout.numel() == b_ * t_ * c_, kind() << " backward got " << dout.str());
   Device dev = dout.device();
   Engine& e = engine(dout);
-  const int64_t hc = h_ * hd_, bh = b_ * h_;
+  const int64_t bh = b_ * h_, bkv = b_ * kvh_, g = h_ / kvh_, n = (bh + 2 * bkv) * t_ * hd_;
   Tensor dy = proj_->backward(dout);  // [B, T, H*hd]
   ensure(dyh_, {bh, t_, hd_}, dev);
   e.permute_0213(dy, b_, t_, h_, hd_, dyh_);
   ensure(datt_, {bh, t_, t_}, dev);
   // The raw scores are dead once softmax has run: their (scratch) buffer takes d(scores).
   keep(dscores_, ensure_temp(scores_, {bh, t_, t_}, dev));
-  ensure(dqkvh_, {3 * bh, t_, hd_}, dev);
-  Tensor heads = qkvh_.reshape({3 * bh, t_ * hd_}), dheads = dqkvh_.reshape({3 * bh, t_ * hd_});
-  Tensor q = heads.slice0(0, bh), k = heads.slice0(bh, 2 * bh), v = heads.slice0(2 * bh, 3 * bh);
-  Tensor dq = dheads.slice0(0, bh), dk = dheads.slice0(bh, 2 * bh), dv = dheads.slice0(2 * bh, 3 * bh);
-  const int64_t qs = t_ * hd_, ss = t_ * t_;
-  const Tensor* g = &dyh_;
+  ensure(dqkvh_, {n}, dev);
+  Tensor q = qkvh_.slice0(0, bh * t_ * hd_), k = qkvh_.slice0(bh * t_ * hd_, (bh + bkv) * t_ * hd_),
+         v = qkvh_.slice0((bh + bkv) * t_ * hd_, n);
+  Tensor dq = dqkvh_.slice0(0, bh * t_ * hd_), dk = dqkvh_.slice0(bh * t_ * hd_, (bh + bkv) * t_ * hd_),
+         dv = dqkvh_.slice0((bh + bkv) * t_ * hd_, n);
+  const int64_t qs = g * t_ * hd_, ks = t_ * hd_, ss = g * t_ * t_, gt = g * t_;
+  const Tensor* dyp = &dyh_;
   if (low_ != DType::F32) {
     DT_CHECK(qkvh_.dtype() == low_, kind() << ": heads held in " << dtype_name(qkvh_.dtype()));
     e.cast(dyh_, ensure_temp(dyh_low_, dyh_.shape(), dev, low_));
-    g = &dyh_low_;
+    dyp = &dyh_low_;
   }
-  e.gemm_batched(bh, false, true, t_, t_, hd_, 1.f, *g, qs, v, qs, 0.f, datt_, ss);  // datt = dy v^T
-  e.gemm_batched(bh, true, false, t_, hd_, t_, 1.f, att_, ss, *g, qs, 0.f, dv, qs);  // dv = att^T dy
+  e.gemm_batched(bkv, false, true, gt, t_, hd_, 1.f, *dyp, qs, v, ks, 0.f, datt_, ss);  // datt = dy v^T
+  e.gemm_batched(bkv, true, false, t_, hd_, gt, 1.f, att_, ss, *dyp, qs, 0.f, dv, ks);  // dv = att^T dy
   e.attention_softmax_backward(att_, datt_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), causal_, dscores_);
   const Tensor* ds = &dscores_;
   if (low_ != DType::F32) {
     e.cast(dscores_, ensure_temp(ds_low_, dscores_.shape(), dev, low_));
     ds = &ds_low_;
   }
-  e.gemm_batched(bh, false, false, t_, hd_, t_, 1.f, *ds, ss, k, qs, 0.f, dq, qs);  // dq = ds k (scale in ds)
-  e.gemm_batched(bh, true, false, t_, hd_, t_, 1.f, *ds, ss, q, qs, 0.f, dk, qs);   // dk = ds^T q
-  // Back to [B, T, 3, H, hd]: [3B, H, T, hd] -> [3B, T, H, hd] = [3, B*T, C] -> [B*T, 3, C].
-  ensure_temp(split_, {3, b_ * t_, hc}, dev);
-  e.permute_0213(dqkvh_, 3 * b_, h_, t_, hd_, split_);
-  ensure(dqkv_, {b_, t_, 3 * hc}, dev);
-  e.permute_0213(split_, 1, 3, b_ * t_, hc, dqkv_);
+  e.gemm_batched(bkv, false, false, gt, hd_, t_, 1.f, *ds, ss, k, ks, 0.f, dq, qs);  // dq = ds k (scale in ds)
+  e.gemm_batched(bkv, true, false, t_, hd_, gt, 1.f, *ds, ss, q, qs, 0.f, dk, ks);   // dk = ds^T q
+  if (rope_base_ > 0) {                                                              // back through the rotation
+    Tensor dqk = dqkvh_.slice0(0, (bh + bkv) * t_ * hd_);
+    e.rotary(dqk, t_, rope_table(dev), 0, true, dqk);
+  }
+  ensure(dqkv_, {b_, t_, (h_ + 2 * kvh_) * hd_}, dev);
+  merge_heads(e, dqkvh_, dqkv_);
   return qkv_->backward(dqkv_);
 }
 
 // ------------------------------------------------------------------ blocks
-ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng, bool copy_gemm_inputs) {
-  auto attn = std::make_unique<Sequential>();
-  auto ln1 = std::make_unique<LayerNorm>(width);
-  auto att = std::make_unique<SelfAttention>(width, heads, rng);
-  auto mlp = std::make_unique<Sequential>();
-  auto ln2 = std::make_unique<LayerNorm>(width);
-  auto fc1 = std::make_unique<Linear>(width, 4 * width, true, rng);
-  ModulePtr gelu = GELU();
-  auto fc2 = std::make_unique<Linear>(4 * width, width, true, rng);
+void llama_shape(GptConfig& cfg) {
+  cfg.rms_norm = cfg.rotary = cfg.swiglu = true;
+  cfg.bias = cfg.tied = false;
+  if (cfg.mlp_width <= 0) cfg.mlp_width = (8 * cfg.width / 3 + 31) / 32 * 32;
+}
+
+namespace {
+
+BlockLinears one_rank_linears() {
+  BlockLinears l;
+  l.column = [](int64_t in, const std::vector<int64_t>& blocks, bool bias, Rng& rng) -> ModulePtr {
+    int64_t out = 0;
+    for (int64_t b : blocks) out += b;
+    return std::make_unique<Linear>(in, out, bias, rng);
+  };
+  l.row = [](int64_t in, int64_t out, bool bias, Rng& rng) -> ModulePtr {
+    return std::make_unique<Linear>(in, out, bias, rng);
+  };
+  return l;
+}
+
+ModulePtr make_norm(const GptConfig& cfg) {
+  if (cfg.rms_norm) return std::make_unique<RMSNorm>(cfg.width, cfg.norm_eps);
+  return std::make_unique<LayerNorm>(cfg.width, cfg.norm_eps);
+}
+
+}  // namespace
+
+ModulePtr make_lm_block(const GptConfig& cfg, Rng& rng, const BlockLinears* linears) {
+  static const BlockLinears one_rank = one_rank_linears();
+  const BlockLinears& lin = linears ? *linears : one_rank;
+  const int64_t c = cfg.width, h = cfg.heads, kv = cfg.kv(), f = cfg.hidden();
+  DT_INPUT_CHECK(h > 0 && c % h == 0 && kv > 0 && h % kv == 0,
+                 "the attention's " << h << " heads must divide the width " << c << " and be a multiple of the " << kv
+                                    << " key/value heads");
+  DT_INPUT_CHECK(h % lin.ranks == 0 && kv % lin.ranks == 0 && f % lin.ranks == 0,
+                 "tensor parallel: " << h << " heads, " << kv << " key/value heads and the MLP's " << f
+                                     << " hidden features must split over " << lin.ranks << " tp ranks");
+  const int64_t hd = c / h;
+  ModulePtr qkv = lin.column(c, {h * hd, kv * hd, kv * hd}, cfg.bias, rng);
+  ModulePtr proj = lin.row(h * hd, c, cfg.bias, rng);
+  auto* att = new SelfAttention(std::move(qkv), std::move(proj), c, h / lin.ranks, hd, kv / lin.ranks);
+  ModulePtr attp(att);
+  if (cfg.rotary) att->set_rotary(cfg.rope_base, cfg.context);
+  ModulePtr fc1 = cfg.swiglu ? lin.column(c, {f, f}, cfg.bias, rng) : lin.column(c, {f}, cfg.bias, rng);
+  ModulePtr fc2 = lin.row(f, c, cfg.bias, rng);
+  ModulePtr act = cfg.swiglu ? ModulePtr(std::make_unique<SwiGLU>()) : GELU();
+  ModulePtr norm1 = make_norm(cfg), norm2 = make_norm(cfg);
   fc2->set_output_temporary(true);  // used up by the residual add
-  if (copy_gemm_inputs) {
+  if (cfg.copy_gemm_inputs) {
     // Each of these outputs has one reader, a Linear that now keeps its own (bf16) copy.
     att->copy_gemm_inputs();
-    fc1->set_copy_input(true);
-    fc2->set_copy_input(true);
-    ln1->set_output_temporary(true);
-    ln2->set_output_temporary(true);
-    gelu->set_output_temporary(true);
+    dynamic_cast<Linear&>(*fc1).set_copy_input(true);
+    dynamic_cast<Linear&>(*fc2).set_copy_input(true);
+    norm1->set_output_temporary(true);
+    norm2->set_output_temporary(true);
+    act->set_output_temporary(true);
   }
-  attn->add(std::move(ln1));
-  attn->add(std::move(att));
-  mlp->add(std::move(ln2));
+  auto attn = std::make_unique<Sequential>();
+  attn->add(std::move(norm1));
+  attn->add(std::move(attp));
+  auto mlp = std::make_unique<Sequential>();
+  mlp->add(std::move(norm2));
   mlp->add(std::move(fc1));
-  mlp->add(std::move(gelu));
+  mlp->add(std::move(act));
   mlp->add(std::move(fc2));
   auto block = std::make_unique<Sequential>();
   block->add(std::make_unique<Residual>(std::move(attn)));
@@ -168,11 +276,20 @@ ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng, bool copy_gemm_
   return block;
 }
 
+ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng, bool copy_gemm_inputs) {
+  GptConfig cfg;
+  cfg.width = width;
+  cfg.heads = heads;
+  cfg.copy_gemm_inputs = copy_gemm_inputs;
+  return make_lm_block(cfg, rng);
+}
+
 // ------------------------------------------------------------------ GptEmbedding
-GptEmbedding::GptEmbedding(Tensor wte, Tensor wpe, GptVocabShard shard) : shard_(std::move(shard)) {
+GptEmbedding::GptEmbedding(Tensor wte, Tensor wpe, int64_t context, GptVocabShard shard)
+    : context_(context), shard_(std::move(shard)) {
   DT_CHECK(!shard_.sharded() || (shard_.rows == wte.size(0) && shard_.sum), "vocabulary shard of " << wte.str());
   wte_ = &add_parameter("wte", std::move(wte));
-  wpe_ = &add_parameter("wpe", std::move(wpe));
+  if (wpe.defined()) wpe_ = &add_parameter("wpe", std::move(wpe));
 }
 
 Tensor GptEmbedding::forward(const Tensor& ids) {
@@ -180,13 +297,13 @@ Tensor GptEmbedding::forward(const Tensor& ids) {
   b_ = ids.size(0);
   t_ = ids.size(1);
   const int64_t c = wte_->value.size(1);
-  DT_INPUT_CHECK(t_ >= 1 && t_ <= wpe_->value.size(0),
-                 "sequence length " << t_ << " exceeds the context " << wpe_->value.size(0));
+  DT_INPUT_CHECK(t_ >= 1 && t_ <= context_, "sequence length " << t_ << " exceeds the context " << context_);
   Engine& e = engine(ids);
   keep(ids_, ids);
   ensure(emb_, {b_, t_, c}, ids.device());
   e.embedding_forward(ids, wte_->value, shard_.offset, emb_);
   if (shard_.sharded()) shard_.sum(emb_);  // each row came from the one rank holding its token
+  if (!wpe_) return emb_;
   // Position embedding: rows of wpe[0:T] flattened, added to every sequence ([B, T*C] + [T*C]).
   Tensor emb_rows = emb_.reshape({b_, t_ * c});
   e.add_row_bias(emb_rows, wpe_->value.slice0(0, t_).reshape({t_ * c}));
@@ -197,20 +314,23 @@ Tensor GptEmbedding::backward(const Tensor& demb) {
   const int64_t c = wte_->value.size(1);
   Engine& e = engine(demb);
   e.embedding_backward(ids_, demb, shard_.offset, wte_->grad);
-  Tensor dpos = wpe_->grad.slice0(0, t_).reshape({t_ * c});
-  e.row_bias_grad(demb.reshape({b_, t_ * c}), dpos);
+  if (wpe_) {
+    Tensor dpos = wpe_->grad.slice0(0, t_).reshape({t_ * c});
+    e.row_bias_grad(demb.reshape({b_, t_ * c}), dpos);
+    grad_ready(*wpe_);
+  }
   // wte is final only now when the head is tied to it (it collects the unembedding's gradient too).
-  grad_ready(*wpe_);
   grad_ready(*wte_);
   return Tensor();
 }
 
 // ------------------------------------------------------------------ GptHead
-GptHead::GptHead(int64_t width, Parameter* tied, Tensor own_wte, GptVocabShard shard)
-    : owns_(tied == nullptr), shard_(std::move(shard)), c_(width) {
-  wte_ = tied ? tied : &add_parameter("wte", std::move(own_wte));
+GptHead::GptHead(const GptConfig& cfg, Parameter* tied, Tensor own_wte, GptVocabShard shard)
+    : owns_(tied == nullptr), tied_(cfg.tied), shard_(std::move(shard)), c_(cfg.width) {
+  DT_CHECK(cfg.tied || !tied, "an untied head holds its own weight");
+  wte_ = tied ? tied : &add_parameter(cfg.tied ? "wte" : "lm_head", std::move(own_wte));
   wte_->gemm_weight = true;  // the unembedding reads it whole
-  ln_f_ = std::make_unique<LayerNorm>(width);
+  ln_f_ = make_norm(cfg);
 }
 
 std::vector<std::pair<std::string, Module*>> GptHead::children() { return {{"ln_f", ln_f_.get()}}; }
@@ -253,38 +373,44 @@ Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks, GptPart part, bool
     for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = 0.02f * rng.normal();
     return t;
   };
-  Tensor wte = normal({cfg.vocab, cfg.width});
-  Tensor wpe = normal({cfg.context, cfg.width});
-  if (vocab.sharded()) {
+  auto own_rows = [&](Tensor t) {  // this rank's rows of a vocabulary table
+    if (!vocab.sharded()) return t;
     DT_INPUT_CHECK(vocab.offset >= 0 && vocab.offset + vocab.rows <= cfg.vocab,
                    "vocabulary shard [" << vocab.offset << ", " << vocab.offset + vocab.rows << ") of " << cfg.vocab);
-    wte = wte.slice0(vocab.offset, vocab.offset + vocab.rows).clone();
-  }
-  if (part_.embed) embed_ = std::make_unique<GptEmbedding>(wte, wpe, vocab);
+    return t.slice0(vocab.offset, vocab.offset + vocab.rows).clone();
+  };
+  Tensor wte = own_rows(normal({cfg.vocab, cfg.width}));
+  Tensor wpe = cfg.rotary ? Tensor() : normal({cfg.context, cfg.width});
+  if (part_.embed) embed_ = std::make_unique<GptEmbedding>(wte, wpe, cfg.context, vocab);
   // Every block is drawn (the RNG stream must not depend on the cut); the part keeps its own.
   auto pool = std::make_shared<std::vector<Tensor>>();  // recomputation buffers, shared by the blocks
   for (int64_t l = 0; l < cfg.layers; ++l) {
-    ModulePtr b = blocks ? blocks(l, rng) : make_gpt_block(cfg.width, cfg.heads, rng, cfg.copy_gemm_inputs);
+    ModulePtr b = blocks ? blocks(l, rng) : make_lm_block(cfg, rng);
     if (l < part_.first_block || l >= part_.end_block) continue;
     if (checkpoint_blocks) b = std::make_unique<Checkpointed>(std::move(b), pool);
     if (cfg.sink) cfg.sink->unit_built({b.get()});
     blocks_.emplace_back("blocks." + std::to_string(l), std::move(b));
   }
-  if (part_.head)
-    head_ = std::make_unique<GptHead>(cfg.width, embed_ ? &embed_->wte() : nullptr, embed_ ? Tensor() : wte, vocab);
-  wte = wpe = Tensor();  // the embedding holds them (or the sink its block of them)
-  cfg_.sink = nullptr;   // the sink lives as long as the build only
+  Tensor lm_head = cfg.tied ? Tensor() : own_rows(normal({cfg.vocab, cfg.width}));  // after the blocks
+  if (part_.head) {
+    Parameter* tied = cfg.tied && embed_ ? &embed_->wte() : nullptr;
+    head_ = std::make_unique<GptHead>(cfg, tied, tied ? Tensor() : cfg.tied ? wte : lm_head, vocab);
+  }
+  wte = wpe = lm_head = Tensor();  // the embedding and head hold them (or the sink its block of them)
+  cfg_.sink = nullptr;             // the sink lives as long as the build only
   if (!cfg.sink) return;
-  const bool tied = embed_ && head_;
+  const bool tied = cfg.tied && embed_ && head_;
   if (tied) cfg.sink->unit_built({embed_.get(), head_.get()});
   if (embed_ && !tied) cfg.sink->unit_built({embed_.get()});
   if (head_ && !tied) cfg.sink->unit_built({head_.get()});
 }
 
 std::string Gpt::kind() const {
-  std::string k = "Gpt(layers=" + std::to_string(cfg_.layers) + ", width=" + std::to_string(cfg_.width) +
-                  ", heads=" + std::to_string(cfg_.heads) + ", context=" + std::to_string(cfg_.context) +
-                  ", vocab=" + std::to_string(cfg_.vocab) + ")";
+  std::string k = std::string(cfg_.llama() ? "Llama" : "Gpt") + "(layers=" + std::to_string(cfg_.layers) +
+                  ", width=" + std::to_string(cfg_.width) + ", heads=" + std::to_string(cfg_.heads) +
+                  (cfg_.kv() != cfg_.heads ? ", kv_heads=" + std::to_string(cfg_.kv()) : "") +
+                  (cfg_.llama() ? ", mlp=" + std::to_string(cfg_.hidden()) : "") +
+                  ", context=" + std::to_string(cfg_.context) + ", vocab=" + std::to_string(cfg_.vocab) + ")";
   if (!part_.embed || !part_.head || part_.first_block > 0 || part_.end_block < cfg_.layers)
     k += " blocks [" + std::to_string(part_.first_block) + ", " + std::to_string(part_.end_block) + ")" +
          (part_.embed ? " + embedding" : "") + (part_.head ? " + head" : "");
@@ -331,7 +457,7 @@ Tensor Gpt::backward(const Tensor& dy) {
 // the embedding's forward to the head's, and its gradient is whole after the embedding's backward).
 ShardUnits Gpt::shard_units() {
   ShardUnits units;
-  const bool tied = embed_ && head_ && !head_->owns_wte();
+  const bool tied = cfg_.tied && embed_ && head_;
   int next = 0;
   if (embed_) {
     units.entries.push_back(embed_.get());
@@ -353,10 +479,32 @@ ShardUnits Gpt::shard_units() {
 GptCosts gpt_costs(const GptConfig& c, int64_t seq_len) {
   const double w = static_cast<double>(c.width), t = static_cast<double>(seq_len);
   GptCosts k;
-  k.block = 12.0 * w * w + 2.0 * t * w;
+  const double hd = w / static_cast<double>(c.heads), qkv = (static_cast<double>(c.heads) + 2.0 * c.kv()) * hd;
+  k.block = w * qkv + w * w + (c.swiglu ? 3.0 : 2.0) * w * static_cast<double>(c.hidden()) + 2.0 * t * w;
   k.head = static_cast<double>(c.vocab) * w + 10.0 * w;
   k.embed = 2.0 * w;
   return k;
+}
+
+namespace {
+
+// The parameter count in N's arithmetic: in long double first, to know int64 can hold it.
+template <typename N>
+N parameter_count_in(const GptConfig& c) {
+  const N w = c.width, f = c.hidden(), norm = c.rms_norm ? 1 : 2;
+  const N qkv = N(c.width / c.heads) * (c.heads + 2 * c.kv());
+  const N block =
+      w * qkv + w * w + (c.swiglu ? 3 : 2) * w * f + (c.bias ? qkv + (c.swiglu ? 2 : 1) * f + 2 * w : 0) + 2 * norm * w;
+  return N(c.vocab) * w * (c.tied ? 1 : 2) + (c.rotary ? 0 : N(c.context) * w) + N(c.layers) * block + norm * w;
+}
+
+}  // namespace
+
+int64_t gpt_parameter_count(const GptConfig& c) {
+  if (c.vocab <= 0 || c.context <= 0 || c.layers <= 0 || c.width <= 0 || c.heads <= 0 || c.kv() <= 0 || c.hidden() <= 0)
+    return -1;
+  if (parameter_count_in<long double>(c) > static_cast<long double>(std::numeric_limits<int64_t>::max() / 2)) return -1;
+  return parameter_count_in<int64_t>(c);
 }
 
 }  // namespace dtrain::nn

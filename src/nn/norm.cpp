@@ -58,4 +58,24 @@ Tensor LayerNorm::backward(const Tensor& dy) {
   return dx;
 }
 
+RMSNorm::RMSNorm(int64_t features, float eps) : d_(features), eps_(eps) {
+  gamma_ = &add_parameter("weight", Tensor::full({features}, 1.f));
+}
+
+Tensor RMSNorm::forward(const Tensor& x) {
+  DT_CHECK(x.dim() >= 1 && x.size(-1) == d_, kind() << " got " << x.str());
+  keep(x_, x);
+  ensure(rstd_, {x.numel() / d_}, x.device());
+  Tensor& y = ensure_output(y_, x.shape(), x.device());
+  engine(x).rmsnorm_forward(x, gamma_->value, eps_, rstd_, y);
+  return y;
+}
+
+Tensor RMSNorm::backward(const Tensor& dy) {
+  Tensor& dx = ensure(dx_, x_.shape(), dy.device());
+  engine(dy).rmsnorm_backward(x_, dy, gamma_->value, rstd_, dx, gamma_->grad);
+  grad_ready(*gamma_);
+  return dx;
+}
+
 }  // namespace dtrain::nn

@@ -73,8 +73,8 @@ class TrainOptions {
   TrainOptions(TrainConfig& c, const TrainConfig& def);
 
   po::options_description common{"Options of every model"};
-  po::options_description image{"Image models (mlp, simple_cnn, resnet20); not yet with --model gpt"};
-  po::options_description lm{"Language model (--model gpt)"};
+  po::options_description image{"Image models (mlp, simple_cnn, resnet20); not with the language models"};
+  po::options_description lm{"Language models (--model gpt, llama)"};
   std::string synthetic_shape, hidden;  // parsed into the config's lists after the options
 
   po::options_description all() const {
@@ -86,7 +86,7 @@ class TrainOptions {
   // empty value is left out where it is the default (a path not given), written as `name = ` where
   // it is not, so that it does not read back as the default.
   std::string ini(const std::string& model) const {
-    const po::options_description& other = model == "gpt" ? image : lm;
+    const po::options_description& other = is_language_model(model) ? image : lm;
     std::string out;
     for (const auto& [name, value, def] : values_) {
       const std::string v = value();
@@ -219,6 +219,9 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(lm, "heads", &c.heads, def.heads, "attention heads (divide --width)");
   add(lm, "width", &c.width, def.width, "model width C");
   add(lm, "context", &c.context, def.context, "longest sequence (position table rows)");
+  add(lm, "kv-heads", &c.kv_heads, def.kv_heads, "key/value heads (0: --heads; fewer, dividing --heads: grouped-query attention)");
+  add(lm, "mlp-width", &c.mlp_width, def.mlp_width, "the MLP's hidden width (0: 4 x --width for gpt, 8/3 x --width rounded up to 32 for llama)");
+  add(lm, "rope-base", &c.rope_base, def.rope_base, "llama: the base of the rotary position frequencies");
   add(lm, "vocab", &c.vocab, def.vocab, "vocabulary (0: the token files', 256 for bytes)");
   add(lm, "seq-len", &c.seq_len, def.seq_len, "tokens per sequence (0: --context)");
   add(lm, "eval-every", &c.eval_every, def.eval_every, "steps between validation passes (0: at the end only)");
@@ -245,12 +248,12 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
 // Options given (on the command line or in the config file) that `model` does not use: one message
 // naming both.
 void refuse_options_of_other_models(const po::variables_map& vm, const TrainOptions& o, const std::string& model) {
-  const bool gpt = model == "gpt";
-  for (const auto& opt : (gpt ? o.image : o.lm).options()) {
+  const bool lm = is_language_model(model);
+  for (const auto& opt : (lm ? o.image : o.lm).options()) {
     const std::string& name = opt->long_name();
     if (vm.count(name) && !vm[name].defaulted())
       throw InputError("option --" + name + " does not combine with --model " + model +
-                       (gpt ? " in this version (image models only)" : " (it is for --model gpt)"));
+                       (lm ? " in this version (image models only)" : " (it is for --model gpt and llama)"));
   }
 }
 
@@ -267,8 +270,9 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.pbt_every >= 0, "option --pbt-every must be >= 0, got " << c.pbt_every);
   DT_INPUT_CHECK(c.sweep_random >= 0, "option --sweep-random must be >= 0, got " << c.sweep_random);
   DT_INPUT_CHECK(c.sweep_random == 0 || !c.sweep.empty(), "option --sweep-random needs --sweep specs to draw from");
-  DT_INPUT_CHECK(c.log_every >= 1 || (c.model == "gpt" && c.log_every == 0),
-                 "option --log-every must be >= 1 (the gpt also takes 0: one line at the end), got " << c.log_every);
+  DT_INPUT_CHECK(
+      c.log_every >= 1 || (is_language_model(c.model) && c.log_every == 0),
+      "option --log-every must be >= 1 (a language model also takes 0: one line at the end), got " << c.log_every);
   DT_INPUT_CHECK(c.preempt_check_every >= 1 && c.preempt_check_every <= 1000000,
                  "option --preempt-check-every must be in [1, 1000000], got " << c.preempt_check_every);
   parse_signal_list(c.preempt_signals, "preempt-signals");
@@ -357,6 +361,10 @@ void check_ranges(const TrainConfig& c) {
                          {"pp", c.pp}})
     DT_INPUT_CHECK(v >= 1, "option --" << name << " must be >= 1, got " << v);
   DT_INPUT_CHECK(c.vocab >= 0, "option --vocab must be >= 0 (0: the token files' vocabulary), got " << c.vocab);
+  DT_INPUT_CHECK(c.kv_heads >= 0 && (c.kv_heads == 0 || c.heads % c.kv_heads == 0),
+                 "option --kv-heads must divide --heads " << c.heads << " (0: as many), got " << c.kv_heads);
+  DT_INPUT_CHECK(c.mlp_width >= 0, "option --mlp-width must be >= 0 (0: the model's default), got " << c.mlp_width);
+  DT_INPUT_CHECK(c.rope_base > 1.f, "option --rope-base must be > 1, got " << c.rope_base);
   DT_INPUT_CHECK(c.seq_len >= 0 && c.eval_every >= 0 && c.eval_batches >= 0 && c.micro_batches >= 0,
                  "options --seq-len, --eval-every, --eval-batches and --micro-batches must be >= 0");
   DT_INPUT_CHECK(c.schedule == "1f1b" || c.schedule == "gpipe",
@@ -367,7 +375,7 @@ void check_ranges(const TrainConfig& c) {
 
 TrainConfig model_defaults(const std::string& model) {
   TrainConfig d;
-  if (model == "gpt") {  // AdamW with GPT-2's beta2, cosine to 1e-4 after a warm-up, decay and clipping
+  if (is_language_model(model)) {  // AdamW with GPT-2's beta2, cosine to 1e-4 after a warm-up, decay and clipping
     d.batch_size = 8;
     d.steps = 1000;
     d.lr = 1e-3f;
@@ -403,8 +411,8 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   if (vm.count("config")) c.config_file = vm["config"].as<std::string>();
   c.synthetic_shape = parse_dims(o.synthetic_shape, "synthetic-shape");
   c.hidden = parse_dims(o.hidden, "hidden");
-  DT_INPUT_CHECK(c.model == "mlp" || c.model == "simple_cnn" || c.model == "resnet20" || c.model == "gpt",
-                 "option --model must be mlp, simple_cnn, resnet20 or gpt, got '" << c.model << "'");
+  DT_INPUT_CHECK(c.model == "mlp" || c.model == "simple_cnn" || c.model == "resnet20" || is_language_model(c.model),
+                 "option --model must be mlp, simple_cnn, resnet20, gpt or llama, got '" << c.model << "'");
   refuse_options_of_other_models(vm, o, c.model);
   for (const char* name : {"model", "hidden", "dropout"})
     DT_INPUT_CHECK(c.model_file.empty() || vm[name].defaulted(),

@@ -9,6 +9,8 @@
 
 #include "dtrain/core/error.h"
 #include "dtrain/kernels/engine.h"
+#include "dtrain/train/config.h"
+#include "dtrain/train/lm_trainer.h"
 
 namespace dtrain::train {
 
@@ -18,7 +20,8 @@ namespace {
 
 // (rows, cols) -> (cols, rows), a new tensor: the engine's axis swap on [1, rows, cols, 1].
 Tensor transposed(const Tensor& t, const std::string& name) {
-  DT_INPUT_CHECK(t.dim() == 2 && t.dtype() == DType::F32, "export: " << name << " is " << t.str() << ", not an f32 matrix");
+  DT_INPUT_CHECK(t.dim() == 2 && t.dtype() == DType::F32,
+                 "export: " << name << " is " << t.str() << ", not an f32 matrix");
   const int64_t r = t.size(0), c = t.size(1);
   Tensor out = Tensor::empty({c, r});
   cpu_engine().permute_0213(t, 1, r, c, 1, out);
@@ -51,6 +54,9 @@ std::pair<std::string, bool> gpt2_name(const std::string& name) {
   return {"transformer.h." + std::string(m[1]) + "." + gpt2 + "." + what, part != "0" && what == "weight"};
 }
 
+// Rows [first, first + rows) of t, a new tensor.
+Tensor rows_of(const Tensor& t, int64_t first, int64_t rows) { return t.slice0(first, first + rows).clone(); }
+
 // ASCII names only, without the characters JSON would need escaped.
 void check_name(const std::string& name) {
   DT_INPUT_CHECK(!name.empty() && std::all_of(name.begin(), name.end(),
@@ -78,21 +84,52 @@ std::string json_escaped(const std::string& text) {
 
 const char* safetensors_dtype(DType t) {
   switch (t) {
-    case DType::F32: return "F32";
-    case DType::BF16: return "BF16";
-    case DType::F16: return "F16";
-    case DType::I32: return "I32";
-    case DType::I64: return "I64";
-    case DType::U8: return "U8";
+    case DType::F32:
+      return "F32";
+    case DType::BF16:
+      return "BF16";
+    case DType::F16:
+      return "F16";
+    case DType::I32:
+      return "I32";
+    case DType::I64:
+      return "I64";
+    case DType::U8:
+      return "U8";
   }
   return "?";
 }
 
 }  // namespace
 
+std::map<std::string, std::vector<HfRows>> llama_hf_layout(const nn::GptConfig& g) {
+  std::map<std::string, std::vector<HfRows>> out;
+  out["wte"] = {{"model.embed_tokens.weight", -1}};
+  if (!g.tied) out["lm_head"] = {{"lm_head.weight", -1}};
+  out["ln_f.weight"] = {{"model.norm.weight", -1}};
+  const int64_t hd = g.width / g.heads, f = g.hidden();
+  for (int64_t i = 0; i < g.layers; ++i) {
+    const std::string ours = "blocks." + std::to_string(i) + ".", hf = "model.layers." + std::to_string(i) + ".";
+    out[ours + "0.body.0.weight"] = {{hf + "input_layernorm.weight", -1}};
+    out[ours + "1.body.0.weight"] = {{hf + "post_attention_layernorm.weight", -1}};
+    for (const std::string what : {"weight", "bias"}) {
+      if (what == "bias" && !g.bias) continue;
+      out[ours + "0.body.1.qkv." + what] = {{hf + "self_attn.q_proj." + what, g.heads * hd},
+                                            {hf + "self_attn.k_proj." + what, g.kv() * hd},
+                                            {hf + "self_attn.v_proj." + what, g.kv() * hd}};
+      out[ours + "0.body.1.proj." + what] = {{hf + "self_attn.o_proj." + what, -1}};
+      out[ours + "1.body.1." + what] = {{hf + "mlp.gate_proj." + what, f}, {hf + "mlp.up_proj." + what, f}};
+      out[ours + "1.body.3." + what] = {{hf + "mlp.down_proj." + what, -1}};
+    }
+  }
+  return out;
+}
+
 NamedTensorList export_tensors(const CheckpointState& s, ExportNames names) {
   const auto model = s.strings.find("model");
+  const bool llama = model != s.strings.end() && model->second == "llama";
   const bool gpt = model != s.strings.end() && model->second == "gpt";
+  const auto hf = llama ? llama_hf_layout(read_lm_shape(s)) : std::map<std::string, std::vector<HfRows>>();
   std::map<std::string, Tensor> out;
   for (const auto& [key, t] : s.tensors) {
     const bool param = key.rfind("param/", 0) == 0, buffer = key.rfind("buffer/", 0) == 0;
@@ -100,6 +137,17 @@ NamedTensorList export_tensors(const CheckpointState& s, ExportNames names) {
     const std::string name = key.substr(param ? 6 : 7);
     if (names == ExportNames::Dtrain) {
       out[name] = t;
+    } else if (llama) {
+      const auto parts = hf.find(name);
+      DT_INPUT_CHECK(parts != hf.end(), "export: Llama parameter '" << name << "' has no Hugging Face name");
+      int64_t first = 0;
+      for (const HfRows& p : parts->second) {
+        const int64_t rows = p.rows < 0 ? t.size(0) : p.rows;
+        DT_INPUT_CHECK(t.dim() >= 1 && first + rows <= t.size(0),
+                       "export: Llama parameter '" << name << "' " << t.str() << " does not hold " << p.name);
+        out[p.name] = p.rows < 0 ? t : rows_of(t, first, rows);
+        first += rows;
+      }
     } else if (gpt) {
       const auto [gpt2, transpose] = gpt2_name(name);
       out[gpt2] = transpose ? transposed(t, name) : t;
@@ -147,10 +195,12 @@ void write_safetensors(const std::string& path, const NamedTensorList& tensors,
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
     DT_INPUT_CHECK(f, "export: cannot create '" << tmp << "'");
     unsigned char size[8];
-    for (int i = 0; i < 8; ++i) size[i] = static_cast<unsigned char>((static_cast<uint64_t>(h.size()) >> (8 * i)) & 0xff);
+    for (int i = 0; i < 8; ++i)
+      size[i] = static_cast<unsigned char>((static_cast<uint64_t>(h.size()) >> (8 * i)) & 0xff);
     f.write(reinterpret_cast<const char*>(size), 8);
     f.write(h.data(), static_cast<std::streamsize>(h.size()));
-    for (const auto& [name, t] : tensors) f.write(static_cast<const char*>(t.raw()), static_cast<std::streamsize>(t.nbytes()));
+    for (const auto& [name, t] : tensors)
+      f.write(static_cast<const char*>(t.raw()), static_cast<std::streamsize>(t.nbytes()));
     f.flush();
     DT_INPUT_CHECK(f, "export: writing '" << tmp << "' failed (disk full?)");
   }

@@ -27,27 +27,27 @@ namespace fs = std::filesystem;
 
 namespace {
 
-double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, int64_t max_batches,
+// The mean loss per token over the first `windows` consecutive windows of `s`, `batch` at a time
+// (the last batch holds what is left).
+double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, int64_t windows,
                    nn::SoftmaxCrossEntropy& xent, Device device = Device::cpu()) {
-  int64_t windows = data::window_count(s, t);
-  int64_t batches = windows / batch;
-  if (max_batches > 0) batches = std::min(batches, max_batches);
-  DT_INPUT_CHECK(batches > 0, "the validation stream (" << s.tokens.size() << " tokens) holds no batch of " << batch
-                                                        << " windows of " << t + 1 << " tokens");
+  DT_INPUT_CHECK(windows > 0,
+                 "the validation stream (" << s.tokens.size() << " tokens) holds no window of " << t + 1 << " tokens");
   nn::update_working_copies(model.parameters(), engine_for(device).math_precision());
   bool was_training = model.training();
   model.eval();
   StagedTensor ids, targets;                            // on a GPU: page-locked staging, reused by every batch
   Tensor stats = zeros_on({kXentStatsFloats}, device);  // summed on the device, read once
-  for (int64_t k = 0; k < batches; ++k) {
-    data::TokenBatch b = data::sequential_windows(s, batch, t, k * batch);
+  for (int64_t first = 0; first < windows; first += batch) {
+    const int64_t rows = std::min(batch, windows - first);
+    data::TokenBatch b = data::sequential_windows(s, rows, t, first);
     xent.accumulate(model.forward(stage_to(b.ids, device, ids)),
-                    stage_to(b.targets, device, targets).reshape({batch * t}), stats);
+                    stage_to(b.targets, device, targets).reshape({rows * t}), stats);
   }
   model.train(was_training);
   const XentStats st = xent_stats(to_host(stats));
   DT_INPUT_CHECK(!st.bad_label, "a token of the validation stream is outside the vocabulary");
-  return st.loss_sum / static_cast<double>(batches * batch * t);
+  return st.loss_sum / static_cast<double>(windows * t);
 }
 
 }  // namespace
@@ -58,7 +58,12 @@ double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, i
 
 double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, int64_t seq_len, int64_t max_batches) {
   nn::SoftmaxCrossEntropy xent;
-  return eval_stream(model, val, batch, seq_len, max_batches, xent);
+  return eval_stream(model, val, batch, seq_len, scored_windows(val, batch, seq_len, max_batches), xent);
+}
+
+int64_t scored_windows(const data::TokenStream& s, int64_t batch, int64_t seq_len, int64_t max_batches) {
+  const int64_t all = data::window_count(s, seq_len);
+  return max_batches > 0 ? std::min(all, max_batches * batch) : all;
 }
 
 double bits_per_byte(const data::TokenStream& s, double nats_per_token, int64_t windows, int64_t seq_len) {
@@ -78,9 +83,36 @@ data::Tokenizer tokenizer_from_checkpoint(const CheckpointState& s, const std::s
   return data::Tokenizer::from_model(name->second, model, where);
 }
 
-std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s) {
+nn::GptConfig lm_shape(const TrainConfig& c, int64_t vocab) {
+  nn::GptConfig g;
+  g.vocab = vocab;
+  g.context = c.context;
+  g.layers = c.layers;
+  g.heads = c.heads;
+  g.width = c.width;
+  g.seed = c.seed;
+  g.kv_heads = c.kv_heads;
+  g.mlp_width = c.mlp_width;
+  if (c.model == "llama") {
+    nn::llama_shape(g);
+    g.rope_base = c.rope_base;
+  }
+  return g;
+}
+
+void write_lm_shape(const nn::GptConfig& g, CheckpointState& s) {
+  s.strings["model"] = g.llama() ? "llama" : "gpt";
+  s.int_lists["gpt"] = {g.vocab, g.context, g.layers, g.heads, g.width};
+  s.int_lists["lm_shape"] = {g.kv(), g.hidden(), g.rms_norm, g.rotary, g.swiglu, g.bias, g.tied};
+  char base[32];
+  std::snprintf(base, sizeof base, "%.9g", static_cast<double>(g.rope_base));
+  s.strings["rope_base"] = base;
+}
+
+nn::GptConfig read_lm_shape(const CheckpointState& s) {
   auto it = s.strings.find("model");
-  DT_INPUT_CHECK(it != s.strings.end() && it->second == "gpt", "the checkpoint does not hold a gpt model");
+  DT_INPUT_CHECK(it != s.strings.end() && is_language_model(it->second),
+                 "the checkpoint does not hold a language model (gpt or llama)");
   auto cfg_it = s.int_lists.find("gpt");
   DT_INPUT_CHECK(cfg_it != s.int_lists.end() && cfg_it->second.size() == 5, "the checkpoint lacks the gpt config");
   nn::GptConfig cfg;
@@ -89,6 +121,28 @@ std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s) {
   cfg.layers = cfg_it->second[2];
   cfg.heads = cfg_it->second[3];
   cfg.width = cfg_it->second[4];
+  auto shape = s.int_lists.find("lm_shape");  // checkpoints from before the Llama family: GPT-2's
+  if (shape == s.int_lists.end()) return cfg;
+  const std::vector<int64_t>& v = shape->second;
+  DT_INPUT_CHECK(v.size() == 7 && v[0] > 0 && v[1] > 0,
+                 "the checkpoint's lm_shape " << shape_str(v) << " is not 7 sizes");
+  cfg.kv_heads = v[0];
+  cfg.mlp_width = v[1];
+  cfg.rms_norm = v[2] != 0;
+  cfg.rotary = v[3] != 0;
+  cfg.swiglu = v[4] != 0;
+  cfg.bias = v[5] != 0;
+  cfg.tied = v[6] != 0;
+  auto base = s.strings.find("rope_base");
+  DT_INPUT_CHECK(base != s.strings.end(), "the checkpoint's lm_shape comes without its rope_base");
+  cfg.rope_base = std::strtof(base->second.c_str(), nullptr);
+  DT_INPUT_CHECK(!cfg.rotary || cfg.rope_base > 1.f, "the checkpoint's rope_base '" << base->second << "' is not > 1");
+  return cfg;
+}
+
+std::unique_ptr<nn::Gpt> gpt_from_checkpoint(const CheckpointState& s) {
+  nn::GptConfig cfg = read_lm_shape(s);
+  const auto cfg_it = s.int_lists.find("gpt");
   // The attributes size the model: it is built only when the checkpoint's tensors hold as many
   // parameters as they ask for (each then has to match in shape).
   const int64_t held = held_parameters(s);
@@ -125,13 +179,14 @@ class GptTask final : public Task {
   }
   int64_t steps_per_epoch() const override { return 0; }
   void start_epoch(int64_t, int64_t) override { staged_.clear(); }
-  // As GPT-2 and nanoGPT: no weight decay on biases, LayerNorm gains and the position table.
+  // As GPT-2 and nanoGPT: no weight decay on biases, norm gains and the position table.
   std::vector<optim::ParamGroup> param_groups(const std::vector<nn::Parameter*>& params,
                                               float weight_decay) const override {
     return optim::decay_groups(params, weight_decay, {"wpe"});
   }
   bool prunable(const nn::Parameter& p) const override {  // the blocks' Linear weights, not the tables
-    return p.value.dim() >= 2 && p.name.find("wte") == std::string::npos && p.name.find("wpe") == std::string::npos;
+    return p.value.dim() >= 2 && p.name.find("wte") == std::string::npos && p.name.find("wpe") == std::string::npos &&
+           p.name != "lm_head";
   }
   bool load_step(int64_t step, double& wait_s) override;
   Tensor micro_input(int k, int parts) override { return micro_rows(ids_, k, parts); }
@@ -171,7 +226,7 @@ class GptTask final : public Task {
     data::TokenBatch b = data::random_windows(train_, batch_ * cfg_->accumulate, seq_len_, rng);
     return {b.ids, b.targets};
   }
-  double pipeline_val_loss(parallel::PipelineStage& pipe, int64_t batches);
+  double pipeline_val_loss(parallel::PipelineStage& pipe, int64_t windows);
 
   const TrainConfig* cfg_ = nullptr;
   parallel::ProcessGrid* grid_ = nullptr;
@@ -211,13 +266,7 @@ void GptTask::setup(const TaskSetup& s) {
                                                                             << train_.vocab << ", not --vocab "
                                                                             << c.vocab << " (0: theirs)");
   data_seed_ = derive_seed(c.seed, static_cast<uint64_t>(s.grid.dp_rank()));  // each dp group its own windows
-  model_cfg_ = nn::GptConfig{};
-  model_cfg_.vocab = c.vocab > 0 ? c.vocab : train_.vocab;
-  model_cfg_.context = c.context;
-  model_cfg_.layers = c.layers;
-  model_cfg_.heads = c.heads;
-  model_cfg_.width = c.width;
-  model_cfg_.seed = c.seed;
+  model_cfg_ = lm_shape(c, c.vocab > 0 ? c.vocab : train_.vocab);
   starts_ = c.pp > 1 ? balanced_starts() : std::vector<int>{0, static_cast<int>(c.layers)};
   const int stage = s.grid.pp_rank(), tp = s.grid.tp_size();
   nn::GptPart part{starts_[stage], starts_[stage + 1], stage == 0, stage == c.pp - 1};
@@ -231,7 +280,7 @@ void GptTask::setup(const TaskSetup& s) {
   held.copy_gemm_inputs = (c.precision == "bf16" || c.precision == "fp16") && tp == 1;
   held.sink = s.built;
   model_ = std::make_unique<nn::Gpt>(
-      held, tp > 1 ? parallel::tensor_parallel_gpt_blocks(c.width, c.heads, s.grid.tp()) : nn::GptBlockFactory(), part,
+      held, tp > 1 ? parallel::tensor_parallel_gpt_blocks(held, s.grid.tp()) : nn::GptBlockFactory(), part,
       c.checkpoint_activations, vocab);
   model_->to(device_);  // drawn on the host (the same numbers everywhere), trained where the engine is
   model_->train();
@@ -241,10 +290,11 @@ void GptTask::setup(const TaskSetup& s) {
                  : std::make_unique<nn::SoftmaxCrossEntropy>();
 }
 
-// The tied embedding lives on the first and the last stage: their gradients are summed.
+// The tied embedding lives on the first and the last stage: their gradients are summed (an untied
+// model's output layer is the last stage's own).
 void GptTask::connect() {
   const int pp = grid_->pp_size(), stage = grid_->pp_rank();
-  if (pp > 1)
+  if (pp > 1 && model_cfg_.tied)
     tied_ = grid_->world().split(stage == 0 || stage == pp - 1 ? grid_->dp_rank() * grid_->tp_size() + grid_->tp_rank()
                                                                : comm::Communicator::kNoColor,
                                  stage, "tied-embedding");
@@ -281,15 +331,14 @@ bool GptTask::load_step(int64_t step, double& wait_s) {
 }
 
 Validation GptTask::validate(parallel::PipelineStage* pipe) {
-  int64_t batches = data::window_count(val_, seq_len_) / batch_;
-  if (cfg_->eval_batches > 0) batches = std::min(batches, cfg_->eval_batches);
-  DT_INPUT_CHECK(batches > 0, "the validation stream (" << val_.tokens.size() << " tokens) holds no batch of " << batch_
-                                                        << " windows of " << seq_len_ + 1 << " tokens");
+  const int64_t windows = scored_windows(val_, batch_, seq_len_, cfg_->eval_batches);
+  DT_INPUT_CHECK(windows > 0, "the validation stream (" << val_.tokens.size() << " tokens) holds no window of "
+                                                        << seq_len_ + 1 << " tokens");
   Validation v;
   v.result.loss =
-      pipe ? pipeline_val_loss(*pipe, batches) : eval_stream(*model_, val_, batch_, seq_len_, batches, *xent_, device_);
-  v.result.samples = batches * batch_;
-  const double bpb = bits_per_byte(val_, v.result.loss, batches * batch_, seq_len_);
+      pipe ? pipeline_val_loss(*pipe, windows) : eval_stream(*model_, val_, batch_, seq_len_, windows, *xent_, device_);
+  v.result.samples = windows;
+  const double bpb = bits_per_byte(val_, v.result.loss, windows, seq_len_);
   char line[80];
   std::snprintf(line, sizeof line, "val_loss %.4f  val_bpb %.4f", v.result.loss, bpb);
   v.text = line;
@@ -297,43 +346,58 @@ Validation GptTask::validate(parallel::PipelineStage* pipe) {
   return v;
 }
 
-// The stages run the validation windows forwards only; the last stage's loss is shared with all.
-double GptTask::pipeline_val_loss(parallel::PipelineStage& pipe, int64_t batches) {
+// The stages run the validation windows forwards only, whole batches then what is left; the last
+// stage's loss is shared with all.
+double GptTask::pipeline_val_loss(parallel::PipelineStage& pipe, int64_t windows) {
   nn::update_working_copies(model_->parameters(), engine_for(device_).math_precision());
   model_->eval();
   double sum = 0;
-  const int64_t b = batch_;
-  auto window = [&](int k) { return data::sequential_windows(val_, b, seq_len_, k * b); };
-  pipe.forward_only([&](int k) { return window(k).ids; },
-                    [&](const Tensor& out, int k) {
-                      xent_->forward(out, window(k).targets.reshape({b * seq_len_}));
-                      sum += xent_->last_loss_sum();
-                    },
-                    stage_shapes(b), static_cast<int>(batches));
+  auto run = [&](int64_t first, int64_t rows, int64_t batches) {
+    auto window = [&](int k) { return data::sequential_windows(val_, rows, seq_len_, first + k * rows); };
+    pipe.forward_only([&](int k) { return window(k).ids; },
+                      [&](const Tensor& out, int k) {
+                        xent_->forward(out, window(k).targets.reshape({rows * seq_len_}));
+                        sum += xent_->last_loss_sum();
+                      },
+                      stage_shapes(rows), static_cast<int>(batches));
+  };
+  const int64_t whole = windows / batch_, rest = windows % batch_;
+  if (whole > 0) run(0, batch_, whole);
+  if (rest > 0) run(whole * batch_, rest, 1);
   model_->train();
   Tensor t = Tensor::full({1}, pipe.last() ? static_cast<float>(sum) : 0.f);
   grid_->pp().allreduce(t)->wait();
-  return t.f32()[0] / static_cast<double>(batches * b * seq_len_);
+  return t.f32()[0] / static_cast<double>(windows * seq_len_);
 }
 
 void GptTask::write_fields(CheckpointState& s) const {
-  s.strings["model"] = "gpt";
+  write_lm_shape(model_cfg_, s);
   s.strings["tokenizer"] = train_.tokenizer.name();
   if (const std::string& m = train_.tokenizer.model(); !m.empty()) {
     Tensor model = Tensor::empty({static_cast<int64_t>(m.size())}, DType::U8);
     std::copy(m.begin(), m.end(), model.data<char>());
     s.tensors["meta/tokenizer_model"] = model;
   }
-  s.int_lists["gpt"] = {model_cfg_.vocab, cfg_->context, cfg_->layers, cfg_->heads, cfg_->width};
   s.ints["first_block"] = starts_[grid_->pp_rank()];
   s.ints["end_block"] = starts_[grid_->pp_rank() + 1];
 }
 
 void GptTask::check_checkpoint(CheckpointState& s) const {
-  auto g = s.int_lists.find("gpt");
-  const std::vector<int64_t> want{model_cfg_.vocab, cfg_->context, cfg_->layers, cfg_->heads, cfg_->width};
-  DT_INPUT_CHECK(s.strings["model"] == "gpt" && g != s.int_lists.end() && g->second == want,
-                 "its GPT (vocab, context, layers, heads, width) differs from this run's");
+  CheckpointState mine;
+  write_lm_shape(model_cfg_, mine);
+  const nn::GptConfig theirs = read_lm_shape(s);
+  DT_INPUT_CHECK(s.strings["model"] == mine.strings["model"] && s.int_lists["gpt"] == mine.int_lists["gpt"],
+                 "its " << s.strings["model"] << " (vocab, context, layers, heads, width "
+                        << shape_str(s.int_lists["gpt"]) << ") differs from this run's " << mine.strings["model"] << " "
+                        << shape_str(mine.int_lists["gpt"]));
+  CheckpointState again;
+  write_lm_shape(theirs, again);
+  DT_INPUT_CHECK(again.int_lists["lm_shape"] == mine.int_lists["lm_shape"] &&
+                     again.strings["rope_base"] == mine.strings["rope_base"],
+                 "its model's kv heads, MLP width, norm, positions, MLP kind, biases or tying ("
+                     << shape_str(again.int_lists["lm_shape"]) << ", rope base " << again.strings["rope_base"]
+                     << ") differ from this run's (" << shape_str(mine.int_lists["lm_shape"]) << ", "
+                     << mine.strings["rope_base"] << ")");
 }
 
 }  // namespace

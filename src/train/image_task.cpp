@@ -561,8 +561,8 @@ EvalResult evaluate_forward(const HostForward& forward, std::shared_ptr<const da
 }
 
 ImageCheckpoint image_model_from_checkpoint(const std::string& path, CheckpointState& s) {
-  DT_INPUT_CHECK(s.strings.count("model") && s.strings["model"] != "gpt" && s.int_lists.count("input_shape") &&
-                     s.ints.count("classes"),
+  DT_INPUT_CHECK(s.strings.count("model") && !is_language_model(s.strings["model"]) &&
+                     s.int_lists.count("input_shape") && s.ints.count("classes"),
                  "checkpoint '" << path << "' does not hold an image model"
                                 << (s.strings.count("model") ? " (it holds a " + s.strings["model"] + ")" : ""));
   ImageCheckpoint c;

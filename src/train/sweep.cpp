@@ -163,7 +163,7 @@ class TrainerGroups {
                    "option --pbt-every needs every configuration training at once: --trainers "
                        << grid_.size() << " for the " << grid_.size() << " --sweep configuration(s), at least 2");
     group_size_ = size;
-    DT_INPUT_CHECK(cfg.pbt_every == 0 || cfg.model == "gpt" || !cfg.test_data.empty(),
+    DT_INPUT_CHECK(cfg.pbt_every == 0 || is_language_model(cfg.model) || !cfg.test_data.empty(),
                    "option --pbt-every ranks the trainers by their validation: it needs --test-data");
     DT_INPUT_CHECK(cfg.pbt_every == 0 || cfg.steps > 0,
                    "option --pbt-every needs --steps (every trainer meets the "
@@ -281,7 +281,7 @@ class TrainerGroups {
   // and appends it to <sweep-dir>/pbt.jsonl.
   void tournament(Trainer& t, int me, int64_t step) {
     const EvalResult e = t.evaluate();
-    play_round(&t, me, step, static_cast<float>(cfg_.model == "gpt" ? -e.loss : e.accuracy));
+    play_round(&t, me, step, static_cast<float>(is_language_model(cfg_.model) ? -e.loss : e.accuracy));
   }
 
   // A trainer that stopped still meets the others at every remaining round (they wait for its
@@ -296,7 +296,7 @@ class TrainerGroups {
   void play_round(Trainer* t, int me, int64_t step, float metric) {
     ++rounds_played_;
     const int k = cfg_.trainers;
-    const bool by_loss = cfg_.model == "gpt";
+    const bool by_loss = is_language_model(cfg_.model);
     Tensor scores = Tensor::zeros({3 * k});  // per trainer: metric (higher is better), lr, momentum
     if (group_->rank() == 0) {
       scores.f32()[3 * me] = metric;
@@ -450,7 +450,7 @@ class TrainerGroups {
   // The table, best first by the validation metric (accuracy; the GPT: validation loss), the
   // trainers that did not finish last; and summary.json.
   void summarize(std::vector<TrainerOutcome> all) const {
-    const bool by_loss = cfg_.model == "gpt";
+    const bool by_loss = is_language_model(cfg_.model);
     std::stable_sort(all.begin(), all.end(), [&](const TrainerOutcome& a, const TrainerOutcome& b) {
       if ((a.status == "ok") != (b.status == "ok")) return a.status == "ok";
       return by_loss ? a.val_loss < b.val_loss : a.accuracy > b.accuracy;

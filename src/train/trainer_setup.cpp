@@ -61,7 +61,7 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
     : cfg_(cfg), rt_(rt), world_(world ? *world : rt.world()), phases_(world_) {
   rank_ = world_.rank();
   progress_ = std::make_unique<Progress>(cfg_.progress, rank_ == 0 && !cfg_.quiet);
-  task_ = cfg_.model == "gpt" ? make_gpt_task() : make_image_task();
+  task_ = is_language_model(cfg_.model) ? make_gpt_task() : make_image_task();
   parse_test_hooks();
   // A hang's forensics files go with the run: its checkpoints, else its metrics file.
   comm::set_run_dir(!cfg_.checkpoint_dir.empty() ? cfg_.checkpoint_dir

@@ -86,7 +86,7 @@ TEST(Cli, UnknownCommandAndOptions) {
 TEST(Cli, OneConfigurationForEveryModel) {
   Result gpt_help = run("train --model gpt --help");
   EXPECT_EQ(gpt_help.code, 0) << gpt_help.out;
-  EXPECT_NE(gpt_help.out.find("Language model (--model gpt)"), std::string::npos) << gpt_help.out;
+  EXPECT_NE(gpt_help.out.find("Language models (--model gpt, llama)"), std::string::npos) << gpt_help.out;
   EXPECT_NE(gpt_help.out.find("--lr arg (=0.001)"), std::string::npos) << "the gpt's own default";
   EXPECT_NE(run("train --help").out.find("--lr arg (=0.05)"), std::string::npos);
   Result sync_bn = run("train --model gpt --data x --sync-batchnorm true");

@@ -274,6 +274,41 @@ TEST_F(CudaEngineTest, LayerNorm) {
   expect_close(gdb, db, 1e-5, "layernorm dbeta (accumulated)");
 }
 
+// The Llama family's pieces: RMSNorm, rotary positions (from position 3 on, and back) and SwiGLU.
+TEST_F(CudaEngineTest, RmsNormRotaryAndSwiGlu) {
+  const int64_t m = 12, d = 300;
+  Tensor x = random({m, d}, 40), dy = random({m, d}, 41), g = random({d}, 42);
+  Tensor rstd = Tensor::zeros({m}), y = Tensor::zeros({m, d}), dx = Tensor::zeros({m, d}), dg = random({d}, 43);
+  Tensor grstd = dev(rstd), gy = dev(y), gdx = dev(dx), gdg = dev(dg);
+  cpu.rmsnorm_forward(x, g, 1e-5f, rstd, y);
+  gpu->rmsnorm_forward(dev(x), dev(g), 1e-5f, grstd, gy);
+  expect_close(gy, y, 1e-5, "rmsnorm forward");
+  expect_close(grstd, rstd, 1e-5, "rmsnorm rstd");
+  cpu.rmsnorm_backward(x, dy, g, rstd, dx, dg);
+  gpu->rmsnorm_backward(dev(x), dev(dy), dev(g), grstd, gdx, gdg);
+  expect_close(gdx, dx, 1e-5, "rmsnorm dx");
+  expect_close(gdg, dg, 1e-5, "rmsnorm dgamma (accumulated)");
+
+  const int64_t t = 4, hd = 6;  // 3 heads of 4 positions from position 3 of a table of 8
+  Tensor table = random({8, hd}, 44), q = random({3, t, hd}, 45), rq = Tensor::zeros({3, t, hd});
+  Tensor grq = dev(rq);
+  cpu.rotary(q, t, table, 3, false, rq);
+  gpu->rotary(dev(q), t, dev(table), 3, false, grq);
+  expect_close(grq, rq, 1e-6, "rotary");
+  cpu.rotary(rq, t, table, 3, true, rq);  // in place, back
+  gpu->rotary(grq, t, dev(table), 3, true, grq);
+  expect_close(grq, rq, 1e-6, "rotary inverse in place");
+
+  Tensor gu = random({m, 2 * d}, 46), sy = Tensor::zeros({m, d}), dgu = Tensor::zeros({m, 2 * d});
+  Tensor gsy = dev(sy), gdgu = dev(dgu);
+  cpu.swiglu_forward(gu, sy);
+  gpu->swiglu_forward(dev(gu), gsy);
+  expect_close(gsy, sy, 1e-6, "swiglu forward");
+  cpu.swiglu_backward(gu, dy, dgu);
+  gpu->swiglu_backward(dev(gu), dev(dy), gdgu);
+  expect_close(gdgu, dgu, 1e-6, "swiglu backward");
+}
+
 TEST_F(CudaEngineTest, ElementwiseOps) {
   const int64_t n = 100003;  // not a multiple of the block size
   Tensor a = random({n}, 26, -3.f, 3.f), b = random({n}, 27);

@@ -92,20 +92,19 @@ TEST(Gradients, GptBlock) {
   gradcheck(*block, random_tensor({2, 4, 8}, rng), 7, 1e-2f, 3e-2, 16);
 }
 
-// The whole GPT: L = sum(logits * r), every parameter (tied wte included) against central
+// The whole model: L = sum(logits * r), every parameter (a tied wte included) against central
 // differences, and the grad-ready hook fires once per parameter.
-TEST(Gradients, GptEndToEndWithTiedEmbedding) {
-  nn::GptConfig cfg = tiny_gpt(11, 6, 2, 2, 8, 5);
+void check_model_end_to_end(const nn::GptConfig& cfg) {
   nn::Gpt gpt(cfg);
   Rng rng(24);
-  // GPT-2's N(0, 0.02) embeddings put the first LayerNorm where a finite-difference step of 1e-2 is
+  // GPT-2's N(0, 0.02) embeddings put the first norm where a finite-difference step of 1e-2 is
   // far from linear; unit-scale embeddings keep the check meaningful.
   for (nn::Parameter* p : gpt.parameters())
     if (p->name == "wte" || p->name == "wpe")
       for (int64_t i = 0; i < p->value.numel(); ++i) p->value.f32()[i] = rng.normal();
   const int64_t b = 2, t = 5;
   Tensor ids = Tensor::empty({b, t}, DType::I32);
-  for (int64_t i = 0; i < b * t; ++i) ids.data<int32_t>()[i] = static_cast<int32_t>(rng.below(11));
+  for (int64_t i = 0; i < b * t; ++i) ids.data<int32_t>()[i] = static_cast<int32_t>(rng.below(cfg.vocab));
   Tensor r = random_tensor({b * t, cfg.vocab}, rng);
   std::map<std::string, int> fired;
   gpt.set_grad_ready_hook([&](nn::Parameter& p) { ++fired[p.name]; });
@@ -129,10 +128,38 @@ TEST(Gradients, GptEndToEndWithTiedEmbedding) {
       EXPECT_NEAR((up - down) / (2.0 * eps), p->grad.f32()[i], 3e-2 * scale) << p->name << " at " << i;
     }
   }
+}
+
+TEST(Gradients, GptEndToEndWithTiedEmbedding) {
+  nn::GptConfig cfg = tiny_gpt(11, 6, 2, 2, 8, 5);
+  check_model_end_to_end(cfg);
   // Positions past T get no gradient; tied wte gets both the embedding and the unembedding parts.
+  nn::Gpt gpt(cfg);
+  Tensor ids = Tensor::zeros({1, 5}, DType::I32);
+  gpt.forward(ids);
+  gpt.backward(Tensor::full({5, cfg.vocab}, 1.f));
   nn::Parameter* wpe = gpt.parameters()[1];
   ASSERT_EQ(wpe->name, "wpe");
-  for (int64_t i = t * cfg.width; i < wpe->grad.numel(); ++i) EXPECT_EQ(wpe->grad.f32()[i], 0.f);
+  for (int64_t i = 5 * cfg.width; i < wpe->grad.numel(); ++i) EXPECT_EQ(wpe->grad.f32()[i], 0.f);
+  double moved = 0;
+  for (int64_t i = 0; i < 5 * cfg.width; ++i) moved += std::abs(wpe->grad.f32()[i]);
+  EXPECT_GT(moved, 0.0);
+}
+
+// A Llama: RMSNorm, rotary positions, SwiGLU, 2 key/value heads for 4 query heads, no biases, an
+// untied output layer ("lm_head"), no position table.
+TEST(Gradients, LlamaEndToEnd) {
+  nn::GptConfig cfg = tiny_gpt(11, 6, 2, 4, 8, 5);
+  cfg.kv_heads = 2;
+  cfg.mlp_width = 12;
+  nn::llama_shape(cfg);
+  check_model_end_to_end(cfg);
+  nn::Gpt llama(cfg);
+  std::vector<std::string> names;
+  for (nn::Parameter* p : llama.parameters()) names.push_back(p->name);
+  EXPECT_EQ(std::count(names.begin(), names.end(), "wpe"), 0);
+  EXPECT_EQ(std::count(names.begin(), names.end(), "lm_head"), 1);
+  EXPECT_EQ(llama.parameter_count(), nn::gpt_parameter_count(cfg));
 }
 
 // GELU's tanh goes through one expf (fn::tanh_via_exp): against std::tanh in double precision.

@@ -149,6 +149,10 @@ TEST(GptParameterCount, MatchesTheBuiltModel) {
                                  nn::GptConfig{.vocab = 256, .context = 32, .layers = 3, .heads = 4, .width = 32}}) {
     nn::Gpt g(c);
     EXPECT_EQ(nn::gpt_parameter_count(c), g.parameter_count());
+    nn::GptConfig llama = c;  // untied, no position table, SwiGLU, half the key/value heads
+    llama.kv_heads = c.heads / 2;
+    nn::llama_shape(llama);
+    EXPECT_EQ(nn::gpt_parameter_count(llama), nn::Gpt(llama).parameter_count());
   }
   EXPECT_EQ(nn::gpt_parameter_count(
                 {.vocab = 256, .context = 128, .layers = int64_t{1} << 40, .heads = 8, .width = int64_t{1} << 20}),

@@ -48,7 +48,7 @@ Tensor expected_shard(nn::Module* owner, const std::string& name, const Tensor& 
   const nn::GptVocabShard* v = nullptr;  // a vocabulary-parallel embedding: this rank's rows
   if (auto* e = dynamic_cast<nn::GptEmbedding*>(owner)) v = &e->shard();
   if (auto* h = dynamic_cast<nn::GptHead*>(owner)) v = &h->shard();
-  if (v && v->sharded() && name == "wte") return full.slice0(v->offset, v->offset + v->rows);
+  if (v && v->sharded() && (name == "wte" || name == "lm_head")) return full.slice0(v->offset, v->offset + v->rows);
   return full;
 }
 
@@ -81,16 +81,15 @@ using test::small_gpt;
 //   on some processors, whatever the learning rate.
 // (Not Adam: the key bias has an exactly zero gradient, softmax being shift-invariant, and Adam
 // turns its rounding noise into full-size steps that differ between any two summation orders.)
-void compare_grid_with_one_rank(bool sync, int tp, int pp, int steps, parallel::PipelineSchedule schedule, int micro) {
+void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int pp, int steps,
+                                parallel::PipelineSchedule schedule, int micro) {
   parallel::ProcessGrid grid(world(), tp, pp);
-  nn::GptConfig cfg = small_gpt();
   nn::Gpt ref(cfg);
   const int stage = grid.pp_rank();
   std::vector<int> starts = parallel::balance_stages(std::vector<double>(cfg.layers, 1.0), pp);
   nn::GptPart part{starts[stage], starts[stage + 1], stage == 0, stage == pp - 1};
   const nn::GptVocabShard vocab = tp > 1 ? parallel::vocab_parallel_shard(cfg.vocab, grid.tp()) : nn::GptVocabShard();
-  nn::Gpt model(cfg, tp > 1 ? parallel::tensor_parallel_gpt_blocks(cfg.width, cfg.heads, grid.tp()) : nullptr, part,
-                false, vocab);
+  nn::Gpt model(cfg, tp > 1 ? parallel::tensor_parallel_gpt_blocks(cfg, grid.tp()) : nullptr, part, false, vocab);
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
   std::map<std::string, nn::Parameter*> ref_params;
@@ -104,7 +103,7 @@ void compare_grid_with_one_rank(bool sync, int tp, int pp, int steps, parallel::
   }
   // The tied embedding: the first stage's and the last stage's copies add their gradients.
   std::unique_ptr<comm::Communicator> tied;
-  if (pp > 1)
+  if (pp > 1 && cfg.tied)
     tied = world().split(
         stage == 0 || stage == pp - 1 ? grid.dp_rank() * tp + grid.tp_rank() : comm::Communicator::kNoColor, stage,
         "tied");
@@ -184,11 +183,11 @@ void compare_grid_with_one_rank(bool sync, int tp, int pp, int steps, parallel::
         p->value.copy_from(expected_shard(own[p->name], p->name, ref_params[p->name]->value));
   }
   if (world().rank() == 0 && sync)
-    std::printf("tp %d pp %d: worst relative gradient difference over %d steps at the same parameters: %.2e\n", tp, pp,
-                steps, worst_grad);
+    std::printf("%s tp %d pp %d: worst relative gradient difference over %d steps at the same parameters: %.2e\n",
+                cfg.llama() ? "llama" : "gpt", tp, pp, steps, worst_grad);
   if (world().rank() == 0 && !sync)
-    std::printf("tp %d pp %d: worst relative loss difference over %d independent steps: %.2e\n", tp, pp, steps,
-                worst_loss);
+    std::printf("%s tp %d pp %d: worst relative loss difference over %d independent steps: %.2e\n",
+                cfg.llama() ? "llama" : "gpt", tp, pp, steps, worst_loss);
   if (!sync)
     for (nn::Parameter* p : model.parameters())
       expect_rel_close(p->value, expected_shard(own[p->name], p->name, ref_params[p->name]->value), 1e-5,
@@ -197,8 +196,18 @@ void compare_grid_with_one_rank(bool sync, int tp, int pp, int steps, parallel::
 
 void expect_grid_matches_one_rank(int tp, int pp, int steps,
                                   parallel::PipelineSchedule schedule = parallel::PipelineSchedule::OneFOneB,
-                                  int micro = 1) {
-  for (bool sync : {true, false}) compare_grid_with_one_rank(sync, tp, pp, steps, schedule, micro);
+                                  int micro = 1, const nn::GptConfig& cfg = small_gpt()) {
+  for (bool sync : {true, false}) compare_grid_with_one_rank(cfg, sync, tp, pp, steps, schedule, micro);
+}
+
+// small_gpt's size as a Llama: RMSNorm, rotary positions, SwiGLU (hidden 48), 2 key/value heads
+// for 4 query heads, no biases, an untied output layer.
+nn::GptConfig small_llama() {
+  nn::GptConfig c = small_gpt();
+  c.kv_heads = 2;
+  c.mlp_width = 48;
+  nn::llama_shape(c);
+  return c;
 }
 
 void expect_tp_matches_one_rank(int tp, int steps) { expect_grid_matches_one_rank(tp, 1, steps); }
@@ -375,6 +384,21 @@ TEST(Pipeline, GptTp2Pp2MatchesOneRank) {
   expect_grid_matches_one_rank(2, 2, 10, parallel::PipelineSchedule::OneFOneB, 2);
 }
 
+// The Llama's blocks under every layout the GPT has: tp 2 (kv heads split), pp 2, dp 2 x tp 2 and
+// tp 2 x pp 2 at 4 ranks, each equal to one rank.
+TEST(TensorParallel, LlamaTp2MatchesOneRank) {
+  expect_grid_matches_one_rank(2, 1, 10, parallel::PipelineSchedule::OneFOneB, 1, small_llama());
+}
+
+TEST(Pipeline, LlamaPp2MatchesOneRank) {
+  expect_grid_matches_one_rank(1, 2, 10, parallel::PipelineSchedule::OneFOneB, 4, small_llama());
+}
+
+TEST(Pipeline, LlamaTp2Pp2MatchesOneRank) {
+  if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
+  expect_grid_matches_one_rank(2, 2, 10, parallel::PipelineSchedule::OneFOneB, 2, small_llama());
+}
+
 // 1F1B keeps at most (stages - stage) micro-batches' activations; GPipe all of them.
 TEST(Pipeline, OneFOneBHoldsFewerActivationsThanGPipe) {
   const int pp = world().size() >= 4 ? 4 : 2, m = 8;
@@ -408,9 +432,10 @@ namespace {
 // The LM trainer in layout (tp, pp) over the whole world (dp 1) against one rank: every step's
 // loss and the validation loss within 1e-5; the checkpoint, one part per stage, reloads on one
 // rank to the same validation loss.
-void expect_lm_layout_matches_one_rank(int tp, int pp, const std::string& schedule, bool recompute) {
+void expect_lm_layout_matches_one_rank(int tp, int pp, const std::string& schedule, bool recompute,
+                                       const nn::GptConfig& model = small_gpt()) {
   std::filesystem::path dir = make_corpus("lm-" + std::to_string(tp) + "x" + std::to_string(pp));
-  train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
+  train::TrainConfig c = test::small_lm_config(dir / "tok", model);
   auto solo = world().split(world().rank(), 0, "solo");
   train::TrainResult ref = train::train_lm(c, solo.get());
   c.tp = tp;
@@ -433,9 +458,9 @@ void expect_lm_layout_matches_one_rank(int tp, int pp, const std::string& schedu
 // Resuming across layouts: a one-rank run checkpointed at step 5 continues in layout (tp, pp) with
 // the losses of the uninterrupted one-rank run, and a checkpoint of the layout run continues on
 // one rank the same way (parameters and AdamW moments go through the one-rank layout).
-void expect_resume_across_layouts(int tp, int pp) {
+void expect_resume_across_layouts(int tp, int pp, const nn::GptConfig& model = small_gpt()) {
   std::filesystem::path dir = make_corpus("resume-" + std::to_string(tp) + "x" + std::to_string(pp));
-  train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
+  train::TrainConfig c = test::small_lm_config(dir / "tok", model);
   c.checkpoint_every = 5;
   auto solo = world().split(world().rank(), 0, "solo");
   train::TrainConfig one = c;  // every rank runs it alone, into its own directory
@@ -492,6 +517,18 @@ TEST(Pipeline, LmResumesFromOneRankInPp2AndBack) {
 TEST(TensorParallel, LmResumesFromOneRankInTp2AndBack) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (tp 2)";
   expect_resume_across_layouts(2, 1);
+}
+
+// The Llama through the trainer: resumed across layouts (tp 2 at 2 ranks, tp 2 x pp 2 at 4), and
+// trained with recompute in tp 2 x pp 2 equal to one rank, its checkpoint reloading on one rank.
+TEST(TensorParallel, LlamaResumesFromOneRankInALayoutAndBack) {
+  if (world().size() == 2) expect_resume_across_layouts(2, 1, small_llama());
+  if (world().size() == 4) expect_resume_across_layouts(2, 2, small_llama());
+}
+
+TEST(Pipeline, LlamaTrainerWithRecomputeMatchesOneRankAndCheckpointReloads) {
+  if (world().size() == 2) expect_lm_layout_matches_one_rank(1, 2, "1f1b", true, small_llama());
+  if (world().size() == 4) expect_lm_layout_matches_one_rank(2, 2, "1f1b", true, small_llama());
 }
 
 TEST(Pipeline, LmResumesFromOneRankInTp2Pp2AndBack) {

@@ -37,9 +37,11 @@ inline nn::GptConfig small_gpt() {
 }
 
 inline train::TrainConfig small_lm_config(const std::filesystem::path& tokens, const nn::GptConfig& model) {
-  train::TrainConfig c = train::model_defaults("gpt");
+  train::TrainConfig c = train::model_defaults(model.llama() ? "llama" : "gpt");
   c.data = tokens.string();
   c.vocab = 256;
+  c.kv_heads = model.kv_heads;
+  c.mlp_width = model.mlp_width;
   c.context = model.context;
   c.layers = model.layers;
   c.heads = model.heads;

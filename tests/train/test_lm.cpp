@@ -6,9 +6,9 @@
 #include <filesystem>
 #include <fstream>
 
+#include "divergence_test_util.h"
 #include "dtrain/data/text.h"
 #include "dtrain/train/lm_trainer.h"
-#include "divergence_test_util.h"
 #include "lm_test_util.h"
 
 using namespace dtrain;
@@ -51,6 +51,77 @@ TEST(LanguageModel, LearnsPeriodicTextAndCheckpointReloads) {
   EXPECT_EQ(model->config().width, 32);
   double reloaded = train::evaluate_lm(*model, (dir / "tok" / "val.h5").string(), c.batch_size, 16, c.eval_batches);
   EXPECT_NEAR(reloaded, r.last_eval.loss, 1e-6 * std::max(1.0, r.last_eval.loss));
+  fs::remove_all(dir);
+}
+
+// A Llama (RMSNorm, rotary positions, SwiGLU, 1 key/value head for 2 query heads, untied) learns
+// the same text; resumed from its step-75 checkpoint it ends bitwise where the uninterrupted run
+// ends, and the checkpoint reloads as a Llama to the same validation loss.
+TEST(LanguageModel, LlamaLearnsResumesBitwiseAndReloads) {
+  fs::path dir = fs::path(DTRAIN_BINARY_DIR) / "test-tmp" / "llama";
+  fs::remove_all(dir);
+  fs::create_directories(dir / "text");
+  {
+    std::ofstream out(dir / "text" / "a.txt");
+    for (int i = 0; i < 2000; ++i) out << "hello, world! ";
+  }
+  data::TextConvertOptions topt;
+  topt.block_bytes = 1024;
+  data::convert_text({(dir / "text").string()}, (dir / "tok").string(), topt);
+  train::TrainConfig c = train::model_defaults("llama");
+  c.data = (dir / "tok").string();
+  c.layers = 1;
+  c.heads = 2;
+  c.kv_heads = 1;
+  c.width = 32;
+  c.context = 16;
+  c.batch_size = 8;
+  c.steps = 150;
+  c.lr = 3e-3f;
+  c.min_lr = 3e-4f;
+  c.warmup_steps = 10;
+  c.eval_every = 0;
+  c.eval_batches = 8;
+  c.log_every = 1;
+  c.quiet = true;
+  c.checkpoint_every = 75;
+  c.checkpoint_dir = (dir / "ckpt").string();
+  train::TrainResult r = train::train_lm(c, nullptr);
+  EXPECT_LT(r.last_eval.loss, 0.5) << "nats per byte; uniform is ln 256 = 5.55";
+  ASSERT_EQ(r.step_losses.size(), 150u);
+
+  train::CheckpointState state = train::load_checkpoint(r.checkpoint);
+  EXPECT_EQ(state.strings["model"], "llama");
+  auto model = train::gpt_from_checkpoint(state);
+  EXPECT_TRUE(model->config().rotary && model->config().swiglu && !model->config().tied);
+  EXPECT_EQ(model->config().kv(), 1);
+  double reloaded = train::evaluate_lm(*model, (dir / "tok" / "val.h5").string(), c.batch_size, 16, c.eval_batches);
+  EXPECT_NEAR(reloaded, r.last_eval.loss, 1e-6 * std::max(1.0, r.last_eval.loss));
+  // Evaluation scores every window: in batches that do not divide them, the last batch holds the
+  // rest, and the loss is that of one window at a time.
+  const data::TokenStream val = data::load_tokens((dir / "tok" / "val.h5").string());
+  const int64_t windows = data::window_count(val, 16);
+  int64_t b = 3;
+  while (windows % b == 0) ++b;
+  EXPECT_EQ(train::scored_windows(val, b, 16, 0), windows);
+  EXPECT_EQ(train::scored_windows(val, b, 16, 1), b);
+  EXPECT_NEAR(train::evaluate_lm(*model, val, b, 16, 0), train::evaluate_lm(*model, val, 1, 16, 0), 1e-6);
+
+  c.resume = (dir / "ckpt" / "ckpt-step000000075.h5").string();
+  c.checkpoint_dir = (dir / "resumed").string();
+  train::TrainResult resumed = train::train_lm(c, nullptr);
+  ASSERT_EQ(resumed.step_losses.size(), 75u);
+  for (size_t i = 0; i < 75; ++i) EXPECT_EQ(resumed.step_losses[i], r.step_losses[75 + i]) << "step " << 75 + i;
+  EXPECT_EQ(resumed.last_eval.loss, r.last_eval.loss);
+  // A Llama checkpoint does not resume as a GPT of the same sizes.
+  c.model = "gpt";
+  c.kv_heads = 0;
+  try {
+    train::train_lm(c, nullptr);
+    ADD_FAILURE() << "a llama checkpoint resumed as a gpt";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("llama"), std::string::npos) << e.what();
+  }
   fs::remove_all(dir);
 }
 

@@ -109,6 +109,13 @@ class Engine {
                                  Tensor& rstd, Tensor& y) = 0;
   virtual void layernorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& mean,
                                   const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) = 0;
+  // RMSNorm over the last axis (the Llama family's): rstd [m] = 1 / sqrt(mean(x^2) + eps),
+  // y = x * rstd * gamma.
+  virtual void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& rstd, Tensor& y) = 0;
+  // dx = rstd * (dy gamma - x rstd^2 mean(dy gamma x)) (overwritten); dgamma += sum over rows of
+  // dy x rstd (accumulated).
+  virtual void rmsnorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& rstd, Tensor& dx,
+                                Tensor& dgamma) = 0;
 
   // ---- Per-channel reductions and maps over x viewed as [N, C, HW] (SyncBatchNorm builds on them).
   // sum[c] = sum x, sumsq[c] = sum x^2 (overwritten), f64 accumulation.
@@ -187,6 +194,16 @@ class Engine {
   // 0 above the diagonal).
   virtual void attention_softmax_backward(const Tensor& probs, const Tensor& dprobs, int64_t t, float scale,
                                           bool causal, Tensor& dscores) = 0;
+  // Rotary position embedding, Llama's "rotate half" pairing: x viewed as [N, T, D] (heads of D
+  // features at positions pos0 .. pos0+T-1); `table` [P, D] holds cos(p w_i) in its first D/2 columns
+  // and sin(p w_i) in its last D/2 for positions p < P. Feature i < D/2 pairs with i + D/2:
+  // y_i = x_i cos - x_{i+D/2} sin, y_{i+D/2} = x_{i+D/2} cos + x_i sin; `inverse` rotates back (the
+  // gradient). y may be x.
+  virtual void rotary(const Tensor& x, int64_t t, const Tensor& table, int64_t pos0, bool inverse, Tensor& y) = 0;
+  // SwiGLU: gu [M, 2F] holds the gate in its first F columns and the up projection in its last F;
+  // y [M, F] = silu(gate) * up. Backward writes dgu [M, 2F] (overwritten).
+  virtual void swiglu_forward(const Tensor& gu, Tensor& y) = 0;
+  virtual void swiglu_backward(const Tensor& gu, const Tensor& dy, Tensor& dgu) = 0;
   // Embedding lookup of a table that holds rows [offset, offset + V) of a (maybe larger) vocabulary:
   // ids i32 [N], table [V, C], y [N, C]; y[n] = table[ids[n] - offset], or zeros when ids[n] falls
   // outside this table (so the rows of a vocabulary split over ranks add up by an allreduce).

@@ -55,6 +55,30 @@ struct GeluExactGrad {  // dy (Phi(x) + x phi(x))
   }
 };
 
+// SiLU(g) = g sigmoid(g); SwiGLU: silu(gate) * up (the Llama family's MLP).
+DT_HD inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+struct SwiGlu {
+  DT_HD float operator()(float gate, float up) const { return gate * sigmoid(gate) * up; }
+};
+struct SwiGluGrad {  // d gate = dy up silu'(gate), d up = dy silu(gate)
+  DT_HD void operator()(float gate, float up, float dy, float& dgate, float& dup) const {
+    const float s = sigmoid(gate);
+    dup = dy * gate * s;
+    dgate = dy * up * s * (1.f + gate * (1.f - s));
+  }
+};
+
+// One rotary pair (x_i, x_{i+D/2}) by the angle whose cosine and sine are c and s (back by -angle
+// when `inverse`).
+struct RotatePair {
+  bool inverse;
+  DT_HD void operator()(float x1, float x2, float c, float s, float& y1, float& y2) const {
+    if (inverse) s = -s;
+    y1 = x1 * c - x2 * s;
+    y2 = x2 * c + x1 * s;
+  }
+};
+
 struct Mul {
   DT_HD float operator()(float a, float b) const { return a * b; }
 };

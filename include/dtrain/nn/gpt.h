@@ -4,7 +4,6 @@
 // and an unembedding tied to the token embedding. Shapes: B batch, T positions (<= context),
 // C width, H heads (C % H == 0), V vocabulary (256 for bytes).
 #include <functional>
-#include <limits>
 #include <memory>
 
 #include "dtrain/core/rng.h"
@@ -23,6 +22,19 @@ struct GptConfig {
   // the LayerNorm, GELU and attention outputs feeding them become temporaries: under bf16/fp16 the
   // activations the GEMMs read are held in 16 bits, half the bytes, with the same arithmetic.
   bool copy_gemm_inputs = false;
+  // The Llama family's choices (the defaults are GPT-2's; llama_shape() sets all of them).
+  int64_t kv_heads = 0;   // key/value heads: 0 = heads (multi-head); fewer (dividing heads): grouped-query
+  int64_t mlp_width = 0;  // the MLP's hidden width: 0 = 4 * width
+  bool rms_norm = false;  // RMSNorm (weight only) instead of LayerNorm, in the blocks and before the head
+  bool rotary = false;    // rotary positions on q and k instead of a learned position table
+  float rope_base = 10000.f;
+  bool swiglu = false;  // MLP = down(silu(gate x) * up x) instead of fc2(gelu(fc x))
+  bool bias = true;     // biases on the blocks' Linear layers
+  bool tied = true;     // the unembedding is the token embedding; else a weight of its own ("lm_head")
+  float norm_eps = 1e-5f;
+  int64_t kv() const { return kv_heads > 0 ? kv_heads : heads; }
+  int64_t hidden() const { return mlp_width > 0 ? mlp_width : 4 * width; }
+  bool llama() const { return rms_norm; }
   // Given each unit as it is built (the blocks in order, then the embedding with the head): ZeRO-3
   // keeps this rank's blocks of them. Drawn values are the same with or without one.
   UnitSink* sink = nullptr;
@@ -37,7 +49,11 @@ class SelfAttention : public Module {
   // With given projections (tensor parallel: a column-parallel qkv producing this rank's
   // `local_heads` q, k and v heads, [.., 3 * local_heads * head_dim], and a row-parallel proj
   // taking [.., local_heads * head_dim] back to the full width).
-  SelfAttention(ModulePtr qkv, ModulePtr proj, int64_t width, int64_t local_heads, int64_t head_dim);
+  // `local_kv_heads` (0: as many as the query heads) makes it grouped-query attention: the qkv
+  // projection then gives [.., (local_heads + 2 * local_kv_heads) * head_dim], and query head h
+  // reads key/value head h / (local_heads / local_kv_heads).
+  SelfAttention(ModulePtr qkv, ModulePtr proj, int64_t width, int64_t local_heads, int64_t head_dim,
+                int64_t local_kv_heads = 0);
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override;
@@ -46,18 +62,27 @@ class SelfAttention : public Module {
   // qkv and proj keep their own (bf16/f16 under bf16/fp16 math) input copies; y_ becomes a temporary.
   void copy_gemm_inputs();
   void set_causal(bool causal) { causal_ = causal; }
+  // Rotary positions (the Llama family's) on q and k, with frequencies base^(-2i/head_dim), for
+  // sequences up to `context` positions.
+  void set_rotary(float base, int64_t context);
   // Parameters named as torch.nn.MultiheadAttention's: "in_proj_weight", "in_proj_bias" (the qkv
   // projection; its rows q, k, v, each head-major, are torch's layout too) and "out_proj.*".
   void name_as_torch_multihead();
 
  private:
-  int64_t c_, h_, hd_;  // input width, heads on this rank, head width
+  int64_t c_, h_, hd_, kvh_;  // input width, query heads on this rank, head width, key/value heads on this rank
   bool copies_ = false, causal_ = true;
+  float rope_base_ = 0;  // > 0: rotary positions
+  int64_t rope_context_ = 0;
+  Tensor rope_;  // [context, hd]: cos | sin per position, on the activations' device
+  const Tensor& rope_table(Device dev);
   std::string qkv_name_ = "qkv", proj_name_ = "proj";
   int64_t b_ = 0, t_ = 0;
-  ModulePtr qkv_, proj_;  // C -> 3*H*hd (q, k, v each head-major), H*hd -> C
-  // qkvh_ [3, B, H, T, hd] (q, k, v heads); att_ (softmax probabilities) [B*H, T, T]; yh_ [B*H, T, hd];
-  // y_ [B, T, H*hd]; split_ [3, B*T, H*hd] (between the two permutes, scratch)
+  ModulePtr qkv_, proj_;  // C -> (H + 2 KV)*hd (q, k, v each head-major), H*hd -> C
+  void split_heads(Engine& e, const Tensor& qkv, Tensor& heads);
+  void merge_heads(Engine& e, const Tensor& heads, Tensor& dqkv);
+  // qkvh_: q [B, H, T, hd], then k and v [B, KV, T, hd] each; att_ (softmax probabilities) [B*H, T, T];
+  // yh_ [B*H, T, hd]; y_ [B, T, H*hd]; split_ [H + 2 KV, B*T, hd] (between the permutes, scratch)
   Tensor qkvh_, scores_, att_, yh_, y_, split_;
   Tensor dyh_, datt_, dscores_, dqkvh_, dqkv_;  // dscores_ shares scores_'s buffer
   // Where every attention GEMM rounds its operands to bf16/f16 (Engine::rounds_gemm), the heads are
@@ -68,7 +93,25 @@ class SelfAttention : public Module {
   Tensor wide_, dyh_low_, ds_low_;
 };
 
-// One pre-LN transformer block: x + attn(ln1(x)), then + mlp(ln2(.)); mlp = C -> 4C, GELU, -> C.
+// GPT-2's shape with the Llama family's choices: RMSNorm, rotary positions (base 10000), SwiGLU with
+// `mlp_width` (0: 8/3 of the width rounded up to a multiple of 32, as Llama), `kv_heads` (0: heads),
+// no biases, an untied output layer.
+void llama_shape(GptConfig& cfg);
+
+// The Linear layers a block is made of: plain ones on one rank; tensor parallelism passes column-
+// and row-parallel ones (parallel::tensor_parallel_linears) that keep this rank's part.
+struct BlockLinears {
+  // in -> the concatenated `blocks` of outputs (q, k, v; gate, up); each block split over `ranks`.
+  std::function<ModulePtr(int64_t in, const std::vector<int64_t>& blocks, bool bias, Rng& rng)> column;
+  // in -> out taking each rank's share of the inputs.
+  std::function<ModulePtr(int64_t in, int64_t out, bool bias, Rng& rng)> row;
+  int64_t ranks = 1;
+};
+
+// One pre-norm transformer block of `cfg`: x + attn(norm1(x)), then + mlp(norm2(.)); GPT-2's mlp is
+// C -> 4C, GELU, -> C, Llama's C -> (gate, up), SwiGLU, -> C. Draws qkv, proj, then the MLP's two
+// layers from `rng`, whatever the linears.
+ModulePtr make_lm_block(const GptConfig& cfg, Rng& rng, const BlockLinears* linears = nullptr);
 ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng, bool copy_gemm_inputs = false);
 // Makes block `layer` drawing its initial weights from `rng` (tensor parallel passes its own).
 using GptBlockFactory = std::function<ModulePtr(int64_t layer, Rng& rng)>;
@@ -84,10 +127,11 @@ struct GptVocabShard {
 };
 
 // Token and position embeddings: ids i32 [B, T] -> [B, T, C]. Parameters "wte" [V, C] (or this
-// rank's rows of it), "wpe" [context, C]. backward returns an undefined tensor (the input is ids).
+// rank's rows of it), "wpe" [context, C] (none when `wpe` is undefined: rotary positions act in the
+// attention). backward returns an undefined tensor (the input is ids).
 class GptEmbedding : public Module {
  public:
-  GptEmbedding(Tensor wte, Tensor wpe, GptVocabShard shard = {});
+  GptEmbedding(Tensor wte, Tensor wpe, int64_t context, GptVocabShard shard = {});
   const GptVocabShard& shard() const { return shard_; }
   Tensor forward(const Tensor& ids) override;
   Tensor backward(const Tensor& demb) override;
@@ -96,34 +140,37 @@ class GptEmbedding : public Module {
 
  private:
   Parameter* wte_;
-  Parameter* wpe_;
+  Parameter* wpe_ = nullptr;
+  int64_t context_;
   GptVocabShard shard_;
   int64_t b_ = 0, t_ = 0;
   Tensor ids_, emb_;
 };
 
-// Final LayerNorm and the unembedding: [B, T, C] -> logits [B*T, V] = ln_f(h) wte^T. The weight is
+// Final norm and the unembedding: [B, T, C] -> logits [B*T, V] = ln_f(h) wte^T. The weight is
 // tied to the token embedding: `tied` is the embedding's own parameter (whole model on one stage),
 // or null when this module holds a copy of its own, also named "wte" (the last pipeline stage;
-// the two copies' gradients are summed across the stages).
+// the two copies' gradients are summed across the stages). An untied model (`cfg.tied` false)
+// holds its own weight "lm_head" [V, C]. The norm is `cfg`'s (LayerNorm or RMSNorm).
 class GptHead : public Module {
  public:
   // With a vocabulary shard the logits are this rank's columns [B*T, rows] (vocabulary-parallel
   // cross-entropy takes them) and d(input) is summed over the ranks.
-  GptHead(int64_t width, Parameter* tied, Tensor own_wte = Tensor(), GptVocabShard shard = {});
+  GptHead(const GptConfig& cfg, Parameter* tied, Tensor own_wte = Tensor(), GptVocabShard shard = {});
   const GptVocabShard& shard() const { return shard_; }
   Tensor forward(const Tensor& h) override;
   Tensor backward(const Tensor& dlogits) override;
   std::string kind() const override { return "GptHead"; }
   std::vector<std::pair<std::string, Module*>> children() override;
   Parameter& wte() { return *wte_; }
-  bool owns_wte() const { return owns_; }
+  // A copy of the token embedding (a last pipeline stage's), whose gradient is summed with it.
+  bool owns_wte() const { return owns_ && tied_; }
 
  private:
   Parameter* wte_;
-  bool owns_;
+  bool owns_, tied_;
   GptVocabShard shard_;
-  std::unique_ptr<LayerNorm> ln_f_;
+  ModulePtr ln_f_;
   int64_t m_ = 0, c_;
   Tensor hf_, logits_, dhf_;
 };
@@ -172,18 +219,9 @@ struct GptCosts {
 };
 GptCosts gpt_costs(const GptConfig& cfg, int64_t seq_len);
 
-// The parameters of the whole model of `c` (token and position tables, `layers` blocks of
-// 12 C^2 + 13 C, the final LayerNorm), or -1 when a size is not positive or the count passes int64:
-// what a checkpoint's tensors must hold before its attributes may size a Gpt.
-inline int64_t gpt_parameter_count(const GptConfig& c) {
-  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
-  if (c.vocab <= 0 || c.context <= 0 || c.layers <= 0 || c.width <= 0 || c.width > (kMax - 13) / 12) return -1;
-  int64_t tables = 0, block = 0, total = 0;
-  const bool overflow =
-      __builtin_add_overflow(c.vocab, c.context, &tables) || __builtin_mul_overflow(tables, c.width, &tables) ||
-      __builtin_mul_overflow(c.width, 12 * c.width + 13, &block) || __builtin_mul_overflow(block, c.layers, &block) ||
-      __builtin_add_overflow(tables, block, &total) || __builtin_add_overflow(total, 2 * c.width, &total);
-  return overflow ? -1 : total;
-}
+// The parameters of the whole model of `c` (token table, position table unless rotary, `layers`
+// blocks, the final norm, an untied output layer), or -1 when a size is not positive or the count
+// passes int64: what a checkpoint's tensors must hold before its attributes may size a Gpt.
+int64_t gpt_parameter_count(const GptConfig& c);
 
 }  // namespace dtrain::nn

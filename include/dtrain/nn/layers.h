@@ -193,6 +193,33 @@ class LayerNorm : public Module {
   Tensor x_, y_, dx_, mean_, rstd_;
 };
 
+// RMSNorm (the Llama family's): y = x / sqrt(mean(x^2) + eps) * weight over the last dimension.
+class RMSNorm : public Module {
+ public:
+  explicit RMSNorm(int64_t features, float eps = 1e-5f);
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return "RMSNorm(" + std::to_string(d_) + ")"; }
+
+ private:
+  int64_t d_;
+  float eps_;
+  Parameter* gamma_;
+  Tensor x_, y_, dx_, rstd_;
+};
+
+// SwiGLU over a fused gate/up projection: x [..., 2F] (gate in the first F features, up in the
+// last F) -> silu(gate) * up [..., F].
+class SwiGLU : public Module {
+ public:
+  Tensor forward(const Tensor& x) override;
+  Tensor backward(const Tensor& dy) override;
+  std::string kind() const override { return "SwiGLU"; }
+
+ private:
+  Tensor x_, y_, dx_;
+};
+
 class Sequential : public Module {
  public:
   Sequential() = default;

@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "dtrain/comm/communicator.h"
 #include "dtrain/core/rng.h"
@@ -22,9 +23,11 @@ namespace dtrain::parallel {
 // share its GEMMs and gradient hooks and add only the tp communication.
 class ColumnParallelLinear : public nn::Linear {
  public:
-  // Full layer in -> out. The outputs are `chunks` equal blocks (3 for a fused q/k/v projection);
-  // this rank holds its 1/tp of every block, so it gets its own heads of q, of k and of v.
-  ColumnParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp, int64_t chunks = 1);
+  // Full layer in -> out. The outputs are consecutive `blocks` (q, k and v of a fused projection;
+  // gate and up; empty: one block of `out`); this rank holds its 1/tp of every block, so it gets
+  // its own heads of q, of k and of v.
+  ColumnParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp,
+                       std::vector<int64_t> blocks = {});
   Tensor backward(const Tensor& dy) override;  // forward is nn::Linear's: (..., in) -> (..., out / tp)
   std::string kind() const override;
   // The rows of a full [out, ...] tensor (weight or bias) that this rank holds, as a new tensor.
@@ -33,7 +36,8 @@ class ColumnParallelLinear : public nn::Linear {
   Tensor gather_full(const Tensor& local) const;
 
  private:
-  int64_t full_out_, chunks_;
+  int64_t full_out_;
+  std::vector<int64_t> blocks_;
   comm::Communicator& tp_;
 };
 
@@ -53,11 +57,12 @@ class RowParallelLinear : public nn::Linear {
   comm::Communicator& tp_;
 };
 
-// GPT blocks split over `tp`: attention with heads/tp heads per rank (column-parallel fused qkv,
-// row-parallel output projection) and the MLP as column-parallel C->4C, GELU, row-parallel 4C->C.
-// LayerNorms are replicated. Pass to nn::Gpt; embeddings, final LayerNorm and the tied unembedding
-// stay replicated (their inputs and gradients are equal on every tp rank).
-nn::GptBlockFactory tensor_parallel_gpt_blocks(int64_t width, int64_t heads, comm::Communicator& tp);
+// The blocks of `cfg` (GPT-2's or a Llama's) split over `tp`: attention with heads/tp query and
+// kv_heads/tp key/value heads per rank (column-parallel fused qkv, row-parallel output projection)
+// and the MLP as column-parallel C -> hidden (gate and up for SwiGLU), row-parallel hidden -> C.
+// Norms are replicated. Pass to nn::Gpt; the embeddings and the final norm stay replicated (their
+// inputs and gradients are equal on every tp rank).
+nn::GptBlockFactory tensor_parallel_gpt_blocks(const nn::GptConfig& cfg, comm::Communicator& tp);
 
 // This tp rank's rows of a vocabulary split evenly over `tp` (rank r: rows [r V/tp, (r+1) V/tp)),
 // summing over `tp` (pass to nn::Gpt; the vocabulary must divide by the tp size).

@@ -9,6 +9,10 @@
 
 namespace dtrain::train {
 
+// The language models (trained by the LM task: token files, --steps, validation loss); the rest
+// are image classifiers.
+inline bool is_language_model(const std::string& model) { return model == "gpt" || model == "llama"; }
+
 struct TrainConfig {
   std::string config_file;
   // trainer groups (train/sweep.h): the world split into `trainers` groups, each training
@@ -106,9 +110,12 @@ struct TrainConfig {
   // knowledge distillation (image models): loss = w T^2 KL(soft teacher || soft student) + (1 - w) CE
   std::string teacher;  // checkpoint of the teacher (empty: no distillation)
   float distill_temperature = 2.f, distill_weight = 0.5f;
-  // language model (model = gpt): the GPT's shape, validation and dp x tp x pp layout
+  // language model (model = gpt or llama): its shape, validation and dp x tp x pp layout
   int64_t layers = 4, heads = 4, width = 128, context = 128, vocab = 0;  // vocab 0: the token files'
-  int64_t seq_len = 0;                                                   // tokens per sequence (0: the context)
+  int64_t kv_heads = 0;           // key/value heads (0: --heads; fewer: grouped-query attention)
+  int64_t mlp_width = 0;          // the MLP's hidden width (0: 4 C for gpt, Llama's 8/3 C rounded up to 32)
+  float rope_base = 1e4f;         // llama: the rotary frequencies' base
+  int64_t seq_len = 0;            // tokens per sequence (0: the context)
   int64_t eval_every = 200;       // steps between validation passes (0: at the end only)
   int64_t eval_batches = 16;      // validation batches per pass (0: the whole validation stream)
   int tp = 1, pp = 1;             // tensor-parallel ranks and pipeline stages (dp is the rest)

@@ -25,6 +25,9 @@ TrainResult train_lm(const TrainConfig& cfg, comm::Communicator* world);
 double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, int64_t seq_len, int64_t max_batches);
 // The same on a stream already loaded (data::load_tokens), for callers that evaluate it repeatedly.
 double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, int64_t seq_len, int64_t max_batches);
+// The windows evaluate_lm scores: every window of the stream (max_batches 0: the last batch holds
+// what is left), else the first max_batches * batch of them.
+int64_t scored_windows(const data::TokenStream& s, int64_t batch, int64_t seq_len, int64_t max_batches);
 
 // Bits per byte of text of a mean loss of `nats_per_token` over the targets of the first `windows`
 // consecutive windows of `seq_len` tokens of `s` (as evaluate_lm cuts them): per token for bytes,
@@ -33,6 +36,13 @@ double bits_per_byte(const data::TokenStream& s, double nats_per_token, int64_t 
 
 // The tokenizer a GPT checkpoint was trained with ("tokenizer", and "meta/tokenizer_model" for BPE).
 data::Tokenizer tokenizer_from_checkpoint(const CheckpointState& s, const std::string& where);
+
+// The shape of `cfg`'s language model (--model gpt or llama) over a vocabulary of `vocab` tokens.
+nn::GptConfig lm_shape(const TrainConfig& cfg, int64_t vocab);
+// A language model's shape in a checkpoint's attributes ("model", the int lists "gpt" and, for the
+// Llama family's choices, "lm_shape" with "rope_base"), and back (InputError naming what is wrong).
+void write_lm_shape(const nn::GptConfig& shape, CheckpointState& s);
+nn::GptConfig read_lm_shape(const CheckpointState& s);
 
 // The one-rank GPT of a checkpoint set (load_checkpoint_set: every stage's parameters, tp shards
 // gathered): the config as the int list "gpt", parameters under "param/".
