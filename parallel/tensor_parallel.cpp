@@ -250,6 +250,22 @@ bool is_tensor_parallel_shard(nn::Module& model, const std::string& name) {
   return dynamic_cast<RowParallelLinear*>(m) && name.ends_with("weight");
 }
 
+std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp) {
+  std::map<std::string, nn::Module*> own;
+  owners(model, "", own);
+  std::map<std::string, Shape> out;
+  for (nn::Parameter* p : model.parameters()) {
+    Shape s = p->value.shape();
+    nn::Module* m = own.at(p->name);
+    if (vocab_shard_of(m, p->name) || dynamic_cast<ColumnParallelLinear*>(m))
+      s[0] *= tp;  // the output rows (or vocabulary rows) are split
+    else if (dynamic_cast<RowParallelLinear*>(m) && p->name.ends_with("weight"))
+      s[1] *= tp;  // the input columns are split
+    out[p->name] = s;
+  }
+  return out;
+}
+
 std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator* tp, const ParameterTensor& pick,
                                           const NamedTensors* reuse) {
   std::map<std::string, nn::Module*> own;

@@ -222,6 +222,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(lm, "kv-heads", &c.kv_heads, def.kv_heads, "key/value heads (0: --heads; fewer, dividing --heads: grouped-query attention)");
   add(lm, "mlp-width", &c.mlp_width, def.mlp_width, "the MLP's hidden width (0: 4 x --width for gpt, 8/3 x --width rounded up to 32 for llama)");
   add(lm, "rope-base", &c.rope_base, def.rope_base, "llama: the base of the rotary position frequencies");
+  add_path(lm, "init-from", &c.init_from, "pretrained weights to start from: a safetensors file, or a folder of shards with model.safetensors.index.json (f32, bf16 or f16; Hugging Face's Llama or GPT-2 names, or dtrain's); strict: every missing, unexpected or misshapen tensor is named. A --resume (also a requeued job's) takes precedence");
   add(lm, "vocab", &c.vocab, def.vocab, "vocabulary (0: the token files', 256 for bytes)");
   add(lm, "seq-len", &c.seq_len, def.seq_len, "tokens per sequence (0: --context)");
   add(lm, "eval-every", &c.eval_every, def.eval_every, "steps between validation passes (0: at the end only)");

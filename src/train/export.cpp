@@ -4,12 +4,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 #include <sstream>
 
 #include "dtrain/core/error.h"
 #include "dtrain/kernels/engine.h"
 #include "dtrain/train/config.h"
+#include "dtrain/train/lm_names.h"
 #include "dtrain/train/lm_trainer.h"
 
 namespace dtrain::train {
@@ -26,32 +26,6 @@ Tensor transposed(const Tensor& t, const std::string& name) {
   Tensor out = Tensor::empty({c, r});
   cpu_engine().permute_0213(t, 1, r, c, 1, out);
   return out;
-}
-
-// A GPT parameter's GPT-2 name, and whether its matrix is transposed to GPT-2's (in, out).
-// dtrain's block i is blocks.i.0 (Residual: LayerNorm, attention) and blocks.i.1 (Residual:
-// LayerNorm, Linear, GELU, Linear).
-std::pair<std::string, bool> gpt2_name(const std::string& name) {
-  if (name == "wte" || name == "wpe") return {"transformer." + name + ".weight", false};
-  if (name == "ln_f.weight" || name == "ln_f.bias") return {"transformer." + name, false};
-  static const std::regex block(R"(blocks\.(\d+)\.([01])\.body\.(0|1\.qkv|1\.proj|1|3)\.(weight|bias))");
-  std::smatch m;
-  DT_INPUT_CHECK(std::regex_match(name, m, block), "export: GPT parameter '" << name << "' has no GPT-2 name");
-  const bool attn = m[2] == "0";
-  const std::string part = m[3], what = m[4];
-  std::string gpt2;
-  if (part == "0")
-    gpt2 = attn ? "ln_1" : "ln_2";
-  else if (part == "1.qkv" && attn)
-    gpt2 = "attn.c_attn";
-  else if (part == "1.proj" && attn)
-    gpt2 = "attn.c_proj";
-  else if (part == "1" && !attn)
-    gpt2 = "mlp.c_fc";
-  else if (part == "3" && !attn)
-    gpt2 = "mlp.c_proj";
-  DT_INPUT_CHECK(!gpt2.empty(), "export: GPT parameter '" << name << "' has no GPT-2 name");
-  return {"transformer.h." + std::string(m[1]) + "." + gpt2 + "." + what, part != "0" && what == "weight"};
 }
 
 // Rows [first, first + rows) of t, a new tensor.
@@ -102,34 +76,10 @@ const char* safetensors_dtype(DType t) {
 
 }  // namespace
 
-std::map<std::string, std::vector<HfRows>> llama_hf_layout(const nn::GptConfig& g) {
-  std::map<std::string, std::vector<HfRows>> out;
-  out["wte"] = {{"model.embed_tokens.weight", -1}};
-  if (!g.tied) out["lm_head"] = {{"lm_head.weight", -1}};
-  out["ln_f.weight"] = {{"model.norm.weight", -1}};
-  const int64_t hd = g.width / g.heads, f = g.hidden();
-  for (int64_t i = 0; i < g.layers; ++i) {
-    const std::string ours = "blocks." + std::to_string(i) + ".", hf = "model.layers." + std::to_string(i) + ".";
-    out[ours + "0.body.0.weight"] = {{hf + "input_layernorm.weight", -1}};
-    out[ours + "1.body.0.weight"] = {{hf + "post_attention_layernorm.weight", -1}};
-    for (const std::string what : {"weight", "bias"}) {
-      if (what == "bias" && !g.bias) continue;
-      out[ours + "0.body.1.qkv." + what] = {{hf + "self_attn.q_proj." + what, g.heads * hd},
-                                            {hf + "self_attn.k_proj." + what, g.kv() * hd},
-                                            {hf + "self_attn.v_proj." + what, g.kv() * hd}};
-      out[ours + "0.body.1.proj." + what] = {{hf + "self_attn.o_proj." + what, -1}};
-      out[ours + "1.body.1." + what] = {{hf + "mlp.gate_proj." + what, f}, {hf + "mlp.up_proj." + what, f}};
-      out[ours + "1.body.3." + what] = {{hf + "mlp.down_proj." + what, -1}};
-    }
-  }
-  return out;
-}
-
 NamedTensorList export_tensors(const CheckpointState& s, ExportNames names) {
   const auto model = s.strings.find("model");
-  const bool llama = model != s.strings.end() && model->second == "llama";
-  const bool gpt = model != s.strings.end() && model->second == "gpt";
-  const auto hf = llama ? llama_hf_layout(read_lm_shape(s)) : std::map<std::string, std::vector<HfRows>>();
+  const bool lm = model != s.strings.end() && is_language_model(model->second);
+  const auto layout = lm ? lm_hf_layout(read_lm_shape(s)) : std::map<std::string, std::vector<SourceTensor>>();
   std::map<std::string, Tensor> out;
   for (const auto& [key, t] : s.tensors) {
     const bool param = key.rfind("param/", 0) == 0, buffer = key.rfind("buffer/", 0) == 0;
@@ -137,20 +87,19 @@ NamedTensorList export_tensors(const CheckpointState& s, ExportNames names) {
     const std::string name = key.substr(param ? 6 : 7);
     if (names == ExportNames::Dtrain) {
       out[name] = t;
-    } else if (llama) {
-      const auto parts = hf.find(name);
-      DT_INPUT_CHECK(parts != hf.end(), "export: Llama parameter '" << name << "' has no Hugging Face name");
+    } else if (lm) {  // its rows under each of its names, GPT-2's matrices as (in, out)
+      const auto parts = layout.find(name);
+      DT_INPUT_CHECK(parts != layout.end(),
+                     "export: " << model->second << " parameter '" << name << "' has no Hugging Face name");
       int64_t first = 0;
-      for (const HfRows& p : parts->second) {
+      for (const SourceTensor& p : parts->second) {
         const int64_t rows = p.rows < 0 ? t.size(0) : p.rows;
         DT_INPUT_CHECK(t.dim() >= 1 && first + rows <= t.size(0),
-                       "export: Llama parameter '" << name << "' " << t.str() << " does not hold " << p.name);
-        out[p.name] = p.rows < 0 ? t : rows_of(t, first, rows);
+                       "export: parameter '" << name << "' " << t.str() << " does not hold " << p.name);
+        const Tensor part = p.rows < 0 ? t : rows_of(t, first, rows);
+        out[p.name] = p.transposed ? transposed(part, name) : part;
         first += rows;
       }
-    } else if (gpt) {
-      const auto [gpt2, transpose] = gpt2_name(name);
-      out[gpt2] = transpose ? transposed(t, name) : t;
     } else if (name.ends_with(".rng_state")) {
       continue;  // Dropout's RNG state: PyTorch's Dropout has none
     } else {

@@ -18,6 +18,8 @@
 #include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/process_grid.h"
 #include "dtrain/parallel/tensor_parallel.h"
+#include "dtrain/train/import.h"
+#include "dtrain/train/lm_names.h"
 #include "dtrain/train/task.h"
 #include "dtrain/train/trainer.h"
 
@@ -210,6 +212,12 @@ class GptTask final : public Task {
   Validation validate(parallel::PipelineStage* pipe) override;
   void write_fields(CheckpointState& s) const override;
   void check_checkpoint(CheckpointState& s) const override;
+  std::string init_from(const std::string& where) override {
+    const auto files = list_safetensors(where);
+    const PretrainedNames names = lm_pretrained_names(model_cfg_, files);
+    const int64_t n = import_pretrained(*model_, grid_->tp_size() > 1 ? &grid_->tp() : nullptr, where, names);
+    return "initialised " + std::to_string(n) + " parameters from " + where + " (" + names.scheme + " names)";
+  }
   ResumePoint resume_point(CheckpointState&, int64_t step) override {
     DT_INPUT_CHECK(step < cfg_->steps, "it is at step " << step << ", not before --steps " << cfg_->steps);
     return {0, step, ""};  // step s draws its windows from its own stream: nothing else to restore

@@ -380,8 +380,15 @@ TrainResult Trainer::run() {
   // A checkpoint part or file one rank cannot read fails every rank alike.
   {
     // ZeRO-3: a checkpoint loads into whole parameters, which then give each rank its shard.
-    parallel::WholeModel whole(cfg_.resume.empty() ? nullptr : dp_.get());
-    if (!cfg_.resume.empty()) comm::agree_on_inputs(world_, [&] { at = restore(cfg_.resume); });
+    const bool loads = !cfg_.resume.empty() || !cfg_.init_from.empty();
+    parallel::WholeModel whole(loads ? dp_.get() : nullptr);
+    if (!cfg_.resume.empty()) {
+      comm::agree_on_inputs(world_, [&] { at = restore(cfg_.resume); });
+    } else if (!cfg_.init_from.empty()) {  // pretrained weights, then training from step 0
+      std::string line;
+      comm::agree_on_inputs(world_, [&] { line = task_->init_from(cfg_.init_from); });
+      say(line);
+    }
     if (dp_) dp_->broadcast_state(0);
   }
   PreemptionGuard preemption(parse_signal_list(cfg_.preempt_signals, "preempt-signals"));

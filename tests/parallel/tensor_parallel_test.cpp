@@ -526,6 +526,37 @@ TEST(TensorParallel, LlamaResumesFromOneRankInALayoutAndBack) {
   if (world().size() == 4) expect_resume_across_layouts(2, 2, small_llama());
 }
 
+// --init-from: pretrained weights under Hugging Face's names (a model drawn from another seed) start
+// every layout at the same point: the losses of tp 2 and pp 2 (2 ranks) or tp 2 x pp 2 (4 ranks)
+// equal one rank's, for the Llama and the GPT, and differ from the run that does not import them.
+TEST(TensorParallel, InitFromPretrainedStartsEveryLayoutAlike) {
+  for (const nn::GptConfig& model : {small_llama(), small_gpt()}) {
+    std::filesystem::path dir = make_corpus(model.llama() ? "init-llama" : "init-gpt");
+    nn::GptConfig other = model;
+    other.seed = 99;
+    other.vocab = 256;
+    if (world().rank() == 0) {
+      nn::Gpt pretrained(other);
+      test::write_pretrained((dir / "pretrained.safetensors").string(), pretrained);
+    }
+    world().barrier();
+    train::TrainConfig c = test::small_lm_config(dir / "tok", model);
+    auto solo = world().split(world().rank(), 0, "solo");
+    const train::TrainResult fresh = train::train_lm(c, solo.get());
+    c.init_from = (dir / "pretrained.safetensors").string();
+    const train::TrainResult ref = train::train_lm(c, solo.get());
+    EXPECT_GT(std::abs(ref.step_losses[0] - fresh.step_losses[0]), 1e-4) << "the import changed nothing";
+    for (auto [tp, pp] : world().size() == 4 ? std::vector<std::pair<int, int>>{{2, 2}}
+                                             : std::vector<std::pair<int, int>>{{2, 1}, {1, 2}}) {
+      c.tp = tp;
+      c.pp = pp;
+      test::expect_lm_losses_match(train::train_lm(c, &world()), ref, world().rank() == 0);
+    }
+    world().barrier();
+    if (world().rank() == 0) std::filesystem::remove_all(dir);
+  }
+}
+
 TEST(Pipeline, LlamaTrainerWithRecomputeMatchesOneRankAndCheckpointReloads) {
   if (world().size() == 2) expect_lm_layout_matches_one_rank(1, 2, "1f1b", true, small_llama());
   if (world().size() == 4) expect_lm_layout_matches_one_rank(2, 2, "1f1b", true, small_llama());

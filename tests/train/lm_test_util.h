@@ -10,6 +10,7 @@
 
 #include "dtrain/data/text.h"
 #include "dtrain/nn/gpt.h"
+#include "dtrain/train/export.h"
 #include "dtrain/train/lm_trainer.h"
 
 namespace dtrain::test {
@@ -56,6 +57,21 @@ inline train::TrainConfig small_lm_config(const std::filesystem::path& tokens, c
   c.log_every = 5;
   c.quiet = true;
   return c;
+}
+
+// The parameters of `model` as a checkpoint of its shape (write_lm_shape, "param/<name>").
+inline train::CheckpointState lm_state(nn::Gpt& model) {
+  train::CheckpointState s;
+  train::write_lm_shape(model.config(), s);
+  for (nn::Parameter* p : model.parameters()) s.tensors["param/" + p->name] = p->value;
+  return s;
+}
+
+// `model` as pretrained weights: a safetensors file under Hugging Face's names (or dtrain's).
+inline void write_pretrained(const std::string& path, nn::Gpt& model, bool hf_names = true) {
+  train::write_safetensors(
+      path, train::export_tensors(lm_state(model), hf_names ? train::ExportNames::PyTorch : train::ExportNames::Dtrain),
+      {});
 }
 
 // A layout's run against the one-rank run: every step's loss (where `logs_steps`: the rank that

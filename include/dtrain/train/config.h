@@ -115,6 +115,7 @@ struct TrainConfig {
   int64_t kv_heads = 0;           // key/value heads (0: --heads; fewer: grouped-query attention)
   int64_t mlp_width = 0;          // the MLP's hidden width (0: 4 C for gpt, Llama's 8/3 C rounded up to 32)
   float rope_base = 1e4f;         // llama: the rotary frequencies' base
+  std::string init_from;          // pretrained weights (safetensors file or folder) to start from
   int64_t seq_len = 0;            // tokens per sequence (0: the context)
   int64_t eval_every = 200;       // steps between validation passes (0: at the end only)
   int64_t eval_batches = 16;      // validation batches per pass (0: the whole validation stream)

@@ -9,32 +9,19 @@
 // transformer.h.<i>.{ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj}.{weight, bias} with
 // the four projections' weights transposed to (in, out) (GPT-2's Conv1D), transformer.ln_f.*; the
 // unembedding is tied (lm_head.weight = transformer.wte.weight) and not written twice. A Llama
-// takes Hugging Face's Llama names (llama_hf_layout).
+// takes Hugging Face's Llama names. Both layouts are lm_names.h's lm_hf_layout.
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "dtrain/core/tensor.h"
-#include "dtrain/nn/gpt.h"
 #include "dtrain/train/checkpoint.h"
 
 namespace dtrain::train {
 
 enum class ExportNames { Dtrain, PyTorch };
 using NamedTensorList = std::vector<std::pair<std::string, Tensor>>;
-
-// A Llama's parameters under Hugging Face's LlamaForCausalLM names: each dtrain parameter and the
-// tensors its rows are, in order (the fused q/k/v projection is q_proj, k_proj, v_proj; the fused
-// gate/up projection gate_proj, up_proj; rows -1: all of them). model.embed_tokens.weight,
-// model.layers.<i>.{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
-// mlp.{gate,up,down}_proj}.weight (and biases where the model has them), model.norm.weight,
-// lm_head.weight (none when tied). Matrices keep nn.Linear's (out, in), as dtrain's.
-struct HfRows {
-  std::string name;
-  int64_t rows;
-};
-std::map<std::string, std::vector<HfRows>> llama_hf_layout(const nn::GptConfig& g);
 
 // The tensors of checkpoint `s` (a load_checkpoint_set result) in file order (sorted by name).
 // Throws InputError naming the tensor a GPT checkpoint lacks or does not lay out as expected.

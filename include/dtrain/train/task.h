@@ -114,6 +114,11 @@ class Task {
   virtual void write_fields(CheckpointState& s) const = 0;
   virtual void check_checkpoint(CheckpointState& s) const = 0;
   virtual ResumePoint resume_point(CheckpointState& s, int64_t step) = 0;
+  // --init-from: pretrained weights into this rank's part of the model (whole parameters, also
+  // under ZeRO-3); returns the line the log says. Only the language models take the option.
+  virtual std::string init_from(const std::string& where) {
+    DT_INPUT_CHECK(false, "option --init-from is for --model gpt and llama, not " << where);
+  }
 };
 
 // The task of `cfg.model`: "gpt", or an image classifier (mlp, simple_cnn, resnet20).
