@@ -44,6 +44,8 @@ fi
 # test that reads a converted shard with an independent HDF5 reader.
 # PIL for the test that checks dtrain convert images against it.
 if [[ ${DTRAIN_DEPS:-all} != run && "${DTRAIN_WITH_PLOTS:-1}" == "1" ]]; then OPTIONAL+=(python3-numpy python3-matplotlib python3-h5py python3-pil); fi
+# SentencePiece's Python module: the independent encoder the pretrained-tokenizer test compares with.
+if [[ ${DTRAIN_DEPS:-all} != run ]]; then OPTIONAL+=(python3-sentencepiece); fi
 # PyTorch (Debian's 1.13, CPU) for the export test (tests/cli/export_pytorch.sh: dtrain's exports loaded
 # by PyTorch): about a minute to install, two to run. DTRAIN_WITH_PYTORCH=0 leaves it out (the test
 # then says "skipped: no PyTorch").

@@ -38,8 +38,8 @@ struct ConvertArgs {
 constexpr int64_t kImageShardBytes = int64_t(256) << 20;
 
 void add_writer_options(po::options_description& d, ConvertArgs& a, const char* shard_size_help = "samples per shard") {
-  d.add_options()                                                                                               //
-      ("out", po::value(&a.out)->required(), "output directory for the shards (created if missing)")            //
+  d.add_options()                                                                                           //
+      ("out", po::value(&a.out)->required(), "output directory for the shards (created if missing)")        //
       ("shard-size", po::value(&a.writer.shard_size)->default_value(a.writer.shard_size), shard_size_help)  //
       ("chunk", po::value(&a.writer.chunk_rows)->default_value(a.writer.chunk_rows),
        "HDF5 chunk size along the sample dimension, in samples")  //
@@ -121,15 +121,16 @@ int convert_images(const ConvertArgs& a) {
   data::ImageFolderOptions opt = a.folder;
   opt.writer = a.writer;
   const int64_t sample_bytes = static_cast<int64_t>(opt.channels) * opt.size * opt.size;
-  if (opt.writer.shard_size == 0) opt.writer.shard_size = std::max<int64_t>(1, kImageShardBytes / std::max<int64_t>(sample_bytes, 1));
+  if (opt.writer.shard_size == 0)
+    opt.writer.shard_size = std::max<int64_t>(1, kImageShardBytes / std::max<int64_t>(sample_bytes, 1));
   ProgressBar bar;
   opt.progress = std::ref(bar);
   const data::ImageFolderSummary s = data::convert_image_folder(a.root, a.out, opt);
-  for (const data::SkippedImage& skip : s.skipped) std::cerr << "dtrain convert images: skipped: " << skip.reason << "\n";
+  for (const data::SkippedImage& skip : s.skipped)
+    std::cerr << "dtrain convert images: skipped: " << skip.reason << "\n";
   for (const data::ConvertSummary& split : s.splits) std::cout << split.str() << "\n";
   std::cout << s.classes.size() << " classes (" << s.classes.front() << " ... " << s.classes.back() << "); "
-            << s.skipped.size() << " unreadable image(s) skipped; " << s.ignored_files
-            << " other file(s) ignored\n";
+            << s.skipped.size() << " unreadable image(s) skipped; " << s.ignored_files << " other file(s) ignored\n";
   return 0;
 }
 
@@ -188,7 +189,7 @@ int cmd_convert_text(int argc, char** argv) {
     ("block-bytes", po::value(&opt.block_bytes)->default_value(opt.block_bytes), "the held-out split is by blocks of this size")
     ("seed", po::value(&opt.seed)->default_value(opt.seed), "seed of the split")
     ("tokenizer", po::value(&opt.tokenizer)->default_value(opt.tokenizer),
-     "bytes (vocabulary 256) or bpe (SentencePiece BPE trained on the training text, stored in the token files)")
+     "bytes (vocabulary 256), bpe (SentencePiece BPE trained on the training text), or a model's own tokenizer file (a SentencePiece tokenizer.model, as the Llama family ships it); the tokenizer is stored in the token files and travels into checkpoints")
     ("vocab-size", po::value(&opt.vocab_size)->default_value(opt.vocab_size), "pieces of the BPE vocabulary")
     ("threads", po::value(&opt.threads)->default_value(opt.threads), "BPE training threads (0: every core this process may use)");
   // clang-format on
@@ -204,11 +205,12 @@ int cmd_convert_text(int argc, char** argv) {
     throw InputError("dtrain convert text: " + std::string(e.what()) + " (see dtrain convert text --help)");
   }
   data::TextConvertSummary s = data::convert_text(inputs, out, opt);
-  std::printf("%lld file(s): %lld train tokens (%lld bytes), %lld validation tokens (%lld bytes), tokenizer %s, "
-              "vocabulary %lld -> %s/{train,val}.h5\n",
-              static_cast<long long>(s.files), static_cast<long long>(s.train_tokens),
-              static_cast<long long>(s.train_bytes), static_cast<long long>(s.val_tokens),
-              static_cast<long long>(s.val_bytes), s.tokenizer.c_str(), static_cast<long long>(s.vocab), out.c_str());
+  std::printf(
+      "%lld file(s): %lld train tokens (%lld bytes), %lld validation tokens (%lld bytes), tokenizer %s, "
+      "vocabulary %lld -> %s/{train,val}.h5\n",
+      static_cast<long long>(s.files), static_cast<long long>(s.train_tokens), static_cast<long long>(s.train_bytes),
+      static_cast<long long>(s.val_tokens), static_cast<long long>(s.val_bytes), s.tokenizer.c_str(),
+      static_cast<long long>(s.vocab), out.c_str());
   return 0;
 }
 
@@ -242,8 +244,9 @@ int cmd_convert_index(int argc, char** argv) {
 }
 
 int cmd_convert(int argc, char** argv) {
-  DT_INPUT_CHECK(argc >= 2,
-                 "dtrain convert: missing KIND (idx, cifar10, fashion-mnist, images, text or index); see dtrain convert --help");
+  DT_INPUT_CHECK(
+      argc >= 2,
+      "dtrain convert: missing KIND (idx, cifar10, fashion-mnist, images, text or index); see dtrain convert --help");
   if (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
     print_help(std::cout);
     return 0;
@@ -289,8 +292,8 @@ int cmd_convert(int argc, char** argv) {
       finish(data::write_shards(set, (fs::path(a.out) / s.split).string(), a.writer));
     }
   } else {
-    DT_INPUT_CHECK(false,
-                   "dtrain convert: unknown kind '" << kind << "' (expected idx, cifar10, fashion-mnist, images, text or index)");
+    DT_INPUT_CHECK(false, "dtrain convert: unknown kind '"
+                              << kind << "' (expected idx, cifar10, fashion-mnist, images, text or index)");
   }
   for (const data::ConvertSummary& s : done) std::cout << s.str() << "\n";
   return 0;

@@ -17,9 +17,7 @@ namespace fs = std::filesystem;
 namespace {
 
 // The narrowest HDF5 integer type that holds every token of a vocabulary.
-hid_t token_type(int64_t vocab) {
-  return vocab <= 256 ? H5T_STD_U8LE : vocab <= 65536 ? H5T_STD_U16LE : H5T_STD_I32LE;
-}
+hid_t token_type(int64_t vocab) { return vocab <= 256 ? H5T_STD_U8LE : vocab <= 65536 ? H5T_STD_U16LE : H5T_STD_I32LE; }
 
 void write_token_file(const std::string& path, const std::vector<int32_t>& tokens, int64_t text_bytes,
                       const Tokenizer& tokenizer, int64_t files) {
@@ -49,8 +47,11 @@ TextConvertSummary convert_text(const std::vector<std::string>& inputs, const st
                                 const TextConvertOptions& opt) {
   DT_INPUT_CHECK(opt.val_fraction >= 0 && opt.val_fraction < 1, "--val-fraction must be in [0, 1)");
   DT_INPUT_CHECK(opt.block_bytes > 0, "--block-bytes must be positive");
-  DT_INPUT_CHECK(opt.tokenizer == kBytesTokenizer || opt.tokenizer == "bpe",
-                 "--tokenizer must be bytes or bpe, got '" << opt.tokenizer << "'");
+  const bool pretrained = opt.tokenizer != kBytesTokenizer && opt.tokenizer != "bpe";
+  DT_INPUT_CHECK(!pretrained || fs::is_regular_file(opt.tokenizer),
+                 "--tokenizer must be bytes, bpe or a model's tokenizer file (a SentencePiece tokenizer.model), got '"
+                     << opt.tokenizer << "', which is not a file");
+  const Tokenizer given = pretrained ? Tokenizer::from_file(opt.tokenizer) : Tokenizer();  // before the text is read
   DT_INPUT_CHECK(opt.tokenizer == "bpe" || opt.vocab_size == 0,
                  "--vocab-size is for --tokenizer bpe (bytes have a vocabulary of 256)");
   std::vector<fs::path> files;
@@ -93,10 +94,10 @@ TextConvertSummary convert_text(const std::vector<std::string>& inputs, const st
   }
   const std::string_view train_text(reinterpret_cast<const char*>(train.data()), train.size());
   const std::string_view val_text(reinterpret_cast<const char*>(val.data()), val.size());
-  const Tokenizer tokenizer = opt.tokenizer == "bpe"
-                                  ? Tokenizer::train_bpe(train_text, opt.vocab_size,
-                                                         opt.threads > 0 ? opt.threads : affinity_cores())
-                                  : Tokenizer();
+  const Tokenizer tokenizer =
+      opt.tokenizer == "bpe"
+          ? Tokenizer::train_bpe(train_text, opt.vocab_size, opt.threads > 0 ? opt.threads : affinity_cores())
+          : given;
   TextConvertSummary sum;
   sum.files = used;
   sum.tokenizer = tokenizer.name();
@@ -135,7 +136,7 @@ TokenStream load_tokens(const std::string& path) {
   s.tokens = h5::read_1d<int32_t>(file.get(), "tokens", H5T_NATIVE_INT32, path);
   for (size_t i = 0; i < s.tokens.size(); ++i)
     DT_INPUT_CHECK(s.tokens[i] >= 0 && s.tokens[i] < s.vocab, "'" << path << "': token " << i << " is " << s.tokens[i]
-                                                                 << ", outside the vocabulary [0, " << s.vocab << ")");
+                                                                  << ", outside the vocabulary [0, " << s.vocab << ")");
   std::vector<int64_t> text_bytes;
   s.text_bytes = h5::read_attr_i64(file.get(), "text_bytes", text_bytes) && text_bytes.size() == 1
                      ? text_bytes[0]

@@ -4,6 +4,7 @@
 #include <sentencepiece_trainer.h>
 
 #include <cstdio>
+#include <fstream>
 #include <sstream>
 
 #include "dtrain/core/error.h"
@@ -55,8 +56,9 @@ Tokenizer::Tokenizer() : name_(kBytesTokenizer) {
 
 Tokenizer Tokenizer::from_model(const std::string& name, const std::string& model, const std::string& where) {
   if (name == kBytesTokenizer) return Tokenizer();
-  DT_INPUT_CHECK(name == kBpeTokenizer, "'" << where << "' uses tokenizer '" << name << "'; known are "
-                                            << kBytesTokenizer << " and " << kBpeTokenizer);
+  DT_INPUT_CHECK(name == kBpeTokenizer || name == kSentencePieceTokenizer,
+                 "'" << where << "' uses tokenizer '" << name << "'; known are " << kBytesTokenizer << ", "
+                     << kBpeTokenizer << " and " << kSentencePieceTokenizer);
   auto sp = std::make_shared<sentencepiece::SentencePieceProcessor>();
   const auto status = sp->LoadFromSerializedProto(model);
   DT_INPUT_CHECK(status.ok(), "'" << where << "': its " << kBpeTokenizer << " model does not load ("
@@ -84,14 +86,22 @@ Tokenizer Tokenizer::from_model(const std::string& name, const std::string& mode
       i += space ? kSpace.size() : 1;
     }
   }
-  DT_INPUT_CHECK(t.newline_ >= 0, "'" << where << "': its " << kBpeTokenizer << " model has no byte piece for '\\n'");
+  DT_INPUT_CHECK(t.newline_ >= 0 || name == kSentencePieceTokenizer,
+                 "'" << where << "': its " << kBpeTokenizer << " model has no byte piece for '\\n'");
   t.sp_ = std::move(sp);
   return t;
 }
 
+Tokenizer Tokenizer::from_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DT_INPUT_CHECK(in, "tokenizer '" << path << "' cannot be opened");
+  const std::string model((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return from_model(kSentencePieceTokenizer, model, path);
+}
+
 Tokenizer Tokenizer::train_bpe(std::string_view text, int vocab_size, int threads) {
-  DT_INPUT_CHECK(vocab_size > 256 + 1, "--vocab-size must exceed 257 (the 256 byte pieces and <unk>), got "
-                                           << vocab_size);
+  DT_INPUT_CHECK(vocab_size > 256 + 1,
+                 "--vocab-size must exceed 257 (the 256 byte pieces and <unk>), got " << vocab_size);
   std::ostringstream args;
   args << "--model_type=bpe --vocab_size=" << vocab_size << " --byte_fallback=true --character_coverage=1.0"
        << " --normalization_rule_name=identity --add_dummy_prefix=false --remove_extra_whitespaces=false"
@@ -101,16 +111,23 @@ Tokenizer Tokenizer::train_bpe(std::string_view text, int vocab_size, int thread
   LineIterator lines(text);
   std::string model;
   const auto status = sentencepiece::SentencePieceTrainer::Train(args.str(), &lines, &model);
-  DT_INPUT_CHECK(status.ok(), "training the BPE tokenizer (--vocab-size " << vocab_size
-                                                                        << ") failed: " << status.ToString());
+  DT_INPUT_CHECK(status.ok(),
+                 "training the BPE tokenizer (--vocab-size " << vocab_size << ") failed: " << status.ToString());
   return from_model(kBpeTokenizer, model, "the BPE model just trained");
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
   std::vector<int32_t> ids;
   if (!sp_) {
-    ids.assign(reinterpret_cast<const uint8_t*>(text.data()), reinterpret_cast<const uint8_t*>(text.data()) + text.size());
+    ids.assign(reinterpret_cast<const uint8_t*>(text.data()),
+               reinterpret_cast<const uint8_t*>(text.data()) + text.size());
     return ids;
+  }
+  if (name_ == kSentencePieceTokenizer) {  // the whole text, as the model's own users encode it
+    std::vector<int> all;
+    const auto status = sp_->Encode(text, &all);
+    DT_CHECK(status.ok(), "SentencePiece could not encode the text: " << status.ToString());
+    return {all.begin(), all.end()};
   }
   // Line by line, as it was trained; each newline is its byte piece.
   std::vector<int> line_ids;
@@ -131,6 +148,13 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
 
 std::string Tokenizer::decode(const std::vector<int32_t>& ids) const {
   std::string text;
+  if (name_ == kSentencePieceTokenizer) {  // SentencePiece's own decoding (its dummy prefix removed)
+    for (int32_t id : ids)
+      DT_CHECK(id >= 0 && id < vocab(), "token " << id << " outside the vocabulary of " << vocab());
+    const auto status = sp_->Decode(std::vector<int>(ids.begin(), ids.end()), &text);
+    DT_CHECK(status.ok(), "SentencePiece could not decode: " << status.ToString());
+    return text;
+  }
   for (int32_t id : ids) {
     DT_CHECK(id >= 0 && id < vocab(), "token " << id << " outside the vocabulary of " << vocab());
     text += pieces_[static_cast<size_t>(id)];

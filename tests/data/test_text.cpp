@@ -1,8 +1,10 @@
 // Text to tokens (bytes, BPE): which files are read, the held-out split, the tokenizers, the windows.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "data_test_util.h"
 #include "dtrain/core/error.h"
@@ -66,7 +68,8 @@ TEST(Tokenizer, BpeDecodesExactlyWhatItEncoded) {
   const Tokenizer bpe = Tokenizer::train_bpe(train, 340, 2);
   EXPECT_EQ(bpe.name(), kBpeTokenizer);
   EXPECT_EQ(bpe.vocab(), 340);
-  const std::string unseen = " \xE2\x82\xAC{~}  \n\n\tthe quick  dog\n\xF0\x9F\x98\x80 end";  // euro sign, emoji: never seen
+  const std::string unseen =
+      " \xE2\x82\xAC{~}  \n\n\tthe quick  dog\n\xF0\x9F\x98\x80 end";  // euro sign, emoji: never seen
   for (const std::string& text : {train, unseen, std::string("\n"), std::string(" ")}) {
     const std::vector<int32_t> ids = bpe.encode(text);
     EXPECT_EQ(bpe.decode(ids), text);
@@ -78,9 +81,64 @@ TEST(Tokenizer, BpeDecodesExactlyWhatItEncoded) {
   // The model travels as bytes and comes back the same.
   const Tokenizer again = Tokenizer::from_model(kBpeTokenizer, bpe.model(), "test");
   EXPECT_EQ(again.encode(unseen), bpe.encode(unseen));
-  testing::expect_input_error([&] { Tokenizer::from_model(kBpeTokenizer, "garbage", "x.h5"); }, {"x.h5", "does not load"});
+  testing::expect_input_error([&] { Tokenizer::from_model(kBpeTokenizer, "garbage", "x.h5"); },
+                              {"x.h5", "does not load"});
   testing::expect_input_error([&] { Tokenizer::from_model("wordpiece", "", "x.h5"); }, {"x.h5", "wordpiece"});
   testing::expect_input_error([&] { Tokenizer::train_bpe(train, 100, 1); }, {"--vocab-size"});
+}
+
+// A model's own SentencePiece tokenizer (here one trained by the Python module with the Llama
+// family's settings: BPE, byte fallback, identity normalisation, a dummy prefix) gives the ids the
+// Python module gives on real text, decodes them back, and travels in the token files.
+TEST(Tokenizer, PretrainedSentencePieceMatchesThePythonModule) {
+  TempDir tmp;
+  const std::string text_file = tmp / "text.txt", model = tmp / "sp";
+  std::string text;
+  {
+    std::ifstream in("/usr/share/games/fortunes/computers");
+    ASSERT_TRUE(in) << "the fortunes package (scripts/install-deps.sh) provides real text";
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  text = text.substr(0, 60000) + "\n\xE2\x82\xAC 5 \xF0\x9F\x98\x80 end";  // unseen: byte fallback
+  write_file(text_file, text);
+  const std::string script =
+      "import sentencepiece as sp\n"
+      "sp.SentencePieceTrainer.train(input='" +
+      text_file + "', model_prefix='" + model +
+      "', model_type='bpe', "
+      "vocab_size=600, byte_fallback=True, character_coverage=1.0, normalization_rule_name='identity', "
+      "remove_extra_whitespaces=False, minloglevel=2)\n"
+      "p = sp.SentencePieceProcessor(model_file='" +
+      model +
+      ".model')\n"
+      "open('" +
+      model + ".ids', 'w').write(' '.join(map(str, p.encode(open('" + text_file + "', encoding='utf-8').read()))))\n";
+  write_file(tmp / "make.py", script);
+  ASSERT_EQ(std::system(("/usr/bin/python3 " + tmp / "make.py" + " > /dev/null 2>&1").c_str()), 0)
+      << "python3-sentencepiece (scripts/install-deps.sh) trains and encodes: " << script;
+  std::vector<int32_t> want;
+  {
+    std::ifstream in(model + ".ids");
+    for (int32_t id; in >> id;) want.push_back(id);
+  }
+  const Tokenizer tok = Tokenizer::from_file(model + ".model");
+  EXPECT_EQ(tok.name(), kSentencePieceTokenizer);
+  EXPECT_EQ(tok.vocab(), 600);
+  ASSERT_GT(want.size(), 1000u);
+  EXPECT_EQ(tok.encode(text), want);
+  EXPECT_EQ(tok.decode(want), text);
+
+  TextConvertOptions opt;
+  opt.tokenizer = model + ".model";
+  convert_text({text_file}, tmp / "out", opt);
+  const TokenStream train = load_tokens(tmp / "out/train.h5");
+  EXPECT_EQ(train.tokenizer.name(), kSentencePieceTokenizer);
+  EXPECT_EQ(train.vocab, 600);
+  EXPECT_EQ(train.tokenizer.encode(text), want);
+  opt.tokenizer = tmp / "missing.model";
+  testing::expect_input_error([&] { convert_text({text_file}, tmp / "out2", opt); }, {"--tokenizer", "missing.model"});
+  opt.tokenizer = text_file;  // a file that is no SentencePiece model
+  testing::expect_input_error([&] { convert_text({text_file}, tmp / "out2", opt); }, {"text.txt", "does not load"});
 }
 
 TEST(Text, BpeTokenFilesCarryTheirModel) {
