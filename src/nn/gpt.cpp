@@ -125,8 +125,62 @@ void SelfAttention::merge_heads(Engine& e, const Tensor& heads, Tensor& dqkv) {
   e.permute_0213(split_, 1, nh, bt, hd_, dqkv);
 }
 
+void SelfAttention::start_decoding(int64_t capacity) {
+  DT_CHECK(capacity >= 0 && causal_, kind() << ": cached decoding of " << capacity << " positions");
+  capacity_ = capacity;
+  position_ = 0;
+  kcache_ = vcache_ = Tensor();
+}
+
+// One batched GEMM per product as in forward, over the cached keys and values: a prompt (position
+// 0) is causal over itself; a later position is one new token that sees every cached one.
+Tensor SelfAttention::forward_cached(const Tensor& x) {
+  b_ = x.size(0);
+  t_ = x.size(1);
+  Device dev = x.device();
+  Engine& e = engine(x);
+  DT_INPUT_CHECK(position_ + t_ <= capacity_ && (position_ == 0 || t_ == 1),
+                 kind() << ": decoding " << t_ << " token(s) at position " << position_ << " of " << capacity_);
+  if (!kcache_.defined() || kcache_.size(0) != b_ || kcache_.device() != dev) {
+    kcache_ = Tensor::empty({b_, kvh_, capacity_, hd_}, DType::F32, dev);
+    vcache_ = Tensor::empty({b_, kvh_, capacity_, hd_}, DType::F32, dev);
+  }
+  Tensor qkv = qkv_->forward(x);
+  const int64_t bh = b_ * h_, bkv = b_ * kvh_, g = h_ / kvh_, n = (bh + 2 * bkv) * t_ * hd_;
+  Tensor heads = Tensor::empty({n}, DType::F32, dev);
+  split_heads(e, qkv, heads);
+  if (rope_base_ > 0) {
+    Tensor qk = heads.slice0(0, (bh + bkv) * t_ * hd_);
+    e.rotary(qk, t_, rope_table(dev), position_, false, qk);
+  }
+  // This step's keys and values into their rows of the cache, per (sequence, kv head).
+  const int64_t step = t_ * hd_, row = capacity_ * hd_;
+  Tensor kc = kcache_.reshape({bkv * row}), vc = vcache_.reshape({bkv * row});
+  for (int64_t i = 0; i < bkv; ++i) {
+    const int64_t at = i * row + position_ * hd_;
+    Tensor kdst = kc.slice0(at, at + step), vdst = vc.slice0(at, at + step);
+    e.copy(heads.slice0((bh + i) * step, (bh + i + 1) * step), kdst);
+    e.copy(heads.slice0((bh + bkv + i) * step, (bh + bkv + i + 1) * step), vdst);
+  }
+  const int64_t len = position_ + t_, gt = g * t_;
+  Tensor q = heads.slice0(0, bh * step);
+  Tensor scores = Tensor::empty({bh * t_, len}, DType::F32, dev), att = Tensor::empty({bh * t_, len}, DType::F32, dev);
+  e.gemm_batched(bkv, false, true, gt, len, hd_, 1.f, q, g * step, kc, row, 0.f, scores, gt * len);
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd_));
+  if (position_ == 0)
+    e.attention_softmax_forward(scores, t_, scale, true, att);
+  else
+    e.softmax_rows(scores, scale, att);
+  Tensor yh = Tensor::empty({bh * step}, DType::F32, dev);
+  e.gemm_batched(bkv, false, false, gt, hd_, len, 1.f, att, gt * len, vc, row, 0.f, yh, g * step);
+  Tensor y = Tensor::empty({b_, t_, h_ * hd_}, DType::F32, dev);
+  e.permute_0213(yh, b_, h_, t_, hd_, y);
+  return proj_->forward(y);
+}
+
 Tensor SelfAttention::forward(const Tensor& x) {
   DT_CHECK(x.dim() == 3 && x.size(2) == c_, kind() << " needs input [B, T, " << c_ << "], got " << x.str());
+  if (capacity_ > 0) return forward_cached(x);
   b_ = x.size(0);
   t_ = x.size(1);
   Device dev = x.device();
@@ -297,7 +351,8 @@ Tensor GptEmbedding::forward(const Tensor& ids) {
   b_ = ids.size(0);
   t_ = ids.size(1);
   const int64_t c = wte_->value.size(1);
-  DT_INPUT_CHECK(t_ >= 1 && t_ <= context_, "sequence length " << t_ << " exceeds the context " << context_);
+  DT_INPUT_CHECK(t_ >= 1 && position_ + t_ <= context_,
+                 "positions " << position_ << " to " << position_ + t_ << " exceed the context " << context_);
   Engine& e = engine(ids);
   keep(ids_, ids);
   ensure(emb_, {b_, t_, c}, ids.device());
@@ -306,7 +361,7 @@ Tensor GptEmbedding::forward(const Tensor& ids) {
   if (!wpe_) return emb_;
   // Position embedding: rows of wpe[0:T] flattened, added to every sequence ([B, T*C] + [T*C]).
   Tensor emb_rows = emb_.reshape({b_, t_ * c});
-  e.add_row_bias(emb_rows, wpe_->value.slice0(0, t_).reshape({t_ * c}));
+  e.add_row_bias(emb_rows, wpe_->value.slice0(position_, position_ + t_).reshape({t_ * c}));
   return emb_;
 }
 

@@ -127,6 +127,14 @@ void Module::train(bool on) {
   for (auto& [name, child] : children()) child->train(on);
 }
 
+void Module::start_decoding(int64_t capacity) {
+  for (auto& [name, child] : children()) child->start_decoding(capacity);
+}
+
+void Module::decode_at(int64_t position) {
+  for (auto& [name, child] : children()) child->decode_at(position);
+}
+
 void Module::set_grad_ready_hook(GradReadyHook hook) {
   hook_ = hook;
   for (auto& [name, child] : children()) child->set_grad_ready_hook(hook);

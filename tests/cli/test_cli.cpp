@@ -739,6 +739,57 @@ TEST(CliMpi, GptConvertTrainTensorParallelAndGenerate) {
   fs::remove_all(dir);
 }
 
+// A Llama end to end: trained, exported under Hugging Face's names, a second run started from that
+// export (--init-from) where the first ended; generation with cached keys and values gives the text
+// of the recomputed window at temperature 0, past the context too, and top-p sampling of a tiny
+// nucleus is greedy.
+TEST(Cli, LlamaTrainExportInitFromAndCachedGeneration) {
+  std::string dir = dtrain::test::temp_dir("cli-llama");
+  fs::create_directories(dir + "/text");
+  {
+    std::ofstream out(dir + "/text/a.txt");
+    for (int i = 0; i < 800; ++i) out << "a small text, " << i % 10 << " times over. ";
+  }
+  ASSERT_EQ(run("convert text --inputs " + dir + "/text --out " + dir + "/tok").code, 0);
+  const std::string train = "train --model llama --data " + dir +
+                            "/tok --layers 2 --heads 4 --kv-heads 2 --width 32 "
+                            "--context 16 --batch-size 4 --eval-every 0 --threads 1 --progress off ";
+  Result first = run(train + "--steps 30 --checkpoint-dir " + dir + "/ckpt --metrics " + dir + "/one.jsonl");
+  ASSERT_EQ(first.code, 0) << first.out;
+  Result exported = run("export --checkpoint " + dir + "/ckpt --out " + dir + "/llama.safetensors");
+  ASSERT_EQ(exported.code, 0) << exported.out;
+  Result again = run(train + "--init-from " + dir +
+                     "/llama.safetensors --lr 1e-9 --warmup-steps 0 --steps 1 "
+                     "--eval-batches 0 --metrics " +
+                     dir + "/two.jsonl");
+  ASSERT_EQ(again.code, 0) << again.out;
+  EXPECT_NE(again.out.find("initialised 15 parameters from"), std::string::npos) << again.out;
+  EXPECT_NE(again.out.find("(Hugging Face Llama names)"), std::string::npos) << again.out;
+  Result ev = run("eval --checkpoint " + dir + "/ckpt --data " + dir + "/tok --batch-size 4");
+  ASSERT_EQ(ev.code, 0) << ev.out;
+  const double trained = std::stod(ev.out.substr(ev.out.find("fp32  loss ") + 11));
+  EXPECT_NEAR(last_val_loss(dir + "/two.jsonl"), trained, 1e-4 * trained) << "the import starts where it ended";
+  EXPECT_FAILS_NAMING(run(train + "--steps 1 --init-from " + dir + "/text/a.txt"), "a.txt");
+
+  auto text = [](const Result& r) {  // the sample's line (stderr's line may come first)
+    const size_t at = r.out.find("a small");
+    return at == std::string::npos ? std::string() : r.out.substr(at, r.out.find('\n', at) - at);
+  };
+  const std::string gen = "generate --checkpoint " + dir + "/ckpt --prompt 'a small' --tokens 40 ";
+  Result cached = run(gen + "--temperature 0");
+  Result window = run(gen + "--temperature 0 --no-cache");
+  ASSERT_EQ(cached.code, 0) << cached.out;
+  ASSERT_EQ(window.code, 0) << window.out;
+  EXPECT_EQ(text(cached), text(window));
+  EXPECT_NE(cached.out.find("keys and values cached"), std::string::npos) << cached.out;
+  EXPECT_GE(text(cached).size(), 47u) << cached.out;
+  Result nucleus = run(gen + "--temperature 1 --top-p 0.000001");
+  ASSERT_EQ(nucleus.code, 0) << nucleus.out;
+  EXPECT_EQ(text(nucleus), text(cached));
+  EXPECT_FAILS_NAMING(run(gen + "--top-p 0"), "--top-p");
+  fs::remove_all(dir);
+}
+
 // A BPE vocabulary end to end: convert trains it and stores it in the token files, the GPT takes its
 // size from them (vocabulary-parallel on 2 tp ranks, the same loss as one rank), the checkpoint
 // carries it, so generate encodes a prompt with characters the text never had and eval reports

@@ -139,3 +139,51 @@ TEST(LlamaOps, GroupedQueryAttentionEqualsRepeatedHeads) {
           EXPECT_NEAR(gg.f32()[row_of_gqa(part, h, j) * c + k], want, 1e-5) << part << " " << h;
         }
 }
+
+// Cached decoding: a prompt at position 0, then one token at a time, gives the logits of the full
+// forward over the whole sequence, for the GPT (learned positions) and the Llama (rotary, GQA).
+TEST(CachedDecoding, EqualsTheFullForward) {
+  for (bool llama : {false, true}) {
+    nn::GptConfig cfg;
+    cfg.vocab = 13;
+    cfg.context = 12;
+    cfg.layers = 2;
+    cfg.heads = 4;
+    cfg.width = 16;
+    if (llama) {
+      cfg.kv_heads = 2;
+      nn::llama_shape(cfg);
+    }
+    nn::Gpt model(cfg);
+    model.eval();
+    Rng rng(41);
+    const int64_t t = 10, prompt = 4;
+    Tensor ids = Tensor::empty({2, t}, DType::I32);
+    for (int64_t i = 0; i < ids.numel(); ++i) ids.data<int32_t>()[i] = static_cast<int32_t>(rng.below(13));
+    const Tensor full = model.forward(ids).clone();  // [2 t, V]
+    model.start_decoding(cfg.context);
+    auto columns = [&](int64_t first, int64_t n) {  // ids[:, first:first+n]
+      Tensor out = Tensor::empty({2, n}, DType::I32);
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t j = 0; j < n; ++j) out.data<int32_t>()[b * n + j] = ids.data<int32_t>()[b * t + first + j];
+      return out;
+    };
+    auto expect_rows = [&](const Tensor& got, int64_t first, int64_t n) {
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t k = 0; k < cfg.vocab; ++k)
+            ASSERT_NEAR(got.f32()[(b * n + j) * cfg.vocab + k], full.f32()[(b * t + first + j) * cfg.vocab + k], 1e-5)
+                << (llama ? "llama" : "gpt") << " sequence " << b << " position " << first + j;
+    };
+    model.decode_at(0);
+    expect_rows(model.forward(columns(0, prompt)), 0, prompt);
+    for (int64_t p = prompt; p < t; ++p) {
+      model.decode_at(p);
+      expect_rows(model.forward(columns(p, 1)), p, 1);
+    }
+    EXPECT_THROW(model.forward(columns(0, 3)), InputError) << "more than one new token past the prompt";
+    model.start_decoding(0);  // off: the whole window again
+    model.decode_at(0);
+    expect_rows(model.forward(ids), 0, t);
+  }
+}

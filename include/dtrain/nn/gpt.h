@@ -65,6 +65,11 @@ class SelfAttention : public Module {
   // Rotary positions (the Llama family's) on q and k, with frequencies base^(-2i/head_dim), for
   // sequences up to `context` positions.
   void set_rotary(float base, int64_t context);
+  // Cached decoding: keys and values of up to `capacity` positions per sequence; then a forward at
+  // position 0 is a whole causal prompt, and one at position p > 0 takes one new token per
+  // sequence, attending to the p cached ones and itself. Forward only.
+  void start_decoding(int64_t capacity) override;
+  void decode_at(int64_t position) override { position_ = position; }
   // Parameters named as torch.nn.MultiheadAttention's: "in_proj_weight", "in_proj_bias" (the qkv
   // projection; its rows q, k, v, each head-major, are torch's layout too) and "out_proj.*".
   void name_as_torch_multihead();
@@ -76,6 +81,9 @@ class SelfAttention : public Module {
   int64_t rope_context_ = 0;
   Tensor rope_;  // [context, hd]: cos | sin per position, on the activations' device
   const Tensor& rope_table(Device dev);
+  int64_t capacity_ = 0, position_ = 0;  // cached decoding: positions kept, where the input starts
+  Tensor kcache_, vcache_;               // [B, KV, capacity, hd]
+  Tensor forward_cached(const Tensor& x);
   std::string qkv_name_ = "qkv", proj_name_ = "proj";
   int64_t b_ = 0, t_ = 0;
   ModulePtr qkv_, proj_;  // C -> (H + 2 KV)*hd (q, k, v each head-major), H*hd -> C
@@ -136,12 +144,14 @@ class GptEmbedding : public Module {
   Tensor forward(const Tensor& ids) override;
   Tensor backward(const Tensor& demb) override;
   std::string kind() const override { return "GptEmbedding"; }
+  void start_decoding(int64_t) override { position_ = 0; }
+  void decode_at(int64_t position) override { position_ = position; }  // the position table's first row
   Parameter& wte() { return *wte_; }
 
  private:
   Parameter* wte_;
   Parameter* wpe_ = nullptr;
-  int64_t context_;
+  int64_t context_, position_ = 0;
   GptVocabShard shard_;
   int64_t b_ = 0, t_ = 0;
   Tensor ids_, emb_;

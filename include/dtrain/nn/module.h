@@ -120,6 +120,12 @@ class Module {
   // This model's units for ZeRO-2/3: a Sequential's layers with parameters, the GPT's blocks and
   // its embedding with its head. Empty: the model cannot be cut (ZeRO-2/3 refuse it).
   virtual ShardUnits shard_units() { return {}; }
+  // Cached decoding (inference): start_decoding keeps, from now on, what a later position needs of
+  // the ones before it (attention's keys and values, for up to `capacity` positions; capacity 0
+  // stops and frees it); decode_at says the next forward's input starts at `position` (0: a new
+  // sequence). Every module passes both to its children; attention and position embeddings act.
+  virtual void start_decoding(int64_t capacity);
+  virtual void decode_at(int64_t position);
   // Whether backward must produce d(input). The model's first layer need not (its input is the
   // data): for a first convolution that is a whole backward-data pass saved.
   virtual void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
