@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """dtrain against PyTorch on the same GPT (6 layers, width 256, 8 heads, context 128, byte
-vocabulary), 1 thread each, batch 8, AdamW: training tokens per second and peak resident memory
+vocabulary), or with --model llama the same size of Llama (2 key/value heads; the peer is
+torch_llama.py), --threads each (1 by default), batch 8, AdamW: training tokens per second and peak resident memory
 (/usr/bin/time -v), in four configurations: dtrain fp32, dtrain bf16 (`--precision bf16`: bf16
 GEMM operands, fp32 accumulation, weights and optimizer), PyTorch fp32 and PyTorch bf16 autocast
 (torch.autocast('cpu', dtype=torch.bfloat16)). All train on the same byte-token file (made with
@@ -28,6 +29,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = ["--layers", "6", "--width", "256", "--heads", "8", "--context", "128"]
+LLAMA = ["--kv-heads", "2"]  # --model llama: 8 query heads over 2 key/value heads
 CONFIGS = [("dtrain", "fp32"), ("dtrain", "bf16"), ("pytorch", "fp32"), ("pytorch", "bf16")]
 
 
@@ -40,8 +42,9 @@ def timed(cmd, env):
 
 
 def dtrain_cmd(a, data, precision, steps, metrics, log_every, eval_batches):
-    return [a.dtrain, "train", "--model", "gpt", "--data", data, *MODEL, "--batch-size", "8", "--steps", str(steps),
-            "--threads", "1", "--log-every", str(log_every), "--eval-every", "0", "--eval-batches",
+    shape = MODEL + (LLAMA if a.model == "llama" else [])
+    return [a.dtrain, "train", "--model", a.model, "--data", data, *shape, "--batch-size", "8", "--steps", str(steps),
+            "--threads", str(a.threads), "--log-every", str(log_every), "--eval-every", "0", "--eval-batches",
             str(eval_batches), "--warmup-steps", "0", "--precision", precision, "--metrics", metrics]
 
 
@@ -58,9 +61,10 @@ def run_dtrain(a, data, precision, env):
 
 
 def run_torch(a, data, precision, env):
-    out, rss = timed(["/usr/bin/python3", os.path.join(HERE, "torch_gpt.py"), "--steps", str(a.steps), "--warmup",
-                      "3", "--threads", "1", "--batch", "8", "--tokens", os.path.join(data, "train.h5"),
-                      "--precision", precision], env)
+    out, rss = timed(["/usr/bin/python3", os.path.join(HERE, "torch_gpt.py"), "--model", a.model,
+                      *(LLAMA if a.model == "llama" else []), "--steps", str(a.steps), "--warmup", "3", "--threads",
+                      str(a.threads), "--batch", "8", "--tokens", os.path.join(data, "train.h5"), "--precision",
+                      precision], env)
     return json.loads(out.strip().splitlines()[-1])["tokens_per_s"], rss
 
 
@@ -77,6 +81,9 @@ def main():
     ap.add_argument("--dtrain", default=os.path.join(HERE, "..", "..", "build", "dtrain"))
     ap.add_argument("--data")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--model", choices=["gpt", "llama"], default="gpt",
+                    help="llama: dtrain's --model llama against benchmarks/peers/torch_llama.py, kv heads 2")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--learn-steps", type=int, default=200, help="steps of the bf16-vs-fp32 check (0: skip it)")
     ap.add_argument("--learn-tol", type=float, default=0.02, help="relative validation loss difference allowed")
@@ -87,7 +94,7 @@ def main():
     for c in configs:
         if c not in CONFIGS + [("dtrain", "fp16")]:
             sys.exit(f"--configs: unknown configuration {':'.join(c)}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
     tmp = None
     data = a.data
     if not data:
@@ -108,7 +115,8 @@ def main():
     def rss(c):
         return best[c][1]
 
-    print("| GPT 6x256, ctx 128, batch 8, AdamW, 1 thread | tokens/s | peak RSS (MiB) |")
+    shape = "Llama 6x256 (kv heads 2)" if a.model == "llama" else "GPT 6x256"
+    print(f"| {shape}, ctx 128, batch 8, AdamW, {a.threads} thread(s) | tokens/s | peak RSS (MiB) |")
     print("| --- | ---: | ---: |")
     names = {"dtrain": "dtrain", "pytorch": "PyTorch 1.13"}
     labels = {("dtrain", "fp32"): "fp32", ("dtrain", "bf16"): "bf16 (`--precision bf16`)",

@@ -9,7 +9,7 @@ matmuls, fp32 master weights and optimizer), PyTorch's own mixed precision; --de
 on a GPU, where --precision fp32 turns TF32 off and tf32 turns it on, and fp16 runs autocast to
 float16 with GradScaler's dynamic loss scaling.
 
-usage: torch_gpt.py [--layers 6] [--width 256] [--heads 8] [--context 128] [--batch 8]
+usage: torch_gpt.py [--model gpt|llama] [--kv-heads 2] [--layers 6] [--width 256] [--heads 8] [--context 128] [--batch 8]
                     [--steps 20] [--warmup 3] [--threads 1] [--tokens FILE.h5|FILE.npy] [--precision fp32|tf32|bf16|fp16]
                     [--device cpu|cuda]
 """
@@ -73,6 +73,10 @@ def main():
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--model", choices=["gpt", "llama"], default="gpt",
+                    help="llama: torch_llama.py's Llama (RMSNorm, rotary, SwiGLU, --kv-heads, untied)")
+    ap.add_argument("--kv-heads", type=int, default=0, help="llama: key/value heads (0: --heads)")
+    ap.add_argument("--mlp-width", type=int, default=0, help="llama: MLP width (0: 8/3 of the width rounded up to 32)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -103,7 +107,12 @@ def main():
             stream = torch.from_numpy(f["tokens"][:].astype("int64"))
     else:
         stream = torch.randint(0, 256, (1 << 20,))
-    model = Gpt(256, a.context, a.layers, a.heads, a.width).to(dev)
+    if a.model == "llama":  # the same shape as dtrain's --model llama
+        import torch_llama
+        hidden = a.mlp_width or (8 * a.width // 3 + 31) // 32 * 32
+        model = torch_llama.Llama(256, a.context, a.layers, a.heads, a.width, a.kv_heads or a.heads, hidden).to(dev)
+    else:
+        model = Gpt(256, a.context, a.layers, a.heads, a.width).to(dev)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "wpe"]
     plain = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "wpe")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],

@@ -157,6 +157,7 @@ int cmd_generate(int argc, char** argv) {
   }
   const double seconds = now_s() - t0;
   std::fputc('\n', stdout);
+  std::fflush(stdout);  // the sample first, then the figures (one stream when both are captured)
   std::fprintf(stderr, "generated %lld tokens in %.3f s: %.1f tokens/s (%s)\n", static_cast<long long>(tokens), seconds,
                seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0,
                no_cache ? "the window recomputed per token" : "keys and values cached");

@@ -10,6 +10,7 @@
 
 #include "dtrain/nn/gpt.h"
 #include "dtrain/train/export.h"
+#include "dtrain/train/lm_trainer.h"
 #include "train_test_util.h"
 
 using namespace dtrain;
@@ -21,7 +22,7 @@ train::CheckpointState tiny_gpt_checkpoint(nn::Gpt& gpt) {
   train::CheckpointState s;
   for (nn::Parameter* p : gpt.parameters()) s.tensors["param/" + p->name] = p->value.clone();
   s.tensors["optim/wte.exp_avg"] = Tensor::zeros({1});
-  s.strings["model"] = "gpt";
+  train::write_lm_shape(gpt.config(), s);  // "model" = "gpt" and its shape
   return s;
 }
 
@@ -42,9 +43,10 @@ TEST(Export, GptTakesGpt2NamesAndConv1dLayouts) {
   EXPECT_EQ(out.size(), gpt.parameters().size());  // no optimizer state, nothing twice
   std::set<std::string> names;
   for (const auto& [n, t] : out) names.insert(n);
-  for (const char* n : {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
-                        "transformer.h.1.ln_1.bias", "transformer.h.1.attn.c_attn.weight", "transformer.h.0.attn.c_proj.bias",
-                        "transformer.h.0.ln_2.weight", "transformer.h.1.mlp.c_fc.weight", "transformer.h.1.mlp.c_proj.weight"})
+  for (const char* n :
+       {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.h.1.ln_1.bias",
+        "transformer.h.1.attn.c_attn.weight", "transformer.h.0.attn.c_proj.bias", "transformer.h.0.ln_2.weight",
+        "transformer.h.1.mlp.c_fc.weight", "transformer.h.1.mlp.c_proj.weight"})
     EXPECT_TRUE(names.count(n)) << n;
   const Tensor& qkv = s.tensors.at("param/blocks.1.0.body.1.qkv.weight");  // (3C, C)
   const Tensor& c_attn = find(out, "transformer.h.1.attn.c_attn.weight");  // (C, 3C)

@@ -42,13 +42,12 @@ int64_t import_into(nn::Gpt& model, const std::string& where) {
   return train::import_pretrained(model, nullptr, where, train::lm_pretrained_names(model.config(), files));
 }
 
-void expect_same_parameters(nn::Gpt& a, nn::Gpt& b, bool bitwise = true) {
+void expect_same_parameters(nn::Gpt& a, nn::Gpt& b) {  // bitwise
   ASSERT_EQ(a.parameters().size(), b.parameters().size());
   for (size_t k = 0; k < a.parameters().size(); ++k) {
     const Tensor &x = a.parameters()[k]->value, &y = b.parameters()[k]->value;
     ASSERT_EQ(x.shape(), y.shape()) << a.parameters()[k]->name;
-    for (int64_t i = 0; i < x.numel(); ++i)
-      if (bitwise) ASSERT_EQ(x.f32()[i], y.f32()[i]) << a.parameters()[k]->name << " at " << i;
+    for (int64_t i = 0; i < x.numel(); ++i) ASSERT_EQ(x.f32()[i], y.f32()[i]) << a.parameters()[k]->name << " at " << i;
   }
 }
 

@@ -14,8 +14,11 @@
 using namespace dtrain;
 namespace fs = std::filesystem;
 
-TEST(LanguageModel, LearnsPeriodicTextAndCheckpointReloads) {
-  fs::path dir = fs::path(DTRAIN_BINARY_DIR) / "test-tmp" / "lm";
+namespace {
+
+// "hello, world! " 2000 times as token files in a fresh dir/tok, and a 150-step run of a 1-block
+// model of width 32 (2 heads, context 16) on them.
+train::TrainConfig periodic_text_run(const fs::path& dir, const std::string& model) {
   fs::remove_all(dir);
   fs::create_directories(dir / "text");
   {
@@ -25,8 +28,7 @@ TEST(LanguageModel, LearnsPeriodicTextAndCheckpointReloads) {
   data::TextConvertOptions topt;
   topt.block_bytes = 1024;
   data::convert_text({(dir / "text").string()}, (dir / "tok").string(), topt);
-
-  train::TrainConfig c = train::model_defaults("gpt");
+  train::TrainConfig c = train::model_defaults(model);
   c.data = (dir / "tok").string();
   c.layers = 1;
   c.heads = 2;
@@ -41,6 +43,14 @@ TEST(LanguageModel, LearnsPeriodicTextAndCheckpointReloads) {
   c.eval_batches = 8;
   c.log_every = 0;
   c.quiet = true;
+  return c;
+}
+
+}  // namespace
+
+TEST(LanguageModel, LearnsPeriodicTextAndCheckpointReloads) {
+  fs::path dir = fs::path(DTRAIN_BINARY_DIR) / "test-tmp" / "lm";
+  train::TrainConfig c = periodic_text_run(dir, "gpt");
   c.checkpoint_dir = (dir / "ckpt").string();
   train::TrainResult r = train::train_lm(c, nullptr);
   EXPECT_LT(r.last_eval.loss, 0.5) << "nats per byte; uniform is ln 256 = 5.55";
@@ -59,31 +69,9 @@ TEST(LanguageModel, LearnsPeriodicTextAndCheckpointReloads) {
 // ends, and the checkpoint reloads as a Llama to the same validation loss.
 TEST(LanguageModel, LlamaLearnsResumesBitwiseAndReloads) {
   fs::path dir = fs::path(DTRAIN_BINARY_DIR) / "test-tmp" / "llama";
-  fs::remove_all(dir);
-  fs::create_directories(dir / "text");
-  {
-    std::ofstream out(dir / "text" / "a.txt");
-    for (int i = 0; i < 2000; ++i) out << "hello, world! ";
-  }
-  data::TextConvertOptions topt;
-  topt.block_bytes = 1024;
-  data::convert_text({(dir / "text").string()}, (dir / "tok").string(), topt);
-  train::TrainConfig c = train::model_defaults("llama");
-  c.data = (dir / "tok").string();
-  c.layers = 1;
-  c.heads = 2;
+  train::TrainConfig c = periodic_text_run(dir, "llama");
   c.kv_heads = 1;
-  c.width = 32;
-  c.context = 16;
-  c.batch_size = 8;
-  c.steps = 150;
-  c.lr = 3e-3f;
-  c.min_lr = 3e-4f;
-  c.warmup_steps = 10;
-  c.eval_every = 0;
-  c.eval_batches = 8;
   c.log_every = 1;
-  c.quiet = true;
   c.checkpoint_every = 75;
   c.checkpoint_dir = (dir / "ckpt").string();
   train::TrainResult r = train::train_lm(c, nullptr);
