@@ -267,11 +267,12 @@ std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp
 }
 
 std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator* tp, const ParameterTensor& pick,
-                                          const NamedTensors* reuse) {
+                                          const NamedTensors* reuse, bool trained_only) {
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
   std::map<std::string, Tensor> full;
   for (nn::Parameter* p : model.parameters()) {  // the same order on every rank: the collectives match
+    if (trained_only && p->frozen) continue;     // frozen alike on every tp rank
     nn::Module* m = own.at(p->name);
     const Tensor& t = pick(*p);
     if (vocab_shard_of(m, p->name)) {
@@ -297,10 +298,12 @@ std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Co
       model, tp, [](nn::Parameter& p) -> Tensor& { return p.value; }, reuse);
 }
 
-void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, const ParameterTensor& pick) {
+void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, const ParameterTensor& pick,
+               bool trained_only) {
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
   for (nn::Parameter* p : model.parameters()) {
+    if (trained_only && p->frozen) continue;
     auto it = full.find(p->name);
     DT_INPUT_CHECK(it != full.end(), "no tensor for parameter " << p->name);
     nn::Module* m = own.at(p->name);

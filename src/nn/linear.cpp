@@ -60,7 +60,8 @@ Tensor& Linear::project(const Tensor& x) {
   ys.back() = out_;
   Tensor& y = ensure_output(y_, ys, x.device());
   if (w8_) {
-    DT_CHECK(x.device().is_cpu() && x.dtype() == DType::F32, kind() << " with int8 weights takes f32 on the CPU, got " << x.str());
+    DT_CHECK(x.device().is_cpu() && x.dtype() == DType::F32,
+             kind() << " with int8 weights takes f32 on the CPU, got " << x.str());
     int8::gemm_weight_only_int8(x.f32(), m, *w8_, y.f32());
     return y;
   }
@@ -121,10 +122,10 @@ Tensor Linear::backward(const Tensor& dy) {
     e.cast(dy, r);
     g = &r;
   }
-  e.gemm(true, false, out_, in_, m, 1.f, *g, x, 1.f, w_->grad);
+  if (!w_->frozen) e.gemm(true, false, out_, in_, m, 1.f, *g, x, 1.f, w_->grad);  // a frozen weight's is zero
   grad_ready(*w_);
   if (b_) {
-    e.row_bias_grad(dy, b_->grad);
+    if (!b_->frozen) e.row_bias_grad(dy, b_->grad);
     grad_ready(*b_);
   }
   if (!needs_input_grad_) return Tensor();

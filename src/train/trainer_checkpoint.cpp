@@ -44,7 +44,8 @@ std::map<std::string, Tensor> Trainer::optimizer_state_full(const std::map<std::
     std::map<std::string, Tensor> old;
     for (nn::Parameter* p : task_->model().parameters())
       if (const Tensor* t = entry(reuse, p->name + kind)) old[p->name] = *t;
-    for (auto& [name, t] : parallel::gather_full(task_->model(), &grid_->tp(), pick, &old)) out[name + kind] = t;
+    for (auto& [name, t] : parallel::gather_full(task_->model(), &grid_->tp(), pick, &old, true))  // frozen: none
+      out[name + kind] = t;
   }
   return out;
 }
@@ -66,12 +67,14 @@ void Trainer::load_optimizer_state(CheckpointState& s) {
   for (const std::string& kind : state_kinds()) {
     std::map<std::string, Tensor> full;
     for (nn::Parameter* p : model.parameters()) {
+      if (p->frozen) continue;  // no state
       auto it = s.tensors.find("optim/" + p->name + kind);
       DT_INPUT_CHECK(it != s.tensors.end(), "it has no optimizer state " << p->name + kind);
       full[p->name] = it->second;
       local[p->name + kind] = Tensor::zeros(p->value.shape());
     }
-    parallel::load_full(model, full, [&](nn::Parameter& p) -> Tensor& { return local.at(p.name + kind); });
+    parallel::load_full(
+        model, full, [&](nn::Parameter& p) -> Tensor& { return local.at(p.name + kind); }, true);
   }
   if (dp_)
     dp_->load_state(local, opt_->state());

@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -167,6 +168,7 @@ void Trainer::check_layout() {
 void Trainer::setup_exchange() {
   nn::Module& model = task_->model();
   refuse_what_cannot_fit();
+  freeze_parameters();
   if (grid_->dp_size() > 1 || cfg_.zero > 0 || cfg_.compression != "none") {
     parallel::DataParallelOptions dpo;
     dpo.bucket_bytes = static_cast<int64_t>(cfg_.bucket_mb * 1048576.0);
@@ -338,8 +340,39 @@ float Trainer::topk_momentum_correction() const {
 
 // The task's parameter groups (the GPT: no decay on vectors and the position table); under ZeRO-1
 // each parameter's piece in this rank's slice, in its parameter's group.
+// --freeze: the parameters whose names the expression matches whole. Counted over the world (a
+// pipeline stage may hold none of them): an expression that matches nothing, or everything, is
+// refused on every rank.
+void Trainer::freeze_parameters() {
+  if (cfg_.freeze.empty()) return;
+  std::regex pattern;
+  try {
+    pattern = std::regex(cfg_.freeze);
+  } catch (const std::regex_error& e) {
+    DT_INPUT_CHECK(false, "option --freeze '" << cfg_.freeze << "' is not a regular expression: " << e.what());
+  }
+  // Counted over the world, each parameter once (by the first tp and dp rank of its stage).
+  const bool counts = grid_->dp_rank() == 0 && grid_->tp_rank() == 0;
+  Tensor n = Tensor::zeros({2});  // frozen tensors, all tensors
+  for (nn::Parameter* p : task_->model().parameters()) {
+    p->frozen = std::regex_match(p->name, pattern);
+    n.f32()[0] += counts && p->frozen ? 1.f : 0.f;
+    n.f32()[1] += counts ? 1.f : 0.f;
+  }
+  world_.allreduce(n)->wait();
+  DT_INPUT_CHECK(n.f32()[0] > 0, "option --freeze '" << cfg_.freeze << "' matches no parameter's name");
+  DT_INPUT_CHECK(n.f32()[0] < n.f32()[1],
+                 "option --freeze '" << cfg_.freeze << "' matches every parameter: nothing to train");
+  char line[160];
+  std::snprintf(line, sizeof line, "frozen: %.0f of %.0f parameter tensors match '%s'", n.f32()[0], n.f32()[1],
+                cfg_.freeze.c_str());
+  say(line);
+}
+
 void Trainer::build_optimizer() {
-  std::vector<nn::Parameter*> params = task_->model().parameters();
+  std::vector<nn::Parameter*> params;
+  for (nn::Parameter* p : task_->model().parameters())
+    if (!p->frozen) params.push_back(p);
   std::vector<optim::ParamGroup> groups = task_->param_groups(params, cfg_.weight_decay);
   if (dp_) groups = dp_->optimizer_groups(groups);
   if (cfg_.optimizer == "lars") {

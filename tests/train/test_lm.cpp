@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -109,6 +110,42 @@ TEST(LanguageModel, LlamaLearnsResumesBitwiseAndReloads) {
     ADD_FAILURE() << "a llama checkpoint resumed as a gpt";
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("llama"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+// --freeze: the matched parameters end as they began (also under ZeRO-3, whose shards hold them),
+// with no optimizer state; the rest train. An expression that matches nothing or everything, or
+// is not one, is refused.
+TEST(LanguageModel, FrozenParametersStayAsDrawn) {
+  fs::path dir = fs::path(DTRAIN_BINARY_DIR) / "test-tmp" / "freeze";
+  train::TrainConfig c = periodic_text_run(dir, "llama");
+  c.steps = 10;
+  c.freeze = "wte|blocks\\.0\\..*";
+  const nn::Gpt init(train::lm_shape(c, 256));
+  for (int zero : {0, 3}) {
+    c.zero = zero;
+    c.checkpoint_dir = (dir / ("ckpt" + std::to_string(zero))).string();
+    train::CheckpointState s = train::load_checkpoint_set(train::train_lm(c, nullptr).checkpoint);
+    int frozen = 0;
+    for (nn::Parameter* p : const_cast<nn::Gpt&>(init).parameters()) {
+      const Tensor& now = s.tensors.at("param/" + p->name);
+      const bool same = std::memcmp(now.raw(), p->value.raw(), static_cast<size_t>(p->value.nbytes())) == 0;
+      const bool matched = p->name == "wte" || p->name.rfind("blocks.0.", 0) == 0;
+      EXPECT_EQ(same, matched) << p->name << " under --zero " << zero;
+      EXPECT_EQ(s.tensors.count("optim/" + p->name + ".exp_avg"), matched ? 0u : 1u) << p->name;
+      frozen += matched;
+    }
+    EXPECT_EQ(frozen, 7);  // wte, and block 0's two norms, qkv, proj, gate/up, down
+  }
+  for (const char* bad : {"nothing", ".*", "(unclosed"}) {
+    c.freeze = bad;
+    try {
+      train::train_lm(c, nullptr);
+      ADD_FAILURE() << "--freeze " << bad << " was taken";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("--freeze"), std::string::npos) << e.what();
+    }
   }
   fs::remove_all(dir);
 }

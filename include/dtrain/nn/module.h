@@ -21,6 +21,9 @@ struct Parameter {
   // GEMMs read instead of rounding the master on every call. Undefined in fp32.
   bool gemm_weight = false;
   Tensor working{};
+  // Frozen (--freeze): its gradient is zero whenever it is final (grad_ready) and the optimizer
+  // leaves it out; layers may skip computing it.
+  bool frozen = false;
 };
 
 // Makes (or drops, in fp32) the working copies of the GEMM weights among `params` for math
@@ -166,6 +169,7 @@ class Module {
   Parameter& add_parameter(const std::string& name, Tensor value);
   Buffer& add_buffer(const std::string& name, Tensor value, bool host = false);
   void grad_ready(Parameter& p) {
+    if (p.frozen) engine(p.grad).fill(p.grad, 0.f);
     if (hook_) hook_(p);
   }
   Engine& engine(const Tensor& t) { return engine_for(t.device()); }

@@ -102,9 +102,11 @@ void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>
 // (host_copy: a checkpoint snapshot arena).
 using ParameterTensor = std::function<Tensor&(nn::Parameter&)>;
 using NamedTensors = std::map<std::string, Tensor>;
+// trained_only: the parameters that are not frozen (their optimizer state; frozen ones have none).
 std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator* tp, const ParameterTensor& pick,
-                                          const NamedTensors* reuse = nullptr);
-void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, const ParameterTensor& pick);
+                                          const NamedTensors* reuse = nullptr, bool trained_only = false);
+void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, const ParameterTensor& pick,
+               bool trained_only = false);
 // Whether parameter `name` of `model` is split over tp ranks (its gradient norm adds over them).
 bool is_tensor_parallel_shard(nn::Module& model, const std::string& name);
 // The one-rank shape of every parameter of `model` (this rank's part of a tp layout of `tp` ranks).

@@ -109,6 +109,7 @@ struct TrainConfig {
   std::string prune_scope = "global";  // global | layer (unstructured)
   // knowledge distillation (image models): loss = w T^2 KL(soft teacher || soft student) + (1 - w) CE
   std::string teacher;  // checkpoint of the teacher (empty: no distillation)
+  std::string freeze;   // parameters (a regular expression over their names) that are not trained
   float distill_temperature = 2.f, distill_weight = 0.5f;
   // language model (model = gpt or llama): its shape, validation and dp x tp x pp layout
   int64_t layers = 4, heads = 4, width = 128, context = 128, vocab = 0;  // vocab 0: the token files'

@@ -96,6 +96,7 @@ class Trainer {
   void refuse_what_cannot_fit();    // the model state this rank would hold against its memory
   void report_memory();             // at the end: what each kind of state took
   std::map<std::string, int64_t> model_state_bytes();
+  void freeze_parameters();
   void build_optimizer();
   void build_pruner();
   float topk_momentum_correction() const;
