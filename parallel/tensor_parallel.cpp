@@ -164,7 +164,7 @@ nn::GptBlockFactory tensor_parallel_gpt_blocks(const nn::GptConfig& cfg, comm::C
   linears.row = [&tp](int64_t in, int64_t out, bool bias, Rng& rng) -> nn::ModulePtr {
     return std::make_unique<RowParallelLinear>(in, out, bias, rng, tp);
   };
-  return [cfg, linears](int64_t, Rng& rng) { return nn::make_lm_block(cfg, rng, &linears); };
+  return [cfg, linears](int64_t layer, Rng& rng) { return nn::make_lm_block(cfg, rng, &linears, layer); };
 }
 
 nn::GptVocabShard vocab_parallel_shard(int64_t vocab, comm::Communicator& tp) {

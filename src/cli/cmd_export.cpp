@@ -45,13 +45,16 @@ std::map<std::string, std::string> export_metadata(const train::CheckpointState&
 
 int cmd_export(int argc, char** argv) {
   std::string ckpt, out, format = "safetensors", names = "pytorch";
+  bool adapters = false;
   po::options_description opts("Options");
   opts.add_options()("checkpoint", po::value<std::string>(&ckpt), "checkpoint file, or a directory (its newest)")(
       "out", po::value<std::string>(&out), "file to write")(
       "format", po::value<std::string>(&format)->default_value(format), "safetensors or hdf5")(
       "names", po::value<std::string>(&names)->default_value(names),
-      "pytorch (image models: the nn.Sequential's names; the GPT: GPT-2's names and layouts; a Llama: Hugging Face's) "
-      "or dtrain");
+      "pytorch (image models: the nn.Sequential's names; the GPT: GPT-2's names and layouts; a Llama: Hugging Face's; "
+      "LoRA's adapters merged into their weights) or dtrain (adapters apart)")(
+      "adapters-only", po::bool_switch(&adapters),
+      "with --names dtrain: only LoRA's adapters (lora_A, lora_B of each adapted projection)");
   po::variables_map vm;
   if (!train::parse_options(argc, argv, opts, "usage: dtrain export --checkpoint X --out Y [options]", vm)) return 0;
   DT_INPUT_CHECK(!ckpt.empty(), "option --checkpoint is required");
@@ -65,8 +68,14 @@ int cmd_export(int argc, char** argv) {
   const train::CheckpointState s = train::load_checkpoint_set(path);
   DT_INPUT_CHECK(!train::is_int8_checkpoint(s),
                  "checkpoint '" << path << "' is an int8 checkpoint: export its fp32 checkpoint");
-  const train::NamedTensorList tensors =
+  train::NamedTensorList tensors =
       train::export_tensors(s, names == "pytorch" ? train::ExportNames::PyTorch : train::ExportNames::Dtrain);
+  if (adapters) {  // LoRA's adapters alone, under dtrain's names
+    DT_INPUT_CHECK(names == "dtrain", "option --adapters-only writes dtrain's names: give --names dtrain");
+    std::erase_if(tensors,
+                  [](const auto& e) { return !e.first.ends_with(".lora_A") && !e.first.ends_with(".lora_B"); });
+    DT_INPUT_CHECK(!tensors.empty(), "option --adapters-only: checkpoint '" << path << "' holds no LoRA adapters");
+  }
   const std::map<std::string, std::string> meta = export_metadata(s, names);
   if (format == "safetensors")
     train::write_safetensors(out, tensors, meta);

@@ -2,8 +2,11 @@
 // compute goes through the Engine, so the same code runs on the CPU and CUDA engines.
 #include "dtrain/nn/gpt.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <sstream>
 
 namespace dtrain::nn {
 
@@ -286,7 +289,47 @@ ModulePtr make_norm(const GptConfig& cfg) {
 
 }  // namespace
 
-ModulePtr make_lm_block(const GptConfig& cfg, Rng& rng, const BlockLinears* linears) {
+namespace {
+
+// add_lora on the projections of a block that cfg.lora_targets names: each target a row block of
+// its layer's outputs. The adapters draw from a stream of (seed, layer), so the base weights' draws
+// stay those of the model without them.
+void add_lora_adapters(const GptConfig& cfg, int64_t layer, Module& qkv, Module& proj, Module& fc1, Module& fc2) {
+  const int64_t hd = cfg.width / cfg.heads, q = cfg.heads * hd, kv = cfg.kv() * hd, f = cfg.hidden();
+  std::map<std::string, std::pair<Module*, std::pair<int64_t, int64_t>>> where{{"q", {&qkv, {0, q}}},
+                                                                               {"k", {&qkv, {q, kv}}},
+                                                                               {"v", {&qkv, {q + kv, kv}}},
+                                                                               {"o", {&proj, {0, cfg.width}}},
+                                                                               {"down", {&fc2, {0, cfg.width}}}};
+  if (cfg.swiglu) {
+    where["gate"] = {&fc1, {0, f}};
+    where["up"] = {&fc1, {f, f}};
+  } else {
+    where["up"] = {&fc1, {0, f}};
+  }
+  std::map<Module*, std::vector<std::pair<int64_t, int64_t>>> blocks;
+  std::stringstream list(cfg.lora_targets);
+  for (std::string t; std::getline(list, t, ',');) {
+    const auto it = where.find(t);
+    DT_INPUT_CHECK(it != where.end(), "option --lora-targets: '"
+                                          << t << "' is not a projection of this model ("
+                                          << (cfg.swiglu ? "q, k, v, o, gate, up, down" : "q, k, v, o, up, down")
+                                          << ")");
+    blocks[it->second.first].push_back(it->second.second);
+  }
+  Rng rng(derive_seed(cfg.seed, 0x4c6f5241ull + static_cast<uint64_t>(layer)));
+  for (Module* m : {&qkv, &proj, &fc1, &fc2})  // a fixed order: the same draws whatever the list's
+    if (auto b = blocks.find(m); b != blocks.end()) {
+      std::sort(b->second.begin(), b->second.end());
+      DT_INPUT_CHECK(std::adjacent_find(b->second.begin(), b->second.end()) == b->second.end(),
+                     "option --lora-targets '" << cfg.lora_targets << "' names a projection twice");
+      dynamic_cast<Linear&>(*m).add_lora(b->second, cfg.lora_rank, cfg.lora_alpha, rng);
+    }
+}
+
+}  // namespace
+
+ModulePtr make_lm_block(const GptConfig& cfg, Rng& rng, const BlockLinears* linears, int64_t layer) {
   static const BlockLinears one_rank = one_rank_linears();
   const BlockLinears& lin = linears ? *linears : one_rank;
   const int64_t c = cfg.width, h = cfg.heads, kv = cfg.kv(), f = cfg.hidden();
@@ -305,6 +348,10 @@ ModulePtr make_lm_block(const GptConfig& cfg, Rng& rng, const BlockLinears* line
   ModulePtr fc1 = cfg.swiglu ? lin.column(c, {f, f}, cfg.bias, rng) : lin.column(c, {f}, cfg.bias, rng);
   ModulePtr fc2 = lin.row(f, c, cfg.bias, rng);
   ModulePtr act = cfg.swiglu ? ModulePtr(std::make_unique<SwiGLU>()) : GELU();
+  if (cfg.lora_rank > 0) {
+    DT_INPUT_CHECK(lin.ranks == 1, "LoRA (--lora-rank) does not combine with --tp in this version");
+    add_lora_adapters(cfg, layer, *att->children()[0].second, *att->children()[1].second, *fc1, *fc2);
+  }
   ModulePtr norm1 = make_norm(cfg), norm2 = make_norm(cfg);
   fc2->set_output_temporary(true);  // used up by the residual add
   if (cfg.copy_gemm_inputs) {
@@ -440,7 +487,7 @@ Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks, GptPart part, bool
   // Every block is drawn (the RNG stream must not depend on the cut); the part keeps its own.
   auto pool = std::make_shared<std::vector<Tensor>>();  // recomputation buffers, shared by the blocks
   for (int64_t l = 0; l < cfg.layers; ++l) {
-    ModulePtr b = blocks ? blocks(l, rng) : make_lm_block(cfg, rng);
+    ModulePtr b = blocks ? blocks(l, rng) : make_lm_block(cfg, rng, nullptr, l);
     if (l < part_.first_block || l >= part_.end_block) continue;
     if (checkpoint_blocks) b = std::make_unique<Checkpointed>(std::move(b), pool);
     if (cfg.sink) cfg.sink->unit_built({b.get()});

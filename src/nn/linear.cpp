@@ -94,7 +94,51 @@ std::pair<int64_t, int64_t> Linear::quantize_weights_int8() {
 Tensor Linear::forward(const Tensor& x) {
   Tensor& y = project(x);
   add_bias(y);
+  if (lora_a_) lora_forward(x, y);
   return y;
+}
+
+void Linear::add_lora(const std::vector<std::pair<int64_t, int64_t>>& blocks, int64_t rank, float alpha, Rng& rng) {
+  DT_INPUT_CHECK(!lora_a_ && !w8_ && rank > 0 && !blocks.empty(), kind() << ": LoRA of rank " << rank);
+  const int64_t nr = static_cast<int64_t>(blocks.size()) * rank;
+  lora_a_ = &add_parameter("lora_A", Linear::init(in_, nr, false, rng).first);
+  lora_b_ = &add_parameter("lora_B", Tensor::zeros({out_, nr}));
+  lora_mask_ = Tensor::zeros({out_, nr});
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    const auto [first, rows] = blocks[k];
+    DT_INPUT_CHECK(first >= 0 && rows > 0 && first + rows <= out_, kind() << ": LoRA rows " << first << " + " << rows);
+    for (int64_t r = first; r < first + rows; ++r)
+      for (int64_t j = 0; j < rank; ++j) lora_mask_.f32()[r * nr + static_cast<int64_t>(k) * rank + j] = 1.f;
+  }
+  lora_scale_ = alpha / static_cast<float>(rank);
+}
+
+// y += s (x A^T) B^T, t = x A^T kept for backward.
+void Linear::lora_forward(const Tensor& x, Tensor& y) {
+  Engine& e = engine(x);
+  const int64_t m = x.numel() / in_, nr = lora_a_->value.size(0);
+  ensure(lora_t_, {m, nr}, x.device());
+  e.gemm(false, true, m, nr, in_, 1.f, x, lora_a_->value, 0.f, lora_t_);
+  e.gemm(false, true, m, out_, nr, lora_scale_, lora_t_, lora_b_->value, 1.f, y);
+}
+
+// dB += s dy^T t (its trained blocks only), dt = s dy B, dA += dt^T x, dx += dt A.
+void Linear::lora_backward(const Tensor& dy, const Tensor& x, Tensor* dx) {
+  Engine& e = engine(dy);
+  const int64_t m = dy.numel() / out_, nr = lora_a_->value.size(0);
+  if (lora_mask_.device() != dy.device()) {
+    Tensor on = Tensor::empty(lora_mask_.shape(), DType::F32, dy.device());
+    copy_any(lora_mask_, on);
+    lora_mask_ = on;
+  }
+  e.gemm(true, false, out_, nr, m, lora_scale_, dy, lora_t_, 1.f, lora_b_->grad);
+  e.mul(lora_b_->grad, lora_mask_, lora_b_->grad);
+  grad_ready(*lora_b_);
+  ensure_temp(lora_dt_, {m, nr}, dy.device());
+  e.gemm(false, false, m, nr, out_, lora_scale_, dy, lora_b_->value, 0.f, lora_dt_);
+  e.gemm(true, false, nr, in_, m, 1.f, lora_dt_, x, 1.f, lora_a_->grad);
+  grad_ready(*lora_a_);
+  if (dx) e.gemm(false, false, m, in_, nr, 1.f, lora_dt_, lora_a_->value, 1.f, *dx);
 }
 
 const Tensor& Linear::saved_input(Device dev) {
@@ -128,9 +172,13 @@ Tensor Linear::backward(const Tensor& dy) {
     if (!b_->frozen) e.row_bias_grad(dy, b_->grad);
     grad_ready(*b_);
   }
-  if (!needs_input_grad_) return Tensor();
+  if (!needs_input_grad_) {
+    if (lora_a_) lora_backward(dy, saved_input(dy.device()), nullptr);
+    return Tensor();
+  }
   Tensor& dx = ensure(dx_, x.shape(), dy.device());
   e.gemm(false, false, m, in_, out_, 1.f, *g, gemm_operand(e, *w_, m, in_), 0.f, dx);
+  if (lora_a_) lora_backward(dy, saved_input(dy.device()), &dx);
   return dx;
 }
 

@@ -222,6 +222,9 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(lm, "kv-heads", &c.kv_heads, def.kv_heads, "key/value heads (0: --heads; fewer, dividing --heads: grouped-query attention)");
   add(lm, "mlp-width", &c.mlp_width, def.mlp_width, "the MLP's hidden width (0: 4 x --width for gpt, 8/3 x --width rounded up to 32 for llama)");
   add(lm, "rope-base", &c.rope_base, def.rope_base, "llama: the base of the rotary position frequencies");
+  add(lm, "lora-rank", &c.lora_rank, def.lora_rank, "LoRA adapters of this rank on the projections of --lora-targets; the base weights (and everything else) are frozen, only the adapters train (0: none)");
+  add(lm, "lora-alpha", &c.lora_alpha, def.lora_alpha, "LoRA: the adapters' output is scaled by alpha / rank");
+  add(lm, "lora-targets", &c.lora_targets, def.lora_targets, "LoRA: the projections adapted, of q, k, v, o, gate, up, down (GPT-2's MLP: up, down)");
   add_path(lm, "init-from", &c.init_from, "pretrained weights to start from: a safetensors file, or a folder of shards with model.safetensors.index.json (f32, bf16 or f16; Hugging Face's Llama or GPT-2 names, or dtrain's); strict: every missing, unexpected or misshapen tensor is named. A --resume (also a requeued job's) takes precedence");
   add(lm, "vocab", &c.vocab, def.vocab, "vocabulary (0: the token files', 256 for bytes)");
   add(lm, "seq-len", &c.seq_len, def.seq_len, "tokens per sequence (0: --context)");
@@ -367,6 +370,9 @@ void check_ranges(const TrainConfig& c) {
                  "option --kv-heads must divide --heads " << c.heads << " (0: as many), got " << c.kv_heads);
   DT_INPUT_CHECK(c.mlp_width >= 0, "option --mlp-width must be >= 0 (0: the model's default), got " << c.mlp_width);
   DT_INPUT_CHECK(c.rope_base > 1.f, "option --rope-base must be > 1, got " << c.rope_base);
+  DT_INPUT_CHECK(c.lora_rank >= 0 && c.lora_alpha > 0.f, "options --lora-rank must be >= 0 and --lora-alpha > 0");
+  DT_INPUT_CHECK(c.lora_rank == 0 || c.freeze.empty(),
+                 "option --freeze does not combine with --lora-rank (LoRA freezes every weight but its adapters)");
   DT_INPUT_CHECK(c.seq_len >= 0 && c.eval_every >= 0 && c.eval_batches >= 0 && c.micro_batches >= 0,
                  "options --seq-len, --eval-every, --eval-batches and --micro-batches must be >= 0");
   DT_INPUT_CHECK(c.schedule == "1f1b" || c.schedule == "gpipe",

@@ -76,12 +76,41 @@ const char* safetensors_dtype(DType t) {
 
 }  // namespace
 
+namespace {
+
+// The parameters of `s` with LoRA's adapters merged into their weights, W + (alpha / rank) B A, and
+// left out; the tensors as they are where there are none.
+std::map<std::string, Tensor> merged_lora(const CheckpointState& s) {
+  std::map<std::string, Tensor> out = s.tensors;
+  const auto rank = s.ints.find("lora_rank");
+  if (rank == s.ints.end()) return out;
+  const float scale = std::strtof(s.strings.at("lora_alpha").c_str(), nullptr) / static_cast<float>(rank->second);
+  for (const auto& [key, a] : s.tensors) {
+    if (!key.ends_with(".lora_A")) continue;
+    const std::string base = key.substr(0, key.size() - 7);
+    const auto b = s.tensors.find(base + ".lora_B"), w = s.tensors.find(base + ".weight");
+    DT_INPUT_CHECK(b != s.tensors.end() && w != s.tensors.end() && a.dim() == 2 && b->second.dim() == 2 &&
+                       w->second.shape() == (Shape{b->second.size(0), a.size(1)}) && b->second.size(1) == a.size(0),
+                   "export: LoRA adapter " << key << " does not fit its layer");
+    Tensor merged = w->second.clone();
+    cpu_engine().gemm(false, false, merged.size(0), merged.size(1), a.size(0), scale, b->second, a, 1.f, merged);
+    out[base + ".weight"] = merged;
+    out.erase(key);
+    out.erase(base + ".lora_B");
+  }
+  return out;
+}
+
+}  // namespace
+
 NamedTensorList export_tensors(const CheckpointState& s, ExportNames names) {
   const auto model = s.strings.find("model");
   const bool lm = model != s.strings.end() && is_language_model(model->second);
   const auto layout = lm ? lm_hf_layout(read_lm_shape(s)) : std::map<std::string, std::vector<SourceTensor>>();
   std::map<std::string, Tensor> out;
-  for (const auto& [key, t] : s.tensors) {
+  // Other frameworks' names: LoRA's adapters merged into the weights they adapt.
+  const std::map<std::string, Tensor> tensors = names == ExportNames::Dtrain ? s.tensors : merged_lora(s);
+  for (const auto& [key, t] : tensors) {
     const bool param = key.rfind("param/", 0) == 0, buffer = key.rfind("buffer/", 0) == 0;
     if (!param && !buffer) continue;
     const std::string name = key.substr(param ? 6 : 7);

@@ -99,6 +99,9 @@ nn::GptConfig lm_shape(const TrainConfig& c, int64_t vocab) {
     nn::llama_shape(g);
     g.rope_base = c.rope_base;
   }
+  g.lora_rank = c.lora_rank;
+  g.lora_alpha = c.lora_alpha;
+  g.lora_targets = c.lora_targets;
   return g;
 }
 
@@ -109,6 +112,12 @@ void write_lm_shape(const nn::GptConfig& g, CheckpointState& s) {
   char base[32];
   std::snprintf(base, sizeof base, "%.9g", static_cast<double>(g.rope_base));
   s.strings["rope_base"] = base;
+  if (g.lora_rank > 0) {
+    s.ints["lora_rank"] = g.lora_rank;
+    std::snprintf(base, sizeof base, "%.9g", static_cast<double>(g.lora_alpha));
+    s.strings["lora_alpha"] = base;
+    s.strings["lora_targets"] = g.lora_targets;
+  }
 }
 
 nn::GptConfig read_lm_shape(const CheckpointState& s) {
@@ -139,6 +148,16 @@ nn::GptConfig read_lm_shape(const CheckpointState& s) {
   DT_INPUT_CHECK(base != s.strings.end(), "the checkpoint's lm_shape comes without its rope_base");
   cfg.rope_base = std::strtof(base->second.c_str(), nullptr);
   DT_INPUT_CHECK(!cfg.rotary || cfg.rope_base > 1.f, "the checkpoint's rope_base '" << base->second << "' is not > 1");
+  if (const auto rank = s.ints.find("lora_rank"); rank != s.ints.end()) {
+    const auto alpha = s.strings.find("lora_alpha"), targets = s.strings.find("lora_targets");
+    DT_INPUT_CHECK(
+        rank->second > 0 && rank->second <= cfg.width && alpha != s.strings.end() && targets != s.strings.end(),
+        "the checkpoint's LoRA attributes (lora_rank " << rank->second << ", lora_alpha, lora_targets)");
+    cfg.lora_rank = rank->second;
+    cfg.lora_alpha = std::strtof(alpha->second.c_str(), nullptr);
+    cfg.lora_targets = targets->second;
+    DT_INPUT_CHECK(cfg.lora_alpha > 0.f, "the checkpoint's lora_alpha '" << alpha->second << "' is not > 0");
+  }
   return cfg;
 }
 

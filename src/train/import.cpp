@@ -224,11 +224,19 @@ int64_t import_pretrained(nn::Module& model, comm::Communicator* tp, const std::
   std::vector<std::string> wrong;
   std::set<std::string> used;
   std::map<std::string, Tensor> full;
+  int64_t loaded = 0;
+  std::map<std::string, nn::Parameter*> by_name;
+  for (nn::Parameter* p : model.parameters()) by_name[p->name] = p;
   for (const auto& [param, shape] : shapes) {
     const std::vector<SourceTensor> sources = names.sources(param);
+    if (sources.empty()) {  // not in pretrained weights (LoRA's adapters): keeps what it drew
+      full[param] = host_copy(by_name.at(param)->value);
+      continue;
+    }
     for (const SourceTensor& s : sources) used.insert(s.name);
     Tensor t = assemble(param, shape, sources, files, wrong);
     if (t.defined()) full[param] = t;
+    ++loaded;
   }
   for (const auto& [name, e] : files)
     if (!used.count(name) && !names.known(name)) wrong.push_back("unexpected " + name + " " + shape_str(e.shape));
@@ -240,7 +248,7 @@ int64_t import_pretrained(nn::Module& model, comm::Communicator* tp, const std::
                                                 << " tensor(s) do not fit the model:" << list);
   }
   parallel::load_full_parameters(model, full);
-  return static_cast<int64_t>(full.size());
+  return loaded;
 }
 
 }  // namespace dtrain::train

@@ -344,10 +344,12 @@ float Trainer::topk_momentum_correction() const {
 // pipeline stage may hold none of them): an expression that matches nothing, or everything, is
 // refused on every rank.
 void Trainer::freeze_parameters() {
-  if (cfg_.freeze.empty()) return;
+  const bool lora = cfg_.lora_rank > 0;  // every weight but the adapters
+  const std::string expression = lora ? "(?!.*\\.lora_[AB]$).*" : cfg_.freeze;
+  if (expression.empty()) return;
   std::regex pattern;
   try {
-    pattern = std::regex(cfg_.freeze);
+    pattern = std::regex(expression);
   } catch (const std::regex_error& e) {
     DT_INPUT_CHECK(false, "option --freeze '" << cfg_.freeze << "' is not a regular expression: " << e.what());
   }
@@ -360,12 +362,12 @@ void Trainer::freeze_parameters() {
     n.f32()[1] += counts ? 1.f : 0.f;
   }
   world_.allreduce(n)->wait();
-  DT_INPUT_CHECK(n.f32()[0] > 0, "option --freeze '" << cfg_.freeze << "' matches no parameter's name");
-  DT_INPUT_CHECK(n.f32()[0] < n.f32()[1],
-                 "option --freeze '" << cfg_.freeze << "' matches every parameter: nothing to train");
-  char line[160];
-  std::snprintf(line, sizeof line, "frozen: %.0f of %.0f parameter tensors match '%s'", n.f32()[0], n.f32()[1],
-                cfg_.freeze.c_str());
+  const std::string what = lora ? "option --lora-rank" : "option --freeze '" + cfg_.freeze + "'";
+  DT_INPUT_CHECK(n.f32()[0] > 0, what << " matches no parameter's name");
+  DT_INPUT_CHECK(n.f32()[0] < n.f32()[1], what << " matches every parameter: nothing to train");
+  char line[200];
+  std::snprintf(line, sizeof line, "frozen: %.0f of %.0f parameter tensors (%s)", n.f32()[0], n.f32()[1],
+                lora ? "LoRA: all but the adapters" : ("matching '" + cfg_.freeze + "'").c_str());
   say(line);
 }
 

@@ -5,6 +5,7 @@
 // C width, H heads (C % H == 0), V vocabulary (256 for bytes).
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "dtrain/core/rng.h"
 #include "dtrain/nn/layers.h"
@@ -32,6 +33,11 @@ struct GptConfig {
   bool bias = true;     // biases on the blocks' Linear layers
   bool tied = true;     // the unembedding is the token embedding; else a weight of its own ("lm_head")
   float norm_eps = 1e-5f;
+  // LoRA adapters (nn::Linear::add_lora) on the blocks' projections named in `lora_targets` (q, k,
+  // v, o, gate, up, down; GPT-2's MLP is up and down), drawn from a stream of their own per block.
+  int64_t lora_rank = 0;  // 0: none
+  float lora_alpha = 16.f;
+  std::string lora_targets = "q,v";
   int64_t kv() const { return kv_heads > 0 ? kv_heads : heads; }
   int64_t hidden() const { return mlp_width > 0 ? mlp_width : 4 * width; }
   bool llama() const { return rms_norm; }
@@ -119,7 +125,7 @@ struct BlockLinears {
 // One pre-norm transformer block of `cfg`: x + attn(norm1(x)), then + mlp(norm2(.)); GPT-2's mlp is
 // C -> 4C, GELU, -> C, Llama's C -> (gate, up), SwiGLU, -> C. Draws qkv, proj, then the MLP's two
 // layers from `rng`, whatever the linears.
-ModulePtr make_lm_block(const GptConfig& cfg, Rng& rng, const BlockLinears* linears = nullptr);
+ModulePtr make_lm_block(const GptConfig& cfg, Rng& rng, const BlockLinears* linears = nullptr, int64_t layer = 0);
 ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng, bool copy_gemm_inputs = false);
 // Makes block `layer` drawing its initial weights from `rng` (tensor parallel passes its own).
 using GptBlockFactory = std::function<ModulePtr(int64_t layer, Rng& rng)>;

@@ -32,6 +32,13 @@ class Linear : public Module {
   std::pair<int64_t, int64_t> quantize_weights_int8();
   bool weights_int8() const { return w8_ != nullptr; }
 
+  // LoRA (Hu et al., 2021): y += (alpha / rank) (x A^T) B^T with adapters over row blocks of the
+  // outputs, `blocks` (first row, rows) each (a fused q/k/v projection adapts q and v apart). A
+  // [n rank, in] is drawn from `rng` as PyTorch's kaiming-uniform (PEFT's), B [out, n rank] is zero
+  // and only its diagonal blocks are trained (the rest stays zero). Parameters "lora_A", "lora_B".
+  void add_lora(const std::vector<std::pair<int64_t, int64_t>>& blocks, int64_t rank, float alpha, Rng& rng);
+  bool has_lora() const { return lora_a_ != nullptr; }
+
   // PyTorch's default initialisation of a full in -> out layer: weight [out, in] then bias [out]
   // (undefined when `bias` is false), both U(-1/sqrt(in), 1/sqrt(in)), drawn in that order.
   static std::pair<Tensor, Tensor> init(int64_t in, int64_t out, bool bias, Rng& rng);
@@ -56,6 +63,13 @@ class Linear : public Module {
   bool reads_copy(const Engine& e, int64_t m, int64_t n) const;
   Tensor dy_low_;                             // dy rounded once for both backward GEMMs (scratch)
   std::shared_ptr<int8::WeightOnlyInt8> w8_;  // set by quantize_weights_int8
+  Parameter* lora_a_ = nullptr;               // add_lora's adapters
+  Parameter* lora_b_ = nullptr;
+  float lora_scale_ = 0.f;
+  Tensor lora_mask_;         // [out, n rank]: 1 on B's trained blocks, on the parameters' device
+  Tensor lora_t_, lora_dt_;  // x A^T [M, n rank] (kept for backward) and its gradient (scratch)
+  void lora_forward(const Tensor& x, Tensor& y);
+  void lora_backward(const Tensor& dy, const Tensor& x, Tensor* dx);
 };
 
 class Conv2d : public Module {

@@ -113,10 +113,13 @@ struct TrainConfig {
   float distill_temperature = 2.f, distill_weight = 0.5f;
   // language model (model = gpt or llama): its shape, validation and dp x tp x pp layout
   int64_t layers = 4, heads = 4, width = 128, context = 128, vocab = 0;  // vocab 0: the token files'
-  int64_t kv_heads = 0;           // key/value heads (0: --heads; fewer: grouped-query attention)
-  int64_t mlp_width = 0;          // the MLP's hidden width (0: 4 C for gpt, Llama's 8/3 C rounded up to 32)
-  float rope_base = 1e4f;         // llama: the rotary frequencies' base
-  std::string init_from;          // pretrained weights (safetensors file or folder) to start from
+  int64_t kv_heads = 0;    // key/value heads (0: --heads; fewer: grouped-query attention)
+  int64_t mlp_width = 0;   // the MLP's hidden width (0: 4 C for gpt, Llama's 8/3 C rounded up to 32)
+  float rope_base = 1e4f;  // llama: the rotary frequencies' base
+  std::string init_from;   // pretrained weights (safetensors file or folder) to start from
+  int64_t lora_rank = 0;   // LoRA adapters of this rank (0: none); then only they train
+  float lora_alpha = 16.f;
+  std::string lora_targets = "q,v";
   int64_t seq_len = 0;            // tokens per sequence (0: the context)
   int64_t eval_every = 200;       // steps between validation passes (0: at the end only)
   int64_t eval_batches = 16;      // validation batches per pass (0: the whole validation stream)

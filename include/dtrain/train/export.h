@@ -24,6 +24,7 @@ enum class ExportNames { Dtrain, PyTorch };
 using NamedTensorList = std::vector<std::pair<std::string, Tensor>>;
 
 // The tensors of checkpoint `s` (a load_checkpoint_set result) in file order (sorted by name).
+// LoRA's adapters stay apart under dtrain's names and are merged into their weights under PyTorch's.
 // Throws InputError naming the tensor a GPT checkpoint lacks or does not lay out as expected.
 NamedTensorList export_tensors(const CheckpointState& s, ExportNames names);
 

@@ -39,6 +39,7 @@ struct SourceTensor {
   bool transposed = false;
 };
 struct PretrainedNames {
+  // No sources: a parameter pretrained weights do not hold (LoRA's adapters) keeps its value.
   std::function<std::vector<SourceTensor>(const std::string& parameter)> sources;
   // A file's tensor that some part of the whole model takes (maybe another pipeline stage's), or
   // one to leave (GPT-2's attention masks): every other one is unexpected.
