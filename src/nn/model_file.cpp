@@ -499,6 +499,73 @@ std::string model_definition_name(const std::string& definition) {
   }
 }
 
+std::optional<GptConfig> language_model_shape(const std::string& definition, const std::string& source) {
+  Tree tree;
+  try {
+    tree = parse_definition(definition);
+  } catch (const pt::ptree_error& e) {
+    throw InputError("model file '" + source + "' does not parse: " + e.what());
+  }
+  const auto lm = tree.get_child_optional("language_model");
+  if (!lm) return std::nullopt;
+  const std::string where = "model file '" + source + "', language_model.";
+  std::set<std::string> seen;
+  auto text = [&](const char* key) -> std::optional<std::string> {
+    seen.insert(key);
+    const auto v = lm->get_child_optional(pt::ptree::path_type(key, '\0'));
+    if (!v) return std::nullopt;
+    DT_INPUT_CHECK(v->empty(), where << key << " must be a value, not a section");
+    return v->data();
+  };
+  auto integer = [&](const char* key, int64_t fallback, int64_t low) {
+    const auto v = text(key);
+    if (!v) return fallback;
+    int64_t n = 0;
+    const auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
+    DT_INPUT_CHECK(ec == std::errc() && end == v->data() + v->size() && n >= low && n <= (int64_t{1} << 32),
+                   where << key << " is '" << *v << "', not an integer from " << low << " to 2^32");
+    return n;
+  };
+  auto number = [&](const char* key, float fallback) {
+    const auto v = text(key);
+    if (!v) return fallback;
+    char* end = nullptr;
+    const float f = std::strtof(v->c_str(), &end);
+    DT_INPUT_CHECK(!v->empty() && end == v->c_str() + v->size() && std::isfinite(f) && f > 0.f,
+                   where << key << " is '" << *v << "', not a positive number");
+    return f;
+  };
+  auto choice = [&](const char* key, const char* no, const char* yes, bool fallback) {
+    const auto v = text(key);
+    if (!v) return fallback;
+    DT_INPUT_CHECK(*v == no || *v == yes, where << key << " is '" << *v << "', not " << no << " or " << yes);
+    return *v == yes;
+  };
+  GptConfig g;
+  g.layers = integer("layers", 0, 1);
+  g.width = integer("width", 0, 1);
+  g.heads = integer("heads", 0, 1);
+  DT_INPUT_CHECK(g.layers > 0 && g.width > 0 && g.heads > 0, where << "layers, width and heads are required");
+  g.context = integer("context", 128, 1);
+  g.kv_heads = integer("kv_heads", 0, 0);
+  g.mlp_width = integer("mlp_width", 0, 0);
+  g.rms_norm = choice("norm", "layer", "rms", false);
+  g.rotary = choice("positions", "learned", "rotary", false);
+  g.swiglu = choice("mlp", "gelu", "swiglu", false);
+  g.bias = choice("bias", "false", "true", true);
+  g.tied = choice("tied", "false", "true", true);
+  g.rope_base = number("rope_base", g.rope_base);
+  g.norm_eps = number("norm_eps", g.norm_eps);
+  DT_INPUT_CHECK(g.width % g.heads == 0 && g.heads % g.kv() == 0,
+                 where << "heads (" << g.heads << ") must divide width (" << g.width
+                       << ") and be a multiple of kv_heads (" << g.kv() << ")");
+  DT_INPUT_CHECK(!g.rotary || (g.width / g.heads) % 2 == 0, where << "positions rotary needs an even head width");
+  if (g.swiglu && g.mlp_width == 0) g.mlp_width = (8 * g.width / 3 + 31) / 32 * 32;  // Llama's
+  for (const auto& [key, value] : *lm)
+    DT_INPUT_CHECK(seen.count(key), where << key << " is not a field of a language model");
+  return g;
+}
+
 std::unique_ptr<Sequential> build_model_definition(const ModelSpec& spec, Rng& rng, ModelBudget& budget) {
   Tree def;
   try {

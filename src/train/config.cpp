@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "dtrain/core/error.h"
+#include "dtrain/nn/model_file.h"
 #include "dtrain/train/options.h"
 #include "dtrain/train/signals.h"
 
@@ -161,7 +162,7 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   add(common, "target-accuracy", &c.target_accuracy, def.target_accuracy, "trainer groups: the summary gives each trainer's training time (evaluation excluded) to its first validation at this test accuracy, in percent (a batch-size search: --sweep batch-size=... --lr-scaling linear); 0: off");
   add(common, "sweep-dir", &c.sweep_dir, def.sweep_dir, "trainer groups: the run folders (trainer-<i>/: metrics, checkpoints) and summary.json");
 
-  add_path(image, "model-file", &c.model_file, "an image model described in a JSON or INI file of layers and blocks (docs/models.md; examples/models/), instead of --model");
+  add_path(common, "model-file", &c.model_file, "a model described in a JSON or INI file (docs/models.md; examples/models/), instead of --model: an image model's layers and blocks, or a language model's shape (its language_model section: gpt2.json, llama.json)");
   add_path(image, "test-data", &c.test_data, "test data evaluated after each epoch (directory of shards)");
   add_switch(image, "synthetic", &c.synthetic, def.synthetic, "train on random batches of the model's input shape; reads no data");
   image.add_options()("synthetic-shape", po::value<std::string>(&synthetic_shape)->default_value(join_dims(def.synthetic_shape)), "per-sample shape C,H,W for --synthetic");
@@ -399,6 +400,22 @@ TrainConfig model_defaults(const std::string& model) {
   return d;
 }
 
+namespace {
+
+// A relative path of a config file is relative to the file when it does not name a file from here
+// but does from there. Without throwing: a path the system cannot look up (a name too long) stays
+// as given, and opening it later names it.
+std::string relative_to_config(const std::string& p, const std::string& config_file) {
+  const std::filesystem::path base = std::filesystem::path(config_file).parent_path();
+  std::error_code ec;
+  if (!p.empty() && std::filesystem::path(p).is_relative() && !std::filesystem::exists(p, ec) &&
+      std::filesystem::exists(base / p, ec))
+    return (base / p).string();
+  return p;
+}
+
+}  // namespace
+
 bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   const std::string usage = "usage: dtrain train --config FILE [options]";
   // Pass 1 finds the model (from the command line or the config file): its defaults are those of
@@ -410,6 +427,14 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
     po::variables_map vm;
     parse_options(argc, argv, o.all(), usage, vm, true, false);
     model = scratch.model;
+    // A language model's file makes the run a language model's, with its defaults and options.
+    if (!scratch.model_file.empty()) {
+      const std::string where = vm.count("config")
+                                    ? relative_to_config(scratch.model_file, vm["config"].as<std::string>())
+                                    : scratch.model_file;
+      if (const auto lm = nn::language_model_shape(nn::read_model_file(where), where))
+        model = lm->llama() ? "llama" : "gpt";
+    }
   }
   c = model_defaults(model);
   const TrainConfig def = c;
@@ -422,8 +447,9 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   DT_INPUT_CHECK(c.model == "mlp" || c.model == "simple_cnn" || c.model == "resnet20" || is_language_model(c.model),
                  "option --model must be mlp, simple_cnn, resnet20, gpt or llama, got '" << c.model << "'");
   refuse_options_of_other_models(vm, o, c.model);
-  for (const char* name : {"model", "hidden", "dropout"})
-    DT_INPUT_CHECK(c.model_file.empty() || vm[name].defaulted(),
+  for (const char* name :
+       {"model", "hidden", "dropout", "layers", "heads", "width", "context", "kv-heads", "mlp-width", "rope-base"})
+    DT_INPUT_CHECK(c.model_file.empty() || !vm.count(name) || vm[name].defaulted(),
                    "option --" << name << " does not combine with --model-file (the file describes the whole model)");
   if (c.zero1) {
     DT_INPUT_CHECK(vm["zero"].defaulted() || c.zero == 1,
@@ -433,14 +459,8 @@ bool parse_train_config(int argc, char** argv, TrainConfig& c) {
   check_ranges(c);
   // Relative data paths in a config file are relative to the file, so a job runs from any directory.
   if (!c.config_file.empty()) {
-    std::filesystem::path base = std::filesystem::path(c.config_file).parent_path();
     auto rebase = [&](std::string& p, const char* key) {
-      // Without throwing: a path the system cannot look up (a name too long) stays as given, and
-      // opening it later names it.
-      std::error_code ec;
-      if (!p.empty() && !vm[key].defaulted() && std::filesystem::path(p).is_relative() &&
-          !std::filesystem::exists(p, ec) && std::filesystem::exists(base / p, ec))
-        p = (base / p).string();
+      if (!vm[key].defaulted()) p = relative_to_config(p, c.config_file);
     };
     rebase(c.data, "data");
     rebase(c.test_data, "test-data");

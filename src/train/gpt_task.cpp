@@ -15,6 +15,7 @@
 #include "dtrain/core/rng.h"
 #include "dtrain/core/timer.h"
 #include "dtrain/data/text.h"
+#include "dtrain/nn/model_file.h"
 #include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/process_grid.h"
 #include "dtrain/parallel/tensor_parallel.h"
@@ -87,18 +88,24 @@ data::Tokenizer tokenizer_from_checkpoint(const CheckpointState& s, const std::s
 
 nn::GptConfig lm_shape(const TrainConfig& c, int64_t vocab) {
   nn::GptConfig g;
-  g.vocab = vocab;
-  g.context = c.context;
-  g.layers = c.layers;
-  g.heads = c.heads;
-  g.width = c.width;
-  g.seed = c.seed;
-  g.kv_heads = c.kv_heads;
-  g.mlp_width = c.mlp_width;
-  if (c.model == "llama") {
-    nn::llama_shape(g);
-    g.rope_base = c.rope_base;
+  if (const auto file = c.model_file.empty()
+                            ? std::nullopt
+                            : nn::language_model_shape(nn::read_model_file(c.model_file), c.model_file)) {
+    g = *file;  // the file's shape
+  } else {
+    g.context = c.context;
+    g.layers = c.layers;
+    g.heads = c.heads;
+    g.width = c.width;
+    g.kv_heads = c.kv_heads;
+    g.mlp_width = c.mlp_width;
+    if (c.model == "llama") {
+      nn::llama_shape(g);
+      g.rope_base = c.rope_base;
+    }
   }
+  g.vocab = vocab;
+  g.seed = c.seed;
   g.lora_rank = c.lora_rank;
   g.lora_alpha = c.lora_alpha;
   g.lora_targets = c.lora_targets;
@@ -196,7 +203,7 @@ class GptTask final : public Task {
   std::string piece() const override { return "blocks"; }
   std::vector<int> stage_starts() const override { return starts_; }
   parallel::StageShapes stage_shapes(int64_t rows) const override {
-    return {{rows, seq_len_, cfg_->width}, {rows, seq_len_, cfg_->width}};
+    return {{rows, seq_len_, model_cfg_.width}, {rows, seq_len_, model_cfg_.width}};
   }
   int64_t steps_per_epoch() const override { return 0; }
   void start_epoch(int64_t, int64_t) override { staged_.clear(); }
@@ -277,9 +284,11 @@ void GptTask::setup(const TaskSetup& s) {
   device_ = s.device;
   const TrainConfig& c = s.cfg;
   batch_ = s.batch;
-  seq_len_ = c.seq_len > 0 ? c.seq_len : c.context;
-  DT_INPUT_CHECK(seq_len_ <= c.context, "--seq-len " << seq_len_ << " exceeds the context " << c.context);
-  DT_INPUT_CHECK(c.pp <= c.layers, "--pp " << c.pp << " must be between 1 and the " << c.layers << " layers");
+  model_cfg_ = lm_shape(c, 0);  // the vocabulary comes with the token files
+  const int64_t context = model_cfg_.context, layers = model_cfg_.layers;
+  seq_len_ = c.seq_len > 0 ? c.seq_len : context;
+  DT_INPUT_CHECK(seq_len_ <= context, "--seq-len " << seq_len_ << " exceeds the context " << context);
+  DT_INPUT_CHECK(c.pp <= layers, "--pp " << c.pp << " must be between 1 and the " << layers << " layers");
   DT_INPUT_CHECK(c.precision == "fp32" || c.precision == "bf16" || c.precision == "fp16" ||
                      (!s.device.is_cpu() && c.precision == "tf32"),
                  "--precision " << c.precision << " is not one of fp32, bf16, fp16"
@@ -293,8 +302,8 @@ void GptTask::setup(const TaskSetup& s) {
                                                                             << train_.vocab << ", not --vocab "
                                                                             << c.vocab << " (0: theirs)");
   data_seed_ = derive_seed(c.seed, static_cast<uint64_t>(s.grid.dp_rank()));  // each dp group its own windows
-  model_cfg_ = lm_shape(c, c.vocab > 0 ? c.vocab : train_.vocab);
-  starts_ = c.pp > 1 ? balanced_starts() : std::vector<int>{0, static_cast<int>(c.layers)};
+  model_cfg_.vocab = c.vocab > 0 ? c.vocab : train_.vocab;
+  starts_ = c.pp > 1 ? balanced_starts() : std::vector<int>{0, static_cast<int>(layers)};
   const int stage = s.grid.pp_rank(), tp = s.grid.tp_size();
   nn::GptPart part{starts_[stage], starts_[stage + 1], stage == 0, stage == c.pp - 1};
   // Under tensor parallelism the vocabulary is split too: embedding rows, logit columns, and the
@@ -330,7 +339,7 @@ void GptTask::connect() {
 // Which blocks each pipeline stage holds: given by --pp-split, or cut by cost (the embedding
 // counts with the first block, the head with the last).
 std::vector<int> GptTask::balanced_starts() const {
-  const int layers = static_cast<int>(cfg_->layers);
+  const int layers = static_cast<int>(model_cfg_.layers);
   if (!cfg_->pp_split.empty()) return parallel::parse_pp_split(cfg_->pp_split, cfg_->pp, layers);
   nn::GptCosts k = nn::gpt_costs(model_cfg_, seq_len_);
   std::vector<double> costs(layers, k.block);

@@ -790,6 +790,49 @@ TEST(Cli, LlamaTrainExportInitFromAndCachedGeneration) {
   fs::remove_all(dir);
 }
 
+// Language models written as model files (examples/models/gpt2.json, llama.json) train exactly as
+// --model gpt and --model llama of the same shape; a bad field or a shape option beside the file is
+// named.
+TEST(Cli, LanguageModelFilesEqualTheBuiltInModels) {
+  std::string dir = dtrain::test::temp_dir("cli-lm-files");
+  fs::create_directories(dir + "/text");
+  {
+    std::ofstream out(dir + "/text/a.txt");
+    for (int i = 0; i < 400; ++i) out << "a small text, " << i % 10 << " times over. ";
+  }
+  ASSERT_EQ(run("convert text --inputs " + dir + "/text --out " + dir + "/tok").code, 0);
+  const std::string models = std::string(DTRAIN_SOURCE_DIR) + "/examples/models/";
+  const std::string run_args = " --data " + dir +
+                               "/tok --steps 6 --batch-size 4 --seq-len 32 --eval-every 0 "
+                               "--eval-batches 2 --threads 1 --progress off --metrics " +
+                               dir + "/";
+  for (auto [built_in, file] : {std::pair<std::string, std::string>{"--model gpt", "gpt2.json"},
+                                {"--model llama --kv-heads 2 --mlp-width 352", "llama.json"}}) {
+    Result a = run("train " + built_in + run_args + "a.jsonl");
+    Result b = run("train --model-file " + models + file + run_args + "b.jsonl");
+    ASSERT_EQ(a.code, 0) << a.out;
+    ASSERT_EQ(b.code, 0) << b.out;
+    EXPECT_GT(last_val_loss(dir + "/a.jsonl"), 0);
+    EXPECT_EQ(last_val_loss(dir + "/a.jsonl"), last_val_loss(dir + "/b.jsonl")) << file;
+    fs::remove(dir + "/a.jsonl");
+    fs::remove(dir + "/b.jsonl");
+  }
+  EXPECT_FAILS_NAMING(run("train --model-file " + models + "llama.json --layers 2" + run_args + "c.jsonl"),
+                      "option --layers does not combine with --model-file");
+  {
+    std::ofstream bad(dir + "/bad.json");
+    bad << R"({"language_model": {"layers": 2, "width": 64, "heads": 4, "norm": "batch"}})";
+  }
+  EXPECT_FAILS_NAMING(run("train --model-file " + dir + "/bad.json" + run_args + "c.jsonl"), "language_model.norm");
+  {
+    std::ofstream bad(dir + "/extra.json");
+    bad << R"({"language_model": {"layers": 2, "width": 64, "heads": 4, "experts": 8}})";
+  }
+  EXPECT_FAILS_NAMING(run("train --model-file " + dir + "/extra.json" + run_args + "c.jsonl"),
+                      "language_model.experts is not a field");
+  fs::remove_all(dir);
+}
+
 // A BPE vocabulary end to end: convert trains it and stores it in the token files, the GPT takes its
 // size from them (vocabulary-parallel on 2 tp ranks, the same loss as one rank), the checkpoint
 // carries it, so generate encodes a prompt with characters the text never had and eval reports
