@@ -1,6 +1,7 @@
 // Column- and row-parallel linear layers and the tensor-parallel GPT block.
 #include "dtrain/parallel/tensor_parallel.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -219,6 +220,50 @@ Tensor VocabParallelCrossEntropy::backward(float scale) {
       .vocab_xent_backward(logits_, labels_, offset_, rowmax_, partial_.slice0(0, 1).reshape({m}),
                            scale / static_cast<float>(m), dlogits_);
   return dlogits_;
+}
+
+// ------------------------------------------------------------------ vocabulary-parallel distillation
+VocabParallelSoftTargets::VocabParallelSoftTargets(comm::Communicator& tp, int64_t offset, float temperature)
+    : tp_(tp), offset_(offset), t_(temperature) {
+  DT_INPUT_CHECK(temperature > 0.f, "the distillation temperature must be > 0, got " << temperature);
+}
+
+Tensor VocabParallelSoftTargets::gradient(const Tensor& student, const Tensor& teacher, float scale) {
+  const int64_t m = student.size(0), n = student.size(1), tp = tp_.size();
+  DT_CHECK(student.dim() == 2 && teacher.dim() == 2 && teacher.size(0) == m && teacher.size(1) == n * tp,
+           "distillation: student logits " << student.str() << " (1/" << tp << " of the vocabulary), teacher's "
+                                           << teacher.str());
+  const Device dev = student.device();
+  Engine& e = engine_for(dev);
+  if (!x_.defined() || x_.shape() != student.shape() || x_.device() != dev) {
+    x_ = Tensor::empty(student.shape(), DType::F32, dev);
+    grad_ = Tensor::empty(student.shape(), DType::F32, dev);
+    rowmax_ = Tensor::empty({m}, DType::F32, dev);
+    sumexp_ = Tensor::empty({m}, DType::F32, dev);
+    target_ = Tensor::empty({m}, DType::F32, dev);
+    p_full_ = Tensor::empty(teacher.shape(), DType::F32, dev);
+    p_split_ = Tensor::empty(teacher.shape(), DType::F32, dev);
+    labels_ = Tensor::empty({m}, DType::I32, dev);
+    Tensor none = Tensor::empty({m}, DType::I32);  // no label: no one-hot term in the gradient below
+    std::fill(none.data<int32_t>(), none.data<int32_t>() + m, -1);
+    copy_any(none, labels_);
+  }
+  e.copy(student, x_);
+  e.scale(x_, 1.f / t_);
+  e.row_max(x_, rowmax_);
+  if (tp > 1) tp_.allreduce(rowmax_, comm::ReduceOp::Max)->wait();
+  e.vocab_xent_partials(x_, labels_, offset_, rowmax_, sumexp_, target_);
+  if (tp > 1) tp_.allreduce(sumexp_)->wait();
+  const float k = scale * t_ / static_cast<float>(m);
+  e.vocab_xent_backward(x_, labels_, offset_, rowmax_, sumexp_, k, grad_);  // k q
+  e.softmax_rows(teacher, 1.f / t_, p_full_);
+  Tensor mine = p_full_;
+  if (tp > 1) {  // [rows, tp, N] -> [tp, rows, N]: this rank's columns are one contiguous block
+    e.permute_0213(p_full_, 1, m, tp, n, p_split_);
+    mine = p_split_.reshape({tp * m * n}).slice0(tp_.rank() * m * n, (tp_.rank() + 1) * m * n).reshape({m, n});
+  }
+  e.axpy(-k, mine, grad_);  // k (q - p)
+  return grad_;
 }
 
 // ------------------------------------------------------------------ layouts and norms

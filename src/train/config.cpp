@@ -168,9 +168,9 @@ TrainOptions::TrainOptions(TrainConfig& c, const TrainConfig& def)
   image.add_options()("synthetic-shape", po::value<std::string>(&synthetic_shape)->default_value(join_dims(def.synthetic_shape)), "per-sample shape C,H,W for --synthetic");
   values_.push_back({"synthetic-shape", [this] { return synthetic_shape; }, join_dims(def.synthetic_shape)});
   add(image, "synthetic-classes", &c.synthetic_classes, def.synthetic_classes, "classes for --synthetic");
-  add_path(image, "teacher", &c.teacher, "knowledge distillation: a checkpoint of a trained image model with the same classes and inputs (any dtrain model); the student also learns its softened outputs on the same (augmented) batches");
-  add(image, "distill-temperature", &c.distill_temperature, def.distill_temperature, "distillation: the temperature T that softens both models' outputs");
-  add(image, "distill-weight", &c.distill_weight, def.distill_weight, "distillation: loss = w T^2 KL(teacher || student) + (1 - w) cross-entropy with the labels");
+  add_path(common, "teacher", &c.teacher, "knowledge distillation: a checkpoint of a trained model of the same task (an image model with the same classes and inputs; a language model, gpt or llama, with the same vocabulary and tokenizer); the student also learns its softened outputs on the same batches");
+  add(common, "distill-temperature", &c.distill_temperature, def.distill_temperature, "distillation: the temperature T that softens both models' outputs");
+  add(common, "distill-weight", &c.distill_weight, def.distill_weight, "distillation: loss = w T^2 KL(teacher || student) + (1 - w) cross-entropy with the labels (a language model's: the next tokens)");
   add(image, "normalize", &c.normalize, def.normalize, "normalise inputs by the training set's per-channel mean/std");
   add(image, "augment-crop", &c.augment.crop_padding, def.augment.crop_padding, "random crop after zero padding by this many pixels (0: off)");
   add(image, "augment-flip", &c.augment.hflip, def.augment.hflip, "random horizontal flip");

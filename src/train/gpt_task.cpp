@@ -218,10 +218,17 @@ class GptTask final : public Task {
   }
   bool load_step(int64_t step, double& wait_s) override;
   Tensor micro_input(int k, int parts) override { return micro_rows(ids_, k, parts); }
+  // With a teacher the statistics stay the next tokens' cross-entropy (the same quantity with and
+  // without one); the gradient is the distillation loss's.
   Tensor micro_loss(const Tensor& out, int k, int parts, Tensor& stats, float grad_scale) override {
     const Tensor targets = micro_rows(targets_, k, parts);
     xent_->accumulate(out, targets.reshape({targets.numel()}), stats);
-    return xent_->backward(grad_scale);
+    if (!teacher_) return xent_->backward(grad_scale);
+    const float w = cfg_->distill_weight;
+    Tensor grad = xent_->backward(grad_scale * (1.f - w));
+    const Tensor teacher = teacher_->forward(micro_input(k, parts));
+    engine_for(grad.device()).axpy(1.f, soft_targets_->gradient(out, teacher, grad_scale * w), grad);
+    return grad;
   }
   int64_t step_units() const override { return batch_ * cfg_->accumulate * seq_len_; }
   std::string bad_label(int64_t step, int rank) const override {
@@ -274,6 +281,9 @@ class GptTask final : public Task {
   int64_t parameters_ = 0;  // this rank's part of the model, counted when it was made
   std::unique_ptr<nn::SoftmaxCrossEntropy> xent_;
   std::unique_ptr<comm::Communicator> tied_;  // first and last stage: the tied embedding's gradient
+  std::unique_ptr<nn::Gpt> teacher_;          // --teacher: whole on every rank, forward only
+  std::unique_ptr<parallel::VocabParallelSoftTargets> soft_targets_;
+  void load_teacher(const nn::GptVocabShard& vocab);
   StagedSteps staged_;
   std::vector<Tensor> ids_, targets_;  // the loaded step, on the device
 };
@@ -324,6 +334,28 @@ void GptTask::setup(const TaskSetup& s) {
   parameters_ = s.built ? s.built->parameter_count() : model_->parameter_count();
   xent_ = tp > 1 ? std::make_unique<parallel::VocabParallelCrossEntropy>(s.grid.tp(), vocab.offset)
                  : std::make_unique<nn::SoftmaxCrossEntropy>();
+  if (!c.teacher.empty()) load_teacher(vocab);
+}
+
+// The teacher of --teacher: a language model of the student's vocabulary and tokenizer, any shape.
+void GptTask::load_teacher(const nn::GptVocabShard& vocab) {
+  const std::string path = resolve_checkpoint(cfg_->teacher, "teacher");
+  const CheckpointState s = load_checkpoint_set(path);
+  DT_INPUT_CHECK(s.strings.count("model") && is_language_model(s.strings.at("model")),
+                 "option --teacher: checkpoint '" << path << "' does not hold a language model");
+  teacher_ = gpt_from_checkpoint(s);
+  const data::Tokenizer tok = tokenizer_from_checkpoint(s, path);
+  DT_INPUT_CHECK(teacher_->config().vocab == model_cfg_.vocab && tok.name() == train_.tokenizer.name() &&
+                     tok.model() == train_.tokenizer.model(),
+                 "option --teacher: checkpoint '" << path << "' has a vocabulary of " << teacher_->config().vocab
+                                                  << " (" << tok.name() << "), the student " << model_cfg_.vocab << " ("
+                                                  << train_.tokenizer.name()
+                                                  << "): distillation needs the same tokens");
+  teacher_->to(device_);
+  teacher_->eval();
+  teacher_->set_needs_input_grad(false);
+  soft_targets_ =
+      std::make_unique<parallel::VocabParallelSoftTargets>(grid_->tp(), vocab.offset, cfg_->distill_temperature);
 }
 
 // The tied embedding lives on the first and the last stage: their gradients are summed (an untied
@@ -352,6 +384,9 @@ std::string GptTask::describe() {
   std::ostringstream o;
   o << model_->kind() << ", " << parameters_ << " parameters on rank 0, batch " << batch_ << " x " << seq_len_
     << " tokens per dp rank, " << train_.tokens.size() << " train / " << val_.tokens.size() << " val tokens";
+  if (teacher_)
+    o << ", teacher " << teacher_->kind() << " from " << cfg_->teacher << ", T " << cfg_->distill_temperature
+      << " weight " << cfg_->distill_weight;
   return o.str();
 }
 

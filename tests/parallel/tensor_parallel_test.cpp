@@ -557,6 +557,31 @@ TEST(TensorParallel, InitFromPretrainedStartsEveryLayoutAlike) {
   }
 }
 
+// Distillation of a language model: a GPT student of a Llama teacher (T 2, weight 0.5) gives one
+// rank's losses at tp 2 and 4 (the student's softened distribution over the split vocabulary by
+// allreduced maxima and sums), and the teacher changes the trajectory.
+TEST(TensorParallel, LmDistillationUnderTpMatchesOneRank) {
+  std::filesystem::path dir = make_corpus("distill");
+  auto solo = world().split(world().rank(), 0, "solo");
+  train::TrainConfig teacher = test::small_lm_config(dir / "tok", small_llama());
+  teacher.checkpoint_dir = (dir / ("teacher" + std::to_string(world().rank()))).string();
+  train::train_lm(teacher, solo.get());
+  world().barrier();
+  train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
+  const train::TrainResult alone = train::train_lm(c, solo.get());
+  c.teacher = (dir / "teacher0").string();
+  c.distill_temperature = 2.f;
+  c.distill_weight = 0.5f;
+  const train::TrainResult ref = train::train_lm(c, solo.get());
+  EXPECT_GT(std::abs(ref.step_losses.back() - alone.step_losses.back()), 1e-4) << "the teacher changed nothing";
+  c.tp = world().size();  // dp 1: the same windows as the one rank
+  test::expect_lm_losses_match(train::train_lm(c, &world()), ref, world().rank() == 0);
+  c.teacher = (dir / "tok").string();  // not a checkpoint
+  EXPECT_THROW(train::train_lm(c, &world()), InputError);
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST(Pipeline, LlamaTrainerWithRecomputeMatchesOneRankAndCheckpointReloads) {
   if (world().size() == 2) expect_lm_layout_matches_one_rank(1, 2, "1f1b", true, small_llama());
   if (world().size() == 4) expect_lm_layout_matches_one_rank(2, 2, "1f1b", true, small_llama());

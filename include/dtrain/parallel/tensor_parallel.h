@@ -68,6 +68,24 @@ nn::GptBlockFactory tensor_parallel_gpt_blocks(const nn::GptConfig& cfg, comm::C
 // summing over `tp` (pass to nn::Gpt; the vocabulary must divide by the tp size).
 nn::GptVocabShard vocab_parallel_shard(int64_t vocab, comm::Communicator& tp);
 
+// Distillation's gradient over student logits split by vocabulary (this rank: the columns
+// [offset, offset + N) of `tp`'s equal slices; one rank: the whole rows): d(T^2 mean_rows
+// KL(softmax(t/T) || softmax(s/T)))/ds = T (q - p) / rows, times `scale`. The student's q over the
+// whole vocabulary from the row maxima and sums of exponentials allreduced over tp; the teacher's
+// whole logits on every rank, softened, and this rank's columns of them taken.
+class VocabParallelSoftTargets {
+ public:
+  VocabParallelSoftTargets(comm::Communicator& tp, int64_t offset, float temperature);
+  // student [rows, N] (this rank's columns), teacher [rows, N * tp]; the gradient is this rank's.
+  Tensor gradient(const Tensor& student, const Tensor& teacher, float scale);
+
+ private:
+  comm::Communicator& tp_;
+  int64_t offset_;
+  float t_;
+  Tensor x_, rowmax_, sumexp_, target_, labels_, p_full_, p_split_, grad_;
+};
+
 // Cross-entropy over logits whose vocabulary columns are split over `tp` (this rank: columns
 // [vocab_offset, vocab_offset + N)): the row maxima are max-allreduced, the sums of exponentials
 // and the target logits sum-allreduced (one allreduce of 2 x rows floats), so no rank ever holds
