@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "dtrain/core/error.h"
 
@@ -209,7 +210,7 @@ void VocabParallelCrossEntropy::accumulate(const Tensor& logits, const Tensor& l
   Tensor sumexp = partial_.slice0(0, 1).reshape({m}), target = partial_.slice0(1, 2).reshape({m});
   e.vocab_xent_partials(logits, labels, offset_, rowmax_, sumexp, target);
   tp_.allreduce(partial_)->wait();  // sums of exp and the target logit over the vocabulary slices
-  e.vocab_xent_loss_accumulate(rowmax_, sumexp, target, stats);
+  e.vocab_xent_loss_accumulate(rowmax_, sumexp, target, labels, stats);
 }
 
 Tensor VocabParallelCrossEntropy::backward(float scale) {
@@ -244,8 +245,8 @@ Tensor VocabParallelSoftTargets::gradient(const Tensor& student, const Tensor& t
     p_full_ = Tensor::empty(teacher.shape(), DType::F32, dev);
     p_split_ = Tensor::empty(teacher.shape(), DType::F32, dev);
     labels_ = Tensor::empty({m}, DType::I32, dev);
-    Tensor none = Tensor::empty({m}, DType::I32);  // no label: no one-hot term in the gradient below
-    std::fill(none.data<int32_t>(), none.data<int32_t>() + m, -1);
+    Tensor none = Tensor::empty({m}, DType::I32);  // a label no slice holds: no one-hot term below
+    std::fill(none.data<int32_t>(), none.data<int32_t>() + m, std::numeric_limits<int32_t>::max());
     copy_any(none, labels_);
   }
   e.copy(student, x_);

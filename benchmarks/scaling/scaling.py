@@ -192,8 +192,13 @@ def run_alone(args, model, ranks, per_rank, compression, precision, index):
                                f"run{index:03d}{rate_tag(args)}-alone{j}-{model}-b{per_rank}.jsonl")
         if os.path.exists(metrics):
             os.remove(metrics)
+        # Each mpirun its own session directory: several started at once on one node otherwise race
+        # to create the same one (Open MPI: "Directory /tmp/ompi.<node>.<uid> ... File exists").
+        session = os.path.join(args.out, "ompi-sessions", f"alone{j}")
+        os.makedirs(session, exist_ok=True)
+        by_mpirun = bool(args.emu_nodes) or args.launcher == "mpirun"
         cmd = launch(args, 1, train_cmd(args, model, ["--batch-size", str(per_rank)], compression, precision,
-                                        metrics))
+                                        metrics), mpi_args=("--mca", "orte_tmpdir_base", session) if by_mpirun else ())
         log = open(metrics + ".log", "w")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), metrics, log))
     print(f"+ {ranks} x 1-rank {model} b{per_rank} at once (no communication)", file=sys.stderr, flush=True)

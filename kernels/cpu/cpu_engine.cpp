@@ -482,7 +482,8 @@ double CpuEngine::softmax_xent_forward(const Tensor& logits, const Tensor& label
     const float* row = x + i * c;
     float* prow = p + i * c;
     int32_t label = y[i];
-    DT_CHECK(label >= 0 && label < c, "label " << label << " out of range [0, " << c << ") at row " << i);
+    DT_CHECK(label == kIgnoreLabel || (label >= 0 && label < c),
+             "label " << label << " out of range [0, " << c << ") at row " << i);
     float mx = row[0];
     int64_t arg = 0;
     for (int64_t j = 1; j < c; ++j)
@@ -495,6 +496,7 @@ double CpuEngine::softmax_xent_forward(const Tensor& logits, const Tensor& label
     }
     float inv = static_cast<float>(1.0 / sum);
     for (int64_t j = 0; j < c; ++j) prow[j] *= inv;
+    if (label == kIgnoreLabel) continue;  // no loss on this target
     loss += -(static_cast<double>(row[label]) - mx - std::log(sum));
     hits += (arg == label);
   }
@@ -520,7 +522,8 @@ void CpuEngine::softmax_xent_backward(const Tensor& probs, const Tensor& labels,
   const int32_t* y = labels.device_data<int32_t>();
   float* d = dlogits.device_f32();
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < c; ++j) d[i * c + j] = (p[i * c + j] - (j == y[i] ? 1.f : 0.f)) * scale;
+    for (int64_t j = 0; j < c; ++j)
+      d[i * c + j] = y[i] == kIgnoreLabel ? 0.f : (p[i * c + j] - (j == y[i] ? 1.f : 0.f)) * scale;
 }
 
 // ------------------------------------------------------------------ top-k sparsification

@@ -252,7 +252,7 @@ class CpuEngine final : public Engine {
   void vocab_xent_backward(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
                            const Tensor& sumexp, float scale, Tensor& dlogits) override;
   void vocab_xent_loss_accumulate(const Tensor& rowmax, const Tensor& sumexp, const Tensor& target,
-                                  Tensor& stats) override;
+                                  const Tensor& labels, Tensor& stats) override;
   void rotary(const Tensor& x, int64_t t, const Tensor& table, int64_t pos0, bool inverse, Tensor& y) override;
   void swiglu_forward(const Tensor& gu, Tensor& y) override;
   void swiglu_backward(const Tensor& gu, const Tensor& dy, Tensor& dgu) override;

@@ -185,14 +185,18 @@ void CpuEngine::vocab_xent_partials(const Tensor& logits, const Tensor& labels, 
 }
 
 void CpuEngine::vocab_xent_loss_accumulate(const Tensor& rowmax, const Tensor& sumexp, const Tensor& target,
-                                           Tensor& stats) {
+                                           const Tensor& labels, Tensor& stats) {
   const int64_t m = rowmax.numel();
+  check_ids(labels, "vocab_xent_loss_accumulate");
+  DT_CHECK(labels.numel() == m, "vocab_xent_loss_accumulate: " << labels.str() << " labels for " << m << " rows");
+  const int32_t* py = labels.device_data<int32_t>();
   check_f32_numel(sumexp, m, "vocab_xent_loss_accumulate sumexp");
   check_f32_numel(target, m, "vocab_xent_loss_accumulate target");
   check_f32_numel(stats, kXentStatsFloats, "vocab_xent_loss_accumulate stats");
   const float *pm = rowmax.device_f32(), *ps = sumexp.device_f32(), *pt = target.device_f32();
   double loss = 0;
-  for (int64_t i = 0; i < m; ++i) loss += std::log(static_cast<double>(ps[i])) + pm[i] - pt[i];
+  for (int64_t i = 0; i < m; ++i)
+    if (py[i] != kIgnoreLabel) loss += std::log(static_cast<double>(ps[i])) + pm[i] - pt[i];
   XentStats st;
   std::memcpy(&st, stats.device_raw(), sizeof st);
   st.loss_sum += loss;
@@ -213,9 +217,10 @@ void CpuEngine::vocab_xent_backward(const Tensor& logits, const Tensor& labels, 
 #pragma omp parallel for if (m * n > kGrain)
   for (int64_t i = 0; i < m; ++i) {
     const float inv = 1.f / ps[i];
-    const int64_t col = py[i] - offset;
+    const int64_t col = static_cast<int64_t>(py[i]) - offset;
+    const float k = py[i] == kIgnoreLabel ? 0.f : scale;  // no loss on this target
     for (int64_t j = 0; j < n; ++j)
-      pd[i * n + j] = scale * (std::exp(px[i * n + j] - pm[i]) * inv - (j == col ? 1.f : 0.f));
+      pd[i * n + j] = k * (std::exp(px[i * n + j] - pm[i]) * inv - (j == col ? 1.f : 0.f));
   }
 }
 

@@ -471,15 +471,17 @@ void CudaEngine::vocab_xent_partials(const Tensor& logits, const Tensor& labels,
 }
 
 void CudaEngine::vocab_xent_loss_accumulate(const Tensor& rowmax, const Tensor& sumexp, const Tensor& target,
-                                            Tensor& stats) {
+                                            const Tensor& labels, Tensor& stats) {
   for (const Tensor* t : std::initializer_list<const Tensor*>{&rowmax, &sumexp, &target, &stats})
     check_dev(*t, "vocab_xent_loss_accumulate", index_);
   const int64_t m = rowmax.numel();
+  DT_CHECK(labels.dtype() == DType::I32 && labels.device() == rowmax.device() && labels.numel() == m,
+           "vocab_xent_loss_accumulate: labels " << labels.str() << " for " << m << " rows");
   DT_CHECK(sumexp.numel() == m && target.numel() == m && stats.numel() == kXentStatsFloats,
            "vocab_xent_loss_accumulate: " << rowmax.str() << ", " << sumexp.str() << ", " << target.str() << ", stats "
                                           << stats.str());
   bind();
-  k::vocab_xent_loss(rowmax.device_f32(), sumexp.device_f32(), target.device_f32(), m,
+  k::vocab_xent_loss(rowmax.device_f32(), sumexp.device_f32(), target.device_f32(), labels.device_data<int32_t>(), m,
                      reinterpret_cast<double*>(static_cast<char*>(stats.device_raw()) + kOffDouble), compute_);
 }
 

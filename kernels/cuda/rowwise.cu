@@ -63,6 +63,7 @@ __global__ void softmax_xent_forward_kernel(const float* logits, const int32_t* 
   for (int64_t j = threadIdx.x; j < c; j += blockDim.x) prow[j] *= inv;
   if (threadIdx.x == 0) {
     int32_t label = labels[blockIdx.x];
+    if (label == -1) return;  // kIgnoreLabel: no loss on this target
     if (label < 0 || label >= c) {
       *bad_label = 1;
       return;
@@ -78,7 +79,7 @@ __global__ void softmax_xent_backward_kernel(const float* probs, const int32_t* 
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < m * c;
        i += gridDim.x * static_cast<int64_t>(blockDim.x)) {
     int64_t r = i / c, j = i % c;
-    d[i] = (probs[i] - (j == labels[r] ? 1.f : 0.f)) * scale;
+    d[i] = labels[r] == -1 ? 0.f : (probs[i] - (j == labels[r] ? 1.f : 0.f)) * scale;
   }
 }
 
@@ -106,12 +107,12 @@ __global__ void softmax_rows_kernel(const float* x, float scale, float* y, int64
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) out[j] = expf(scale * row[j] - mx) / sum;
 }
 
-__global__ void vocab_xent_loss_kernel(const float* rowmax, const float* sumexp, const float* target, int64_t m,
-                                       double* loss_sum) {
+__global__ void vocab_xent_loss_kernel(const float* rowmax, const float* sumexp, const float* target,
+                                       const int32_t* labels, int64_t m, double* loss_sum) {
   __shared__ double part[kRowThreads];
   double acc = 0;
   for (int64_t i = threadIdx.x; i < m; i += blockDim.x)
-    acc += log(static_cast<double>(sumexp[i])) + rowmax[i] - target[i];
+    if (labels[i] != -1) acc += log(static_cast<double>(sumexp[i])) + rowmax[i] - target[i];
   part[threadIdx.x] = acc;
   __syncthreads();
   for (int half = blockDim.x / 2; half > 0; half /= 2) {
@@ -142,7 +143,8 @@ __global__ void vocab_xent_backward_kernel(const float* logits, const int32_t* l
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < m * n;
        i += gridDim.x * static_cast<int64_t>(blockDim.x)) {
     int64_t r = i / n, j = i % n;
-    d[i] = scale * (expf(logits[i] - rowmax[r]) / sumexp[r] - (j == labels[r] - offset ? 1.f : 0.f));
+    const float k = labels[r] == -1 ? 0.f : scale;  // kIgnoreLabel: no loss on this target
+    d[i] = k * (expf(logits[i] - rowmax[r]) / sumexp[r] - (j == static_cast<int64_t>(labels[r]) - offset ? 1.f : 0.f));
   }
 }
 
@@ -339,9 +341,9 @@ void softmax_rows(const float* x, float scale, float* y, int64_t m, int64_t n, c
   DT_CUDA_LAUNCHED();
 }
 
-void vocab_xent_loss(const float* rowmax, const float* sumexp, const float* target, int64_t m, double* loss_sum,
-                     cudaStream_t s) {
-  vocab_xent_loss_kernel<<<1, kRowThreads, 0, s>>>(rowmax, sumexp, target, m, loss_sum);
+void vocab_xent_loss(const float* rowmax, const float* sumexp, const float* target, const int32_t* labels, int64_t m,
+                     double* loss_sum, cudaStream_t s) {
+  vocab_xent_loss_kernel<<<1, kRowThreads, 0, s>>>(rowmax, sumexp, target, labels, m, loss_sum);
   DT_CUDA_LAUNCHED();
 }
 

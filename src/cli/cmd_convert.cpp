@@ -164,7 +164,9 @@ void print_help(std::ostream& os) {
   os << "usage: dtrain convert KIND [options]\n"
         "  KIND is idx, cifar10, fashion-mnist (writes OUT/shard-00000.h5, ..., format: docs/data.md),\n"
         "  images (a folder of class folders of JPEG/PNG images), or text (writes OUT/train.h5 and\n"
-        "  OUT/val.h5 of byte tokens; see dtrain convert text --help), or index (DIR/shards.index for\n"
+        "  OUT/val.h5 of byte tokens; see dtrain convert text --help), sft (prompt/completion JSON lines\n"
+        "  into OUT/train.h5 and OUT/val.h5 with a loss mask; see dtrain convert sft --help), or index "
+        "(DIR/shards.index for\n"
         "  shards written another way; the image kinds write it themselves).\n\n"
      << idx_options(a) << "\n"
      << cifar10_options(a) << "\n"
@@ -211,6 +213,43 @@ int cmd_convert_text(int argc, char** argv) {
       static_cast<long long>(s.files), static_cast<long long>(s.train_tokens), static_cast<long long>(s.train_bytes),
       static_cast<long long>(s.val_tokens), static_cast<long long>(s.val_bytes), s.tokenizer.c_str(),
       static_cast<long long>(s.vocab), out.c_str());
+  return 0;
+}
+
+// dtrain convert sft: prompt/completion records (JSON lines) into token files with a loss mask.
+int cmd_convert_sft(int argc, char** argv) {
+  std::vector<std::string> inputs;
+  std::string out;
+  data::SftConvertOptions opt;
+  po::options_description o(
+      "dtrain convert sft (JSON lines of {\"prompt\", \"completion\"} or {\"messages\": [{\"role\", \"content\"}]})");
+  // clang-format off
+  o.add_options()
+    ("help,h", "show this help")
+    ("inputs", po::value(&inputs)->multitoken()->required(), "JSON-lines files, one record per line")
+    ("out", po::value(&out)->required(), "output directory: train.h5 and val.h5, each sample with its loss mask")
+    ("val-fraction", po::value(&opt.val_fraction)->default_value(opt.val_fraction), "share of records held out for validation (0: validate on the training samples)")
+    ("seed", po::value(&opt.seed)->default_value(opt.seed), "seed of the split")
+    ("tokenizer", po::value(&opt.tokenizer)->default_value(opt.tokenizer), "bytes, or a model's own tokenizer file (a SentencePiece tokenizer.model)");
+  // clang-format on
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(o).run(), vm);
+    if (vm.count("help")) {
+      std::cout << o << "\n";
+      return 0;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw InputError("dtrain convert sft: " + std::string(e.what()) + " (see dtrain convert sft --help)");
+  }
+  const data::SftConvertSummary s = data::convert_sft(inputs, out, opt);
+  std::printf(
+      "%lld record(s): %lld train samples (%lld tokens, %lld of them completions), %lld validation samples, "
+      "tokenizer %s, vocabulary %lld -> %s/{train,val}.h5 (one sample per window, padded)\n",
+      static_cast<long long>(s.records), static_cast<long long>(s.train_samples),
+      static_cast<long long>(s.train_tokens), static_cast<long long>(s.completion_tokens),
+      static_cast<long long>(s.val_samples), s.tokenizer.c_str(), static_cast<long long>(s.vocab), out.c_str());
   return 0;
 }
 
@@ -262,6 +301,7 @@ int cmd_convert(int argc, char** argv) {
     done.push_back(std::move(s));
   };
   if (kind == "text") return cmd_convert_text(argc - 1, argv + 1);
+  if (kind == "sft") return cmd_convert_sft(argc - 1, argv + 1);
   if (kind == "index") return cmd_convert_index(argc - 1, argv + 1);
   if (kind == "images") {
     const po::options_description d = images_options(a);

@@ -69,6 +69,11 @@ void eval_gpt(const train::CheckpointState& s, const std::string& path, const st
     const double nats = train::evaluate_lm(*model, stream, batch, ctx, 0);
     const double t = now_s() - t0;
     const int64_t windows = train::scored_windows(stream, batch, ctx, 0);
+    if (stream.has_samples()) {  // prompt/completion samples: per completion token (no bits per byte)
+      std::printf("%-5s loss %.4f nats per completion token over all %lld samples, forward %.3f s\n", what, nats,
+                  static_cast<long long>(windows), t);
+      return std::pair{nats, t};
+    }
     const double bpb = train::bits_per_byte(stream, nats, windows, ctx);
     std::printf("%-5s loss %.4f nats/token, %.4f bits/byte over all %lld windows, forward %.3f s\n", what, nats, bpb,
                 static_cast<long long>(windows), t);

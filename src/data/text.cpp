@@ -2,12 +2,16 @@
 #include "dtrain/data/text.h"
 
 #include <algorithm>
+#include <boost/property_tree/json_parser.hpp>
+#include <boost/property_tree/ptree.hpp>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <sstream>
 
 #include "dtrain/core/cores.h"
 #include "dtrain/core/error.h"
+#include "dtrain/core/rng.h"
 #include "dtrain/data/hdf5_util.h"
 
 namespace dtrain::data {
@@ -19,8 +23,14 @@ namespace {
 // The narrowest HDF5 integer type that holds every token of a vocabulary.
 hid_t token_type(int64_t vocab) { return vocab <= 256 ? H5T_STD_U8LE : vocab <= 65536 ? H5T_STD_U16LE : H5T_STD_I32LE; }
 
+// Prompt/completion samples beside the tokens (convert_sft).
+struct Samples {
+  std::vector<int64_t> offsets;
+  std::vector<uint8_t> mask;
+};
+
 void write_token_file(const std::string& path, const std::vector<int32_t>& tokens, int64_t text_bytes,
-                      const Tokenizer& tokenizer, int64_t files) {
+                      const Tokenizer& tokenizer, int64_t files, const Samples* samples = nullptr) {
   auto lock = h5::lock();
   std::string tmp = path + ".tmp";
   {
@@ -31,6 +41,10 @@ void write_token_file(const std::string& path, const std::vector<int32_t>& token
                "writing " << name << " to " << tmp << ": " << h5::last_error());
     };
     write_1d("tokens", token_type(tokenizer.vocab()), H5T_NATIVE_INT32, tokens.size(), tokens.data());
+    if (samples) {
+      write_1d("sample_offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, samples->offsets.size(), samples->offsets.data());
+      write_1d("loss_mask", H5T_STD_U8LE, H5T_NATIVE_UINT8, samples->mask.size(), samples->mask.data());
+    }
     if (!tokenizer.model().empty())
       write_1d("tokenizer_model", H5T_STD_U8LE, H5T_NATIVE_UINT8, tokenizer.model().size(), tokenizer.model().data());
     h5::write_attr_string(file.get(), "tokenizer", tokenizer.name());
@@ -114,6 +128,96 @@ TextConvertSummary convert_text(const std::vector<std::string>& inputs, const st
   return sum;
 }
 
+namespace {
+
+// One record of prompt/completion data as text segments, each trained or not.
+std::vector<std::pair<std::string, bool>> sft_segments(const std::string& line, const std::string& where) {
+  namespace pt = boost::property_tree;
+  pt::ptree record;
+  try {
+    std::istringstream in(line);
+    pt::read_json(in, record);
+  } catch (const pt::ptree_error& e) {
+    DT_INPUT_CHECK(false, where << " is not a JSON object: " << e.what());
+  }
+  const auto prompt = record.get_child_optional("prompt"), completion = record.get_child_optional("completion");
+  const auto messages = record.get_child_optional("messages");
+  DT_INPUT_CHECK((prompt && completion && !messages) || (messages && !prompt && !completion),
+                 where << " must hold \"prompt\" and \"completion\", or \"messages\"");
+  if (prompt) {
+    DT_INPUT_CHECK(prompt->empty() && completion->empty() && !completion->data().empty(),
+                   where << ": \"prompt\" and \"completion\" must be strings, the completion not empty");
+    return {{prompt->data(), false}, {completion->data(), true}};
+  }
+  std::vector<std::pair<std::string, bool>> out;
+  bool any = false;
+  for (const auto& [key, turn] : *messages) {
+    const auto role = turn.get_optional<std::string>("role"), content = turn.get_optional<std::string>("content");
+    DT_INPUT_CHECK(key.empty() && role && content && (*role == "system" || *role == "user" || *role == "assistant"),
+                   where << ": each message needs a role (system, user or assistant) and a content");
+    const bool trained = *role == "assistant";
+    out.push_back({"<|" + *role + "|>\n", false});
+    out.push_back({*content + "\n", trained});
+    any |= trained && !content->empty();
+  }
+  DT_INPUT_CHECK(any, where << ": no assistant turn with content to train on");
+  return out;
+}
+
+}  // namespace
+
+SftConvertSummary convert_sft(const std::vector<std::string>& inputs, const std::string& out_dir,
+                              const SftConvertOptions& opt) {
+  DT_INPUT_CHECK(opt.val_fraction >= 0 && opt.val_fraction < 1, "--val-fraction must be in [0, 1)");
+  DT_INPUT_CHECK(!inputs.empty(), "no input files");
+  const bool pretrained = opt.tokenizer != kBytesTokenizer;
+  DT_INPUT_CHECK(!pretrained || fs::is_regular_file(opt.tokenizer),
+                 "--tokenizer must be bytes or a model's tokenizer file (a SentencePiece tokenizer.model), got '"
+                     << opt.tokenizer << "', which is not a file");
+  const Tokenizer tok = pretrained ? Tokenizer::from_file(opt.tokenizer) : Tokenizer();
+  struct Split {
+    std::vector<int32_t> tokens;
+    Samples samples{{0}, {}};
+    int64_t bytes = 0;
+  } train, val;
+  SftConvertSummary sum;
+  Rng rng(opt.seed);
+  for (const std::string& input : inputs) {
+    std::ifstream in(input);
+    DT_INPUT_CHECK(in, "'" << input << "' cannot be opened");
+    std::string line;
+    for (int64_t n = 1; std::getline(in, line); ++n) {
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines
+      const auto segments = sft_segments(line, "'" + input + "' line " + std::to_string(n));
+      Split& to = rng.uniform() < opt.val_fraction ? val : train;
+      for (const auto& [text, trained] : segments) {
+        const std::vector<int32_t> ids = tok.encode(text);
+        to.tokens.insert(to.tokens.end(), ids.begin(), ids.end());
+        to.samples.mask.insert(to.samples.mask.end(), ids.size(), trained ? 1 : 0);
+        to.bytes += static_cast<int64_t>(text.size());
+        if (&to == &train && trained) sum.completion_tokens += static_cast<int64_t>(ids.size());
+      }
+      to.samples.offsets.push_back(static_cast<int64_t>(to.tokens.size()));
+      ++sum.records;
+    }
+  }
+  sum.train_samples = static_cast<int64_t>(train.samples.offsets.size()) - 1;
+  sum.val_samples = static_cast<int64_t>(val.samples.offsets.size()) - 1;
+  DT_INPUT_CHECK(sum.train_samples > 0 && (opt.val_fraction == 0 || sum.val_samples > 0),
+                 "the " << sum.records << " record(s) of the inputs leave " << sum.train_samples << " training and "
+                        << sum.val_samples << " validation samples; both need one");
+  if (sum.val_samples == 0) val = train;  // --val-fraction 0: validate on the training samples
+  sum.train_tokens = static_cast<int64_t>(train.tokens.size());
+  sum.vocab = tok.vocab();
+  sum.tokenizer = tok.name();
+  fs::create_directories(out_dir);
+  write_token_file((fs::path(out_dir) / "train.h5").string(), train.tokens, train.bytes, tok,
+                   static_cast<int64_t>(inputs.size()), &train.samples);
+  write_token_file((fs::path(out_dir) / "val.h5").string(), val.tokens, val.bytes, tok,
+                   static_cast<int64_t>(inputs.size()), &val.samples);
+  return sum;
+}
+
 TokenStream load_tokens(const std::string& path) {
   DT_INPUT_CHECK(fs::exists(path), "token file '" << path << "' does not exist (make it with dtrain convert text)");
   auto lock = h5::lock();
@@ -142,6 +246,17 @@ TokenStream load_tokens(const std::string& path) {
                      ? text_bytes[0]
                      : s.bytes_of(0, static_cast<int64_t>(s.tokens.size()));
   DT_INPUT_CHECK(s.text_bytes >= 0, "'" << path << "': attribute text_bytes is " << s.text_bytes);
+  if (H5Lexists(file.get(), "sample_offsets", H5P_DEFAULT) > 0) {  // prompt/completion samples
+    s.sample_offsets = h5::read_1d<int64_t>(file.get(), "sample_offsets", H5T_NATIVE_INT64, path);
+    s.loss_mask = h5::read_1d<uint8_t>(file.get(), "loss_mask", H5T_NATIVE_UINT8, path);
+    const auto n = static_cast<int64_t>(s.tokens.size());
+    DT_INPUT_CHECK(s.sample_offsets.size() >= 2 && s.sample_offsets.front() == 0 && s.sample_offsets.back() == n &&
+                       std::is_sorted(s.sample_offsets.begin(), s.sample_offsets.end()),
+                   "'" << path << "': sample_offsets must rise from 0 to the " << n << " tokens");
+    DT_INPUT_CHECK(static_cast<int64_t>(s.loss_mask.size()) == n &&
+                       std::all_of(s.loss_mask.begin(), s.loss_mask.end(), [](uint8_t m) { return m <= 1; }),
+                   "'" << path << "': loss_mask must hold a 0 or 1 per token (" << n << ")");
+  }
   return s;
 }
 
@@ -167,6 +282,31 @@ TokenBatch windows_at(const TokenStream& s, int64_t batch, int64_t t, const std:
   return b;
 }
 }  // namespace
+
+TokenBatch sample_windows(const TokenStream& s, const std::vector<int64_t>& samples, int64_t t, int64_t* trained) {
+  const auto batch = static_cast<int64_t>(samples.size());
+  TokenBatch b{Tensor::zeros({batch, t}, DType::I32), Tensor::empty({batch, t}, DType::I32)};
+  int32_t* ids = b.ids.data<int32_t>();
+  int32_t* tg = b.targets.data<int32_t>();
+  std::fill(tg, tg + batch * t, -1);
+  int64_t count = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t k = samples[static_cast<size_t>(i)];
+    DT_CHECK(k >= 0 && k < s.sample_count(), "sample " << k << " of " << s.sample_count());
+    const int64_t first = s.sample_offsets[static_cast<size_t>(k)], end = s.sample_offsets[static_cast<size_t>(k) + 1];
+    const int64_t len = std::min(end - first, t + 1);
+    for (int64_t j = 0; j < len; ++j) {
+      const auto at = static_cast<size_t>(first + j);
+      if (j < t) ids[i * t + j] = s.tokens[at];
+      if (j > 0 && s.loss_mask[at]) {
+        tg[i * t + j - 1] = s.tokens[at];
+        ++count;
+      }
+    }
+  }
+  if (trained) *trained = count;
+  return b;
+}
 
 int64_t window_count(const TokenStream& s, int64_t t) {
   int64_t n = static_cast<int64_t>(s.tokens.size());

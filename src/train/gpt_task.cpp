@@ -31,7 +31,8 @@ namespace fs = std::filesystem;
 namespace {
 
 // The mean loss per token over the first `windows` consecutive windows of `s`, `batch` at a time
-// (the last batch holds what is left).
+// (the last batch holds what is left); of a prompt/completion stream: over the completion tokens of
+// its first `windows` samples, one per window.
 double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, int64_t windows,
                    nn::SoftmaxCrossEntropy& xent, Device device = Device::cpu()) {
   DT_INPUT_CHECK(windows > 0,
@@ -41,16 +42,28 @@ double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, in
   model.eval();
   StagedTensor ids, targets;                            // on a GPU: page-locked staging, reused by every batch
   Tensor stats = zeros_on({kXentStatsFloats}, device);  // summed on the device, read once
+  int64_t scored = 0;
   for (int64_t first = 0; first < windows; first += batch) {
     const int64_t rows = std::min(batch, windows - first);
-    data::TokenBatch b = data::sequential_windows(s, rows, t, first);
+    data::TokenBatch b;
+    if (s.has_samples()) {
+      std::vector<int64_t> samples(static_cast<size_t>(rows));
+      for (int64_t i = 0; i < rows; ++i) samples[static_cast<size_t>(i)] = first + i;
+      int64_t trained = 0;
+      b = data::sample_windows(s, samples, t, &trained);
+      scored += trained;
+    } else {
+      b = data::sequential_windows(s, rows, t, first);
+      scored += rows * t;
+    }
     xent.accumulate(model.forward(stage_to(b.ids, device, ids)),
                     stage_to(b.targets, device, targets).reshape({rows * t}), stats);
   }
   model.train(was_training);
   const XentStats st = xent_stats(to_host(stats));
   DT_INPUT_CHECK(!st.bad_label, "a token of the validation stream is outside the vocabulary");
-  return st.loss_sum / static_cast<double>(windows * t);
+  DT_INPUT_CHECK(scored > 0, "the validation samples hold no completion token within " << t + 1 << " tokens");
+  return st.loss_sum / static_cast<double>(scored);
 }
 
 }  // namespace
@@ -65,7 +78,7 @@ double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, 
 }
 
 int64_t scored_windows(const data::TokenStream& s, int64_t batch, int64_t seq_len, int64_t max_batches) {
-  const int64_t all = data::window_count(s, seq_len);
+  const int64_t all = s.has_samples() ? s.sample_count() : data::window_count(s, seq_len);
   return max_batches > 0 ? std::min(all, max_batches * batch) : all;
 }
 
@@ -220,9 +233,15 @@ class GptTask final : public Task {
   Tensor micro_input(int k, int parts) override { return micro_rows(ids_, k, parts); }
   // With a teacher the statistics stay the next tokens' cross-entropy (the same quantity with and
   // without one); the gradient is the distillation loss's.
+  // Prompt/completion data: the mean over the micro-batch's completion tokens (the cross-entropy
+  // averages over all its rows, the prompts' and padding's adding nothing).
   Tensor micro_loss(const Tensor& out, int k, int parts, Tensor& stats, float grad_scale) override {
     const Tensor targets = micro_rows(targets_, k, parts);
     xent_->accumulate(out, targets.reshape({targets.numel()}), stats);
+    if (train_.has_samples()) {
+      const int64_t trained = trained_in(k, parts);
+      return xent_->backward(trained > 0 ? grad_scale * static_cast<float>(targets.numel()) / trained : 0.f);
+    }
     if (!teacher_) return xent_->backward(grad_scale);
     const float w = cfg_->distill_weight;
     Tensor grad = xent_->backward(grad_scale * (1.f - w));
@@ -230,7 +249,12 @@ class GptTask final : public Task {
     engine_for(grad.device()).axpy(1.f, soft_targets_->gradient(out, teacher, grad_scale * w), grad);
     return grad;
   }
-  int64_t step_units() const override { return batch_ * cfg_->accumulate * seq_len_; }
+  int64_t step_units() const override {  // tokens trained on: prompt/completion data's completions only
+    if (!train_.has_samples()) return batch_ * cfg_->accumulate * seq_len_;
+    int64_t n = 0;
+    for (int64_t r : row_trained_) n += r;
+    return std::max<int64_t>(n, 1);
+  }
   std::string bad_label(int64_t step, int rank) const override {
     return "a target token of step " + std::to_string(step) + " on rank " + std::to_string(rank) +
            " is outside the vocabulary";
@@ -262,10 +286,25 @@ class GptTask final : public Task {
   }
   std::vector<int> balanced_starts() const;
   // Step s's windows, from a stream seeded by (seed, dp rank, s): a resumed run sees the same.
+  // Prompt/completion data: B samples drawn alike, one per window, targets -1 outside completions.
   std::pair<Tensor, Tensor> draw(int64_t step) const {
     Rng rng(derive_seed(data_seed_, static_cast<uint64_t>(step)));
-    data::TokenBatch b = data::random_windows(train_, batch_ * cfg_->accumulate, seq_len_, rng);
+    const int64_t rows = batch_ * cfg_->accumulate;
+    if (!train_.has_samples()) {
+      data::TokenBatch b = data::random_windows(train_, rows, seq_len_, rng);
+      return {b.ids, b.targets};
+    }
+    std::vector<int64_t> samples(static_cast<size_t>(rows));
+    for (int64_t& k : samples) k = static_cast<int64_t>(rng.below(static_cast<uint64_t>(train_.sample_count())));
+    data::TokenBatch b = data::sample_windows(train_, samples, seq_len_);
     return {b.ids, b.targets};
+  }
+  // The trained targets (not -1) of micro-batch k of the loaded step; every target for plain text.
+  int64_t trained_in(int k, int parts) const {
+    const auto per = static_cast<int64_t>(row_trained_.size()) / parts;
+    int64_t n = 0;
+    for (int64_t r = k * per; r < (k + 1) * per; ++r) n += row_trained_[static_cast<size_t>(r)];
+    return n;
   }
   double pipeline_val_loss(parallel::PipelineStage& pipe, int64_t windows);
 
@@ -286,6 +325,7 @@ class GptTask final : public Task {
   void load_teacher(const nn::GptVocabShard& vocab);
   StagedSteps staged_;
   std::vector<Tensor> ids_, targets_;  // the loaded step, on the device
+  std::vector<int64_t> row_trained_;   // its trained targets per row (read on the host when drawn)
 };
 
 void GptTask::setup(const TaskSetup& s) {
@@ -311,6 +351,14 @@ void GptTask::setup(const TaskSetup& s) {
   DT_INPUT_CHECK(c.vocab == 0 || train_.vocab <= c.vocab, "the tokens of '" << c.data << "' need a vocabulary of "
                                                                             << train_.vocab << ", not --vocab "
                                                                             << c.vocab << " (0: theirs)");
+  DT_INPUT_CHECK(
+      train_.has_samples() == val_.has_samples(),
+      "'" << c.data
+          << "': train.h5 and val.h5 must both be prompt/completion samples (dtrain convert sft) or both text");
+  DT_INPUT_CHECK(!train_.has_samples() || (c.pp == 1 && c.teacher.empty()),
+                 "'" << c.data
+                     << "' holds prompt/completion samples: --pp and --teacher do not combine with them in "
+                        "this version");
   data_seed_ = derive_seed(c.seed, static_cast<uint64_t>(s.grid.dp_rank()));  // each dp group its own windows
   model_cfg_.vocab = c.vocab > 0 ? c.vocab : train_.vocab;
   starts_ = c.pp > 1 ? balanced_starts() : std::vector<int>{0, static_cast<int>(layers)};
@@ -396,6 +444,12 @@ bool GptTask::load_step(int64_t step, double& wait_s) {
   const double t0 = now_s();
   if (!staged_.has(step)) staged_.put(step, {draw(step)}, device_);
   staged_.take(step, ids_, targets_);
+  if (train_.has_samples()) {  // the host's count of each row's trained targets, from the same draw
+    const Tensor t = draw(step).second;
+    row_trained_.assign(static_cast<size_t>(t.size(0)), 0);
+    for (int64_t i = 0; i < t.numel(); ++i)
+      row_trained_[static_cast<size_t>(i / t.size(1))] += t.data<int32_t>()[i] >= 0;
+  }
   if (!device_.is_cpu() && step + 1 < cfg_->steps) staged_.put(step + 1, {draw(step + 1)}, device_);
   wait_s = now_s() - t0;
   return true;
@@ -409,8 +463,14 @@ Validation GptTask::validate(parallel::PipelineStage* pipe) {
   v.result.loss =
       pipe ? pipeline_val_loss(*pipe, windows) : eval_stream(*model_, val_, batch_, seq_len_, windows, *xent_, device_);
   v.result.samples = windows;
-  const double bpb = bits_per_byte(val_, v.result.loss, windows, seq_len_);
   char line[80];
+  if (val_.has_samples()) {  // nats per completion token; bits per byte would mix in the prompts
+    std::snprintf(line, sizeof line, "val_loss %.4f (completion tokens)", v.result.loss);
+    v.text = line;
+    v.fields = {{"val_loss", v.result.loss}};
+    return v;
+  }
+  const double bpb = bits_per_byte(val_, v.result.loss, windows, seq_len_);
   std::snprintf(line, sizeof line, "val_loss %.4f  val_bpb %.4f", v.result.loss, bpb);
   v.text = line;
   v.fields = {{"val_loss", v.result.loss}, {"val_bpb", bpb}};

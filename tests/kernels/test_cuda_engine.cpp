@@ -595,9 +595,17 @@ TEST_F(CudaEngineTest, SoftmaxRowsAndVocabLossMatchTheCpu) {
   expect_close(gy, y, 1e-6, "softmax_rows");
   Tensor rowmax = random({64}, 62), sumexp = random({64}, 63, 1.f, 5.f), target = random({64}, 64);
   Tensor stats = Tensor::zeros({kXentStatsFloats}), gstats = dev(stats);
-  cpu.vocab_xent_loss_accumulate(rowmax, sumexp, target, stats);
-  gpu->vocab_xent_loss_accumulate(dev(rowmax), dev(sumexp), dev(target), gstats);
+  Tensor labels = Tensor::zeros({64}, DType::I32);  // every third row without a loss (kIgnoreLabel)
+  for (int64_t i = 0; i < 64; i += 3) labels.data<int32_t>()[i] = kIgnoreLabel;
+  cpu.vocab_xent_loss_accumulate(rowmax, sumexp, target, labels, stats);
+  gpu->vocab_xent_loss_accumulate(dev(rowmax), dev(sumexp), dev(target), dev(labels), gstats);
   EXPECT_NEAR(xent_stats(host(gstats)).loss_sum, xent_stats(stats).loss_sum, 1e-9 * 64);
+  // The gradient of the rows without a loss is zero on both.
+  Tensor d = Tensor::empty({64, 1000}), gd = Tensor::empty({64, 1000}, DType::F32, Device::cuda(0));
+  cpu.vocab_xent_backward(x, labels, 0, rowmax, sumexp, 0.5f, d);
+  gpu->vocab_xent_backward(dev(x), dev(labels), 0, dev(rowmax), dev(sumexp), 0.5f, gd);
+  expect_close(gd, d, 1e-6, "vocab_xent_backward with ignored rows");
+  EXPECT_EQ(d.f32()[3 * 1000 + 5], 0.f);
 }
 
 #if defined(DTRAIN_WITH_CUDA_ENGINE)

@@ -200,8 +200,8 @@ TEST(TransformerOps, VocabParallelCrossEntropyPiecesAddUpToTheFullLoss) {
   // The engine's own sum of the rows' losses (what a step adds into its statistics on the device).
   Tensor tsum = Tensor::empty({m}), stats = Tensor::zeros({kXentStatsFloats});
   for (int64_t i = 0; i < m; ++i) tsum.f32()[i] = tg[0].f32()[i] + tg[1].f32()[i];
-  e.vocab_xent_loss_accumulate(gmax, total, tsum, stats);
-  e.vocab_xent_loss_accumulate(gmax, total, tsum, stats);
+  e.vocab_xent_loss_accumulate(gmax, total, tsum, labels, stats);
+  e.vocab_xent_loss_accumulate(gmax, total, tsum, labels, stats);
   EXPECT_NEAR(xent_stats(stats).loss_sum, 2 * loss, 1e-5 * std::abs(loss));
   for (int r = 0; r < 2; ++r) {
     Tensor d = Tensor::empty({m, half});

@@ -215,7 +215,9 @@ TEST(Gradients, LoraAdaptersOnRowBlocks) {
   lora.backward(random_tensor({2, 3, 9}, rng));
   for (int64_t r = 0; r < 9; ++r)
     for (int64_t j = 0; j < 4; ++j)
-      if (!((r < 3 && j < 2) || (r >= 6 && j >= 2))) EXPECT_EQ(b->grad.f32()[r * 4 + j], 0.f) << r << "," << j;
+      if (!((r < 3 && j < 2) || (r >= 6 && j >= 2))) {
+        EXPECT_EQ(b->grad.f32()[r * 4 + j], 0.f) << r << "," << j;
+      }
   nn::Linear whole(6, 9, true, rng);
   whole.add_lora({{0, 9}}, 3, 6.f, rng);
   Tensor& wb = whole.parameters()[3]->value;

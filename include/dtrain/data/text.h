@@ -41,10 +41,35 @@ struct TokenStream {
   int64_t vocab = 256;
   Tokenizer tokenizer;     // bytes unless the file carries a model
   int64_t text_bytes = 0;  // bytes of text the tokens encode
+  // Prompt/completion samples (convert_sft; empty for plain text): sample i is tokens
+  // [sample_offsets[i], sample_offsets[i + 1]), and loss_mask[j] is 1 where token j belongs to a
+  // completion (its prediction is trained), 0 in a prompt.
+  std::vector<int64_t> sample_offsets;
+  std::vector<uint8_t> loss_mask;
 
   // Bytes of text that tokens [first, first + count) stand for (bits per byte of a loss over them).
   int64_t bytes_of(int64_t first, int64_t count) const;
+  bool has_samples() const { return !sample_offsets.empty(); }
+  int64_t sample_count() const { return has_samples() ? static_cast<int64_t>(sample_offsets.size()) - 1 : 0; }
 };
+
+// Prompt/completion data for fine-tuning (`dtrain convert sft`): JSON lines, each a record
+// {"prompt": "...", "completion": "..."} or {"messages": [{"role": "system"|"user"|"assistant",
+// "content": "..."}, ...]}. A chat is rendered as "<|role|>\n" + content + "\n" per turn; the loss is
+// taken on the assistant turns' content and newline only, and on a completion. Each record is one
+// sample; records go to val.h5 with probability val_fraction (seeded), the rest to train.h5.
+struct SftConvertOptions {
+  double val_fraction = 0.1;
+  uint64_t seed = 1;
+  std::string tokenizer = kBytesTokenizer;  // or a model's tokenizer file (a SentencePiece tokenizer.model)
+};
+struct SftConvertSummary {
+  int64_t records = 0, train_samples = 0, val_samples = 0, train_tokens = 0, completion_tokens = 0, vocab = 0;
+  std::string tokenizer;
+};
+// Throws InputError naming the file and line of a record that is not one of the two forms.
+SftConvertSummary convert_sft(const std::vector<std::string>& inputs, const std::string& out_dir,
+                              const SftConvertOptions& opt = {});
 
 // Loads <path> (a file written by convert_text). Throws InputError naming the file when it is
 // missing or not a token file.
@@ -63,5 +88,11 @@ TokenBatch random_windows(const TokenStream& s, int64_t batch, int64_t t, Rng& r
 TokenBatch sequential_windows(const TokenStream& s, int64_t batch, int64_t t, int64_t first_window,
                               int64_t* count = nullptr);
 int64_t window_count(const TokenStream& s, int64_t t);
+// Samples `samples` of a prompt/completion stream, one per window (padded, never packed: no window
+// holds two samples, so none attends across a boundary; a sample longer than T + 1 tokens is cut):
+// ids [B, T] (padding 0) and targets [B, T], -1 (no loss) where the target token is a prompt's or
+// padding. `trained`, when given, counts the targets that are not -1.
+TokenBatch sample_windows(const TokenStream& s, const std::vector<int64_t>& samples, int64_t t,
+                          int64_t* trained = nullptr);
 
 }  // namespace dtrain::data

@@ -27,6 +27,9 @@ struct Pool2dGeom {
   int64_t out_w() const { return (w + 2 * pad - kernel) / stride + 1; }
 };
 
+// A target without a loss (softmax cross-entropy's labels): a prompt's or padding's.
+inline constexpr int32_t kIgnoreLabel = -1;
+
 enum class Unary { Relu, Gelu, GeluExact };  // Gelu: the tanh approximation (GPT-2's)
 
 // Precision of the multiplications inside gemm, gemm_batched and conv2d_* when their operands are
@@ -151,7 +154,9 @@ class Engine {
   virtual void unscale_and_check(Tensor& x, float inv_scale, Tensor& found_inf) = 0;
 
   // ---- Softmax cross-entropy over logits [M,C] with i32 labels [M]. Writes the probabilities,
-  // returns the summed loss and (through `correct`) the count of argmax hits.
+  // returns the summed loss and (through `correct`) the count of argmax hits. A label of
+  // kIgnoreLabel (-1: a prompt's or padding's target) adds no loss and no hit, and its gradient row
+  // is zero; here and in the vocabulary-parallel pieces below.
   virtual double softmax_xent_forward(const Tensor& logits, const Tensor& labels, Tensor& probs, int64_t* correct) = 0;
   // The same without waiting for the device: adds this batch's loss sum, argmax hits and a flag for
   // an out-of-range label into `stats` (an XentStats, on the logits' device), which the caller reads
@@ -180,7 +185,7 @@ class Engine {
   // into stats' loss_sum (an XentStats on the same device, as softmax_xent_accumulate's), so a step
   // needs no host sync for its loss.
   virtual void vocab_xent_loss_accumulate(const Tensor& rowmax, const Tensor& sumexp, const Tensor& target,
-                                          Tensor& stats) = 0;
+                                          const Tensor& labels, Tensor& stats) = 0;
 
   // ---- Transformer pieces (GPT).
   // y[a,c,b,d] = x[a,b,c,d] for x viewed as [A,B,C,D]: swaps the two middle axes, e.g. attention's

@@ -26,7 +26,8 @@ double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, i
 // The same on a stream already loaded (data::load_tokens), for callers that evaluate it repeatedly.
 double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, int64_t seq_len, int64_t max_batches);
 // The windows evaluate_lm scores: every window of the stream (max_batches 0: the last batch holds
-// what is left), else the first max_batches * batch of them.
+// what is left), else the first max_batches * batch of them. A prompt/completion stream's windows
+// are its samples, and its loss is over their completion tokens.
 int64_t scored_windows(const data::TokenStream& s, int64_t batch, int64_t seq_len, int64_t max_batches);
 
 // Bits per byte of text of a mean loss of `nats_per_token` over the targets of the first `windows`
