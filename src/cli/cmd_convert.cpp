@@ -176,6 +176,27 @@ void print_help(std::ostream& os) {
 
 }  // namespace
 
+namespace {
+
+// The options of `dtrain convert KIND`; false after --help. Errors name the command.
+bool parse_kind_options(int argc, char** argv, const po::options_description& o, const std::string& kind) {
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(o).run(), vm);
+    if (vm.count("help")) {
+      std::cout << o << "\n";
+      return false;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw InputError("dtrain convert " + kind + ": " + std::string(e.what()) + " (see dtrain convert " + kind +
+                     " --help)");
+  }
+  return true;
+}
+
+}  // namespace
+
 // dtrain convert text: byte tokens (vocabulary 256) or BPE pieces in <out>/train.h5 and <out>/val.h5.
 int cmd_convert_text(int argc, char** argv) {
   std::vector<std::string> inputs;
@@ -195,17 +216,7 @@ int cmd_convert_text(int argc, char** argv) {
     ("vocab-size", po::value(&opt.vocab_size)->default_value(opt.vocab_size), "pieces of the BPE vocabulary")
     ("threads", po::value(&opt.threads)->default_value(opt.threads), "BPE training threads (0: every core this process may use)");
   // clang-format on
-  po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(o).run(), vm);
-    if (vm.count("help")) {
-      std::cout << o << "\n";
-      return 0;
-    }
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw InputError("dtrain convert text: " + std::string(e.what()) + " (see dtrain convert text --help)");
-  }
+  if (!parse_kind_options(argc, argv, o, "text")) return 0;
   data::TextConvertSummary s = data::convert_text(inputs, out, opt);
   std::printf(
       "%lld file(s): %lld train tokens (%lld bytes), %lld validation tokens (%lld bytes), tokenizer %s, "
@@ -232,17 +243,7 @@ int cmd_convert_sft(int argc, char** argv) {
     ("seed", po::value(&opt.seed)->default_value(opt.seed), "seed of the split")
     ("tokenizer", po::value(&opt.tokenizer)->default_value(opt.tokenizer), "bytes, or a model's own tokenizer file (a SentencePiece tokenizer.model)");
   // clang-format on
-  po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(o).run(), vm);
-    if (vm.count("help")) {
-      std::cout << o << "\n";
-      return 0;
-    }
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw InputError("dtrain convert sft: " + std::string(e.what()) + " (see dtrain convert sft --help)");
-  }
+  if (!parse_kind_options(argc, argv, o, "sft")) return 0;
   const data::SftConvertSummary s = data::convert_sft(inputs, out, opt);
   std::printf(
       "%lld record(s): %lld train samples (%lld tokens, %lld of them completions), %lld validation samples, "
