@@ -603,6 +603,9 @@ N parameter_count_in(const GptConfig& c) {
 }  // namespace
 
 int64_t gpt_parameter_count(const GptConfig& c) {
+  constexpr int64_t kHuge = int64_t{1} << 40;  // every size below it: hidden() and the counts cannot overflow
+  for (int64_t v : {c.vocab, c.context, c.layers, c.width, c.heads, c.kv_heads, c.mlp_width})
+    if (v > kHuge) return -1;
   if (c.vocab <= 0 || c.context <= 0 || c.layers <= 0 || c.width <= 0 || c.heads <= 0 || c.kv() <= 0 || c.hidden() <= 0)
     return -1;
   if (parameter_count_in<long double>(c) > static_cast<long double>(std::numeric_limits<int64_t>::max() / 2)) return -1;

@@ -158,4 +158,7 @@ TEST(GptParameterCount, MatchesTheBuiltModel) {
                 {.vocab = 256, .context = 128, .layers = int64_t{1} << 40, .heads = 8, .width = int64_t{1} << 20}),
             -1);
   EXPECT_EQ(nn::gpt_parameter_count({.vocab = 0}), -1);
+  // A width whose MLP (4 x width) would pass int64: refused before any arithmetic on it.
+  EXPECT_EQ(nn::gpt_parameter_count({.vocab = 256, .context = 128, .layers = 1, .heads = 1, .width = int64_t{1} << 62}),
+            -1);
 }
