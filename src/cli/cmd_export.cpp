@@ -9,6 +9,7 @@
 
 #include "commands.h"
 #include "dtrain/comm/runtime.h"
+#include "dtrain/nn/layers.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/export.h"
 #include "dtrain/train/options.h"
@@ -72,8 +73,7 @@ int cmd_export(int argc, char** argv) {
       train::export_tensors(s, names == "pytorch" ? train::ExportNames::PyTorch : train::ExportNames::Dtrain);
   if (adapters) {  // LoRA's adapters alone, under dtrain's names
     DT_INPUT_CHECK(names == "dtrain", "option --adapters-only writes dtrain's names: give --names dtrain");
-    std::erase_if(tensors,
-                  [](const auto& e) { return !e.first.ends_with(".lora_A") && !e.first.ends_with(".lora_B"); });
+    std::erase_if(tensors, [](const auto& e) { return !nn::is_lora_adapter(e.first); });
     DT_INPUT_CHECK(!tensors.empty(), "option --adapters-only: checkpoint '" << path << "' holds no LoRA adapters");
   }
   const std::map<std::string, std::string> meta = export_metadata(s, names);

@@ -324,8 +324,18 @@ class GptTask final : public Task {
   std::unique_ptr<parallel::VocabParallelSoftTargets> soft_targets_;
   void load_teacher(const nn::GptVocabShard& vocab);
   StagedSteps staged_;
-  std::vector<Tensor> ids_, targets_;  // the loaded step, on the device
-  std::vector<int64_t> row_trained_;   // its trained targets per row (read on the host when drawn)
+  std::vector<Tensor> ids_, targets_;   // the loaded step, on the device
+  std::vector<int64_t> row_trained_;    // its trained targets per row (prompt/completion data)
+  std::vector<int64_t> trained_of_[2];  // those of the staged steps, by step parity as staged_
+  // Draws `step` and stages it, counting each row's trained targets on the host as it is drawn.
+  void stage(int64_t step) {
+    const auto [ids, targets] = draw(step);
+    std::vector<int64_t>& rows = trained_of_[step & 1];
+    rows.assign(train_.has_samples() ? static_cast<size_t>(targets.size(0)) : 0, 0);
+    for (int64_t i = 0; !rows.empty() && i < targets.numel(); ++i)
+      rows[static_cast<size_t>(i / targets.size(1))] += targets.data<int32_t>()[i] >= 0;
+    staged_.put(step, {{ids, targets}}, device_);
+  }
 };
 
 void GptTask::setup(const TaskSetup& s) {
@@ -442,15 +452,10 @@ std::string GptTask::describe() {
 // so the copy runs beside this step's compute.
 bool GptTask::load_step(int64_t step, double& wait_s) {
   const double t0 = now_s();
-  if (!staged_.has(step)) staged_.put(step, {draw(step)}, device_);
+  if (!staged_.has(step)) stage(step);
   staged_.take(step, ids_, targets_);
-  if (train_.has_samples()) {  // the host's count of each row's trained targets, from the same draw
-    const Tensor t = draw(step).second;
-    row_trained_.assign(static_cast<size_t>(t.size(0)), 0);
-    for (int64_t i = 0; i < t.numel(); ++i)
-      row_trained_[static_cast<size_t>(i / t.size(1))] += t.data<int32_t>()[i] >= 0;
-  }
-  if (!device_.is_cpu() && step + 1 < cfg_->steps) staged_.put(step + 1, {draw(step + 1)}, device_);
+  row_trained_ = std::move(trained_of_[step & 1]);
+  if (!device_.is_cpu() && step + 1 < cfg_->steps) stage(step + 1);
   wait_s = now_s() - t0;
   return true;
 }

@@ -63,11 +63,10 @@ std::map<std::string, std::vector<SourceTensor>> lm_hf_layout(const nn::GptConfi
 PretrainedNames lm_pretrained_names(const nn::GptConfig& g, const std::map<std::string, SafetensorsEntry>& files) {
   auto layout = std::make_shared<std::map<std::string, std::vector<SourceTensor>>>(lm_hf_layout(g));
   PretrainedNames n;
-  auto adapter = [](const std::string& p) { return p.ends_with(".lora_A") || p.ends_with(".lora_B"); };
   if (files.count("wte")) {  // dtrain's own names (an export with --names dtrain)
     n.scheme = "dtrain";
-    n.sources = [adapter](const std::string& p) {
-      return adapter(p) ? std::vector<SourceTensor>{} : std::vector<SourceTensor>{{p}};
+    n.sources = [](const std::string& p) {
+      return nn::is_lora_adapter(p) ? std::vector<SourceTensor>{} : std::vector<SourceTensor>{{p}};
     };
     n.known = [layout](const std::string& t) { return layout->count(t) > 0; };
     return n;
@@ -79,8 +78,8 @@ PretrainedNames lm_pretrained_names(const nn::GptConfig& g, const std::map<std::
   for (auto& [param, sources] : *layout)
     for (SourceTensor& s : sources) all->insert(s.name = named(s.name));
   n.scheme = g.llama() ? "Hugging Face Llama" : "Hugging Face GPT-2";
-  n.sources = [layout, adapter](const std::string& p) {
-    if (adapter(p)) return std::vector<SourceTensor>{};
+  n.sources = [layout](const std::string& p) {
+    if (nn::is_lora_adapter(p)) return std::vector<SourceTensor>{};
     const auto it = layout->find(p);
     return it == layout->end() ? std::vector<SourceTensor>{{p}} : it->second;
   };

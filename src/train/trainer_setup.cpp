@@ -345,11 +345,10 @@ float Trainer::topk_momentum_correction() const {
 // refused on every rank.
 void Trainer::freeze_parameters() {
   const bool lora = cfg_.lora_rank > 0;  // every weight but the adapters
-  const std::string expression = lora ? "(?!.*\\.lora_[AB]$).*" : cfg_.freeze;
-  if (expression.empty()) return;
+  if (!lora && cfg_.freeze.empty()) return;
   std::regex pattern;
   try {
-    pattern = std::regex(expression);
+    if (!lora) pattern = std::regex(cfg_.freeze);
   } catch (const std::regex_error& e) {
     DT_INPUT_CHECK(false, "option --freeze '" << cfg_.freeze << "' is not a regular expression: " << e.what());
   }
@@ -357,7 +356,7 @@ void Trainer::freeze_parameters() {
   const bool counts = grid_->dp_rank() == 0 && grid_->tp_rank() == 0;
   Tensor n = Tensor::zeros({2});  // frozen tensors, all tensors
   for (nn::Parameter* p : task_->model().parameters()) {
-    p->frozen = std::regex_match(p->name, pattern);
+    p->frozen = lora ? !nn::is_lora_adapter(p->name) : std::regex_match(p->name, pattern);
     n.f32()[0] += counts && p->frozen ? 1.f : 0.f;
     n.f32()[1] += counts ? 1.f : 0.f;
   }

@@ -14,6 +14,9 @@ struct WeightOnlyInt8;
 
 namespace dtrain::nn {
 
+// Whether a parameter's (or a checkpoint tensor's) name is a LoRA adapter's (Linear::add_lora).
+inline bool is_lora_adapter(const std::string& name) { return name.ends_with(".lora_A") || name.ends_with(".lora_B"); }
+
 class Linear : public Module {
  public:
   Linear(int64_t in, int64_t out, bool bias, Rng& rng);
