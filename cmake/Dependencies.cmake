@@ -17,6 +17,8 @@ find_package(JPEG REQUIRED)  # dtrain convert images: libjpeg-turbo
 find_package(PNG REQUIRED)
 find_package(PkgConfig REQUIRED)  # SentencePiece ships a .pc file only
 pkg_check_modules(SENTENCEPIECE REQUIRED IMPORTED_TARGET GLOBAL sentencepiece)
+# GPT-2's pre-tokenising pattern needs Unicode classes (\p{L}, \p{N}) and a look-ahead: PCRE2.
+pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET GLOBAL libpcre2-8)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET GLOBAL libxxhash)  # checkpoint checksums (XXH3)
 find_path(DTRAIN_CBLAS_INCLUDE_DIR cblas.h PATH_SUFFIXES openblas openblas-pthread REQUIRED)
 

@@ -15,6 +15,7 @@ PACKAGES=(
   libxxhash-dev  # checkpoint checksums (XXH3)
   libjpeg62-turbo-dev libpng-dev  # dtrain convert images
   libsentencepiece-dev  # dtrain convert text --tokenizer bpe
+  libpcre2-dev  # GPT-2's byte-level BPE (its pre-tokenising pattern)
   dataset-fashion-mnist
 )
 # What the tests add: HDF5's tools, GoogleTest, the micro-benchmarks, the fuzz and sanitizer
@@ -45,7 +46,7 @@ fi
 # PIL for the test that checks dtrain convert images against it.
 if [[ ${DTRAIN_DEPS:-all} != run && "${DTRAIN_WITH_PLOTS:-1}" == "1" ]]; then OPTIONAL+=(python3-numpy python3-matplotlib python3-h5py python3-pil); fi
 # SentencePiece's Python module: the independent encoder the pretrained-tokenizer test compares with.
-if [[ ${DTRAIN_DEPS:-all} != run ]]; then OPTIONAL+=(python3-sentencepiece); fi
+if [[ ${DTRAIN_DEPS:-all} != run ]]; then OPTIONAL+=(python3-sentencepiece python3-regex); fi
 # PyTorch (Debian's 1.13, CPU) for the export test (tests/cli/export_pytorch.sh: dtrain's exports loaded
 # by PyTorch): about a minute to install, two to run. DTRAIN_WITH_PYTORCH=0 leaves it out (the test
 # then says "skipped: no PyTorch").

@@ -212,7 +212,7 @@ int cmd_convert_text(int argc, char** argv) {
     ("block-bytes", po::value(&opt.block_bytes)->default_value(opt.block_bytes), "the held-out split is by blocks of this size")
     ("seed", po::value(&opt.seed)->default_value(opt.seed), "seed of the split")
     ("tokenizer", po::value(&opt.tokenizer)->default_value(opt.tokenizer),
-     "bytes (vocabulary 256), bpe (SentencePiece BPE trained on the training text), or a model's own tokenizer file (a SentencePiece tokenizer.model, as the Llama family ships it); the tokenizer is stored in the token files and travels into checkpoints")
+     "bytes (vocabulary 256), bpe (SentencePiece BPE trained on the training text), or a model's own tokenizer: a SentencePiece tokenizer.model (the Llama family), GPT-2's vocab.json (merges.txt beside it), or a folder holding either; the tokenizer is stored in the token files and travels into checkpoints")
     ("vocab-size", po::value(&opt.vocab_size)->default_value(opt.vocab_size), "pieces of the BPE vocabulary")
     ("threads", po::value(&opt.threads)->default_value(opt.threads), "BPE training threads (0: every core this process may use)");
   // clang-format on
@@ -241,7 +241,7 @@ int cmd_convert_sft(int argc, char** argv) {
     ("out", po::value(&out)->required(), "output directory: train.h5 and val.h5, each sample with its loss mask")
     ("val-fraction", po::value(&opt.val_fraction)->default_value(opt.val_fraction), "share of records held out for validation (0: validate on the training samples)")
     ("seed", po::value(&opt.seed)->default_value(opt.seed), "seed of the split")
-    ("tokenizer", po::value(&opt.tokenizer)->default_value(opt.tokenizer), "bytes, or a model's own tokenizer file (a SentencePiece tokenizer.model)");
+    ("tokenizer", po::value(&opt.tokenizer)->default_value(opt.tokenizer), "bytes, or a model's own tokenizer (a SentencePiece tokenizer.model, GPT-2's vocab.json with merges.txt, or their folder)");
   // clang-format on
   if (!parse_kind_options(argc, argv, o, "sft")) return 0;
   const data::SftConvertSummary s = data::convert_sft(inputs, out, opt);

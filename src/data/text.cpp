@@ -2,7 +2,6 @@
 #include "dtrain/data/text.h"
 
 #include <algorithm>
-#include <boost/property_tree/json_parser.hpp>
 #include <boost/property_tree/ptree.hpp>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +10,7 @@
 
 #include "dtrain/core/cores.h"
 #include "dtrain/core/error.h"
+#include "dtrain/core/json.h"
 #include "dtrain/core/rng.h"
 #include "dtrain/data/hdf5_util.h"
 
@@ -55,17 +55,25 @@ void write_token_file(const std::string& path, const std::vector<int32_t>& token
   fs::rename(tmp, path);
 }
 
+// --tokenizer: one of `kinds` (bytes, or bpe: a model trained later on the text) or a model's own
+// tokenizer, a file or a folder.
+Tokenizer given_tokenizer(const std::string& option, const std::string& kinds) {
+  if (option == kBytesTokenizer || (option == "bpe" && kinds.find("bpe") != std::string::npos)) return Tokenizer();
+  DT_INPUT_CHECK(fs::exists(option), "--tokenizer must be " << kinds
+                                                            << " or a model's own tokenizer (a SentencePiece "
+                                                               "tokenizer.model, GPT-2's vocab.json with merges.txt "
+                                                               "beside it, or a folder holding them), got '"
+                                                            << option << "', which does not exist");
+  return Tokenizer::from_file(option);
+}
+
 }  // namespace
 
 TextConvertSummary convert_text(const std::vector<std::string>& inputs, const std::string& out_dir,
                                 const TextConvertOptions& opt) {
   DT_INPUT_CHECK(opt.val_fraction >= 0 && opt.val_fraction < 1, "--val-fraction must be in [0, 1)");
   DT_INPUT_CHECK(opt.block_bytes > 0, "--block-bytes must be positive");
-  const bool pretrained = opt.tokenizer != kBytesTokenizer && opt.tokenizer != "bpe";
-  DT_INPUT_CHECK(!pretrained || fs::is_regular_file(opt.tokenizer),
-                 "--tokenizer must be bytes, bpe or a model's tokenizer file (a SentencePiece tokenizer.model), got '"
-                     << opt.tokenizer << "', which is not a file");
-  const Tokenizer given = pretrained ? Tokenizer::from_file(opt.tokenizer) : Tokenizer();  // before the text is read
+  const Tokenizer given = given_tokenizer(opt.tokenizer, "bytes, bpe");  // before the text is read
   DT_INPUT_CHECK(opt.tokenizer == "bpe" || opt.vocab_size == 0,
                  "--vocab-size is for --tokenizer bpe (bytes have a vocabulary of 256)");
   std::vector<fs::path> files;
@@ -133,13 +141,7 @@ namespace {
 // One record of prompt/completion data as text segments, each trained or not.
 std::vector<std::pair<std::string, bool>> sft_segments(const std::string& line, const std::string& where) {
   namespace pt = boost::property_tree;
-  pt::ptree record;
-  try {
-    std::istringstream in(line);
-    pt::read_json(in, record);
-  } catch (const pt::ptree_error& e) {
-    DT_INPUT_CHECK(false, where << " is not a JSON object: " << e.what());
-  }
+  const pt::ptree record = parse_json(line, where);
   const auto prompt = record.get_child_optional("prompt"), completion = record.get_child_optional("completion");
   const auto messages = record.get_child_optional("messages");
   DT_INPUT_CHECK((prompt && completion && !messages) || (messages && !prompt && !completion),
@@ -170,11 +172,7 @@ SftConvertSummary convert_sft(const std::vector<std::string>& inputs, const std:
                               const SftConvertOptions& opt) {
   DT_INPUT_CHECK(opt.val_fraction >= 0 && opt.val_fraction < 1, "--val-fraction must be in [0, 1)");
   DT_INPUT_CHECK(!inputs.empty(), "no input files");
-  const bool pretrained = opt.tokenizer != kBytesTokenizer;
-  DT_INPUT_CHECK(!pretrained || fs::is_regular_file(opt.tokenizer),
-                 "--tokenizer must be bytes or a model's tokenizer file (a SentencePiece tokenizer.model), got '"
-                     << opt.tokenizer << "', which is not a file");
-  const Tokenizer tok = pretrained ? Tokenizer::from_file(opt.tokenizer) : Tokenizer();
+  const Tokenizer tok = given_tokenizer(opt.tokenizer, "bytes");
   struct Split {
     std::vector<int32_t> tokens;
     Samples samples{{0}, {}};

@@ -4,14 +4,18 @@
 #include <sentencepiece_trainer.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "dtrain/core/error.h"
+#include "dtrain/data/byte_bpe.h"
 
 namespace dtrain::data {
 
 namespace {
+
+namespace fs = std::filesystem;
 
 // Feeds the lines of a text to SentencePiece's trainer without copying them into a file.
 class LineIterator final : public sentencepiece::SentenceIterator {
@@ -50,53 +54,181 @@ int byte_of_piece(const std::string& piece) {
 
 }  // namespace
 
-Tokenizer::Tokenizer() : name_(kBytesTokenizer) {
-  for (int b = 0; b < 256; ++b) pieces_.emplace_back(1, static_cast<char>(b));
+// How one kind of tokenizer turns text into ids and back (ids are checked against the vocabulary
+// before decode is called).
+class TokenCodec {
+ public:
+  virtual ~TokenCodec() = default;
+  virtual std::vector<int32_t> encode(std::string_view text) const = 0;
+  virtual std::string decode(const std::vector<int32_t>& ids, const std::vector<std::string>& pieces) const {
+    std::string text;
+    for (int32_t id : ids) text += pieces[static_cast<size_t>(id)];
+    return text;
+  }
+};
+
+namespace {
+
+class ByteCodec final : public TokenCodec {
+ public:
+  std::vector<int32_t> encode(std::string_view text) const override {
+    return {reinterpret_cast<const uint8_t*>(text.data()), reinterpret_cast<const uint8_t*>(text.data()) + text.size()};
+  }
+};
+
+// A BPE model trained here: applied line by line, as it was trained; each newline is its byte piece.
+class TrainedBpeCodec final : public TokenCodec {
+ public:
+  TrainedBpeCodec(std::shared_ptr<const sentencepiece::SentencePieceProcessor> sp, int32_t newline)
+      : sp_(std::move(sp)), newline_(newline) {}
+  std::vector<int32_t> encode(std::string_view text) const override {
+    std::vector<int32_t> ids;
+    std::vector<int> line_ids;
+    for (size_t at = 0; at <= text.size();) {
+      size_t end = text.find('\n', at);
+      if (end == std::string_view::npos) end = text.size();
+      if (end > at) {
+        const auto status = sp_->Encode(text.substr(at, end - at), &line_ids);
+        DT_CHECK(status.ok(), "SentencePiece could not encode a line: " << status.ToString());
+        ids.insert(ids.end(), line_ids.begin(), line_ids.end());
+      }
+      if (end == text.size()) break;
+      ids.push_back(newline_);
+      at = end + 1;
+    }
+    return ids;
+  }
+
+ private:
+  std::shared_ptr<const sentencepiece::SentencePieceProcessor> sp_;
+  int32_t newline_;
+};
+
+// A model's own SentencePiece model: the whole text, as the model's own users encode and decode it
+// (its dummy prefix removed on decoding).
+class SentencePieceCodec final : public TokenCodec {
+ public:
+  explicit SentencePieceCodec(std::shared_ptr<const sentencepiece::SentencePieceProcessor> sp) : sp_(std::move(sp)) {}
+  std::vector<int32_t> encode(std::string_view text) const override {
+    std::vector<int> all;
+    const auto status = sp_->Encode(text, &all);
+    DT_CHECK(status.ok(), "SentencePiece could not encode the text: " << status.ToString());
+    return {all.begin(), all.end()};
+  }
+  std::string decode(const std::vector<int32_t>& ids, const std::vector<std::string>&) const override {
+    std::string text;
+    const auto status = sp_->Decode(std::vector<int>(ids.begin(), ids.end()), &text);
+    DT_CHECK(status.ok(), "SentencePiece could not decode: " << status.ToString());
+    return text;
+  }
+
+ private:
+  std::shared_ptr<const sentencepiece::SentencePieceProcessor> sp_;
+};
+
+class ByteBpeCodec final : public TokenCodec {
+ public:
+  explicit ByteBpeCodec(ByteLevelBpe bpe) : bpe_(std::move(bpe)) {}
+  std::vector<int32_t> encode(std::string_view text) const override { return bpe_.encode(text); }
+
+ private:
+  ByteLevelBpe bpe_;
+};
+
+std::string read_file(const fs::path& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  DT_INPUT_CHECK(in && fs::is_regular_file(path), what << " '" << path.string() << "' cannot be opened");
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-Tokenizer Tokenizer::from_model(const std::string& name, const std::string& model, const std::string& where) {
-  if (name == kBytesTokenizer) return Tokenizer();
-  DT_INPUT_CHECK(name == kBpeTokenizer || name == kSentencePieceTokenizer,
-                 "'" << where << "' uses tokenizer '" << name << "'; known are " << kBytesTokenizer << ", "
-                     << kBpeTokenizer << " and " << kSentencePieceTokenizer);
-  auto sp = std::make_shared<sentencepiece::SentencePieceProcessor>();
-  const auto status = sp->LoadFromSerializedProto(model);
-  DT_INPUT_CHECK(status.ok(), "'" << where << "': its " << kBpeTokenizer << " model does not load ("
-                                  << status.ToString() << "; corrupt file?)");
-  Tokenizer t;
-  t.name_ = name;
-  t.model_ = model;
-  t.pieces_.assign(static_cast<size_t>(sp->GetPieceSize()), std::string());
-  t.newline_ = -1;
+// The pieces of a SentencePiece model as text (its space mark a space; byte pieces their byte), and
+// the id of the newline's byte piece (-1 without one).
+std::vector<std::string> sentencepiece_pieces(const sentencepiece::SentencePieceProcessor& sp, int32_t& newline,
+                                              const std::string& where) {
+  std::vector<std::string> pieces(static_cast<size_t>(sp.GetPieceSize()));
+  newline = -1;
   static const std::string kSpace = "\xE2\x96\x81";  // U+2581, SentencePiece's mark of a space
-  for (int id = 0; id < sp->GetPieceSize(); ++id) {
-    std::string& text = t.pieces_[static_cast<size_t>(id)];
-    if (sp->IsControl(id) || sp->IsUnknown(id)) continue;  // decode to nothing
-    if (sp->IsByte(id)) {
-      const int b = byte_of_piece(sp->IdToPiece(id));
-      DT_INPUT_CHECK(b >= 0, "'" << where << "': byte piece " << id << " is '" << sp->IdToPiece(id) << "'");
+  for (int id = 0; id < sp.GetPieceSize(); ++id) {
+    std::string& text = pieces[static_cast<size_t>(id)];
+    if (sp.IsControl(id) || sp.IsUnknown(id)) continue;  // decode to nothing
+    if (sp.IsByte(id)) {
+      const int b = byte_of_piece(sp.IdToPiece(id));
+      DT_INPUT_CHECK(b >= 0, "'" << where << "': byte piece " << id << " is '" << sp.IdToPiece(id) << "'");
       text.assign(1, static_cast<char>(b));
-      if (b == '\n') t.newline_ = id;
+      if (b == '\n') newline = id;
       continue;
     }
-    const std::string& piece = sp->IdToPiece(id);
+    const std::string& piece = sp.IdToPiece(id);
     for (size_t i = 0; i < piece.size();) {
       const bool space = piece.compare(i, kSpace.size(), kSpace) == 0;
       text += space ? ' ' : piece[i];
       i += space ? kSpace.size() : 1;
     }
   }
-  DT_INPUT_CHECK(t.newline_ >= 0 || name == kSentencePieceTokenizer,
-                 "'" << where << "': its " << kBpeTokenizer << " model has no byte piece for '\\n'");
-  t.sp_ = std::move(sp);
+  return pieces;
+}
+
+}  // namespace
+
+Tokenizer::Tokenizer() : name_(kBytesTokenizer), codec_(std::make_shared<ByteCodec>()) {
+  for (int b = 0; b < 256; ++b) pieces_.emplace_back(1, static_cast<char>(b));
+}
+
+Tokenizer Tokenizer::from_model(const std::string& name, const std::string& model, const std::string& where) {
+  if (name == kBytesTokenizer) return Tokenizer();
+  Tokenizer t;
+  t.name_ = name;
+  t.model_ = model;
+  if (name == kByteBpeTokenizer) {
+    const size_t cut = model.find('\0');
+    DT_INPUT_CHECK(cut != std::string::npos, "'" << where << "': its " << name << " model lacks its merges");
+    return byte_bpe(model.substr(0, cut), model.substr(cut + 1), where + " (vocab.json)", where + " (merges.txt)");
+  }
+  DT_INPUT_CHECK(name == kBpeTokenizer || name == kSentencePieceTokenizer,
+                 "'" << where << "' uses tokenizer '" << name << "'; known are " << kBytesTokenizer << ", "
+                     << kBpeTokenizer << ", " << kSentencePieceTokenizer << " and " << kByteBpeTokenizer);
+  auto sp = std::make_shared<sentencepiece::SentencePieceProcessor>();
+  const auto status = sp->LoadFromSerializedProto(model);
+  DT_INPUT_CHECK(status.ok(), "'" << where << "': its " << name << " model does not load (" << status.ToString()
+                                  << "; corrupt file?)");
+  int32_t newline = -1;
+  t.pieces_ = sentencepiece_pieces(*sp, newline, where);
+  if (name == kSentencePieceTokenizer) {
+    t.codec_ = std::make_shared<SentencePieceCodec>(std::move(sp));
+    return t;
+  }
+  DT_INPUT_CHECK(newline >= 0, "'" << where << "': its " << kBpeTokenizer << " model has no byte piece for '\\n'");
+  t.codec_ = std::make_shared<TrainedBpeCodec>(std::move(sp), newline);
   return t;
 }
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DT_INPUT_CHECK(in, "tokenizer '" << path << "' cannot be opened");
-  const std::string model((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return from_model(kSentencePieceTokenizer, model, path);
+  DT_INPUT_CHECK(fs::exists(path), "tokenizer '" << path << "' does not exist");
+  fs::path vocab = path;
+  if (fs::is_directory(path)) {
+    if (fs::exists(fs::path(path) / "tokenizer.model")) return from_file((fs::path(path) / "tokenizer.model").string());
+    vocab = fs::path(path) / "vocab.json";
+    DT_INPUT_CHECK(fs::exists(vocab), "tokenizer folder '" << path
+                                                           << "' holds neither tokenizer.model (SentencePiece) nor "
+                                                              "vocab.json and merges.txt (GPT-2's byte-level BPE)");
+  }
+  if (vocab.extension() == ".json") {
+    const fs::path merges = vocab.parent_path() / "merges.txt";
+    return byte_bpe(read_file(vocab, "tokenizer vocabulary"),
+                    read_file(merges, "the merges of tokenizer '" + vocab.string() + "',"), vocab.string(),
+                    merges.string());
+  }
+  return from_model(kSentencePieceTokenizer, read_file(path, "tokenizer"), path);
+}
+Tokenizer Tokenizer::byte_bpe(const std::string& vocab, const std::string& merges, const std::string& vocab_where,
+                              const std::string& merges_where) {
+  ByteLevelBpe bpe(vocab, merges, vocab_where, merges_where);
+  Tokenizer t;
+  t.name_ = kByteBpeTokenizer;
+  t.model_ = vocab + '\0' + merges;
+  t.pieces_ = bpe.pieces();
+  t.codec_ = std::make_shared<ByteBpeCodec>(std::move(bpe));
+  return t;
 }
 
 Tokenizer Tokenizer::train_bpe(std::string_view text, int vocab_size, int threads) {
@@ -116,50 +248,11 @@ Tokenizer Tokenizer::train_bpe(std::string_view text, int vocab_size, int thread
   return from_model(kBpeTokenizer, model, "the BPE model just trained");
 }
 
-std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
-  std::vector<int32_t> ids;
-  if (!sp_) {
-    ids.assign(reinterpret_cast<const uint8_t*>(text.data()),
-               reinterpret_cast<const uint8_t*>(text.data()) + text.size());
-    return ids;
-  }
-  if (name_ == kSentencePieceTokenizer) {  // the whole text, as the model's own users encode it
-    std::vector<int> all;
-    const auto status = sp_->Encode(text, &all);
-    DT_CHECK(status.ok(), "SentencePiece could not encode the text: " << status.ToString());
-    return {all.begin(), all.end()};
-  }
-  // Line by line, as it was trained; each newline is its byte piece.
-  std::vector<int> line_ids;
-  for (size_t at = 0; at <= text.size();) {
-    size_t end = text.find('\n', at);
-    if (end == std::string_view::npos) end = text.size();
-    if (end > at) {
-      const auto status = sp_->Encode(text.substr(at, end - at), &line_ids);
-      DT_CHECK(status.ok(), "SentencePiece could not encode a line: " << status.ToString());
-      ids.insert(ids.end(), line_ids.begin(), line_ids.end());
-    }
-    if (end == text.size()) break;
-    ids.push_back(newline_);
-    at = end + 1;
-  }
-  return ids;
-}
+std::vector<int32_t> Tokenizer::encode(std::string_view text) const { return codec_->encode(text); }
 
 std::string Tokenizer::decode(const std::vector<int32_t>& ids) const {
-  std::string text;
-  if (name_ == kSentencePieceTokenizer) {  // SentencePiece's own decoding (its dummy prefix removed)
-    for (int32_t id : ids)
-      DT_CHECK(id >= 0 && id < vocab(), "token " << id << " outside the vocabulary of " << vocab());
-    const auto status = sp_->Decode(std::vector<int>(ids.begin(), ids.end()), &text);
-    DT_CHECK(status.ok(), "SentencePiece could not decode: " << status.ToString());
-    return text;
-  }
-  for (int32_t id : ids) {
-    DT_CHECK(id >= 0 && id < vocab(), "token " << id << " outside the vocabulary of " << vocab());
-    text += pieces_[static_cast<size_t>(id)];
-  }
-  return text;
+  for (int32_t id : ids) DT_CHECK(id >= 0 && id < vocab(), "token " << id << " outside the vocabulary of " << vocab());
+  return codec_->decode(ids, pieces_);
 }
 
 }  // namespace dtrain::data

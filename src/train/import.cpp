@@ -1,14 +1,13 @@
 // Pretrained weights from safetensors (include/dtrain/train/import.h).
 #include "dtrain/train/import.h"
 
-#include <boost/property_tree/json_parser.hpp>
-#include <boost/property_tree/ptree.hpp>
 #include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
 
 #include "dtrain/core/error.h"
+#include "dtrain/core/json.h"
 #include "dtrain/kernels/engine.h"
 #include "dtrain/parallel/tensor_parallel.h"
 
@@ -27,17 +26,6 @@ int64_t dtype_bytes(const std::string& dtype) {
   if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
   if (dtype == "I8" || dtype == "U8" || dtype == "BOOL") return 1;
   return 0;
-}
-
-pt::ptree parse_json(const std::string& text, const std::string& file) {
-  pt::ptree tree;
-  try {
-    std::istringstream in(text);
-    pt::read_json(in, tree);
-  } catch (const pt::json_parser_error& e) {
-    DT_INPUT_CHECK(false, "'" << file << "': its JSON does not parse: " << e.message() << " (line " << e.line() << ")");
-  }
-  return tree;
 }
 
 // A JSON array of non-negative integers (property_tree: children with empty keys).
@@ -69,7 +57,7 @@ void list_file(const std::string& file, std::map<std::string, SafetensorsEntry>&
   std::string header(n, '\0');
   DT_INPUT_CHECK(in.read(header.data(), static_cast<std::streamsize>(n)), "'" << file << "': its header is cut short");
   const uint64_t data = 8 + n, data_bytes = size - data;
-  for (const auto& [name, e] : parse_json(header, file)) {
+  for (const auto& [name, e] : parse_json(header, "'" + file + "' (its header)")) {
     if (name == "__metadata__") continue;
     if (only && !only->count(name)) continue;
     DT_INPUT_CHECK(!name.empty() && !out.count(name), "'" << file << "': tensor '" << name << "' is listed twice");
@@ -113,7 +101,7 @@ std::map<std::string, SafetensorsEntry> list_safetensors(const std::string& wher
     std::ifstream in(index);
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     DT_INPUT_CHECK(text.size() <= kMaxHeader, "'" << index.string() << "' holds " << text.size() << " bytes");
-    const pt::ptree tree = parse_json(text, index.string());
+    const pt::ptree tree = parse_json(text, "'" + index.string() + "'");
     const auto map = tree.get_child_optional("weight_map");
     DT_INPUT_CHECK(map, "'" << index.string() << "' has no weight_map");
     std::map<std::string, std::set<std::string>> by_file;

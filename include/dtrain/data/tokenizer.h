@@ -1,17 +1,14 @@
 #pragma once
 // The tokenizers of dtrain's language models: bytes (token = byte, vocabulary 256), a subword BPE
-// model trained and applied by SentencePiece, and a model's own pretrained SentencePiece model. A BPE model travels as
-// its serialized bytes inside the token files and the GPT's checkpoints, so generation and evaluation need nothing
-// else.
+// model trained and applied by SentencePiece, and a model's own pretrained tokenizer (a SentencePiece
+// model as the Llama family ships it, or GPT-2's byte-level BPE). A tokenizer travels as its name and
+// its serialized model inside the token files and the language models' checkpoints, so generation
+// and evaluation need nothing else.
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
-
-namespace sentencepiece {
-class SentencePieceProcessor;
-}
 
 namespace dtrain::data {
 
@@ -20,15 +17,21 @@ inline constexpr const char* kBpeTokenizer = "sentencepiece-bpe";
 // A pretrained SentencePiece model as a model family ships it (a Llama's tokenizer.model): applied
 // to the whole text as SentencePiece's own encode does (its normalisation, its dummy prefix).
 inline constexpr const char* kSentencePieceTokenizer = "sentencepiece";
+// GPT-2's byte-level BPE (vocab.json and merges.txt; see byte_bpe.h). Its serialized model is the
+// two files' contents joined by a NUL byte.
+inline constexpr const char* kByteBpeTokenizer = "gpt2-bpe";
+
+class TokenCodec;  // how one kind of tokenizer encodes and decodes (tokenizer.cpp)
 
 class Tokenizer {
  public:
   Tokenizer();  // bytes
-  // `name` is kBytesTokenizer (no model) or kBpeTokenizer with its serialized SentencePiece model.
+  // `name` is one of the kinds above, `model` its serialized model (empty for bytes).
   // Throws InputError naming `where` (a file) for an unknown name or a model that does not load.
   static Tokenizer from_model(const std::string& name, const std::string& model, const std::string& where);
-  // A model's own tokenizer from its file: a SentencePiece model (tokenizer.model). InputError
-  // naming the file when it is missing or does not load.
+  // A model's own tokenizer: a SentencePiece model (tokenizer.model), GPT-2's vocab.json (its
+  // merges.txt beside it), or a folder holding either. InputError naming the path when it is missing
+  // or does not load.
   static Tokenizer from_file(const std::string& path);
   // Trains a BPE model of `vocab_size` pieces on `text` (its lines are SentencePiece's sentences)
   // on `threads` threads: every character of the text is kept (character coverage 1), bytes the
@@ -46,10 +49,12 @@ class Tokenizer {
   }  // the bytes id stands for
 
  private:
+  static Tokenizer byte_bpe(const std::string& vocab, const std::string& merges, const std::string& vocab_where,
+                            const std::string& merges_where);
+
   std::string name_, model_;
-  std::shared_ptr<const sentencepiece::SentencePieceProcessor> sp_;
+  std::shared_ptr<const TokenCodec> codec_;
   std::vector<std::string> pieces_;  // per id, the text it decodes to
-  int32_t newline_ = '\n';           // the id of "\n" (a byte piece under BPE)
 };
 
 }  // namespace dtrain::data
