@@ -19,13 +19,18 @@ void allreduce_sum(comm::Communicator& c, Tensor& t) {
 
 }  // namespace
 
+// ------------------------------------------------------------------ TensorParallelLinear
+Tensor TensorParallelLinear::gather(const nn::Parameter& p, const Tensor& local) const {
+  const Tensor host = host_copy(local);  // the whole tensor is for a checkpoint or an export
+  return splits(p) ? join(host) : host;
+}
+
 // ------------------------------------------------------------------ ColumnParallelLinear
 ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp,
                                            std::vector<int64_t> blocks)
-    : nn::Linear(in, out / tp.size()),
+    : TensorParallelLinear(in, out / tp.size(), tp),
       full_out_(out),
-      blocks_(blocks.empty() ? std::vector<int64_t>{out} : std::move(blocks)),
-      tp_(tp) {
+      blocks_(blocks.empty() ? std::vector<int64_t>{out} : std::move(blocks)) {
   int64_t sum = 0;
   bool even = true;
   for (int64_t b : blocks_) {
@@ -36,7 +41,7 @@ ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool bias, R
                  "ColumnParallelLinear(" << in << ", " << out << "): its " << blocks_.size()
                                          << " block(s) of outputs must split over " << tp.size() << " tp ranks");
   auto [w, b] = nn::Linear::init(in, out, bias, rng);  // the one-rank layer's draws, then this rank's rows
-  set_parameters(shard_of(w), bias ? shard_of(b) : Tensor());
+  set_parameters(slice_of(w), bias ? slice_of(b) : Tensor());
 }
 
 std::string ColumnParallelLinear::kind() const {
@@ -44,7 +49,7 @@ std::string ColumnParallelLinear::kind() const {
          ", tp=" + std::to_string(tp_.size()) + ")";
 }
 
-Tensor ColumnParallelLinear::shard_of(const Tensor& full) const {
+Tensor ColumnParallelLinear::slice_of(const Tensor& full) const {
   DT_CHECK(full.dim() >= 1 && full.size(0) == full_out_, kind() << ": cannot shard " << full.str());
   const int64_t row = full.numel() / full_out_;  // elements per output row
   Shape s = full.shape();
@@ -63,8 +68,7 @@ Tensor ColumnParallelLinear::shard_of(const Tensor& full) const {
   return t;
 }
 
-Tensor ColumnParallelLinear::gather_full(const Tensor& on_device) const {
-  const Tensor local = to_host(on_device);  // the whole tensor is for a checkpoint or an export
+Tensor ColumnParallelLinear::join(const Tensor& local) const {
   const int64_t n = local.numel(), tp = tp_.size();
   Tensor all = Tensor::empty({tp * n}, local.dtype());
   if (tp > 1)
@@ -90,6 +94,12 @@ Tensor ColumnParallelLinear::gather_full(const Tensor& on_device) const {
   return full;
 }
 
+Shape ColumnParallelLinear::full_shape(const nn::Parameter& p) const {
+  Shape s = p.value.shape();
+  if (splits(p)) s[0] = s[0] / out_ * full_out_;
+  return s;
+}
+
 // The local GEMMs are nn::Linear's; d(x) = allreduce_tp(dy W_local): each rank's outputs depend on
 // all of x, so d(x) is the sum of every rank's part.
 Tensor ColumnParallelLinear::backward(const Tensor& dy) {
@@ -100,13 +110,19 @@ Tensor ColumnParallelLinear::backward(const Tensor& dy) {
   return dx;
 }
 
+// d(x A^T) = s dy B over this rank's output rows only: a part of the whole.
+void ColumnParallelLinear::sum_lora_gradients(Tensor& dt) {
+  engine(dt).synchronize();
+  allreduce_sum(tp_, dt);
+}
+
 // ------------------------------------------------------------------ RowParallelLinear
 RowParallelLinear::RowParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp)
-    : nn::Linear(in / tp.size(), out), full_in_(in), tp_(tp) {
+    : TensorParallelLinear(in / tp.size(), out, tp), full_in_(in) {
   DT_INPUT_CHECK(out > 0 && in % tp.size() == 0,
                  "RowParallelLinear(" << in << ", " << out << "): inputs must split over " << tp.size() << " tp ranks");
   auto [w, b] = nn::Linear::init(in, out, bias, rng);
-  set_parameters(shard_of(w), b);
+  set_parameters(slice_of(w), b);
 }
 
 std::string RowParallelLinear::kind() const {
@@ -114,40 +130,51 @@ std::string RowParallelLinear::kind() const {
          ", tp=" + std::to_string(tp_.size()) + ")";
 }
 
-Tensor RowParallelLinear::shard_of(const Tensor& full) const {
-  DT_CHECK(full.dim() == 2 && full.size(0) == out_ && full.size(1) == full_in_, kind()
-                                                                                    << ": cannot shard " << full.str());
-  Tensor t = Tensor::empty({out_, in_}, full.dtype());
+Tensor RowParallelLinear::slice_of(const Tensor& full) const {
+  DT_CHECK(full.dim() == 2 && full.size(1) == full_in_, kind() << ": cannot shard " << full.str());
+  const int64_t rows = full.size(0);
+  Tensor t = Tensor::empty({rows, in_}, full.dtype());
   const size_t es = dtype_size(full.dtype());
-  for (int64_t o = 0; o < out_; ++o)
+  for (int64_t o = 0; o < rows; ++o)
     std::memcpy(static_cast<char*>(t.raw()) + static_cast<size_t>(o * in_) * es,
                 static_cast<const char*>(full.raw()) + static_cast<size_t>(o * full_in_ + tp_.rank() * in_) * es,
                 static_cast<size_t>(in_) * es);
   return t;
 }
 
-Tensor RowParallelLinear::gather_full(const Tensor& on_device) const {
-  const Tensor local = host_copy(on_device);      // the whole tensor is for a checkpoint or an export
-  if (local.numel() != out_ * in_) return local;  // the bias is whole on every rank
-  const int64_t n = local.numel(), tp = tp_.size();
+Tensor RowParallelLinear::join(const Tensor& local) const {
+  const int64_t n = local.numel(), tp = tp_.size(), rows = local.size(0);
   Tensor all = Tensor::empty({tp * n}, local.dtype());
   if (tp > 1)
     tp_.allgather(local, all)->wait();
   else
     all.copy_from(local.reshape({n}));
-  Tensor full = Tensor::empty({out_, full_in_}, local.dtype());
+  Tensor full = Tensor::empty({rows, full_in_}, local.dtype());
   const size_t es = dtype_size(local.dtype());
   for (int64_t r = 0; r < tp; ++r)
-    for (int64_t o = 0; o < out_; ++o)
+    for (int64_t o = 0; o < rows; ++o)
       std::memcpy(static_cast<char*>(full.raw()) + static_cast<size_t>(o * full_in_ + r * in_) * es,
                   static_cast<const char*>(all.raw()) + static_cast<size_t>(r * n + o * in_) * es,
                   static_cast<size_t>(in_) * es);
   return full;
 }
 
+Shape RowParallelLinear::full_shape(const nn::Parameter& p) const {
+  Shape s = p.value.shape();
+  if (splits(p)) s[1] = full_in_;
+  return s;
+}
+
+// x_local A_local^T: this rank's input columns' part of x A^T.
+void RowParallelLinear::sum_lora_activations(Tensor& t) {
+  engine(t).synchronize();
+  allreduce_sum(tp_, t);
+}
+
 // y (M, out) = allreduce_tp(x_local (M, in/tp) . W_local^T) + b: the bias is added once, after the sum.
 Tensor RowParallelLinear::forward(const Tensor& x) {
   Tensor& y = project(x);
+  if (lora_a_) lora_forward(x, y);  // its part of the adapters' output too
   engine(x).synchronize();
   allreduce_sum(tp_, y);
   add_bias(y);
@@ -285,16 +312,23 @@ const nn::GptVocabShard* vocab_shard_of(nn::Module* m, const std::string& name) 
   return s && s->sharded() ? s : nullptr;
 }
 
-}  // namespace
-
-bool is_tensor_parallel_shard(nn::Module& model, const std::string& name) {
+// Parameter name -> whether the tp ranks hold parts of it (a vocabulary shard, or a split tensor of
+// a tensor-parallel layer). By name, so that a piece named as its parameter (ZeRO-1's) is found too.
+std::map<std::string, bool> split_parameters(nn::Module& model) {
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
-  nn::Module* m = own.at(name);
-  if (vocab_shard_of(m, name)) return true;
-  if (dynamic_cast<ColumnParallelLinear*>(m)) return true;
-  return dynamic_cast<RowParallelLinear*>(m) && name.ends_with("weight");
+  std::map<std::string, bool> split;
+  for (nn::Parameter* p : model.parameters()) {  // full names again
+    nn::Module* m = own.at(p->name);
+    const auto* layer = dynamic_cast<const TensorParallelLinear*>(m);
+    split[p->name] = vocab_shard_of(m, p->name) || (layer && layer->splits(*p));
+  }
+  return split;
 }
+
+}  // namespace
+
+bool is_tensor_parallel_shard(nn::Module& model, const std::string& name) { return split_parameters(model).at(name); }
 
 std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp) {
   std::map<std::string, nn::Module*> own;
@@ -303,10 +337,10 @@ std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp
   for (nn::Parameter* p : model.parameters()) {
     Shape s = p->value.shape();
     nn::Module* m = own.at(p->name);
-    if (vocab_shard_of(m, p->name) || dynamic_cast<ColumnParallelLinear*>(m))
-      s[0] *= tp;  // the output rows (or vocabulary rows) are split
-    else if (dynamic_cast<RowParallelLinear*>(m) && p->name.ends_with("weight"))
-      s[1] *= tp;  // the input columns are split
+    if (vocab_shard_of(m, p->name))
+      s[0] *= tp;  // the vocabulary rows are split
+    else if (const auto* layer = dynamic_cast<const TensorParallelLinear*>(m))
+      s = layer->full_shape(*p);
     out[p->name] = s;
   }
   return out;
@@ -326,11 +360,9 @@ std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator*
       Tensor all = Tensor::empty({t.size(0) * tp->size(), t.size(1)});
       tp->allgather(t, all)->wait();  // rank order is row order
       full[p->name] = all;
-    } else if (auto* c = dynamic_cast<ColumnParallelLinear*>(m))
-      full[p->name] = c->gather_full(t);
-    else if (auto* r = dynamic_cast<RowParallelLinear*>(m))
-      full[p->name] = r->gather_full(t);
-    else {  // a copy on the host (checkpoints are written from there)
+    } else if (const auto* layer = dynamic_cast<const TensorParallelLinear*>(m)) {
+      full[p->name] = layer->gather(*p, t);
+    } else {  // a copy on the host (checkpoints are written from there)
       const auto old = reuse ? reuse->find(p->name) : NamedTensors::const_iterator{};
       full[p->name] = host_copy(t, reuse && old != reuse->end() ? &old->second : nullptr);
     }
@@ -357,10 +389,8 @@ void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, con
     Tensor shard = it->second;
     if (const nn::GptVocabShard* v = vocab_shard_of(m, p->name))
       shard = it->second.slice0(v->offset, v->offset + v->rows);
-    else if (auto* c = dynamic_cast<ColumnParallelLinear*>(m))
-      shard = c->shard_of(it->second);
-    else if (auto* r = dynamic_cast<RowParallelLinear*>(m); r && p->name.ends_with("weight"))
-      shard = r->shard_of(it->second);
+    else if (const auto* layer = dynamic_cast<const TensorParallelLinear*>(m))
+      shard = layer->shard(*p, it->second);
     DT_INPUT_CHECK(shard.numel() == dst.numel() && shard.dtype() == dst.dtype(),
                    "parameter " << p->name << ": " << it->second.str() << " does not fit " << dst.str());
     copy_any(shard, dst);
@@ -374,16 +404,12 @@ void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>
 double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp,
                          const nn::Parameter* skip, const std::vector<nn::Parameter*>* pieces,
                          comm::Communicator* shards) {
-  std::map<std::string, nn::Module*> own;
-  owners(model, "", own);
+  const std::map<std::string, bool> sharded = split_parameters(model);
   double split = 0, replicated = 0;
   const std::vector<nn::Parameter*> grads = pieces ? *pieces : model.parameters();
   for (nn::Parameter* p : grads) {
     if (skip && p->name == skip->name) continue;
-    nn::Module* m = own.at(p->name);
-    bool sharded = dynamic_cast<ColumnParallelLinear*>(m) ||
-                   (dynamic_cast<RowParallelLinear*>(m) && p->name.ends_with("weight")) || vocab_shard_of(m, p->name);
-    (sharded ? split : replicated) += engine_for(p->grad.device()).sum_squares(p->grad);
+    (sharded.at(p->name) ? split : replicated) += engine_for(p->grad.device()).sum_squares(p->grad);
   }
   if (shards && shards->size() > 1) {  // ZeRO: each rank of `shards` holds other elements
     Tensor s = Tensor::from({2}, {static_cast<float>(split), static_cast<float>(replicated)});

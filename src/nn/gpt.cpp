@@ -349,7 +349,6 @@ ModulePtr make_lm_block(const GptConfig& cfg, Rng& rng, const BlockLinears* line
   ModulePtr fc2 = lin.row(f, c, cfg.bias, rng);
   ModulePtr act = cfg.swiglu ? ModulePtr(std::make_unique<SwiGLU>()) : GELU();
   if (cfg.lora_rank > 0) {
-    DT_INPUT_CHECK(lin.ranks == 1, "LoRA (--lora-rank) does not combine with --tp in this version");
     add_lora_adapters(cfg, layer, *att->children()[0].second, *att->children()[1].second, *fc1, *fc2);
   }
   ModulePtr norm1 = make_norm(cfg), norm2 = make_norm(cfg);

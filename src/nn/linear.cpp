@@ -100,16 +100,17 @@ Tensor Linear::forward(const Tensor& x) {
 
 void Linear::add_lora(const std::vector<std::pair<int64_t, int64_t>>& blocks, int64_t rank, float alpha, Rng& rng) {
   DT_INPUT_CHECK(!lora_a_ && !w8_ && rank > 0 && !blocks.empty(), kind() << ": LoRA of rank " << rank);
-  const int64_t nr = static_cast<int64_t>(blocks.size()) * rank;
-  lora_a_ = &add_parameter("lora_A", Linear::init(in_, nr, false, rng).first);
-  lora_b_ = &add_parameter("lora_B", Tensor::zeros({out_, nr}));
-  lora_mask_ = Tensor::zeros({out_, nr});
+  const int64_t nr = static_cast<int64_t>(blocks.size()) * rank, out = full_out();
+  Tensor mask = Tensor::zeros({out, nr});  // the full layer's, then this slice's rows
   for (size_t k = 0; k < blocks.size(); ++k) {
     const auto [first, rows] = blocks[k];
-    DT_INPUT_CHECK(first >= 0 && rows > 0 && first + rows <= out_, kind() << ": LoRA rows " << first << " + " << rows);
+    DT_INPUT_CHECK(first >= 0 && rows > 0 && first + rows <= out, kind() << ": LoRA rows " << first << " + " << rows);
     for (int64_t r = first; r < first + rows; ++r)
-      for (int64_t j = 0; j < rank; ++j) lora_mask_.f32()[r * nr + static_cast<int64_t>(k) * rank + j] = 1.f;
+      for (int64_t j = 0; j < rank; ++j) mask.f32()[r * nr + static_cast<int64_t>(k) * rank + j] = 1.f;
   }
+  lora_a_ = &add_parameter("lora_A", columns_of(Linear::init(full_in(), nr, false, rng).first));
+  lora_mask_ = rows_of(mask);
+  lora_b_ = &add_parameter("lora_B", Tensor::zeros(lora_mask_.shape()));
   lora_scale_ = alpha / static_cast<float>(rank);
 }
 
@@ -119,10 +120,11 @@ void Linear::lora_forward(const Tensor& x, Tensor& y) {
   const int64_t m = x.numel() / in_, nr = lora_a_->value.size(0);
   ensure(lora_t_, {m, nr}, x.device());
   e.gemm(false, true, m, nr, in_, 1.f, x, lora_a_->value, 0.f, lora_t_);
-  e.gemm(false, true, m, out_, nr, lora_scale_, lora_t_, lora_b_->value, 1.f, y);
+  e.gemm(false, true, m, out_, nr, lora_scale_, lora_t_, lora_b_->value, 1.f, y);  // partial where y is
+  sum_lora_activations(lora_t_);                                                   // whole for dB
 }
 
-// dB += s dy^T t (its trained blocks only), dt = s dy B, dA += dt^T x, dx += dt A.
+// dB += s dy^T t (its trained blocks only), dt = s dy B, dx += dt A, dA += dt^T x.
 void Linear::lora_backward(const Tensor& dy, const Tensor& x, Tensor* dx) {
   Engine& e = engine(dy);
   const int64_t m = dy.numel() / out_, nr = lora_a_->value.size(0);
@@ -136,9 +138,10 @@ void Linear::lora_backward(const Tensor& dy, const Tensor& x, Tensor* dx) {
   grad_ready(*lora_b_);
   ensure_temp(lora_dt_, {m, nr}, dy.device());
   e.gemm(false, false, m, nr, out_, lora_scale_, dy, lora_b_->value, 0.f, lora_dt_);
+  if (dx) e.gemm(false, false, m, in_, nr, 1.f, lora_dt_, lora_a_->value, 1.f, *dx);  // partial where dx is
+  sum_lora_gradients(lora_dt_);                                                       // whole for dA
   e.gemm(true, false, nr, in_, m, 1.f, lora_dt_, x, 1.f, lora_a_->grad);
   grad_ready(*lora_a_);
-  if (dx) e.gemm(false, false, m, in_, nr, 1.f, lora_dt_, lora_a_->value, 1.f, *dx);
 }
 
 const Tensor& Linear::saved_input(Device dev) {

@@ -41,10 +41,9 @@ void owners(nn::Module& m, const std::string& prefix, std::map<std::string, nn::
 }
 
 // The part of a one-rank tensor that a tp rank holds for parameter `name` owned by `owner`.
-Tensor expected_shard(nn::Module* owner, const std::string& name, const Tensor& full) {
-  bool is_weight = name.size() >= 6 && name.compare(name.size() - 6, 6, "weight") == 0;
-  if (auto* c = dynamic_cast<parallel::ColumnParallelLinear*>(owner)) return c->shard_of(full);
-  if (auto* r = dynamic_cast<parallel::RowParallelLinear*>(owner)) return is_weight ? r->shard_of(full) : full;
+Tensor expected_shard(nn::Module* owner, const nn::Parameter& p, const Tensor& full) {
+  const std::string& name = p.name;
+  if (auto* layer = dynamic_cast<parallel::TensorParallelLinear*>(owner)) return layer->shard(p, full);
   const nn::GptVocabShard* v = nullptr;  // a vocabulary-parallel embedding: this rank's rows
   if (auto* e = dynamic_cast<nn::GptEmbedding*>(owner)) v = &e->shard();
   if (auto* h = dynamic_cast<nn::GptHead*>(owner)) v = &h->shard();
@@ -99,7 +98,7 @@ void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int
   }
   for (nn::Parameter* p : model.parameters()) {
     ASSERT_TRUE(ref_params.count(p->name)) << p->name;
-    expect_rel_close(p->value, expected_shard(own[p->name], p->name, ref_params[p->name]->value), 0, "init " + p->name);
+    expect_rel_close(p->value, expected_shard(own[p->name], *p, ref_params[p->name]->value), 0, "init " + p->name);
   }
   // The tied embedding: the first stage's and the last stage's copies add their gradients.
   std::unique_ptr<comm::Communicator> tied;
@@ -116,7 +115,16 @@ void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int
   optim::SgdOptions so;
   so.momentum = 0.9f;
   so.weight_decay = 1e-4f;
-  optim::SGD opt_ref(ref.parameters(), so), opt(model.parameters(), so);
+  // LoRA: the base weights frozen, as the trainer freezes them; the optimizers hold the adapters.
+  auto trained = [&](nn::Module& m) {
+    std::vector<nn::Parameter*> out;
+    for (nn::Parameter* p : m.parameters()) {
+      p->frozen = cfg.lora_rank > 0 && !nn::is_lora_adapter(p->name);
+      if (!p->frozen) out.push_back(p);
+    }
+    return out;
+  };
+  optim::SGD opt_ref(trained(ref), so), opt(trained(model), so);
   const int64_t per_rank = 4, t = 6, total = per_rank * grid.dp_size(), mbs = per_rank / micro;
   Rng data_rng(77);
   nn::SoftmaxCrossEntropy xent_ref;
@@ -173,14 +181,14 @@ void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int
     for (nn::Parameter* p : model.parameters()) {
       if (!sync) continue;
       const std::string what = "step " + std::to_string(step) + " gradient " + p->name;
-      Tensor want = expected_shard(own[p->name], p->name, ref_params[p->name]->grad);
+      Tensor want = expected_shard(own[p->name], *p, ref_params[p->name]->grad);
       worst_grad = std::max(worst_grad, expect_rel_close(p->grad, want, 1e-5, what, 1e-3));
     }
     opt_ref.step(0.1f);
     opt.step(0.1f);
     if (sync)
       for (nn::Parameter* p : model.parameters())
-        p->value.copy_from(expected_shard(own[p->name], p->name, ref_params[p->name]->value));
+        p->value.copy_from(expected_shard(own[p->name], *p, ref_params[p->name]->value));
   }
   if (world().rank() == 0 && sync)
     std::printf("%s tp %d pp %d: worst relative gradient difference over %d steps at the same parameters: %.2e\n",
@@ -190,7 +198,7 @@ void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int
                 cfg.llama() ? "llama" : "gpt", tp, pp, steps, worst_loss);
   if (!sync)
     for (nn::Parameter* p : model.parameters())
-      expect_rel_close(p->value, expected_shard(own[p->name], p->name, ref_params[p->name]->value), 1e-5,
+      expect_rel_close(p->value, expected_shard(own[p->name], *p, ref_params[p->name]->value), 1e-5,
                        "after training " + p->name);
 }
 
@@ -280,6 +288,45 @@ TEST(TensorParallel, LmTrainerTp2MatchesOneRankAndCheckpointReloads) {
     double reloaded =
         train::evaluate_lm(*one, (dir / "tok" / "val.h5").string(), c.batch_size, c.context, c.eval_batches);
     EXPECT_NEAR(reloaded, got.last_eval.loss, 1e-5 * got.last_eval.loss);
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// LoRA through the trainer at tp 2: the losses of one rank, the adapters' gathered checkpoint
+// tensors (B's rows and A's columns joined from their parts) those of one rank, and the base
+// weights untouched.
+TEST(TensorParallel, LmTrainerLoraTp2MatchesOneRank) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (tp 2, dp 1)";
+  const std::filesystem::path dir = make_corpus("tp-lora");
+  train::TrainConfig c = test::small_lm_config(dir / "tok", small_llama());
+  c.lora_rank = 2;
+  c.lora_targets = "q,k,v,o,gate,up,down";
+  c.lr = 2e-2f;
+  auto solo = world().split(world().rank(), 0, "solo");
+  c.checkpoint_dir = (dir / ("solo" + std::to_string(world().rank()))).string();
+  train::TrainResult ref = train::train_lm(c, solo.get());
+  c.tp = 2;
+  c.checkpoint_dir = (dir / "tp2").string();
+  train::TrainResult got = train::train_lm(c, &world());
+  EXPECT_NEAR(got.train_loss, ref.train_loss, 1e-5 * ref.train_loss);
+  EXPECT_NEAR(got.last_eval.loss, ref.last_eval.loss, 1e-5 * ref.last_eval.loss);
+  if (world().rank() == 0) {
+    const train::CheckpointState a = train::load_checkpoint(ref.checkpoint), b = train::load_checkpoint(got.checkpoint);
+    int adapters = 0;
+    for (const auto& [name, want] : a.tensors) {
+      if (!name.starts_with("param/")) continue;
+      const Tensor& have = b.tensors.at(name);
+      ASSERT_EQ(have.shape(), want.shape()) << name;
+      double diff = 0, scale = 1e-3;
+      for (int64_t i = 0; i < want.numel(); ++i) {
+        diff = std::max(diff, std::abs(double(have.f32()[i]) - want.f32()[i]));
+        scale = std::max(scale, std::abs(double(want.f32()[i])));
+      }
+      EXPECT_LE(diff, 1e-5 * scale) << name;
+      adapters += nn::is_lora_adapter(name);
+    }
+    EXPECT_EQ(adapters, 2 * 4 * 4) << "A and B of the fused q/k/v, o, gate/up and down in 4 layers";
   }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
@@ -388,6 +435,24 @@ TEST(Pipeline, GptTp2Pp2MatchesOneRank) {
 // tp 2 x pp 2 at 4 ranks, each equal to one rank.
 TEST(TensorParallel, LlamaTp2MatchesOneRank) {
   expect_grid_matches_one_rank(2, 1, 10, parallel::PipelineSchedule::OneFOneB, 1, small_llama());
+}
+
+// LoRA on every projection: A whole and B split by rows on a column-parallel layer, A split by
+// columns and B whole on a row-parallel one; the adapters' x A^T and its gradient summed over tp.
+nn::GptConfig small_llama_lora() {
+  nn::GptConfig c = small_llama();
+  c.lora_rank = 2;
+  c.lora_targets = "q,k,v,o,gate,up,down";
+  return c;
+}
+
+TEST(TensorParallel, LlamaLoraTp2MatchesOneRank) {
+  expect_grid_matches_one_rank(2, 1, 10, parallel::PipelineSchedule::OneFOneB, 1, small_llama_lora());
+}
+
+TEST(Pipeline, LlamaLoraTp2Pp2MatchesOneRank) {
+  if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
+  expect_grid_matches_one_rank(2, 2, 10, parallel::PipelineSchedule::OneFOneB, 2, small_llama_lora());
 }
 
 TEST(Pipeline, LlamaPp2MatchesOneRank) {

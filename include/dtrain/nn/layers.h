@@ -51,6 +51,16 @@ class Linear : public Module {
   // sizes, and the subclass registers the slice's tensors with set_parameters.
   Linear(int64_t in, int64_t out) : in_(in), out_(out) {}
   void set_parameters(Tensor weight, Tensor bias);
+  // A slice of a bigger layer says how: the full layer's sizes, its part of a full [full out, k]
+  // tensor (output rows) and of a full [k, full in] one (input columns). LoRA's rank-space
+  // activations x A^T are partial sums where the inputs are split, their gradient where the outputs
+  // are: the sum over the slices' ranks, in place. One layer: the whole, nothing to sum.
+  virtual int64_t full_in() const { return in_; }
+  virtual int64_t full_out() const { return out_; }
+  virtual Tensor rows_of(const Tensor& full) const { return full; }
+  virtual Tensor columns_of(const Tensor& full) const { return full; }
+  virtual void sum_lora_activations(Tensor&) {}
+  virtual void sum_lora_gradients(Tensor&) {}
   // y = x . W^T without the bias, in this layer's output buffer; add_bias finishes forward.
   Tensor& project(const Tensor& x);
   void add_bias(Tensor& y);

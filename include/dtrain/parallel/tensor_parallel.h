@@ -20,41 +20,72 @@
 namespace dtrain::parallel {
 
 // Both layers are nn::Linear over this rank's slice (its in_ x out_ are the local sizes), so they
-// share its GEMMs and gradient hooks and add only the tp communication.
-class ColumnParallelLinear : public nn::Linear {
+// share its GEMMs, gradient hooks and LoRA adapters and add only the tp communication. Each says
+// of its own parameters which are split over the tp ranks and how a full tensor is cut and joined.
+class TensorParallelLinear : public nn::Linear {
+ public:
+  // Whether the tp ranks hold parts of `p` (else each holds it whole, with equal gradients).
+  virtual bool splits(const nn::Parameter& p) const = 0;
+  virtual Shape full_shape(const nn::Parameter& p) const = 0;
+  // This rank's part of the full tensor of `p` (`full` itself when `p` is whole), as a new tensor.
+  Tensor shard(const nn::Parameter& p, const Tensor& full) const { return splits(p) ? slice_of(full) : full; }
+  // The full tensor of `p` from every tp rank's part `local`, on the host (collective over tp).
+  Tensor gather(const nn::Parameter& p, const Tensor& local) const;
+
+ protected:
+  TensorParallelLinear(int64_t in, int64_t out, comm::Communicator& tp) : nn::Linear(in, out), tp_(tp) {}
+  virtual Tensor slice_of(const Tensor& full) const = 0;  // along the split dimension
+  virtual Tensor join(const Tensor& local) const = 0;     // the inverse (collective over tp)
+  comm::Communicator& tp_;
+};
+
+class ColumnParallelLinear : public TensorParallelLinear {
  public:
   // Full layer in -> out. The outputs are consecutive `blocks` (q, k and v of a fused projection;
   // gate and up; empty: one block of `out`); this rank holds its 1/tp of every block, so it gets
-  // its own heads of q, of k and of v.
+  // its own heads of q, of k and of v. Weight, bias and LoRA's B are split by output rows; LoRA's A
+  // is whole (its gradient summed over tp through the adapters' d(x A^T)).
   ColumnParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp,
                        std::vector<int64_t> blocks = {});
   Tensor backward(const Tensor& dy) override;  // forward is nn::Linear's: (..., in) -> (..., out / tp)
   std::string kind() const override;
-  // The rows of a full [out, ...] tensor (weight or bias) that this rank holds, as a new tensor.
-  Tensor shard_of(const Tensor& full) const;
-  // The inverse: the full tensor from every tp rank's shard `local` (collective over tp).
-  Tensor gather_full(const Tensor& local) const;
+  bool splits(const nn::Parameter& p) const override { return &p != lora_a_; }
+  Shape full_shape(const nn::Parameter& p) const override;
+
+ protected:
+  int64_t full_out() const override { return full_out_; }
+  Tensor rows_of(const Tensor& full) const override { return slice_of(full); }
+  void sum_lora_gradients(Tensor& dt) override;
+  // The rows of a full [out, ...] tensor that this rank holds, and their inverse.
+  Tensor slice_of(const Tensor& full) const override;
+  Tensor join(const Tensor& local) const override;
 
  private:
   int64_t full_out_;
   std::vector<int64_t> blocks_;
-  comm::Communicator& tp_;
 };
 
-class RowParallelLinear : public nn::Linear {
+class RowParallelLinear : public TensorParallelLinear {
  public:
-  // Full layer in -> out; this rank holds input columns [r * in/tp, (r+1) * in/tp) and the whole
-  // bias (added once, after the allreduce, so its gradient is the same on every tp rank).
+  // Full layer in -> out; this rank holds input columns [r * in/tp, (r+1) * in/tp) of the weight
+  // and of LoRA's A, and the whole bias (added once, after the allreduce, so its gradient is the
+  // same on every tp rank) and LoRA's B.
   RowParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp);
   Tensor forward(const Tensor& x) override;  // (..., in / tp) -> (..., out), summed over tp
   std::string kind() const override;         // backward is nn::Linear's: dy is the same on every tp rank
-  // The columns of a full [out, in] weight this rank holds (the bias is whole).
-  Tensor shard_of(const Tensor& full) const;
-  Tensor gather_full(const Tensor& local) const;  // collective over tp
+  bool splits(const nn::Parameter& p) const override { return &p == w_ || &p == lora_a_; }
+  Shape full_shape(const nn::Parameter& p) const override;
+
+ protected:
+  int64_t full_in() const override { return full_in_; }
+  Tensor columns_of(const Tensor& full) const override { return slice_of(full); }
+  void sum_lora_activations(Tensor& t) override;
+  // The columns of a full [rows, in] tensor this rank holds, and their inverse.
+  Tensor slice_of(const Tensor& full) const override;
+  Tensor join(const Tensor& local) const override;
 
  private:
   int64_t full_in_;
-  comm::Communicator& tp_;
 };
 
 // The blocks of `cfg` (GPT-2's or a Llama's) split over `tp`: attention with heads/tp query and
