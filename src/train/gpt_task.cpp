@@ -30,6 +30,22 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// Validation windows [first, first + rows) of `s`: consecutive windows of text, or one sample per
+// window; `scored` grows by the targets that count (every one of text, the completions' of samples).
+data::TokenBatch validation_windows(const data::TokenStream& s, int64_t first, int64_t rows, int64_t t,
+                                    int64_t& scored) {
+  if (!s.has_samples()) {
+    scored += rows * t;
+    return data::sequential_windows(s, rows, t, first);
+  }
+  std::vector<int64_t> samples(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) samples[static_cast<size_t>(i)] = first + i;
+  int64_t trained = 0;
+  data::TokenBatch b = data::sample_windows(s, samples, t, &trained);
+  scored += trained;
+  return b;
+}
+
 // The mean loss per token over the first `windows` consecutive windows of `s`, `batch` at a time
 // (the last batch holds what is left); of a prompt/completion stream: over the completion tokens of
 // its first `windows` samples, one per window.
@@ -45,17 +61,7 @@ double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, in
   int64_t scored = 0;
   for (int64_t first = 0; first < windows; first += batch) {
     const int64_t rows = std::min(batch, windows - first);
-    data::TokenBatch b;
-    if (s.has_samples()) {
-      std::vector<int64_t> samples(static_cast<size_t>(rows));
-      for (int64_t i = 0; i < rows; ++i) samples[static_cast<size_t>(i)] = first + i;
-      int64_t trained = 0;
-      b = data::sample_windows(s, samples, t, &trained);
-      scored += trained;
-    } else {
-      b = data::sequential_windows(s, rows, t, first);
-      scored += rows * t;
-    }
+    const data::TokenBatch b = validation_windows(s, first, rows, t, scored);
     xent.accumulate(model.forward(stage_to(b.ids, device, ids)),
                     stage_to(b.targets, device, targets).reshape({rows * t}), stats);
   }
@@ -233,14 +239,14 @@ class GptTask final : public Task {
   Tensor micro_input(int k, int parts) override { return micro_rows(ids_, k, parts); }
   // With a teacher the statistics stay the next tokens' cross-entropy (the same quantity with and
   // without one); the gradient is the distillation loss's.
-  // Prompt/completion data: the mean over the micro-batch's completion tokens (the cross-entropy
-  // averages over all its rows, the prompts' and padding's adding nothing).
+  // Prompt/completion data: the mean over the step's completion tokens, the same whether the rows
+  // are one batch, micro-batches or pipeline stages' (the prompts and padding add nothing).
   Tensor micro_loss(const Tensor& out, int k, int parts, Tensor& stats, float grad_scale) override {
     const Tensor targets = micro_rows(targets_, k, parts);
     xent_->accumulate(out, targets.reshape({targets.numel()}), stats);
-    if (train_.has_samples()) {
-      const int64_t trained = trained_in(k, parts);
-      return xent_->backward(trained > 0 ? grad_scale * static_cast<float>(targets.numel()) / trained : 0.f);
+    if (train_.has_samples()) {  // d(loss sum)/(the step's completion tokens): however the rows are cut
+      return xent_->backward(grad_scale * static_cast<float>(parts) * static_cast<float>(targets.numel()) /
+                             static_cast<float>(step_units()));
     }
     if (!teacher_) return xent_->backward(grad_scale);
     const float w = cfg_->distill_weight;
@@ -298,13 +304,6 @@ class GptTask final : public Task {
     for (int64_t& k : samples) k = static_cast<int64_t>(rng.below(static_cast<uint64_t>(train_.sample_count())));
     data::TokenBatch b = data::sample_windows(train_, samples, seq_len_);
     return {b.ids, b.targets};
-  }
-  // The trained targets (not -1) of micro-batch k of the loaded step; every target for plain text.
-  int64_t trained_in(int k, int parts) const {
-    const auto per = static_cast<int64_t>(row_trained_.size()) / parts;
-    int64_t n = 0;
-    for (int64_t r = k * per; r < (k + 1) * per; ++r) n += row_trained_[static_cast<size_t>(r)];
-    return n;
   }
   double pipeline_val_loss(parallel::PipelineStage& pipe, int64_t windows);
 
@@ -365,9 +364,9 @@ void GptTask::setup(const TaskSetup& s) {
       train_.has_samples() == val_.has_samples(),
       "'" << c.data
           << "': train.h5 and val.h5 must both be prompt/completion samples (dtrain convert sft) or both text");
-  DT_INPUT_CHECK(!train_.has_samples() || (c.pp == 1 && c.teacher.empty()),
+  DT_INPUT_CHECK(!train_.has_samples() || c.teacher.empty(),
                  "'" << c.data
-                     << "' holds prompt/completion samples: --pp and --teacher do not combine with them in "
+                     << "' holds prompt/completion samples: --teacher does not combine with them in "
                         "this version");
   data_seed_ = derive_seed(c.seed, static_cast<uint64_t>(s.grid.dp_rank()));  // each dp group its own windows
   model_cfg_.vocab = c.vocab > 0 ? c.vocab : train_.vocab;
@@ -488,11 +487,15 @@ double GptTask::pipeline_val_loss(parallel::PipelineStage& pipe, int64_t windows
   nn::update_working_copies(model_->parameters(), engine_for(device_).math_precision());
   model_->eval();
   double sum = 0;
+  int64_t scored = 0;  // on the last stage
   auto run = [&](int64_t first, int64_t rows, int64_t batches) {
-    auto window = [&](int k) { return data::sequential_windows(val_, rows, seq_len_, first + k * rows); };
-    pipe.forward_only([&](int k) { return window(k).ids; },
+    auto window = [&](int k, int64_t& count) {
+      return validation_windows(val_, first + k * rows, rows, seq_len_, count);
+    };
+    int64_t not_counted = 0;
+    pipe.forward_only([&](int k) { return window(k, not_counted).ids; },
                       [&](const Tensor& out, int k) {
-                        xent_->forward(out, window(k).targets.reshape({rows * seq_len_}));
+                        xent_->forward(out, window(k, scored).targets.reshape({rows * seq_len_}));
                         sum += xent_->last_loss_sum();
                       },
                       stage_shapes(rows), static_cast<int>(batches));
@@ -501,9 +504,12 @@ double GptTask::pipeline_val_loss(parallel::PipelineStage& pipe, int64_t windows
   if (whole > 0) run(0, batch_, whole);
   if (rest > 0) run(whole * batch_, rest, 1);
   model_->train();
-  Tensor t = Tensor::full({1}, pipe.last() ? static_cast<float>(sum) : 0.f);
+  Tensor t =
+      Tensor::from({2}, {pipe.last() ? static_cast<float>(sum) : 0.f, pipe.last() ? static_cast<float>(scored) : 0.f});
   grid_->pp().allreduce(t)->wait();
-  return t.f32()[0] / static_cast<double>(windows * seq_len_);
+  DT_INPUT_CHECK(t.f32()[1] > 0,
+                 "the validation samples hold no completion token within " << seq_len_ + 1 << " tokens");
+  return t.f32()[0] / static_cast<double>(t.f32()[1]);
 }
 
 void GptTask::write_fields(CheckpointState& s) const {

@@ -574,6 +574,43 @@ void expect_resume_across_layouts(int tp, int pp, const nn::GptConfig& model = s
 }
 }  // namespace
 
+// Prompt/completion samples through a 2-stage pipeline (4 micro-batches of a batch of 4, each
+// with its own count of completion tokens): every step's loss, the mean over the step's completion
+// tokens, and the validation over held-out records equal one rank's.
+TEST(Pipeline, SftPp2MatchesOneRank) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2)";
+  int pid = static_cast<int>(::getpid());
+  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  const std::filesystem::path dir = "/tmp/dtrain-sft-pp-" + std::to_string(pid);
+  if (world().rank() == 0) {
+    std::filesystem::create_directories(dir);
+    std::ofstream out(dir / "data.jsonl");
+    const char* names[] = {"red", "green and blue", "white", "a very dark black", "grey"};
+    for (int i = 0; i < 120; ++i)
+      out << "{\"prompt\": \"colour " << i % 7 << ": \", \"completion\": \"" << names[i % 5] << ".\"}\n";
+    out.close();
+    data::SftConvertOptions opt;
+    opt.val_fraction = 0.2;
+    data::convert_sft({(dir / "data.jsonl").string()}, (dir / "tok").string(), opt);
+  }
+  world().barrier();
+  nn::GptConfig shape = small_llama();
+  shape.context = 16;
+  train::TrainConfig c = test::small_lm_config(dir / "tok", shape);
+  c.eval_batches = 0;
+  auto solo = world().split(world().rank(), 0, "solo");
+  const train::TrainResult want = train::train_lm(c, solo.get());
+  c.pp = 2;
+  c.micro_batches = 4;
+  const train::TrainResult got = train::train_lm(c, &world());
+  ASSERT_EQ(got.step_losses.size(), want.step_losses.size());
+  for (size_t i = 0; i < want.step_losses.size(); ++i)
+    EXPECT_NEAR(got.step_losses[i], want.step_losses[i], 1e-5 * want.step_losses[i]) << "step " << i;
+  EXPECT_NEAR(got.last_eval.loss, want.last_eval.loss, 1e-5 * want.last_eval.loss);
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST(Pipeline, LmResumesFromOneRankInPp2AndBack) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2)";
   expect_resume_across_layouts(1, 2);
