@@ -25,21 +25,52 @@ Tensor TensorParallelLinear::gather(const nn::Parameter& p, const Tensor& local)
   return splits(p) ? join(host) : host;
 }
 
+double TensorParallelLinear::grad_sum_squares(const nn::Parameter& p) const {
+  return engine_for(p.grad.device()).sum_squares(p.grad);
+}
+
 // ------------------------------------------------------------------ ColumnParallelLinear
-ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp,
-                                           std::vector<int64_t> blocks)
-    : TensorParallelLinear(in, out / tp.size(), tp),
-      full_out_(out),
-      blocks_(blocks.empty() ? std::vector<int64_t>{out} : std::move(blocks)) {
+namespace {
+
+// The blocks of a column-parallel layer with their distinct slices: tp, or the block's units where
+// it has fewer (each rank then holds one unit, replicated).
+std::vector<std::pair<int64_t, int64_t>> column_blocks(std::vector<int64_t> rows, int64_t out, int64_t unit, int tp) {
+  if (rows.empty()) rows = {out};
+  std::vector<std::pair<int64_t, int64_t>> blocks;
   int64_t sum = 0;
-  bool even = true;
-  for (int64_t b : blocks_) {
+  for (int64_t b : rows) {
+    const int64_t units = unit > 0 && b % unit == 0 ? b / unit : b;
+    const int64_t parts = std::min<int64_t>(units, tp);
+    DT_INPUT_CHECK(b > 0 && units % parts == 0 && tp % parts == 0,
+                   "ColumnParallelLinear: a block of " << b << " outputs in units of " << unit
+                                                       << " neither splits over nor divides " << tp << " tp ranks");
+    blocks.emplace_back(b, parts);
     sum += b;
-    even = even && b > 0 && b % tp.size() == 0;
   }
-  DT_INPUT_CHECK(in > 0 && sum == out && even,
-                 "ColumnParallelLinear(" << in << ", " << out << "): its " << blocks_.size()
-                                         << " block(s) of outputs must split over " << tp.size() << " tp ranks");
+  DT_INPUT_CHECK(sum == out, "ColumnParallelLinear: blocks of " << sum << " outputs, not " << out);
+  return blocks;
+}
+
+int64_t local_rows(const std::vector<std::pair<int64_t, int64_t>>& blocks) {
+  int64_t n = 0;
+  for (const auto& [rows, parts] : blocks) n += rows / parts;
+  return n;
+}
+
+}  // namespace
+
+ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp,
+                                           std::vector<int64_t> blocks, int64_t unit,
+                                           std::shared_ptr<comm::Communicator> share)
+    : TensorParallelLinear(in, local_rows(column_blocks(blocks, out, unit, tp.size())), tp), full_out_(out) {
+  DT_INPUT_CHECK(in > 0, "ColumnParallelLinear(" << in << ", " << out << ")");
+  for (const auto& [rows, parts] : column_blocks(std::move(blocks), out, unit, tp.size())) {
+    blocks_.push_back({rows, parts});
+    if (parts == tp.size()) continue;
+    DT_CHECK(share && share->size() == tp.size() / parts,
+             kind() << ": a block replicated over " << tp.size() / parts << " ranks needs their communicator");
+    share_ = share;
+  }
   auto [w, b] = nn::Linear::init(in, out, bias, rng);  // the one-rank layer's draws, then this rank's rows
   set_parameters(slice_of(w), bias ? slice_of(b) : Tensor());
 }
@@ -47,6 +78,11 @@ ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool bias, R
 std::string ColumnParallelLinear::kind() const {
   return "ColumnParallelLinear(" + std::to_string(in_) + ", " + std::to_string(full_out_) +
          ", tp=" + std::to_string(tp_.size()) + ")";
+}
+
+int64_t ColumnParallelLinear::first_row(size_t k, int64_t start, int r) const {
+  const Block& b = blocks_[k];
+  return start + r / (tp_.size() / b.parts) * (b.rows / b.parts);
 }
 
 Tensor ColumnParallelLinear::slice_of(const Tensor& full) const {
@@ -57,12 +93,12 @@ Tensor ColumnParallelLinear::slice_of(const Tensor& full) const {
   Tensor t = Tensor::empty(s, full.dtype());
   const size_t es = dtype_size(full.dtype());
   int64_t start = 0, at = 0;
-  for (int64_t block : blocks_) {  // rows [start + r*mine, start + (r+1)*mine) of every block
-    const int64_t mine = block / tp_.size();
+  for (size_t k = 0; k < blocks_.size(); ++k) {  // this rank's rows of every block
+    const int64_t mine = blocks_[k].rows / blocks_[k].parts;
     std::memcpy(static_cast<char*>(t.raw()) + static_cast<size_t>(at * row) * es,
-                static_cast<const char*>(full.raw()) + static_cast<size_t>((start + tp_.rank() * mine) * row) * es,
+                static_cast<const char*>(full.raw()) + static_cast<size_t>(first_row(k, start, tp_.rank()) * row) * es,
                 static_cast<size_t>(mine * row) * es);
-    start += block;
+    start += blocks_[k].rows;
     at += mine;
   }
   return t;
@@ -80,14 +116,14 @@ Tensor ColumnParallelLinear::join(const Tensor& local) const {
   s[0] = full_out_;
   Tensor full = Tensor::empty(s, local.dtype());
   const size_t es = dtype_size(local.dtype());
-  for (int64_t r = 0; r < tp; ++r) {  // rank r's part of a block starting at `start` is rows [start + r*mine, +mine)
+  for (int r = 0; r < tp; ++r) {  // replicated rows are written once per copy, alike
     int64_t start = 0, at = 0;
-    for (int64_t block : blocks_) {
-      const int64_t mine = block / tp;
-      std::memcpy(static_cast<char*>(full.raw()) + static_cast<size_t>((start + r * mine) * row) * es,
+    for (size_t k = 0; k < blocks_.size(); ++k) {
+      const int64_t mine = blocks_[k].rows / blocks_[k].parts;
+      std::memcpy(static_cast<char*>(full.raw()) + static_cast<size_t>(first_row(k, start, r) * row) * es,
                   static_cast<const char*>(all.raw()) + static_cast<size_t>(r * n + at * row) * es,
                   static_cast<size_t>(mine * row) * es);
-      start += block;
+      start += blocks_[k].rows;
       at += mine;
     }
   }
@@ -108,6 +144,52 @@ Tensor ColumnParallelLinear::backward(const Tensor& dy) {
   engine(dy).synchronize();  // the allreduce reads dx from the host side of the engine's queue
   allreduce_sum(tp_, dx);
   return dx;
+}
+
+// Replicated rows: backward adds only this rank's query heads' part to their gradient. The rows
+// accumulated so far are set aside and zeroed, so that the sum over the sharers adds up this
+// backward's parts alone, then come back.
+void ColumnParallelLinear::share_gradient(nn::Parameter& p, bool after) {
+  if (!share_ || !splits(p)) return;
+  Engine& e = engine(p.grad);
+  const int64_t row = p.grad.numel() / out_;
+  int64_t shared = 0;
+  for (const Block& b : blocks_) shared += b.parts < tp_.size() ? b.rows / b.parts : 0;
+  Tensor& aside = ensure_temp(set_aside_[&p], {shared, row}, p.grad.device());
+  if (after) e.synchronize();
+  int64_t at = 0, kept = 0;
+  for (const Block& b : blocks_) {
+    const int64_t mine = b.rows / b.parts;
+    if (b.parts < tp_.size()) {
+      Tensor rows = p.grad.reshape({out_, row}).slice0(at, at + mine);
+      Tensor their = aside.slice0(kept, kept + mine);
+      if (!after) {
+        e.copy(rows, their);
+        e.fill(rows, 0.f);
+      } else {
+        share_->allreduce(rows, comm::ReduceOp::Sum)->wait();
+        e.axpy(1.f, their, rows);
+      }
+      kept += mine;
+    }
+    at += mine;
+  }
+}
+
+// The replicated rows' squares divided by their copies, so the sum over tp counts them once.
+double ColumnParallelLinear::grad_sum_squares(const nn::Parameter& p) const {
+  Engine& e = engine_for(p.grad.device());
+  if (!share_ || !splits(p)) return e.sum_squares(p.grad);
+  const int64_t row = p.grad.numel() / out_;
+  double sum = 0;
+  int64_t at = 0;
+  for (const Block& b : blocks_) {
+    const int64_t mine = b.rows / b.parts;
+    const double copies = static_cast<double>(tp_.size() / b.parts);
+    sum += e.sum_squares(p.grad.reshape({out_, row}).slice0(at, at + mine)) / copies;
+    at += mine;
+  }
+  return sum;
 }
 
 // d(x A^T) = s dy B over this rank's output rows only: a part of the whole.
@@ -185,10 +267,16 @@ Tensor RowParallelLinear::forward(const Tensor& x) {
 nn::GptBlockFactory tensor_parallel_gpt_blocks(const nn::GptConfig& cfg, comm::Communicator& tp) {
   nn::BlockLinears linears;
   linears.ranks = tp.size();
-  linears.column = [&tp](int64_t in, const std::vector<int64_t>& blocks, bool bias, Rng& rng) -> nn::ModulePtr {
+  // Key/value heads fewer than the tp ranks: the ranks that hold the same head share a communicator.
+  std::shared_ptr<comm::Communicator> share;
+  const int64_t kv = cfg.kv();
+  if (kv < tp.size() && tp.size() % kv == 0)
+    share = tp.split(static_cast<int>(tp.rank() / (tp.size() / kv)), tp.rank(), "tp-kv-heads");
+  linears.column = [&tp, share](int64_t in, const std::vector<int64_t>& blocks, int64_t unit, bool bias,
+                                Rng& rng) -> nn::ModulePtr {
     int64_t out = 0;
     for (int64_t b : blocks) out += b;
-    return std::make_unique<ColumnParallelLinear>(in, out, bias, rng, tp, blocks);
+    return std::make_unique<ColumnParallelLinear>(in, out, bias, rng, tp, blocks, unit, share);
   };
   linears.row = [&tp](int64_t in, int64_t out, bool bias, Rng& rng) -> nn::ModulePtr {
     return std::make_unique<RowParallelLinear>(in, out, bias, rng, tp);
@@ -313,22 +401,27 @@ const nn::GptVocabShard* vocab_shard_of(nn::Module* m, const std::string& name) 
 }
 
 // Parameter name -> whether the tp ranks hold parts of it (a vocabulary shard, or a split tensor of
-// a tensor-parallel layer). By name, so that a piece named as its parameter (ZeRO-1's) is found too.
-std::map<std::string, bool> split_parameters(nn::Module& model) {
+// a tensor-parallel layer) and the layer. By name, so that a piece named as its parameter (ZeRO-1's)
+// is found too.
+struct TpPlacement {
+  bool split = false;
+  const TensorParallelLinear* layer = nullptr;
+};
+std::map<std::string, TpPlacement> placements(nn::Module& model) {
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
-  std::map<std::string, bool> split;
+  std::map<std::string, TpPlacement> out;
   for (nn::Parameter* p : model.parameters()) {  // full names again
     nn::Module* m = own.at(p->name);
     const auto* layer = dynamic_cast<const TensorParallelLinear*>(m);
-    split[p->name] = vocab_shard_of(m, p->name) || (layer && layer->splits(*p));
+    out[p->name] = {vocab_shard_of(m, p->name) != nullptr || (layer && layer->splits(*p)), layer};
   }
-  return split;
+  return out;
 }
 
 }  // namespace
 
-bool is_tensor_parallel_shard(nn::Module& model, const std::string& name) { return split_parameters(model).at(name); }
+bool is_tensor_parallel_shard(nn::Module& model, const std::string& name) { return placements(model).at(name).split; }
 
 std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp) {
   std::map<std::string, nn::Module*> own;
@@ -404,12 +497,20 @@ void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>
 double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp,
                          const nn::Parameter* skip, const std::vector<nn::Parameter*>* pieces,
                          comm::Communicator* shards) {
-  const std::map<std::string, bool> sharded = split_parameters(model);
+  const std::map<std::string, TpPlacement> placed = placements(model);
   double split = 0, replicated = 0;
   const std::vector<nn::Parameter*> grads = pieces ? *pieces : model.parameters();
   for (nn::Parameter* p : grads) {
     if (skip && p->name == skip->name) continue;
-    (sharded.at(p->name) ? split : replicated) += engine_for(p->grad.device()).sum_squares(p->grad);
+    const TpPlacement& at = placed.at(p->name);
+    if (at.split && at.layer && !pieces) {
+      split += at.layer->grad_sum_squares(*p);
+      continue;
+    }
+    DT_INPUT_CHECK(!at.layer || !at.layer->replicates(),
+                   "gradient clipping under ZeRO cannot count key/value heads replicated over --tp once ("
+                       << p->name << "); use --kv-heads that divide over --tp, or --clip-grad-norm 0");
+    (at.split ? split : replicated) += engine_for(p->grad.device()).sum_squares(p->grad);
   }
   if (shards && shards->size() > 1) {  // ZeRO: each rank of `shards` holds other elements
     Tensor s = Tensor::from({2}, {static_cast<float>(split), static_cast<float>(replicated)});

@@ -271,7 +271,7 @@ namespace {
 
 BlockLinears one_rank_linears() {
   BlockLinears l;
-  l.column = [](int64_t in, const std::vector<int64_t>& blocks, bool bias, Rng& rng) -> ModulePtr {
+  l.column = [](int64_t in, const std::vector<int64_t>& blocks, int64_t, bool bias, Rng& rng) -> ModulePtr {
     int64_t out = 0;
     for (int64_t b : blocks) out += b;
     return std::make_unique<Linear>(in, out, bias, rng);
@@ -336,16 +336,20 @@ ModulePtr make_lm_block(const GptConfig& cfg, Rng& rng, const BlockLinears* line
   DT_INPUT_CHECK(h > 0 && c % h == 0 && kv > 0 && h % kv == 0,
                  "the attention's " << h << " heads must divide the width " << c << " and be a multiple of the " << kv
                                     << " key/value heads");
-  DT_INPUT_CHECK(h % lin.ranks == 0 && kv % lin.ranks == 0 && f % lin.ranks == 0,
-                 "tensor parallel: " << h << " heads, " << kv << " key/value heads and the MLP's " << f
-                                     << " hidden features must split over " << lin.ranks << " tp ranks");
+  // Key/value heads split over tp where they divide; else each rank holds the one its query heads
+  // read (replicated over tp / kv ranks).
+  DT_INPUT_CHECK(h % lin.ranks == 0 && (kv % lin.ranks == 0 || lin.ranks % kv == 0) && f % lin.ranks == 0,
+                 "tensor parallel: " << h << " heads and the MLP's " << f << " hidden features must split over "
+                                     << lin.ranks << " tp ranks, and the " << kv
+                                     << " key/value heads split over them or divide them");
   const int64_t hd = c / h;
-  ModulePtr qkv = lin.column(c, {h * hd, kv * hd, kv * hd}, cfg.bias, rng);
+  ModulePtr qkv = lin.column(c, {h * hd, kv * hd, kv * hd}, hd, cfg.bias, rng);
   ModulePtr proj = lin.row(h * hd, c, cfg.bias, rng);
-  auto* att = new SelfAttention(std::move(qkv), std::move(proj), c, h / lin.ranks, hd, kv / lin.ranks);
+  auto* att =
+      new SelfAttention(std::move(qkv), std::move(proj), c, h / lin.ranks, hd, std::max<int64_t>(kv / lin.ranks, 1));
   ModulePtr attp(att);
   if (cfg.rotary) att->set_rotary(cfg.rope_base, cfg.context);
-  ModulePtr fc1 = cfg.swiglu ? lin.column(c, {f, f}, cfg.bias, rng) : lin.column(c, {f}, cfg.bias, rng);
+  ModulePtr fc1 = cfg.swiglu ? lin.column(c, {f, f}, 1, cfg.bias, rng) : lin.column(c, {f}, 1, cfg.bias, rng);
   ModulePtr fc2 = lin.row(f, c, cfg.bias, rng);
   ModulePtr act = cfg.swiglu ? ModulePtr(std::make_unique<SwiGLU>()) : GELU();
   if (cfg.lora_rank > 0) {

@@ -133,8 +133,10 @@ void Linear::lora_backward(const Tensor& dy, const Tensor& x, Tensor* dx) {
     copy_any(lora_mask_, on);
     lora_mask_ = on;
   }
+  share_gradient(*lora_b_, false);
   e.gemm(true, false, out_, nr, m, lora_scale_, dy, lora_t_, 1.f, lora_b_->grad);
   e.mul(lora_b_->grad, lora_mask_, lora_b_->grad);
+  share_gradient(*lora_b_, true);
   grad_ready(*lora_b_);
   ensure_temp(lora_dt_, {m, nr}, dy.device());
   e.gemm(false, false, m, nr, out_, lora_scale_, dy, lora_b_->value, 0.f, lora_dt_);
@@ -169,10 +171,18 @@ Tensor Linear::backward(const Tensor& dy) {
     e.cast(dy, r);
     g = &r;
   }
-  if (!w_->frozen) e.gemm(true, false, out_, in_, m, 1.f, *g, x, 1.f, w_->grad);  // a frozen weight's is zero
+  if (!w_->frozen) {
+    share_gradient(*w_, false);
+    e.gemm(true, false, out_, in_, m, 1.f, *g, x, 1.f, w_->grad);  // a frozen weight's is zero
+    share_gradient(*w_, true);
+  }
   grad_ready(*w_);
   if (b_) {
-    if (!b_->frozen) e.row_bias_grad(dy, b_->grad);
+    if (!b_->frozen) {
+      share_gradient(*b_, false);
+      e.row_bias_grad(dy, b_->grad);
+      share_gradient(*b_, true);
+    }
     grad_ready(*b_);
   }
   if (!needs_input_grad_) {

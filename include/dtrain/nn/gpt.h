@@ -115,8 +115,10 @@ void llama_shape(GptConfig& cfg);
 // The Linear layers a block is made of: plain ones on one rank; tensor parallelism passes column-
 // and row-parallel ones (parallel::tensor_parallel_linears) that keep this rank's part.
 struct BlockLinears {
-  // in -> the concatenated `blocks` of outputs (q, k, v; gate, up); each block split over `ranks`.
-  std::function<ModulePtr(int64_t in, const std::vector<int64_t>& blocks, bool bias, Rng& rng)> column;
+  // in -> the concatenated `blocks` of outputs (q, k, v; gate, up); each block split over `ranks`
+  // in whole `unit`s of rows (a head's), or, with fewer units than ranks, one unit on each rank,
+  // replicated (key/value heads that do not divide over tp).
+  std::function<ModulePtr(int64_t in, const std::vector<int64_t>& blocks, int64_t unit, bool bias, Rng& rng)> column;
   // in -> out taking each rank's share of the inputs.
   std::function<ModulePtr(int64_t in, int64_t out, bool bias, Rng& rng)> row;
   int64_t ranks = 1;

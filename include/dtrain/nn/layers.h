@@ -61,6 +61,10 @@ class Linear : public Module {
   virtual Tensor columns_of(const Tensor& full) const { return full; }
   virtual void sum_lora_activations(Tensor&) {}
   virtual void sum_lora_gradients(Tensor&) {}
+  // Rows this slice shares with other ranks (a replicated head's) get only part of their gradient
+  // from this rank's backward: called before backward adds to `p`'s gradient (set the accumulated
+  // rows aside) and after (sum the new part over the sharers, add the rows set aside).
+  virtual void share_gradient(Parameter&, bool /*after*/) {}
   // y = x . W^T without the bias, in this layer's output buffer; add_bias finishes forward.
   Tensor& project(const Tensor& x);
   void add_bias(Tensor& y);

@@ -9,6 +9,7 @@
 // nn::Linear does and keeps its shard, so any tp size builds the same model as one rank.
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,11 @@ class TensorParallelLinear : public nn::Linear {
   // Whether the tp ranks hold parts of `p` (else each holds it whole, with equal gradients).
   virtual bool splits(const nn::Parameter& p) const = 0;
   virtual Shape full_shape(const nn::Parameter& p) const = 0;
+  // The squares of this rank's gradient of `p` that the tp group's sum counts once (replicated
+  // rows divided by their copies).
+  virtual double grad_sum_squares(const nn::Parameter& p) const;
+  // Whether some rows are held by several tp ranks (replicated key/value heads).
+  virtual bool replicates() const { return false; }
   // This rank's part of the full tensor of `p` (`full` itself when `p` is whole), as a new tensor.
   Tensor shard(const nn::Parameter& p, const Tensor& full) const { return splits(p) ? slice_of(full) : full; }
   // The full tensor of `p` from every tp rank's part `local`, on the host (collective over tp).
@@ -45,24 +51,38 @@ class ColumnParallelLinear : public TensorParallelLinear {
   // gate and up; empty: one block of `out`); this rank holds its 1/tp of every block, so it gets
   // its own heads of q, of k and of v. Weight, bias and LoRA's B are split by output rows; LoRA's A
   // is whole (its gradient summed over tp through the adapters' d(x A^T)).
+  // Blocks are split in whole `unit`s of rows (0: any rows); a block of fewer units than tp ranks
+  // (key/value heads) is one unit per rank, the ranks of `share` (tp / units of them, grouped by
+  // rank / (tp / units)) holding the same unit and summing its gradient.
   ColumnParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp,
-                       std::vector<int64_t> blocks = {});
+                       std::vector<int64_t> blocks = {}, int64_t unit = 0,
+                       std::shared_ptr<comm::Communicator> share = nullptr);
   Tensor backward(const Tensor& dy) override;  // forward is nn::Linear's: (..., in) -> (..., out / tp)
   std::string kind() const override;
   bool splits(const nn::Parameter& p) const override { return &p != lora_a_; }
   Shape full_shape(const nn::Parameter& p) const override;
+  double grad_sum_squares(const nn::Parameter& p) const override;
+  bool replicates() const override { return share_ != nullptr; }
 
  protected:
   int64_t full_out() const override { return full_out_; }
   Tensor rows_of(const Tensor& full) const override { return slice_of(full); }
   void sum_lora_gradients(Tensor& dt) override;
+  void share_gradient(nn::Parameter& p, bool after) override;
   // The rows of a full [out, ...] tensor that this rank holds, and their inverse.
   Tensor slice_of(const Tensor& full) const override;
   Tensor join(const Tensor& local) const override;
 
  private:
+  struct Block {
+    int64_t rows, parts;  // in the full layer; the distinct slices (tp, or fewer: replicated)
+  };
   int64_t full_out_;
-  std::vector<int64_t> blocks_;
+  std::vector<Block> blocks_;
+  std::shared_ptr<comm::Communicator> share_;
+  std::map<const nn::Parameter*, Tensor> set_aside_;  // share_gradient's accumulated rows
+  // Rank r's slice of block k: its first row in the full layer.
+  int64_t first_row(size_t k, int64_t start, int r) const;
 };
 
 class RowParallelLinear : public TensorParallelLinear {
