@@ -344,7 +344,8 @@ VocabParallelSoftTargets::VocabParallelSoftTargets(comm::Communicator& tp, int64
   DT_INPUT_CHECK(temperature > 0.f, "the distillation temperature must be > 0, got " << temperature);
 }
 
-Tensor VocabParallelSoftTargets::gradient(const Tensor& student, const Tensor& teacher, float scale) {
+Tensor VocabParallelSoftTargets::gradient(const Tensor& student, const Tensor& teacher, float scale,
+                                          const Tensor* targets) {
   const int64_t m = student.size(0), n = student.size(1), tp = tp_.size();
   DT_CHECK(student.dim() == 2 && teacher.dim() == 2 && teacher.size(0) == m && teacher.size(1) == n * tp,
            "distillation: student logits " << student.str() << " (1/" << tp << " of the vocabulary), teacher's "
@@ -360,10 +361,14 @@ Tensor VocabParallelSoftTargets::gradient(const Tensor& student, const Tensor& t
     p_full_ = Tensor::empty(teacher.shape(), DType::F32, dev);
     p_split_ = Tensor::empty(teacher.shape(), DType::F32, dev);
     labels_ = Tensor::empty({m}, DType::I32, dev);
-    Tensor none = Tensor::empty({m}, DType::I32);  // a label no slice holds: no one-hot term below
-    std::fill(none.data<int32_t>(), none.data<int32_t>() + m, std::numeric_limits<int32_t>::max());
-    copy_any(none, labels_);
   }
+  // A label no slice holds (no one-hot term below), or -1 on the rows without a trained target.
+  const Tensor given = targets ? to_host(*targets) : Tensor();
+  Tensor labels = Tensor::empty({m}, DType::I32);
+  for (int64_t i = 0; i < m; ++i)
+    labels.data<int32_t>()[i] =
+        targets && given.data<int32_t>()[i] < 0 ? kIgnoreLabel : std::numeric_limits<int32_t>::max();
+  copy_any(labels, labels_);
   e.copy(student, x_);
   e.scale(x_, 1.f / t_);
   e.row_max(x_, rowmax_);
@@ -377,6 +382,15 @@ Tensor VocabParallelSoftTargets::gradient(const Tensor& student, const Tensor& t
   if (tp > 1) {  // [rows, tp, N] -> [tp, rows, N]: this rank's columns are one contiguous block
     e.permute_0213(p_full_, 1, m, tp, n, p_split_);
     mine = p_split_.reshape({tp * m * n}).slice0(tp_.rank() * m * n, (tp_.rank() + 1) * m * n).reshape({m, n});
+  }
+  for (int64_t i = 0; i < m;) {  // the teacher's rows without a trained target: zero, run by run
+    int64_t end = i;
+    while (end < m && labels.data<int32_t>()[end] == kIgnoreLabel) ++end;
+    if (end > i) {
+      Tensor rows = mine.slice0(i, end);
+      e.fill(rows, 0.f);
+    }
+    i = std::max(end, i + 1);
   }
   e.axpy(-k, mine, grad_);  // k (q - p)
   return grad_;

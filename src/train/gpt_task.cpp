@@ -238,21 +238,26 @@ class GptTask final : public Task {
   bool load_step(int64_t step, double& wait_s) override;
   Tensor micro_input(int k, int parts) override { return micro_rows(ids_, k, parts); }
   // With a teacher the statistics stay the next tokens' cross-entropy (the same quantity with and
-  // without one); the gradient is the distillation loss's.
+  // without one); the gradient is the distillation loss's (on prompt/completion samples over the
+  // completion tokens only).
   // Prompt/completion data: the mean over the step's completion tokens, the same whether the rows
   // are one batch, micro-batches or pipeline stages' (the prompts and padding add nothing).
   Tensor micro_loss(const Tensor& out, int k, int parts, Tensor& stats, float grad_scale) override {
     const Tensor targets = micro_rows(targets_, k, parts);
     xent_->accumulate(out, targets.reshape({targets.numel()}), stats);
-    if (train_.has_samples()) {  // d(loss sum)/(the step's completion tokens): however the rows are cut
-      return xent_->backward(grad_scale * static_cast<float>(parts) * static_cast<float>(targets.numel()) /
-                             static_cast<float>(step_units()));
-    }
-    if (!teacher_) return xent_->backward(grad_scale);
+    // The scale that turns a mean over the micro-batch's rows into the step's loss: over every
+    // target, or over the step's completion tokens however the rows are cut.
+    const bool samples = train_.has_samples();
+    const float per = samples ? grad_scale * static_cast<float>(parts) * static_cast<float>(targets.numel()) /
+                                    static_cast<float>(step_units())
+                              : grad_scale;
+    if (!teacher_) return xent_->backward(per);
     const float w = cfg_->distill_weight;
-    Tensor grad = xent_->backward(grad_scale * (1.f - w));
+    Tensor grad = xent_->backward(per * (1.f - w));
     const Tensor teacher = teacher_->forward(micro_input(k, parts));
-    engine_for(grad.device()).axpy(1.f, soft_targets_->gradient(out, teacher, grad_scale * w), grad);
+    const Tensor flat = targets.reshape({targets.numel()});
+    engine_for(grad.device())
+        .axpy(1.f, soft_targets_->gradient(out, teacher, per * w, samples ? &flat : nullptr), grad);
     return grad;
   }
   int64_t step_units() const override {  // tokens trained on: prompt/completion data's completions only
@@ -364,10 +369,6 @@ void GptTask::setup(const TaskSetup& s) {
       train_.has_samples() == val_.has_samples(),
       "'" << c.data
           << "': train.h5 and val.h5 must both be prompt/completion samples (dtrain convert sft) or both text");
-  DT_INPUT_CHECK(!train_.has_samples() || c.teacher.empty(),
-                 "'" << c.data
-                     << "' holds prompt/completion samples: --teacher does not combine with them in "
-                        "this version");
   data_seed_ = derive_seed(c.seed, static_cast<uint64_t>(s.grid.dp_rank()));  // each dp group its own windows
   model_cfg_.vocab = c.vocab > 0 ? c.vocab : train_.vocab;
   starts_ = c.pp > 1 ? balanced_starts() : std::vector<int>{0, static_cast<int>(layers)};

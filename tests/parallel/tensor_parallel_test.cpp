@@ -750,6 +750,78 @@ TEST(TensorParallel, LmDistillationUnderTpMatchesOneRank) {
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// Distillation's gradient with targets: a row whose target is -1 gets none, every other row the
+// gradient without targets (this rank's columns of one rank's).
+TEST(TensorParallel, SoftTargetsSkipRowsWithoutATarget) {
+  const int tp = world().size();
+  const int64_t rows = 6, vocab = 8 * tp;
+  Rng rng(5);
+  Tensor student = Tensor::empty({rows, vocab}), teacher = Tensor::empty({rows, vocab});
+  for (int64_t i = 0; i < rows * vocab; ++i) {
+    student.f32()[i] = rng.normal();
+    teacher.f32()[i] = rng.normal();
+  }
+  Tensor targets = Tensor::empty({rows}, DType::I32);
+  const int32_t given[] = {3, -1, -1, 7, -1, 2};
+  std::copy(given, given + rows, targets.data<int32_t>());
+  auto solo = world().split(world().rank(), 0, "solo");
+  parallel::VocabParallelSoftTargets whole(*solo, 0, 2.f);
+  const Tensor want = whole.gradient(student, teacher, 0.5f).clone();
+  const int64_t n = vocab / tp, offset = world().rank() * n;
+  Tensor mine = Tensor::empty({rows, n});
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < n; ++j) mine.f32()[i * n + j] = student.f32()[i * vocab + offset + j];
+  parallel::VocabParallelSoftTargets split(world(), offset, 2.f);
+  const Tensor got = split.gradient(mine, teacher, 0.5f, &targets);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const float expect = targets.data<int32_t>()[i] < 0 ? 0.f : want.f32()[i * vocab + offset + j];
+      EXPECT_NEAR(got.f32()[i * n + j], expect, 1e-6) << "row " << i << " column " << offset + j;
+    }
+}
+
+// A teacher on prompt/completion samples: the distillation term over completion tokens only, at tp
+// = the world's ranks, gives one rank's losses, and the teacher changes the trajectory.
+TEST(TensorParallel, SftDistillationUnderTpMatchesOneRank) {
+  if (world().size() > 4) GTEST_SKIP() << "4 heads";
+  int pid = static_cast<int>(::getpid());
+  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  const std::filesystem::path dir = "/tmp/dtrain-sft-distill-" + std::to_string(pid);
+  if (world().rank() == 0) {
+    std::filesystem::create_directories(dir);
+    std::ofstream out(dir / "data.jsonl");
+    const char* names[] = {"red", "green and blue", "white", "a very dark black", "grey"};
+    for (int i = 0; i < 120; ++i)
+      out << "{\"prompt\": \"colour " << i % 7 << ": \", \"completion\": \"" << names[i % 5] << ".\"}\n";
+    out.close();
+    data::SftConvertOptions opt;
+    opt.val_fraction = 0.2;
+    data::convert_sft({(dir / "data.jsonl").string()}, (dir / "tok").string(), opt);
+  }
+  world().barrier();
+  auto solo = world().split(world().rank(), 0, "solo");
+  nn::GptConfig shape = small_llama();
+  shape.context = 16;
+  train::TrainConfig teacher = test::small_lm_config(dir / "tok", shape);
+  teacher.checkpoint_dir = (dir / ("teacher" + std::to_string(world().rank()))).string();
+  train::train_lm(teacher, solo.get());
+  world().barrier();
+  nn::GptConfig student = small_gpt();
+  student.context = 16;
+  train::TrainConfig c = test::small_lm_config(dir / "tok", student);
+  c.eval_batches = 0;
+  const train::TrainResult alone = train::train_lm(c, solo.get());
+  c.teacher = (dir / "teacher0").string();
+  c.distill_temperature = 2.f;
+  c.distill_weight = 0.5f;
+  const train::TrainResult ref = train::train_lm(c, solo.get());
+  EXPECT_GT(std::abs(ref.step_losses.back() - alone.step_losses.back()), 1e-4) << "the teacher changed nothing";
+  c.tp = world().size();
+  test::expect_lm_losses_match(train::train_lm(c, &world()), ref, world().rank() == 0);
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST(Pipeline, LlamaTrainerWithRecomputeMatchesOneRankAndCheckpointReloads) {
   if (world().size() == 2) expect_lm_layout_matches_one_rank(1, 2, "1f1b", true, small_llama());
   if (world().size() == 4) expect_lm_layout_matches_one_rank(2, 2, "1f1b", true, small_llama());

@@ -128,7 +128,8 @@ class VocabParallelSoftTargets {
  public:
   VocabParallelSoftTargets(comm::Communicator& tp, int64_t offset, float temperature);
   // student [rows, N] (this rank's columns), teacher [rows, N * tp]; the gradient is this rank's.
-  Tensor gradient(const Tensor& student, const Tensor& teacher, float scale);
+  // With `targets` (I32 [rows]), a row whose target is -1 (a prompt's or padding's) gets none.
+  Tensor gradient(const Tensor& student, const Tensor& teacher, float scale, const Tensor* targets = nullptr);
 
  private:
   comm::Communicator& tp_;
