@@ -369,6 +369,10 @@ void GptTask::setup(const TaskSetup& s) {
       train_.has_samples() == val_.has_samples(),
       "'" << c.data
           << "': train.h5 and val.h5 must both be prompt/completion samples (dtrain convert sft) or both text");
+  DT_INPUT_CHECK(c.zero == 0 || c.pp == 1 || !model_cfg_.tied,
+                 "option --zero " << c.zero << " does not combine with --pp for a model with a tied embedding "
+                                  << "(GPT-2's: its copies on the first and last stage add whole gradients) in this "
+                                     "version; an untied one (the Llama) does");
   data_seed_ = derive_seed(c.seed, static_cast<uint64_t>(s.grid.dp_rank()));  // each dp group its own windows
   model_cfg_.vocab = c.vocab > 0 ? c.vocab : train_.vocab;
   starts_ = c.pp > 1 ? balanced_starts() : std::vector<int>{0, static_cast<int>(layers)};
