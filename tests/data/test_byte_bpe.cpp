@@ -17,17 +17,9 @@ namespace dtrain::data {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::read_file;
 using testing::TempDir;
-
-void write_file(const std::string& path, const std::string& bytes) {
-  fs::create_directories(fs::path(path).parent_path());
-  std::ofstream(path, std::ios::binary) << bytes;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
+using testing::write_file;
 
 // GPT-2's stand-in for byte b, as UTF-8, written from its published definition.
 std::string stand_in(int b) {

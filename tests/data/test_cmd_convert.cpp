@@ -131,8 +131,8 @@ TEST(CmdConvert, ImagesKind) {
                          testing::solid(6, 4, {uint8_t(40 * i), 90, 200}));
   }
   std::ofstream(tmp / "pets/dog/broken.jpg") << "broken";
-  EXPECT_EQ(run({"images", "--root", tmp / "pets", "--size", "4", "--out", tmp / "out", "--val-fraction", "0.34"}, &out),
-            0);
+  EXPECT_EQ(
+      run({"images", "--root", tmp / "pets", "--size", "4", "--out", tmp / "out", "--val-fraction", "0.34"}, &out), 0);
   EXPECT_NE(out.find("2 classes (cat ... dog); 1 unreadable image(s) skipped; 0 other file(s) ignored"),
             std::string::npos)
       << out;

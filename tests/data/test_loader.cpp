@@ -5,9 +5,9 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <thread>
 #include <numeric>
 #include <set>
+#include <thread>
 
 #include "data_test_util.h"
 #include "dtrain/data/loader.h"

@@ -16,11 +16,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::TempDir;
-
-void write_file(const std::string& path, const std::string& bytes) {
-  fs::create_directories(fs::path(path).parent_path());
-  std::ofstream(path, std::ios::binary) << bytes;
-}
+using testing::write_file;
 
 TEST(Text, ConvertSkipsLinksAndBinaryFilesAndSplitsByBlocks) {
   TempDir tmp;

@@ -267,6 +267,43 @@ std::filesystem::path make_corpus(const std::string& tag) {
   world().barrier();
   return dir;
 }
+
+// Prompt/completion samples of unequal lengths (120 records, 20 % held out) converted to token
+// files in a fresh directory, dir/tok (rank 0 writes them).
+std::filesystem::path make_sft_corpus(const std::string& tag) {
+  int pid = static_cast<int>(::getpid());
+  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  const std::filesystem::path dir = "/tmp/dtrain-" + tag + "-" + std::to_string(pid);
+  if (world().rank() == 0) {
+    std::filesystem::create_directories(dir);
+    std::ofstream out(dir / "data.jsonl");
+    const char* names[] = {"red", "green and blue", "white", "a very dark black", "grey"};
+    for (int i = 0; i < 120; ++i)
+      out << "{\"prompt\": \"colour " << i % 7 << ": \", \"completion\": \"" << names[i % 5] << ".\"}\n";
+    out.close();
+    data::SftConvertOptions opt;
+    opt.val_fraction = 0.2;
+    data::convert_sft({(dir / "data.jsonl").string()}, (dir / "tok").string(), opt);
+  }
+  world().barrier();
+  return dir;
+}
+
+// ZeRO 1, 2 and 3 with config `c` over the world: every step's loss and the validation equal ZeRO-0's
+// within 1e-5.
+void expect_zero_stages_match_zero0(train::TrainConfig c) {
+  c.zero = 0;
+  const train::TrainResult want = train::train_lm(c, &world());
+  for (int zero : {1, 2, 3}) {
+    c.zero = zero;
+    const train::TrainResult got = train::train_lm(c, &world());
+    ASSERT_EQ(got.step_losses.size(), want.step_losses.size()) << "ZeRO-" << zero;
+    for (size_t i = 0; i < want.step_losses.size(); ++i)
+      EXPECT_NEAR(got.step_losses[i], want.step_losses[i], 1e-5 * want.step_losses[i])
+          << "ZeRO-" << zero << " step " << i;
+    EXPECT_NEAR(got.last_eval.loss, want.last_eval.loss, 1e-5 * want.last_eval.loss) << "ZeRO-" << zero;
+  }
+}
 }  // namespace
 
 // The language-model trainer with --tp 2 over the world gives the losses of one rank (dp groups
@@ -344,11 +381,7 @@ TEST(TensorParallel, LmTrainerKvHeadReplicatedTp2MatchesOneRank) {
   auto solo = world().split(world().rank(), 0, "solo");
   const train::TrainResult want = train::train_lm(c, solo.get());
   c.tp = 2;
-  const train::TrainResult got = train::train_lm(c, &world());
-  ASSERT_EQ(got.step_losses.size(), want.step_losses.size());
-  for (size_t i = 0; i < want.step_losses.size(); ++i)
-    EXPECT_NEAR(got.step_losses[i], want.step_losses[i], 1e-5 * want.step_losses[i]) << "step " << i;
-  EXPECT_NEAR(got.last_eval.loss, want.last_eval.loss, 1e-5 * want.last_eval.loss);
+  test::expect_lm_losses_match(train::train_lm(c, &world()), want, true);
   c.zero = 1;  // ZeRO's clipping sees flat pieces: refused before the first step
   try {
     train::train_lm(c, &world());
@@ -369,16 +402,7 @@ TEST(TensorParallel, ZeroStagesWithinTheDataParallelGroupMatchTp2) {
   c.tp = 2;
   c.lr = 3e-3f;
   c.clip_grad_norm = 0.05f;
-  const train::TrainResult want = train::train_lm(c, &world());
-  for (int zero : {1, 2, 3}) {
-    c.zero = zero;
-    const train::TrainResult got = train::train_lm(c, &world());
-    ASSERT_EQ(got.step_losses.size(), want.step_losses.size()) << "ZeRO-" << zero;
-    for (size_t i = 0; i < want.step_losses.size(); ++i)
-      EXPECT_NEAR(got.step_losses[i], want.step_losses[i], 1e-5 * want.step_losses[i])
-          << "ZeRO-" << zero << " step " << i;
-    EXPECT_NEAR(got.last_eval.loss, want.last_eval.loss, 1e-5 * want.last_eval.loss) << "ZeRO-" << zero;
-  }
+  expect_zero_stages_match_zero0(c);
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
@@ -392,16 +416,7 @@ TEST(TensorParallel, LoraUnderZeroStagesMatchesDataParallel) {
   c.lora_rank = 2;
   c.lora_targets = "q,k,v,o,gate,up,down";
   c.lr = 2e-2f;
-  const train::TrainResult want = train::train_lm(c, &world());
-  for (int zero : {1, 2, 3}) {
-    c.zero = zero;
-    const train::TrainResult got = train::train_lm(c, &world());
-    ASSERT_EQ(got.step_losses.size(), want.step_losses.size()) << "ZeRO-" << zero;
-    for (size_t i = 0; i < want.step_losses.size(); ++i)
-      EXPECT_NEAR(got.step_losses[i], want.step_losses[i], 1e-5 * want.step_losses[i])
-          << "ZeRO-" << zero << " step " << i;
-    EXPECT_NEAR(got.last_eval.loss, want.last_eval.loss, 1e-5 * want.last_eval.loss) << "ZeRO-" << zero;
-  }
+  expect_zero_stages_match_zero0(c);
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
@@ -415,16 +430,7 @@ TEST(Pipeline, ZeroStagesPerStageMatchDataParallel) {
   c.pp = 2;
   c.lr = 1e-2f;
   c.clip_grad_norm = 0.05f;  // every step: the norm adds the pieces over dp and the stages
-  const train::TrainResult want = train::train_lm(c, &world());
-  for (int zero : {1, 2, 3}) {
-    c.zero = zero;
-    const train::TrainResult got = train::train_lm(c, &world());
-    ASSERT_EQ(got.step_losses.size(), want.step_losses.size()) << "ZeRO-" << zero;
-    for (size_t i = 0; i < want.step_losses.size(); ++i)
-      EXPECT_NEAR(got.step_losses[i], want.step_losses[i], 1e-5 * want.step_losses[i])
-          << "ZeRO-" << zero << " step " << i;
-    EXPECT_NEAR(got.last_eval.loss, want.last_eval.loss, 1e-5 * want.last_eval.loss) << "ZeRO-" << zero;
-  }
+  expect_zero_stages_match_zero0(c);
   train::TrainConfig gpt = test::small_lm_config(dir / "tok", small_gpt());
   gpt.pp = 2;
   gpt.zero = 1;
@@ -677,21 +683,7 @@ void expect_resume_across_layouts(int tp, int pp, const nn::GptConfig& model = s
 // tokens, and the validation over held-out records equal one rank's.
 TEST(Pipeline, SftPp2MatchesOneRank) {
   if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks (pp 2)";
-  int pid = static_cast<int>(::getpid());
-  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  const std::filesystem::path dir = "/tmp/dtrain-sft-pp-" + std::to_string(pid);
-  if (world().rank() == 0) {
-    std::filesystem::create_directories(dir);
-    std::ofstream out(dir / "data.jsonl");
-    const char* names[] = {"red", "green and blue", "white", "a very dark black", "grey"};
-    for (int i = 0; i < 120; ++i)
-      out << "{\"prompt\": \"colour " << i % 7 << ": \", \"completion\": \"" << names[i % 5] << ".\"}\n";
-    out.close();
-    data::SftConvertOptions opt;
-    opt.val_fraction = 0.2;
-    data::convert_sft({(dir / "data.jsonl").string()}, (dir / "tok").string(), opt);
-  }
-  world().barrier();
+  const std::filesystem::path dir = make_sft_corpus("sft-pp");
   nn::GptConfig shape = small_llama();
   shape.context = 16;
   train::TrainConfig c = test::small_lm_config(dir / "tok", shape);
@@ -700,11 +692,7 @@ TEST(Pipeline, SftPp2MatchesOneRank) {
   const train::TrainResult want = train::train_lm(c, solo.get());
   c.pp = 2;
   c.micro_batches = 4;
-  const train::TrainResult got = train::train_lm(c, &world());
-  ASSERT_EQ(got.step_losses.size(), want.step_losses.size());
-  for (size_t i = 0; i < want.step_losses.size(); ++i)
-    EXPECT_NEAR(got.step_losses[i], want.step_losses[i], 1e-5 * want.step_losses[i]) << "step " << i;
-  EXPECT_NEAR(got.last_eval.loss, want.last_eval.loss, 1e-5 * want.last_eval.loss);
+  test::expect_lm_losses_match(train::train_lm(c, &world()), want, true);
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
@@ -816,21 +804,7 @@ TEST(TensorParallel, SoftTargetsSkipRowsWithoutATarget) {
 // = the world's ranks, gives one rank's losses, and the teacher changes the trajectory.
 TEST(TensorParallel, SftDistillationUnderTpMatchesOneRank) {
   if (world().size() > 4) GTEST_SKIP() << "4 heads";
-  int pid = static_cast<int>(::getpid());
-  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  const std::filesystem::path dir = "/tmp/dtrain-sft-distill-" + std::to_string(pid);
-  if (world().rank() == 0) {
-    std::filesystem::create_directories(dir);
-    std::ofstream out(dir / "data.jsonl");
-    const char* names[] = {"red", "green and blue", "white", "a very dark black", "grey"};
-    for (int i = 0; i < 120; ++i)
-      out << "{\"prompt\": \"colour " << i % 7 << ": \", \"completion\": \"" << names[i % 5] << ".\"}\n";
-    out.close();
-    data::SftConvertOptions opt;
-    opt.val_fraction = 0.2;
-    data::convert_sft({(dir / "data.jsonl").string()}, (dir / "tok").string(), opt);
-  }
-  world().barrier();
+  const std::filesystem::path dir = make_sft_corpus("sft-distill");
   auto solo = world().split(world().rank(), 0, "solo");
   nn::GptConfig shape = small_llama();
   shape.context = 16;
