@@ -435,8 +435,6 @@ std::map<std::string, TpPlacement> placements(nn::Module& model) {
 
 }  // namespace
 
-bool is_tensor_parallel_shard(nn::Module& model, const std::string& name) { return placements(model).at(name).split; }
-
 std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp) {
   std::map<std::string, nn::Module*> own;
   owners(model, "", own);
@@ -521,9 +519,9 @@ double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_n
       split += at.layer->grad_sum_squares(*p);
       continue;
     }
-    DT_INPUT_CHECK(!at.layer || !at.layer->replicates(),
-                   "gradient clipping under ZeRO cannot count key/value heads replicated over --tp once ("
-                       << p->name << "); use --kv-heads that divide over --tp, or --clip-grad-norm 0");
+    DT_CHECK(!at.layer || !at.layer->replicates(),
+             "gradient clipping under ZeRO cannot count rows replicated over tp once (" << p->name
+                                                                                        << "; refused at set-up)");
     (at.split ? split : replicated) += engine_for(p->grad.device()).sum_squares(p->grad);
   }
   if (shards && shards->size() > 1) {  // ZeRO: each rank of `shards` holds other elements

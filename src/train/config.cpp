@@ -370,12 +370,6 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.vocab >= 0, "option --vocab must be >= 0 (0: the token files' vocabulary), got " << c.vocab);
   DT_INPUT_CHECK(c.kv_heads >= 0 && (c.kv_heads == 0 || c.heads % c.kv_heads == 0),
                  "option --kv-heads must divide --heads " << c.heads << " (0: as many), got " << c.kv_heads);
-  // Fewer key/value heads than tp ranks are replicated; clipping under ZeRO sees only flat pieces
-  // of their gradients and could not count the copies once.
-  DT_INPUT_CHECK(c.kv_heads == 0 || c.kv_heads >= c.tp || c.zero == 0 || c.clip_grad_norm == 0.f,
-                 "option --kv-heads " << c.kv_heads << " (replicated over --tp " << c.tp
-                                      << ") does not combine with --zero " << c.zero << " and --clip-grad-norm "
-                                      << c.clip_grad_norm << " in this version (use --clip-grad-norm 0)");
   DT_INPUT_CHECK(c.mlp_width >= 0, "option --mlp-width must be >= 0 (0: the model's default), got " << c.mlp_width);
   DT_INPUT_CHECK(c.rope_base > 1.f, "option --rope-base must be > 1, got " << c.rope_base);
   DT_INPUT_CHECK(c.lora_rank >= 0 && c.lora_alpha > 0.f, "options --lora-rank must be >= 0 and --lora-alpha > 0");

@@ -177,8 +177,6 @@ std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator*
                                           const NamedTensors* reuse = nullptr, bool trained_only = false);
 void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, const ParameterTensor& pick,
                bool trained_only = false);
-// Whether parameter `name` of `model` is split over tp ranks (its gradient norm adds over them).
-bool is_tensor_parallel_shard(nn::Module& model, const std::string& name);
 // The one-rank shape of every parameter of `model` (this rank's part of a tp layout of `tp` ranks).
 std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp);
 
