@@ -342,9 +342,6 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.distill_temperature > 0.f && c.distill_weight >= 0.f && c.distill_weight <= 1.f,
                  "options --distill-temperature must be > 0 and --distill-weight in [0, 1], got "
                      << c.distill_temperature << " and " << c.distill_weight);
-  DT_INPUT_CHECK(c.teacher.empty() || c.pp == 1,
-                 "option --teacher does not combine with --pp in this version (the teacher's logits are needed "
-                 "beside the student's, which only the last stage has)");
   DT_INPUT_CHECK(c.clip_grad_norm >= 0.f, "option --clip-grad-norm must be >= 0");
   DT_INPUT_CHECK(c.augment.crop_padding >= 0 && c.augment.crop_padding <= 64,
                  "option --augment-crop must be in [0, 64]");

@@ -324,7 +324,7 @@ class GptTask final : public Task {
   int64_t parameters_ = 0;  // this rank's part of the model, counted when it was made
   std::unique_ptr<nn::SoftmaxCrossEntropy> xent_;
   std::unique_ptr<comm::Communicator> tied_;  // first and last stage: the tied embedding's gradient
-  std::unique_ptr<nn::Gpt> teacher_;          // --teacher: whole on every rank, forward only
+  std::unique_ptr<nn::Gpt> teacher_;          // --teacher: whole on the last stage's ranks, forward only
   std::unique_ptr<parallel::VocabParallelSoftTargets> soft_targets_;
   void load_teacher(const nn::GptVocabShard& vocab);
   StagedSteps staged_;
@@ -402,7 +402,7 @@ void GptTask::setup(const TaskSetup& s) {
   parameters_ = s.built ? s.built->parameter_count() : model_->parameter_count();
   xent_ = tp > 1 ? std::make_unique<parallel::VocabParallelCrossEntropy>(s.grid.tp(), vocab.offset)
                  : std::make_unique<nn::SoftmaxCrossEntropy>();
-  if (!c.teacher.empty()) load_teacher(vocab);
+  if (!c.teacher.empty() && stage == c.pp - 1) load_teacher(vocab);  // the stage of the student's logits
 }
 
 // The teacher of --teacher: a language model of the student's vocabulary and tokenizer, any shape.
@@ -452,9 +452,10 @@ std::string GptTask::describe() {
   std::ostringstream o;
   o << model_->kind() << ", " << parameters_ << " parameters on rank 0, batch " << batch_ << " x " << seq_len_
     << " tokens per dp rank, " << train_.tokens.size() << " train / " << val_.tokens.size() << " val tokens";
-  if (teacher_)
-    o << ", teacher " << teacher_->kind() << " from " << cfg_->teacher << ", T " << cfg_->distill_temperature
-      << " weight " << cfg_->distill_weight;
+  if (!cfg_->teacher.empty())
+    o << ", teacher " << (teacher_ ? teacher_->kind() + " " : "") << "from " << cfg_->teacher
+      << (teacher_ ? "" : " on the last stage") << ", T " << cfg_->distill_temperature << " weight "
+      << cfg_->distill_weight;
   return o.str();
 }
 

@@ -97,10 +97,14 @@ class ImageTask final : public Task {
            (cfg_->pp > 1 ? " on rank 0's stage" : "") + "), " +
            (cfg_->synthetic ? std::string("synthetic data")
                             : "data " + cfg_->data + " (" + train_ds_->info().opened + "), " + reading_.text) +
-           (teacher_ ? ", teacher " + teacher_spec_.name + " (" + std::to_string(teacher_->parameter_count()) +
-                           " parameters) from " + cfg_->teacher + ", T " + fixed(cfg_->distill_temperature, 1) +
-                           " weight " + fixed(cfg_->distill_weight, 2)
-                     : "");
+           (cfg_->teacher.empty()
+                ? ""
+                : ", teacher " +
+                      (teacher_
+                           ? teacher_spec_.name + " (" + std::to_string(teacher_->parameter_count()) + " parameters) "
+                           : std::string()) +
+                      "from " + cfg_->teacher + (teacher_ ? "" : " on the last stage") + ", T " +
+                      fixed(cfg_->distill_temperature, 1) + " weight " + fixed(cfg_->distill_weight, 2));
   }
   JsonFields summary_fields() const override {  // this rank's reads of the training set
     if (!train_ds_) return {};
@@ -183,7 +187,7 @@ class ImageTask final : public Task {
   nn::ModulePtr model_;
   int64_t parameters_ = 0;  // this rank's part of the model, counted when it was made
   nn::SoftmaxCrossEntropy ce_;
-  nn::ModulePtr teacher_;  // --teacher: forward only, in eval mode
+  nn::ModulePtr teacher_;  // --teacher: forward only, in eval mode, on the last stage's ranks
   nn::ModelSpec teacher_spec_;
   nn::SoftTargetLoss soft_targets_;
   StagedSteps staged_;
@@ -266,7 +270,7 @@ void ImageTask::setup(const TaskSetup& s) {
     model_->to(device_);                  // drawn on the host, trained where the engine is
   }
   if (s.cfg.synthetic) make_synthetic_batches(s.grid.dp_rank());
-  if (!s.cfg.teacher.empty()) load_teacher();
+  if (!s.cfg.teacher.empty() && s.grid.pp_rank() == s.cfg.pp - 1) load_teacher();  // beside the logits
   // An optimizer step takes --accumulate micro-batches; a partial group at an epoch's end is dropped.
   DT_INPUT_CHECK(steps_per_epoch() > 0, "option --accumulate " << s.cfg.accumulate << " exceeds the "
                                                                << batches_per_epoch() << " batches of an epoch");

@@ -485,6 +485,52 @@ TEST(Pipeline, ImageModelsMatchTheLayoutWithoutStages) {
   std::filesystem::remove(vit);
 }
 
+// Distillation under --pp: the teacher (an mlp trained here, the same on every rank) runs beside
+// the last stage's logits; simple_cnn at pp 2 (dp 2 x pp 2 at 4 ranks) ends where the layout without
+// stages does with the same teacher, and the teacher changes where it ends.
+TEST(Pipeline, ImageDistillationMatchesTheLayoutWithoutStages) {
+  comm::Communicator& world = comm::Runtime::get().world();
+  if (world.size() % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
+  const int dp = world.size() / 2;
+  auto group = world.split(world.rank() / dp, world.rank() % dp, "reference");
+  const std::string teacher = dataset() + "-teacher-" + std::to_string(world.rank());
+  {
+    auto solo = world.split(world.rank(), 0, "solo");
+    train::TrainConfig t = config({"--model", "mlp", "--hidden", "32", "--lr", "0.05"});
+    t.checkpoint_dir = teacher;
+    train::Trainer(t, comm::Runtime::get(), solo.get()).run();
+  }
+  const std::vector<std::string> run = {"--model",
+                                        "simple_cnn",
+                                        "--optimizer",
+                                        "sgd",
+                                        "--momentum",
+                                        "0.9",
+                                        "--lr",
+                                        "0.01",
+                                        "--teacher",
+                                        teacher,
+                                        "--distill-weight",
+                                        "0.5",
+                                        "--distill-temperature",
+                                        "2"};
+  std::vector<std::string> reference = run;
+  reference.insert(reference.end(), {"--accumulate", "2"});
+  const ParamValues want = train_params(config(reference), *group);
+  std::vector<std::string> alone = reference;
+  alone.erase(alone.begin() + 8, alone.begin() + 10);  // without --teacher
+  const ParamValues untaught = train_params(config(alone), *group);
+  double moved = 0;
+  for (size_t i = 0; i < want.at("7.weight").size(); ++i)
+    moved = std::max(moved, std::abs(static_cast<double>(untaught.at("7.weight")[i] - want.at("7.weight")[i])));
+  EXPECT_GT(moved, 1e-4) << "the teacher changed nothing";
+  std::vector<std::string> piped = run;
+  piped.insert(piped.end(), {"--pp", "2", "--micro-batches", "2"});
+  expect_stage_close(train_params(config(piped), world), want, "simple_cnn pp 2 with a teacher");
+  world.barrier();
+  std::filesystem::remove_all(teacher);
+}
+
 // A checkpoint set written by 2 pipeline stages (one file per stage) resumes without stages: the
 // run ends where the uninterrupted pipelined one does.
 TEST(Pipeline, ImageCheckpointResumesInAnotherLayout) {

@@ -745,9 +745,19 @@ TEST(TensorParallel, InitFromPretrainedStartsEveryLayoutAlike) {
   }
 }
 
+// The layouts of dp 1 over the world (the one rank's windows): tp over every rank, and at 2 ranks
+// pp 2, at 4 tp 2 x pp 2 (a teacher on the last stage's ranks).
+namespace {
+std::vector<std::pair<int, int>> one_group_layouts() {
+  const int n = world().size();
+  return {{n, 1}, n == 4 ? std::pair{2, 2} : std::pair{1, n}};
+}
+}  // namespace
+
 // Distillation of a language model: a GPT student of a Llama teacher (T 2, weight 0.5) gives one
 // rank's losses at tp 2 and 4 (the student's softened distribution over the split vocabulary by
-// allreduced maxima and sums), and the teacher changes the trajectory.
+// allreduced maxima and sums) and under pp (the teacher beside the last stage), and the teacher
+// changes the trajectory.
 TEST(TensorParallel, LmDistillationUnderTpMatchesOneRank) {
   std::filesystem::path dir = make_corpus("distill");
   auto solo = world().split(world().rank(), 0, "solo");
@@ -762,9 +772,13 @@ TEST(TensorParallel, LmDistillationUnderTpMatchesOneRank) {
   c.distill_weight = 0.5f;
   const train::TrainResult ref = train::train_lm(c, solo.get());
   EXPECT_GT(std::abs(ref.step_losses.back() - alone.step_losses.back()), 1e-4) << "the teacher changed nothing";
-  c.tp = world().size();  // dp 1: the same windows as the one rank
-  test::expect_lm_losses_match(train::train_lm(c, &world()), ref, world().rank() == 0);
-  c.teacher = (dir / "tok").string();  // not a checkpoint
+  for (auto [tp, pp] : one_group_layouts()) {
+    SCOPED_TRACE("tp " + std::to_string(tp) + " pp " + std::to_string(pp));
+    c.tp = tp;
+    c.pp = pp;
+    test::expect_lm_losses_match(train::train_lm(c, &world()), ref, world().rank() == 0);
+  }
+  c.teacher = (dir / "tok").string();  // not a checkpoint: refused on every rank, the stages without it too
   EXPECT_THROW(train::train_lm(c, &world()), InputError);
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
@@ -801,7 +815,7 @@ TEST(TensorParallel, SoftTargetsSkipRowsWithoutATarget) {
 }
 
 // A teacher on prompt/completion samples: the distillation term over completion tokens only, at tp
-// = the world's ranks, gives one rank's losses, and the teacher changes the trajectory.
+// = the world's ranks and under pp, gives one rank's losses, and the teacher changes the trajectory.
 TEST(TensorParallel, SftDistillationUnderTpMatchesOneRank) {
   if (world().size() > 4) GTEST_SKIP() << "4 heads";
   const std::filesystem::path dir = make_sft_corpus("sft-distill");
@@ -822,8 +836,12 @@ TEST(TensorParallel, SftDistillationUnderTpMatchesOneRank) {
   c.distill_weight = 0.5f;
   const train::TrainResult ref = train::train_lm(c, solo.get());
   EXPECT_GT(std::abs(ref.step_losses.back() - alone.step_losses.back()), 1e-4) << "the teacher changed nothing";
-  c.tp = world().size();
-  test::expect_lm_losses_match(train::train_lm(c, &world()), ref, world().rank() == 0);
+  for (auto [tp, pp] : one_group_layouts()) {
+    SCOPED_TRACE("tp " + std::to_string(tp) + " pp " + std::to_string(pp));
+    c.tp = tp;
+    c.pp = pp;
+    test::expect_lm_losses_match(train::train_lm(c, &world()), ref, world().rank() == 0);
+  }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
