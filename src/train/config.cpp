@@ -317,10 +317,6 @@ void check_ranges(const TrainConfig& c) {
   DT_INPUT_CHECK(c.zero == 0 || (c.optimizer != "lars" && c.optimizer != "lamb"),
                  zero << " does not combine with --optimizer " << c.optimizer
                       << " (its per-layer trust ratios need whole tensors)");
-  // A language model's stages shard over their data-parallel groups (the tied embedding is refused
-  // where the model is built); an image model's pipeline not yet.
-  DT_INPUT_CHECK(c.zero == 0 || c.pp == 1 || is_language_model(c.model),
-                 zero << " does not combine with --pp for image models in this version");
   DT_INPUT_CHECK(c.zero < 3 || c.prune_sparsity == 0.f,
                  zero << " does not combine with --prune-sparsity (the masks read whole weights)");
   DT_INPUT_CHECK(c.zero < 3 || c.check_replicas == 0,

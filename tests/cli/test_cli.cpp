@@ -93,8 +93,6 @@ TEST(Cli, OneConfigurationForEveryModel) {
   EXPECT_EQ(sync_bn.code, 2) << sync_bn.out;
   EXPECT_NE(sync_bn.out.find("option --sync-batchnorm does not combine with --model gpt"), std::string::npos)
       << sync_bn.out;
-  EXPECT_FAILS_NAMING(run("train --synthetic --zero1 true --pp 2"),
-                      "option --zero 1 does not combine with --pp for image models");
   EXPECT_FAILS_NAMING(run("train --synthetic --zero1 true --zero 3"), "option --zero1 true is --zero 1");
   EXPECT_FAILS_NAMING(run("train --synthetic --zero 4"), "option --zero must be 0, 1, 2 or 3");
   EXPECT_FAILS_NAMING(run("train --synthetic --zero 3 --prune-sparsity 0.5"),

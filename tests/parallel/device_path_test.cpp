@@ -43,15 +43,11 @@ train::TrainConfig config(std::vector<std::string> args) { return test::trainer_
 
 using test::ParamValues;
 using test::train_params;
+using test::with;
 
 // The parameters of `got` within `tolerance` of `want`'s.
 void expect_close(const ParamValues& got, const ParamValues& want, double tolerance, const std::string& what) {
   test::expect_params_close(got, want, what, tolerance);
-}
-
-std::vector<std::string> with(std::vector<std::string> run, std::initializer_list<std::string> more) {
-  run.insert(run.end(), more);
-  return run;
 }
 
 }  // namespace

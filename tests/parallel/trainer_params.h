@@ -16,6 +16,12 @@
 
 namespace dtrain::test {
 
+// `run` followed by `more`: a run's words with a variant's.
+inline std::vector<std::string> with(std::vector<std::string> run, const std::vector<std::string>& more) {
+  run.insert(run.end(), more.begin(), more.end());
+  return run;
+}
+
 // `dtrain train --data DATA --threads 1 --progress off --steps STEPS --global-batch-size 16
 // --lr-schedule constant ARGS...`
 inline train::TrainConfig trainer_config(const std::string& data, int steps, std::vector<std::string> args) {
