@@ -343,6 +343,33 @@ double ReplicatedDataParallel::grad_norm() {
   return sharded_norm(shard_.grad, comm_);
 }
 
+DataParallel::GradientParts ReplicatedDataParallel::gradient_parts(const nn::Parameter& p) {
+  GradientParts g{p.value.numel(), !zero1(), {}, flat_grad_.device()};
+  if (!zero1()) {
+    g.parts.push_back({0, p.grad});
+  } else if (const auto it = piece_of_.find(&p); it != piece_of_.end()) {
+    g.parts.push_back({start_in_slice_.at(p.name) + slice_begin() - offset_.at(&p), it->second->grad});
+  }
+  return g;
+}
+
+void DataParallel::add_copy_gradients(const nn::Parameter& p, comm::Communicator& copies) {
+  GradientParts g = gradient_parts(p);
+  if (g.whole) {
+    copies.allreduce(g.parts.front().second)->wait();
+    return;
+  }
+  Tensor all = zeros_on({g.numel}, g.device);
+  Engine& e = engine_for(all.device());
+  for (auto& [first, part] : g.parts) {
+    Tensor at = all.slice0(first, first + part.numel());
+    e.copy(part, at);
+  }
+  shard_group()->allreduce(all)->wait();  // the parts cover p once over the shard group: its whole gradient
+  copies.allreduce(all)->wait();
+  for (auto& [first, part] : g.parts) e.copy(all.slice0(first, first + part.numel()), part);
+}
+
 double DataParallel::sharded_norm(const Tensor& grad, comm::Communicator& shards) {
   // The slices' sums of squares added on their device (NCCL takes device memory only).
   Tensor ss = Tensor::empty({1}, DType::F32, grad.device());

@@ -445,6 +445,14 @@ void ShardedDataParallel::after_step() {
   stats_.comm_wait_s += now_s() - t0;
 }
 
+DataParallel::GradientParts ShardedDataParallel::gradient_parts(const nn::Parameter& p) {
+  const auto [unit, i] = find(p.name);
+  GradientParts g{shape_numel(unit->shapes[i]), false, {}, device_};
+  if (const auto it = piece_of_.find(&p); it != piece_of_.end())
+    g.parts.push_back({piece_range_.at(p.name).front(), it->second->grad});
+  return g;
+}
+
 double ShardedDataParallel::grad_norm() { return sharded_norm(shard_.grad, shards()); }  // replicas hold the same
 
 // ---- compression -------------------------------------------------------------------------------

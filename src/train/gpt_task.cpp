@@ -270,8 +270,12 @@ class GptTask final : public Task {
     return "a target token of step " + std::to_string(step) + " on rank " + std::to_string(rank) +
            " is outside the vocabulary";
   }
-  void after_exchange() override {
-    if (tied_) tied_->allreduce(tied_weight()->grad)->wait();  // the embedding's and the head's parts
+  void after_exchange(parallel::DataParallel* dp) override {  // the embedding's and the head's parts
+    if (!tied_) return;
+    if (dp)
+      dp->add_copy_gradients(*tied_weight(), *tied_);
+    else
+      tied_->allreduce(tied_weight()->grad)->wait();
   }
   const nn::Parameter* duplicate() const override { return model_->head_wte_copy(); }
   bool validation_due(int64_t step, bool epoch_end) const override {
@@ -369,10 +373,6 @@ void GptTask::setup(const TaskSetup& s) {
       train_.has_samples() == val_.has_samples(),
       "'" << c.data
           << "': train.h5 and val.h5 must both be prompt/completion samples (dtrain convert sft) or both text");
-  DT_INPUT_CHECK(c.zero == 0 || c.pp == 1 || !model_cfg_.tied,
-                 "option --zero " << c.zero << " does not combine with --pp for a model with a tied embedding "
-                                  << "(GPT-2's: its copies on the first and last stage add whole gradients) in this "
-                                     "version; an untied one (the Llama) does");
   // Fewer key/value heads than tp ranks are replicated (the options' or a model file's); clipping
   // under ZeRO sees only flat pieces of their gradients and could not count the copies once.
   DT_INPUT_CHECK(model_cfg_.kv() >= c.tp || c.tp % model_cfg_.kv() != 0 || c.zero == 0 || c.clip_grad_norm == 0.f,

@@ -108,7 +108,7 @@ void Trainer::exchange() {
     if (scaler_ || cfg_.clip_grad_norm > 0.f) dp_->settle();  // the host reads the gradients next
     iv_.comm += dp_->stats().comm_wait_s - c0;
   }
-  task_->after_exchange();
+  task_->after_exchange(dp_.get());
 }
 
 // fp16's agreed verdict, clipping and the optimizer step; returns whether it stepped.

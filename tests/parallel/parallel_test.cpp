@@ -765,12 +765,13 @@ TEST(ReplicaCheck, FindsABitFlippedInOneReplica) {
     message = e.what();
   }
   ::unsetenv("DTRAIN_TEST_FLIP_BIT");
+  world.barrier();  // every rank's checkpoint writer has ended
   EXPECT_NE(message.find("replicas differ after step 9"), std::string::npos) << message;
   EXPECT_NE(message.find("(world rank 1)"), std::string::npos) << message;
   EXPECT_NE(message.find("parameter 0.weight"), std::string::npos) << message;
   EXPECT_TRUE(std::filesystem::exists(dir + "/ckpt-step000000006.h5"));
   EXPECT_FALSE(std::filesystem::exists(dir + "/ckpt-step000000009.h5")) << "the corrupted step was checkpointed";
-  world.barrier();
+  world.barrier();  // read by every rank before it goes
   if (world.rank() == 0) std::filesystem::remove_all(dir);
 }
 

@@ -196,9 +196,12 @@ void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int
   if (world().rank() == 0 && !sync)
     std::printf("%s tp %d pp %d: worst relative loss difference over %d independent steps: %.2e\n",
                 cfg.llama() ? "llama" : "gpt", tp, pp, steps, worst_loss);
+  // After the independent steps the rounding of every step has gone through momentum into the
+  // weights (AMD EPYC's kernels: 1.4e-5 of wte's largest value after 10 steps, Xeon's less); the
+  // per-step gradients above are held to 1e-5.
   if (!sync)
     for (nn::Parameter* p : model.parameters())
-      expect_rel_close(p->value, expected_shard(own[p->name], *p, ref_params[p->name]->value), 1e-5,
+      expect_rel_close(p->value, expected_shard(own[p->name], *p, ref_params[p->name]->value), 5e-5,
                        "after training " + p->name);
 }
 
@@ -360,7 +363,7 @@ TEST(TensorParallel, LmTrainerLoraTp2MatchesOneRank) {
         diff = std::max(diff, std::abs(double(have.f32()[i]) - want.f32()[i]));
         scale = std::max(scale, std::abs(double(want.f32()[i])));
       }
-      EXPECT_LE(diff, 1e-5 * scale) << name;
+      EXPECT_LE(diff, 5e-5 * scale) << name;  // Adam's steps carry the rounding (AMD EPYC: 1.1e-5)
       adapters += nn::is_lora_adapter(name);
     }
     EXPECT_EQ(adapters, 2 * 4 * 4) << "A and B of the fused q/k/v, o, gate/up and down in 4 layers";
@@ -422,23 +425,35 @@ TEST(TensorParallel, LoraUnderZeroStagesMatchesDataParallel) {
 }
 
 // ZeRO under a pipeline: each stage's parameters sharded over its data-parallel group (at 4 ranks
-// pp 2 x dp 2); every step's loss and the validation equal ZeRO-0's within 1e-5. GPT-2's tied
-// embedding (copies on the first and last stage) is refused on every rank.
+// pp 2 x dp 2); every step's loss and the validation equal ZeRO-0's within 1e-5, for the Llama and
+// for GPT-2's tied embedding (its copies' gradients, each spread over its stage's shards, summed
+// between the first and last stage), clipping every step. A tied ZeRO-3 set written at step 5
+// continues at ZeRO-0 where the ZeRO-3 run goes on.
 TEST(Pipeline, ZeroStagesPerStageMatchDataParallel) {
   const std::filesystem::path dir = make_corpus("pp-zero");
-  train::TrainConfig c = test::small_lm_config(dir / "tok", small_llama());
+  for (const nn::GptConfig& model : {small_llama(), small_gpt()}) {
+    SCOPED_TRACE(model.llama() ? "llama" : "gpt");
+    train::TrainConfig c = test::small_lm_config(dir / "tok", model);
+    c.pp = 2;
+    c.lr = 1e-2f;
+    c.clip_grad_norm = 0.05f;  // every step: the norm adds the pieces over dp and the stages
+    expect_zero_stages_match_zero0(c);
+  }
+  train::TrainConfig c = test::small_lm_config(dir / "tok", small_gpt());
   c.pp = 2;
-  c.lr = 1e-2f;
-  c.clip_grad_norm = 0.05f;  // every step: the norm adds the pieces over dp and the stages
-  expect_zero_stages_match_zero0(c);
-  train::TrainConfig gpt = test::small_lm_config(dir / "tok", small_gpt());
-  gpt.pp = 2;
-  gpt.zero = 1;
-  try {
-    train::train_lm(gpt, &world());
-    ADD_FAILURE() << "--zero 1 --pp 2 with a tied embedding was taken";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("tied embedding"), std::string::npos) << e.what();
+  c.zero = 3;
+  c.checkpoint_every = 5;
+  c.checkpoint_dir = (dir / "zero3").string();
+  const train::TrainResult straight = train::train_lm(c, &world());
+  c.zero = 0;
+  c.checkpoint_dir.clear();
+  c.resume = (dir / "zero3" / "ckpt-step000000005.h5").string();
+  const train::TrainResult resumed = train::train_lm(c, &world());
+  if (world().rank() == 0) {
+    ASSERT_EQ(resumed.step_losses.size(), 5u);
+    for (size_t i = 0; i < 5; ++i)
+      EXPECT_NEAR(resumed.step_losses[i], straight.step_losses[5 + i], 1e-5 * straight.step_losses[5 + i])
+          << "step " << 5 + i;
   }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);

@@ -153,6 +153,24 @@ class DataParallel {
   virtual std::map<std::string, int64_t> memory_bytes() const = 0;
   DataParallelStats& stats() { return stats_; }
 
+  // Where this rank holds p's averaged gradient after finish(): the whole gradient (`whole`), or
+  // the parts of it in this rank's ZeRO slice or shard, each with its first element in p (none when
+  // p lies outside them). `numel`: p's, also where its value is empty between passes (ZeRO-3);
+  // `device`: where the layout holds gradients.
+  struct GradientParts {
+    int64_t numel = 0;
+    bool whole = false;
+    std::vector<std::pair<int64_t, Tensor>> parts;
+    Device device = Device::cpu();
+  };
+  virtual GradientParts gradient_parts(const nn::Parameter& p) = 0;
+  // After finish(): adds into this rank's share of p's averaged gradient the averaged gradient of
+  // p's copy that the other ranks of `copies` hold (GPT-2's tied embedding on the first and last
+  // pipeline stage: `copies` joins the ranks of the same data-parallel and tp position). A sharded
+  // layout assembles the whole gradient over its shard group first, then takes its parts back.
+  // Collective over the shard group and `copies`.
+  void add_copy_gradients(const nn::Parameter& p, comm::Communicator& copies);
+
  protected:
   // The L2 norm of a gradient each rank of `shards` holds a distinct slice of (`grad`: this rank's).
   static double sharded_norm(const Tensor& grad, comm::Communicator& shards);
@@ -241,6 +259,7 @@ class ReplicatedDataParallel final : public DataParallel {
   size_t bucket_count() const override { return buckets_.size(); }
   comm::Communicator* shard_group() override { return zero1() ? &comm_ : nullptr; }
   std::map<std::string, int64_t> memory_bytes() const override;
+  GradientParts gradient_parts(const nn::Parameter& p) override;
 
  private:
   struct Bucket {

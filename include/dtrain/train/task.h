@@ -12,6 +12,7 @@
 #include "dtrain/core/tensor.h"
 #include "dtrain/nn/module.h"
 #include "dtrain/optim/optimizer.h"
+#include "dtrain/parallel/data_parallel.h"
 #include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/zero/sharded_init.h"
 #include "dtrain/train/checkpoint.h"
@@ -99,8 +100,9 @@ class Task {
   virtual std::string bad_label(int64_t step, int rank) const = 0;  // the message for an out-of-range label
 
   // After the gradient exchange, before the step: gradients the layout keeps twice (a tied weight
-  // on two stages) are summed; `duplicate` is that second copy, left out of the clipping norm.
-  virtual void after_exchange() {}
+  // on two stages) are summed, wherever `dp` holds them (null: no data parallelism, whole
+  // gradients); `duplicate` is that second copy, left out of the clipping norm.
+  virtual void after_exchange(parallel::DataParallel* dp) { (void)dp; }
   virtual const nn::Parameter* duplicate() const { return nullptr; }
 
   // Whether a validation pass is due after `step` (epoch_end: the epoch or the run just ended).

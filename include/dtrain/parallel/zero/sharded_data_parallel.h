@@ -76,6 +76,7 @@ class ShardedDataParallel final : public DataParallel {
   size_t bucket_count() const override { return units_.size(); }
   comm::Communicator* shard_group() override { return &shards(); }
   std::map<std::string, int64_t> memory_bytes() const override;
+  GradientParts gradient_parts(const nn::Parameter& p) override;
 
  private:
   struct Unit {
