@@ -370,6 +370,10 @@ void DataParallel::add_copy_gradients(const nn::Parameter& p, comm::Communicator
   for (auto& [first, part] : g.parts) e.copy(all.slice0(first, first + part.numel()), part);
 }
 
+void DataParallel::load_pieces(const std::function<void(const PieceTaker&)>&, const std::vector<optim::StateTensor>&) {
+  DT_CHECK(false, "load_pieces: this data-parallel layout holds whole tensors; they load whole");
+}
+
 double DataParallel::sharded_norm(const Tensor& grad, comm::Communicator& shards) {
   // The slices' sums of squares added on their device (NCCL takes device memory only).
   Tensor ss = Tensor::empty({1}, DType::F32, grad.device());

@@ -445,6 +445,56 @@ void ShardedDataParallel::after_step() {
   stats_.comm_wait_s += now_s() - t0;
 }
 
+// Each key's destination on this rank, which starts at element `begin` of the tensor: at ZeRO-3
+// its piece of a value (the shard master) or of a state tensor; at ZeRO-2 the parameter's whole
+// value (which every rank holds; its pieces are views of it) or its piece of a state tensor.
+void ShardedDataParallel::load_pieces(const std::function<void(const PieceTaker&)>& for_each_piece,
+                                      const std::vector<optim::StateTensor>& state) {
+  DT_CHECK(!hold_, "load_pieces while the whole model is held: releasing it would overwrite the loaded masters");
+  struct Target {
+    Tensor dst;
+    int64_t begin = 0;
+    Shape shape;  // the parameter's
+    int64_t filled = 0;
+  };
+  std::map<std::string, Target> targets;
+  for (Unit& u : units_) {
+    release(u);  // ZeRO-3: no unit keeps values from before (the next pass gathers the loaded masters)
+    for (size_t i = 0; opt_.zero == 2 && i < u.params.size(); ++i)
+      targets["param/" + u.params[i]->name] = {view(u.full, u, i).reshape({shape_numel(u.shapes[i])}), 0, u.shapes[i]};
+  }
+  auto piece_shape = [&](const std::string& param) {
+    const std::vector<int64_t>& range = piece_range_.at(param);
+    return std::make_pair(range[0], Shape(range.begin() + 2, range.end()));
+  };
+  for (nn::Parameter& piece : pieces_)
+    if (opt_.zero == 3) {
+      const auto [begin, shape] = piece_shape(piece.name);
+      targets["param/" + piece.name] = {piece.value, begin, shape};
+    }
+  for (const optim::StateTensor& st : state) {
+    const auto [start, kind] = place_in_shard(st);
+    (void)start;
+    const auto [begin, shape] = piece_shape(st.name.substr(0, st.name.size() - kind.size() - 1));
+    targets["optim/" + st.name] = {st.value->reshape({st.value->numel()}), begin, shape};
+  }
+  for_each_piece([&](const std::string& key, int64_t from, const Shape& shape, const Tensor& values) {
+    const auto it = targets.find(key);
+    if (it == targets.end()) return;  // a tensor of another rank's pieces, or state this optimizer has not
+    Target& t = it->second;
+    DT_INPUT_CHECK(shape == t.shape, key << " is " << shape_str(shape) << ", this model's " << shape_str(t.shape));
+    const int64_t first = std::max(from, t.begin), last = std::min(from + values.numel(), t.begin + t.dst.numel());
+    if (first >= last) return;
+    Tensor dst = t.dst.slice0(first - t.begin, last - t.begin);
+    copy_any(values.slice0(first - from, last - from), dst);
+    t.filled += last - first;
+  });
+  for (const auto& [key, t] : targets)
+    DT_INPUT_CHECK(t.filled == t.dst.numel(), "the shard parts give " << t.filled << " of the " << t.dst.numel()
+                                                                      << " elements of " << key
+                                                                      << " that this rank holds");
+}
+
 DataParallel::GradientParts ShardedDataParallel::gradient_parts(const nn::Parameter& p) {
   const auto [unit, i] = find(p.name);
   GradientParts g{shape_numel(unit->shapes[i]), false, {}, device_};
@@ -582,6 +632,7 @@ void ShardedDataParallel::load_state(const std::map<std::string, Tensor>& full,
 
 std::map<std::string, Tensor> ShardedDataParallel::shard_pieces(const std::vector<optim::StateTensor>& state) const {
   std::map<std::string, Tensor> out;
+  if (cross_ && cross_->rank() != 0) return out;  // --shard-scope node: the first node's ranks write the pieces
   auto put = [&](const std::string& key, const std::string& param, const Tensor& piece) {
     const std::vector<int64_t>& range = piece_range_.at(param);
     out[key] = to_host(piece.reshape({piece.numel()})).clone();

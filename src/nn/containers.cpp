@@ -15,11 +15,13 @@ std::unique_ptr<Sequential> Sequential::stage_of(std::unique_ptr<Sequential> who
 Sequential& Sequential::add(ModulePtr m, std::optional<std::string> name) {
   layers_.push_back(std::move(m));
   names_.push_back(std::move(name));
+  if (sink_ && !layers_.back()->parameters().empty()) sink_->unit_built({layers_.back().get()});
   return *this;
 }
 
 ModulePtr Sequential::replace(size_t i, ModulePtr m) {
   DT_CHECK(i < layers_.size(), "Sequential::replace(" << i << ") of " << layers_.size() << " layers");
+  DT_CHECK(!sink_, "Sequential::replace during a shard-by-shard build (the sink has the old layer's block)");
   std::swap(layers_[i], m);
   return m;
 }

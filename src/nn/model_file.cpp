@@ -197,6 +197,7 @@ class DefinitionBuilder {
   std::unique_ptr<Sequential> sequence(const Tree& list, const std::string& path, const Args& args, Shape& shape,
                                        int depth) {
     auto seq = std::make_unique<Sequential>();
+    if (depth == 0) seq->set_unit_sink(spec_.sink);  // the model's own layers are ZeRO-3's units
     std::set<std::string> taken;
     size_t index = 0;
     for (const auto& [key, node] : list) {

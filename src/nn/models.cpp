@@ -59,6 +59,7 @@ void ModelBudget::output(const std::string& path, const std::string& type, const
 
 static std::unique_ptr<Sequential> make_mlp(const ModelSpec& s, Rng& rng, ModelBudget& budget) {
   auto m = std::make_unique<Sequential>();
+  m->set_unit_sink(s.sink);
   m->add(std::make_unique<Flatten>());
   int64_t in = shape_numel(s.input);
   uint64_t drop_seed = derive_seed(s.seed, 99);
@@ -89,6 +90,7 @@ static std::unique_ptr<Sequential> make_simple_cnn(const ModelSpec& s, Rng& rng,
   budget.take("3", "conv", {{c2, c1, 3, 3}, {c2}});
   budget.take("7", "linear", {{s.classes, c2, s.input[1] / 4, s.input[2] / 4}, {s.classes}});
   auto m = std::make_unique<Sequential>();
+  m->set_unit_sink(s.sink);
   m->add(std::make_unique<Conv2d>(s.input[0], c1, 3, 1, 1, true, rng));
   m->add(ReLU());
   m->add(MaxPool2d(2, 2));
@@ -131,6 +133,7 @@ static std::unique_ptr<Sequential> make_resnet20(const ModelSpec& s, Rng& rng, M
   budget.output("0", "conv", {16, s.input[1], s.input[2]});
   budget.take("13", "linear", {{s.classes, 64}, {s.classes}});
   auto m = std::make_unique<Sequential>();
+  m->set_unit_sink(s.sink);
   m->add(std::make_unique<Conv2d>(s.input[0], 16, 3, 1, 1, false, rng));
   m->add(std::make_unique<BatchNorm2d>(16));
   m->add(ReLU());
@@ -149,13 +152,14 @@ static std::unique_ptr<Sequential> make_resnet20(const ModelSpec& s, Rng& rng, M
 
 ModelSpec with_widths(const ModelSpec& spec, const std::vector<int64_t>& widths) {
   ModelSpec s = spec;
-  DT_INPUT_CHECK(s.definition.empty(), "model " << s.name << ": a model file's layer widths are its own (change the file)");
+  DT_INPUT_CHECK(s.definition.empty(),
+                 "model " << s.name << ": a model file's layer widths are its own (change the file)");
   const bool cnn = s.name == "simple_cnn" || s.name == "simplecnn";
   DT_INPUT_CHECK(cnn || s.name == "mlp", "model " << s.name << ": its layer widths are fixed (only mlp and "
                                                   << "simple_cnn take other widths)");
   std::vector<int64_t>& dst = cnn ? s.channels : s.hidden;
-  DT_INPUT_CHECK(widths.size() == dst.size(), "model " << s.name << " has " << dst.size() << " hidden widths, not "
-                                                       << widths.size());
+  DT_INPUT_CHECK(widths.size() == dst.size(),
+                 "model " << s.name << " has " << dst.size() << " hidden widths, not " << widths.size());
   dst = widths;
   return s;
 }
@@ -169,13 +173,22 @@ std::unique_ptr<Sequential> make_sequential_model(const ModelSpec& s) {
   DT_INPUT_CHECK(!s.input.empty() && shape_numel(s.input) > 0,
                  "model " << s.name << ": empty input shape " << shape_str(s.input));
   Rng rng(derive_seed(s.seed, 1));
-  if (!s.definition.empty()) return build_model_definition(s, rng, budget);
-  if (s.name == "mlp") return make_mlp(s, rng, budget);
-  if (s.name == "simple_cnn" || s.name == "simplecnn") return make_simple_cnn(s, rng, budget);
-  if (s.name == "resnet20") return make_resnet20(s, rng, budget);
-  std::string names;
-  for (auto& n : model_names()) names += (names.empty() ? "" : ", ") + n;
-  throw InputError("unknown model '" + s.name + "' (models: " + names + ")");
+  std::unique_ptr<Sequential> m;
+  if (!s.definition.empty()) {
+    m = build_model_definition(s, rng, budget);
+  } else if (s.name == "mlp") {
+    m = make_mlp(s, rng, budget);
+  } else if (s.name == "simple_cnn" || s.name == "simplecnn") {
+    m = make_simple_cnn(s, rng, budget);
+  } else if (s.name == "resnet20") {
+    m = make_resnet20(s, rng, budget);
+  } else {
+    std::string names;
+    for (auto& n : model_names()) names += (names.empty() ? "" : ", ") + n;
+    throw InputError("unknown model '" + s.name + "' (models: " + names + ")");
+  }
+  m->set_unit_sink(nullptr);  // the sink lives as long as the build only
+  return m;
 }
 
 }  // namespace dtrain::nn

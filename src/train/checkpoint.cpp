@@ -353,7 +353,7 @@ int64_t held_parameters(const CheckpointState& s) {
   return held;
 }
 
-CheckpointState load_checkpoint_set(const std::string& main_file) {
+CheckpointState load_checkpoint_set(const std::string& main_file, bool assemble_shards) {
   CheckpointState s = load_checkpoint(main_file);
   auto it = s.ints.find("pp_stages");
   const int64_t stages = it == s.ints.end() ? 1 : it->second;
@@ -372,7 +372,12 @@ CheckpointState load_checkpoint_set(const std::string& main_file) {
     for (auto& [name, t] : part.tensors) s.tensors.emplace(name, t);  // a tied weight's copy: stage 0's
   }
   const auto shards = s.ints.find("zero_shard_ranks");
-  if (shards != s.ints.end() && shards->second > 0) assemble_shard_parts(s, main_file, listed, shards->second);
+  if (shards != s.ints.end() && shards->second > 0) {
+    if (assemble_shards)
+      assemble_shard_parts(s, main_file, listed, shards->second);
+    else
+      check_shard_parts(s, main_file, listed, shards->second);
+  }
   return s;
 }
 

@@ -23,11 +23,11 @@ struct ShardPiece {
   const Tensor* values;
 };
 
-// The shard parts of a set, each listed in the manifest and checked against it.
-std::vector<CheckpointState> read_shard_parts(const CheckpointState& s, const std::string& main_file,
-                                              const std::vector<SetPart>& listed, int64_t ranks) {
+// The shard parts' files of a set, each listed in the manifest and checked against it.
+std::vector<std::string> checked_shard_parts(const CheckpointState& s, const std::string& main_file,
+                                             const std::vector<SetPart>& listed, int64_t ranks) {
   DT_INPUT_CHECK(ranks < (1 << 20), "checkpoint " << main_file << " says " << ranks << " ranks wrote shards");
-  std::vector<CheckpointState> parts;
+  std::vector<std::string> files;
   for (int r = 0; r < ranks; ++r) {
     const std::string f = shard_part_file(main_file, r);
     bool in_manifest = false;
@@ -38,9 +38,9 @@ std::vector<CheckpointState> read_shard_parts(const CheckpointState& s, const st
       }
     DT_INPUT_CHECK(in_manifest, "checkpoint " << main_file << " keeps its parameters in " << ranks
                                               << " shard parts, but its manifest lists no " << f);
-    parts.push_back(load_checkpoint(f));
+    files.push_back(f);
   }
-  return parts;
+  return files;
 }
 
 // The pieces of part `part` (file `f`) by tensor, each fitting its range, the tensor's shape the
@@ -67,17 +67,9 @@ void collect_pieces(const CheckpointState& part, const std::string& f,
   }
 }
 
-// The shard parts of a ZeRO-2/3 set assembled into the whole tensors of the one-rank layout. The
-// pieces of each tensor must tile it exactly (checked before anything is allocated, so a forged
-// shape cannot ask for more than the parts hold).
-}  // namespace
-
-void assemble_shard_parts(CheckpointState& s, const std::string& main_file, const std::vector<SetPart>& listed,
-                          int64_t ranks) {
-  const std::vector<CheckpointState> parts = read_shard_parts(s, main_file, listed, ranks);
-  std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>> tensors;
-  for (size_t r = 0; r < parts.size(); ++r)
-    collect_pieces(parts[r], shard_part_file(main_file, static_cast<int>(r)), tensors);
+// The pieces of each tensor tile it exactly: none left out, none repeated.
+void check_tiling(std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>>& tensors,
+                  const std::string& main_file) {
   for (auto& [key, entry] : tensors) {
     auto& [shape, pieces] = entry;
     std::sort(pieces.begin(), pieces.end(), [](const ShardPiece& a, const ShardPiece& b) { return a.from < b.from; });
@@ -90,10 +82,64 @@ void assemble_shard_parts(CheckpointState& s, const std::string& main_file, cons
     DT_INPUT_CHECK(next == shape_numel(shape), "checkpoint " << main_file << ": the shard parts hold " << next
                                                              << " elements of " << key << ", which has "
                                                              << shape_numel(shape));
+  }
+}
+
+}  // namespace
+
+// The shard parts of a ZeRO-2/3 set assembled into the whole tensors of the one-rank layout. The
+// pieces of each tensor must tile it exactly (checked before anything is allocated, so a forged
+// shape cannot ask for more than the parts hold).
+void assemble_shard_parts(CheckpointState& s, const std::string& main_file, const std::vector<SetPart>& listed,
+                          int64_t ranks) {
+  std::vector<CheckpointState> parts;
+  std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>> tensors;
+  for (const std::string& f : checked_shard_parts(s, main_file, listed, ranks)) parts.push_back(load_checkpoint(f));
+  for (size_t r = 0; r < parts.size(); ++r)
+    collect_pieces(parts[r], shard_part_file(main_file, static_cast<int>(r)), tensors);
+  check_tiling(tensors, main_file);
+  for (auto& [key, entry] : tensors) {
+    auto& [shape, pieces] = entry;
     Tensor t = Tensor::empty(shape, DType::F32);
     for (const ShardPiece& p : pieces) std::copy(p.values->f32(), p.values->f32() + p.count, t.f32() + p.from);
     s.tensors[key] = t;
   }
+}
+
+void check_shard_parts(const CheckpointState& s, const std::string& main_file, const std::vector<SetPart>& listed,
+                       int64_t ranks) {
+  checked_shard_parts(s, main_file, listed, ranks);
+}
+
+void verify_shard_parts(const CheckpointState& s, const std::string& main_file, int first, int stride) {
+  const auto ranks = s.ints.find("zero_shard_ranks");
+  if (ranks == s.ints.end()) return;
+  for (int64_t r = first; r < ranks->second; r += stride) {
+    const std::string f = shard_part_file(main_file, static_cast<int>(r));
+    std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>> pieces;
+    collect_pieces(load_checkpoint(f), f, pieces);  // every piece fits its range
+  }
+}
+
+void for_each_shard_piece(const CheckpointState& s, const std::string& main_file, const PieceTaker& take) {
+  const auto ranks = s.ints.find("zero_shard_ranks");
+  if (ranks == s.ints.end() || ranks->second <= 0) return;
+  std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>> seen;  // the ranges taken (values gone)
+  for (const std::string& f : checked_shard_parts(s, main_file, manifest_parts(s, main_file), ranks->second)) {
+    const CheckpointState part = load_checkpoint(f);
+    std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>> pieces = seen;
+    collect_pieces(part, f, pieces);  // checks each range and the shapes against the parts before
+    for (auto& [key, entry] : pieces) {
+      auto& [shape, list] = entry;
+      for (ShardPiece& p : list) {
+        if (!p.values) continue;  // an earlier part's
+        take(key, p.from, shape, *p.values);
+        p.values = nullptr;
+      }
+    }
+    seen = std::move(pieces);
+  }
+  check_tiling(seen, main_file);
 }
 
 void write_shard_part(const std::string& main_file, const std::map<std::string, Tensor>& pieces,

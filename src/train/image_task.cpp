@@ -265,7 +265,12 @@ void ImageTask::setup(const TaskSetup& s) {
     if (!s.cfg.pp_split.empty())
       starts_ = parallel::parse_pp_split(s.cfg.pp_split, s.cfg.pp, static_cast<int>(whole_->size()));
   } else {
-    model_ = nn::make_model(spec_);
+    // ZeRO-3 keeps only this rank's block of each top-level layer as it is drawn (not with
+    // --sync-batchnorm, whose layers are remade from the drawn ones).
+    nn::ModelSpec drawn = spec_;
+    if (!s.cfg.sync_batchnorm) drawn.sink = s.built;
+    model_ = nn::make_model(drawn);
+    if (drawn.sink) parameters_ = s.built->parameter_count();
     model_->set_needs_input_grad(false);  // nothing consumes d(input data)
     model_->to(device_);                  // drawn on the host, trained where the engine is
   }
@@ -296,7 +301,7 @@ void ImageTask::connect() {
   }
   if (reading_.node_shared) share_training_set();
   if (reading_.mode == "store") use_store();
-  parameters_ = model_->parameter_count();  // before ZeRO-3 leaves the values empty between passes
+  if (parameters_ == 0) parameters_ = model_->parameter_count();  // before ZeRO-3 empties the values
 }
 
 // The job-wide store: the batches' rows travel between the data-parallel ranks on a communicator of

@@ -379,12 +379,13 @@ TrainResult Trainer::run() {
     });
   // A checkpoint part or file one rank cannot read fails every rank alike.
   {
-    // ZeRO-3: a checkpoint loads into whole parameters, which then give each rank its shard.
-    const bool loads = !cfg_.resume.empty() || !cfg_.init_from.empty();
-    parallel::WholeModel whole(loads ? dp_.get() : nullptr);
+    // --init-from at ZeRO-3: whole parameters, which then give each rank its shard (a resume
+    // decides for itself: it may take its pieces alone).
+    const bool imports = cfg_.resume.empty() && !cfg_.init_from.empty();
+    parallel::WholeModel whole(imports ? dp_.get() : nullptr);
     if (!cfg_.resume.empty()) {
       comm::agree_on_inputs(world_, [&] { at = restore(cfg_.resume); });
-    } else if (!cfg_.init_from.empty()) {  // pretrained weights, then training from step 0
+    } else if (imports) {  // pretrained weights, then training from step 0
       std::string line;
       comm::agree_on_inputs(world_, [&] { line = task_->init_from(cfg_.init_from); });
       say(line);

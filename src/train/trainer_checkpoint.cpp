@@ -250,13 +250,41 @@ bool Trainer::same_layout(CheckpointState& s) const {
 CheckpointState Trainer::load_verified_set(const std::string& file, CheckpointState& part) {
   CheckpointState s;
   comm::agree_on_inputs(world_, [&] {
-    s = load_checkpoint_set(file);
-    check_manifest(s, file, rank_, world_.size());  // every part listed, the checks shared among the ranks
+    s = load_checkpoint_set(file, !reads_shards());  // shard parts: read piece by piece when they load
+    check_manifest(s, file, rank_, world_.size());   // every part listed, the checks shared among the ranks
+    if (reads_shards()) verify_shard_parts(s, file, rank_, world_.size());  // their tensors and ranges, shared
     part = uses_compression_parts(s, dp_.get(), world_.size(), cfg_.compression, same_layout(s), nullptr)
                ? load_rank_part(s, file, rank_, world_.size())
                : CheckpointState{};
   });
   return s;
+}
+
+// The parameters, buffers and optimizer state of `s` (the set `file`): under ZeRO-2/3 without tp
+// this rank's pieces straight from the shard parts, one part in memory at a time; else whole
+// tensors (ZeRO-3's units gathered while they load), of which each rank keeps its tp shard.
+void Trainer::load_model_state(CheckpointState& s, const std::string& file) {
+  nn::Module& model = task_->model();
+  const bool pieces = reads_shards() && s.ints.count("zero_shard_ranks") && s.ints.at("zero_shard_ranks") > 0;
+  {
+    parallel::WholeModel whole(pieces ? nullptr : dp_.get());
+    if (pieces) {
+      dp_->load_pieces([&](const PieceTaker& take) { for_each_shard_piece(s, file, take); }, opt_->state());
+    } else {
+      std::map<std::string, Tensor> params;
+      for (auto& [name, t] : s.tensors)
+        if (name.rfind("param/", 0) == 0) params[name.substr(6)] = t;
+      parallel::load_full_parameters(model, params);
+      load_optimizer_state(s);
+    }
+  }
+  for (nn::Buffer* b : model.buffers()) {
+    auto it = s.tensors.find("buffer/" + b->name);
+    DT_INPUT_CHECK(
+        it != s.tensors.end() && it->second.numel() == b->value.numel() && it->second.dtype() == b->value.dtype(),
+        "it has no buffer " << b->name << " of " << b->value.str());
+    copy_any(it->second.reshape(b->value.shape()), b->value);
+  }
 }
 
 // Every rank reads the checkpoint set (any dp x tp x pp layout wrote it) and keeps its part. From a
@@ -286,19 +314,7 @@ ResumePoint Trainer::restore(const std::string& where) {
     task_->check_checkpoint(s);
     DT_INPUT_CHECK(s.strings["optimizer"] == opt_->kind(),
                    "it used optimizer " << s.strings["optimizer"] << ", not --optimizer " << opt_->kind());
-    nn::Module& model = task_->model();
-    std::map<std::string, Tensor> params;
-    for (auto& [name, t] : s.tensors)
-      if (name.rfind("param/", 0) == 0) params[name.substr(6)] = t;
-    parallel::load_full_parameters(model, params);
-    for (nn::Buffer* b : model.buffers()) {
-      auto it = s.tensors.find("buffer/" + b->name);
-      DT_INPUT_CHECK(
-          it != s.tensors.end() && it->second.numel() == b->value.numel() && it->second.dtype() == b->value.dtype(),
-          "it has no buffer " << b->name << " of " << b->value.str());
-      copy_any(it->second.reshape(b->value.shape()), b->value);
-    }
-    load_optimizer_state(s);
+    load_model_state(s, file);
     if (pruner_) {  // a checkpoint from before the pruning started has none: the masks stay ones
       std::map<std::string, Tensor> masks;
       for (auto& [name, t] : s.tensors)

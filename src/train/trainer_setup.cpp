@@ -87,7 +87,7 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
     check_layout();
     task_->setup(TaskSetup{cfg_, *grid_, device_, batch_, parts_, rt_.topology().local_size, built_.get()});
   });
-  if (built_ && built_->empty()) built_.reset();  // a model built whole (image models, model files)
+  if (built_ && built_->empty()) built_.reset();  // a model built whole (a pipeline's stages, SyncBatchNorm)
   task_->connect();
   comm::agree_on_inputs(world_, [this] { setup_exchange(); });
 }

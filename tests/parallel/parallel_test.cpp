@@ -675,9 +675,10 @@ TEST(Zero, ShardScopeNodeTrainsAsPlainDataParallel) {
 }
 
 // A checkpoint written under ZeRO-3 is every rank's shard part beside a main file without
-// parameters or optimizer state (no rank gathers the model). It resumes on 1 rank without ZeRO, and
-// on every rank at ZeRO-1 and ZeRO-3, with the same global batch: the parameters after 20 steps
-// equal the uninterrupted run's within 1e-5. A set missing a shard part is refused naming it.
+// parameters or optimizer state (no rank gathers the model). It resumes on 1 rank without ZeRO, on
+// every rank at ZeRO-1, 2 and 3, and at ZeRO-3 on 1 rank and (at 4) on 2 ranks, with the same global
+// batch: the parameters after 20 steps equal the uninterrupted run's within 1e-5. A set missing a
+// shard part is refused naming it.
 TEST(Zero, Stage3CheckpointResumesInEveryLayout) {
   comm::Communicator& world = comm::Runtime::get().world();
   if (world.size() == 1) GTEST_SKIP() << "needs several ranks";
@@ -695,7 +696,14 @@ TEST(Zero, Stage3CheckpointResumesInEveryLayout) {
   };
   expect_params_close(resumed({}, *solo), whole, "resumed on 1 rank without ZeRO");
   expect_params_close(resumed({"--zero", "1"}, world), whole, "resumed at ZeRO-1");
+  // ZeRO-2/3 take their pieces from the parts without whole tensors, at any rank count.
+  expect_params_close(resumed({"--zero", "2"}, world), whole, "resumed at ZeRO-2");
   expect_params_close(resumed({"--zero", "3"}, world), whole, "resumed at ZeRO-3");
+  expect_params_close(resumed({"--zero", "3"}, *solo), whole, "resumed at ZeRO-3 on 1 rank");
+  if (world.size() == 4) {
+    auto half = world.split(world.rank() / 2, world.rank() % 2, "half");
+    expect_params_close(resumed({"--zero", "3"}, *half), whole, "resumed at ZeRO-3 on 2 of the 4 ranks");
+  }
   const std::string main_file = dir + "/ckpt-step000000010.h5";
   const train::CheckpointState main = train::load_checkpoint(main_file);
   for (const auto& [name, t] : main.tensors)

@@ -461,7 +461,8 @@ TEST(Pipeline, ZeroStagesPerStageMatchDataParallel) {
 
 // --shard-scope node at ZeRO-3 on 2 nodes of 2 ranks (the DTRAIN_TEST_RANKS_PER_NODE hook): the
 // GPT is built in its node's blocks (a mismatch with the node's shard group stops the set-up) and
-// every step's loss equals plain data parallel's within 1e-5.
+// every step's loss equals plain data parallel's within 1e-5; its checkpoint set resumes in node
+// scope and at ZeRO-0 to the same losses.
 TEST(TensorParallel, ZeroShardScopeNodeBuildsTheGptInNodeBlocks) {
   if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks (2 emulated nodes of 2)";
   const std::filesystem::path dir = make_corpus("node-zero");
@@ -470,11 +471,26 @@ TEST(TensorParallel, ZeroShardScopeNodeBuildsTheGptInNodeBlocks) {
   const train::TrainResult want = train::train_lm(c, &world());
   c.zero = 3;
   c.shard_scope = "node";
+  c.checkpoint_every = 5;
+  c.checkpoint_dir = (dir / "node").string();
   const train::TrainResult got = train::train_lm(c, &world());
-  ::unsetenv("DTRAIN_TEST_RANKS_PER_NODE");
   ASSERT_EQ(got.step_losses.size(), want.step_losses.size());
   for (size_t i = 0; i < want.step_losses.size(); ++i)
     EXPECT_NEAR(got.step_losses[i], want.step_losses[i], 1e-5 * want.step_losses[i]) << "step " << i;
+  // Its set (the first node's ranks write the pieces; the other node's are the same) resumes in
+  // node scope and at ZeRO-0.
+  c.checkpoint_dir.clear();
+  c.resume = (dir / "node" / "ckpt-step000000005.h5").string();
+  for (int zero : {3, 0}) {
+    c.zero = zero;
+    c.shard_scope = zero == 3 ? "node" : "all";
+    const train::TrainResult resumed = train::train_lm(c, &world());
+    ASSERT_EQ(resumed.step_losses.size(), 5u) << "ZeRO-" << zero;
+    for (size_t i = 0; i < 5; ++i)
+      EXPECT_NEAR(resumed.step_losses[i], want.step_losses[5 + i], 1e-5 * want.step_losses[5 + i])
+          << "resumed at ZeRO-" << zero << ", step " << 5 + i;
+  }
+  ::unsetenv("DTRAIN_TEST_RANKS_PER_NODE");
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -14,6 +16,8 @@
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/rng.h"
 #include "dtrain/nn/gpt.h"
+#include "dtrain/nn/model_file.h"
+#include "dtrain/nn/models.h"
 #include "dtrain/parallel/data_parallel.h"
 #include "dtrain/parallel/zero/sharded_init.h"
 
@@ -160,6 +164,41 @@ TEST(Zero, EveryStageTrainsAsPlainDataParallel) {
     EXPECT_NEAR(bf16.losses[i], plain.losses[i], 1e-2 * plain.losses[i]) << "bf16 all-gathers, step " << i;
 }
 
+// Every unit of `built` (its units by their first parameter, `units`) holds this rank's block of
+// the numbers the whole build `whole_units` has at that place (zero in the padding), and the
+// built model's values are empty. Returns the elements of the units.
+int64_t expect_blocks_of_the_whole_build(const std::vector<std::vector<nn::Module*>>& units,
+                                         const std::vector<std::vector<nn::Module*>>& whole_units,
+                                         const parallel::ShardedInit& built) {
+  const int r = built.rank(), n = built.ranks();
+  EXPECT_EQ(whole_units.size(), units.size());
+  int64_t total = 0;
+  for (size_t u = 0; u < units.size() && u < whole_units.size(); ++u) {
+    for (nn::Parameter* p : parallel::unit_parameters(units[u])) {
+      EXPECT_EQ(p->value.numel(), 0) << p->name;
+      EXPECT_EQ(p->grad.numel(), 0) << p->name;
+    }
+    const parallel::ShardedInit::Unit* got = built.find(parallel::unit_parameters(units[u]).front());
+    EXPECT_NE(got, nullptr) << "unit " << u;
+    if (!got) continue;
+    std::vector<float> flat;
+    for (nn::Parameter* p : parallel::unit_parameters(whole_units[u]))
+      flat.insert(flat.end(), p->value.f32(), p->value.f32() + p->value.numel());
+    total += static_cast<int64_t>(flat.size());
+    const int64_t b = (static_cast<int64_t>(flat.size()) + n - 1) / n;
+    EXPECT_EQ(got->block.numel(), b) << "unit " << u;
+    for (int64_t j = 0; j < std::min(b, got->block.numel()); ++j) {
+      const int64_t at = r * b + j;
+      const float want = at < static_cast<int64_t>(flat.size()) ? flat[static_cast<size_t>(at)] : 0.f;
+      if (got->block.f32()[j] == want) continue;
+      ADD_FAILURE() << "unit " << u << " element " << at << ": " << got->block.f32()[j] << ", the whole build " << want;
+      break;
+    }
+  }
+  EXPECT_EQ(built.parameter_count(), total);
+  return total;
+}
+
 // ZeRO-3 built shard by shard: after the GPT's constructor every value is empty and each unit's
 // block holds the numbers a whole (one-rank) build has at that place; it trains as plain data
 // parallel, bit for bit as ZeRO-3 over a whole build.
@@ -168,32 +207,10 @@ TEST(Zero, ShardByShardInitialisationKeepsOnlyEachRanksBlocks) {
   parallel::ShardedInit built(r, n);
   nn::Gpt sharded(tiny_gpt(3, &built));
   nn::Gpt whole(tiny_gpt(3));
-  for (nn::Parameter* p : sharded.parameters()) {
-    EXPECT_EQ(p->value.numel(), 0) << p->name;
-    EXPECT_EQ(p->grad.numel(), 0) << p->name;
-  }
-  const std::vector<std::vector<nn::Module*>> units = sharded.shard_units().by_unit(),
-                                              whole_units = whole.shard_units().by_unit();
+  for (nn::Parameter* p : sharded.parameters()) EXPECT_EQ(p->value.numel(), 0) << p->name;
+  const std::vector<std::vector<nn::Module*>> units = sharded.shard_units().by_unit();
   ASSERT_EQ(units.size(), 4u);  // the embedding with the tied head, three blocks
-  ASSERT_EQ(whole_units.size(), units.size());
-  int64_t total = 0;
-  for (size_t u = 0; u < units.size(); ++u) {
-    const parallel::ShardedInit::Unit* got = built.find(parallel::unit_parameters(units[u]).front());
-    ASSERT_NE(got, nullptr) << "unit " << u;
-    std::vector<float> flat;
-    for (nn::Parameter* p : parallel::unit_parameters(whole_units[u]))
-      flat.insert(flat.end(), p->value.f32(), p->value.f32() + p->value.numel());
-    total += static_cast<int64_t>(flat.size());
-    const int64_t b = (static_cast<int64_t>(flat.size()) + n - 1) / n;
-    ASSERT_EQ(got->block.numel(), b) << "unit " << u;
-    for (int64_t j = 0; j < b; ++j) {
-      const int64_t at = r * b + j;
-      ASSERT_EQ(got->block.f32()[j], at < static_cast<int64_t>(flat.size()) ? flat[static_cast<size_t>(at)] : 0.f)
-          << "unit " << u << " element " << at;
-    }
-  }
-  EXPECT_EQ(built.parameter_count(), total);
-  EXPECT_EQ(total, whole.parameter_count());
+  EXPECT_EQ(expect_blocks_of_the_whole_build(units, whole.shard_units().by_unit(), built), whole.parameter_count());
 
   GptRun plain(zero(3));
   plain.train(10);
@@ -203,6 +220,86 @@ TEST(Zero, ShardByShardInitialisationKeepsOnlyEachRanksBlocks) {
   EXPECT_EQ(blocks.losses, plain.losses);
   std::string where;
   EXPECT_EQ(max_abs_diff(blocks.params(), plain.params(), &where), 0.0) << where;
+}
+
+// The image models and a model file built shard by shard: each top-level layer with parameters
+// is handed to the sink as it is added, so no rank holds more than one of them whole; the blocks
+// are the whole build's numbers and every value is left empty.
+TEST(Zero, ImageModelsBuildShardByShard) {
+  const char* const file = R"({"name": "tiny", "layers": [
+      {"name": "conv1", "type": "conv", "out": 4, "kernel": 3, "padding": 1}, {"type": "batchnorm"},
+      {"type": "relu"}, {"type": "global_avgpool"}, {"name": "fc", "type": "linear", "out": "classes"}]})";
+  for (const std::string name : {"mlp", "simple_cnn", "resnet20", "tiny"}) {
+    SCOPED_TRACE(name);
+    nn::ModelSpec spec;
+    spec.name = name;
+    spec.input = name == "mlp" ? Shape{1, 8, 8} : Shape{3, 8, 8};
+    spec.classes = 5;
+    spec.seed = 3;
+    if (name == "tiny") {
+      const std::string path = "/tmp/dtrain-zero-tiny-" + std::to_string(world().rank()) + ".json";
+      std::ofstream(path) << file;
+      spec.definition = nn::read_model_file(path);
+      std::filesystem::remove(path);
+    }
+    const nn::ModulePtr whole = nn::make_model(spec);
+    parallel::ShardedInit built(world().rank(), world().size());
+    spec.sink = &built;
+    const nn::ModulePtr sharded = nn::make_model(spec);
+    const std::vector<std::vector<nn::Module*>> units = sharded->shard_units().by_unit();
+    EXPECT_GE(units.size(), 2u);
+    EXPECT_EQ(expect_blocks_of_the_whole_build(units, whole->shard_units().by_unit(), built), whole->parameter_count());
+  }
+}
+
+// ZeRO-2/3 load a set's pieces into their own (a resume at any rank count): the whole tensors of a
+// trained run, handed over in pieces of 7 elements (cut where no rank's block is), give a fresh run
+// the trained parameters and optimizer state, and it goes on as the trained run does, bit for bit;
+// a tensor left out is named on every rank that holds some of it.
+TEST(Zero, LoadPiecesTakesEachRanksPartOfAnyCut) {
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("ZeRO-" + std::to_string(stage));
+    GptRun trained(zero(stage));
+    trained.train(3);
+    std::map<std::string, Tensor> whole;
+    for (const auto& [name, t] : trained.params()) whole["param/" + name] = t;
+    for (const auto& [name, t] : trained.dp->gather_state(trained.opt->state())) whole["optim/" + name] = to_host(t);
+    auto in_pieces = [&](const std::string& skip) {
+      return [&whole, skip](const parallel::PieceTaker& take) {
+        for (const auto& [key, t] : whole) {
+          if (key == skip) continue;
+          const Tensor flat = t.reshape({t.numel()});
+          for (int64_t from = 0; from < t.numel(); from += 7)
+            take(key, from, t.shape(), flat.slice0(from, std::min(from + 7, t.numel())));
+        }
+      };
+    };
+    GptRun fresh(zero(stage));
+    fresh.dp->load_pieces(in_pieces(""), fresh.opt->state());
+    fresh.opt->set_steps(3);  // as a resume sets it
+    std::string where;
+    EXPECT_EQ(max_abs_diff(fresh.params(), trained.params(), &where), 0.0) << where;
+    const std::map<std::string, Tensor> state = fresh.dp->gather_state(fresh.opt->state());
+    for (const auto& [name, t] : trained.dp->gather_state(trained.opt->state())) {
+      const Tensor want = to_host(t), got = to_host(state.at(name));
+      for (int64_t i = 0; i < want.numel(); ++i) ASSERT_EQ(got.f32()[i], want.f32()[i]) << name << " element " << i;
+    }
+    fresh.train(2);
+    trained.train(2);
+    EXPECT_EQ(fresh.losses, std::vector<double>(trained.losses.end() - 2, trained.losses.end()));
+
+    GptRun missing(zero(stage));
+    // ZeRO-2: every rank holds the whole values; ZeRO-3: the ranks whose blocks reach into it.
+    const bool holds = stage == 2 || !missing.dp->gradient_parts(*missing.model.parameters().front()).parts.empty();
+    const std::string first = "param/" + missing.model.parameters().front()->name;
+    try {
+      missing.dp->load_pieces(in_pieces(first), missing.opt->state());
+      EXPECT_FALSE(holds) << "a rank holding part of " << first << " loaded without it";
+    } catch (const InputError& e) {
+      EXPECT_TRUE(holds) << e.what();
+      EXPECT_NE(std::string(e.what()).find(first), std::string::npos) << e.what();
+    }
+  }
 }
 
 // Gradient accumulation under ZeRO-2/3 reduce-scatters every micro-batch into the shard: the same

@@ -263,6 +263,10 @@ class Sequential : public Module {
   // without a name, by its index; named "", it adds no level (its parameters are named as if they
   // were the Sequential's own).
   Sequential& add(ModulePtr m, std::optional<std::string> name = std::nullopt);
+  // ZeRO-3's shard-by-shard build (parallel/zero/sharded_init.h): each layer with parameters added
+  // from now on is handed to `sink` as a unit of its own (shard_units' units), which keeps this
+  // rank's block of it and leaves its values empty. Null: the layers keep their values.
+  void set_unit_sink(UnitSink* sink) { sink_ = sink; }
   Tensor forward(const Tensor& x) override;
   Tensor backward(const Tensor& dy) override;
   std::string kind() const override { return "Sequential"; }
@@ -278,6 +282,7 @@ class Sequential : public Module {
   std::vector<ModulePtr> layers_;
   std::vector<std::optional<std::string>> names_;  // per layer; none: its index
   size_t first_name_ = 0;                          // the index of layers_[0] in the whole model (see stage_of)
+  UnitSink* sink_ = nullptr;
 };
 
 // The activation shapes at the layer boundaries of `model` for an input of shape `input` (batch

@@ -21,11 +21,11 @@ struct ModelLimits {
 };
 
 struct ModelSpec {
-  std::string name;            // mlp, simple_cnn, resnet20
-  Shape input;                 // per-sample input shape, e.g. {1, 28, 28}
+  std::string name;  // mlp, simple_cnn, resnet20
+  Shape input;       // per-sample input shape, e.g. {1, 28, 28}
   int64_t classes = 10;
   std::vector<int64_t> hidden{256, 128};  // MLP widths
-  float dropout = 0.f;         // MLP dropout between hidden layers
+  float dropout = 0.f;                    // MLP dropout between hidden layers
   uint64_t seed = 1;
   std::vector<int64_t> channels{16, 32};  // simple_cnn's convolution widths (fewer after dtrain prune-export)
   // A model file's definition (model_file.h, canonical JSON; `name` is its name): when set, the model
@@ -33,6 +33,9 @@ struct ModelSpec {
   std::string definition{};
   std::string definition_source{};  // where the definition came from, for messages (a file, a checkpoint)
   ModelLimits limits{};
+  // ZeRO-3: the top-level layers are built shard by shard into this sink (Sequential::set_unit_sink);
+  // it lives as long as the build only.
+  UnitSink* sink = nullptr;
 };
 
 // The parameters, layers and per-sample sizes of a model being built, counted against its spec's

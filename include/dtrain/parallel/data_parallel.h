@@ -26,8 +26,10 @@
 // reduce-scatter does not exist for top-k or PowerSGD), and each rank then keeps its slice of the
 // averaged gradient: the communication of the compressor, the optimizer memory of ZeRO-1.
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -93,6 +95,10 @@ struct DataParallelStats {
   int64_t bytes_sent = 0;     // bytes this rank put on the wire (after compression)
   int64_t collectives = 0;
 };
+
+// A piece of a tensor of the one-rank layout, by key ("param/<name>", "optim/<name>.<kind>"): elements
+// [from, from + values.numel()) of a tensor of `shape`.
+using PieceTaker = std::function<void(const std::string& key, int64_t from, const Shape& shape, const Tensor& values)>;
 
 // What trainers call, in step order: begin_backward before each micro-batch's backward, finish
 // after the last, then the optimizer over optimizer_groups, then after_step.
@@ -170,6 +176,14 @@ class DataParallel {
   // layout assembles the whole gradient over its shard group first, then takes its parts back.
   // Collective over the shard group and `copies`.
   void add_copy_gradients(const nn::Parameter& p, comm::Communicator& copies);
+  // ZeRO-2/3: loads this rank's pieces of the parameters and of the optimizer's `state` from pieces
+  // of the one-rank layout's tensors, which `for_each_piece` hands one by one to the taker it gets
+  // (a set's shard parts written at any rank count: train::for_each_shard_piece), so no whole
+  // tensor is assembled; at ZeRO-2 the whole values too, which every rank holds. Not collective.
+  // InputError naming a tensor of another shape than its parameter, or one whose elements this
+  // rank holds and no piece gave. Layouts of whole tensors (ZeRO 0/1) load whole ones instead.
+  virtual void load_pieces(const std::function<void(const PieceTaker&)>& for_each_piece,
+                           const std::vector<optim::StateTensor>& state);
 
  protected:
   // The L2 norm of a gradient each rank of `shards` holds a distinct slice of (`grad`: this rank's).

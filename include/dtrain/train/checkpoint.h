@@ -5,12 +5,14 @@
 // one over the attributes (step, rank, run id, layout) are checked on load (format
 // "dtrain-checkpoint-2"; the CRC-32s of format 1 are checked in files written before it).
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "dtrain/core/tensor.h"
 #include "dtrain/nn/module.h"
+#include "dtrain/parallel/data_parallel.h"
 
 namespace dtrain::comm {
 class Communicator;
@@ -43,7 +45,9 @@ CheckpointState load_checkpoint(const std::string& path);
 // rank's ZeRO shard part assembled into whole tensors (a set written under ZeRO-2/3 keeps the
 // parameters and optimizer state there, "zero_shard_ranks" parts of them). Throws InputError
 // naming a missing part, one of another step, or tensors the shard parts do not cover.
-CheckpointState load_checkpoint_set(const std::string& main_file);
+// assemble_shards false: the shard parts are checked against the manifest but left on the disk, for
+// for_each_shard_piece (a sharded run takes its pieces from them without whole tensors).
+CheckpointState load_checkpoint_set(const std::string& main_file, bool assemble_shards = true);
 // The elements of every parameter a loaded checkpoint holds (`param/...`): what a model built from
 // its attributes may ask for at most.
 int64_t held_parameters(const CheckpointState& s);
@@ -109,6 +113,20 @@ void check_manifest(const CheckpointState& main, const std::string& main_file, i
 // anything is allocated). load_checkpoint_set calls it.
 void assemble_shard_parts(CheckpointState& main, const std::string& main_file, const std::vector<SetPart>& listed,
                           int64_t ranks);
+// The same parts checked against the manifest only (attributes, not tensors).
+void check_shard_parts(const CheckpointState& main, const std::string& main_file, const std::vector<SetPart>& listed,
+                       int64_t ranks);
+// Reads every `stride`-th shard part of the set from `first` (the ranks of a resume share them), so
+// that their tensors pass their checksums and fit their ranges before a set is taken; nothing is
+// kept (whether the pieces tile each tensor is known once all are read: for_each_shard_piece).
+void verify_shard_parts(const CheckpointState& main, const std::string& main_file, int first, int stride);
+// Every piece of the shard parts of the set `main_file` (`main`: its main file), one part in
+// memory at a time: `take(key, from, values)` with key "param/<name>" or "optim/<name>.<kind>",
+// `values` elements [from, from + count) of the tensor (each checked against its range and the
+// tensor's shape in the others, the shape passed on); InputError, after the last part, where the
+// pieces of a tensor do not tile it.
+using PieceTaker = parallel::PieceTaker;
+void for_each_shard_piece(const CheckpointState& main, const std::string& main_file, const PieceTaker& take);
 
 // Keeps the newest `keep` checkpoints up to `just_written` (the main file just written, which is
 // never removed): older main files go with all their parts. Files of later steps (a run resumed
