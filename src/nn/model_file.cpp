@@ -266,7 +266,10 @@ class DefinitionBuilder {
       const int64_t k = integer(l, "kernel", {}), s = integer(l, "stride", k), pad = integer(l, "padding", 0, 0);
       if (2 * pad > k) fail(l, "padding " + std::to_string(pad) + " is more than half of kernel " + std::to_string(k));
       const Pool2dGeom g{1, shape[0], shape[1], shape[2], k, s, pad};
-      if (g.out_h() < 1 || g.out_w() < 1) fail(l, "input " + shape_str(shape) + " is smaller than the window");
+      // (h + 2 pad - k) / s + 1 truncates towards zero: a window past a smaller input still gives 1.
+      if (shape[1] + 2 * pad < k || shape[2] + 2 * pad < k)
+        fail(l, "input " + shape_str(shape) + " is smaller than the window " + std::to_string(k) + " with padding " +
+                    std::to_string(pad));
       shape = {shape[0], g.out_h(), g.out_w()};
       return l.type == "maxpool" ? MaxPool2d(k, s, pad) : AvgPool2d(k, s, pad);
     }

@@ -2,6 +2,7 @@
 // layout gathered into the one-rank layout and written as one set of files; restored into any.
 #include <map>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "dtrain/core/timer.h"
@@ -128,6 +129,20 @@ CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch,
   return s;
 }
 
+// This rank's pieces for its shard part, without those of a second copy of a parameter (the tied
+// embedding's on the last pipeline stage: the first stage's pieces are the same numbers).
+std::map<std::string, Tensor> Trainer::own_pieces() const {
+  std::map<std::string, Tensor> pieces = dp_->shard_pieces(opt_->state());
+  const nn::Parameter* copy = task_->duplicate();
+  if (!copy) return pieces;
+  std::erase_if(pieces, [&](const auto& entry) {
+    std::string_view key = entry.first;  // "param/<name>", "optim/<name>.<kind>", each with "range/<key>"
+    if (key.starts_with("range/")) key.remove_prefix(6);
+    return key == "param/" + copy->name || key.starts_with("optim/" + copy->name + ".");
+  });
+  return pieces;
+}
+
 // A checkpoint of step_ (collective). Each rank's gradient compression state first; then rank 0 of
 // each stage (dp 0, tp 0) writes its part, the other stages first, so stage 0's file, written last,
 // says the whole set is there. The agreements double as the barriers that keep every rank behind a
@@ -146,7 +161,7 @@ void Trainer::save(int64_t epoch, int64_t batch_in_epoch, bool wait) {
     CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
     parts = write_compression_parts(file, dp_.get(), &world_, step_, cfg_.compression, run_id_, &rank_part);
     // ZeRO-2/3: each rank writes its own pieces; no rank gathers the model.
-    if (writes_shards()) write_shard_part(file, dp_->shard_pieces(opt_->state()), world_, step_, run_id_, &shard_part);
+    if (writes_shards()) write_shard_part(file, own_pieces(), world_, step_, run_id_, &shard_part);
   }
   s.ints["compression_ranks"] = parts ? world_.size() : 0;  // ranks with a <checkpoint>.rank<r> part
   write_checkpoint_set(file, s, parts ? &rank_part : nullptr, writes_shards() ? &shard_part : nullptr,

@@ -123,6 +123,10 @@ TEST(ModelFile, AShapeThatDoesNotFitNamesTheLayer) {
   EXPECT_NE(e.find("bad.json"), std::string::npos) << e;
   EXPECT_NE(e.find("layer wide (conv)"), std::string::npos) << e;
   EXPECT_NE(e.find("[1, 4, 4]"), std::string::npos) << e;
+  // a pooling window past its input: (1 - 2) / 2 + 1 truncates to 1 output (read past the image)
+  e = build_error(head + R"({"type": "maxpool", "kernel": 8}, {"name": "late", "type": "maxpool", "kernel": 2},
+      {"type": "flatten"}, {"type": "linear", "out": "classes"}]})");
+  EXPECT_NE(e.find("layer late (maxpool): input [1, 1, 1] is smaller than the window 2"), std::string::npos) << e;
   // a residual whose body changes the channels, with an identity shortcut
   e = build_error(head + R"({"type": "residual", "body": [{"type": "conv", "out": 3, "kernel": 3, "padding": 1}]},
       {"type": "flatten"}, {"type": "linear", "out": "classes"}]})");

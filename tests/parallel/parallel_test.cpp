@@ -66,6 +66,13 @@ void expect_stage_close(const ParamValues& got, const ParamValues& want, const s
   }
 }
 
+// Under pp 2 over an even world, ranks r and r + dp hold the two stages of dp rank r: each set of
+// dp consecutive ranks runs the reference without stages by itself.
+std::unique_ptr<comm::Communicator> stage_reference_group(comm::Communicator& world) {
+  const int dp = world.size() / 2;
+  return world.split(world.rank() / dp, world.rank() % dp, "reference");
+}
+
 }  // namespace
 
 TEST(DataParallel, MatchesOneRankWithTheWholeBatch) {
@@ -461,9 +468,7 @@ const char* const kTinyVit = R"({"name": "tiny_vit", "layers": [
 TEST(Pipeline, ImageModelsMatchTheLayoutWithoutStages) {
   comm::Communicator& world = comm::Runtime::get().world();
   if (world.size() % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
-  const int dp = world.size() / 2;
-  // Ranks r and r + dp hold the two stages of dp rank r: each set runs the reference by itself.
-  auto group = world.split(world.rank() / dp, world.rank() % dp, "reference");
+  auto group = stage_reference_group(world);
   const std::string resnet = dataset() + "-tiny-resnet-" + std::to_string(world.rank()) + ".json",
                     vit = dataset() + "-tiny-vit-" + std::to_string(world.rank()) + ".json";
   std::ofstream(resnet) << kTinyResNet;
@@ -492,8 +497,7 @@ TEST(Pipeline, ImageModelsMatchTheLayoutWithoutStages) {
 TEST(Pipeline, ImageDistillationMatchesTheLayoutWithoutStages) {
   comm::Communicator& world = comm::Runtime::get().world();
   if (world.size() % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
-  const int dp = world.size() / 2;
-  auto group = world.split(world.rank() / dp, world.rank() % dp, "reference");
+  auto group = stage_reference_group(world);
   const std::string teacher = dataset() + "-teacher-" + std::to_string(world.rank());
   {
     auto solo = world.split(world.rank(), 0, "solo");
@@ -527,8 +531,7 @@ TEST(Pipeline, ImageDistillationMatchesTheLayoutWithoutStages) {
 TEST(Pipeline, ImageModelsShardEachStage) {
   comm::Communicator& world = comm::Runtime::get().world();
   if (world.size() % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
-  const int dp = world.size() / 2;
-  auto group = world.split(world.rank() / dp, world.rank() % dp, "reference");
+  auto group = stage_reference_group(world);
   const std::string resnet = dataset() + "-pp-zero-resnet-" + std::to_string(world.rank()) + ".json";
   std::ofstream(resnet) << kTinyResNet;
   const std::vector<std::vector<std::string>> variants = {

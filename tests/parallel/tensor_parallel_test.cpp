@@ -427,8 +427,10 @@ TEST(TensorParallel, LoraUnderZeroStagesMatchesDataParallel) {
 // ZeRO under a pipeline: each stage's parameters sharded over its data-parallel group (at 4 ranks
 // pp 2 x dp 2); every step's loss and the validation equal ZeRO-0's within 1e-5, for the Llama and
 // for GPT-2's tied embedding (its copies' gradients, each spread over its stage's shards, summed
-// between the first and last stage), clipping every step. A tied ZeRO-3 set written at step 5
-// continues at ZeRO-0 where the ZeRO-3 run goes on.
+// between the first and last stage), clipping every step. A tied ZeRO-3 set written at step 5 is
+// every rank's shard part (the last stage leaves out its copy of the embedding) beside stage files
+// without parameters, and continues at ZeRO-3 (each rank's pieces, the copy's from the first
+// stage's) and at ZeRO-0 where the ZeRO-3 run goes on.
 TEST(Pipeline, ZeroStagesPerStageMatchDataParallel) {
   const std::filesystem::path dir = make_corpus("pp-zero");
   for (const nn::GptConfig& model : {small_llama(), small_gpt()}) {
@@ -445,15 +447,21 @@ TEST(Pipeline, ZeroStagesPerStageMatchDataParallel) {
   c.checkpoint_every = 5;
   c.checkpoint_dir = (dir / "zero3").string();
   const train::TrainResult straight = train::train_lm(c, &world());
-  c.zero = 0;
+  const std::string set = (dir / "zero3" / "ckpt-step000000005.h5").string();
+  for (const std::string& f : {set, train::stage_part_file(set, 1)})
+    for (const auto& [name, t] : train::load_checkpoint(f).tensors)
+      EXPECT_FALSE(name.starts_with("param/") || name.starts_with("optim/")) << name << " is in " << f;
+  EXPECT_TRUE(std::filesystem::exists(train::shard_part_file(set, world().size() - 1)));
   c.checkpoint_dir.clear();
-  c.resume = (dir / "zero3" / "ckpt-step000000005.h5").string();
-  const train::TrainResult resumed = train::train_lm(c, &world());
-  if (world().rank() == 0) {
+  c.resume = set;
+  for (int zero : {3, 0}) {
+    c.zero = zero;
+    const train::TrainResult resumed = train::train_lm(c, &world());
+    if (world().rank() != 0) continue;
     ASSERT_EQ(resumed.step_losses.size(), 5u);
     for (size_t i = 0; i < 5; ++i)
       EXPECT_NEAR(resumed.step_losses[i], straight.step_losses[5 + i], 1e-5 * straight.step_losses[5 + i])
-          << "step " << 5 + i;
+          << "resumed at ZeRO-" << zero << ", step " << 5 + i;
   }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);

@@ -132,15 +132,16 @@ class Trainer {
                             const SavedFile* shard_part, bool wait);
   // Whether checkpoints keep the parameters and optimizer state as every rank's shard (ZeRO-2/3
   // without tp or pp) instead of gathering them into the main file.
-  bool writes_shards() const { return dp_ && dp_->zero_stage() >= 2 && cfg_.tp == 1 && cfg_.pp == 1; }
-  // Whether a set's shard parts load piece by piece into this run's pieces (ZeRO-2/3 without tp;
-  // under pp each stage takes its parameters' pieces by name), not assembled into whole tensors.
+  // ZeRO-2/3 without tp: every rank writes its pieces (under pp its stage's, by their names in the
+  // whole model) and loads its pieces from a set's shard parts, never assembling whole tensors.
+  bool writes_shards() const { return reads_shards(); }
   bool reads_shards() const { return dp_ && dp_->zero_stage() >= 2 && cfg_.tp == 1; }
   // Waits for the background write and makes the ranks agree on its outcome (collective).
   void finish_pending_checkpoint();
   ResumePoint restore(const std::string& where);
   CheckpointState load_verified_set(const std::string& main_file, CheckpointState& part);  // collective
   void load_model_state(CheckpointState& s, const std::string& file);  // parameters, buffers, optimizer state
+  std::map<std::string, Tensor> own_pieces() const;                    // for this rank's shard part
   bool same_layout(CheckpointState& s) const;
   void say_if_slow(const std::string& file, double seconds);  // a checkpoint write near the timeout
   // The world's waits under --checkpoint-timeout for a scope (the writers write meanwhile).
