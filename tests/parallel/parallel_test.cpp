@@ -66,6 +66,25 @@ void expect_stage_close(const ParamValues& got, const ParamValues& want, const s
   }
 }
 
+// An image model (built in, or a model file's path) under AdamW with weight decay.
+std::vector<std::string> adamw_run(const std::string& model) {
+  return {model.ends_with(".json") ? "--model-file" : "--model",
+          model,
+          "--optimizer",
+          "adamw",
+          "--lr",
+          "0.003",
+          "--weight-decay",
+          "0.01"};
+}
+
+// ZeRO-2, ZeRO-3, and ZeRO-3 without prefetch keeping each unit from forward to backward.
+std::vector<std::vector<std::string>> sharded_variants() {
+  return {{"--zero", "2"},
+          {"--zero", "3"},
+          {"--zero", "3", "--zero-prefetch", "false", "--reshard-after-forward", "false"}};
+}
+
 // Under pp 2 over an even world, ranks r and r + dp hold the two stages of dp rank r: each set of
 // dp consecutive ranks runs the reference without stages by itself.
 std::unique_ptr<comm::Communicator> stage_reference_group(comm::Communicator& world) {
@@ -534,20 +553,10 @@ TEST(Pipeline, ImageModelsShardEachStage) {
   auto group = stage_reference_group(world);
   const std::string resnet = dataset() + "-pp-zero-resnet-" + std::to_string(world.rank()) + ".json";
   std::ofstream(resnet) << kTinyResNet;
-  const std::vector<std::vector<std::string>> variants = {
-      {"--zero", "1"},
-      {"--zero", "2"},
-      {"--zero", "3"},
-      {"--zero", "3", "--zero-prefetch", "false", "--reshard-after-forward", "false"}};
+  std::vector<std::vector<std::string>> variants = sharded_variants();
+  variants.insert(variants.begin(), {"--zero", "1"});
   for (const std::string& model : std::vector<std::string>{"simple_cnn", "resnet20", resnet}) {
-    const std::vector<std::string> run = {model.ends_with(".json") ? "--model-file" : "--model",
-                                          model,
-                                          "--optimizer",
-                                          "adamw",
-                                          "--lr",
-                                          "0.003",
-                                          "--weight-decay",
-                                          "0.01"};
+    const std::vector<std::string> run = adamw_run(model);
     for (const std::vector<std::string>& v : variants) {
       const std::string what = model + " " + v[0] + " " + v[1] + (v.size() > 2 ? " (no prefetch, kept)" : "");
       const ParamValues want = train_params(config(with(with(run, {"--accumulate", "2"}), v)), *group);
@@ -601,19 +610,9 @@ TEST(Zero, ImageModelsTrainAsPlainDataParallel) {
   comm::Communicator& world = comm::Runtime::get().world();
   const std::string resnet = dataset() + "-zero-resnet-" + std::to_string(world.rank()) + ".json";
   std::ofstream(resnet) << kTinyResNet;
-  const std::vector<std::vector<std::string>> variants = {
-      {"--zero", "2"},
-      {"--zero", "3"},
-      {"--zero", "3", "--zero-prefetch", "false", "--reshard-after-forward", "false"}};
+  const std::vector<std::vector<std::string>> variants = sharded_variants();
   for (const std::string& model : std::vector<std::string>{"simple_cnn", "resnet20", resnet}) {
-    const std::vector<std::string> run = {model.ends_with(".json") ? "--model-file" : "--model",
-                                          model,
-                                          "--optimizer",
-                                          "adamw",
-                                          "--lr",
-                                          "0.003",
-                                          "--weight-decay",
-                                          "0.01"};
+    const std::vector<std::string> run = adamw_run(model);
     const ParamValues plain = train_params(config(run), world);
     for (const std::vector<std::string>& v : variants) {
       std::vector<std::string> sharded = run;
