@@ -6,7 +6,12 @@ keeps its best round, so a slow moment of the machine does not land on one layou
 against data parallel measured in the same rounds. Prints a markdown table per model.
 
 usage: benchmarks/zero/zero_bench.py [--dtrain build/dtrain] [--data DIR] [--models 6x256,12x768]
-       [--steps 8] [--batch 8] [--context 128] [--rounds 2]
+       [--steps 8] [--batch 8] [--context 128] [--rounds 2] [--allreduce mpi]
+
+tokens/s is dtrain's training throughput (the steps after the first; the closing validation pass,
+one batch here, is not in it). --allreduce picks the MPI backend's algorithm for every layout: mpi
+(Open MPI's collectives, dtrain's default) or shm/auto (the node's shared window, which carries
+data parallel's allreduce and ZeRO's reduce-scatters and allgathers on one node).
 """
 import argparse
 import os
@@ -50,6 +55,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--allreduce", default="mpi")
     a = ap.parse_args()
     data = a.data
     if not data:
@@ -57,13 +63,13 @@ def main():
         run([a.dtrain, "convert", "text", "--inputs", "/usr/share/games/fortunes", "--out", data])
     cpu = run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo || echo unknown"]).strip()
     print(f"{cpu}; 2 ranks x 1 thread; batch {a.batch} x context {a.context} per rank; {a.steps} steps; "
-          f"best of {a.rounds} alternating rounds\n")
+          f"best of {a.rounds} alternating rounds; --allreduce {a.allreduce}\n")
     for spec in a.models.split(","):
         layers, width = spec.split("x")
         base = [a.dtrain, "train", "--model", "gpt", "--data", data, "--layers", layers, "--width", width,
                 "--heads", str(max(1, int(width) // 64)), "--context", str(a.context), "--batch-size", str(a.batch),
                 "--steps", str(a.steps), "--eval-every", "0", "--log-every", "0", "--threads", "1",
-                "--warmup-steps", "1", "--progress", "off"]
+                "--warmup-steps", "1", "--progress", "off", "--eval-batches", "1", "--allreduce", a.allreduce]
         best = {}
         for _ in range(a.rounds):
             for name, extra in LAYOUTS:

@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
-#include <exception>
 #include <ctime>
+#include <exception>
 #include <new>
 
 #include "control/phase_deadline.h"
@@ -66,30 +66,28 @@ void fold(float* __restrict acc, const float* __restrict x, int64_t n, ReduceOp 
   }
 }
 
-// part[k] = op(x0[k], x1[k]) (Avg: divided by comm_size), also into slot[k]; x0 and x1 are local
-// ranks 0's and 1's copies, one of them `part` itself, in that order as the pairwise tree has them.
-void fold_two(float* part, const float* x0, const float* x1, float* __restrict slot, int64_t n, ReduceOp op,
-              int comm_size) {
+// store(k, op(x0[k], x1[k])) (Avg: divided by comm_size); x0 and x1 are local ranks 0's and 1's
+// copies, in that order as the pairwise tree has them.
+template <class Store>
+void fold_pair(const float* x0, const float* x1, int64_t n, ReduceOp op, int comm_size, Store store) {
   const float ranks = static_cast<float>(comm_size);
   switch (op) {
     case ReduceOp::Sum:
-      for (int64_t k = 0; k < n; ++k) slot[k] = part[k] = x0[k] + x1[k];
+      for (int64_t k = 0; k < n; ++k) store(k, x0[k] + x1[k]);
       break;
     case ReduceOp::Avg:
-      for (int64_t k = 0; k < n; ++k) slot[k] = part[k] = (x0[k] + x1[k]) / ranks;
+      for (int64_t k = 0; k < n; ++k) store(k, (x0[k] + x1[k]) / ranks);
       break;
     case ReduceOp::Max:
-      for (int64_t k = 0; k < n; ++k) slot[k] = part[k] = std::max(x0[k], x1[k]);
+      for (int64_t k = 0; k < n; ++k) store(k, std::max(x0[k], x1[k]));
       break;
     case ReduceOp::Min:
-      for (int64_t k = 0; k < n; ++k) slot[k] = part[k] = std::min(x0[k], x1[k]);
+      for (int64_t k = 0; k < n; ++k) store(k, std::min(x0[k], x1[k]));
       break;
   }
 }
 
-MPI_Op mpi_float_op(ReduceOp op) {
-  return op == ReduceOp::Max ? MPI_MAX : op == ReduceOp::Min ? MPI_MIN : MPI_SUM;
-}
+MPI_Op mpi_float_op(ReduceOp op) { return op == ReduceOp::Max ? MPI_MAX : op == ReduceOp::Min ? MPI_MIN : MPI_SUM; }
 
 }  // namespace
 
@@ -121,8 +119,8 @@ NodeAllreduce::NodeAllreduce(MPI_Comm comm, double timeout_s) : timeout_s_(timeo
   chunk_floats_ = std::max<int64_t>(kCutAlign * local_size_,
                                     static_cast<int64_t>(env::get_double("DTRAIN_SHM_CHUNK_MB") * (1 << 20) / 4));
   chunk_floats_ -= chunk_floats_ % kCutAlign;
-  MPI_Aint bytes = static_cast<MPI_Aint>(2 * chunk_floats_ * sizeof(float) + kLineBytes) +
-                   (local_rank_ == 0 ? kControlBytes : 0);
+  MPI_Aint bytes =
+      static_cast<MPI_Aint>(2 * chunk_floats_ * sizeof(float) + kLineBytes) + (local_rank_ == 0 ? kControlBytes : 0);
   void* base = nullptr;
   DT_MPI_CHECK(MPI_Win_allocate_shared(bytes, 1, MPI_INFO_NULL, node_comm_, &base, &window_));
   slots_.resize(local_size_);
@@ -205,9 +203,11 @@ void NodeAllreduce::chunk(float* x, int64_t m, ReduceOp op, bool across_nodes, i
   if (local_size_ == 2 && !(across_nodes && node_count_ > 1)) {
     // Two ranks, one node: one pass reads both copies and writes the result to x and the slot.
     const float* peer = slots_[1 - me] + half + lo;
-    fold_two(part, me == 0 ? part : peer, me == 0 ? peer : part, mine + lo, n, op, comm_size);
+    float* __restrict slot = mine + lo;
+    fold_pair(me == 0 ? part : peer, me == 0 ? peer : part, n, op, comm_size,
+              [part, slot](int64_t k, float v) { slot[k] = part[k] = v; });
   } else {
-    fold_parts(part, half, lo, n, op);
+    fold_parts(part, part, half + lo, n, op);
     if (across_nodes && node_count_ > 1)
       DT_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, part, static_cast<int>(n), MPI_FLOAT, mpi_float_op(op), cross_comm_));
     if (op == ReduceOp::Avg)
@@ -219,17 +219,18 @@ void NodeAllreduce::chunk(float* x, int64_t m, ReduceOp op, bool across_nodes, i
     if (p != me) std::memcpy(x + cut(p, m), slots_[p] + half + cut(p, m), (cut(p + 1, m) - cut(p, m)) * sizeof(float));
 }
 
-// Part `lo`.. of slots 0..L-1 (this rank's own from `part`, its buffer), folded into `part`.
-void NodeAllreduce::fold_parts(float* part, int64_t half, int64_t lo, int64_t n, ReduceOp op) {
+// n elements from `at` of every other local rank's slot and this rank's own from `own`, folded into
+// `dest` (which may be `own`).
+void NodeAllreduce::fold_parts(const float* own, float* dest, int64_t at, int64_t n, ReduceOp op) {
   const int me = local_rank_;
   for (int64_t b = 0; b < n; b += kFoldBlock) {
     const int64_t len = std::min(kFoldBlock, n - b);
     for (int p = 0; p < local_size_; ++p)
-      std::memcpy(&scratch_[p * kFoldBlock], (p == me ? part : slots_[p] + half + lo) + b, len * sizeof(float));
+      std::memcpy(&scratch_[p * kFoldBlock], (p == me ? own : slots_[p] + at) + b, len * sizeof(float));
     for (int stride = 1; stride < local_size_; stride *= 2)
       for (int p = 0; p + stride < local_size_; p += 2 * stride)
         fold(&scratch_[p * kFoldBlock], &scratch_[(p + stride) * kFoldBlock], len, op);
-    std::memcpy(part + b, scratch_.data(), len * sizeof(float));
+    std::memcpy(dest + b, scratch_.data(), len * sizeof(float));
   }
 }
 
@@ -242,6 +243,51 @@ void NodeAllreduce::allreduce(float* x, int64_t count, ReduceOp op, bool across_
   const int64_t step = across_nodes && node_count_ > 1 ? chunk_floats_ : std::min(chunk_floats_, kNodeChunkFloats);
   for (int64_t done = 0; done < count; done += step)
     chunk(x + done, std::min(step, count - done), op, across_nodes, comm_size);
+}
+
+// Chunk by chunk along the blocks: s elements of every block a chunk, block p's going to slot
+// position p * s of this rank's half.
+void NodeAllreduce::reduce_scatter(const float* in, float* out, int64_t block, ReduceOp op, int comm_size) {
+  DT_CHECK(node_count_ == 1, "shared-memory reduce-scatter over " << node_count_ << " nodes");
+  const int me = local_rank_;
+  const int64_t s = std::min(chunk_floats_, kNodeChunkFloats) / local_size_ / kCutAlign * kCutAlign;
+  const float ranks = static_cast<float>(comm_size);
+  for (int64_t done = 0; done < block; done += s) {
+    const int64_t n = std::min(s, block - done);
+    float* mine = half_of(me);
+    for (int p = 0; p < local_size_; ++p)
+      if (p != me) std::memcpy(mine + p * s, in + p * block + done, n * sizeof(float));
+    barrier();
+    const float* own = in + me * block + done;
+    float* __restrict dest = out + done;
+    const int64_t at = (half_of(me) - slots_[me]) + me * s;
+    if (local_size_ == 2) {
+      const float* peer = slots_[1 - me] + at;
+      fold_pair(me == 0 ? own : peer, me == 0 ? peer : own, n, op, comm_size,
+                [dest](int64_t k, float v) { dest[k] = v; });
+    } else {
+      fold_parts(own, dest, at, n, op);
+      if (op == ReduceOp::Avg)
+        for (int64_t k = 0; k < n; ++k) dest[k] /= ranks;
+    }
+    ++chunks_run_;
+  }
+}
+
+void NodeAllreduce::allgather(const void* in, void* out, int64_t block_bytes) {
+  DT_CHECK(node_count_ == 1, "shared-memory allgather over " << node_count_ << " nodes");
+  const int me = local_rank_;
+  const int64_t s = std::min(chunk_floats_, kNodeChunkFloats) * static_cast<int64_t>(sizeof(float));
+  const char* from = static_cast<const char*>(in);
+  char* to = static_cast<char*>(out);
+  for (int64_t done = 0; done < block_bytes; done += s) {
+    const int64_t n = std::min(s, block_bytes - done);
+    std::memcpy(half_of(me), from + done, n);
+    barrier();
+    for (int p = 0; p < local_size_; ++p)
+      std::memcpy(to + p * block_bytes + done, p == me ? from + done : reinterpret_cast<const char*>(half_of(p)), n);
+    ++chunks_run_;
+  }
 }
 
 }  // namespace dtrain::comm::detail

@@ -19,6 +19,11 @@
 // A chunk's copy-in writes the half its predecessor's predecessor read, which every rank finished
 // before the last barrier, so two barriers a chunk suffice. Every element is folded once, by one
 // rank, so every rank ends with the same bits.
+//
+// Its two halves run alone too, on one node (what ZeRO's shards exchange): reduce_scatter is steps
+// 1-3 with rank i's part its block of the input (one barrier a chunk: a half is written again only
+// after the next chunk's barrier, which every rank passes once done reading it), allgather is step
+// 5 after each rank copied its own block into its slot.
 #include <mpi.h>
 
 #include <atomic>
@@ -50,6 +55,11 @@ class NodeAllreduce {
   // In place, over every rank of the communicator: x = op(x of all ranks). `across_nodes` false
   // requires one node. `comm_size` divides an Avg.
   void allreduce(float* x, int64_t count, ReduceOp op, bool across_nodes, int comm_size);
+  // One node. `in`: a block of `block` floats per local rank, in local-rank order; `out`: op over
+  // the ranks of this rank's block (Avg divided by comm_size).
+  void reduce_scatter(const float* in, float* out, int64_t block, ReduceOp op, int comm_size);
+  // One node. `out`: every local rank's `block_bytes` bytes of `in`, in local-rank order.
+  void allgather(const void* in, void* out, int64_t block_bytes);
 
  private:
   struct Control {
@@ -59,8 +69,9 @@ class NodeAllreduce {
   };
   void barrier();
   void chunk(float* x, int64_t m, ReduceOp op, bool across_nodes, int comm_size);
-  void fold_parts(float* part, int64_t half, int64_t lo, int64_t n, ReduceOp op);
+  void fold_parts(const float* own, float* dest, int64_t at, int64_t n, ReduceOp op);
   int64_t cut(int p, int64_t m) const;  // first element of part p of a chunk of m
+  float* half_of(int p) { return slots_[p] + static_cast<int64_t>(chunks_run_ % 2) * chunk_floats_; }
 
   MPI_Comm node_comm_ = MPI_COMM_NULL;   // the ranks of this node
   MPI_Comm cross_comm_ = MPI_COMM_NULL;  // the ranks of this local rank on every node
@@ -68,8 +79,8 @@ class NodeAllreduce {
   int local_rank_ = 0, local_size_ = 1, node_count_ = 1;
   bool uniform_ = true;
   double timeout_s_ = 0;
-  int64_t chunk_floats_ = 0;  // elements per chunk (one half of a slot)
-  std::vector<float*> slots_;  // every local rank's segment: two halves of chunk_floats_
+  int64_t chunk_floats_ = 0;    // elements per chunk (one half of a slot)
+  std::vector<float*> slots_;   // every local rank's segment: two halves of chunk_floats_
   std::vector<float> scratch_;  // the fold's rows, one per local rank
   Control* control_ = nullptr;
   uint64_t chunks_run_ = 0;  // picks the half: chunk k uses half k % 2

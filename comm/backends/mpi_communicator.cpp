@@ -364,7 +364,19 @@ std::shared_ptr<Work> MpiCommunicator::do_broadcast(Tensor& t, int root) {
   return collective("broadcast " + buf_str(t) + " root " + std::to_string(root), std::move(body));
 }
 
+bool MpiCommunicator::on_node_window(int64_t bytes) {
+  const AllreduceAlgorithm want = allreduce_algorithm();
+  if (want == AllreduceAlgorithm::Mpi || size() == 1) return false;
+  if (want == AllreduceAlgorithm::Auto && bytes < kAutoShmFromBytes) return false;
+  return node_layout().node_count() == 1;
+}
+
 std::shared_ptr<Work> MpiCommunicator::do_allgather(const Tensor& in, Tensor& out) {
+  if (on_node_window(static_cast<int64_t>(out.nbytes()))) {
+    NodeAllreduce* layout = node_.get();
+    auto body = [in, out, layout] { layout->allgather(in.raw(), out.raw(), static_cast<int64_t>(in.nbytes())); };
+    return collective("allgather " + buf_str(in) + " shm", std::move(body));
+  }
   MPI_Comm c = comm_;
   auto body = [in, out, c] {
     MPI_Datatype dt = mpi_datatype(in.dtype());
@@ -375,8 +387,15 @@ std::shared_ptr<Work> MpiCommunicator::do_allgather(const Tensor& in, Tensor& ou
 }
 
 std::shared_ptr<Work> MpiCommunicator::do_reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
-  MPI_Comm c = comm_;
   int n = size();
+  if (in.dtype() == DType::F32 && on_node_window(static_cast<int64_t>(in.nbytes()))) {
+    NodeAllreduce* layout = node_.get();
+    auto body = [in, out, op, n, layout] {
+      layout->reduce_scatter(static_cast<const float*>(in.raw()), static_cast<float*>(out.raw()), out.numel(), op, n);
+    };
+    return collective("reduce_scatter " + buf_str(in) + " " + reduce_op_name(op) + " shm", std::move(body));
+  }
+  MPI_Comm c = comm_;
   auto body = [in, out, op, c, n] {
     DT_MPI_CHECK(MPI_Reduce_scatter_block(in.raw(), out.raw(), static_cast<int>(out.numel()), mpi_datatype(in.dtype()),
                                           mpi_op(op, in.dtype()), c));

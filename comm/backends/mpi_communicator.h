@@ -100,6 +100,9 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<MpiWork> point_to_point(MpiWork::Kind kind, const Tensor& t, int peer, int tag);
   void worker_loop();
   NodeAllreduce& node_layout();  // made by a collective on first use
+  // Whether a reduce-scatter or allgather of `bytes` runs through the node's shared-memory window:
+  // on one node, where the allreduce algorithm would take it (not mpi; auto from its threshold).
+  bool on_node_window(int64_t bytes);
 
   MPI_Comm comm_;
   std::shared_ptr<ControlChannel> channel_;

@@ -179,6 +179,7 @@ bool Trainer::step_once(double& wait_s) {
   if (step_ == start_step_ + 1) {
     result_.first_step_at_s = process_age_s();
     run_t0_ = t1;
+    run_eval0_s_ = eval_total_s_;
     run_cpu0_ = process_cpu_s();
   } else {
     run_units_ += task_->step_units() * grid_->dp_size();
@@ -494,7 +495,8 @@ void Trainer::finish() {
   }
   if (pipe_) report_pipeline();
   if (pruner_) result_.sparsity = pruner_->sparsity();
-  const double elapsed = now_s() - run_t0_, cpu = process_cpu_s() - run_cpu0_;
+  // Training throughput: the steps after the first, validation passes left out.
+  const double elapsed = now_s() - run_t0_ - (eval_total_s_ - run_eval0_s_), cpu = process_cpu_s() - run_cpu0_;
   result_.units_per_s = elapsed > 0 ? static_cast<double>(run_units_) / elapsed : 0;
   const std::string gpu_memory = gpu_memory_report(device_, step_ - start_step_, step_mallocs_);
 #if defined(DTRAIN_WITH_CUDA_ENGINE)

@@ -107,8 +107,8 @@ TEST(TopologyAllreduce, PlanFollowsTheLayout) {
   Tensor big = Tensor::zeros({1 << 20});  // 4 MiB
   Tensor small = Tensor::zeros({16});
   Tensor ints = Tensor::zeros({1 << 20}, DType::I32);
-  const std::pair<A, A> want[] = {{A::Mpi, A::Mpi}, {A::Shm, layout.nodes == 1 ? A::Shm : A::Mpi}, {A::Hier, across},
-                                  {A::Auto, across}};
+  const std::pair<A, A> want[] = {
+      {A::Mpi, A::Mpi}, {A::Shm, layout.nodes == 1 ? A::Shm : A::Mpi}, {A::Hier, across}, {A::Auto, across}};
   for (auto [set, expect] : want) {
     AlgorithmScope scope(c, set);
     EXPECT_EQ(c.allreduce_plan(big, ReduceOp::Sum), expect)
@@ -142,8 +142,7 @@ TEST(TopologyAllreduce, EveryRankGetsTheSameBits) {
     Tensor all = Tensor::empty({n * c.size()});
     c.allgather(t, all)->wait();
     int64_t differ = 0, far = 0;
-    for (int r = 0; r < c.size(); ++r)
-      differ += std::memcmp(all.f32() + r * n, t.f32(), n * sizeof(float)) != 0;
+    for (int r = 0; r < c.size(); ++r) differ += std::memcmp(all.f32() + r * n, t.f32(), n * sizeof(float)) != 0;
     for (int64_t i = 0; i < n; ++i) far += std::abs(t.f32()[i] - by_mpi.f32()[i]) > 1e-5f * (1 + std::abs(t.f32()[i]));
     const char* name = allreduce_algorithm_name(c.allreduce_plan(t, ReduceOp::Sum));
     EXPECT_EQ(differ, 0) << name << ": ranks hold different sums";
@@ -199,18 +198,34 @@ TEST(Collectives, BroadcastFromEveryRoot) {
   }
 }
 
+// Whether `work` ran through the node's shared-memory window (its description says so), and
+// whether it should have: on one node of several ranks, under auto from 64 KiB, under shm and hier.
+bool on_window(const Work& work) { return work.description().find(" shm on '") != std::string::npos; }
+bool window_expected(const Communicator& c, AllreduceAlgorithm algorithm, size_t bytes) {
+  if (c.size() == 1 || layout_of(c).nodes > 1 || algorithm == AllreduceAlgorithm::Mpi) return false;
+  return algorithm != AllreduceAlgorithm::Auto || bytes >= (64 << 10);
+}
+
+// Small blocks (MPI's) and blocks of several 256 KiB chunks with a short tail (the node window's
+// under every algorithm but mpi, on one node; MPI's across nodes).
 TEST(Collectives, AllgatherPlacesBlockRFromRankR) {
   Communicator& c = world();
-  for (DType dt : all_dtypes()) {
-    const int64_t m = 333;
-    Tensor in = make_filled(m, dt, [&](int64_t i) { return c.rank() + 1 + i % 3; });
-    Tensor out = Tensor::empty({m * c.size()}, dt);
-    c.allgather(in, out)->wait();
-    std::string first;
-    EXPECT_EQ(count_wrong(
-                  out, [&](int64_t i) { return static_cast<double>(i / m + 1 + (i % m) % 3); }, &first),
-              0)
-        << dtype_name(dt) << ": " << first;
+  for (AllreduceAlgorithm algorithm : kAlgorithms) {
+    AlgorithmScope scope(c, algorithm);
+    for (int64_t m : {int64_t{333}, int64_t{100003}}) {
+      for (DType dt : all_dtypes()) {
+        Tensor in = make_filled(m, dt, [&](int64_t i) { return c.rank() + 1 + i % 3; });
+        Tensor out = Tensor::empty({m * c.size()}, dt);
+        std::shared_ptr<Work> w = c.allgather(in, out);
+        w->wait();
+        std::string first;
+        EXPECT_EQ(count_wrong(
+                      out, [&](int64_t i) { return static_cast<double>(i / m + 1 + (i % m) % 3); }, &first),
+                  0)
+            << dtype_name(dt) << " " << m << " " << w->description() << ": " << first;
+        EXPECT_EQ(on_window(*w), window_expected(c, algorithm, out.nbytes())) << w->description();
+      }
+    }
   }
 }
 
@@ -225,13 +240,15 @@ TEST(Collectives, AlltoallvDeliversBlocksOfUnequalSizes) {
     recv_counts.push_back((q + 2 * me) % 3);
   }
   std::vector<uint8_t> bytes;
-  for (int q = 0; q < n; ++q) bytes.insert(bytes.end(), static_cast<size_t>(send_counts[q]), static_cast<uint8_t>(16 * me + q));
+  for (int q = 0; q < n; ++q)
+    bytes.insert(bytes.end(), static_cast<size_t>(send_counts[q]), static_cast<uint8_t>(16 * me + q));
   Tensor in = Tensor::empty({static_cast<int64_t>(bytes.size()) + 1}, DType::U8);
   std::copy(bytes.begin(), bytes.end(), in.data<uint8_t>());
   Tensor out = Tensor::zeros({2 * n + 1}, DType::U8);
   c.alltoallv(in, send_counts, out, recv_counts)->wait();
   std::vector<uint8_t> want;
-  for (int r = 0; r < n; ++r) want.insert(want.end(), static_cast<size_t>(recv_counts[r]), static_cast<uint8_t>(16 * r + me));
+  for (int r = 0; r < n; ++r)
+    want.insert(want.end(), static_cast<size_t>(recv_counts[r]), static_cast<uint8_t>(16 * r + me));
   EXPECT_EQ(std::vector<uint8_t>(out.data<uint8_t>(), out.data<uint8_t>() + want.size()), want);
   EXPECT_THROW(c.alltoallv(in, {1}, out, {1}), Error);  // a count per rank
 }
@@ -239,16 +256,23 @@ TEST(Collectives, AlltoallvDeliversBlocksOfUnequalSizes) {
 TEST(Collectives, ReduceScatterGivesRankRItsBlock) {
   Communicator& c = world();
   const int n = c.size();
-  for (DType dt : all_dtypes()) {
-    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max}) {
-      const int64_t m = 100;
-      // Block b, element j on rank r: (r + 1) * (b + 1 + j % 3).
-      Tensor in = make_filled(m * n, dt, [&](int64_t i) { return (c.rank() + 1) * (i / m + 1 + (i % m) % 3); });
-      Tensor out = Tensor::empty({m}, dt);
-      c.reduce_scatter(in, out, op)->wait();
-      std::string first;
-      auto want = [&](int64_t j) { return expected_k(op, dt, n, static_cast<double>(c.rank() + 1 + j % 3)); };
-      EXPECT_EQ(count_wrong(out, want, &first), 0) << dtype_name(dt) << " " << reduce_op_name(op) << ": " << first;
+  for (AllreduceAlgorithm algorithm : kAlgorithms) {
+    AlgorithmScope scope(c, algorithm);
+    for (int64_t m : {int64_t{100}, int64_t{100003}}) {
+      for (DType dt : all_dtypes()) {
+        for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min}) {
+          // Block b, element j on rank r: (r + 1) * (b + 1 + j % 3).
+          Tensor in = make_filled(m * n, dt, [&](int64_t i) { return (c.rank() + 1) * (i / m + 1 + (i % m) % 3); });
+          Tensor out = Tensor::empty({m}, dt);
+          std::shared_ptr<Work> w = c.reduce_scatter(in, out, op);
+          w->wait();
+          std::string first;
+          auto want = [&](int64_t j) { return expected_k(op, dt, n, static_cast<double>(c.rank() + 1 + j % 3)); };
+          EXPECT_EQ(count_wrong(out, want, &first), 0)
+              << dtype_name(dt) << " " << reduce_op_name(op) << " " << m << " " << w->description() << ": " << first;
+          EXPECT_EQ(on_window(*w), dt == DType::F32 && window_expected(c, algorithm, in.nbytes())) << w->description();
+        }
+      }
     }
   }
 }

@@ -216,7 +216,8 @@ class Trainer {
   std::string slow_section_;  // DTRAIN_TEST_SLOW on this rank: the section it sleeps in
   int slow_ms_ = 0;
   int64_t stop_after_ = -1;  // DTRAIN_TEST_STOP on this rank: the step after which it stops (SIGSTOP)
-  double train_t0_ = 0, eval_total_s_ = 0, run_t0_ = 0, run_cpu0_ = 0, ema_step_s_ = 0, bubble_sum_ = 0;
+  double train_t0_ = 0, eval_total_s_ = 0, run_t0_ = 0, run_eval0_s_ = 0, run_cpu0_ = 0, ema_step_s_ = 0,
+         bubble_sum_ = 0;
   int64_t run_units_ = 0, step_mallocs_ = 0;
   std::map<int64_t, int64_t> steps_per_batch_units_;  // steps run at each batch size (samples or tokens)
   JsonFields last_validation_;
