@@ -285,7 +285,10 @@ void NodeAllreduce::allgather(const void* in, void* out, int64_t block_bytes) {
     std::memcpy(half_of(me), from + done, n);
     barrier();
     for (int p = 0; p < local_size_; ++p)
-      std::memcpy(to + p * block_bytes + done, p == me ? from + done : reinterpret_cast<const char*>(half_of(p)), n);
+      if (p != me)
+        std::memcpy(to + p * block_bytes + done, half_of(p), n);
+      else if (to + p * block_bytes != from)  // in place: already there
+        std::memcpy(to + p * block_bytes + done, from + done, n);
     ++chunks_run_;
   }
 }

@@ -378,10 +378,11 @@ std::shared_ptr<Work> MpiCommunicator::do_allgather(const Tensor& in, Tensor& ou
     return collective("allgather " + buf_str(in) + " shm", std::move(body));
   }
   MPI_Comm c = comm_;
-  auto body = [in, out, c] {
+  const bool in_place = in.raw() == static_cast<char*>(out.raw()) + rank() * in.nbytes();
+  auto body = [in, out, c, in_place] {
     MPI_Datatype dt = mpi_datatype(in.dtype());
     int n = static_cast<int>(in.numel());
-    DT_MPI_CHECK(MPI_Allgather(in.raw(), n, dt, out.raw(), n, dt, c));
+    DT_MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : in.raw(), n, dt, out.raw(), n, dt, c));
   };
   return collective("allgather " + buf_str(in), std::move(body));
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <utility>
 
 #include "dtrain/core/timer.h"
 #include "dtrain/parallel/zero/sharded_init.h"
@@ -255,7 +256,11 @@ void ShardedDataParallel::after_backward(int entry) {
     release(u);
     return;
   }
-  Pending p{&u, Tensor::empty({block_numel(u)}, DType::F32, device_), nullptr, false};
+  // The step's first gradient of the unit goes straight into its block of the shard (which holds
+  // zeros: the same bits as adding it there); later micro-batches' are added when they arrive.
+  const bool first = !std::exchange(u.in_shard, true);
+  Pending p{&u, first ? shard_block(shard_.grad, u) : Tensor::empty({block_numel(u)}, DType::F32, device_), nullptr,
+            false, first};
   const int64_t w0 = wire_bytes();
   if (shards().size() > 1)
     p.work = shards().reduce_scatter(u.grad, p.block, comm::ReduceOp::Avg);
@@ -392,8 +397,10 @@ bool ShardedDataParallel::advance(Pending& p, bool wait) {
 }
 
 void ShardedDataParallel::retire(Pending& p) {
-  Tensor mine = shard_block(shard_.grad, *p.unit);
-  engine_for(device_).axpy(1.f, p.block, mine);
+  if (!p.into_shard) {
+    Tensor mine = shard_block(shard_.grad, *p.unit);
+    engine_for(device_).axpy(1.f, p.block, mine);
+  }
   free_grad(*p.unit);
 }
 
@@ -422,7 +429,10 @@ void ShardedDataParallel::finish() {
   }
   retire_finished(true);
   if (hook_) keep_compressed_blocks();
-  for (Unit& u : units_) u.backwards = 0;
+  for (Unit& u : units_) {
+    u.backwards = 0;
+    u.in_shard = false;
+  }
   step_open_ = false;
 }
 
@@ -431,13 +441,10 @@ void ShardedDataParallel::after_step() {
   if (shards().size() == 1) return;  // the optimizer updated the whole values
   const double t0 = now_s();
   std::vector<std::shared_ptr<comm::Work>> works;
-  std::vector<Tensor> blocks;  // MPI's allgather takes no input inside its output
   for (Unit& u : units_) {
     const int64_t b = block_numel(u);
-    blocks.push_back(Tensor::empty({b}, DType::F32, device_));
-    engine_for(device_).copy(u.full.slice0(shards().rank() * b, (shards().rank() + 1) * b), blocks.back());
     const int64_t w0 = wire_bytes();
-    works.push_back(shards().allgather(blocks.back(), u.full));
+    works.push_back(shards().allgather(u.full.slice0(shards().rank() * b, (shards().rank() + 1) * b), u.full));
     stats_.bytes_sent += wire_bytes() - w0;
     ++stats_.collectives;
   }

@@ -79,8 +79,9 @@ void eval_gpt(const train::CheckpointState& s, const std::string& path, const st
                 static_cast<long long>(windows), t);
     return std::pair{bpb, t};
   };
-  std::printf("eval %s (gpt) on %s, windows of %lld, batch %lld (%d threads)\n", path.c_str(), val.c_str(),
-              static_cast<long long>(ctx), static_cast<long long>(batch), cpu_engine().threads());
+  std::printf("eval %s (%s) on %s, windows of %lld, batch %lld (%d threads)\n", path.c_str(),
+              model->config().llama() ? "llama" : "gpt", val.c_str(), static_cast<long long>(ctx),
+              static_cast<long long>(batch), cpu_engine().threads());
   if (!batch_file.empty()) {  // the first `batch` windows of the stream, as evaluate_lm cuts them
     const int64_t rows = std::min(batch, data::window_count(stream, ctx));
     DT_INPUT_CHECK(rows > 0, "'" << val << "' holds no window of " << ctx + 1 << " tokens");

@@ -376,7 +376,7 @@ CheckpointState load_checkpoint_set(const std::string& main_file, bool assemble_
     if (assemble_shards)
       assemble_shard_parts(s, main_file, listed, shards->second);
     else
-      check_shard_parts(s, main_file, listed, shards->second);
+      checked_shard_parts(s, main_file, listed, shards->second);
   }
   return s;
 }

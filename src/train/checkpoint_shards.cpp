@@ -23,26 +23,6 @@ struct ShardPiece {
   const Tensor* values;
 };
 
-// The shard parts' files of a set, each listed in the manifest and checked against it.
-std::vector<std::string> checked_shard_parts(const CheckpointState& s, const std::string& main_file,
-                                             const std::vector<SetPart>& listed, int64_t ranks) {
-  DT_INPUT_CHECK(ranks < (1 << 20), "checkpoint " << main_file << " says " << ranks << " ranks wrote shards");
-  std::vector<std::string> files;
-  for (int r = 0; r < ranks; ++r) {
-    const std::string f = shard_part_file(main_file, r);
-    bool in_manifest = false;
-    for (const SetPart& p : listed)
-      if (p.kind == SetPart::kShard && p.rank == r) {
-        check_set_part(s, main_file, p);
-        in_manifest = true;
-      }
-    DT_INPUT_CHECK(in_manifest, "checkpoint " << main_file << " keeps its parameters in " << ranks
-                                              << " shard parts, but its manifest lists no " << f);
-    files.push_back(f);
-  }
-  return files;
-}
-
 // The pieces of part `part` (file `f`) by tensor, each fitting its range, the tensor's shape the
 // same in every part.
 void collect_pieces(const CheckpointState& part, const std::string& f,
@@ -87,6 +67,25 @@ void check_tiling(std::map<std::string, std::pair<Shape, std::vector<ShardPiece>
 
 }  // namespace
 
+std::vector<std::string> checked_shard_parts(const CheckpointState& s, const std::string& main_file,
+                                             const std::vector<SetPart>& listed, int64_t ranks) {
+  DT_INPUT_CHECK(ranks < (1 << 20), "checkpoint " << main_file << " says " << ranks << " ranks wrote shards");
+  std::vector<std::string> files;
+  for (int r = 0; r < ranks; ++r) {
+    const std::string f = shard_part_file(main_file, r);
+    bool in_manifest = false;
+    for (const SetPart& p : listed)
+      if (p.kind == SetPart::kShard && p.rank == r) {
+        check_set_part(s, main_file, p);
+        in_manifest = true;
+      }
+    DT_INPUT_CHECK(in_manifest, "checkpoint " << main_file << " keeps its parameters in " << ranks
+                                              << " shard parts, but its manifest lists no " << f);
+    files.push_back(f);
+  }
+  return files;
+}
+
 // The shard parts of a ZeRO-2/3 set assembled into the whole tensors of the one-rank layout. The
 // pieces of each tensor must tile it exactly (checked before anything is allocated, so a forged
 // shape cannot ask for more than the parts hold).
@@ -106,11 +105,6 @@ void assemble_shard_parts(CheckpointState& s, const std::string& main_file, cons
   }
 }
 
-void check_shard_parts(const CheckpointState& s, const std::string& main_file, const std::vector<SetPart>& listed,
-                       int64_t ranks) {
-  checked_shard_parts(s, main_file, listed, ranks);
-}
-
 void verify_shard_parts(const CheckpointState& s, const std::string& main_file, int first, int stride) {
   const auto ranks = s.ints.find("zero_shard_ranks");
   if (ranks == s.ints.end()) return;
@@ -127,9 +121,8 @@ void for_each_shard_piece(const CheckpointState& s, const std::string& main_file
   std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>> seen;  // the ranges taken (values gone)
   for (const std::string& f : checked_shard_parts(s, main_file, manifest_parts(s, main_file), ranks->second)) {
     const CheckpointState part = load_checkpoint(f);
-    std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>> pieces = seen;
-    collect_pieces(part, f, pieces);  // checks each range and the shapes against the parts before
-    for (auto& [key, entry] : pieces) {
+    collect_pieces(part, f, seen);  // checks each range and the shapes against the parts before
+    for (auto& [key, entry] : seen) {
       auto& [shape, list] = entry;
       for (ShardPiece& p : list) {
         if (!p.values) continue;  // an earlier part's
@@ -137,7 +130,6 @@ void for_each_shard_piece(const CheckpointState& s, const std::string& main_file
         p.values = nullptr;
       }
     }
-    seen = std::move(pieces);
   }
   check_tiling(seen, main_file);
 }

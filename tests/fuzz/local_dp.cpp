@@ -33,7 +33,8 @@ std::shared_ptr<comm::Work> MirroredCommunicator::do_broadcast(Tensor&, int) {
 std::shared_ptr<comm::Work> MirroredCommunicator::do_allgather(const Tensor& in, Tensor& out) {
   DT_CHECK(out.nbytes() == in.nbytes() * static_cast<size_t>(size()),
            "allgather of " << in.str() << " into " << out.str());
-  for (int r = 0; r < size(); ++r) std::memcpy(static_cast<char*>(out.raw()) + r * in.nbytes(), in.raw(), in.nbytes());
+  for (int r = 0; r < size(); ++r)  // memmove: `in` may be a block of `out`
+    std::memmove(static_cast<char*>(out.raw()) + r * in.nbytes(), in.raw(), in.nbytes());
   return comm::make_completed_work("allgather");
 }
 std::shared_ptr<comm::Work> MirroredCommunicator::do_reduce_scatter(const Tensor& in, Tensor& out, comm::ReduceOp op) {

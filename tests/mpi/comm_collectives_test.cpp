@@ -214,16 +214,23 @@ TEST(Collectives, AllgatherPlacesBlockRFromRankR) {
     AlgorithmScope scope(c, algorithm);
     for (int64_t m : {int64_t{333}, int64_t{100003}}) {
       for (DType dt : all_dtypes()) {
-        Tensor in = make_filled(m, dt, [&](int64_t i) { return c.rank() + 1 + i % 3; });
-        Tensor out = Tensor::empty({m * c.size()}, dt);
-        std::shared_ptr<Work> w = c.allgather(in, out);
-        w->wait();
-        std::string first;
-        EXPECT_EQ(count_wrong(
-                      out, [&](int64_t i) { return static_cast<double>(i / m + 1 + (i % m) % 3); }, &first),
-                  0)
-            << dtype_name(dt) << " " << m << " " << w->description() << ": " << first;
-        EXPECT_EQ(on_window(*w), window_expected(c, algorithm, out.nbytes())) << w->description();
+        for (bool in_place : {false, true}) {  // in place: `in` is this rank's block of `out`
+          Tensor in = make_filled(m, dt, [&](int64_t i) { return c.rank() + 1 + i % 3; });
+          Tensor out = Tensor::empty({m * c.size()}, dt);
+          if (in_place) {
+            Tensor mine = out.slice0(c.rank() * m, (c.rank() + 1) * m);
+            std::memcpy(mine.raw(), in.raw(), in.nbytes());
+            in = mine;
+          }
+          std::shared_ptr<Work> w = c.allgather(in, out);
+          w->wait();
+          std::string first;
+          EXPECT_EQ(count_wrong(
+                        out, [&](int64_t i) { return static_cast<double>(i / m + 1 + (i % m) % 3); }, &first),
+                    0)
+              << dtype_name(dt) << " " << m << (in_place ? " in place " : " ") << w->description() << ": " << first;
+          EXPECT_EQ(on_window(*w), window_expected(c, algorithm, out.nbytes())) << w->description();
+        }
       }
     }
   }

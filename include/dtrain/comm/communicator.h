@@ -120,7 +120,8 @@ class Communicator {
   // types truncate). bf16/f16 are summed pairwise in fp32 and rounded once per step.
   std::shared_ptr<Work> allreduce(Tensor& t, ReduceOp op = ReduceOp::Sum);
   std::shared_ptr<Work> broadcast(Tensor& t, int root);
-  // out holds size() blocks of in.numel() elements, block r from rank r.
+  // out holds size() blocks of in.numel() elements, block r from rank r. In place where `in` is
+  // this rank's block of `out` (the same memory).
   std::shared_ptr<Work> allgather(const Tensor& in, Tensor& out);
   // in holds size() blocks of out.numel() elements; rank r gets op over all ranks' block r.
   std::shared_ptr<Work> reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op = ReduceOp::Sum);

@@ -113,9 +113,9 @@ void check_manifest(const CheckpointState& main, const std::string& main_file, i
 // anything is allocated). load_checkpoint_set calls it.
 void assemble_shard_parts(CheckpointState& main, const std::string& main_file, const std::vector<SetPart>& listed,
                           int64_t ranks);
-// The same parts checked against the manifest only (attributes, not tensors).
-void check_shard_parts(const CheckpointState& main, const std::string& main_file, const std::vector<SetPart>& listed,
-                       int64_t ranks);
+// The files of the same parts, each checked against `listed` (attributes, not tensors).
+std::vector<std::string> checked_shard_parts(const CheckpointState& main, const std::string& main_file,
+                                             const std::vector<SetPart>& listed, int64_t ranks);
 // Reads every `stride`-th shard part of the set from `first` (the ranks of a resume share them), so
 // that their tensors pass their checksums and fit their ranges before a set is taken; nothing is
 // kept (whether the pieces tile each tensor is known once all are read: for_each_shard_piece).

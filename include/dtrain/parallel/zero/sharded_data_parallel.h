@@ -96,12 +96,14 @@ class ShardedDataParallel final : public DataParallel {
     bool fresh = false;               // gathered (or on its way) since the parameters last pointed at `full`
     Tensor grad;                      // the whole gradient, from before the unit's backward to its reduce-scatter
     int forwards = 0, backwards = 0;  // entries passed in the current forward / backward
+    bool in_shard = false;            // this step's gradient already reduce-scattered into the shard
   };
   struct Pending {  // a reduce-scatter in flight
     Unit* unit;
-    Tensor block;                      // this rank's averaged block, added into the shard's gradient when done
+    Tensor block;  // this rank's averaged block: the shard's own (the step's first) or added into it when done
     std::shared_ptr<comm::Work> work;  // the reduce-scatter, then the average between nodes
     bool crossed;                      // the latter was issued
+    bool into_shard;                   // `block` is the shard's
   };
 
   // The ranks the units are sharded over: the data-parallel group, or this node's part of it.
