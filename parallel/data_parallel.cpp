@@ -370,7 +370,7 @@ void DataParallel::add_copy_gradients(const nn::Parameter& p, comm::Communicator
   for (auto& [first, part] : g.parts) e.copy(all.slice0(first, first + part.numel()), part);
 }
 
-void DataParallel::load_pieces(const std::function<void(const PieceTaker&)>&, const std::vector<optim::StateTensor>&) {
+void DataParallel::load_pieces(const PieceSource&, const std::vector<optim::StateTensor>&) {
   DT_CHECK(false, "load_pieces: this data-parallel layout holds whole tensors; they load whole");
 }
 

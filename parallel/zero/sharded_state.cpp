@@ -2,6 +2,7 @@
 // groups over this rank's pieces, state to and from the one-rank layout, the pieces a checkpoint
 // writes and those it loads back, population-based training's state tensors.
 #include <algorithm>
+#include <tuple>
 
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 
@@ -117,8 +118,7 @@ void ShardedDataParallel::state_replaced() {
 // Each key's destination on this rank, which starts at element `begin` of the tensor: at ZeRO-3
 // its piece of a value (the shard master) or of a state tensor; at ZeRO-2 the parameter's whole
 // value (which every rank holds; its pieces are views of it) or its piece of a state tensor.
-void ShardedDataParallel::load_pieces(const std::function<void(const PieceTaker&)>& for_each_piece,
-                                      const std::vector<optim::StateTensor>& state) {
+void ShardedDataParallel::load_pieces(const PieceSource& for_each_piece, const std::vector<optim::StateTensor>& state) {
   DT_CHECK(!hold_, "load_pieces while the whole model is held: releasing it would overwrite the loaded masters");
   struct Target {
     Tensor dst;
@@ -147,17 +147,27 @@ void ShardedDataParallel::load_pieces(const std::function<void(const PieceTaker&
     const auto [begin, shape] = piece_shape(st.name.substr(0, st.name.size() - kind.size() - 1));
     targets["optim/" + st.name] = {st.value->reshape({st.value->numel()}), begin, shape};
   }
-  for_each_piece([&](const std::string& key, int64_t from, const Shape& shape, const Tensor& values) {
+  // A key's elements [from, from + count) that this rank holds, as [first, last) (empty: none).
+  auto overlap = [&](const std::string& key, int64_t from, int64_t count) -> std::tuple<Target*, int64_t, int64_t> {
     const auto it = targets.find(key);
-    if (it == targets.end()) return;  // a tensor of another rank's pieces, or state this optimizer has not
+    if (it == targets.end()) return {nullptr, 0, 0};  // another rank's pieces, or state this optimizer has not
     Target& t = it->second;
-    DT_INPUT_CHECK(shape == t.shape, key << " is " << shape_str(shape) << ", this model's " << shape_str(t.shape));
-    const int64_t first = std::max(from, t.begin), last = std::min(from + values.numel(), t.begin + t.dst.numel());
-    if (first >= last) return;
-    Tensor dst = t.dst.slice0(first - t.begin, last - t.begin);
+    return {&t, std::max(from, t.begin), std::min(from + count, t.begin + t.dst.numel())};
+  };
+  const PieceWanted wants = [&](const std::string& key, int64_t from, int64_t count, const Shape& shape) {
+    const auto [t, first, last] = overlap(key, from, count);
+    if (!t) return false;
+    DT_INPUT_CHECK(shape == t->shape, key << " is " << shape_str(shape) << ", this model's " << shape_str(t->shape));
+    return first < last;
+  };
+  const PieceTaker take = [&](const std::string& key, int64_t from, const Shape& shape, const Tensor& values) {
+    if (!wants(key, from, values.numel(), shape)) return;
+    const auto [t, first, last] = overlap(key, from, values.numel());
+    Tensor dst = t->dst.slice0(first - t->begin, last - t->begin);
     copy_any(values.slice0(first - from, last - from), dst);
-    t.filled += last - first;
-  });
+    t->filled += last - first;
+  };
+  for_each_piece(take, wants);
   for (const auto& [key, t] : targets)
     DT_INPUT_CHECK(t.filled == t.dst.numel(), "the shard parts give " << t.filled << " of the " << t.dst.numel()
                                                                       << " elements of " << key

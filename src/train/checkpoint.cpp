@@ -248,7 +248,8 @@ SavedFile save_checkpoint(const std::string& path, const CheckpointState& s) {
 namespace {
 
 // Every dataset of `file` (checkpoint `path`), by its name without the leading "/".
-std::map<std::string, Tensor> read_tensors(hid_t file, const std::string& path) {
+// The file's tensors whose names start with `prefix`.
+std::map<std::string, Tensor> read_tensors(hid_t file, const std::string& path, const std::string& prefix = "") {
   std::vector<std::string> names;
   H5Ovisit2(
       file, H5_INDEX_NAME, H5_ITER_NATIVE,
@@ -259,6 +260,7 @@ std::map<std::string, Tensor> read_tensors(hid_t file, const std::string& path) 
       &names, H5O_INFO_BASIC);
   std::map<std::string, Tensor> tensors;
   for (const std::string& name : names) {
+    if (!(name.starts_with(prefix) || name.starts_with("/" + prefix))) continue;
     data::h5::Handle ds(H5Dopen2(file, name.c_str(), H5P_DEFAULT), H5Dclose);
     DT_INPUT_CHECK(ds.valid(), "checkpoint '" << path << "': dataset " << name << " cannot be opened (corrupt file?)");
     const std::string dt = attr_string(ds.get(), "dtype");
@@ -343,6 +345,15 @@ CheckpointState load_checkpoint(const std::string& path) {
     check_checksums<Crc32>(file.get(), path, s, "checksum", "attributes_checksum", false);
   else
     check_checksums<Xxh3>(file.get(), path, s, "tensors_xxh3", "attributes_xxh3", true);
+  return s;
+}
+
+CheckpointState load_checkpoint_tensors_under(const std::string& path, const std::string& prefix) {
+  auto lock = data::h5::lock();
+  bool format1 = false;
+  data::h5::Handle file = open_checkpoint(path, format1);
+  CheckpointState s;
+  s.tensors = read_tensors(file.get(), path, prefix);
   return s;
 }
 

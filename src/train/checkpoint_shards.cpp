@@ -20,36 +20,48 @@ namespace {
 // One tensor's pieces from the shard parts (their values in the parts' tensors).
 struct ShardPiece {
   int64_t from, count;
-  const Tensor* values;
+  const Tensor* values;  // null where only the parts' ranges were read
+  int part;              // the shard part holding it
 };
+using PiecesByTensor = std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>>;
 
-// The pieces of part `part` (file `f`) by tensor, each fitting its range, the tensor's shape the
-// same in every part.
-void collect_pieces(const CheckpointState& part, const std::string& f,
-                    std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>>& tensors) {
-  for (const auto& [key, piece] : part.tensors) {
-    if (key.rfind("range/", 0) == 0) continue;
-    const auto range = part.tensors.find("range/" + key);
-    DT_INPUT_CHECK(range != part.tensors.end() && range->second.dtype() == DType::I64 && range->second.numel() >= 2 &&
-                       range->second.numel() <= 10,
-                   f << ": piece " << key << " has no range");
-    const int64_t* r64 = range->second.data<int64_t>();
-    const Shape shape(r64 + 2, r64 + range->second.numel());
-    const int64_t whole = shape_numel(shape, f + ": " + key);
-    DT_INPUT_CHECK(r64[0] >= 0 && r64[1] == piece.numel() && r64[0] <= whole - r64[1] && piece.dtype() == DType::F32,
-                   f << ": piece " << key << " of " << piece.str() << " does not fit its range [" << r64[0] << ", +"
-                     << r64[1] << ") of " << shape_str(shape));
-    auto& [have, pieces] = tensors[key];
-    if (pieces.empty()) have = shape;
-    DT_INPUT_CHECK(have == shape, f << ": " << key << " is " << shape_str(shape) << " here, " << shape_str(have)
-                                    << " in another part");
-    pieces.push_back({r64[0], r64[1], &piece});
+// The piece `key` of part `part` (file `f`) by its range ("range/<key>": first element, count, the
+// tensor's shape) into `tensors`, checked: within the tensor, as large as `values` where given,
+// the tensor's shape the same in every part.
+void add_piece(const std::string& key, const Tensor* range, const Tensor* values, int part, const std::string& f,
+               PiecesByTensor& tensors) {
+  DT_INPUT_CHECK(range && range->dtype() == DType::I64 && range->numel() >= 2 && range->numel() <= 10,
+                 f << ": piece " << key << " has no range");
+  const int64_t* r64 = range->data<int64_t>();
+  const Shape shape(r64 + 2, r64 + range->numel());
+  const int64_t whole = shape_numel(shape, f + ": " + key);
+  DT_INPUT_CHECK(r64[0] >= 0 && r64[1] >= 0 && r64[0] <= whole - r64[1] &&
+                     (!values || (r64[1] == values->numel() && values->dtype() == DType::F32)),
+                 f << ": piece " << key << (values ? " of " + values->str() : std::string())
+                   << " does not fit its range [" << r64[0] << ", +" << r64[1] << ") of " << shape_str(shape));
+  auto& [have, pieces] = tensors[key];
+  if (pieces.empty()) have = shape;
+  DT_INPUT_CHECK(have == shape,
+                 f << ": " << key << " is " << shape_str(shape) << " here, " << shape_str(have) << " in another part");
+  pieces.push_back({r64[0], r64[1], values, part});
+}
+
+// The pieces of part `part` (file `f`, read whole) by tensor, each fitting its range.
+void collect_pieces(const CheckpointState& state, int part, const std::string& f, PiecesByTensor& tensors) {
+  for (const auto& [key, piece] : state.tensors) {
+    if (key.starts_with("range/")) continue;
+    const auto range = state.tensors.find("range/" + key);
+    add_piece(key, range == state.tensors.end() ? nullptr : &range->second, &piece, part, f, tensors);
   }
 }
 
+// The same from the part's ranges alone (load_checkpoint_tensors_under "range/").
+void collect_ranges(const CheckpointState& ranges, int part, const std::string& f, PiecesByTensor& tensors) {
+  for (const auto& [key, range] : ranges.tensors) add_piece(key.substr(6), &range, nullptr, part, f, tensors);
+}
+
 // The pieces of each tensor tile it exactly: none left out, none repeated.
-void check_tiling(std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>>& tensors,
-                  const std::string& main_file) {
+void check_tiling(PiecesByTensor& tensors, const std::string& main_file) {
   for (auto& [key, entry] : tensors) {
     auto& [shape, pieces] = entry;
     std::sort(pieces.begin(), pieces.end(), [](const ShardPiece& a, const ShardPiece& b) { return a.from < b.from; });
@@ -92,10 +104,10 @@ std::vector<std::string> checked_shard_parts(const CheckpointState& s, const std
 void assemble_shard_parts(CheckpointState& s, const std::string& main_file, const std::vector<SetPart>& listed,
                           int64_t ranks) {
   std::vector<CheckpointState> parts;
-  std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>> tensors;
+  PiecesByTensor tensors;
   for (const std::string& f : checked_shard_parts(s, main_file, listed, ranks)) parts.push_back(load_checkpoint(f));
   for (size_t r = 0; r < parts.size(); ++r)
-    collect_pieces(parts[r], shard_part_file(main_file, static_cast<int>(r)), tensors);
+    collect_pieces(parts[r], static_cast<int>(r), shard_part_file(main_file, static_cast<int>(r)), tensors);
   check_tiling(tensors, main_file);
   for (auto& [key, entry] : tensors) {
     auto& [shape, pieces] = entry;
@@ -110,28 +122,42 @@ void verify_shard_parts(const CheckpointState& s, const std::string& main_file, 
   if (ranks == s.ints.end()) return;
   for (int64_t r = first; r < ranks->second; r += stride) {
     const std::string f = shard_part_file(main_file, static_cast<int>(r));
-    std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>> pieces;
-    collect_pieces(load_checkpoint(f), f, pieces);  // every piece fits its range
+    PiecesByTensor pieces;
+    collect_pieces(load_checkpoint(f), static_cast<int>(r), f, pieces);  // every piece fits its range
   }
 }
 
-void for_each_shard_piece(const CheckpointState& s, const std::string& main_file, const PieceTaker& take) {
+int for_each_shard_piece(const CheckpointState& s, const std::string& main_file, const PieceTaker& take,
+                         const PieceWanted& wants) {
   const auto ranks = s.ints.find("zero_shard_ranks");
-  if (ranks == s.ints.end() || ranks->second <= 0) return;
-  std::map<std::string, std::pair<Shape, std::vector<ShardPiece>>> seen;  // the ranges taken (values gone)
-  for (const std::string& f : checked_shard_parts(s, main_file, manifest_parts(s, main_file), ranks->second)) {
-    const CheckpointState part = load_checkpoint(f);
-    collect_pieces(part, f, seen);  // checks each range and the shapes against the parts before
-    for (auto& [key, entry] : seen) {
-      auto& [shape, list] = entry;
-      for (ShardPiece& p : list) {
-        if (!p.values) continue;  // an earlier part's
-        take(key, p.from, shape, *p.values);
-        p.values = nullptr;
-      }
+  if (ranks == s.ints.end() || ranks->second <= 0) return 0;
+  const std::vector<std::string> files = checked_shard_parts(s, main_file, manifest_parts(s, main_file), ranks->second);
+  PiecesByTensor ranges;
+  for (size_t r = 0; r < files.size(); ++r)
+    collect_ranges(load_checkpoint_tensors_under(files[r], "range/"), static_cast<int>(r), files[r], ranges);
+  check_tiling(ranges, main_file);
+  std::vector<int64_t> listed(files.size(), 0);  // pieces per part, by the ranges
+  std::vector<bool> needed(files.size(), !wants);
+  for (const auto& [key, entry] : ranges)
+    for (const ShardPiece& p : entry.second) {
+      ++listed[static_cast<size_t>(p.part)];
+      if (!needed[static_cast<size_t>(p.part)])
+        needed[static_cast<size_t>(p.part)] = wants(key, p.from, p.count, entry.first);
     }
+  int read = 0;
+  for (size_t r = 0; r < files.size(); ++r) {
+    if (!needed[r]) continue;
+    const CheckpointState part = load_checkpoint(files[r]);
+    PiecesByTensor pieces;
+    collect_pieces(part, static_cast<int>(r), files[r], pieces);  // each piece against its range
+    int64_t count = 0;
+    for (const auto& [key, entry] : pieces) count += static_cast<int64_t>(entry.second.size());
+    DT_INPUT_CHECK(count == listed[r], files[r] << " holds " << count << " pieces, its ranges " << listed[r]);
+    for (const auto& [key, entry] : pieces)
+      for (const ShardPiece& p : entry.second) take(key, p.from, entry.first, *p.values);
+    ++read;
   }
-  check_tiling(seen, main_file);
+  return read;
 }
 
 void write_shard_part(const std::string& main_file, const std::map<std::string, Tensor>& pieces,

@@ -284,7 +284,9 @@ void Trainer::load_model_state(CheckpointState& s, const std::string& file) {
   {
     parallel::WholeModel whole(pieces ? nullptr : dp_.get());
     if (pieces) {
-      dp_->load_pieces([&](const PieceTaker& take) { for_each_shard_piece(s, file, take); }, opt_->state());
+      dp_->load_pieces(
+          [&](const PieceTaker& take, const PieceWanted& wants) { for_each_shard_piece(s, file, take, wants); },
+          opt_->state());
     } else {
       std::map<std::string, Tensor> params;
       for (auto& [name, t] : s.tensors)

@@ -712,6 +712,22 @@ TEST(Zero, Stage3CheckpointResumesInEveryLayout) {
     EXPECT_TRUE(name.rfind("param/", 0) != 0 && name.rfind("optim/", 0) != 0) << name << " is in the main file";
   EXPECT_EQ(main.ints.at("zero_shard_ranks"), world.size());
   for (int r = 0; r < world.size(); ++r) EXPECT_TRUE(std::filesystem::exists(train::shard_part_file(main_file, r)));
+  // Only the parts holding a wanted piece are read: none, the one part holding the first element of
+  // the first weight, or all of them.
+  int taken = 0;
+  bool first_taken = false;
+  const train::PieceTaker count = [&](const std::string& key, int64_t from, const Shape&, const Tensor&) {
+    ++taken;
+    first_taken = first_taken || (key == "param/0.weight" && from == 0);
+  };
+  auto first_only = [](const std::string& key, int64_t from, int64_t, const Shape&) {
+    return key == "param/0.weight" && from == 0;
+  };
+  EXPECT_EQ(train::for_each_shard_piece(main, main_file, count, [](auto&&...) { return false; }), 0);
+  EXPECT_EQ(taken, 0);
+  EXPECT_EQ(train::for_each_shard_piece(main, main_file, count, first_only), 1);
+  EXPECT_TRUE(first_taken);
+  EXPECT_EQ(train::for_each_shard_piece(main, main_file, count), world.size());
   world.barrier();
   if (world.rank() == 0) std::filesystem::remove(train::shard_part_file(main_file, world.size() - 1));
   world.barrier();

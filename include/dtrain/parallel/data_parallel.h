@@ -99,6 +99,11 @@ struct DataParallelStats {
 // A piece of a tensor of the one-rank layout, by key ("param/<name>", "optim/<name>.<kind>"): elements
 // [from, from + values.numel()) of a tensor of `shape`.
 using PieceTaker = std::function<void(const std::string& key, int64_t from, const Shape& shape, const Tensor& values)>;
+// Whether a piece (key, elements [from, from + count) of a tensor of `shape`) holds any element
+// this rank loads.
+using PieceWanted = std::function<bool(const std::string& key, int64_t from, int64_t count, const Shape& shape)>;
+// Hands every piece to the taker; may leave out the pieces nothing wants (unread).
+using PieceSource = std::function<void(const PieceTaker& take, const PieceWanted& wants)>;
 
 // What trainers call, in step order: begin_backward before each micro-batch's backward, finish
 // after the last, then the optimizer over optimizer_groups, then after_step.
@@ -178,12 +183,12 @@ class DataParallel {
   void add_copy_gradients(const nn::Parameter& p, comm::Communicator& copies);
   // ZeRO-2/3: loads this rank's pieces of the parameters and of the optimizer's `state` from pieces
   // of the one-rank layout's tensors, which `for_each_piece` hands one by one to the taker it gets
-  // (a set's shard parts written at any rank count: train::for_each_shard_piece), so no whole
-  // tensor is assembled; at ZeRO-2 the whole values too, which every rank holds. Not collective.
+  // (a set's shard parts written at any rank count: train::for_each_shard_piece, which reads only
+  // the parts holding a piece `wants`), so no whole tensor is assembled; at ZeRO-2 the whole values
+  // too, which every rank holds. Not collective.
   // InputError naming a tensor of another shape than its parameter, or one whose elements this
   // rank holds and no piece gave. Layouts of whole tensors (ZeRO 0/1) load whole ones instead.
-  virtual void load_pieces(const std::function<void(const PieceTaker&)>& for_each_piece,
-                           const std::vector<optim::StateTensor>& state);
+  virtual void load_pieces(const PieceSource& for_each_piece, const std::vector<optim::StateTensor>& state);
 
  protected:
   // The L2 norm of a gradient each rank of `shards` holds a distinct slice of (`grad`: this rank's).

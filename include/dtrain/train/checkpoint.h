@@ -40,6 +40,9 @@ struct SavedFile {
 SavedFile save_checkpoint(const std::string& path, const CheckpointState& s);
 // Throws InputError naming the file when it is missing, not HDF5, truncated or fails its checksum.
 CheckpointState load_checkpoint(const std::string& path);
+// Only the tensors whose names start with `prefix`, unchecked (the checksum covers every tensor):
+// for a file another rank has just verified with load_checkpoint, e.g. a shard part's ranges.
+CheckpointState load_checkpoint_tensors_under(const std::string& path, const std::string& prefix);
 // A checkpoint set: the main file with every pipeline stage's part merged in (a model cut into
 // stages writes ckpt-stepN.h5 for stage 0 and ckpt-stepN.stage<s>.h5 for the others), and every
 // rank's ZeRO shard part assembled into whole tensors (a set written under ZeRO-2/3 keeps the
@@ -120,13 +123,17 @@ std::vector<std::string> checked_shard_parts(const CheckpointState& main, const 
 // that their tensors pass their checksums and fit their ranges before a set is taken; nothing is
 // kept (whether the pieces tile each tensor is known once all are read: for_each_shard_piece).
 void verify_shard_parts(const CheckpointState& main, const std::string& main_file, int first, int stride);
-// Every piece of the shard parts of the set `main_file` (`main`: its main file), one part in
-// memory at a time: `take(key, from, values)` with key "param/<name>" or "optim/<name>.<kind>",
-// `values` elements [from, from + count) of the tensor (each checked against its range and the
-// tensor's shape in the others, the shape passed on); InputError, after the last part, where the
-// pieces of a tensor do not tile it.
+// Every piece of the shard parts of the set `main_file` (`main`: its main file) that `wants`
+// (null: all), one part in memory at a time: `take(key, from, values)` with key "param/<name>" or
+// "optim/<name>.<kind>", `values` elements [from, from + count) of the tensor (each checked against
+// its range and the tensor's shape in the others, the shape passed on). The parts' ranges are read
+// first (InputError where the pieces of a tensor do not tile it, before any values), then only the
+// parts holding a wanted piece, whose count it returns: a rank of a resume in the writers' layout
+// reads its own part, not the whole set.
 using PieceTaker = parallel::PieceTaker;
-void for_each_shard_piece(const CheckpointState& main, const std::string& main_file, const PieceTaker& take);
+using PieceWanted = parallel::PieceWanted;
+int for_each_shard_piece(const CheckpointState& main, const std::string& main_file, const PieceTaker& take,
+                         const PieceWanted& wants = nullptr);
 
 // Keeps the newest `keep` checkpoints up to `just_written` (the main file just written, which is
 // never removed): older main files go with all their parts. Files of later steps (a run resumed

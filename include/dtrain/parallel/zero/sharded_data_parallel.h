@@ -77,8 +77,7 @@ class ShardedDataParallel final : public DataParallel {
   comm::Communicator* shard_group() override { return &shards(); }
   std::map<std::string, int64_t> memory_bytes() const override;
   GradientParts gradient_parts(const nn::Parameter& p) override;
-  void load_pieces(const std::function<void(const PieceTaker&)>& for_each_piece,
-                   const std::vector<optim::StateTensor>& state) override;
+  void load_pieces(const PieceSource& for_each_piece, const std::vector<optim::StateTensor>& state) override;
 
  private:
   struct Unit {
