@@ -182,6 +182,28 @@ void write_part(FuzzedDataProvider& in, const SetPlan& plan, const std::string& 
 }
 #endif
 
+// A sharded resume's reader (ranges first, then the parts holding a wanted piece) on a set whose
+// shard parts `assembled` took: where it accepts the set too it hands over the assembly's numbers
+// (it may refuse more: a range without its piece, which the assembly passes over).
+void check_pieces_reader(const train::CheckpointState& assembled, const std::string& main_file) {
+  const auto ranks = assembled.ints.find("zero_shard_ranks");
+  if (ranks == assembled.ints.end() || ranks->second <= 0) return;
+  const train::CheckpointState main = train::load_checkpoint_set(main_file, false);
+  const train::PieceTaker compare = [&](const std::string& key, int64_t from, const Shape&, const Tensor& values) {
+    const auto whole = assembled.tensors.find(key);
+    if (whole == assembled.tensors.end() || whole->second.numel() < from + values.numel() ||
+        std::memcmp(whole->second.f32() + from, values.f32(), values.nbytes()) != 0)
+      fuzz::fail("for_each_shard_piece handed over a piece of " + key + " the assembly does not hold");
+  };
+  const train::PieceWanted even = [](const std::string&, int64_t from, int64_t, const Shape&) { return from % 2 == 0; };
+  try {
+    train::for_each_shard_piece(main, main_file, compare, even);
+    train::for_each_shard_piece(main, main_file, compare);
+  } catch (const InputError& e) {
+    fuzz::rejected(e);
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -230,6 +252,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     if (train::resolve_checkpoint(dir.string()) != main_file) fuzz::fail("resolve_checkpoint missed the main file");
     train::CheckpointState s = train::load_checkpoint_set(main_file);
+    check_pieces_reader(s, main_file);
     const auto kept = s.strings.find("compression");
     const auto ranks = s.ints.find("compression_ranks");
     if (ranks != s.ints.end() && ranks->second != 0) {

@@ -94,6 +94,9 @@ std::string checkpoint_set(const fs::path& dir, const std::string& main_file) {
   for (int r = 0; r < 4; ++r)
     if (fs::exists(train::rank_part_file(main_file, r)))
       parts.emplace_back("rank" + std::to_string(r), fuzz::read_file(train::rank_part_file(main_file, r)));
+  for (int r = 0; r < 4; ++r)
+    if (fs::exists(train::shard_part_file(main_file, r)))
+      parts.emplace_back("shard" + std::to_string(r), fuzz::read_file(train::shard_part_file(main_file, r)));
   (void)dir;
   return fuzz::join_parts(parts);
 }
@@ -122,6 +125,42 @@ void checkpoint_seeds() {
     train::save_checkpoint(train::stage_part_file(main_file, 1), s1);
     train::save_checkpoint(main_file, s0);
     seed("checkpoint", "gpt-stages", checkpoint_set(dir, main_file));
+  }
+  {  // a ZeRO set of 2 ranks: each rank's pieces of the tensors with their ranges, listed in the manifest
+    const fs::path dir = fuzz::fresh_scratch();
+    const std::string main_file = train::checkpoint_file(dir.string(), 7);
+    const train::CheckpointState whole = image_checkpoint();
+    // [key, rank 0's elements [0, cut), rank 1's the rest]
+    const std::vector<std::pair<std::string, int64_t>> cuts = {
+        {"param/1.weight", 4}, {"param/1.bias", 0}, {"optim/1.weight.momentum", 4}};
+    std::vector<train::SetPart> listed;
+    for (int r : {0, 1}) {
+      train::CheckpointState part;
+      for (const auto& [key, cut] : cuts) {
+        const Tensor& t = whole.tensors.at(key);
+        const int64_t from = r == 0 ? 0 : cut, to = r == 0 ? cut : t.numel();
+        if (from == to) continue;
+        part.tensors[key] = t.reshape({t.numel()}).slice0(from, to).clone();
+        std::vector<int64_t> range = {from, to - from};
+        range.insert(range.end(), t.shape().begin(), t.shape().end());
+        Tensor& r64 = part.tensors["range/" + key] = Tensor::empty({static_cast<int64_t>(range.size())}, DType::I64);
+        std::copy(range.begin(), range.end(), r64.data<int64_t>());
+      }
+      part.ints["step"] = 7;
+      part.ints["rank"] = r;
+      part.ints["world_size"] = 2;
+      part.ints["run_id"] = 5;
+      const train::SavedFile saved = train::save_checkpoint(train::shard_part_file(main_file, r), part);
+      listed.push_back({train::SetPart::kShard, r, 0, saved.bytes, saved.checksum});
+    }
+    train::CheckpointState s = whole;
+    for (const auto& [key, cut] : cuts) s.tensors.erase(key);
+    s.ints["zero_shard_ranks"] = 2;
+    s.ints["world_size"] = 2;
+    s.ints["run_id"] = 5;
+    train::add_manifest(s, listed, 2);
+    train::save_checkpoint(main_file, s);
+    seed("checkpoint", "zero-shards", checkpoint_set(dir, main_file));
   }
   for (const char* c : {"topk:0.5", "powersgd:1", "qsgd:4"}) {  // a rank's compression state beside the main file
     const fs::path dir = fuzz::fresh_scratch();
