@@ -317,10 +317,15 @@ NodeAllreduce& MpiCommunicator::node_layout() {
   return *node_;
 }
 
+bool MpiCommunicator::window_may_take(int64_t bytes) const {
+  const AllreduceAlgorithm want = allreduce_algorithm();
+  if (want == AllreduceAlgorithm::Mpi || size() == 1) return false;
+  return want != AllreduceAlgorithm::Auto || bytes >= kAutoShmFromBytes;
+}
+
 AllreduceAlgorithm MpiCommunicator::allreduce_plan(const Tensor& t, ReduceOp /*op: all four run on f32*/) {
   const AllreduceAlgorithm want = allreduce_algorithm();
-  if (want == AllreduceAlgorithm::Mpi || size() == 1 || t.dtype() != DType::F32) return AllreduceAlgorithm::Mpi;
-  if (want == AllreduceAlgorithm::Auto && t.nbytes() < kAutoShmFromBytes) return AllreduceAlgorithm::Mpi;
+  if (t.dtype() != DType::F32 || !window_may_take(static_cast<int64_t>(t.nbytes()))) return AllreduceAlgorithm::Mpi;
   const NodeAllreduce& layout = node_layout();
   const bool one_node = layout.node_count() == 1;
   const bool hier_fits = !one_node && layout.uniform() && layout.local_size() > 1;
@@ -365,10 +370,7 @@ std::shared_ptr<Work> MpiCommunicator::do_broadcast(Tensor& t, int root) {
 }
 
 bool MpiCommunicator::on_node_window(int64_t bytes) {
-  const AllreduceAlgorithm want = allreduce_algorithm();
-  if (want == AllreduceAlgorithm::Mpi || size() == 1) return false;
-  if (want == AllreduceAlgorithm::Auto && bytes < kAutoShmFromBytes) return false;
-  return node_layout().node_count() == 1;
+  return window_may_take(bytes) && node_layout().node_count() == 1;
 }
 
 std::shared_ptr<Work> MpiCommunicator::do_allgather(const Tensor& in, Tensor& out) {

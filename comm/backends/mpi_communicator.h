@@ -103,6 +103,9 @@ class MpiCommunicator final : public Communicator {
   // Whether a reduce-scatter or allgather of `bytes` runs through the node's shared-memory window:
   // on one node, where the allreduce algorithm would take it (not mpi; auto from its threshold).
   bool on_node_window(int64_t bytes);
+  // Whether the algorithm lets `bytes` leave MPI at all (not mpi, several ranks, auto from its
+  // threshold): what allreduce_plan and on_node_window both ask first.
+  bool window_may_take(int64_t bytes) const;
 
   MPI_Comm comm_;
   std::shared_ptr<ControlChannel> channel_;
