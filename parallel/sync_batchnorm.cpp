@@ -151,25 +151,44 @@ Tensor SyncBatchNorm::backward(const Tensor& dy) {
   return dx;
 }
 
+namespace {
+
+// A SyncBatchNorm with `bn`'s parameters and statistics.
+nn::ModulePtr synced(nn::BatchNorm2d& bn, comm::Communicator& comm) {
+  auto sync = std::make_unique<SyncBatchNorm>(bn.channels(), comm, bn.eps(), bn.momentum());
+  const auto from = bn.parameters(), to = sync->parameters();
+  for (size_t k = 0; k < from.size(); ++k) copy_any(from[k]->value, to[k]->value);
+  const auto fb = bn.buffers(), tb = sync->buffers();
+  for (size_t k = 0; k < fb.size(); ++k) copy_any(fb[k]->value, tb[k]->value);
+  return sync;
+}
+
+}  // namespace
+
 int convert_sync_batchnorm(nn::Module& root, comm::Communicator& comm) {
   int replaced = 0;
   if (auto* seq = dynamic_cast<nn::Sequential*>(&root)) {
     for (size_t i = 0; i < seq->size(); ++i) {
       if (auto* bn = dynamic_cast<nn::BatchNorm2d*>(&(*seq)[i])) {
-        auto sync = std::make_unique<SyncBatchNorm>(bn->channels(), comm, bn->eps(), bn->momentum());
-        auto from = bn->parameters();
-        auto to = sync->parameters();
-        for (size_t k = 0; k < from.size(); ++k) copy_any(from[k]->value, to[k]->value);
-        auto fb = bn->buffers();
-        auto tb = sync->buffers();
-        for (size_t k = 0; k < fb.size(); ++k) copy_any(fb[k]->value, tb[k]->value);
-        seq->replace(i, std::move(sync));
+        seq->replace(i, synced(*bn, comm));
         ++replaced;
       }
     }
   }
   for (auto& [name, child] : root.children()) replaced += convert_sync_batchnorm(*child, comm);
   return replaced;
+}
+
+void SyncBatchNormSink::layer_added(nn::ModulePtr& layer) {
+  if (auto* bn = dynamic_cast<nn::BatchNorm2d*>(layer.get()))
+    layer = synced(*bn, comm_);
+  else
+    convert_sync_batchnorm(*layer, comm_);
+  if (next_) next_->layer_added(layer);
+}
+
+void SyncBatchNormSink::unit_built(const std::vector<nn::Module*>& entries) {
+  if (next_) next_->unit_built(entries);
 }
 
 }  // namespace dtrain::parallel

@@ -35,9 +35,7 @@ void ShardedInit::unit_built(const std::vector<nn::Module*>& entries) {
     if (first < last)
       std::copy(p->value.f32() + (first - offset), p->value.f32() + (last - offset), u.block.f32() + (first - begin));
     u.shapes.push_back(p->value.shape());
-    // Empty, of the parameter's rank, as between passes; so is the gradient the layer made whole.
-    p->value = Tensor::empty(Shape(u.shapes.back().size(), 0));
-    p->grad = Tensor::empty(Shape(u.shapes.back().size(), 0));
+    nn::drop_values(*p);  // so is the gradient the layer made whole
     offset += n;
   }
   const nn::Parameter* first = u.params.front();

@@ -15,7 +15,7 @@ std::unique_ptr<Sequential> Sequential::stage_of(std::unique_ptr<Sequential> who
 Sequential& Sequential::add(ModulePtr m, std::optional<std::string> name) {
   layers_.push_back(std::move(m));
   names_.push_back(std::move(name));
-  if (sink_ && !layers_.back()->parameters().empty()) sink_->unit_built({layers_.back().get()});
+  if (sink_) sink_->layer_added(layers_.back());
   return *this;
 }
 

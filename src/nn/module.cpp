@@ -116,6 +116,16 @@ std::vector<std::vector<Module*>> ShardUnits::by_unit() const {
   return units;
 }
 
+void UnitSink::layer_added(std::unique_ptr<Module>& layer) {
+  if (!layer->parameters().empty()) unit_built({layer.get()});
+}
+
+void drop_values(Parameter& p) {
+  const Shape none(p.value.shape().size(), 0);
+  p.value = Tensor::empty(none, DType::F32, p.value.device());
+  p.grad = Tensor::empty(none, DType::F32, p.value.device());
+}
+
 int64_t Module::parameter_count() {
   int64_t n = 0;
   for (Parameter* p : parameters()) n += p->value.numel();

@@ -176,8 +176,12 @@ class ImageTask final : public Task {
   Device device_ = Device::cpu();
   int64_t batch_ = 0;
   int parts_ = 1;
-  std::unique_ptr<nn::Sequential> whole_;  // pp > 1: the whole model until connect() cuts this rank's stage
-  std::vector<Shape> boundaries_;          // pp > 1: the activation shape before each layer and after the last
+  std::vector<Shape> boundaries_;      // pp > 1: the activation shape before each layer and after the last
+  std::vector<double> layer_seconds_;  // pp > 1 without --pp-split: each layer's time on this rank
+  // Where the drawn layers go: SyncBatchNorm made in place of BatchNorm, then ZeRO-3's blocks.
+  std::unique_ptr<parallel::SyncBatchNormSink> sync_bn_;
+  nn::UnitSink* sink_ = nullptr;
+  parallel::ShardedInit* built_ = nullptr;
   std::vector<int> starts_{0, 1};
   std::shared_ptr<data::ShardedHdf5Dataset> train_ds_, test_ds_;
   std::unique_ptr<comm::Communicator> store_comm_;  // the store's all-to-alls (mode store): outlives loader_
@@ -255,22 +259,28 @@ void ImageTask::setup(const TaskSetup& s) {
     spec_.name = nn::model_definition_name(spec_.definition);
     spec_.definition_source = s.cfg.model_file;
   }
-  if (s.cfg.pp > 1) {  // every rank draws the whole model; connect() keeps this rank's stage
-    whole_ = nn::make_sequential_model(spec_);
-    DT_INPUT_CHECK(static_cast<int>(whole_->size()) >= s.cfg.pp,
-                   "option --pp " << s.cfg.pp << ": model " << spec_.name << " has " << whole_->size() << " layers");
+  // No rank draws the whole model: each layer is handed on as it is drawn (converted to
+  // SyncBatchNorm, kept in ZeRO-3's blocks), and a pipeline draws its stage only (in connect()).
+  built_ = s.built;
+  sink_ = s.built;
+  if (s.cfg.sync_batchnorm) {
+    sync_bn_ = std::make_unique<parallel::SyncBatchNormSink>(s.grid.dp(), sink_);
+    sink_ = sync_bn_.get();
+  }
+  if (s.cfg.pp > 1) {  // the layers' shapes and times, measured one layer at a time
     Shape x = spec_.input;
     x.insert(x.begin(), batch_ / parts_);
-    boundaries_ = nn::layer_boundary_shapes(*whole_, x);
-    if (!s.cfg.pp_split.empty())
-      starts_ = parallel::parse_pp_split(s.cfg.pp_split, s.cfg.pp, static_cast<int>(whole_->size()));
+    parallel::LayerProbe probe = parallel::probe_layers(spec_, x, device_, s.cfg.pp_split.empty() ? 3 : 0);
+    const int layers = static_cast<int>(probe.seconds.size());
+    DT_INPUT_CHECK(layers >= s.cfg.pp,
+                   "option --pp " << s.cfg.pp << ": model " << spec_.name << " has " << layers << " layers");
+    boundaries_ = std::move(probe.boundaries);
+    layer_seconds_ = std::move(probe.seconds);
+    if (!s.cfg.pp_split.empty()) starts_ = parallel::parse_pp_split(s.cfg.pp_split, s.cfg.pp, layers);
   } else {
-    // ZeRO-3 keeps only this rank's block of each top-level layer as it is drawn (not with
-    // --sync-batchnorm, whose layers are remade from the drawn ones).
     nn::ModelSpec drawn = spec_;
-    if (!s.cfg.sync_batchnorm) drawn.sink = s.built;
+    drawn.sink = sink_;
     model_ = nn::make_model(drawn);
-    if (drawn.sink) parameters_ = s.built->parameter_count();
     model_->set_needs_input_grad(false);  // nothing consumes d(input data)
     model_->to(device_);                  // drawn on the host, trained where the engine is
   }
@@ -281,27 +291,22 @@ void ImageTask::setup(const TaskSetup& s) {
                                                                << batches_per_epoch() << " batches of an epoch");
 }
 
-// Collective: a pipeline's cut (by layer costs measured on every rank, the least of each taken, so
-// every rank cuts alike; or --pp-split), then SyncBatchNorm over the data-parallel ranks.
+// Collective: a pipeline's cut (by the layers' least times over every rank, so every rank cuts
+// alike; or --pp-split), then this rank's stage drawn.
 void ImageTask::connect() {
-  if (whole_) {
+  if (cfg_->pp > 1) {
     if (cfg_->pp_split.empty())
-      starts_ = parallel::balance_stages(parallel::measure_layer_costs(*whole_, boundaries_.front(), grid_->world()),
-                                         cfg_->pp);
+      starts_ = parallel::balance_stages(parallel::least_over_ranks(layer_seconds_, grid_->world()), cfg_->pp);
     const int stage = grid_->pp_rank();
-    std::unique_ptr<nn::Sequential> part = nn::Sequential::stage_of(
-        std::move(whole_), static_cast<size_t>(starts_[stage]), static_cast<size_t>(starts_[stage + 1]));
-    if (stage == 0) part->set_needs_input_grad(false);  // nothing consumes d(input data)
-    model_ = std::move(part);
+    nn::ModelSpec drawn = spec_;
+    drawn.sink = sink_;
+    model_ = parallel::draw_stage(drawn, starts_[stage], starts_[stage + 1]);
+    if (stage == 0) model_->set_needs_input_grad(false);  // nothing consumes d(input data)
     model_->to(device_);
-  }
-  if (cfg_->sync_batchnorm) {
-    parallel::convert_sync_batchnorm(*model_, grid_->dp());
-    model_->to(device_);  // the SyncBatchNorms are made on the host
   }
   if (reading_.node_shared) share_training_set();
   if (reading_.mode == "store") use_store();
-  if (parameters_ == 0) parameters_ = model_->parameter_count();  // before ZeRO-3 empties the values
+  parameters_ = built_ && !built_->empty() ? built_->parameter_count() : model_->parameter_count();
 }
 
 // The job-wide store: the batches' rows travel between the data-parallel ranks on a communicator of

@@ -87,8 +87,8 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
     check_layout();
     task_->setup(TaskSetup{cfg_, *grid_, device_, batch_, parts_, rt_.topology().local_size, built_.get()});
   });
-  if (built_ && built_->empty()) built_.reset();  // a model built whole (a pipeline's stages, SyncBatchNorm)
-  task_->connect();
+  task_->connect();                               // an image pipeline draws its stage here
+  if (built_ && built_->empty()) built_.reset();  // no unit with parameters came (a stage of pools)
   comm::agree_on_inputs(world_, [this] { setup_exchange(); });
 }
 

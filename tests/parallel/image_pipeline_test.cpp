@@ -1,8 +1,8 @@
 // Image models cut into pipeline stages under a real mpiexec: simple_cnn and resnet20 as pp = 2
 // (2 ranks) or dp 2 x pp 2 (4 ranks), and pp over all ranks, train like one rank under GPipe and
-// 1F1B. Every rank draws the whole model from the same seed, keeps its stage's layers
-// (Sequential::stage_of) and computes the one-rank reference itself, so each rank compares its
-// own parameters, by name, with the reference's.
+// 1F1B. Every rank draws its stage's layers from the same seed (parallel::draw_stage) and
+// computes the one-rank reference itself, so each rank compares its own parameters, by name, with
+// the reference's.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -150,9 +150,9 @@ void expect_stage_matches(nn::Module& stage, nn::Module& ref, parallel::ProcessG
 }
 
 // The cut of the model: "3,5"-style, or empty to balance by measured layer costs.
-std::vector<int> stage_starts(nn::Sequential& whole, const std::string& split, int pp, const Shape& micro_shape) {
-  if (!split.empty()) return parallel::parse_pp_split(split, pp, static_cast<int>(whole.size()));
-  return parallel::balance_stages(parallel::measure_layer_costs(whole, micro_shape, world()), pp);
+std::vector<int> stage_starts(const parallel::LayerProbe& probe, const std::string& split, int pp) {
+  if (!split.empty()) return parallel::parse_pp_split(split, pp, static_cast<int>(probe.seconds.size()));
+  return parallel::balance_stages(parallel::least_over_ranks(probe.seconds, world()), pp);
 }
 
 // `steps` SGD steps (momentum 0.9, weight decay) of `spec` as `pp` stages cut by `split`, each
@@ -165,11 +165,11 @@ void expect_pipeline_matches_one_rank(const nn::ModelSpec& spec, int pp, const s
   parallel::ProcessGrid grid(world(), 1, pp);
   const int64_t mbs = 2;
   const Shape micro_shape = batch_of(mbs, spec.input);
-  auto whole = nn::make_sequential_model(spec);
-  const std::vector<Shape> shapes = nn::layer_boundary_shapes(*whole, micro_shape);
-  const std::vector<int> starts = stage_starts(*whole, split, pp, micro_shape);
+  const parallel::LayerProbe probe = parallel::probe_layers(spec, micro_shape, Device::cpu());
+  const std::vector<Shape>& shapes = probe.boundaries;
+  const std::vector<int> starts = stage_starts(probe, split, pp);
   const int s = grid.pp_rank();
-  std::unique_ptr<nn::Sequential> stage = nn::Sequential::stage_of(std::move(whole), starts[s], starts[s + 1]);
+  std::unique_ptr<nn::Sequential> stage = parallel::draw_stage(spec, starts[s], starts[s + 1]);
   if (s == 0) stage->set_needs_input_grad(false);  // as the one-rank trainer: d(data) is not needed
   auto ref = nn::make_sequential_model(spec);
   ref->set_needs_input_grad(false);
@@ -228,29 +228,21 @@ TEST(ImagePipeline, SimpleCnnOverAllRanksMatchesOneRank) {
   expect_pipeline_matches_one_rank(kSimpleCnn, world().size(), split, parallel::PipelineSchedule::GPipe, 4, 4);
 }
 
-// Every rank gets the same costs (so the same cut), one per layer, and measuring leaves the model
-// as it was: no gradient, the same running statistics.
-TEST(ImagePipeline, MeasuredCostsAgreeOverRanksAndChangeNoState) {
-  auto m = nn::make_sequential_model({"resnet20", {3, 32, 32}, 10});
-  Rng rng(3);
-  Batch warm({"resnet20", {3, 32, 32}, 10}, 2, rng);
-  m->forward(warm.x);  // running statistics away from their start
-  std::vector<Tensor> before;
-  for (nn::Buffer* b : m->buffers()) before.push_back(b->value.clone());
-  const std::vector<double> costs = parallel::measure_layer_costs(*m, {2, 3, 32, 32}, world());
-  ASSERT_EQ(costs.size(), m->size());
-  Tensor lowest = Tensor::empty({static_cast<int64_t>(costs.size())});
+// Every rank gets the same costs (so the same cut), one per layer, and the probe's shapes are those
+// a whole model gives.
+TEST(ImagePipeline, MeasuredCostsAgreeOverRanksAndShapesAreTheWholeModels) {
+  const nn::ModelSpec spec{"resnet20", {3, 32, 32}, 10};
+  const parallel::LayerProbe probe = parallel::probe_layers(spec, {2, 3, 32, 32}, Device::cpu());
+  auto whole = nn::make_sequential_model(spec);
+  EXPECT_EQ(probe.boundaries, nn::layer_boundary_shapes(*whole, {2, 3, 32, 32}));
+  ASSERT_EQ(probe.seconds.size(), whole->size());
+  for (size_t i = 0; i < probe.seconds.size(); ++i) EXPECT_GT(probe.seconds[i], 0) << "layer " << i;
+  const std::vector<double> costs = parallel::least_over_ranks(probe.seconds, world());
+  const std::vector<double> lowest = parallel::least_over_ranks(costs, world());
   for (size_t i = 0; i < costs.size(); ++i) {
-    EXPECT_GT(costs[i], 0) << "layer " << i;
-    lowest.f32()[i] = static_cast<float>(costs[i]);
+    EXPECT_LE(costs[i], static_cast<float>(probe.seconds[i])) << "layer " << i;
+    EXPECT_EQ(lowest[i], costs[i]) << "layer " << i;
   }
-  world().allreduce(lowest, comm::ReduceOp::Min)->wait();
-  for (size_t i = 0; i < costs.size(); ++i) EXPECT_EQ(lowest.f32()[i], static_cast<float>(costs[i])) << "layer " << i;
-  for (nn::Parameter* p : m->parameters())
-    EXPECT_EQ(max_abs_diff(p->grad, Tensor::zeros(p->grad.shape())), 0) << p->name;
-  auto buffers = m->buffers();
-  for (size_t i = 0; i < buffers.size(); ++i)
-    EXPECT_EQ(max_abs_diff(buffers[i]->value, before[i]), 0) << buffers[i]->name;
   if (world().rank() == 0) {
     std::printf("resnet20 layer costs (ms, batch 2 of 3x32x32):");
     for (double c : costs) std::printf(" %.2f", 1e3 * c);
@@ -258,45 +250,22 @@ TEST(ImagePipeline, MeasuredCostsAgreeOverRanksAndChangeNoState) {
   }
 }
 
-// --sync-batchnorm's layer under a pipeline: a backward after another micro-batch's forward (of
-// other statistics and size) still uses its own micro-batch's statistics.
-TEST(ImagePipeline, SyncBatchNormKeepsEachMicroBatchsStatistics) {
-  auto solo = world().split(world().rank(), 0, "solo");
-  parallel::SyncBatchNorm a(4, *solo), ref(4, *solo);
-  Rng rng(8);
-  auto random = [&](const Shape& s, float scale, float shift) {
-    Tensor t = Tensor::empty(s);
-    for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = scale * rng.normal() + shift;
-    return t;
-  };
-  const Tensor x0 = random({2, 4, 3, 3}, 1.f, 0.f), x1 = random({3, 4, 3, 3}, 3.f, 1.f),
-               dy = random({2, 4, 3, 3}, 1.f, 0.f);
-  a.forward(x0);
-  nn::ActivationStash first = a.stash_activations();
-  a.forward(x1);
-  nn::ActivationStash second = a.stash_activations();
-  a.restore_activations(std::move(first));
-  ref.forward(x0);
-  nn::PhaseScope bwd(nn::Phase::Backward);
-  EXPECT_EQ(max_abs_diff(a.backward(dy), ref.backward(dy)), 0);
-  auto pa = a.parameters(), pr = ref.parameters();
-  for (size_t i = 0; i < pa.size(); ++i) EXPECT_EQ(max_abs_diff(pa[i]->grad, pr[i]->grad), 0) << pa[i]->name;
-}
-
-TEST(PipelineSplit, GivesTheFirstLayerOfEachStage) {
-  EXPECT_EQ(parallel::parse_pp_split("3,5", 2, 8), (std::vector<int>{0, 3, 8}));
-  EXPECT_EQ(parallel::parse_pp_split(" 1, 2 ,5", 3, 8), (std::vector<int>{0, 1, 3, 8}));
-  EXPECT_EQ(parallel::parse_pp_split("8", 1, 8), (std::vector<int>{0, 8}));
-}
-
-TEST(PipelineSplit, RejectsBadInputNamingTheOption) {
-  for (const char* bad : {"", ",", "3,", ",5", "3,,5", "3;5", "3,5x", "x,5", "3.0,5", "+3,5", "0,8", "-1,9", "3,4",
-                          "3,6", "2,2,4", "8", "4294967299,5", " ,8"}) {
-    try {
-      parallel::parse_pp_split(bad, 2, 8);
-      ADD_FAILURE() << "accepted '" << bad << "'";
-    } catch (const InputError& e) {
-      EXPECT_NE(std::string(e.what()).find("--pp-split"), std::string::npos) << e.what();
+// A stage drawn alone holds the whole draw's values for its layers, under their names, and with
+// repeats 0 the probe only finds the shapes.
+TEST(ImagePipeline, StageDrawnAloneHasTheWholeDrawsValues) {
+  const nn::ModelSpec spec{"resnet20", {3, 8, 8}, 10};
+  const parallel::LayerProbe shapes = parallel::probe_layers(spec, {1, 3, 8, 8}, Device::cpu(), 0);
+  EXPECT_EQ(shapes.seconds, std::vector<double>(shapes.boundaries.size() - 1, 0.0));
+  for (const auto& [begin, end] : {std::pair{0, 3}, std::pair{3, 7}, std::pair{7, 14}}) {
+    SCOPED_TRACE(std::to_string(begin) + ".." + std::to_string(end));
+    std::unique_ptr<nn::Sequential> stage = parallel::draw_stage(spec, begin, end);
+    std::unique_ptr<nn::Sequential> cut = nn::Sequential::stage_of(nn::make_sequential_model(spec), begin, end);
+    const auto got = stage->parameters(), want = cut->parameters();
+    ASSERT_EQ(got.size(), want.size());
+    ASSERT_FALSE(got.empty());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i]->name, want[i]->name);
+      EXPECT_EQ(max_abs_diff(got[i]->value, want[i]->value), 0.0) << want[i]->name;
     }
   }
 }

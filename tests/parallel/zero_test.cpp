@@ -19,6 +19,8 @@
 #include "dtrain/nn/model_file.h"
 #include "dtrain/nn/models.h"
 #include "dtrain/parallel/data_parallel.h"
+#include "dtrain/parallel/pipeline.h"
+#include "dtrain/parallel/sync_batchnorm.h"
 #include "dtrain/parallel/zero/sharded_init.h"
 
 using namespace dtrain;
@@ -249,6 +251,35 @@ TEST(Zero, ImageModelsBuildShardByShard) {
     const std::vector<std::vector<nn::Module*>> units = sharded->shard_units().by_unit();
     EXPECT_GE(units.size(), 2u);
     EXPECT_EQ(expect_blocks_of_the_whole_build(units, whole->shard_units().by_unit(), built), whole->parameter_count());
+  }
+}
+
+// How many modules below `m` (itself included) have a kind starting with `kind`.
+int count_kind(nn::Module& m, const std::string& kind) {
+  int n = m.kind().rfind(kind, 0) == 0 ? 1 : 0;
+  for (auto& [name, child] : m.children()) n += count_kind(*child, kind);
+  return n;
+}
+
+// A pipeline's stage with SyncBatchNorm is drawn shard by shard too: the stage's layers pass
+// through the conversion into the blocks, which hold the whole build's numbers for the stage, and
+// the other stages' values are never kept.
+TEST(Zero, PipelineStageWithSyncBatchNormBuildsShardByShard) {
+  nn::ModelSpec spec{"resnet20", {3, 8, 8}, 5};
+  spec.seed = 3;
+  for (const auto& [begin, end] : {std::pair{0, 5}, std::pair{5, 14}}) {
+    SCOPED_TRACE(std::to_string(begin) + ".." + std::to_string(end));
+    spec.sink = nullptr;
+    const auto cut = nn::Sequential::stage_of(nn::make_sequential_model(spec), begin, end);
+    parallel::ShardedInit built(world().rank(), world().size());
+    parallel::SyncBatchNormSink sync(world(), &built);
+    spec.sink = &sync;
+    const auto stage = parallel::draw_stage(spec, begin, end);
+    EXPECT_EQ(expect_blocks_of_the_whole_build(stage->shard_units().by_unit(), cut->shard_units().by_unit(), built),
+              cut->parameter_count());
+    EXPECT_GT(count_kind(*cut, "BatchNorm2d"), 0);
+    EXPECT_EQ(count_kind(*stage, "SyncBatchNorm"), count_kind(*cut, "BatchNorm2d"));
+    EXPECT_EQ(count_kind(*stage, "BatchNorm2d"), 0);
   }
 }
 

@@ -65,11 +65,19 @@ struct ShardUnits {
 // Takes a model's units as its constructor completes each one (the units of shard_units, each
 // given by its entries in forward order): ZeRO-3 keeps this rank's block of the unit's values and
 // frees the rest (parallel::ShardedInit), so no rank holds the whole model while it is built.
+// A Sequential with a sink hands it every layer as it is added (`layer_added`), and the sink may
+// swap the layer for another (SyncBatchNorm for BatchNorm) or keep less of it (a pipeline stage's
+// draw empties the other layers' values); by default a layer with parameters is a unit of its own.
 class UnitSink {
  public:
   virtual ~UnitSink() = default;
   virtual void unit_built(const std::vector<Module*>& entries) = 0;
+  virtual void layer_added(std::unique_ptr<Module>& layer);
 };
+
+// Empties a parameter's value and gradient (each of its rank, as between ZeRO-3's passes), so a
+// model drawn in parts holds only what it keeps.
+void drop_values(Parameter& p);
 
 // Which pass is running on this thread. Buffers a module first makes inside a backward pass are
 // scratch (every micro-batch reuses them); those made in forward hold activations, which a

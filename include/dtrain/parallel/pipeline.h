@@ -20,11 +20,8 @@
 #include <vector>
 
 #include "dtrain/comm/communicator.h"
+#include "dtrain/nn/models.h"
 #include "dtrain/nn/module.h"
-
-namespace dtrain::nn {
-class Sequential;
-}
 
 namespace dtrain::parallel {
 
@@ -50,19 +47,31 @@ std::vector<int> balance_stages(const std::vector<double>& costs, int stages);
 // InputError naming --pp-split unless the text is `stages` whole numbers >= 1 adding up to `layers`.
 std::vector<int> parse_pp_split(const std::string& text, int stages, int layers);
 
-// The costs to balance an image model's stages by: forward + backward seconds of each layer of
-// `model` on a batch of shape `input` (one micro-batch). Measured, not estimated from FLOPs: a
-// CNN's layer times follow memory traffic and how well the kernels fill the machine at that
-// channel count as much as arithmetic (ResNet-20's blocks have equal FLOPs at 16, 32 and 64
-// channels, yet on a CPU the 16-channel ones take about 1.3 times as long), and a GPU's small
-// layers cost their launches. Per layer the least of `repeats` timed passes after an untimed one
-// (oneDNN and cuDNN build their primitives on a shape's first call), then the least over the
-// ranks of `comm`: noise (a descheduled rank, another process) only ever adds time, and every
-// rank gets the same costs, so cuts the same stages. Collective over `comm`. Gradients and
-// buffers (BatchNorm statistics, dropout streams) are restored afterwards; call it before anything
-// hooks the model's backward (DataParallel would send the measuring passes' gradients).
-std::vector<double> measure_layer_costs(nn::Sequential& model, const Shape& input, comm::Communicator& comm,
-                                        int repeats = 3);
+// An image model's layers as a pipeline cuts them, found while `spec`'s model is drawn one layer
+// at a time, each layer's values dropped once it has run (so no rank holds the whole model):
+// boundaries[i] is the activation shape before layer i for a micro-batch of shape `input`
+// (boundaries.back() the output); seconds[i] the layer's forward + backward time, the least of
+// `repeats` timed passes after an untimed one (oneDNN and cuDNN build their primitives on a
+// shape's first call; all 0 with repeats 0). Measured, not estimated from FLOPs: a CNN's layer
+// times follow memory traffic and how well the kernels fill the machine at that channel count as
+// much as arithmetic (ResNet-20's blocks have equal FLOPs at 16, 32 and 64 channels, yet on a CPU
+// the 16-channel ones take about 1.3 times as long), and a GPU's small layers cost their launches.
+struct LayerProbe {
+  std::vector<Shape> boundaries;
+  std::vector<double> seconds;
+};
+LayerProbe probe_layers(nn::ModelSpec spec, const Shape& input, Device device, int repeats = 3);
+
+// The least of each layer's seconds over the ranks of `comm` (collective): noise (a descheduled
+// rank, another process) only ever adds time, and every rank gets the same costs, so cuts the
+// same stages.
+std::vector<double> least_over_ranks(const std::vector<double>& seconds, comm::Communicator& comm);
+
+// Layers [begin, end) of `spec`'s model as a stage of their own, named as in the whole model
+// (Sequential::stage_of), with the values a whole draw gives them; every other layer's values are
+// dropped as it is added, so a rank holds at most its stage and one layer more. spec.sink, if
+// any, takes the stage's layers as they are drawn (SyncBatchNorm, ZeRO-3's blocks).
+std::unique_ptr<nn::Sequential> draw_stage(nn::ModelSpec spec, int begin, int end);
 
 struct PipelineStats {
   double step_s = 0;                 // wall time of the last train_step

@@ -35,4 +35,18 @@ class SyncBatchNorm : public nn::Module {
 // same parameters and statistics, under the same names. Returns how many were replaced.
 int convert_sync_batchnorm(nn::Module& root, comm::Communicator& comm);
 
+// The same conversion while a model is drawn (the sink of its top-level Sequential): each layer is
+// converted as it is added, then handed to `next` (ZeRO-3's blocks, a pipeline stage's draw), so
+// no whole model is built first.
+class SyncBatchNormSink final : public nn::UnitSink {
+ public:
+  SyncBatchNormSink(comm::Communicator& comm, nn::UnitSink* next) : comm_(comm), next_(next) {}
+  void layer_added(nn::ModulePtr& layer) override;
+  void unit_built(const std::vector<nn::Module*>& entries) override;
+
+ private:
+  comm::Communicator& comm_;
+  nn::UnitSink* next_;
+};
+
 }  // namespace dtrain::parallel

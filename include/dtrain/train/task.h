@@ -33,8 +33,8 @@ struct TaskSetup {
   int64_t batch = 0;            // this rank's rows per micro-batch of --accumulate (the global batch split)
   int parts = 1;                // micro-batches per step: --accumulate, or the pipeline's --micro-batches
   int ranks_on_node = 1;        // the ranks sharing this one's node (they split --data-cache-mb)
-  // ZeRO-3: the sink of the model's units as they are built; a task that builds its model whole
-  // leaves it empty.
+  // ZeRO-3: the sink of the model's units as they are built (in setup, or in connect for a
+  // pipeline's stage that needs the cut); a model with no units leaves it empty.
   parallel::ShardedInit* built = nullptr;
 };
 
@@ -60,11 +60,11 @@ class Task {
  public:
   virtual ~Task() = default;
 
-  // Reads the data and builds this rank's part of the model on s.device (every rank draws the whole
-  // model from the seed and keeps its part, so any layout starts from the one-rank weights). Runs
-  // inside the ranks' agreement on inputs: throw InputError naming the file or option.
+  // Reads the data and builds this rank's part of the model on s.device (every rank draws the model
+  // from the seed layer by layer and keeps its part, so any layout starts from the one-rank
+  // weights). Runs inside the ranks' agreement on inputs: throw InputError naming the file or option.
   virtual void setup(const TaskSetup& s) = 0;
-  // Collective set-up once the ranks agreed on setup (communicators between stages, SyncBatchNorm).
+  // Collective set-up once the ranks agreed on setup (an image pipeline's cut and stage).
   virtual void connect() {}
   virtual nn::Module& model() = 0;
   // "model simple_cnn (61706 parameters), data DIR": the run's first log line starts with it.
