@@ -27,6 +27,7 @@ if [[ ${DTRAIN_DEPS:-all} != run ]]; then
     clang libclang-rt-14-dev libomp-dev  # the fuzz targets (scripts/fuzz.sh): libFuzzer, ASan/UBSan, OpenMP for clang
     fortunes  # English text for the GPT example (examples/gpt_fortunes.ini)
     iproute2  # the emulated nodes of the multinode tests (cluster/emulate: ip netns, tc)
+    ccache  # the three builds of the suite (build/, build-fuzz/, build-tsan/) compile unchanged files from its cache
   )
 fi
 # The side-by-side peer benchmarks need PyTorch; the tests do not.
