@@ -535,10 +535,14 @@ void ShardedDataParallel::reload_shard() {
     if (whole(u)) take_shard(u);
 }
 
+// ZeRO-2's whole values are gathered from their blocks' owners (a resume loaded only its own
+// pieces: load_pieces); at ZeRO-3 every rank's blocks came from the same seed or the set, and only
+// held values travel.
 void ShardedDataParallel::broadcast_state(int root) {
+  if (opt_.zero == 2) after_step();
   std::vector<std::shared_ptr<comm::Work>> works;
-  for (Unit& u : units_)  // at ZeRO-3 every rank's blocks came from the same seed: only held values travel
-    if (opt_.zero == 2 || hold_) works.push_back(comm_.broadcast(u.full, root));
+  for (Unit& u : units_)
+    if (opt_.zero == 3 && hold_) works.push_back(comm_.broadcast(u.full, root));
   broadcast_with_buffers(model_, comm_, device_, root, std::move(works));
   reload_shard();
 }

@@ -115,9 +115,10 @@ void ShardedDataParallel::state_replaced() {
   for (Unit& u : units_) release(u);
 }
 
-// Each key's destination on this rank, which starts at element `begin` of the tensor: at ZeRO-3
-// its piece of a value (the shard master) or of a state tensor; at ZeRO-2 the parameter's whole
-// value (which every rank holds; its pieces are views of it) or its piece of a state tensor.
+// Each key's destination on this rank, which starts at element `begin` of the tensor: its piece of
+// a value (ZeRO-3's shard master; at ZeRO-2 a view of the whole value, whose other blocks
+// broadcast_state then gathers from their owners) or of a state tensor. So a rank reads only the
+// parts that hold some of its own pieces, at either stage.
 void ShardedDataParallel::load_pieces(const PieceSource& for_each_piece, const std::vector<optim::StateTensor>& state) {
   DT_CHECK(!hold_, "load_pieces while the whole model is held: releasing it would overwrite the loaded masters");
   struct Target {
@@ -127,20 +128,15 @@ void ShardedDataParallel::load_pieces(const PieceSource& for_each_piece, const s
     int64_t filled = 0;
   };
   std::map<std::string, Target> targets;
-  for (Unit& u : units_) {
-    release(u);  // ZeRO-3: no unit keeps values from before (the next pass gathers the loaded masters)
-    for (size_t i = 0; opt_.zero == 2 && i < u.params.size(); ++i)
-      targets["param/" + u.params[i]->name] = {view(u.full, u, i).reshape({shape_numel(u.shapes[i])}), 0, u.shapes[i]};
-  }
+  for (Unit& u : units_) release(u);  // ZeRO-3: no unit keeps values from before
   auto piece_shape = [&](const std::string& param) {
     const std::vector<int64_t>& range = piece_range_.at(param);
     return std::make_pair(range[0], Shape(range.begin() + 2, range.end()));
   };
-  for (nn::Parameter& piece : pieces_)
-    if (opt_.zero == 3) {
-      const auto [begin, shape] = piece_shape(piece.name);
-      targets["param/" + piece.name] = {piece.value, begin, shape};
-    }
+  for (nn::Parameter& piece : pieces_) {
+    const auto [begin, shape] = piece_shape(piece.name);
+    targets["param/" + piece.name] = {piece.value.reshape({piece.value.numel()}), begin, shape};
+  }
   for (const optim::StateTensor& st : state) {
     const auto [start, kind] = place_in_shard(st);
     (void)start;
