@@ -23,6 +23,19 @@ void gelu_backward(const float* x, const float* dy, float* dx, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dx[i] = f(x[i], dy[i]);
 }
 
+void swiglu_forward(const float* gu, float* y, int64_t rows, int64_t f) {
+  const fn::SwiGlu op;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < f; ++i) y[r * f + i] = op(gu[r * 2 * f + i], gu[r * 2 * f + f + i]);
+}
+
+void swiglu_backward(const float* gu, const float* dy, float* dgu, int64_t rows, int64_t f) {
+  const fn::SwiGluGrad op;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < f; ++i)
+      op(gu[r * 2 * f + i], gu[r * 2 * f + f + i], dy[r * f + i], dgu[r * 2 * f + i], dgu[r * 2 * f + f + i]);
+}
+
 void add(const float* a, const float* b, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = a[i] + b[i];
 }
@@ -157,6 +170,8 @@ const Kernels& reference() {
   static const Kernels k{.name = "reference",
                          .gelu_forward = gelu_forward,
                          .gelu_backward = gelu_backward,
+                         .swiglu_forward = swiglu_forward,
+                         .swiglu_backward = swiglu_backward,
                          .add = add,
                          .mul = mul,
                          .axpy = axpy,

@@ -3,8 +3,9 @@
 // is portable C++ over the shared functors (the fallback, and the oracle the tests compare
 // against), `avx512` is the same math written with AVX-512 intrinsics in simd_avx512.cpp (the one
 // file compiled with -mavx512f/bw/vl/dq), `avx2` the same again in 8-float registers in
-// simd_avx2.cpp (-mavx2 -mfma). active() picks the widest table the processor can run. The engine checks shapes and splits rows or elements across OpenMP threads; a kernel
-// only sees its own slice, so the kernels never start threads. Private to kernels/.
+// simd_avx2.cpp (-mavx2 -mfma). active() picks the widest table the processor can run. The engine checks shapes and
+// splits rows or elements across OpenMP threads; a kernel only sees its own slice, so the kernels never start threads.
+// Private to kernels/.
 #include <cstdint>
 
 #include "dtrain/kernels/functors.h"
@@ -16,6 +17,10 @@ struct Kernels {
   // GELU, tanh approximation: y = gelu(x); dx = dy * gelu'(x). n elements.
   void (*gelu_forward)(const float* x, float* y, int64_t n);
   void (*gelu_backward)(const float* x, const float* dy, float* dx, int64_t n);
+  // SwiGLU over `rows` rows of gu [rows, 2f] (gate in the first f, up in the last f):
+  // y [rows, f] = silu(gate) * up; dgu [rows, 2f] = (d gate, d up) for dy [rows, f].
+  void (*swiglu_forward)(const float* gu, float* y, int64_t rows, int64_t f);
+  void (*swiglu_backward)(const float* gu, const float* dy, float* dgu, int64_t rows, int64_t f);
   // y = a + b; y = a * b; y += alpha * x; y *= alpha. n elements; y may alias an input.
   void (*add)(const float* a, const float* b, float* y, int64_t n);
   void (*mul)(const float* a, const float* b, float* y, int64_t n);

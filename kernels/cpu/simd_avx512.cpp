@@ -10,6 +10,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -79,6 +80,48 @@ inline __m512 gelu_grad_ps(__m512 x, __m512 dy) {
   __m512 left = _mm512_mul_ps(half, _mm512_add_ps(one, t));
   __m512 right = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_mul_ps(sech2, du));
   return _mm512_mul_ps(dy, _mm512_add_ps(left, right));
+}
+
+// sigmoid(g) from e = e^(-|g|): 1 / (1 + e) for g >= 0 and e / (1 + e) below (the AVX2 file's
+// steps), fn::sigmoid's value.
+inline __m512 sigmoid_ps(__m512 g) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 e = exp_ps(_mm512_or_ps(g, _mm512_set1_ps(-0.f)));
+  const __mmask16 negative = _mm512_movepi32_mask(_mm512_castps_si512(g));  // g's sign bits
+  return _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
+}
+
+// fn::SwiGlu and fn::SwiGluGrad: y = g s u; d gate = dy u s (1 + g (1 - s)), d up = dy g s.
+inline __m512 swiglu_ps(__m512 g, __m512 u) { return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid_ps(g)), u); }
+inline void swiglu_grad_ps(__m512 g, __m512 u, __m512 dy, __m512& dg, __m512& du) {
+  const __m512 one = _mm512_set1_ps(1.f), s = sigmoid_ps(g);
+  du = _mm512_mul_ps(_mm512_mul_ps(dy, g), s);
+  dg = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(dy, u), s), _mm512_fmadd_ps(g, _mm512_sub_ps(one, s), one));
+}
+
+void swiglu_forward(const float* gu, float* y, int64_t rows, int64_t f) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *g = gu + r * 2 * f, *u = g + f;
+    float* yr = y + r * f;
+    for (int64_t i = 0; i < f; i += kW) {
+      const __mmask16 k = head_mask(std::min<int64_t>(kW, f - i));
+      store(yr + i, swiglu_ps(load(g + i, k), load(u + i, k)), k);
+    }
+  }
+}
+
+void swiglu_backward(const float* gu, const float* dy, float* dgu, int64_t rows, int64_t f) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *g = gu + r * 2 * f, *u = g + f, *d = dy + r * f;
+    float *dg = dgu + r * 2 * f, *du = dg + f;
+    for (int64_t i = 0; i < f; i += kW) {
+      const __mmask16 k = head_mask(std::min<int64_t>(kW, f - i));
+      __m512 a, b;
+      swiglu_grad_ps(load(g + i, k), load(u + i, k), load(d + i, k), a, b);
+      store(dg + i, a, k);
+      store(du + i, b, k);
+    }
+  }
 }
 
 void gelu_forward(const float* x, float* y, int64_t n) {
@@ -355,6 +398,8 @@ const Kernels& avx512_table() {
   static const Kernels k{.name = "avx512",
                          .gelu_forward = gelu_forward,
                          .gelu_backward = gelu_backward,
+                         .swiglu_forward = swiglu_forward,
+                         .swiglu_backward = swiglu_backward,
                          .add = add,
                          .mul = mul,
                          .axpy = axpy,

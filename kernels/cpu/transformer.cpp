@@ -102,11 +102,8 @@ void CpuEngine::swiglu_forward(const Tensor& gu, Tensor& y) {
   check_f32_numel(y, m * f, "swiglu output");
   const float* pg = gu.device_f32();
   float* py = y.device_f32();
-  const fn::SwiGlu op;
-  for_slices(m, kGrain / f + 1, 1, [&](int64_t first, int64_t n) {
-    for (int64_t r = first; r < first + n; ++r)
-      for (int64_t i = 0; i < f; ++i) py[r * f + i] = op(pg[r * 2 * f + i], pg[r * 2 * f + f + i]);
-  });
+  const auto kernel = simd::active().swiglu_forward;
+  for_slices(m, kGrain / f + 1, 1, [&](int64_t first, int64_t n) { kernel(pg + first * 2 * f, py + first * f, n, f); });
 }
 
 void CpuEngine::swiglu_backward(const Tensor& gu, const Tensor& dy, Tensor& dgu) {
@@ -118,12 +115,9 @@ void CpuEngine::swiglu_backward(const Tensor& gu, const Tensor& dy, Tensor& dgu)
   const float* pg = gu.device_f32();
   const float* pd = dy.device_f32();
   float* po = dgu.device_f32();
-  const fn::SwiGluGrad op;
-  for_slices(m, kGrain / f + 1, 1, [&](int64_t first, int64_t n) {
-    for (int64_t r = first; r < first + n; ++r)
-      for (int64_t i = 0; i < f; ++i)
-        op(pg[r * 2 * f + i], pg[r * 2 * f + f + i], pd[r * f + i], po[r * 2 * f + i], po[r * 2 * f + f + i]);
-  });
+  const auto kernel = simd::active().swiglu_backward;
+  for_slices(m, kGrain / f + 1, 1,
+             [&](int64_t first, int64_t n) { kernel(pg + first * 2 * f, pd + first * f, po + first * 2 * f, n, f); });
 }
 
 void CpuEngine::row_max(const Tensor& x, Tensor& out) {

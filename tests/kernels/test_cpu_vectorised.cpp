@@ -76,6 +76,22 @@ TEST_P(Vectorised, GeluForwardAndBackward) {
   }
 }
 
+// SwiGLU rows of several widths (tails of both register sizes), gates reaching both saturated ends
+// of the sigmoid.
+TEST_P(Vectorised, SwiGluForwardAndBackward) {
+  for (int64_t f : {1, 7, 16, 33, 704}) {
+    const int64_t rows = 3;
+    std::vector<float> gu = random_vec(rows * 2 * f, 5 + f, -30.f, 30.f), dy = random_vec(rows * f, 6 + f);
+    std::vector<float> y0(rows * f), y1(rows * f), d0(rows * 2 * f), d1(rows * 2 * f);
+    ref_.swiglu_forward(gu.data(), y0.data(), rows, f);
+    vec_->swiglu_forward(gu.data(), y1.data(), rows, f);
+    expect_close(y1, y0, kTight, "swiglu forward", f);
+    ref_.swiglu_backward(gu.data(), dy.data(), d0.data(), rows, f);
+    vec_->swiglu_backward(gu.data(), dy.data(), d1.data(), rows, f);
+    expect_close(d1, d0, kTight, "swiglu backward", f);
+  }
+}
+
 TEST_P(Vectorised, ElementWise) {
   for (int64_t n : kSizes) {
     std::vector<float> a = random_vec(n, 3 + n), b = random_vec(n, 4 + n);
