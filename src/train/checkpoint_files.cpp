@@ -62,6 +62,10 @@ std::string rank_part_file(const std::string& main_file, int rank) {
   return main_file + ".rank" + std::to_string(rank);
 }
 
+std::string shard_part_file(const std::string& main_file, int rank) {
+  return main_file + ".shard" + std::to_string(rank);
+}
+
 namespace {
 
 // The main file a file of the set belongs to ("ckpt-step1.h5" for itself and for

@@ -11,10 +11,6 @@
 
 namespace dtrain::train {
 
-std::string shard_part_file(const std::string& main_file, int rank) {
-  return main_file + ".shard" + std::to_string(rank);
-}
-
 namespace {
 
 // One tensor's pieces from the shard parts (their values in the parts' tensors).
