@@ -136,6 +136,23 @@ Shape ColumnParallelLinear::full_shape(const nn::Parameter& p) const {
   return s;
 }
 
+// Every block's rows of this rank, written by the first of the ranks sharing a replicated block.
+TpPart ColumnParallelLinear::part(const nn::Parameter& p, const Shape& local) const {
+  if (!splits(p)) return TpPart::replicated(local, tp_.rank() == 0);
+  TpPart t;
+  t.local = t.whole = local;
+  t.whole[0] = full_out_;
+  t.columns = t.whole_columns = shape_numel(local) / out_;
+  int64_t start = 0, at = 0;
+  for (size_t k = 0; k < blocks_.size(); ++k) {
+    const int64_t mine = blocks_[k].rows / blocks_[k].parts, copies = tp_.size() / blocks_[k].parts;
+    t.rows.push_back({at, first_row(k, start, tp_.rank()), mine, tp_.rank() % copies == 0});
+    start += blocks_[k].rows;
+    at += mine;
+  }
+  return t;
+}
+
 // The local GEMMs are nn::Linear's; d(x) = allreduce_tp(dy W_local): each rank's outputs depend on
 // all of x, so d(x) is the sum of every rank's part.
 Tensor ColumnParallelLinear::backward(const Tensor& dy) {
@@ -245,6 +262,19 @@ Shape RowParallelLinear::full_shape(const nn::Parameter& p) const {
   Shape s = p.value.shape();
   if (splits(p)) s[1] = full_in_;
   return s;
+}
+
+// The weight's and A's input columns of this rank; the bias and B whole, written by tp rank 0.
+TpPart RowParallelLinear::part(const nn::Parameter& p, const Shape& local) const {
+  if (!splits(p)) return TpPart::replicated(local, tp_.rank() == 0);
+  TpPart t;
+  t.local = t.whole = local;
+  t.whole[1] = full_in_;
+  t.columns = in_;
+  t.whole_columns = full_in_;
+  t.first_column = tp_.rank() * in_;
+  t.rows = {{0, 0, local[0], true}};
+  return t;
 }
 
 // x_local A_local^T: this rank's input columns' part of x A^T.
@@ -447,6 +477,27 @@ std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp
     else if (const auto* layer = dynamic_cast<const TensorParallelLinear*>(m))
       s = layer->full_shape(*p);
     out[p->name] = s;
+  }
+  return out;
+}
+
+std::map<std::string, TpPart> tp_parts(nn::Module& model, comm::Communicator& tp,
+                                       const std::function<Shape(const nn::Parameter&)>& shape_of) {
+  std::map<std::string, nn::Module*> own;
+  owners(model, "", own);
+  std::map<std::string, TpPart> out;
+  for (nn::Parameter* p : model.parameters()) {
+    nn::Module* m = own.at(p->name);
+    const Shape local = shape_of(*p);
+    if (const nn::GptVocabShard* v = vocab_shard_of(m, p->name)) {
+      TpPart& t = out[p->name] = TpPart::replicated(local, true);
+      t.whole[0] = v->rows * tp.size();
+      t.rows = {{0, v->offset, v->rows, true}};
+    } else if (const auto* layer = dynamic_cast<const TensorParallelLinear*>(m)) {
+      out[p->name] = layer->part(*p, local);
+    } else {
+      out[p->name] = TpPart::replicated(local, tp.rank() == 0);
+    }
   }
   return out;
 }

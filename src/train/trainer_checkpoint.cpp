@@ -1,5 +1,6 @@
 // The one loop's checkpoints: the parameters, buffers and optimizer state of any dp x tp x pp
-// layout gathered into the one-rank layout and written as one set of files; restored into any.
+// layout in the one-rank layout, as one set of files (gathered to each stage's writer, or under
+// ZeRO-2/3 every rank's pieces of the one-rank tensors in its shard part); restored into any.
 #include <map>
 #include <string>
 #include <string_view>
@@ -94,7 +95,6 @@ CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch,
   if (writes_shards()) {
     s.ints["zero_shard_ranks"] = world_.size();  // the parameters and optimizer state: in the shard parts
   } else {
-    parallel::WholeModel whole(dp_.get());  // ZeRO-3 with tp: every unit gathered while the snapshot is taken
     const std::map<std::string, Tensor> old_params = entries_under(reuse, "param/");
     for (auto& [name, t] : parallel::gather_full_parameters(model, &grid_->tp(), &old_params))
       s.tensors["param/" + name] = t;
@@ -130,17 +130,20 @@ CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch,
 }
 
 // This rank's pieces for its shard part, without those of a second copy of a parameter (the tied
-// embedding's on the last pipeline stage: the first stage's pieces are the same numbers).
+// embedding's on the last pipeline stage: the first stage's pieces are the same numbers). Under tp
+// they are written as runs of the one-rank tensors, each element by one tp rank.
 std::map<std::string, Tensor> Trainer::own_pieces() const {
   std::map<std::string, Tensor> pieces = dp_->shard_pieces(opt_->state());
-  const nn::Parameter* copy = task_->duplicate();
-  if (!copy) return pieces;
-  std::erase_if(pieces, [&](const auto& entry) {
-    std::string_view key = entry.first;  // "param/<name>", "optim/<name>.<kind>", each with "range/<key>"
-    if (key.starts_with("range/")) key.remove_prefix(6);
-    return key == "param/" + copy->name || key.starts_with("optim/" + copy->name + ".");
-  });
-  return pieces;
+  if (const nn::Parameter* copy = task_->duplicate())
+    std::erase_if(pieces, [&](const auto& entry) { return piece_parameter(entry.first) == copy->name; });
+  if (cfg_.tp == 1) return pieces;
+  return pieces_in_whole_tensors(pieces, tp_parts());
+}
+
+// Where this rank's tp part of every parameter lies in its one-rank tensor.
+std::map<std::string, parallel::TpPart> Trainer::tp_parts() const {
+  return parallel::tp_parts(task_->model(), grid_->tp(),
+                            [&](const nn::Parameter& p) { return dp_ ? dp_->parameter_shape(p) : p.value.shape(); });
 }
 
 // A checkpoint of step_ (collective). Each rank's gradient compression state first; then rank 0 of
@@ -275,18 +278,22 @@ CheckpointState Trainer::load_verified_set(const std::string& file, CheckpointSt
   return s;
 }
 
-// The parameters, buffers and optimizer state of `s` (the set `file`): under ZeRO-2/3 without tp
-// this rank's pieces straight from the shard parts, one part in memory at a time; else whole
-// tensors (ZeRO-3's units gathered while they load), of which each rank keeps its tp shard.
+// The parameters, buffers and optimizer state of `s` (the set `file`): under ZeRO-2/3 this rank's
+// pieces straight from the shard parts, one part in memory at a time (under tp the runs of its
+// parts of the one-rank tensors); else whole tensors (ZeRO-3's units gathered while they load), of
+// which each rank keeps its tp shard.
 void Trainer::load_model_state(CheckpointState& s, const std::string& file) {
   nn::Module& model = task_->model();
   const bool pieces = reads_shards() && s.ints.count("zero_shard_ranks") && s.ints.at("zero_shard_ranks") > 0;
   {
     parallel::WholeModel whole(pieces ? nullptr : dp_.get());
     if (pieces) {
-      dp_->load_pieces(
-          [&](const PieceTaker& take, const PieceWanted& wants) { for_each_shard_piece(s, file, take, wants); },
-          opt_->state());
+      PieceSource source = [&](const PieceTaker& take, const PieceWanted& wants) {
+        for_each_shard_piece(s, file, take, wants);
+      };
+      const std::map<std::string, parallel::TpPart> parts =
+          cfg_.tp > 1 ? tp_parts() : std::map<std::string, parallel::TpPart>{};
+      dp_->load_pieces(cfg_.tp > 1 ? pieces_in_tp_parts(source, parts) : source, opt_->state());
     } else {
       std::map<std::string, Tensor> params;
       for (auto& [name, t] : s.tensors)

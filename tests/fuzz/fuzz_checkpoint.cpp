@@ -146,7 +146,8 @@ train::CheckpointState state_recipe(FuzzedDataProvider& in, const SetPlan& plan,
 }
 
 // Rank r's ZeRO shard part: pieces of "param/1.weight" ([4, 3]) and of others, whose ranges mostly
-// tile the tensor over the plan's parts (rank r: elements [6r, 6r + 6) of 2 parts), sometimes not.
+// tile the tensor over the plan's parts (rank r: elements [6r, 6r + 6) of 2 parts), sometimes not;
+// some of them as runs of the tensor ("runs/<key>": the halves swapped, or any numbers).
 train::CheckpointState shard_recipe(FuzzedDataProvider& in, const SetPlan& plan, int r) {
   train::CheckpointState s;
   s.ints["step"] = plan.step;
@@ -168,6 +169,16 @@ train::CheckpointState shard_recipe(FuzzedDataProvider& in, const SetPlan& plan,
     std::copy(range.begin(), range.end(), r64.data<int64_t>());
     s.tensors[key] = piece;
     if (in.ConsumeIntegralInRange(0, 7) != 0) s.tensors["range/" + key] = r64;
+    if (in.ConsumeIntegralInRange(0, 3) == 0) {  // the piece as runs of the tensor: its halves swapped, or any
+      const int64_t n = in.ConsumeIntegralInRange(0, 3);
+      Tensor runs = Tensor::empty({2 * n + (in.ConsumeIntegralInRange(0, 7) == 0)}, DType::I64);
+      for (int64_t i = 0; i < runs.numel(); ++i) runs.data<int64_t>()[i] = any_int(in);
+      if (follow && n == 2) {
+        const int64_t halves[] = {from + count / 2, count - count / 2, from, count / 2};
+        std::copy(std::begin(halves), std::end(halves), runs.data<int64_t>());
+      }
+      s.tensors["runs/" + key] = runs;
+    }
   }
   return s;
 }

@@ -126,7 +126,10 @@ void checkpoint_seeds() {
     train::save_checkpoint(main_file, s0);
     seed("checkpoint", "gpt-stages", checkpoint_set(dir, main_file));
   }
-  {  // a ZeRO set of 2 ranks: each rank's pieces of the tensors with their ranges, listed in the manifest
+  // A ZeRO set of 2 ranks: each rank's pieces of the tensors with their ranges, listed in the
+  // manifest; then the same with the weight cut by columns as under tp, each rank's piece two runs
+  // of it ("runs/<key>").
+  for (bool by_columns : {false, true}) {
     const fs::path dir = fuzz::fresh_scratch();
     const std::string main_file = train::checkpoint_file(dir.string(), 7);
     const train::CheckpointState whole = image_checkpoint();
@@ -140,9 +143,21 @@ void checkpoint_seeds() {
         const Tensor& t = whole.tensors.at(key);
         const int64_t from = r == 0 ? 0 : cut, to = r == 0 ? cut : t.numel();
         if (from == to) continue;
-        part.tensors[key] = t.reshape({t.numel()}).slice0(from, to).clone();
         std::vector<int64_t> range = {from, to - from};
         range.insert(range.end(), t.shape().begin(), t.shape().end());
+        part.tensors[key] = t.reshape({t.numel()}).slice0(from, to).clone();
+        if (by_columns && key == "param/1.weight") {  // [2, 3]: rank 0 columns 0-1, rank 1 column 2
+          const std::vector<int64_t> runs =
+              r == 0 ? std::vector<int64_t>{0, 2, 3, 2} : std::vector<int64_t>{2, 1, 5, 1};
+          Tensor values = Tensor::empty({runs[1] + runs[3]}), pairs = Tensor::empty({4}, DType::I64);
+          std::copy(t.f32() + runs[0], t.f32() + runs[0] + runs[1], values.f32());
+          std::copy(t.f32() + runs[2], t.f32() + runs[2] + runs[3], values.f32() + runs[1]);
+          std::copy(runs.begin(), runs.end(), pairs.data<int64_t>());
+          part.tensors[key] = values;
+          part.tensors["runs/" + key] = pairs;
+          range[0] = runs[0];
+          range[1] = values.numel();
+        }
         Tensor& r64 = part.tensors["range/" + key] = Tensor::empty({static_cast<int64_t>(range.size())}, DType::I64);
         std::copy(range.begin(), range.end(), r64.data<int64_t>());
       }
@@ -160,7 +175,7 @@ void checkpoint_seeds() {
     s.ints["run_id"] = 5;
     train::add_manifest(s, listed, 2);
     train::save_checkpoint(main_file, s);
-    seed("checkpoint", "zero-shards", checkpoint_set(dir, main_file));
+    seed("checkpoint", by_columns ? "zero-shards-runs" : "zero-shards", checkpoint_set(dir, main_file));
   }
   for (const char* c : {"topk:0.5", "powersgd:1", "qsgd:4"}) {  // a rank's compression state beside the main file
     const fs::path dir = fuzz::fresh_scratch();

@@ -20,6 +20,33 @@
 
 namespace dtrain::parallel {
 
+// Where this rank's tp part of a parameter lies in the one-rank tensor, both seen as matrices of
+// rows (the first dimension) by columns (the rest): runs of its rows at rows of the whole, and its
+// columns at the whole's [first_column, first_column + columns). Of the tp ranks holding the same
+// rows (a replicated tensor, a replicated key/value block) the first one `writes` them into a
+// checkpoint's shard parts.
+struct TpPart {
+  struct Rows {
+    int64_t local, whole, count;
+    bool writes;
+  };
+  Shape local, whole;
+  int64_t first_column = 0, columns = 0, whole_columns = 0;
+  std::vector<Rows> rows;  // in local order
+  // The whole tensor, held alike by every tp rank; `writes` on one of them.
+  static TpPart replicated(const Shape& shape, bool writes);
+};
+
+// `count` elements in a row, at flat index `local` of a rank's tp part and `whole` of the whole.
+struct ElementRun {
+  int64_t local, whole, count;
+};
+// The part's elements [from, from + count) as runs of the whole tensor (with `written_only`, those
+// this rank writes), in local order, neighbours merged.
+std::vector<ElementRun> whole_runs(const TpPart& part, int64_t from, int64_t count, bool written_only);
+// The whole tensor's elements [from, from + count) that the part holds, in whole order.
+std::vector<ElementRun> part_runs(const TpPart& part, int64_t from, int64_t count);
+
 // Both layers are nn::Linear over this rank's slice (its in_ x out_ are the local sizes), so they
 // share its GEMMs, gradient hooks and LoRA adapters and add only the tp communication. Each says
 // of its own parameters which are split over the tp ranks and how a full tensor is cut and joined.
@@ -37,6 +64,8 @@ class TensorParallelLinear : public nn::Linear {
   Tensor shard(const nn::Parameter& p, const Tensor& full) const { return splits(p) ? slice_of(full) : full; }
   // The full tensor of `p` from every tp rank's part `local`, on the host (collective over tp).
   Tensor gather(const nn::Parameter& p, const Tensor& local) const;
+  // Where this rank's part of `p`, of shape `local`, lies in the full tensor.
+  virtual TpPart part(const nn::Parameter& p, const Shape& local) const = 0;
 
  protected:
   TensorParallelLinear(int64_t in, int64_t out, comm::Communicator& tp) : nn::Linear(in, out), tp_(tp) {}
@@ -63,6 +92,7 @@ class ColumnParallelLinear : public TensorParallelLinear {
   Shape full_shape(const nn::Parameter& p) const override;
   double grad_sum_squares(const nn::Parameter& p) const override;
   bool replicates() const override { return share_ != nullptr; }
+  TpPart part(const nn::Parameter& p, const Shape& local) const override;
 
  protected:
   int64_t full_out() const override { return full_out_; }
@@ -95,6 +125,7 @@ class RowParallelLinear : public TensorParallelLinear {
   std::string kind() const override;         // backward is nn::Linear's: dy is the same on every tp rank
   bool splits(const nn::Parameter& p) const override { return &p == w_ || &p == lora_a_; }
   Shape full_shape(const nn::Parameter& p) const override;
+  TpPart part(const nn::Parameter& p, const Shape& local) const override;
 
  protected:
   int64_t full_in() const override { return full_in_; }
@@ -179,6 +210,10 @@ void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, con
                bool trained_only = false);
 // The one-rank shape of every parameter of `model` (this rank's part of a tp layout of `tp` ranks).
 std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp);
+// Where this rank's part of every parameter of `model` lies in its one-rank tensor, by name;
+// `shape_of` gives a parameter's shape (DataParallel::parameter_shape: ZeRO-3 empties the values).
+std::map<std::string, TpPart> tp_parts(nn::Module& model, comm::Communicator& tp,
+                                       const std::function<Shape(const nn::Parameter&)>& shape_of);
 
 // Global-norm clipping that counts every weight once: the split parameters' squares are summed
 // over `tp`, the replicated ones (equal on every tp rank) taken once; with `pp`, the stages' sums

@@ -13,6 +13,7 @@
 #include "dtrain/core/tensor.h"
 #include "dtrain/nn/module.h"
 #include "dtrain/parallel/data_parallel.h"
+#include "dtrain/parallel/tensor_parallel.h"
 
 namespace dtrain::comm {
 class Communicator;
@@ -132,8 +133,20 @@ void verify_shard_parts(const CheckpointState& main, const std::string& main_fil
 // reads its own part, not the whole set.
 using PieceTaker = parallel::PieceTaker;
 using PieceWanted = parallel::PieceWanted;
+using PieceSource = parallel::PieceSource;
 int for_each_shard_piece(const CheckpointState& main, const std::string& main_file, const PieceTaker& take,
                          const PieceWanted& wants = nullptr);
+// The parameter a piece's key names ("param/<name>", "optim/<name>.<kind>", either under "range/").
+std::string piece_parameter(std::string_view key);
+// Under tp: this rank's pieces (ShardedDataParallel::shard_pieces, each a range of its tp part of
+// the parameter) as the runs of the one-rank tensor they hold that this rank writes (the first of
+// the tp ranks holding the same elements), "runs/<key>" listing them where there are several;
+// pieces left without a run are dropped. So a set written under tp is every rank's shard part too.
+std::map<std::string, Tensor> pieces_in_whole_tensors(const std::map<std::string, Tensor>& pieces,
+                                                      const std::map<std::string, parallel::TpPart>& parts);
+// The inverse for a load under tp: `source`'s pieces of the one-rank tensors passed on (to
+// ShardedDataParallel::load_pieces) as the runs of this rank's parts (`parts`: tp_parts) they hold.
+PieceSource pieces_in_tp_parts(const PieceSource& source, const std::map<std::string, parallel::TpPart>& parts);
 
 // Keeps the newest `keep` checkpoints up to `just_written` (the main file just written, which is
 // never removed): older main files go with all their parts. Files of later steps (a run resumed

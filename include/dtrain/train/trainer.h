@@ -135,13 +135,14 @@ class Trainer {
   // ZeRO-2/3 without tp: every rank writes its pieces (under pp its stage's, by their names in the
   // whole model) and loads its pieces from a set's shard parts, never assembling whole tensors.
   bool writes_shards() const { return reads_shards(); }
-  bool reads_shards() const { return dp_ && dp_->zero_stage() >= 2 && cfg_.tp == 1; }
+  bool reads_shards() const { return dp_ && dp_->zero_stage() >= 2; }
   // Waits for the background write and makes the ranks agree on its outcome (collective).
   void finish_pending_checkpoint();
   ResumePoint restore(const std::string& where);
   CheckpointState load_verified_set(const std::string& main_file, CheckpointState& part);  // collective
   void load_model_state(CheckpointState& s, const std::string& file);  // parameters, buffers, optimizer state
   std::map<std::string, Tensor> own_pieces() const;                    // for this rank's shard part
+  std::map<std::string, parallel::TpPart> tp_parts() const;            // where its tp parts lie
   bool same_layout(CheckpointState& s) const;
   void say_if_slow(const std::string& file, double seconds);  // a checkpoint write near the timeout
   // The world's waits under --checkpoint-timeout for a scope (the writers write meanwhile).
