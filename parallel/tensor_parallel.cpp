@@ -25,10 +25,6 @@ Tensor TensorParallelLinear::gather(const nn::Parameter& p, const Tensor& local)
   return splits(p) ? join(host) : host;
 }
 
-double TensorParallelLinear::grad_sum_squares(const nn::Parameter& p) const {
-  return engine_for(p.grad.device()).sum_squares(p.grad);
-}
-
 // ------------------------------------------------------------------ ColumnParallelLinear
 namespace {
 
@@ -191,22 +187,6 @@ void ColumnParallelLinear::share_gradient(nn::Parameter& p, bool after) {
     }
     at += mine;
   }
-}
-
-// The replicated rows' squares divided by their copies, so the sum over tp counts them once.
-double ColumnParallelLinear::grad_sum_squares(const nn::Parameter& p) const {
-  Engine& e = engine_for(p.grad.device());
-  if (!share_ || !splits(p)) return e.sum_squares(p.grad);
-  const int64_t row = p.grad.numel() / out_;
-  double sum = 0;
-  int64_t at = 0;
-  for (const Block& b : blocks_) {
-    const int64_t mine = b.rows / b.parts;
-    const double copies = static_cast<double>(tp_.size() / b.parts);
-    sum += e.sum_squares(p.grad.reshape({out_, row}).slice0(at, at + mine)) / copies;
-    at += mine;
-  }
-  return sum;
 }
 
 // d(x A^T) = s dy B over this rank's output rows only: a part of the whole.
@@ -444,25 +424,6 @@ const nn::GptVocabShard* vocab_shard_of(nn::Module* m, const std::string& name) 
   return s && s->sharded() ? s : nullptr;
 }
 
-// Parameter name -> whether the tp ranks hold parts of it (a vocabulary shard, or a split tensor of
-// a tensor-parallel layer) and the layer. By name, so that a piece named as its parameter (ZeRO-1's)
-// is found too.
-struct TpPlacement {
-  bool split = false;
-  const TensorParallelLinear* layer = nullptr;
-};
-std::map<std::string, TpPlacement> placements(nn::Module& model) {
-  std::map<std::string, nn::Module*> own;
-  owners(model, "", own);
-  std::map<std::string, TpPlacement> out;
-  for (nn::Parameter* p : model.parameters()) {  // full names again
-    nn::Module* m = own.at(p->name);
-    const auto* layer = dynamic_cast<const TensorParallelLinear*>(m);
-    out[p->name] = {vocab_shard_of(m, p->name) != nullptr || (layer && layer->splits(*p)), layer};
-  }
-  return out;
-}
-
 }  // namespace
 
 std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp) {
@@ -558,44 +519,30 @@ void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>
 }
 
 double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp,
-                         const nn::Parameter* skip, const std::vector<nn::Parameter*>* pieces,
-                         comm::Communicator* shards) {
-  const std::map<std::string, TpPlacement> placed = placements(model);
-  double split = 0, replicated = 0;
-  const std::vector<nn::Parameter*> grads = pieces ? *pieces : model.parameters();
-  for (nn::Parameter* p : grads) {
-    if (skip && p->name == skip->name) continue;
-    const TpPlacement& at = placed.at(p->name);
-    if (at.split && at.layer && !pieces) {
-      split += at.layer->grad_sum_squares(*p);
-      continue;
+                         const nn::Parameter* skip, DataParallel* dp, const std::vector<nn::Parameter*>& scaled) {
+  const std::map<std::string, TpPart> parts =
+      tp_parts(model, tp, [&](const nn::Parameter& p) { return dp ? dp->parameter_shape(p) : p.value.shape(); });
+  double once = 0;
+  for (nn::Parameter* p : model.parameters()) {
+    if (p->frozen || (skip && p->name == skip->name)) continue;
+    const std::vector<std::pair<int64_t, Tensor>> grads =
+        dp ? dp->gradient_parts(*p).parts : std::vector<std::pair<int64_t, Tensor>>{{0, p->grad}};
+    for (const auto& [first, grad] : grads) {
+      const Tensor flat = grad.reshape({grad.numel()});
+      for (const auto& [lo, hi] : written_elements(parts.at(p->name), first, grad.numel()))
+        once += engine_for(grad.device()).sum_squares(flat.slice0(lo - first, hi - first));
     }
-    DT_CHECK(!at.layer || !at.layer->replicates(),
-             "gradient clipping under ZeRO cannot count rows replicated over tp once (" << p->name
-                                                                                        << "; refused at set-up)");
-    (at.split ? split : replicated) += engine_for(p->grad.device()).sum_squares(p->grad);
   }
-  if (shards && shards->size() > 1) {  // ZeRO: each rank of `shards` holds other elements
-    Tensor s = Tensor::from({2}, {static_cast<float>(split), static_cast<float>(replicated)});
-    shards->allreduce(s)->wait();
-    split = s.f32()[0];
-    replicated = s.f32()[1];
+  for (comm::Communicator* over : {dp ? dp->shard_group() : nullptr, &tp, pp}) {
+    if (!over || over->size() == 1) continue;
+    Tensor s = Tensor::full({1}, static_cast<float>(once));
+    over->allreduce(s)->wait();
+    once = s.f32()[0];
   }
-  if (tp.size() > 1) {
-    Tensor s = Tensor::full({1}, static_cast<float>(split));
-    tp.allreduce(s)->wait();
-    split = s.f32()[0];
-  }
-  double total = split + replicated;
-  if (pp && pp->size() > 1) {
-    Tensor s = Tensor::full({1}, static_cast<float>(total));
-    pp->allreduce(s)->wait();
-    total = s.f32()[0];
-  }
-  double norm = std::sqrt(total);
+  const double norm = std::sqrt(once);
   if (max_norm > 0 && norm > max_norm) {
-    float k = static_cast<float>(max_norm / (norm + 1e-6));
-    for (nn::Parameter* p : grads) engine_for(p->grad.device()).scale(p->grad, k);
+    const auto k = static_cast<float>(max_norm / (norm + 1e-6));
+    for (nn::Parameter* p : scaled) engine_for(p->grad.device()).scale(p->grad, k);
   }
   return norm;
 }

@@ -66,4 +66,19 @@ std::vector<ElementRun> part_runs(const TpPart& part, int64_t from, int64_t coun
   return merged(std::move(runs), [](const ElementRun& e) { return e.whole; });
 }
 
+std::vector<std::pair<int64_t, int64_t>> written_elements(const TpPart& part, int64_t from, int64_t count) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const TpPart::Rows& r : part.rows) {
+    if (!r.writes) continue;
+    const int64_t lo = std::max(from, r.local * part.columns);
+    const int64_t hi = std::min(from + count, (r.local + r.count) * part.columns);
+    if (lo >= hi) continue;
+    if (!out.empty() && out.back().second == lo)
+      out.back().second = hi;
+    else
+      out.emplace_back(lo, hi);
+  }
+  return out;
+}
+
 }  // namespace dtrain::parallel

@@ -373,12 +373,6 @@ void GptTask::setup(const TaskSetup& s) {
       train_.has_samples() == val_.has_samples(),
       "'" << c.data
           << "': train.h5 and val.h5 must both be prompt/completion samples (dtrain convert sft) or both text");
-  // Fewer key/value heads than tp ranks are replicated (the options' or a model file's); clipping
-  // under ZeRO sees only flat pieces of their gradients and could not count the copies once.
-  DT_INPUT_CHECK(model_cfg_.kv() >= c.tp || c.tp % model_cfg_.kv() != 0 || c.zero == 0 || c.clip_grad_norm == 0.f,
-                 "option --kv-heads " << model_cfg_.kv() << " (replicated over --tp " << c.tp
-                                      << ") does not combine with --zero " << c.zero << " and --clip-grad-norm "
-                                      << c.clip_grad_norm << " in this version (use --clip-grad-norm 0)");
   data_seed_ = derive_seed(c.seed, static_cast<uint64_t>(s.grid.dp_rank()));  // each dp group its own windows
   model_cfg_.vocab = c.vocab > 0 ? c.vocab : train_.vocab;
   starts_ = c.pp > 1 ? balanced_starts() : std::vector<int>{0, static_cast<int>(layers)};

@@ -84,15 +84,13 @@ void Trainer::forward_backward(float loss_scale) {
   }
 }
 
-// Global-norm clipping that counts every weight once: ZeRO-1 slices and tp shards add their squares
-// over the ranks that hold them, a pipeline's stages theirs.
+// Global-norm clipping that counts every weight once: ZeRO's pieces and tp parts add their squares
+// over the ranks that hold them (each element where a checkpoint writes it), a pipeline's stages theirs.
 void Trainer::clip_gradients() {
   const double max_norm = cfg_.clip_grad_norm;
   if (cfg_.tp > 1 || cfg_.pp > 1) {
-    const bool sharded = dp_ && dp_->shard_group();  // ZeRO: the gradients are the optimizer's pieces
     parallel::clip_grad_norm_tp(task_->model(), grid_->tp(), max_norm, cfg_.pp > 1 ? &grid_->pp() : nullptr,
-                                task_->duplicate(), sharded ? &opt_->params() : nullptr,
-                                sharded ? dp_->shard_group() : nullptr);
+                                task_->duplicate(), dp_.get(), opt_->params());
     return;
   }
   const double norm = dp_ ? dp_->grad_norm() : optim::grad_norm(opt_->params());

@@ -17,6 +17,7 @@
 #include "dtrain/core/rng.h"
 #include "dtrain/nn/gpt.h"
 #include "dtrain/nn/layers.h"
+#include "dtrain/parallel/data_parallel.h"
 
 namespace dtrain::parallel {
 
@@ -46,6 +47,9 @@ struct ElementRun {
 std::vector<ElementRun> whole_runs(const TpPart& part, int64_t from, int64_t count, bool written_only);
 // The whole tensor's elements [from, from + count) that the part holds, in whole order.
 std::vector<ElementRun> part_runs(const TpPart& part, int64_t from, int64_t count);
+// The part's elements [from, from + count) that this rank writes, as ranges [first, last) of the
+// part (the elements a norm over the tp ranks counts here).
+std::vector<std::pair<int64_t, int64_t>> written_elements(const TpPart& part, int64_t from, int64_t count);
 
 // Both layers are nn::Linear over this rank's slice (its in_ x out_ are the local sizes), so they
 // share its GEMMs, gradient hooks and LoRA adapters and add only the tp communication. Each says
@@ -55,11 +59,6 @@ class TensorParallelLinear : public nn::Linear {
   // Whether the tp ranks hold parts of `p` (else each holds it whole, with equal gradients).
   virtual bool splits(const nn::Parameter& p) const = 0;
   virtual Shape full_shape(const nn::Parameter& p) const = 0;
-  // The squares of this rank's gradient of `p` that the tp group's sum counts once (replicated
-  // rows divided by their copies).
-  virtual double grad_sum_squares(const nn::Parameter& p) const;
-  // Whether some rows are held by several tp ranks (replicated key/value heads).
-  virtual bool replicates() const { return false; }
   // This rank's part of the full tensor of `p` (`full` itself when `p` is whole), as a new tensor.
   Tensor shard(const nn::Parameter& p, const Tensor& full) const { return splits(p) ? slice_of(full) : full; }
   // The full tensor of `p` from every tp rank's part `local`, on the host (collective over tp).
@@ -90,8 +89,6 @@ class ColumnParallelLinear : public TensorParallelLinear {
   std::string kind() const override;
   bool splits(const nn::Parameter& p) const override { return &p != lora_a_; }
   Shape full_shape(const nn::Parameter& p) const override;
-  double grad_sum_squares(const nn::Parameter& p) const override;
-  bool replicates() const override { return share_ != nullptr; }
   TpPart part(const nn::Parameter& p, const Shape& local) const override;
 
  protected:
@@ -215,13 +212,12 @@ std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp
 std::map<std::string, TpPart> tp_parts(nn::Module& model, comm::Communicator& tp,
                                        const std::function<Shape(const nn::Parameter&)>& shape_of);
 
-// Global-norm clipping that counts every weight once: the split parameters' squares are summed
-// over `tp`, the replicated ones (equal on every tp rank) taken once; with `pp`, the stages' sums
-// are added, leaving out `skip` (the last stage's copy of the tied embedding). Returns the norm.
-// Under ZeRO the gradients are the optimizer's pieces (`pieces`, named as the model's parameters,
-// each rank's part of them), whose squares add over the ranks of `shards` too.
-double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp = nullptr,
-                         const nn::Parameter* skip = nullptr, const std::vector<nn::Parameter*>* pieces = nullptr,
-                         comm::Communicator* shards = nullptr);
+// Global-norm clipping that counts every weight once: each rank adds the squares of the gradient
+// elements it would write into a checkpoint (the rows of its tp parts it `writes`, of its pieces
+// where `dp` shards the gradients: DataParallel::gradient_parts), summed over `dp`'s shard group,
+// `tp` and `pp`, leaving out `skip` (the last stage's copy of the tied embedding); then scales the
+// gradients of `scaled` (the optimizer's parameters). Returns the norm.
+double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp,
+                         const nn::Parameter* skip, DataParallel* dp, const std::vector<nn::Parameter*>& scaled);
 
 }  // namespace dtrain::parallel
