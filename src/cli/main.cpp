@@ -1,7 +1,6 @@
 // dtrain: one executable, subcommands. Every rank runs the same command line.
 // Errors end here: one clear message (printed once when every rank hit it, otherwise by the rank
 // that failed, naming it), and a non-zero exit on every rank.
-#include <malloc.h>
 
 #include <cstdio>
 #include <cstring>
@@ -52,11 +51,12 @@ int report_agreed(const std::string& cmd, const char* what, const char* message,
 }  // namespace
 
 int main(int argc, char** argv) {
-  // glibc raises its mmap threshold each time a large block is freed, after which large tensors
-  // come from the heap and freed ones stay resident (measured: GPT peak RSS 329 MiB against 289
-  // MiB with this set). A fixed trim threshold keeps the default 128 KiB mmap threshold, so large
-  // buffers go back to the system when freed.
-  mallopt(M_TRIM_THRESHOLD, 1 << 20);
+  // glibc's own malloc thresholds: its mmap threshold rises (to 32 MiB) as large blocks are freed,
+  // so the buffers every step allocates and frees again (oneDNN's GEMM packing, temporaries) come
+  // from the heap. A fixed trim threshold (1 MiB, tried for peak RSS) kept them on mmap: each call
+  // a fresh mapping, zeroed and faulted in page by page, then unmapped. Measured side by side
+  // (AMD EPYC Zen 3, 1 thread, Llama 6 x 256, 23 steps): 327,402 page faults against 78,156,
+  // 1,935 tokens/s against 2,181 (mean of 3), peak RSS 278 MiB against 301 MiB.
   dtrain::train::take_preemption_signals_on_own_thread();  // before any thread starts
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "help")) {
     usage();
