@@ -702,23 +702,28 @@ TEST(Zero, InterNodeCompressionFeedsTheShardsOnTwoNodes) {
 
 // A checkpoint written under ZeRO-3 is every rank's shard part beside a main file without
 // parameters or optimizer state (no rank gathers the model). It resumes on 1 rank without ZeRO, on
-// every rank at ZeRO-1, 2 and 3, and at ZeRO-3 on 1 rank and (at 4) on 2 ranks, with the same global
-// batch: the parameters after 20 steps equal the uninterrupted run's within 1e-5. A set missing a
-// shard part is refused naming it.
+// every rank at ZeRO-1, 2 and 3, and at ZeRO-3 on 1 rank and (at 4) on 2 and on 3 ranks, with the
+// same global batch (12, which every count divides): the parameters after 20 steps equal the
+// uninterrupted run's within 1e-5. A set missing a shard part is refused naming it.
 TEST(Zero, Stage3CheckpointResumesInEveryLayout) {
   comm::Communicator& world = comm::Runtime::get().world();
   if (world.size() == 1) GTEST_SKIP() << "needs several ranks";
   const std::string dir = dataset() + "-zero3-resume-" + std::to_string(world.size());
   const std::vector<std::string> run = {"--model", "simple_cnn", "--optimizer", "adamw", "--lr", "0.003"};
+  auto config12 = [](const std::vector<std::string>& args) {
+    train::TrainConfig c = config(args);
+    c.global_batch_size = 12;
+    return c;
+  };
   std::vector<std::string> write = run;
   write.insert(write.end(), {"--zero", "3", "--checkpoint-dir", dir, "--checkpoint-every", "10"});
-  const ParamValues whole = train_params(config(write), world);
+  const ParamValues whole = train_params(config12(write), world);
   auto solo = world.split(world.rank(), 0, "solo");
   auto resumed = [&](const std::vector<std::string>& layout, comm::Communicator& on) {
     std::vector<std::string> resume = run;
     resume.insert(resume.end(), layout.begin(), layout.end());
     resume.insert(resume.end(), {"--resume", dir + "/ckpt-step000000010.h5"});
-    return train_params(config(resume), on);
+    return train_params(config12(resume), on);
   };
   expect_params_close(resumed({}, *solo), whole, "resumed on 1 rank without ZeRO");
   expect_params_close(resumed({"--zero", "1"}, world), whole, "resumed at ZeRO-1");
@@ -729,6 +734,9 @@ TEST(Zero, Stage3CheckpointResumesInEveryLayout) {
   if (world.size() == 4) {
     auto half = world.split(world.rank() / 2, world.rank() % 2, "half");
     expect_params_close(resumed({"--zero", "3"}, *half), whole, "resumed at ZeRO-3 on 2 of the 4 ranks");
+    auto three = world.split(world.rank() < 3 ? 0 : 1, world.rank(), "three");  // rank 3: alone
+    expect_params_close(resumed({"--zero", "3"}, *three), whole,
+                        "resumed at ZeRO-3 on " + std::to_string(three->size()) + " of the 4 ranks");
   }
   const std::string main_file = dir + "/ckpt-step000000010.h5";
   const train::CheckpointState main = train::load_checkpoint(main_file);
