@@ -533,11 +533,14 @@ double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_n
         once += engine_for(grad.device()).sum_squares(flat.slice0(lo - first, hi - first));
     }
   }
+  const Device grads = scaled.empty() ? Device::cpu() : scaled.front()->grad.device();
   for (comm::Communicator* over : {dp ? dp->shard_group() : nullptr, &tp, pp}) {
     if (!over || over->size() == 1) continue;
-    Tensor s = Tensor::full({1}, static_cast<float>(once));
+    // On the host, or on the gradients' device for a communicator without host memory (NCCL).
+    Tensor s = Tensor::empty({1}, DType::F32, over->supports(Device::cpu()) ? Device::cpu() : grads);
+    copy_any(Tensor::from({1}, {static_cast<float>(once)}), s);
     over->allreduce(s)->wait();
-    once = s.f32()[0];
+    once = to_host(s).f32()[0];
   }
   const double norm = std::sqrt(once);
   if (max_norm > 0 && norm > max_norm) {

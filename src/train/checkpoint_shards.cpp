@@ -222,8 +222,9 @@ PieceSource pieces_in_tp_parts(const PieceSource& source, const std::map<std::st
   return [source, &parts](const PieceTaker& take, const PieceWanted& wants) {
     // The part of the piece's parameter, its whole shape checked.
     auto part_of = [&](const std::string& key, const Shape& shape) -> const parallel::TpPart* {
-      const auto it = parts.find(piece_parameter(key));
-      if (it == parts.end()) return nullptr;  // not of this rank's model: passed on as it is
+      const bool names_one = key.starts_with("param/") || (key.starts_with("optim/") && key.find('.') != key.npos);
+      const auto it = names_one ? parts.find(piece_parameter(key)) : parts.end();
+      if (it == parts.end()) return nullptr;  // not of this rank's model (or no piece): passed on as it is
       DT_INPUT_CHECK(shape == it->second.whole,
                      key << " is " << shape_str(shape) << ", this model's " << shape_str(it->second.whole));
       return &it->second;

@@ -23,7 +23,13 @@
 set -euo pipefail
 mode=$1
 root=$(cd "$(dirname "$0")/../.." && pwd)
-fail() { echo "FAIL: $*"; exit 1; }
+# On a failure with SLURM up, its controller's last words too (a job's states and reasons).
+fail() {
+  echo "FAIL: $*"
+  local log=$work/emu/slurm/log/slurmctld.log
+  [[ -f $log ]] && { echo "== the last lines of $log"; tail -40 "$log"; }
+  exit 1
+}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 DTRAIN_HOME=$root
 
 # start_cluster ARGS...: the emulated cluster in $work/emu (a skip where it cannot run).

@@ -34,7 +34,7 @@ preempt_job() {
   state=$(wait_job "$id" 600)
   out="$work/dtrain-$id.out"
   cat "$out"
-  [[ "$state" == COMPLETED ]] || fail "$name: job $id ended $state"
+  [[ "$state" == COMPLETED ]] || { scontrol show job "$id"; fail "$name: job $id ended $state"; }
   grep -q 'requeueing job' "$out" || fail "$name: the job was not requeued"
   step=$(grep -o '"event": "preempted", "step": [0-9]*' "$metrics" | head -1 | grep -o '[0-9]*$' || true)
   [[ -n "$step" ]] || fail "$name: no preemption recorded"

@@ -130,10 +130,10 @@ class Trainer {
   // null), then the main file (collective).
   void write_checkpoint_set(const std::string& file, CheckpointState& s, const SavedFile* rank_part,
                             const SavedFile* shard_part, bool wait);
-  // Whether checkpoints keep the parameters and optimizer state as every rank's shard (ZeRO-2/3
-  // without tp or pp) instead of gathering them into the main file.
-  // ZeRO-2/3 without tp: every rank writes its pieces (under pp its stage's, by their names in the
-  // whole model) and loads its pieces from a set's shard parts, never assembling whole tensors.
+  // Whether checkpoints keep the parameters and optimizer state as every rank's shard instead of
+  // gathering them into the main file: at ZeRO-2/3 every rank writes its pieces (under pp its
+  // stage's, under tp as runs of the one-rank tensors, by their names in the whole model) and loads
+  // its pieces from a set's shard parts, never assembling whole tensors.
   bool writes_shards() const { return reads_shards(); }
   bool reads_shards() const { return dp_ && dp_->zero_stage() >= 2; }
   // Waits for the background write and makes the ranks agree on its outcome (collective).
