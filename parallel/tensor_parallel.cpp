@@ -519,9 +519,8 @@ void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>
 }
 
 double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp,
-                         const nn::Parameter* skip, DataParallel* dp, const std::vector<nn::Parameter*>& scaled) {
-  const std::map<std::string, TpPart> parts =
-      tp_parts(model, tp, [&](const nn::Parameter& p) { return dp ? dp->parameter_shape(p) : p.value.shape(); });
+                         const nn::Parameter* skip, DataParallel* dp, const std::map<std::string, TpPart>& parts,
+                         const std::vector<nn::Parameter*>& scaled) {
   double once = 0;
   for (nn::Parameter* p : model.parameters()) {
     if (p->frozen || (skip && p->name == skip->name)) continue;
@@ -533,11 +532,11 @@ double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_n
         once += engine_for(grad.device()).sum_squares(flat.slice0(lo - first, hi - first));
     }
   }
-  const Device grads = scaled.empty() ? Device::cpu() : scaled.front()->grad.device();
+  const Device grad_device = scaled.empty() ? Device::cpu() : scaled.front()->grad.device();
   for (comm::Communicator* over : {dp ? dp->shard_group() : nullptr, &tp, pp}) {
     if (!over || over->size() == 1) continue;
     // On the host, or on the gradients' device for a communicator without host memory (NCCL).
-    Tensor s = Tensor::empty({1}, DType::F32, over->supports(Device::cpu()) ? Device::cpu() : grads);
+    Tensor s = Tensor::empty({1}, DType::F32, over->supports(Device::cpu()) ? Device::cpu() : grad_device);
     copy_any(Tensor::from({1}, {static_cast<float>(once)}), s);
     over->allreduce(s)->wait();
     once = to_host(s).f32()[0];

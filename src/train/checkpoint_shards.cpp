@@ -184,7 +184,7 @@ int for_each_shard_piece(const CheckpointState& s, const std::string& main_file,
 std::string piece_parameter(std::string_view key) {
   if (key.starts_with("range/")) key.remove_prefix(6);
   if (key.starts_with("param/")) return std::string(key.substr(6));
-  DT_CHECK(key.starts_with("optim/") && key.rfind('.') != std::string_view::npos, "no piece of a parameter: " << key);
+  if (!key.starts_with("optim/") || key.rfind('.') == std::string_view::npos) return {};
   return std::string(key.substr(6, key.rfind('.') - 6));
 }
 
@@ -222,8 +222,7 @@ PieceSource pieces_in_tp_parts(const PieceSource& source, const std::map<std::st
   return [source, &parts](const PieceTaker& take, const PieceWanted& wants) {
     // The part of the piece's parameter, its whole shape checked.
     auto part_of = [&](const std::string& key, const Shape& shape) -> const parallel::TpPart* {
-      const bool names_one = key.starts_with("param/") || (key.starts_with("optim/") && key.find('.') != key.npos);
-      const auto it = names_one ? parts.find(piece_parameter(key)) : parts.end();
+      const auto it = parts.find(piece_parameter(key));
       if (it == parts.end()) return nullptr;  // not of this rank's model (or no piece): passed on as it is
       DT_INPUT_CHECK(shape == it->second.whole,
                      key << " is " << shape_str(shape) << ", this model's " << shape_str(it->second.whole));

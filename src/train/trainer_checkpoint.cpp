@@ -137,13 +137,7 @@ std::map<std::string, Tensor> Trainer::own_pieces() const {
   if (const nn::Parameter* copy = task_->duplicate())
     std::erase_if(pieces, [&](const auto& entry) { return piece_parameter(entry.first) == copy->name; });
   if (cfg_.tp == 1) return pieces;
-  return pieces_in_whole_tensors(pieces, tp_parts());
-}
-
-// Where this rank's tp part of every parameter lies in its one-rank tensor.
-std::map<std::string, parallel::TpPart> Trainer::tp_parts() const {
-  return parallel::tp_parts(task_->model(), grid_->tp(),
-                            [&](const nn::Parameter& p) { return dp_ ? dp_->parameter_shape(p) : p.value.shape(); });
+  return pieces_in_whole_tensors(pieces, tp_parts_);
 }
 
 // A checkpoint of step_ (collective). Each rank's gradient compression state first; then rank 0 of
@@ -291,9 +285,7 @@ void Trainer::load_model_state(CheckpointState& s, const std::string& file) {
       PieceSource source = [&](const PieceTaker& take, const PieceWanted& wants) {
         for_each_shard_piece(s, file, take, wants);
       };
-      const std::map<std::string, parallel::TpPart> parts =
-          cfg_.tp > 1 ? tp_parts() : std::map<std::string, parallel::TpPart>{};
-      dp_->load_pieces(cfg_.tp > 1 ? pieces_in_tp_parts(source, parts) : source, opt_->state());
+      dp_->load_pieces(cfg_.tp > 1 ? pieces_in_tp_parts(source, tp_parts_) : source, opt_->state());
     } else {
       std::map<std::string, Tensor> params;
       for (auto& [name, t] : s.tensors)

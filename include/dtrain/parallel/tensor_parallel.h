@@ -213,11 +213,12 @@ std::map<std::string, TpPart> tp_parts(nn::Module& model, comm::Communicator& tp
                                        const std::function<Shape(const nn::Parameter&)>& shape_of);
 
 // Global-norm clipping that counts every weight once: each rank adds the squares of the gradient
-// elements it would write into a checkpoint (the rows of its tp parts it `writes`, of its pieces
-// where `dp` shards the gradients: DataParallel::gradient_parts), summed over `dp`'s shard group,
-// `tp` and `pp`, leaving out `skip` (the last stage's copy of the tied embedding); then scales the
-// gradients of `scaled` (the optimizer's parameters). Returns the norm.
+// elements it would write into a checkpoint (the rows of its tp parts, `parts` from tp_parts, it
+// `writes`, of its pieces where `dp` shards the gradients: DataParallel::gradient_parts), summed
+// over `dp`'s shard group, `tp` and `pp`, leaving out `skip` (the last stage's copy of the tied
+// embedding); then scales the gradients of `scaled` (the optimizer's parameters). Returns the norm.
 double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp,
-                         const nn::Parameter* skip, DataParallel* dp, const std::vector<nn::Parameter*>& scaled);
+                         const nn::Parameter* skip, DataParallel* dp, const std::map<std::string, TpPart>& parts,
+                         const std::vector<nn::Parameter*>& scaled);
 
 }  // namespace dtrain::parallel

@@ -136,7 +136,8 @@ using PieceWanted = parallel::PieceWanted;
 using PieceSource = parallel::PieceSource;
 int for_each_shard_piece(const CheckpointState& main, const std::string& main_file, const PieceTaker& take,
                          const PieceWanted& wants = nullptr);
-// The parameter a piece's key names ("param/<name>", "optim/<name>.<kind>", either under "range/").
+// The parameter a piece's key names ("param/<name>", "optim/<name>.<kind>", either under "range/"):
+// "" for a key naming none (a part read from a file may hold any).
 std::string piece_parameter(std::string_view key);
 // Under tp: this rank's pieces (ShardedDataParallel::shard_pieces, each a range of its tp part of
 // the parameter) as the runs of the one-rank tensor they hold that this rank writes (the first of
