@@ -232,19 +232,12 @@ void CpuEngine::rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps,
   const float* g = gamma.device_f32();
   float* py = y.device_f32();
   float* pr = rstd.device_f32();
-  for_slices(m, (1 << 15) / d, 1, [&](int64_t first, int64_t rows) {
-    for (int64_t i = first; i < first + rows; ++i) {
-      const float* row = px + i * d;
-      double ss = 0;
-      for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(row[j]) * row[j];
-      const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
-      pr[i] = r;
-      float* out = py + i * d;
-      for (int64_t j = 0; j < d; ++j) out[j] = row[j] * r * g[j];
-    }
-  });
+  auto kernel = simd::active().rmsnorm_forward;
+  for_slices(m, (1 << 15) / d, 1,
+             [&](int64_t i, int64_t rows) { kernel(px + i * d, g, eps, pr + i, py + i * d, rows, d); });
 }
 
+// dx = rstd * (dy * gamma - x * rstd^2 * mean(dy * gamma * x)) (simd.cpp).
 void CpuEngine::rmsnorm_backward(const Tensor& x, const Tensor& dy, const Tensor& gamma, const Tensor& rstd, Tensor& dx,
                                  Tensor& dgamma) {
   const int64_t d = gamma.numel();
@@ -257,23 +250,16 @@ void CpuEngine::rmsnorm_backward(const Tensor& x, const Tensor& dy, const Tensor
   const float* pr = rstd.device_f32();
   float* pdx = dx.device_f32();
   float* dg = dgamma.device_f32();
-  // The gain's gradient sums over all rows: one thread, so the order is fixed.
-  for (int64_t i = 0; i < m; ++i) {
-    const float* row = px + i * d;
-    const float* drow = pdy + i * d;
-    for (int64_t j = 0; j < d; ++j) dg[j] += drow[j] * row[j] * pr[i];
+  auto kernel = simd::active().rmsnorm_backward;
+  const int64_t grain = (1 << 15) / d;
+  if (m <= grain || omp_get_max_threads() == 1) {
+    kernel(px, pdy, g, pr, pdx, dg, m, d);  // one pass over the rows does both
+    return;
   }
-  for_slices(m, (1 << 15) / d, 1, [&](int64_t first, int64_t rows) {
-    for (int64_t i = first; i < first + rows; ++i) {
-      const float* row = px + i * d;
-      const float* drow = pdy + i * d;
-      double s = 0;
-      for (int64_t j = 0; j < d; ++j) s += static_cast<double>(drow[j]) * g[j] * row[j];
-      const float r = pr[i];
-      const float k = static_cast<float>(s / static_cast<double>(d)) * r * r;
-      float* out = pdx + i * d;
-      for (int64_t j = 0; j < d; ++j) out[j] = r * (drow[j] * g[j] - row[j] * k);
-    }
+  // The gain's gradient sums over all rows: one thread, so the order is fixed; dx by slices.
+  kernel(px, pdy, g, pr, nullptr, dg, m, d);
+  for_slices(m, grain, 1, [&](int64_t i, int64_t rows) {
+    kernel(px + i * d, pdy + i * d, g, pr + i, pdx + i * d, nullptr, rows, d);
   });
 }
 

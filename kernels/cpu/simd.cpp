@@ -109,6 +109,35 @@ void layernorm_backward(const float* x, const float* dy, const float* gamma, con
   }
 }
 
+void rmsnorm_forward(const float* x, const float* gamma, float eps, float* rstd, float* y, int64_t m, int64_t d) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = x + i * d;
+    double ss = 0;
+    for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(row[j]) * row[j];
+    const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
+    rstd[i] = r;
+    float* out = y + i * d;
+    for (int64_t j = 0; j < d; ++j) out[j] = row[j] * r * gamma[j];
+  }
+}
+
+void rmsnorm_backward(const float* x, const float* dy, const float* gamma, const float* rstd, float* dx, float* dgamma,
+                      int64_t m, int64_t d) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = x + i * d;
+    const float* drow = dy + i * d;
+    const float r = rstd[i];
+    if (dgamma)
+      for (int64_t j = 0; j < d; ++j) dgamma[j] += drow[j] * row[j] * r;
+    if (!dx) continue;
+    double s = 0;
+    for (int64_t j = 0; j < d; ++j) s += static_cast<double>(drow[j] * gamma[j]) * row[j];
+    const float k = static_cast<float>(s / static_cast<double>(d)) * r * r;
+    float* out = dx + i * d;
+    for (int64_t j = 0; j < d; ++j) out[j] = r * (drow[j] * gamma[j] - row[j] * k);
+  }
+}
+
 void attention_softmax_forward(const float* ps, float* pp, int64_t row0, int64_t rows, int64_t t, float scale,
                                bool causal) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -180,6 +209,8 @@ const Kernels& reference() {
                          .row_bias_grad = row_bias_grad,
                          .layernorm_forward = layernorm_forward,
                          .layernorm_backward = layernorm_backward,
+                         .rmsnorm_forward = rmsnorm_forward,
+                         .rmsnorm_backward = rmsnorm_backward,
                          .attention_softmax_forward = attention_softmax_forward,
                          .attention_softmax_backward = attention_softmax_backward,
                          .adam_update = adam_update,

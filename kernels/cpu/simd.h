@@ -36,6 +36,13 @@ struct Kernels {
   // (accumulated) when dgamma is not null. The engine runs the accumulation on one thread.
   void (*layernorm_backward)(const float* x, const float* dy, const float* gamma, const float* mean, const float* rstd,
                              float* dx, float* dgamma, float* dbeta, int64_t m, int64_t d);
+  // RMSNorm over the last axis of x [m, d]: rstd [m] = 1 / sqrt(mean(x^2) + eps) (the mean in
+  // double); y = x * rstd * gamma.
+  void (*rmsnorm_forward)(const float* x, const float* gamma, float eps, float* rstd, float* y, int64_t m, int64_t d);
+  // Its backward: dx = rstd * (dy * gamma - x * rstd^2 * mean(dy * gamma * x)) (overwritten) when dx
+  // is not null; dgamma [d] += dy * x * rstd (accumulated) when dgamma is not null.
+  void (*rmsnorm_backward)(const float* x, const float* dy, const float* gamma, const float* rstd, float* dx,
+                           float* dgamma, int64_t m, int64_t d);
   // Attention softmax of `rows` rows of length t, the first being row `row0` of [N*T, T]. Causal:
   // row r is query position r % t, keys 0..r%t are visible, the rest of the row is written as 0;
   // otherwise every key is. scale is fused: p = softmax(scale * s); ds = scale * p * (dp - sum(p * dp)).

@@ -296,6 +296,60 @@ void layernorm_backward(const float* x, const float* dy, const float* gamma, con
   }
 }
 
+// Sums of squares in double lanes, as layernorm_forward's; the scaling in the reference's float order.
+void rmsnorm_forward(const float* x, const float* gamma, float eps, float* rstd, float* y, int64_t m, int64_t d) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = x + i * d;
+    __m256d qlo = _mm256_setzero_pd(), qhi = _mm256_setzero_pd();
+    for (int64_t j = 0; j < d; j += kW) {
+      __m256 v = load(row + j, span_mask(j, d));
+      __m256d vlo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), vhi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+      qlo = _mm256_fmadd_pd(vlo, vlo, qlo);
+      qhi = _mm256_fmadd_pd(vhi, vhi, qhi);
+    }
+    const double ms = reduce_add_pd(_mm256_add_pd(qlo, qhi)) / static_cast<double>(d);
+    const float r = static_cast<float>(1.0 / std::sqrt(ms + eps));
+    rstd[i] = r;
+    const __m256 vr = _mm256_set1_ps(r);
+    float* out = y + i * d;
+    for (int64_t j = 0; j < d; j += kW) {
+      __m256i k = span_mask(j, d);
+      store(out + j, _mm256_mul_ps(_mm256_mul_ps(load(row + j, k), vr), load(gamma + j, k)), k);
+    }
+  }
+}
+
+void rmsnorm_backward(const float* x, const float* dy, const float* gamma, const float* rstd, float* dx, float* dgamma,
+                      int64_t m, int64_t d) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = x + i * d;
+    const float* drow = dy + i * d;
+    const __m256 vr = _mm256_set1_ps(rstd[i]);
+    __m256d slo = _mm256_setzero_pd(), shi = _mm256_setzero_pd();
+    for (int64_t j = 0; j < d; j += kW) {
+      __m256i k = span_mask(j, d);
+      __m256 xv = load(row + j, k), g = load(drow + j, k);
+      if (dgamma) store(dgamma + j, _mm256_add_ps(load(dgamma + j, k), _mm256_mul_ps(_mm256_mul_ps(g, xv), vr)), k);
+      if (!dx) continue;
+      __m256 dxh = _mm256_mul_ps(g, load(gamma + j, k));
+      slo = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(dxh)), _mm256_cvtps_pd(_mm256_castps256_ps128(xv)),
+                            slo);
+      shi = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(dxh, 1)),
+                            _mm256_cvtps_pd(_mm256_extractf128_ps(xv, 1)), shi);
+    }
+    if (!dx) continue;
+    const float r = rstd[i];
+    const __m256 vk =
+        _mm256_set1_ps(static_cast<float>(reduce_add_pd(_mm256_add_pd(slo, shi)) / static_cast<double>(d)) * r * r);
+    float* out = dx + i * d;
+    for (int64_t j = 0; j < d; j += kW) {
+      __m256i k = span_mask(j, d);
+      __m256 dxh = _mm256_mul_ps(load(drow + j, k), load(gamma + j, k));
+      store(out + j, _mm256_mul_ps(vr, _mm256_sub_ps(dxh, _mm256_mul_ps(load(row + j, k), vk))), k);
+    }
+  }
+}
+
 // Zeroes row[from, t).
 inline void zero_tail(float* row, int64_t from, int64_t t) {
   for (int64_t j = from; j < t; j += kW) store(row + j, _mm256_setzero_ps(), span_mask(j, t));
@@ -418,6 +472,8 @@ const Kernels& avx2_table() {
                          .row_bias_grad = row_bias_grad,
                          .layernorm_forward = layernorm_forward,
                          .layernorm_backward = layernorm_backward,
+                         .rmsnorm_forward = rmsnorm_forward,
+                         .rmsnorm_backward = rmsnorm_backward,
                          .attention_softmax_forward = attention_softmax_forward,
                          .attention_softmax_backward = attention_softmax_backward,
                          .adam_update = adam_update,

@@ -282,6 +282,60 @@ void layernorm_backward(const float* x, const float* dy, const float* gamma, con
   }
 }
 
+// Sums of squares in double lanes, as layernorm_forward's; the scaling in the reference's float order.
+void rmsnorm_forward(const float* x, const float* gamma, float eps, float* rstd, float* y, int64_t m, int64_t d) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = x + i * d;
+    __m512d qlo = _mm512_setzero_pd(), qhi = _mm512_setzero_pd();
+    for (int64_t j = 0; j < d; j += kW) {
+      __m512 v = load(row + j, span_mask(j, d));
+      __m512d vlo = _mm512_cvtps_pd(_mm512_castps512_ps256(v)), vhi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1));
+      qlo = _mm512_fmadd_pd(vlo, vlo, qlo);
+      qhi = _mm512_fmadd_pd(vhi, vhi, qhi);
+    }
+    const double ms = _mm512_reduce_add_pd(_mm512_add_pd(qlo, qhi)) / static_cast<double>(d);
+    const float r = static_cast<float>(1.0 / std::sqrt(ms + eps));
+    rstd[i] = r;
+    const __m512 vr = _mm512_set1_ps(r);
+    float* out = y + i * d;
+    for (int64_t j = 0; j < d; j += kW) {
+      __mmask16 k = span_mask(j, d);
+      store(out + j, _mm512_mul_ps(_mm512_mul_ps(load(row + j, k), vr), load(gamma + j, k)), k);
+    }
+  }
+}
+
+void rmsnorm_backward(const float* x, const float* dy, const float* gamma, const float* rstd, float* dx, float* dgamma,
+                      int64_t m, int64_t d) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = x + i * d;
+    const float* drow = dy + i * d;
+    const __m512 vr = _mm512_set1_ps(rstd[i]);
+    __m512d slo = _mm512_setzero_pd(), shi = _mm512_setzero_pd();
+    for (int64_t j = 0; j < d; j += kW) {
+      __mmask16 k = span_mask(j, d);
+      __m512 xv = load(row + j, k), g = load(drow + j, k);
+      if (dgamma) store(dgamma + j, _mm512_add_ps(load(dgamma + j, k), _mm512_mul_ps(_mm512_mul_ps(g, xv), vr)), k);
+      if (!dx) continue;
+      __m512 dxh = _mm512_mul_ps(g, load(gamma + j, k));
+      slo = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(dxh)), _mm512_cvtps_pd(_mm512_castps512_ps256(xv)),
+                            slo);
+      shi = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(dxh, 1)),
+                            _mm512_cvtps_pd(_mm512_extractf32x8_ps(xv, 1)), shi);
+    }
+    if (!dx) continue;
+    const float r = rstd[i];
+    const __m512 vk = _mm512_set1_ps(
+        static_cast<float>(_mm512_reduce_add_pd(_mm512_add_pd(slo, shi)) / static_cast<double>(d)) * r * r);
+    float* out = dx + i * d;
+    for (int64_t j = 0; j < d; j += kW) {
+      __mmask16 k = span_mask(j, d);
+      __m512 dxh = _mm512_mul_ps(load(drow + j, k), load(gamma + j, k));
+      store(out + j, _mm512_mul_ps(vr, _mm512_sub_ps(dxh, _mm512_mul_ps(load(row + j, k), vk))), k);
+    }
+  }
+}
+
 // Zeroes row[from, t).
 inline void zero_tail(float* row, int64_t from, int64_t t) {
   int64_t j = from;
@@ -408,6 +462,8 @@ const Kernels& avx512_table() {
                          .row_bias_grad = row_bias_grad,
                          .layernorm_forward = layernorm_forward,
                          .layernorm_backward = layernorm_backward,
+                         .rmsnorm_forward = rmsnorm_forward,
+                         .rmsnorm_backward = rmsnorm_backward,
                          .attention_softmax_forward = attention_softmax_forward,
                          .attention_softmax_backward = attention_softmax_backward,
                          .adam_update = adam_update,

@@ -165,6 +165,32 @@ TEST_P(Vectorised, LayerNormForwardAndBackward) {
   }
 }
 
+TEST_P(Vectorised, RMSNormForwardAndBackward) {
+  const int64_t m = 4;
+  for (int64_t d : kSizes) {
+    std::vector<float> x = random_vec(m * d, 17 + d, -3.f, 5.f), dy = random_vec(m * d, 18 + d);
+    std::vector<float> gamma = random_vec(d, 19 + d, 0.5f, 1.5f);
+    std::vector<float> rstd0(m), y0(m * d), rstd1(m), y1(m * d);
+    ref_.rmsnorm_forward(x.data(), gamma.data(), 1e-5f, rstd0.data(), y0.data(), m, d);
+    vec_->rmsnorm_forward(x.data(), gamma.data(), 1e-5f, rstd1.data(), y1.data(), m, d);
+    expect_close(rstd1, rstd0, kTight, "rmsnorm rstd", d);
+    expect_close(y1, y0, kTight, "rmsnorm forward", d);
+
+    std::vector<float> dx0(m * d), dx1(m * d), dg0 = random_vec(d, 20 + d), dg1 = dg0;
+    ref_.rmsnorm_backward(x.data(), dy.data(), gamma.data(), rstd0.data(), dx0.data(), dg0.data(), m, d);
+    vec_->rmsnorm_backward(x.data(), dy.data(), gamma.data(), rstd0.data(), dx1.data(), dg1.data(), m, d);
+    expect_close(dx1, dx0, kTight, "rmsnorm dx", d);
+    expect_close(dg1, dg0, 0, "rmsnorm dgamma", d);  // the reference's float operations, element by element
+    // dx alone and the gain's gradient alone, as the engine calls them on several threads.
+    std::vector<float> dx2(m * d), dg2 = dg1;
+    vec_->rmsnorm_backward(x.data(), dy.data(), gamma.data(), rstd0.data(), dx2.data(), nullptr, m, d);
+    expect_close(dx2, dx1, 0, "rmsnorm dx only", d);
+    vec_->rmsnorm_backward(x.data(), dy.data(), gamma.data(), rstd0.data(), nullptr, dg2.data(), m, d);
+    ref_.rmsnorm_backward(x.data(), dy.data(), gamma.data(), rstd0.data(), nullptr, dg0.data(), m, d);
+    expect_close(dg2, dg0, 0, "rmsnorm dgamma only", d);
+  }
+}
+
 TEST_P(Vectorised, AttentionSoftmaxForwardAndBackward) {
   for (bool causal : {true, false})
     for (int64_t t : kSizes) {
