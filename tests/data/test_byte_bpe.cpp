@@ -76,6 +76,27 @@ TEST(ByteBpe, MergesByRankAsComputedByHand) {
   EXPECT_EQ(tok.piece_text(259), " b");
 }
 
+// Scripts, digits, contractions and white space the pre-tokenizer must split as GPT-2's pattern does.
+const std::string kSampler =
+    "\nna\xC3\xAFve caf\xC3\xA9 \xCE\xB1\xCE\xB2\xCE\xB3 \xD0\xBC\xD0\xB8\xD1\x80 \xE6\x9D\xB1\xE4\xBA\xAC "
+    "\xF0\x9F\x98\x80\xF0\x9F\x98\x80 x\xC2\xB2 abc123def 4,567.89 it's we'll THEY'RE I'd\n"
+    "a   b\t\tc\r\n\n  d  \xE2\x80\x83 e\xC2\xA0"
+    "f   ";
+
+// The ids the independent encoder (tests/data/byte_bpe_reference.py) gives `text` under the
+// vocabulary in `vocab_dir`, the text written to `work`/text.txt on the way.
+std::vector<int32_t> reference_ids(const fs::path& vocab_dir, const std::string& text, const fs::path& work) {
+  write_file(work / "text.txt", text);
+  const std::string script = std::string(DTRAIN_SOURCE_DIR) + "/tests/data/byte_bpe_reference.py";
+  const std::string encode = "/usr/bin/python3 " + script + " encode " + vocab_dir.string() + " " +
+                             (work / "text.txt").string() + " " + (work / "ids.txt").string();
+  EXPECT_EQ(std::system(encode.c_str()), 0) << "python3-regex (scripts/install-deps.sh) runs: " << encode;
+  std::vector<int32_t> ids;
+  std::ifstream in(work / "ids.txt");
+  for (int32_t id; in >> id;) ids.push_back(id);
+  return ids;
+}
+
 // A vocabulary learned by the independent encoder (tests/data/byte_bpe_reference.py, Python's
 // `regex` module) on fortunes, and a text it encodes: other fortunes and a sampler of scripts,
 // digits, contractions and white space.
@@ -88,31 +109,27 @@ class LearnedByteBpe : public ::testing::Test {
       train += read_file(std::string("/usr/share/games/fortunes/") + name);
     text = read_file("/usr/share/games/fortunes/people");
     ASSERT_GT(train.size(), 100000u) << "the fortunes package (scripts/install-deps.sh) gives the text";
-    text +=
-        "\nna\xC3\xAFve caf\xC3\xA9 \xCE\xB1\xCE\xB2\xCE\xB3 \xD0\xBC\xD0\xB8\xD1\x80 \xE6\x9D\xB1\xE4\xBA\xAC "
-        "\xF0\x9F\x98\x80\xF0\x9F\x98\x80 x\xC2\xB2 abc123def 4,567.89 it's we'll THEY'RE I'd\n"
-        "a   b\t\tc\r\n\n  d  \xE2\x80\x83 e\xC2\xA0"
-        "f   ";
+    text += kSampler;
     write_file(*dir_ / "train.txt", train);
-    write_file(*dir_ / "text.txt", text);
     const std::string script = std::string(DTRAIN_SOURCE_DIR) + "/tests/data/byte_bpe_reference.py";
     fs::create_directories(*dir_ / "gpt2");
-    const std::string learn = "/usr/bin/python3 " + script + " learn " + (*dir_ / "train.txt") + " 600 " +
-                              (*dir_ / "gpt2") + " && /usr/bin/python3 " + script + " encode " + (*dir_ / "gpt2") +
-                              " " + (*dir_ / "text.txt") + " " + (*dir_ / "ids.txt");
+    const std::string learn =
+        "/usr/bin/python3 " + script + " learn " + (*dir_ / "train.txt") + " 600 " + (*dir_ / "gpt2");
     ASSERT_EQ(std::system(learn.c_str()), 0) << "python3-regex (scripts/install-deps.sh) runs: " << learn;
+    want_ = new std::vector<int32_t>(reference_ids(*dir_ / "gpt2", text, dir_->path()));
   }
-  static void TearDownTestSuite() { delete dir_; }
+  static void TearDownTestSuite() {
+    delete dir_;
+    delete want_;
+  }
   static TempDir* dir_;
+  static std::vector<int32_t>* want_;  // the independent encoder's ids of text.txt
 };
 TempDir* LearnedByteBpe::dir_ = nullptr;
+std::vector<int32_t>* LearnedByteBpe::want_ = nullptr;
 
 TEST_F(LearnedByteBpe, EqualsTheIndependentEncoderOnRealText) {
-  std::vector<int32_t> want;
-  {
-    std::ifstream in(*dir_ / "ids.txt");
-    for (int32_t id; in >> id;) want.push_back(id);
-  }
+  const std::vector<int32_t>& want = *want_;
   const std::string text = read_file(*dir_ / "text.txt");
   const Tokenizer tok = Tokenizer::from_file(*dir_ / "gpt2/vocab.json");
   EXPECT_EQ(tok.vocab(), 256 + 600 + 1);
@@ -156,6 +173,28 @@ TEST_F(LearnedByteBpe, EveryByteStringComesBack) {
     }
     ASSERT_EQ(tok.decode(tok.encode(s)), s) << "trial " << trial;
   }
+}
+
+// GPT-2's own files (tests/data/gpt2/SOURCE.md): 50,257 pieces and 50,000 merges. Ids of strings
+// GPT-2 is known to give, and every id of real text equal to the independent encoder's.
+TEST(Gpt2Files, KnownIdsAndTheIndependentEncoderOnRealText) {
+  const fs::path dir = fs::path(DTRAIN_SOURCE_DIR) / "tests/data/gpt2";
+  const Tokenizer tok = Tokenizer::from_file(dir);
+  EXPECT_EQ(tok.vocab(), 50257);
+  EXPECT_EQ(tok.piece_text(50256), "<|endoftext|>");
+  EXPECT_EQ(tok.encode("Hello world"), (std::vector<int32_t>{15496, 995}));
+  EXPECT_EQ(tok.encode(" the quick brown fox"), (std::vector<int32_t>{262, 2068, 7586, 21831}));
+
+  TempDir tmp;
+  std::string text;
+  for (const char* name : {"people", "computers", "science"})
+    text += read_file(std::string("/usr/share/games/fortunes/") + name);
+  text += kSampler;
+  const std::vector<int32_t> want = reference_ids(dir, text, tmp.path());
+  ASSERT_GT(want.size(), 100000u);
+  EXPECT_LT(want.size(), text.size() / 3) << "50,000 merges shorten English text more than 3 times";
+  EXPECT_EQ(tok.encode(text), want);
+  EXPECT_EQ(tok.decode(want), text);
 }
 
 TEST(ByteBpe, BrokenFilesAreNamed) {
