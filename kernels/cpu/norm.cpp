@@ -176,6 +176,21 @@ void CpuEngine::channel_affine(const Tensor& x, int64_t channels, const Tensor& 
     }
 }
 
+// Rows per slice of a row-wise norm (layernorm, rmsnorm): about 32K elements.
+static int64_t norm_grain(int64_t d) { return (1 << 15) / d; }
+
+// A row-wise norm's backward over m rows of d features. run(first, rows, dx, params) runs the
+// kernel on rows [first, first + rows), writing dx and/or accumulating the parameter gradients.
+// On one thread (or few rows) one pass does both; otherwise the parameter gradients, which sum
+// over all rows, run on one thread, so their order is fixed, and dx by slices.
+template <typename Run>
+static void norm_backward_rows(int64_t m, int64_t d, Run run) {
+  const int64_t grain = norm_grain(d);
+  if (m <= grain || omp_get_max_threads() == 1) return run(0, m, true, true);
+  run(0, m, false, true);
+  for_slices(m, grain, 1, [&](int64_t i, int64_t rows) { run(i, rows, true, false); });
+}
+
 void CpuEngine::layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& mean,
                                   Tensor& rstd, Tensor& y) {
   int64_t d = gamma.numel();
@@ -190,7 +205,7 @@ void CpuEngine::layernorm_forward(const Tensor& x, const Tensor& gamma, const Te
   float* pm = mean.device_f32();
   float* pr = rstd.device_f32();
   auto kernel = simd::active().layernorm_forward;
-  for_slices(m, (1 << 15) / d, 1,
+  for_slices(m, norm_grain(d), 1,
              [&](int64_t i, int64_t rows) { kernel(px + i * d, g, b, eps, pm + i, pr + i, py + i * d, rows, d); });
 }
 
@@ -210,15 +225,9 @@ void CpuEngine::layernorm_backward(const Tensor& x, const Tensor& dy, const Tens
   float* dg = dgamma.device_f32();
   float* db = dbeta.device_f32();
   auto kernel = simd::active().layernorm_backward;
-  const int64_t grain = (1 << 15) / d;
-  if (m <= grain || omp_get_max_threads() == 1) {
-    kernel(px, pdy, g, pm, pr, pdx, dg, db, m, d);  // one pass over the rows does both
-    return;
-  }
-  // The parameter gradients sum over all rows: one thread, so the order is fixed; dx by slices.
-  kernel(px, pdy, g, pm, pr, nullptr, dg, db, m, d);
-  for_slices(m, grain, 1, [&](int64_t i, int64_t rows) {
-    kernel(px + i * d, pdy + i * d, g, pm + i, pr + i, pdx + i * d, nullptr, nullptr, rows, d);
+  norm_backward_rows(m, d, [&](int64_t i, int64_t rows, bool with_dx, bool with_params) {
+    kernel(px + i * d, pdy + i * d, g, pm + i, pr + i, with_dx ? pdx + i * d : nullptr, with_params ? dg : nullptr,
+           with_params ? db : nullptr, rows, d);
   });
 }
 
@@ -233,7 +242,7 @@ void CpuEngine::rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps,
   float* py = y.device_f32();
   float* pr = rstd.device_f32();
   auto kernel = simd::active().rmsnorm_forward;
-  for_slices(m, (1 << 15) / d, 1,
+  for_slices(m, norm_grain(d), 1,
              [&](int64_t i, int64_t rows) { kernel(px + i * d, g, eps, pr + i, py + i * d, rows, d); });
 }
 
@@ -251,15 +260,8 @@ void CpuEngine::rmsnorm_backward(const Tensor& x, const Tensor& dy, const Tensor
   float* pdx = dx.device_f32();
   float* dg = dgamma.device_f32();
   auto kernel = simd::active().rmsnorm_backward;
-  const int64_t grain = (1 << 15) / d;
-  if (m <= grain || omp_get_max_threads() == 1) {
-    kernel(px, pdy, g, pr, pdx, dg, m, d);  // one pass over the rows does both
-    return;
-  }
-  // The gain's gradient sums over all rows: one thread, so the order is fixed; dx by slices.
-  kernel(px, pdy, g, pr, nullptr, dg, m, d);
-  for_slices(m, grain, 1, [&](int64_t i, int64_t rows) {
-    kernel(px + i * d, pdy + i * d, g, pr + i, pdx + i * d, nullptr, rows, d);
+  norm_backward_rows(m, d, [&](int64_t i, int64_t rows, bool with_dx, bool with_params) {
+    kernel(px + i * d, pdy + i * d, g, pr + i, with_dx ? pdx + i * d : nullptr, with_params ? dg : nullptr, rows, d);
   });
 }
 

@@ -269,6 +269,18 @@ TEST(VectorisedEngine, ThreadSlicesMatchOneCall) {
     expect_close(vec(dx), dx0, 0, "engine layernorm dx", threads);
     expect_close(vec(dg), dg0, 0, "engine layernorm dgamma", threads);
 
+    Tensor rs = Tensor::empty({m}), ry = Tensor::empty({m, d});
+    e.rmsnorm_forward(x, gamma, 1e-5f, rs, ry);
+    std::vector<float> rs0(m), ry0(m * d);
+    k.rmsnorm_forward(xv.data(), gv.data(), 1e-5f, rs0.data(), ry0.data(), m, d);
+    expect_close(vec(ry), ry0, 0, "engine rmsnorm", threads);
+    Tensor rdx = Tensor::empty({m, d}), rdg = Tensor::zeros({d});
+    e.rmsnorm_backward(x, dy, gamma, rs, rdx, rdg);
+    std::vector<float> rdx0(m * d), rdg0(d);
+    k.rmsnorm_backward(xv.data(), dyv.data(), gv.data(), rs0.data(), rdx0.data(), rdg0.data(), m, d);
+    expect_close(vec(rdx), rdx0, 0, "engine rmsnorm dx", threads);
+    expect_close(vec(rdg), rdg0, 0, "engine rmsnorm dgamma", threads);
+
     Tensor g = Tensor::empty({m, d});
     e.unary_forward(Unary::Gelu, x, g);
     std::vector<float> g0(m * d);
