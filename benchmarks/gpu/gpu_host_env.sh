@@ -12,6 +12,10 @@ fi
 CUDALIBS=$(for n in libcudart.so.13 libcublasLt.so.13 libcublas.so.13 libcudnn.so.9 libnccl.so.2; do
   f=$(find /opt /usr/local /usr/lib -name $n 2>/dev/null | head -1); [ -n "$f" ] && dirname "$f"; done | sort -u | paste -sd:)
 export LD_LIBRARY_PATH=/tmp/dl/lib:$CUDALIBS
+# Open MPI's and PMIx's plugins from the carried tree: a host with its own Open MPI (another PMIx)
+# has plugins at the same paths that the carried libpmix cannot load.
+export OMPI_MCA_mca_base_component_path=/tmp/dl/usr/lib/x86_64-linux-gnu/openmpi/lib/openmpi3
+export PMIX_MCA_mca_base_component_path=/tmp/dl/usr/lib/x86_64-linux-gnu/pmix2/lib/pmix
 export OMPI_MCA_ess_singleton_isolated=1 OMPI_MCA_mca_base_component_show_load_errors=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 DTRAIN_EXE=$here/bin/dtrain
 # Several ranks: the carried mpirun starts them on this host (orted on the PATH for its helpers).

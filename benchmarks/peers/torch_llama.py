@@ -25,12 +25,12 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
-def rotary_tables(positions, head_dim, base, dtype):
+def rotary_tables(positions, head_dim, base, dtype, device=None):
     """cos and sin [T, head_dim] for positions 0..T-1: frequencies base^(-2i/head_dim), each twice."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(positions, dtype=torch.float32), inv)
     both = torch.cat([angles, angles], dim=-1)
-    return both.cos().to(dtype), both.sin().to(dtype)
+    return both.cos().to(device, dtype), both.sin().to(device, dtype)
 
 
 def rotate_half(x):
@@ -109,7 +109,7 @@ class Llama(nn.Module):
     def forward(self, ids):
         t = ids.shape[1]
         x = self.model.embed_tokens(ids)
-        cos, sin = rotary_tables(t, self.head_dim, self.base, x.dtype)
+        cos, sin = rotary_tables(t, self.head_dim, self.base, x.dtype, x.device)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.model.norm(x)).reshape(-1, self.lm_head.out_features)

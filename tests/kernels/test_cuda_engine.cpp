@@ -641,7 +641,7 @@ TEST_F(CudaEngineTest, StreamsOrderedByEvents) {
   gpu->scale(x, 3.f);
   cuda::comm_waits_for_compute(0);
   auto comm = static_cast<cudaStream_t>(cuda::comm_stream(0));
-  ASSERT_EQ(cudaMemcpyAsync(y.raw(), x.raw(), x.nbytes(), cudaMemcpyDeviceToDevice, comm), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(y.device_raw(), x.device_raw(), x.nbytes(), cudaMemcpyDeviceToDevice, comm), cudaSuccess);
   cuda::compute_waits_for_comm(0);
   gpu->scale(y, 2.f);
   Tensor h = host(y);
