@@ -52,7 +52,11 @@ last_loss() { grep -oE 'step 20/20 loss [0-9.eE+-]+' "$1" | tail -1 | awk '{prin
 row() {
   local name=$1 ranks=$2 prec=$3 tol=$4
   shift 4
-  local common=(train --steps 20 --log-every 20 --progress off --precision "$prec" --seed 7 "$@")
+  # --threads: dtrain's default (the node's cores over its ranks; OMP_NUM_THREADS is not read)
+  # oversubscribes the cores when several rows run at once, the likely cause of CPU references of
+  # 13-126 s on a GPU host of 16 cores where this 2-core machine takes 1-3 s.
+  local common=(train --steps 20 --log-every 20 --progress off --precision "$prec" --seed 7 --threads "$OMP_NUM_THREADS"
+    "$@")
   local launch=("$MPIRUN" -n "$ranks" --oversubscribe --bind-to none)
   local g="$WORK/$name-$ranks-$prec-$DEVICE.log" c="$WORK/$name-$ranks-$prec-cpu.log"
   local t0=$SECONDS
@@ -94,7 +98,9 @@ kill_tree() {
 trap 'for p in $(pgrep -P $$); do kill_tree "$p"; done; exit 124' TERM INT
 run() {
   [[ $1/$3 =~ ${DTRAIN_CHECK_ONLY:-.} ]] || return 0
-  local out="$WORK/row-$(printf %03d $((++rows)))"
+  rows=$((rows + 1))
+  local out
+  out=$WORK/row-$(printf %03d "$rows")
   while (($(jobs -rp | wc -l) >= JOBS)); do wait -n; done
   row "$@" | tee "$out" &
   ((JOBS > 1)) || wait
