@@ -3,15 +3,29 @@
 
 # job_state ID: COMPLETED, FAILED, PENDING, ...
 job_state() { scontrol show job "$1" | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
-# wait_job ID SECONDS: waits for the job to end; a requeued job waiting out SLURM's requeue delay
-# is let start at once.
+# wait_job ID SECONDS: waits for the job to end. A requeued job waiting out SLURM's requeue delay
+# is let start, but only 2 s after it was first seen waiting: the requeue revoked the job's
+# credential as of that second, and slurmd refuses a start whose new credential falls in the same
+# second ("Job credential revoked"), which ends the job FAILED.
 wait_job() {
-  local s
+  local s eligible now waiting_since=0
   for ((i = 0; i < $2; ++i)); do
     s=$(job_state "$1")
+    now=$(date +%s)
     case "$s" in
       COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) echo "$s"; return 0 ;;
-      PENDING) scontrol update jobid="$1" StartTime=now 2>/dev/null || true ;;
+      PENDING)
+        eligible=$(scontrol show job "$1" | grep -o 'EligibleTime=[^ ]*' | cut -d= -f2)
+        eligible=$(date -d "$eligible" +%s 2>/dev/null || echo 0)
+        if ((eligible > now + 2)); then
+          if ((waiting_since == 0)); then
+            waiting_since=$now
+          elif ((now >= waiting_since + 2)); then
+            scontrol update jobid="$1" StartTime=now 2>/dev/null || true
+            waiting_since=0
+          fi
+        fi
+        ;;
     esac
     sleep 1
   done
