@@ -5,9 +5,10 @@
 # which sets DTRAIN_EXE, MPIRUN and the libraries). Two parts:
 #   1. the CUDA tests (test_kernels_cuda: every Engine op against the CPU engine);
 #   2. the matrix: dp, tp 2, pp 2 (GPipe and 1F1B), ZeRO-1/2/3, each compressor, SyncBatchNorm,
-#      distillation, and the Llama (tp, pp, LoRA, recompute, distillation), on one GPU with 1 rank and with 2 or 4 ranks sharing it (--comm auto takes the MPI
-#      backend's host staging there), in fp32, bf16 and fp16; each run 20 steps with --device cuda
-#      against the same run on CPU ranks: the last step's loss within the precision's tolerance.
+#      distillation, and the Llama (tp, pp, LoRA, recompute, distillation), on one GPU with 1 rank
+#      and with 2 or 4 ranks sharing it (--comm auto takes the MPI backend's host staging there),
+#      in fp32, bf16 and fp16; each run 20 steps with --device cuda against the same run on CPU
+#      ranks: the last step's loss within the precision's tolerance.
 # Prints one table (also written to OUT_DIR/check_all.txt) and exits non-zero when a row fails.
 #   benchmarks/gpu/check_all.sh [OUT_DIR]     (DTRAIN_CHECK_QUICK=1: fp32 only; on an H200 machine of 16
 #   cores, 2026-11-29, 50 rows took about 8 minutes at DTRAIN_CHECK_JOBS=4, mostly the CPU references)

@@ -17,15 +17,16 @@ wait_job() {
       PENDING)
         eligible=$(scontrol show job "$1" | grep -o 'EligibleTime=[^ ]*' | cut -d= -f2)
         eligible=$(date -d "$eligible" +%s 2>/dev/null || echo 0)
-        if ((eligible > now + 2)); then
-          if ((waiting_since == 0)); then
-            waiting_since=$now
-          elif ((now >= waiting_since + 2)); then
-            scontrol update jobid="$1" StartTime=now 2>/dev/null || true
-            waiting_since=0
-          fi
+        if ((eligible <= now + 2)); then
+          waiting_since=0
+        elif ((waiting_since == 0)); then
+          waiting_since=$now
+        elif ((now >= waiting_since + 2)); then
+          scontrol update jobid="$1" StartTime=now 2>/dev/null || true
+          waiting_since=0
         fi
         ;;
+      *) waiting_since=0 ;;  # a later requeue waits its own 2 s
     esac
     sleep 1
   done
