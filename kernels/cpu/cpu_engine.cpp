@@ -12,6 +12,7 @@
 
 #include "dtrain/core/topk.h"
 #include "dtrain/kernels/functors.h"
+#include "dtrain/kernels/gemm_record.h"
 #include "simd.h"
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
 #include "../cuda/cuda_install.h"
@@ -225,6 +226,7 @@ void CpuEngine::gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float al
                      float beta, Tensor& c) {
   if (a.dtype() != DType::F32 || b.dtype() != DType::F32 || rounds_gemm(m, n))
     return gemm_batched(1, ta, tb, m, n, k, alpha, a, m * k, b, k * n, beta, c, m * n);
+  GemmNote note(false, 1, ta, tb, m, n, k);
   check_f32(a, "gemm A");
   check_f32(b, "gemm B");
   check_f32(c, "gemm C");
@@ -247,6 +249,7 @@ void CpuEngine::gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float al
 void CpuEngine::gemm_batched(int64_t batch, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                              const Tensor& a, int64_t sa, const Tensor& b, int64_t sb, float beta, Tensor& c,
                              int64_t sc) {
+  GemmNote note(true, batch, ta, tb, m, n, k);
   if (a.dtype() != DType::F32 || b.dtype() != DType::F32 || rounds_gemm(m, n))
     return gemm_lowp(batch, ta, tb, m, n, k, alpha, a, sa, b, sb, beta, c, sc);
   check_f32(a, "gemm_batched A");

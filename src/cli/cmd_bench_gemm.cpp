@@ -12,6 +12,7 @@
 #include <iostream>
 #include <vector>
 
+#include "bench_timing.h"
 #include "commands.h"
 #include "dtrain/train/options.h"
 #include "dtrain/comm/runtime.h"
@@ -33,23 +34,6 @@ struct Shape3 {
   bool ta, tb;
 };
 
-// Best-of-`reps` seconds per call after a warm-up, repeating calls until each timing spans >= 20 ms.
-double time_call(const std::function<void()>& f, int reps) {
-  f();
-  double best = 1e30;
-  for (int r = 0; r < reps; ++r) {
-    int calls = 0;
-    double t0 = now_s(), t;
-    do {
-      f();
-      ++calls;
-      t = now_s();
-    } while (t - t0 < 0.02);
-    best = std::min(best, (t - t0) / calls);
-  }
-  return best;
-}
-
 std::vector<Shape3> layer_shapes() {
   // Layer GEMMs at batch 64: forward y = x W^T, backward dW = dy^T x, dx = dy W. The GPT rows are
   // issue 5's model (B 8, T 128, C 256): 1024 tokens through the qkv projection.
@@ -66,10 +50,6 @@ std::vector<Shape3> layer_shapes() {
   };
   for (int64_t s = 256; s <= 2048; s *= 2) shapes.push_back({"square", s, s, s, false, false});
   return shapes;
-}
-
-void fill_uniform(Tensor& t, Rng& rng) {
-  for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = rng.uniform(-1, 1);
 }
 
 // SimpleCNN's convolutions (batch 64, 28x28 inputs) and one ResNet-20 shape: forward, backward
@@ -201,8 +181,8 @@ int cmd_bench_gemm(int argc, char** argv) {
   Rng rng(1);
   for (const Shape3& s : shapes) {
     Tensor a = Tensor::empty({s.m * s.k}), b = Tensor::empty({s.k * s.n}), c = Tensor::zeros({s.m * s.n});
-    for (int64_t i = 0; i < a.numel(); ++i) a.f32()[i] = rng.uniform(-1, 1);
-    for (int64_t i = 0; i < b.numel(); ++i) b.f32()[i] = rng.uniform(-1, 1);
+    fill_uniform(a, rng);
+    fill_uniform(b, rng);
     double flop = 2.0 * static_cast<double>(s.m) * static_cast<double>(s.n) * static_cast<double>(s.k);
     int64_t lda = s.ta ? s.m : s.k, ldb = s.tb ? s.k : s.n;
     double t_engine = time_call([&] { e.gemm(s.ta, s.tb, s.m, s.n, s.k, 1.f, a, b, 0.f, c); }, reps);

@@ -831,6 +831,33 @@ TEST(Cli, LanguageModelFilesEqualTheBuiltInModels) {
   fs::remove_all(dir);
 }
 
+// bench lm-gemm records the GEMMs the model itself runs: for a Llama they are 3 x 2 x (the forward's
+// multiply-adds per token), counted here by hand from the shape: per block q, k, v, o, gate, up,
+// down and attention's two products over the window, then the head.
+TEST(Cli, BenchLmGemmCountsTheModelsOwnGemms) {
+  std::string dir = dtrain::test::temp_dir("cli-bench-lm-gemm");
+  fs::create_directories(dir + "/text");
+  {
+    std::ofstream out(dir + "/text/a.txt");
+    for (int i = 0; i < 100; ++i) out << "a small text, " << i % 10 << " times over. ";
+  }
+  ASSERT_EQ(run("convert text --inputs " + dir + "/text --out " + dir + "/tok").code, 0);
+  const std::string shape = "--model llama --layers 2 --width 64 --heads 4 --kv-heads 2 --context 16 --batch-size 2 "
+                            "--data " + dir + "/tok";
+  Result r = run("bench lm-gemm " + shape + " --threads 1");  // the vocabulary of the token files: bytes
+  ASSERT_EQ(r.code, 0) << r.out;
+  const int64_t w = 64, hd = 16, qkv = (4 + 2 * 2) * hd, f = 192, t = 16, layers = 2, vocab = 256;
+  const int64_t macs = layers * (w * qkv + w * w + 3 * w * f + 2 * t * w) + vocab * w;
+  char expect[64];
+  std::snprintf(expect, sizeof expect, "(%.6g MFLOP per token), %d calls", 6.0 * static_cast<double>(macs) * 1e-6,
+                2 * (4 * 3 + 6) + 3);
+  EXPECT_NE(r.out.find(expect), std::string::npos) << expect << "\n" << r.out;
+  EXPECT_NE(r.out.find("the GEMM limit is "), std::string::npos) << r.out;
+  EXPECT_FAILS_NAMING(run("bench lm-gemm --model mlp --synthetic"), "--model must be gpt or llama");
+  EXPECT_FAILS_NAMING(run("bench lm-gemm " + shape + " --precision bf16"), "--precision bf16");
+  fs::remove_all(dir);
+}
+
 // A BPE vocabulary end to end: convert trains it and stores it in the token files, the GPT takes its
 // size from them (vocabulary-parallel on 2 tp ranks, the same loss as one rank), the checkpoint
 // carries it, so generate encodes a prompt with characters the text never had and eval reports
