@@ -37,6 +37,16 @@ Result shell(const std::string& cmd) {
 
 Result run(const std::string& args) { return shell(std::string(DTRAIN_BINARY_DIR) + "/dtrain " + args + " 2>&1"); }
 
+// DIR/text/a.txt, a short sentence `lines` times over, converted into DIR/tok (bytes).
+Result small_text_tokens(const std::string& dir, int lines) {
+  fs::create_directories(dir + "/text");
+  {
+    std::ofstream out(dir + "/text/a.txt");
+    for (int i = 0; i < lines; ++i) out << "a small text, " << i % 10 << " times over. ";
+  }
+  return run("convert text --inputs " + dir + "/text --out " + dir + "/tok");
+}
+
 Result mpirun(int np, const std::string& args) {
   return shell("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n " +
                std::to_string(np) + " --oversubscribe --bind-to none " + std::string(DTRAIN_BINARY_DIR) + "/dtrain " +
@@ -595,12 +605,7 @@ TEST(Cli, SweepRandomDrawsItsConfigurationsFromTheSeed) {
 TEST(CliMpi, TrainerGroupsTrainAsAloneAndADivergingOneStopsAlone) {
   const std::string dir = dtrain::test::temp_dir("cli-sweep");
   dtrain::test::make_band_dataset(dir + "/band", 256);
-  fs::create_directories(dir + "/text");
-  {
-    std::ofstream out(dir + "/text/a.txt");
-    for (int i = 0; i < 800; ++i) out << "a small text, " << i % 10 << " times over. ";
-  }
-  ASSERT_EQ(run("convert text --inputs " + dir + "/text --out " + dir + "/tok").code, 0);
+  ASSERT_EQ(small_text_tokens(dir, 800).code, 0);
   std::ofstream(dir + "/gpt.ini") << "model = gpt\ndata = " << dir << "/tok\nlayers = 1\nheads = 2\nwidth = 16\n"
                                   << "context = 16\nbatch-size = 4\nsteps = 12\nlog-every = 1\nthreads = 1\ntp = 2\n";
   std::ofstream(dir + "/mlp.ini") << "model = mlp\ndata = " << dir << "/band\nhidden = 16\nsteps = 12\n"
@@ -685,12 +690,7 @@ TEST(CliMpi, TrainerGroupsTrainAsAloneAndADivergingOneStopsAlone) {
 // in an INI file, the same run with --tp 2 on two ranks (same losses), then `dtrain generate`.
 TEST(CliMpi, GptConvertTrainTensorParallelAndGenerate) {
   std::string dir = dtrain::test::temp_dir("cli-gpt");
-  fs::create_directories(dir + "/text");
-  {
-    std::ofstream out(dir + "/text/a.txt");
-    for (int i = 0; i < 800; ++i) out << "a small text, " << i % 10 << " times over. ";
-  }
-  Result conv = run("convert text --inputs " + dir + "/text --out " + dir + "/tok");
+  Result conv = small_text_tokens(dir, 800);
   ASSERT_EQ(conv.code, 0) << conv.out;
   EXPECT_NE(conv.out.find("train tokens"), std::string::npos) << conv.out;
   {
@@ -743,12 +743,7 @@ TEST(CliMpi, GptConvertTrainTensorParallelAndGenerate) {
 // nucleus is greedy.
 TEST(Cli, LlamaTrainExportInitFromAndCachedGeneration) {
   std::string dir = dtrain::test::temp_dir("cli-llama");
-  fs::create_directories(dir + "/text");
-  {
-    std::ofstream out(dir + "/text/a.txt");
-    for (int i = 0; i < 800; ++i) out << "a small text, " << i % 10 << " times over. ";
-  }
-  ASSERT_EQ(run("convert text --inputs " + dir + "/text --out " + dir + "/tok").code, 0);
+  ASSERT_EQ(small_text_tokens(dir, 800).code, 0);
   const std::string train = "train --model llama --data " + dir +
                             "/tok --layers 2 --heads 4 --kv-heads 2 --width 32 "
                             "--context 16 --batch-size 4 --eval-every 0 --threads 1 --progress off ";
@@ -793,12 +788,7 @@ TEST(Cli, LlamaTrainExportInitFromAndCachedGeneration) {
 // named.
 TEST(Cli, LanguageModelFilesEqualTheBuiltInModels) {
   std::string dir = dtrain::test::temp_dir("cli-lm-files");
-  fs::create_directories(dir + "/text");
-  {
-    std::ofstream out(dir + "/text/a.txt");
-    for (int i = 0; i < 400; ++i) out << "a small text, " << i % 10 << " times over. ";
-  }
-  ASSERT_EQ(run("convert text --inputs " + dir + "/text --out " + dir + "/tok").code, 0);
+  ASSERT_EQ(small_text_tokens(dir, 400).code, 0);
   const std::string models = std::string(DTRAIN_SOURCE_DIR) + "/examples/models/";
   const std::string run_args = " --data " + dir +
                                "/tok --steps 6 --batch-size 4 --seq-len 32 --eval-every 0 "
@@ -836,14 +826,9 @@ TEST(Cli, LanguageModelFilesEqualTheBuiltInModels) {
 // down and attention's two products over the window, then the head.
 TEST(Cli, BenchLmGemmCountsTheModelsOwnGemms) {
   std::string dir = dtrain::test::temp_dir("cli-bench-lm-gemm");
-  fs::create_directories(dir + "/text");
-  {
-    std::ofstream out(dir + "/text/a.txt");
-    for (int i = 0; i < 100; ++i) out << "a small text, " << i % 10 << " times over. ";
-  }
-  ASSERT_EQ(run("convert text --inputs " + dir + "/text --out " + dir + "/tok").code, 0);
-  const std::string shape = "--model llama --layers 2 --width 64 --heads 4 --kv-heads 2 --context 16 --batch-size 2 "
-                            "--data " + dir + "/tok";
+  ASSERT_EQ(small_text_tokens(dir, 100).code, 0);
+  const std::string shape =
+      "--model llama --layers 2 --width 64 --heads 4 --kv-heads 2 --context 16 --batch-size 2 --data " + dir + "/tok";
   Result r = run("bench lm-gemm " + shape + " --threads 1");  // the vocabulary of the token files: bytes
   ASSERT_EQ(r.code, 0) << r.out;
   const int64_t w = 64, hd = 16, qkv = (4 + 2 * 2) * hd, f = 192, t = 16, layers = 2, vocab = 256;
@@ -901,12 +886,7 @@ TEST(CliMpi, GptOnABpeVocabulary) {
 // (one per stage) that generate reads as one model, and clear errors for a bad pipeline layout.
 TEST(CliMpi, GptPipelineTrainAndGenerateFromStageCheckpoints) {
   std::string dir = dtrain::test::temp_dir("cli-gpt-pp");
-  fs::create_directories(dir + "/text");
-  {
-    std::ofstream out(dir + "/text/a.txt");
-    for (int i = 0; i < 800; ++i) out << "a small text, " << i % 10 << " times over. ";
-  }
-  ASSERT_EQ(run("convert text --inputs " + dir + "/text --out " + dir + "/tok").code, 0);
+  ASSERT_EQ(small_text_tokens(dir, 800).code, 0);
   {
     std::ofstream ini(dir + "/gpt.ini");
     ini << "model = gpt\ndata = " << dir << "/tok\nlayers = 3\nheads = 2\nwidth = 16\ncontext = 16\n"
