@@ -408,8 +408,9 @@ void attention_softmax_backward(const float* pp, const float* pd, float* pg, int
     const float* p = pp + r * t;
     const float* dp = pd + r * t;
     float* g = pg + r * t;
-    prefetch_row(p + 2 * t, r + 2 < rows ? std::min(len + 2, t) : 0);
-    prefetch_row(dp + 2 * t, r + 2 < rows ? std::min(len + 2, t) : 0);
+    const int64_t ahead = r + 2 < rows ? std::min(len + 2, t) : 0;
+    prefetch_row(p + 2 * t, ahead);
+    prefetch_row(dp + 2 * t, ahead);
     // sum(p * dp) in double (see the AVX-512 kernel).
     __m256d dlo = _mm256_setzero_pd(), dhi = _mm256_setzero_pd();
     for (int64_t j = 0; j < len; j += kW) {

@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <boost/program_options.hpp>
-#include <functional>
 #include <iostream>
 #include <vector>
 
@@ -17,7 +16,6 @@
 #include "dtrain/train/options.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/rng.h"
-#include "dtrain/core/timer.h"
 #include "dtrain/kernels/engine.h"
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
 #include "dtrain/kernels/cuda.h"

@@ -30,7 +30,6 @@ class GemmRecording {
   GemmRecording(const GemmRecording&) = delete;
   GemmRecording& operator=(const GemmRecording&) = delete;
   const std::vector<GemmCall>& calls() const { return calls_; }
-  void clear() { calls_.clear(); }
 
  private:
   friend class GemmNote;
