@@ -183,6 +183,8 @@ class CpuEngine final : public Engine {
   bool rounds_gemm(int64_t m, int64_t n) const override {
     return math_ == MathPrecision::F16 || (math_ == MathPrecision::BF16 && std::min(m, n) >= 16);
   }
+  // The fused attention of kernels/attention/ in the widest instruction set the processor has.
+  FusedAttention* fused_attention() override;
   void set_threads(int threads) override;
   int threads() const override { return threads_; }
   // The oneDNN engine and stream every CPU primitive runs on (the int8 primitives of int8.cpp too).

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 
+#include "../attention/cpu_attention.h"
 #include "cpu_engine.h"
 #include "simd.h"
 
@@ -41,6 +42,11 @@ void CpuEngine::permute_0213(const Tensor& x, int64_t a, int64_t b, int64_t c, i
     for (int64_t j = 0; j < b; ++j)
       for (int64_t k = 0; k < c; ++k)
         std::memcpy(py + ((i * c + k) * b + j) * d, px + ((i * b + j) * c + k) * d, sizeof(float) * d);
+}
+
+FusedAttention* CpuEngine::fused_attention() {
+  static const std::unique_ptr<FusedAttention> fused = attention_cpu::cpu_fused_attention(attention_cpu::active_tiles());
+  return fused.get();
 }
 
 void CpuEngine::attention_softmax_forward(const Tensor& scores, int64_t t, float scale, bool causal, Tensor& probs) {

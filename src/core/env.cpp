@@ -12,6 +12,9 @@ const std::vector<Knob>& knobs() {
       {"DTRAIN_ALLREDUCE", "mpi",
        "allreduce algorithm of the MPI backend for f32 host buffers: mpi, auto (by size and layout), shm (one "
        "node's shared memory), hier (shm within nodes, MPI between them); --allreduce sets it for a run"},
+      {"DTRAIN_ATTENTION", "fused",
+       "attention's path: fused (tiles and an online softmax, memory O(T), where the engine has it) or "
+       "materialized ([B*H, T, T] scores and probabilities: the reference, and the fallback)"},
       {"DTRAIN_COMM_TIMEOUT", "300", "seconds any collective or point-to-point wait may take before the job aborts"},
       {"DTRAIN_ERROR_WAIT", "10",
        "seconds a rank that found an error waits for the others to report it too (then one rank says it for "

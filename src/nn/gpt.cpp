@@ -2,6 +2,8 @@
 // compute goes through the Engine, so the same code runs on the CPU and CUDA engines.
 #include "dtrain/nn/gpt.h"
 
+#include "dtrain/kernels/attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -135,8 +137,23 @@ void SelfAttention::start_decoding(int64_t capacity) {
   kcache_ = vcache_ = Tensor();
 }
 
-// One batched GEMM per product as in forward, over the cached keys and values: a prompt (position
-// 0) is causal over itself; a later position is one new token that sees every cached one.
+AttentionShape SelfAttention::attention_shape(int64_t kv_len, int64_t kv_stride, int64_t q_offset) const {
+  AttentionShape s;
+  s.batch = b_;
+  s.heads = h_;
+  s.kv_heads = kvh_;
+  s.q_len = t_;
+  s.kv_len = kv_len;
+  s.head_dim = hd_;
+  s.kv_stride = kv_stride;
+  s.q_offset = q_offset;
+  s.causal = causal_;
+  s.scale = 1.f / std::sqrt(static_cast<float>(hd_));
+  return s;
+}
+
+// The same op as in training over the cached keys and values: a prompt (position 0) is causal over
+// itself; a later position is one new token that sees every cached one and itself.
 Tensor SelfAttention::forward_cached(const Tensor& x) {
   b_ = x.size(0);
   t_ = x.size(1);
@@ -149,7 +166,7 @@ Tensor SelfAttention::forward_cached(const Tensor& x) {
     vcache_ = Tensor::empty({b_, kvh_, capacity_, hd_}, DType::F32, dev);
   }
   Tensor qkv = qkv_->forward(x);
-  const int64_t bh = b_ * h_, bkv = b_ * kvh_, g = h_ / kvh_, n = (bh + 2 * bkv) * t_ * hd_;
+  const int64_t bh = b_ * h_, bkv = b_ * kvh_, n = (bh + 2 * bkv) * t_ * hd_;
   Tensor heads = Tensor::empty({n}, DType::F32, dev);
   split_heads(e, qkv, heads);
   if (rope_base_ > 0) {
@@ -165,17 +182,9 @@ Tensor SelfAttention::forward_cached(const Tensor& x) {
     e.copy(heads.slice0((bh + i) * step, (bh + i + 1) * step), kdst);
     e.copy(heads.slice0((bh + bkv + i) * step, (bh + bkv + i + 1) * step), vdst);
   }
-  const int64_t len = position_ + t_, gt = g * t_;
   Tensor q = heads.slice0(0, bh * step);
-  Tensor scores = Tensor::empty({bh * t_, len}, DType::F32, dev), att = Tensor::empty({bh * t_, len}, DType::F32, dev);
-  e.gemm_batched(bkv, false, true, gt, len, hd_, 1.f, q, g * step, kc, row, 0.f, scores, gt * len);
-  const float scale = 1.f / std::sqrt(static_cast<float>(hd_));
-  if (position_ == 0)
-    e.attention_softmax_forward(scores, t_, scale, true, att);
-  else
-    e.softmax_rows(scores, scale, att);
-  Tensor yh = Tensor::empty({bh * step}, DType::F32, dev);
-  e.gemm_batched(bkv, false, false, gt, hd_, len, 1.f, att, gt * len, vc, row, 0.f, yh, g * step);
+  Tensor yh = Tensor::empty({bh * step}, DType::F32, dev), lse = Tensor::empty({bh * t_}, DType::F32, dev);
+  attention_forward(e, attention_shape(position_ + t_, row, position_), q, kc, vc, yh, lse);
   Tensor y = Tensor::empty({b_, t_, h_ * hd_}, DType::F32, dev);
   e.permute_0213(yh, b_, h_, t_, hd_, y);
   return proj_->forward(y);
@@ -189,7 +198,7 @@ Tensor SelfAttention::forward(const Tensor& x) {
   Device dev = x.device();
   Engine& e = engine(x);
   Tensor qkv = qkv_->forward(x);  // [B, T, (H + 2 KV) * hd]
-  const int64_t hc = h_ * hd_, bh = b_ * h_, bkv = b_ * kvh_, g = h_ / kvh_, n = (bh + 2 * bkv) * t_ * hd_;
+  const int64_t hc = h_ * hd_, bh = b_ * h_, bkv = b_ * kvh_, n = (bh + 2 * bkv) * t_ * hd_;
   DT_CHECK(qkv.numel() == n, kind() << ": qkv gave " << qkv.str());
   low_ = !e.rounds_gemm(t_, t_) || !e.rounds_gemm(t_, hd_) ? DType::F32
          : e.math_precision() == MathPrecision::F16        ? DType::F16
@@ -201,15 +210,11 @@ Tensor SelfAttention::forward(const Tensor& x) {
     e.rotary(qk, t_, rope_table(dev), 0, false, qk);
   }
   if (low_ != DType::F32) e.cast(wide_, ensure(qkvh_, {n}, dev, low_));
-  ensure_temp(scores_, {bh, t_, t_}, dev);  // dead once softmax has run
-  ensure(att_, {bh, t_, t_}, dev);
-  ensure_temp(yh_, {bh, t_, hd_}, dev);  // permuted into y_ at once
+  ensure(yh_, {bh, t_, hd_}, dev);  // kept: the backward reads it beside lse_
+  ensure(lse_, {bh * t_}, dev);
   Tensor q = qkvh_.slice0(0, bh * t_ * hd_), k = qkvh_.slice0(bh * t_ * hd_, (bh + bkv) * t_ * hd_),
          v = qkvh_.slice0((bh + bkv) * t_ * hd_, n);
-  const int64_t qs = g * t_ * hd_, ks = t_ * hd_, ss = g * t_ * t_, gt = g * t_;
-  e.gemm_batched(bkv, false, true, gt, t_, hd_, 1.f, q, qs, k, ks, 0.f, scores_, ss);  // s = q k^T [G*T, T]
-  e.attention_softmax_forward(scores_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), causal_, att_);
-  e.gemm_batched(bkv, false, false, gt, hd_, t_, 1.f, att_, ss, v, ks, 0.f, yh_, qs);  // y = att v [G*T, hd]
+  attention_forward(e, attention_shape(t_, 0, 0), q, k, v, yh_, lse_);
   if (copies_)
     ensure_temp(y_, {b_, t_, hc}, dev);  // proj keeps its own copy
   else
@@ -222,36 +227,17 @@ Tensor SelfAttention::backward(const Tensor& dout) {
   DT_CHECK(dout.numel() == b_ * t_ * c_, kind() << " backward got " << dout.str());
   Device dev = dout.device();
   Engine& e = engine(dout);
-  const int64_t bh = b_ * h_, bkv = b_ * kvh_, g = h_ / kvh_, n = (bh + 2 * bkv) * t_ * hd_;
+  const int64_t bh = b_ * h_, bkv = b_ * kvh_, n = (bh + 2 * bkv) * t_ * hd_;
   Tensor dy = proj_->backward(dout);  // [B, T, H*hd]
   ensure(dyh_, {bh, t_, hd_}, dev);
   e.permute_0213(dy, b_, t_, h_, hd_, dyh_);
-  ensure(datt_, {bh, t_, t_}, dev);
-  // The raw scores are dead once softmax has run: their (scratch) buffer takes d(scores).
-  keep(dscores_, ensure_temp(scores_, {bh, t_, t_}, dev));
   ensure(dqkvh_, {n}, dev);
   Tensor q = qkvh_.slice0(0, bh * t_ * hd_), k = qkvh_.slice0(bh * t_ * hd_, (bh + bkv) * t_ * hd_),
          v = qkvh_.slice0((bh + bkv) * t_ * hd_, n);
   Tensor dq = dqkvh_.slice0(0, bh * t_ * hd_), dk = dqkvh_.slice0(bh * t_ * hd_, (bh + bkv) * t_ * hd_),
          dv = dqkvh_.slice0((bh + bkv) * t_ * hd_, n);
-  const int64_t qs = g * t_ * hd_, ks = t_ * hd_, ss = g * t_ * t_, gt = g * t_;
-  const Tensor* dyp = &dyh_;
-  if (low_ != DType::F32) {
-    DT_CHECK(qkvh_.dtype() == low_, kind() << ": heads held in " << dtype_name(qkvh_.dtype()));
-    e.cast(dyh_, ensure_temp(dyh_low_, dyh_.shape(), dev, low_));
-    dyp = &dyh_low_;
-  }
-  e.gemm_batched(bkv, false, true, gt, t_, hd_, 1.f, *dyp, qs, v, ks, 0.f, datt_, ss);  // datt = dy v^T
-  e.gemm_batched(bkv, true, false, t_, hd_, gt, 1.f, att_, ss, *dyp, qs, 0.f, dv, ks);  // dv = att^T dy
-  e.attention_softmax_backward(att_, datt_, t_, 1.f / std::sqrt(static_cast<float>(hd_)), causal_, dscores_);
-  const Tensor* ds = &dscores_;
-  if (low_ != DType::F32) {
-    e.cast(dscores_, ensure_temp(ds_low_, dscores_.shape(), dev, low_));
-    ds = &ds_low_;
-  }
-  e.gemm_batched(bkv, false, false, gt, hd_, t_, 1.f, *ds, ss, k, ks, 0.f, dq, qs);  // dq = ds k (scale in ds)
-  e.gemm_batched(bkv, true, false, t_, hd_, gt, 1.f, *ds, ss, q, qs, 0.f, dk, ks);   // dk = ds^T q
-  if (rope_base_ > 0) {                                                              // back through the rotation
+  attention_backward(e, attention_shape(t_, 0, 0), q, k, v, yh_, lse_, dyh_, dq, dk, dv);
+  if (rope_base_ > 0) {  // back through the rotation
     Tensor dqk = dqkvh_.slice0(0, (bh + bkv) * t_ * hd_);
     e.rotary(dqk, t_, rope_table(dev), 0, true, dqk);
   }

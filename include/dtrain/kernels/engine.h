@@ -11,6 +11,8 @@
 
 namespace dtrain {
 
+class FusedAttention;  // dtrain/kernels/attention.h
+
 struct Conv2dGeom {
   int64_t n, c, h, w;  // input
   int64_t k, r, s;     // output channels, kernel height, width
@@ -61,6 +63,10 @@ class Engine {
   // A line for the user about how the math precision runs on this device ("" when natively): the
   // CPU engine says so when bf16 is emulated in fp32 (a processor without AVX512-BF16).
   virtual std::string precision_note() const { return ""; }
+
+  // The op families this engine has beyond its methods below (capabilities: null when it has
+  // none, and the family's free functions fall back to what it has). Attention: attention.h.
+  virtual FusedAttention* fused_attention() { return nullptr; }
 
   // Waits for all work queued on this engine (a no-op on the CPU, whose calls are synchronous).
   virtual void synchronize() {}

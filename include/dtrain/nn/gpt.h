@@ -8,6 +8,7 @@
 #include <string>
 
 #include "dtrain/core/rng.h"
+#include "dtrain/kernels/attention.h"
 #include "dtrain/nn/layers.h"
 
 namespace dtrain::nn {
@@ -95,16 +96,17 @@ class SelfAttention : public Module {
   ModulePtr qkv_, proj_;  // C -> (H + 2 KV)*hd (q, k, v each head-major), H*hd -> C
   void split_heads(Engine& e, const Tensor& qkv, Tensor& heads);
   void merge_heads(Engine& e, const Tensor& heads, Tensor& dqkv);
-  // qkvh_: q [B, H, T, hd], then k and v [B, KV, T, hd] each; att_ (softmax probabilities) [B*H, T, T];
-  // yh_ [B*H, T, hd]; y_ [B, T, H*hd]; split_ [H + 2 KV, B*T, hd] (between the permutes, scratch)
-  Tensor qkvh_, scores_, att_, yh_, y_, split_;
-  Tensor dyh_, datt_, dscores_, dqkvh_, dqkv_;  // dscores_ shares scores_'s buffer
-  // Where every attention GEMM rounds its operands to bf16/f16 (Engine::rounds_gemm), the heads are
-  // held in that precision (qkvh_ then is a low-precision copy of wide_, scratch), and dy's heads
-  // and d(scores) are rounded once for their two GEMMs each (dyh_low_, ds_low_, scratch): the same
-  // products, fewer roundings, half the bytes held for q, k and v.
+  AttentionShape attention_shape(int64_t kv_len, int64_t kv_stride, int64_t q_offset) const;
+  // qkvh_: q [B, H, T, hd], then k and v [B, KV, T, hd] each; yh_ (the attention's output) [B*H, T,
+  // hd] and lse_ [B*H*T] (its log-sum-exp, from which backward recomputes the probabilities: no
+  // [T, T] tensor is kept); y_ [B, T, H*hd]; split_ [H + 2 KV, B*T, hd] (between the permutes, scratch)
+  Tensor qkvh_, yh_, lse_, y_, split_;
+  Tensor dyh_, dqkvh_, dqkv_;
+  // Where every attention GEMM would round its operands to bf16/f16 (Engine::rounds_gemm), the
+  // heads are held in that precision (qkvh_ then is a low-precision copy of wide_, scratch): half
+  // the bytes held for q, k and v; the attention reads them into f32.
   DType low_ = DType::F32;
-  Tensor wide_, dyh_low_, ds_low_;
+  Tensor wide_;
 };
 
 // GPT-2's shape with the Llama family's choices: RMSNorm, rotary positions (base 10000), SwiGLU with
