@@ -87,7 +87,10 @@ void check_attention_args(const AttentionShape& s, const Tensor& q, const Tensor
   check_tensor(out, q.numel(), true, dev, "out");
 }
 
-bool attention_is_fused(Engine& e) { return fused_path(e) != nullptr; }
+std::string attention_path(Engine& e) {
+  const FusedAttention* f = fused_path(e);
+  return f ? std::string("fused (") + f->name() + " tiles)" : std::string("materialised");
+}
 
 void attention_forward(Engine& e, const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v,
                        Tensor& out, Tensor& lse) {

@@ -13,12 +13,12 @@ namespace dtrain::attention_cpu {
 
 size_t forward_scratch(const AttentionShape& s) {
   const int64_t dp = padded(s.head_dim);
-  return static_cast<size_t>(2 * kQueryTile * dp + 2 * kKeyTile * dp + kQueryTile * kKeyTile + 2 * kQueryTile);
+  return static_cast<size_t>(2 * kQueryTile * dp + kQueryTile * kKeyTile + 2 * kQueryTile);
 }
 
 size_t backward_scratch(const AttentionShape& s) {
   const int64_t dp = padded(s.head_dim), tqp = query_tiles(s) * kQueryTile;
-  return static_cast<size_t>(3 * tqp * dp + 2 * tqp + 6 * kKeyTile * dp + 2 * kQueryTile * kKeyTile);
+  return static_cast<size_t>(3 * tqp * dp + 2 * tqp + 2 * kKeyTile * dp + 2 * kQueryTile * kKeyTile);
 }
 
 const TileKernels& generic_tiles() { return generic::tiles(); }
@@ -68,6 +68,7 @@ class CpuFusedAttention final : public FusedAttention {
     Problem p = problem(s, q, k, v);
     p.out = out.device_f32();
     p.lse = lse.device_f32();
+    std::vector<float> packed = pack(p, false);
     const int64_t heads = s.batch * s.heads, tiles = query_tiles(s);
     parallel_tasks(heads * tiles, forward_scratch(s), [&](int64_t i, float* scratch) {
       k_.forward_tile(p, i % heads, tiles - 1 - i / heads, scratch);  // the longest tiles first
@@ -89,6 +90,7 @@ class CpuFusedAttention final : public FusedAttention {
     p.lse_in = lse.device_f32();
     p.dout = dout.device_f32();
     p.dq = dq.device_f32();
+    std::vector<float> packed = pack(p, true);
     const int64_t g = s.group(), per_head = s.batch * s.heads * s.kv_len * s.head_dim;
     std::vector<float> partial(g > 1 ? 2 * static_cast<size_t>(per_head) : 0);
     p.per_head = g > 1;
@@ -101,6 +103,20 @@ class CpuFusedAttention final : public FusedAttention {
 
  private:
   const TileKernels& k_;
+
+  // k and v in the tiles' layouts (Problem::k_rows ...), every key/value head in parallel.
+  std::vector<float> pack(Problem& p, bool rows) const {
+    const int64_t heads = p.s.batch * p.s.kv_heads, block = p.kv_block();
+    std::vector<float> packed(static_cast<size_t>((rows ? 4 : 2) * heads * block));
+    p.k_tiles = packed.data();
+    p.v_rows = p.k_tiles + heads * block;
+    if (rows) {
+      p.k_rows = p.v_rows + heads * block;
+      p.v_tiles = p.k_rows + heads * block;
+    }
+    parallel_tasks(heads, 0, [&](int64_t kv, float*) { k_.pack_kv(p, kv, rows); });
+    return packed;
+  }
 
   static Problem problem(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v) {
     Problem p;

@@ -40,6 +40,12 @@ struct Problem {
   // group's partial sums), else to its key/value head's rows of [B*KV, Tk, D].
   float *dk = nullptr, *dv = nullptr;
   bool per_head = false;
+  // k and v packed once per call by pack_kv, kv_block() floats per key/value head each: their rows
+  // padded to [key tiles * kKeyTile, dp] (zero rows and columns past the data) and their transposes
+  // tile by tile, [key tiles, dp, kKeyTile]. The forward reads k_tiles and v_rows only.
+  float *k_rows = nullptr, *k_tiles = nullptr, *v_rows = nullptr, *v_tiles = nullptr;
+  int64_t key_tiles() const { return (s.kv_len + kKeyTile - 1) / kKeyTile; }
+  int64_t kv_block() const { return key_tiles() * kKeyTile * padded(s.head_dim); }
 };
 
 // Floats of scratch one thread needs for a forward task and for a backward task.
@@ -48,6 +54,9 @@ size_t backward_scratch(const AttentionShape& s);
 
 struct TileKernels {
   const char* name;
+  // Packs key/value head `kv` (b * KV + its head) into p's k_rows, k_tiles, v_rows, v_tiles
+  // (the rows only where `rows`: the backward's).
+  void (*pack_kv)(const Problem& p, int64_t kv, bool rows);
   // Query tile `tile` of head bh (b * H + h): out and lse of those rows.
   void (*forward_tile)(const Problem& p, int64_t bh, int64_t tile, float* scratch);
   // Query head bh: its dq rows and its dk, dv (see Problem).

@@ -31,16 +31,27 @@ inline Vf load(const float* p) {
   return v;
 }
 inline void store(float* p, Vf v) { std::memcpy(p, &v, sizeof v); }
-inline Vf splat(float x) { return Vf{} + x; }
+inline Vf splat(float x) { return x - Vf{}; }  // x - 0 is x for every x (x + 0 is not for -0)
+// v's lanes folded by halves until 4 remain: lane i then combines lanes i, i + 4, i + 8, ...
+template <typename Op>
+inline Vf fold_to_4(Vf v, Op op) {
+#if DT_ATT_LANES == 16
+  v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+#elif DT_ATT_LANES == 8
+  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+#else
+  (void)op;
+#endif
+  return v;
+}
 inline float hsum(Vf v) {
-  float s = 0;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
+  v = fold_to_4(v, [](Vf a, Vf b) { return a + b; });
+  return (v[0] + v[1]) + (v[2] + v[3]);
 }
 inline float hmax(Vf v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
-  return m;
+  v = fold_to_4(v, [](Vf a, Vf b) { return a > b ? a : b; });
+  return std::max(std::max(v[0], v[1]), std::max(v[2], v[3]));
 }
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
@@ -129,11 +140,25 @@ void pack_rows(DType t, const void* src, int64_t at, int64_t valid, int64_t tota
   std::fill(dst + valid * dp, dst + total * dp, 0.f);
 }
 
-// dst [dp, BC] = the transpose of `valid` rows of src (rows of d from element `at`), zero-padded.
+// dst [tiles, dp, BC]: each tile of BC rows of src (`valid` rows of d from element `at`), transposed
+// and zero-padded.
 void pack_transposed(DType t, const void* src, int64_t at, int64_t valid, int64_t d, int64_t dp, float* dst) {
-  std::fill(dst, dst + dp * BC, 0.f);
-  for (int64_t j = 0; j < valid; ++j)
-    for (int64_t i = 0; i < d; ++i) dst[i * BC + j] = widen(t, src, at + j * d + i);
+  const int64_t tiles = (valid + BC - 1) / BC;
+  std::fill(dst, dst + tiles * dp * BC, 0.f);
+  for (int64_t j = 0; j < valid; ++j) {
+    float* col = dst + j / BC * dp * BC + j % BC;
+    for (int64_t i = 0; i < d; ++i) col[i * BC] = widen(t, src, at + j * d + i);
+  }
+}
+
+void pack_kv(const Problem& p, int64_t kv, bool rows) {
+  const AttentionShape& s = p.s;
+  const int64_t d = s.head_dim, dp = padded(d), at = kv * s.kv_head_stride(), block = p.kv_block();
+  pack_transposed(p.dtype, p.k, at, s.kv_len, d, dp, p.k_tiles + kv * block);
+  pack_rows(p.dtype, p.v, at, s.kv_len, p.key_tiles() * BC, d, dp, p.v_rows + kv * block);
+  if (!rows) return;
+  pack_rows(p.dtype, p.k, at, s.kv_len, p.key_tiles() * BC, d, dp, p.k_rows + kv * block);
+  pack_transposed(p.dtype, p.v, at, s.kv_len, d, dp, p.v_tiles + kv * block);
 }
 
 // One row of a forward tile: scores [BC] (the first `limit` visible) become probabilities relative
@@ -157,7 +182,7 @@ void online_softmax_row(float* row, int64_t limit, float c, float& m, float& l, 
     store(row + j, e);
     sum += e;
   }
-  const float alpha = std::exp2(m - mnew);  // 0 on the first visible tile (m = -inf)
+  const float alpha = m == mnew ? 1.f : std::exp2(m - mnew);  // 0 on the first visible tile (m = -inf)
   l = l * alpha + hsum(sum);
   if (alpha != 1.f)
     for (int64_t i = 0; i < dp; i += W) store(o + i, load(o + i) * alpha);
@@ -174,16 +199,14 @@ Head head_of(const AttentionShape& s, int64_t bh) {
 
 void forward_tile(const Problem& p, int64_t bh, int64_t tile, float* scratch) {
   const AttentionShape& s = p.s;
-  const int64_t d = s.head_dim, dp = padded(d), tq = s.q_len, tk = s.kv_len, kvs = s.kv_head_stride();
+  const int64_t d = s.head_dim, dp = padded(d), tq = s.q_len, tk = s.kv_len;
   const int64_t i0 = tile * BR, valid = std::min(BR, tq - i0), rows = round_up(valid, kRows);
   const Head hd = head_of(s, bh);
   float* qt = scratch;      // [BR, dp]
   float* o = qt + BR * dp;  // [BR, dp]
-  float* kt = o + BR * dp;  // [dp, BC]
-  float* vp = kt + dp * BC;  // [BC, dp]
-  float* sc = vp + BC * dp;  // [BR, BC]
-  float* m = sc + BR * BC;   // [BR]
-  float* l = m + BR;         // [BR]
+  float* sc = o + BR * dp;  // [BR, BC]
+  float* m = sc + BR * BC;  // [BR]
+  float* l = m + BR;        // [BR]
   pack_rows(p.dtype, p.q, (bh * tq + i0) * d, valid, rows, d, dp, qt);
   std::fill(o, o + rows * dp, 0.f);
   std::fill(m, m + rows, kNegInf);
@@ -191,9 +214,9 @@ void forward_tile(const Problem& p, int64_t bh, int64_t tile, float* scratch) {
   const float c = s.scale * kLog2e;
   const int64_t end = s.causal ? std::min(tk, s.q_offset + i0 + valid) : tk;
   for (int64_t j0 = 0; j0 < end; j0 += BC) {
-    const int64_t keys = std::min(BC, tk - j0), at = hd.kv * kvs + j0 * d;
-    pack_transposed(p.dtype, p.k, at, keys, d, dp, kt);
-    pack_rows(p.dtype, p.v, at, keys, BC, d, dp, vp);
+    const int64_t keys = std::min(BC, tk - j0);
+    const float* kt = p.k_tiles + hd.kv * p.kv_block() + j0 * dp;  // [dp, BC]
+    const float* vp = p.v_rows + hd.kv * p.kv_block() + j0 * dp;   // [BC, dp]
     gemm_tile(rows, BC, dp, qt, dp, 1, kt, BC, sc, BC, false);  // s = q k^T
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t limit = s.causal ? std::min(keys, s.q_offset + i0 + i + 1 - j0) : keys;
@@ -223,7 +246,7 @@ void recompute_probs(const AttentionShape& s, float* pt, int64_t rows, int64_t i
 
 void backward_head(const Problem& p, int64_t bh, float* scratch) {
   const AttentionShape& s = p.s;
-  const int64_t d = s.head_dim, dp = padded(d), tq = s.q_len, tk = s.kv_len, kvs = s.kv_head_stride();
+  const int64_t d = s.head_dim, dp = padded(d), tq = s.q_len, tk = s.kv_len;
   const int64_t tqp = round_up(tq, BR), tqr = round_up(tq, kRows);
   const Head hd = head_of(s, bh);
   float* qp = scratch;          // [tqp, dp]
@@ -231,11 +254,7 @@ void backward_head(const Problem& p, int64_t bh, float* scratch) {
   float* dqa = dop + tqp * dp;  // [tqp, dp]
   float* di = dqa + tqp * dp;   // [tqp]: rowsum(dO o O)
   float* lse2 = di + tqp;       // [tqp]: lse * log2 e
-  float* kp = lse2 + tqp;       // [BC, dp]
-  float* vp = kp + BC * dp;     // [BC, dp]
-  float* kt = vp + BC * dp;     // [dp, BC]
-  float* vt = kt + dp * BC;     // [dp, BC]
-  float* pt = vt + dp * BC;     // [BR, BC]
+  float* pt = lse2 + tqp;       // [BR, BC]
   float* ds = pt + BR * BC;     // [BR, BC]
   float* dka = ds + BR * BC;    // [BC, dp]
   float* dva = dka + BC * dp;   // [BC, dp]
@@ -253,11 +272,9 @@ void backward_head(const Problem& p, int64_t bh, float* scratch) {
   float* dk_rows = p.dk + (p.per_head ? bh : hd.kv) * tk * d;
   float* dv_rows = p.dv + (p.per_head ? bh : hd.kv) * tk * d;
   for (int64_t j0 = 0; j0 < tk; j0 += BC) {
-    const int64_t keys = std::min(BC, tk - j0), at = hd.kv * kvs + j0 * d;
-    pack_rows(p.dtype, p.k, at, keys, BC, d, dp, kp);
-    pack_rows(p.dtype, p.v, at, keys, BC, d, dp, vp);
-    pack_transposed(p.dtype, p.k, at, keys, d, dp, kt);
-    pack_transposed(p.dtype, p.v, at, keys, d, dp, vt);
+    const int64_t keys = std::min(BC, tk - j0), at = hd.kv * p.kv_block() + j0 * dp;
+    const float *kp = p.k_rows + at, *kt = p.k_tiles + at;  // [BC, dp], [dp, BC]
+    const float *vt = p.v_tiles + at;                       // [dp, BC]
     std::fill(dka, dka + BC * dp, 0.f);
     std::fill(dva, dva + BC * dp, 0.f);
     // Under causal masking queries before position j0 see none of these keys.
@@ -287,7 +304,7 @@ void backward_head(const Problem& p, int64_t bh, float* scratch) {
 }  // namespace
 
 const TileKernels& tiles() {
-  static const TileKernels k{.name = DT_ATT_NAME, .forward_tile = forward_tile, .backward_head = backward_head};
+  static const TileKernels k{.name = DT_ATT_NAME, .pack_kv = pack_kv, .forward_tile = forward_tile, .backward_head = backward_head};
   return k;
 }
 

@@ -12,6 +12,7 @@
 #include "commands.h"
 #include "dtrain/comm/runtime.h"
 #include "dtrain/data/text.h"
+#include "dtrain/kernels/attention.h"
 #include "dtrain/kernels/engine.h"
 #include "dtrain/kernels/gemm_record.h"
 #include "dtrain/nn/gpt.h"
@@ -139,10 +140,11 @@ int cmd_bench_lm_gemm(int argc, char** argv) {
   StepGemms r = record_steps(model, batch, len, rng);
   std::printf(
       "GEMMs of one forward + backward: %s, %lld blocks of width %lld (%lld heads over %lld kv heads, MLP %lld, "
-      "vocab %lld), %lld x %lld tokens, %d thread(s)\n",
+      "vocab %lld), %lld x %lld tokens, %d thread(s); attention %s%s\n",
       shape.llama() ? "llama" : "gpt", static_cast<long long>(shape.layers), static_cast<long long>(shape.width),
       static_cast<long long>(shape.heads), static_cast<long long>(shape.kv()), static_cast<long long>(shape.hidden()),
-      static_cast<long long>(shape.vocab), static_cast<long long>(batch), static_cast<long long>(len), threads);
+      static_cast<long long>(shape.vocab), static_cast<long long>(batch), static_cast<long long>(len), threads,
+      attention_path(e).c_str(), attention_path(e) == "materialised" ? "" : " (its products are not GEMM calls)");
   report(r, static_cast<double>(batch * len), e, rng);
   return 0;
 }

@@ -15,6 +15,7 @@ int cmd_bench(int argc, char** argv);            // src/cli/cmd_bench.cpp     (d
 int cmd_bench_gemm(int argc, char** argv);       // src/cli/cmd_bench_gemm.cpp
 int cmd_bench_allreduce(int argc, char** argv);  // src/cli/cmd_bench_allreduce.cpp
 int cmd_bench_lm_gemm(int argc, char** argv);    // src/cli/cmd_bench_lm_gemm.cpp
+int cmd_bench_attention(int argc, char** argv);  // src/cli/cmd_bench_attention.cpp
 int cmd_generate(int argc, char** argv);         // src/cli/cmd_generate.cpp (samples from a GPT checkpoint)
 int cmd_export(int argc, char** argv);           // src/cli/cmd_export.cpp (weights as safetensors / HDF5)
 int cmd_convert_text(int argc, char** argv);  // src/cli/cmd_convert.cpp (dtrain convert text)

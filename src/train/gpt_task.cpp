@@ -15,6 +15,7 @@
 #include "dtrain/core/rng.h"
 #include "dtrain/core/timer.h"
 #include "dtrain/data/text.h"
+#include "dtrain/kernels/attention.h"
 #include "dtrain/nn/model_file.h"
 #include "dtrain/parallel/pipeline.h"
 #include "dtrain/parallel/process_grid.h"
@@ -445,7 +446,8 @@ std::vector<int> GptTask::balanced_starts() const {
 std::string GptTask::describe() {
   std::ostringstream o;
   o << model_->kind() << ", " << parameters_ << " parameters on rank 0, batch " << batch_ << " x " << seq_len_
-    << " tokens per dp rank, " << train_.tokens.size() << " train / " << val_.tokens.size() << " val tokens";
+    << " tokens per dp rank, " << train_.tokens.size() << " train / " << val_.tokens.size()
+    << " val tokens, attention " << attention_path(engine_for(device_));
   if (!cfg_->teacher.empty())
     o << ", teacher " << (teacher_ ? teacher_->kind() + " " : "") << "from " << cfg_->teacher
       << (teacher_ ? "" : " on the last stage") << ", T " << cfg_->distill_temperature << " weight "

@@ -783,6 +783,33 @@ TEST(Cli, LlamaTrainExportInitFromAndCachedGeneration) {
   fs::remove_all(dir);
 }
 
+// The fused attention (the default) trains the Llama and the GPT for 20 steps to the losses of the
+// materialised path (DTRAIN_ATTENTION=materialized) within 1e-5, and says which path ran.
+TEST(Cli, FusedAttentionTrainsAsTheMaterialisedPath) {
+  std::string dir = dtrain::test::temp_dir("cli-fused-attention");
+  ASSERT_EQ(small_text_tokens(dir, 400).code, 0);
+  const std::string args = " --data " + dir +
+                           "/tok --steps 20 --log-every 1 --batch-size 4 --seq-len 80 --layers 2 --width 64 --heads 4 "
+                           "--eval-every 0 --eval-batches 2 --threads 2 --progress off --metrics " + dir + "/";
+  for (const std::string model : {"--model llama --kv-heads 2", "--model gpt"}) {
+    Result fused = run("train " + model + args + "fused.jsonl");
+    Result mat = shell("DTRAIN_ATTENTION=materialized " + std::string(DTRAIN_BINARY_DIR) + "/dtrain train " + model +
+                       args + "mat.jsonl 2>&1");
+    ASSERT_EQ(fused.code, 0) << fused.out;
+    ASSERT_EQ(mat.code, 0) << mat.out;
+    const auto a = step_losses(dir + "/fused.jsonl"), b = step_losses(dir + "/mat.jsonl");
+    ASSERT_EQ(a.size(), 20u) << model;
+    ASSERT_EQ(b.size(), 20u) << model;
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(std::stod(a[i]), std::stod(b[i]), 1e-5) << model << " step " << i;
+    EXPECT_NEAR(last_val_loss(dir + "/fused.jsonl"), last_val_loss(dir + "/mat.jsonl"), 1e-5) << model;
+    EXPECT_NE(fused.out.find("attention fused"), std::string::npos) << fused.out;
+    EXPECT_NE(mat.out.find("attention materialised"), std::string::npos) << mat.out;
+    fs::remove(dir + "/fused.jsonl");
+    fs::remove(dir + "/mat.jsonl");
+  }
+  fs::remove_all(dir);
+}
+
 // Language models written as model files (examples/models/gpt2.json, llama.json) train exactly as
 // --model gpt and --model llama of the same shape; a bad field or a shape option beside the file is
 // named.
@@ -829,15 +856,20 @@ TEST(Cli, BenchLmGemmCountsTheModelsOwnGemms) {
   ASSERT_EQ(small_text_tokens(dir, 100).code, 0);
   const std::string shape =
       "--model llama --layers 2 --width 64 --heads 4 --kv-heads 2 --context 16 --batch-size 2 --data " + dir + "/tok";
-  Result r = run("bench lm-gemm " + shape + " --threads 1");  // the vocabulary of the token files: bytes
-  ASSERT_EQ(r.code, 0) << r.out;
   const int64_t w = 64, hd = 16, qkv = (4 + 2 * 2) * hd, f = 192, t = 16, layers = 2, vocab = 256;
-  const int64_t macs = layers * (w * qkv + w * w + 3 * w * f + 2 * t * w) + vocab * w;
-  char expect[64];
-  std::snprintf(expect, sizeof expect, "(%.6g MFLOP per token), %d calls", 6.0 * static_cast<double>(macs) * 1e-6,
-                2 * (4 * 3 + 6) + 3);
-  EXPECT_NE(r.out.find(expect), std::string::npos) << expect << "\n" << r.out;
-  EXPECT_NE(r.out.find("the GEMM limit is "), std::string::npos) << r.out;
+  // Fused attention's products are not GEMM calls; the materialised path adds them (2 forward, 4 backward).
+  for (const bool fused : {true, false}) {
+    Result r = shell(std::string(fused ? "" : "DTRAIN_ATTENTION=materialized ") + DTRAIN_BINARY_DIR +
+                     "/dtrain bench lm-gemm " + shape + " --threads 1 2>&1");  // the vocabulary of the token files: bytes
+    ASSERT_EQ(r.code, 0) << r.out;
+    const int64_t macs = layers * (w * qkv + w * w + 3 * w * f + (fused ? 0 : 2 * t * w)) + vocab * w;
+    char expect[64];
+    std::snprintf(expect, sizeof expect, "(%.6g MFLOP per token), %d calls", 6.0 * static_cast<double>(macs) * 1e-6,
+                  2 * (4 * 3 + (fused ? 0 : 6)) + 3);
+    EXPECT_NE(r.out.find(expect), std::string::npos) << expect << "\n" << r.out;
+    EXPECT_NE(r.out.find("the GEMM limit is "), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(fused ? "attention fused" : "attention materialised"), std::string::npos) << r.out;
+  }
   EXPECT_FAILS_NAMING(run("bench lm-gemm --model mlp --synthetic"), "--model must be gpt or llama");
   EXPECT_FAILS_NAMING(run("bench lm-gemm " + shape + " --precision bf16"), "--precision bf16");
   fs::remove_all(dir);

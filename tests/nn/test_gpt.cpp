@@ -284,11 +284,16 @@ TEST(ActivationCheckpointing, SameGradientsLessMemory) {
 // Under bf16/f16 math attention holds q, k and v in that precision and rounds dy's heads and
 // d(scores) once for their two GEMMs each: every output and gradient is bitwise what the engine's
 // own GEMMs give on the f32 operands (which they round inside), built here step by step.
+// The materialised path (DTRAIN_ATTENTION=materialized) with its heads held in bf16/f16.
 TEST(LowPrecisionAttention, HeldHeadsChangeNoBit) {
   const int64_t b = 2, t = 16, c = 64, h = 2, hd = c / h, bh = b * h;
   Engine& e = cpu_engine();
+  ::setenv("DTRAIN_ATTENTION", "materialized", 1);
   struct Restore {
-    ~Restore() { cpu_engine().set_math_precision(MathPrecision::F32); }
+    ~Restore() {
+      cpu_engine().set_math_precision(MathPrecision::F32);
+      ::unsetenv("DTRAIN_ATTENTION");
+    }
   } restore;
   for (MathPrecision prec : {MathPrecision::BF16, MathPrecision::F16}) {
     e.set_math_precision(prec);

@@ -10,6 +10,7 @@
 // h / (H / KV), so the G = H / KV query heads of a group are consecutive and k, v are never
 // repeated), Tq queries, Tk keys, D head width.
 #include <cstdint>
+#include <string>
 
 #include "dtrain/core/tensor.h"
 
@@ -55,8 +56,8 @@ void attention_forward(Engine& e, const AttentionShape& s, const Tensor& q, cons
                        Tensor& out, Tensor& lse);
 void attention_backward(Engine& e, const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv);
-// Whether attention_forward on `e` runs the fused path (so a layer need not keep [T, T] tensors).
-bool attention_is_fused(Engine& e);
+// Which path attention_forward takes on `e`, for the log: "fused (avx512 tiles)", "materialised".
+std::string attention_path(Engine& e);
 
 // The materialised path on any engine (the reference). Causal attention needs q_offset 0 with
 // q_len == kv_len (a whole sequence) or q_len 1 (one cached decoding step). Under bf16/f16 inputs
