@@ -21,7 +21,7 @@ run() {
   local bin=$1 out
   shift
   out=$(/usr/bin/time -f 'maxrss %M' "$bin" train --model llama --batch-size 1 --threads 1 --steps "$STEPS" \
-    --warmup-steps 1 --eval-every 0 --eval-batches 0 --progress off --data "$TOKENS" "$@" 2>&1) || {
+    --warmup-steps 1 --eval-every 0 --eval-batches 1 --progress off --data "$TOKENS" "$@" 2>&1) || {
     echo "run failed: $bin $*" >&2
     echo "$out" | tail -5 >&2
     echo "- -"

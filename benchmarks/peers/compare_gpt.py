@@ -2,7 +2,7 @@
 """dtrain against PyTorch on the same GPT (6 layers, width 256, 8 heads, context 128, byte
 vocabulary), or with --model llama the same size of Llama (2 key/value heads; the peer is
 torch_llama.py), --threads each (1 by default), batch 8, AdamW: training tokens per second and peak resident memory
-(/usr/bin/time -v), in four configurations: dtrain fp32, dtrain bf16 (`--precision bf16`: bf16
+(/usr/bin/time -v; `--context` and `--batch` change the window and the batch), in four configurations: dtrain fp32, dtrain bf16 (`--precision bf16`: bf16
 GEMM operands, fp32 accumulation, weights and optimizer), PyTorch fp32 and PyTorch bf16 autocast
 (torch.autocast('cpu', dtype=torch.bfloat16)). All train on the same byte-token file (made with
 `dtrain convert text` from /usr/share/games/fortunes unless --data is given). The four alternate
@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL = ["--layers", "6", "--width", "256", "--heads", "8", "--context", "128"]
+MODEL = ["--layers", "6", "--width", "256", "--heads", "8"]
 LLAMA = ["--kv-heads", "2"]  # --model llama: 8 query heads over 2 key/value heads
 CONFIGS = [("dtrain", "fp32"), ("dtrain", "bf16"), ("pytorch", "fp32"), ("pytorch", "bf16")]
 
@@ -42,8 +42,8 @@ def timed(cmd, env):
 
 
 def dtrain_cmd(a, data, precision, steps, metrics, log_every, eval_batches):
-    shape = MODEL + (LLAMA if a.model == "llama" else [])
-    return [a.dtrain, "train", "--model", a.model, "--data", data, *shape, "--batch-size", "8", "--steps", str(steps),
+    shape = MODEL + ["--context", str(a.context)] + (LLAMA if a.model == "llama" else [])
+    return [a.dtrain, "train", "--model", a.model, "--data", data, *shape, "--batch-size", str(a.batch), "--steps", str(steps),
             "--threads", str(a.threads), "--log-every", str(log_every), "--eval-every", "0", "--eval-batches",
             str(eval_batches), "--warmup-steps", "0", "--precision", precision, "--metrics", metrics]
 
@@ -62,8 +62,8 @@ def run_dtrain(a, data, precision, env):
 
 def run_torch(a, data, precision, env):
     out, rss = timed(["/usr/bin/python3", os.path.join(HERE, "torch_gpt.py"), "--model", a.model,
-                      *(LLAMA if a.model == "llama" else []), "--steps", str(a.steps), "--warmup", "3", "--threads",
-                      str(a.threads), "--batch", "8", "--tokens", os.path.join(data, "train.h5"), "--precision",
+                      *(LLAMA if a.model == "llama" else []), "--context", str(a.context), "--steps", str(a.steps),
+                      "--warmup", "3", "--threads", str(a.threads), "--batch", str(a.batch), "--tokens", os.path.join(data, "train.h5"), "--precision",
                       precision], env)
     return json.loads(out.strip().splitlines()[-1])["tokens_per_s"], rss
 
@@ -84,6 +84,8 @@ def main():
     ap.add_argument("--model", choices=["gpt", "llama"], default="gpt",
                     help="llama: dtrain's --model llama against benchmarks/peers/torch_llama.py, kv heads 2")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--context", type=int, default=128, help="tokens per window (both frameworks)")
+    ap.add_argument("--batch", type=int, default=8, help="windows per step")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--learn-steps", type=int, default=200, help="steps of the bf16-vs-fp32 check (0: skip it)")
     ap.add_argument("--learn-tol", type=float, default=0.02, help="relative validation loss difference allowed")
@@ -116,7 +118,7 @@ def main():
         return best[c][1]
 
     shape = "Llama 6x256 (kv heads 2)" if a.model == "llama" else "GPT 6x256"
-    print(f"| {shape}, ctx 128, batch 8, AdamW, {a.threads} thread(s) | tokens/s | peak RSS (MiB) |")
+    print(f"| {shape}, ctx {a.context}, batch {a.batch}, AdamW, {a.threads} thread(s) | tokens/s | peak RSS (MiB) |")
     print("| --- | ---: | ---: |")
     names = {"dtrain": "dtrain", "pytorch": "PyTorch 1.13"}
     labels = {("dtrain", "fp32"): "fp32", ("dtrain", "bf16"): "bf16 (`--precision bf16`)",

@@ -54,7 +54,7 @@ void save_batch(const std::string& path, const Tensor& inputs, const Tensor& log
 // A GPT checkpoint on the validation stream of `data_dir` (dtrain convert text's val.h5), on rank 0:
 // loss and bits per byte, and with `int8` the same with weight-only int8 Linear layers beside it.
 void eval_gpt(const train::CheckpointState& s, const std::string& path, const std::string& data_dir, int64_t batch,
-              bool int8, const std::string& batch_file) {
+              bool int8, const std::string& batch_file, const train::MemoryBudget& budget) {
   const std::string val = (std::filesystem::path(data_dir) / "val.h5").string();
   DT_INPUT_CHECK(std::filesystem::is_regular_file(val), "checkpoint '" << path
                                                                        << "' holds a gpt: --data must be a "
@@ -64,9 +64,10 @@ void eval_gpt(const train::CheckpointState& s, const std::string& path, const st
   const int64_t ctx = model->config().context;
   const data::TokenStream stream = data::load_tokens(val);  // read once: the timings are forward passes only
   auto run = [&](const char* what) {
-    train::evaluate_lm(*model, stream, batch, ctx, 1);  // warm-up: oneDNN's primitives and buffers, outside the timing
+    // warm-up: oneDNN's primitives and buffers, outside the timing
+    train::evaluate_lm(*model, stream, batch, ctx, 1, budget);
     const double t0 = now_s();
-    const double nats = train::evaluate_lm(*model, stream, batch, ctx, 0);
+    const double nats = train::evaluate_lm(*model, stream, batch, ctx, 0, budget);
     const double t = now_s() - t0;
     const int64_t windows = train::scored_windows(stream, batch, ctx, 0);
     if (stream.has_samples()) {  // prompt/completion samples: per completion token (no bits per byte)
@@ -104,6 +105,7 @@ void eval_gpt(const train::CheckpointState& s, const std::string& path, const st
 int cmd_eval(int argc, char** argv) {
   std::string ckpt, data_dir, calib_dir;
   int64_t batch = 256, calib_batches = 10;
+  double memory_mb = 0;
   int threads = 0;
   bool int8 = false;
   std::string batch_file;
@@ -111,6 +113,9 @@ int cmd_eval(int argc, char** argv) {
   opts.add_options()("checkpoint", po::value<std::string>(&ckpt), "checkpoint file, or a directory (its newest)")(
       "data", po::value<std::string>(&data_dir), "directory of HDF5 shards to evaluate on")(
       "batch-size", po::value<int64_t>(&batch)->default_value(256), "samples per batch per rank")(
+      "memory-per-rank-mb", po::value<double>(&memory_mb)->default_value(0),
+      "memory a rank may fill: a language model's batch that would not fit is evaluated in parts (0: the node's "
+      "memory over its ranks)")(
       "threads", po::value<int>(&threads)->default_value(0), "compute threads per rank (0: cores / ranks on node)")(
       "int8", po::bool_switch(&int8),
       "also run the model quantized to int8 (CPU, oneDNN), side by side with fp32 (a gpt: weight-only int8)")(
@@ -126,6 +131,7 @@ int cmd_eval(int argc, char** argv) {
   DT_INPUT_CHECK(!ckpt.empty(), "option --checkpoint is required");
   DT_INPUT_CHECK(!data_dir.empty(), "option --data is required");
   DT_INPUT_CHECK(batch > 0, "option --batch-size must be > 0");
+  DT_INPUT_CHECK(memory_mb >= 0, "option --memory-per-rank-mb must be >= 0, got " << memory_mb);
   comm::Runtime& rt = comm::Runtime::get();
   const comm::Topology& topo = rt.topology();
   cpu_engine().set_threads(topo.compute_threads(threads));
@@ -134,7 +140,9 @@ int cmd_eval(int argc, char** argv) {
   std::string path = train::resolve_checkpoint(ckpt, "checkpoint");
   train::CheckpointState s = train::load_checkpoint_set(path);  // every pipeline stage's part
   if (train::is_language_model(s.strings["model"])) {
-    if (topo.rank == 0) eval_gpt(s, path, data_dir, batch, int8, batch_file);
+    if (topo.rank == 0)
+      eval_gpt(s, path, data_dir, batch, int8, batch_file,
+               train::memory_per_rank(memory_mb, Device::cpu(), topo.local_size));
     return 0;
   }
   auto ds = std::make_shared<data::ShardedHdf5Dataset>(data_dir);

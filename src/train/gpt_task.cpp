@@ -3,11 +3,14 @@
 // it), mean cross-entropy per token (vocabulary-parallel under tp), validation loss and bits per byte.
 #include "dtrain/train/lm_trainer.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <fstream>
 #include <sstream>
 
 #include "dtrain/comm/runtime.h"
@@ -21,6 +24,7 @@
 #include "dtrain/parallel/process_grid.h"
 #include "dtrain/parallel/tensor_parallel.h"
 #include "dtrain/train/import.h"
+#include "dtrain/train/step_support.h"
 #include "dtrain/train/lm_names.h"
 #include "dtrain/train/task.h"
 #include "dtrain/train/trainer.h"
@@ -47,16 +51,54 @@ data::TokenBatch validation_windows(const data::TokenStream& s, int64_t first, i
   return b;
 }
 
+// Bytes of this process's resident set now (0 where /proc cannot tell).
+int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  return statm >> pages >> resident ? resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE)) : 0;
+}
+
+// The windows one evaluation batch takes on the host: `batch`, or as many as fit in what this rank
+// may still fill (the training's memory budget less the resident set), from the activations and
+// probabilities of one window measured by a one-window forward; said once when it splits. Not even
+// one window fitting is an input error with the bytes. GPUs keep `batch` (an allocation there fails
+// with an error instead of the out-of-memory killer).
+int64_t eval_rows_that_fit(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, Device device,
+                           const MemoryBudget& budget) {
+  if (budget.bytes <= 0 || batch <= 1 || device.type == DeviceType::CUDA) return batch;
+  int64_t scored = 0;
+  StagedTensor ids;
+  const data::TokenBatch one = validation_windows(s, 0, 1, t, scored);
+  const int64_t per_window = model.forward(stage_to(one.ids, device, ids)).nbytes() + model.activation_bytes();
+  const int64_t left = budget.bytes - resident_bytes();
+  const auto mib = [](int64_t b) { return std::to_string(b >> 20) + " MiB"; };
+  DT_INPUT_CHECK(per_window <= left, "evaluating one window of " << t << " tokens needs " << mib(per_window)
+                                                                 << ", more than the " << mib(std::max<int64_t>(left, 0))
+                                                                 << " this rank has left of " << budget.source);
+  const int64_t rows = std::min(batch, left / per_window);
+  static bool said = false;
+  if (rows < batch && !said && comm::Runtime::get().topology().rank == 0) {
+    said = true;
+    std::fprintf(stderr,
+                 "dtrain: evaluation batch of %lld windows of %lld tokens needs %s, more than the %s left of %s: "
+                 "%lld windows at a time (the same loss)\n",
+                 static_cast<long long>(batch), static_cast<long long>(t), mib(batch * per_window).c_str(),
+                 mib(left).c_str(), budget.source.c_str(), static_cast<long long>(rows));
+  }
+  return rows;
+}
+
 // The mean loss per token over the first `windows` consecutive windows of `s`, `batch` at a time
-// (the last batch holds what is left); of a prompt/completion stream: over the completion tokens of
-// its first `windows` samples, one per window.
+// (the last batch holds what is left; fewer where `budget` says a batch would not fit); of a
+// prompt/completion stream: over the completion tokens of its first `windows` samples, one per window.
 double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, int64_t windows,
-                   nn::SoftmaxCrossEntropy& xent, Device device = Device::cpu()) {
+                   nn::SoftmaxCrossEntropy& xent, Device device, const MemoryBudget& budget) {
   DT_INPUT_CHECK(windows > 0,
                  "the validation stream (" << s.tokens.size() << " tokens) holds no window of " << t + 1 << " tokens");
   nn::update_working_copies(model.parameters(), engine_for(device).math_precision());
   bool was_training = model.training();
   model.eval();
+  batch = eval_rows_that_fit(model, s, batch, t, device, budget);
   StagedTensor ids, targets;                            // on a GPU: page-locked staging, reused by every batch
   Tensor stats = zeros_on({kXentStatsFloats}, device);  // summed on the device, read once
   int64_t scored = 0;
@@ -79,9 +121,11 @@ double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, i
   return evaluate_lm(model, data::load_tokens(val_file), batch, seq_len, max_batches);
 }
 
-double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, int64_t seq_len, int64_t max_batches) {
+double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, int64_t seq_len, int64_t max_batches,
+                   const MemoryBudget& budget) {
   nn::SoftmaxCrossEntropy xent;
-  return eval_stream(model, val, batch, seq_len, scored_windows(val, batch, seq_len, max_batches), xent);
+  return eval_stream(model, val, batch, seq_len, scored_windows(val, batch, seq_len, max_batches), xent,
+                     Device::cpu(), budget);
 }
 
 int64_t scored_windows(const data::TokenStream& s, int64_t batch, int64_t seq_len, int64_t max_batches) {
@@ -473,7 +517,9 @@ Validation GptTask::validate(parallel::PipelineStage* pipe) {
                                                         << seq_len_ + 1 << " tokens");
   Validation v;
   v.result.loss =
-      pipe ? pipeline_val_loss(*pipe, windows) : eval_stream(*model_, val_, batch_, seq_len_, windows, *xent_, device_);
+      pipe ? pipeline_val_loss(*pipe, windows)
+           : eval_stream(*model_, val_, batch_, seq_len_, windows, *xent_, device_,
+                         memory_per_rank(cfg_->memory_per_rank_mb, device_, comm::Runtime::get().topology().local_size));
   v.result.samples = windows;
   char line[80];
   if (val_.has_samples()) {  // nats per completion token; bits per byte would mix in the prompts

@@ -74,7 +74,7 @@ bool unscale_and_agree(optim::LossScaler* scaler, const std::vector<nn::Paramete
 
 namespace dtrain::train {
 
-std::pair<int64_t, std::string> memory_per_rank(double configured_mb, Device dev, int local_ranks) {
+MemoryBudget memory_per_rank(double configured_mb, Device dev, int local_ranks) {
   if (configured_mb > 0) return {static_cast<int64_t>(configured_mb * 1048576.0), "--memory-per-rank-mb"};
 #if defined(DTRAIN_WITH_CUDA_ENGINE)
   if (dev.type == DeviceType::CUDA) {

@@ -810,6 +810,59 @@ TEST(Cli, FusedAttentionTrainsAsTheMaterialisedPath) {
   fs::remove_all(dir);
 }
 
+// A context of 16384 tokens trains on one rank under a 2 GiB address-space cap (prlimit): the fused
+// attention holds O(T) per head. The materialised path needs 4 GiB for one layer's probabilities
+// ([4 heads, 16384, 16384] f32) and fails under the same cap.
+TEST(Cli, Context16kTrainsUnderATwoGiBCapTheMaterialisedPathExceeds) {
+  std::string dir = dtrain::test::temp_dir("cli-long-context");
+  ASSERT_EQ(small_text_tokens(dir, 7000).code, 0);  // ~175K train and ~19K validation tokens
+  const std::string train = std::string(DTRAIN_BINARY_DIR) +
+                            "/dtrain train --model llama --layers 2 --width 128 --heads 4 --kv-heads 2 --context 16384 "
+                            "--batch-size 1 --steps 1 --eval-every 0 --eval-batches 1 --threads 2 --progress off "
+                            "--data " + dir + "/tok 2>&1";
+  const std::string cap = "prlimit --as=" + std::to_string(2LL << 30) + " ";
+  Result fused = shell(cap + train);
+  ASSERT_EQ(fused.code, 0) << fused.out;
+  EXPECT_NE(fused.out.find("done: 1 steps"), std::string::npos) << fused.out;
+  EXPECT_NE(fused.out.find("val_loss"), std::string::npos) << fused.out;
+  Result mat = shell("DTRAIN_ATTENTION=materialized " + cap + train);
+  EXPECT_NE(mat.code, 0) << mat.out;
+  fs::remove_all(dir);
+}
+
+// dtrain eval cuts a batch that would not fit in --memory-per-rank-mb into parts (the same loss,
+// said once); where not even one window fits it stops with exit 2 naming the bytes.
+TEST(Cli, EvalSplitsABatchThatWouldNotFit) {
+  std::string dir = dtrain::test::temp_dir("cli-eval-fit");
+  fs::create_directories(dir + "/text");
+  {
+    std::ofstream out(dir + "/text/a.txt");
+    for (int i = 0; i < 3000; ++i) out << "a small text, " << i % 10 << " times over. ";
+  }
+  ASSERT_EQ(run("convert text --inputs " + dir + "/text --out " + dir + "/tok --val-fraction 0.5").code, 0);
+  Result trained = run("train --model llama --layers 2 --width 64 --heads 4 --kv-heads 2 --context 4096 --batch-size 1 "
+                       "--steps 1 --eval-every 0 --eval-batches 1 --threads 2 --progress off --data " +
+                       dir + "/tok --checkpoint-dir " + dir + "/ck");
+  ASSERT_EQ(trained.code, 0) << trained.out;
+  const std::string eval = "eval --checkpoint " + dir + "/ck --data " + dir + "/tok --threads 2 --batch-size 8 ";
+  Result refused = run(eval + "--memory-per-rank-mb 1");
+  EXPECT_EQ(refused.code, 2) << refused.out;
+  const std::regex needs("evaluating one window of 4096 tokens needs ([0-9]+) MiB");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(refused.out, m, needs)) << refused.out;
+  const int64_t per_window = std::stoll(m[1]);
+  ASSERT_GE(per_window, 8) << refused.out;  // large against the ~100 MiB the process holds besides
+  Result whole = run(eval);
+  Result parts = run(eval + "--memory-per-rank-mb " + std::to_string(150 + 3 * per_window));
+  ASSERT_EQ(whole.code, 0) << whole.out;
+  ASSERT_EQ(parts.code, 0) << parts.out;
+  EXPECT_NE(parts.out.find("windows at a time (the same loss)"), std::string::npos) << parts.out;
+  EXPECT_EQ(whole.out.find("windows at a time"), std::string::npos) << whole.out;
+  const auto loss = [](const Result& r) { return std::stod(r.out.substr(r.out.find("fp32  loss ") + 11)); };
+  EXPECT_NEAR(loss(parts), loss(whole), 1e-4) << parts.out << whole.out;
+  fs::remove_all(dir);
+}
+
 // Language models written as model files (examples/models/gpt2.json, llama.json) train exactly as
 // --model gpt and --model llama of the same shape; a bad field or a shape option beside the file is
 // named.
@@ -857,15 +910,17 @@ TEST(Cli, BenchLmGemmCountsTheModelsOwnGemms) {
   const std::string shape =
       "--model llama --layers 2 --width 64 --heads 4 --kv-heads 2 --context 16 --batch-size 2 --data " + dir + "/tok";
   const int64_t w = 64, hd = 16, qkv = (4 + 2 * 2) * hd, f = 192, t = 16, layers = 2, vocab = 256;
-  // Fused attention's products are not GEMM calls; the materialised path adds them (2 forward, 4 backward).
+  // Fused attention's products are not GEMM calls; the materialised path adds them: 2 forward, 5
+  // backward (the scores recomputed, then dP, dV, dQ, dK), each t * w multiply-adds a token.
   for (const bool fused : {true, false}) {
     Result r = shell(std::string(fused ? "" : "DTRAIN_ATTENTION=materialized ") + DTRAIN_BINARY_DIR +
                      "/dtrain bench lm-gemm " + shape + " --threads 1 2>&1");  // the vocabulary of the token files: bytes
     ASSERT_EQ(r.code, 0) << r.out;
-    const int64_t macs = layers * (w * qkv + w * w + 3 * w * f + (fused ? 0 : 2 * t * w)) + vocab * w;
+    const int64_t macs = layers * (w * qkv + w * w + 3 * w * f) + vocab * w, attention = fused ? 0 : layers * 7 * t * w;
     char expect[64];
-    std::snprintf(expect, sizeof expect, "(%.6g MFLOP per token), %d calls", 6.0 * static_cast<double>(macs) * 1e-6,
-                  2 * (4 * 3 + (fused ? 0 : 6)) + 3);
+    std::snprintf(expect, sizeof expect, "(%.6g MFLOP per token), %d calls",
+                  (6.0 * static_cast<double>(macs) + 2.0 * static_cast<double>(attention)) * 1e-6,
+                  2 * (4 * 3 + (fused ? 0 : 7)) + 3);
     EXPECT_NE(r.out.find(expect), std::string::npos) << expect << "\n" << r.out;
     EXPECT_NE(r.out.find("the GEMM limit is "), std::string::npos) << r.out;
     EXPECT_NE(r.out.find(fused ? "attention fused" : "attention materialised"), std::string::npos) << r.out;

@@ -10,6 +10,7 @@
 #include "dtrain/nn/gpt.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/config.h"
+#include "dtrain/train/step_support.h"
 #include "dtrain/train/trainer.h"
 
 namespace dtrain::train {
@@ -24,7 +25,10 @@ TrainResult train_lm(const TrainConfig& cfg, comm::Communicator* world);
 // non-overlapping windows of `tokens`.
 double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, int64_t seq_len, int64_t max_batches);
 // The same on a stream already loaded (data::load_tokens), for callers that evaluate it repeatedly.
-double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, int64_t seq_len, int64_t max_batches);
+// With a `budget` (bytes a rank may fill) a batch that would not fit is evaluated in parts (the
+// same loss), and one window that cannot fit is an input error naming the bytes.
+double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, int64_t seq_len, int64_t max_batches,
+                   const MemoryBudget& budget = {});
 // The windows evaluate_lm scores: every window of the stream (max_batches 0: the last batch holds
 // what is left), else the first max_batches * batch of them. A prompt/completion stream's windows
 // are its samples, and its loss is over their completion tokens.

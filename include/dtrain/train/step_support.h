@@ -37,7 +37,11 @@ std::string gpu_memory_report(Device dev, int64_t steps_run, int64_t step_malloc
 // The memory one rank may fill, in bytes, and where the figure comes from: `configured_mb` when
 // positive; else a GPU's whole memory, or the node's (MemTotal) divided among its `local_ranks`.
 // 0 when it cannot be found.
-std::pair<int64_t, std::string> memory_per_rank(double configured_mb, Device dev, int local_ranks);
+struct MemoryBudget {
+  int64_t bytes = 0;   // 0: unknown (no check)
+  std::string source;  // "--memory-per-rank-mb", "this node's memory over its 2 rank(s)", ...
+};
+MemoryBudget memory_per_rank(double configured_mb, Device dev, int local_ranks);
 
 // fp16's dynamic loss scaler (null for other precisions: bf16 has fp32's exponent range).
 std::unique_ptr<optim::LossScaler> make_loss_scaler(const std::string& precision, int64_t growth_interval,
