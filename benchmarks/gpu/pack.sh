@@ -24,7 +24,9 @@ tar -cJf "$OUT/libs.tar.xz" -C /tmp/dtrain-pack lib
 tar -cJf "$OUT/extra.tar.xz" -C /tmp/dtrain-pack lib2 -C / "${ompi#/}" "${pmix#/}" usr/share/openmpi etc/openmpi
 rm -rf /tmp/dtrain-pack
 build/dtrain convert text --inputs /usr/share/games/fortunes --out "$OUT/data/fortunes"
-/usr/bin/python3 -c "import h5py, numpy, sys; numpy.save(sys.argv[2], h5py.File(sys.argv[1])['tokens'][:])" \
-  "$OUT/data/fortunes/train.h5" "$OUT/data/fortunes/train.npy"
+for split in train val; do
+  /usr/bin/python3 -c "import h5py, numpy, sys; numpy.save(sys.argv[2], h5py.File(sys.argv[1])['tokens'][:])" \
+    "$OUT/data/fortunes/$split.h5" "$OUT/data/fortunes/$split.npy"
+done
 cp benchmarks/gpu/gpu_host_env.sh "$OUT/env.sh"
 du -sh "$OUT"

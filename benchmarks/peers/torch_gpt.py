@@ -9,9 +9,12 @@ matmuls, fp32 master weights and optimizer), PyTorch's own mixed precision; --de
 on a GPU, where --precision fp32 turns TF32 off and tf32 turns it on, and fp16 runs autocast to
 float16 with GradScaler's dynamic loss scaling.
 
+On a PyTorch 2 host --sdpa, --compile and --fused-adamw give PyTorch's fast paths
+(benchmarks/gpu/lm_vs_pytorch.sh); --val-batches reports a validation loss after training.
+
 usage: torch_gpt.py [--model gpt|llama] [--kv-heads 2] [--layers 6] [--width 256] [--heads 8] [--context 128] [--batch 8]
                     [--steps 20] [--warmup 3] [--threads 1] [--tokens FILE.h5|FILE.npy] [--precision fp32|tf32|bf16|fp16]
-                    [--device cpu|cuda]
+                    [--device cpu|cuda] [--vocab 256] [--sdpa] [--compile] [--fused-adamw] [--val-batches N]
 """
 import argparse
 import contextlib
@@ -22,6 +25,9 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+FUSED_ATTENTION = False  # --sdpa
 
 
 class Attention(nn.Module):
@@ -35,6 +41,9 @@ class Attention(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))  # (B, H, T, hd)
+        if FUSED_ATTENTION:  # PyTorch 2's fused kernels (flash / memory-efficient), no [T, T] tensor
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(b, t, c))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.h)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
@@ -67,6 +76,15 @@ class Gpt(nn.Module):
         return self.ln_f(x).reshape(-1, x.shape[-1]) @ self.wte.t()
 
 
+def load_tokens(path):  # an HDF5 token file of dtrain convert text, or its tokens as .npy
+    if path.endswith(".npy"):  # where h5py is missing
+        import numpy
+        return torch.from_numpy(numpy.load(path).astype("int64"))
+    import h5py
+    with h5py.File(path, "r") as f:
+        return torch.from_numpy(f["tokens"][:].astype("int64"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=6)
@@ -83,10 +101,24 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", help="HDF5 token file (dtrain convert text) or its tokens as .npy; random bytes otherwise")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--vocab", type=int, default=256, help="vocabulary (token ids of --tokens must be below it)")
+    ap.add_argument("--sdpa", action="store_true",
+                    help="attention through F.scaled_dot_product_attention (PyTorch 2; refused where missing)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (PyTorch 2; refused where missing)")
+    ap.add_argument("--fused-adamw", action="store_true", help="AdamW(fused=True) (PyTorch 2 on cuda)")
+    ap.add_argument("--val-batches", type=int, default=0,
+                    help="after training, the mean loss over this many fixed batches of --val-tokens (or --tokens)")
+    ap.add_argument("--val-tokens", help="HDF5 token file to validate on (default: --tokens)")
     ap.add_argument("--precision", choices=["fp32", "tf32", "bf16", "fp16"], default="fp32",
                     help="fp32 (on cuda: TF32 off), tf32 (cuda only), bf16 autocast, or fp16 autocast with "
                          "GradScaler's dynamic loss scaling (cuda only)")
     a = ap.parse_args()
+    if a.sdpa and not hasattr(F, "scaled_dot_product_attention"):
+        ap.error(f"--sdpa: PyTorch {torch.__version__} has no F.scaled_dot_product_attention")
+    if a.compile and not hasattr(torch, "compile"):
+        ap.error(f"--compile: PyTorch {torch.__version__} has no torch.compile")
+    global FUSED_ATTENTION
+    FUSED_ATTENTION = a.sdpa
     dev = torch.device(a.device)
     if a.precision in ("tf32", "fp16") and dev.type != "cuda":
         ap.error(f"--precision {a.precision} needs --device cuda")
@@ -98,25 +130,22 @@ def main():
     scaler = torch.cuda.amp.GradScaler(enabled=a.precision == "fp16")
     torch.set_num_threads(a.threads)
     torch.manual_seed(1)
-    if a.tokens and a.tokens.endswith(".npy"):  # the same tokens saved by numpy, where h5py is missing
-        import numpy
-        stream = torch.from_numpy(numpy.load(a.tokens).astype("int64"))
-    elif a.tokens:
-        import h5py
-        with h5py.File(a.tokens, "r") as f:
-            stream = torch.from_numpy(f["tokens"][:].astype("int64"))
-    else:
-        stream = torch.randint(0, 256, (1 << 20,))
+    stream = load_tokens(a.tokens) if a.tokens else torch.randint(0, 256, (1 << 20,))
     if a.model == "llama":  # the same shape as dtrain's --model llama
         import torch_llama
+        torch_llama.FUSED_ATTENTION = a.sdpa
         hidden = a.mlp_width or (8 * a.width // 3 + 31) // 32 * 32
-        model = torch_llama.Llama(256, a.context, a.layers, a.heads, a.width, a.kv_heads or a.heads, hidden).to(dev)
+        model = torch_llama.Llama(a.vocab, a.context, a.layers, a.heads, a.width, a.kv_heads or a.heads,
+                                  hidden).to(dev)
     else:
-        model = Gpt(256, a.context, a.layers, a.heads, a.width).to(dev)
+        model = Gpt(a.vocab, a.context, a.layers, a.heads, a.width).to(dev)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "wpe"]
     plain = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "wpe")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95))
+                            lr=1e-3, betas=(0.9, 0.95), **({"fused": True} if a.fused_adamw else {}))
+    params = sum(p.numel() for p in model.parameters())
+    if a.compile:
+        model = torch.compile(model)
     t = a.context
     losses = []
     for step in range(a.warmup + a.steps):
@@ -135,9 +164,20 @@ def main():
         scaler.update()
         losses.append(loss.item())
     dt = time.perf_counter() - t0
-    print(json.dumps({"framework": "pytorch " + torch.__version__, "precision": a.precision, "tokens_per_s": a.steps * a.batch * t / dt,
-                      "parameters": sum(p.numel() for p in model.parameters()), "first_loss": losses[0],
-                      "last_loss": losses[-1], "device": str(dev),
+    val_loss = None
+    if a.val_batches > 0:  # consecutive windows from the start of the validation stream
+        val = load_tokens(a.val_tokens) if a.val_tokens else stream
+        total = 0.0
+        with torch.no_grad(), autocast:
+            for i in range(a.val_batches):
+                win = torch.stack([val[(i * a.batch + j) * t: (i * a.batch + j) * t + t + 1] for j in range(a.batch)])
+                win = win.to(dev)
+                total += F.cross_entropy(model(win[:, :-1]), win[:, 1:].reshape(-1)).item()
+        val_loss = total / a.val_batches
+    print(json.dumps({"framework": "pytorch " + torch.__version__, "precision": a.precision,
+                      "tokens_per_s": a.steps * a.batch * t / dt, "parameters": params, "first_loss": losses[0],
+                      "last_loss": losses[-1], "val_loss": val_loss, "device": str(dev),
+                      "sdpa": a.sdpa, "compiled": a.compile,
                       "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else 0}))
 
 

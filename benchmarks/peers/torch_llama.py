@@ -38,6 +38,10 @@ def rotate_half(x):
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+# True: attention through F.scaled_dot_product_attention (PyTorch 2; torch_gpt.py --sdpa sets it).
+FUSED_ATTENTION = False
+
+
 class Attention(nn.Module):
     def __init__(self, c, heads, kv_heads, bias):
         super().__init__()
@@ -57,6 +61,9 @@ class Attention(nn.Module):
         group = self.h // self.kv  # query head h reads key/value head h // group
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
+        if FUSED_ATTENTION:  # PyTorch 2's fused kernels (flash / memory-efficient), no [T, T] tensor
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(y.transpose(1, 2).reshape(b, t, self.h * self.hd))
         s = (q @ k.transpose(-1, -2)) / math.sqrt(self.hd)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         s = s.masked_fill(~mask, float("-inf"))

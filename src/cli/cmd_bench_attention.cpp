@@ -47,14 +47,14 @@ int cmd_bench_attention(int argc, char** argv) {
   DT_INPUT_CHECK(dtype == "f32" || dt != DType::F32, "option --dtype: '" << dtype << "' is not f32, bf16 or f16");
   Engine& e = cpu_engine();
   e.set_threads(threads);
-  AttentionShape s;
-  s.batch = batch;
-  s.heads = heads;
-  s.kv_heads = kv_heads;
-  s.q_len = s.kv_len = t;
-  s.head_dim = d;
-  s.causal = !bidirectional;
-  s.scale = 1.f / std::sqrt(static_cast<float>(d));
+  const AttentionShape s{.batch = batch,
+                         .heads = heads,
+                         .kv_heads = kv_heads,
+                         .q_len = t,
+                         .kv_len = t,
+                         .head_dim = d,
+                         .causal = !bidirectional,
+                         .scale = 1.f / std::sqrt(static_cast<float>(d))};
   Rng rng(1);
   const int64_t nq = batch * heads * t * d, nkv = batch * kv_heads * t * d;
   auto random = [&](int64_t n, DType type) {

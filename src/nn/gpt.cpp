@@ -138,18 +138,16 @@ void SelfAttention::start_decoding(int64_t capacity) {
 }
 
 AttentionShape SelfAttention::attention_shape(int64_t kv_len, int64_t kv_stride, int64_t q_offset) const {
-  AttentionShape s;
-  s.batch = b_;
-  s.heads = h_;
-  s.kv_heads = kvh_;
-  s.q_len = t_;
-  s.kv_len = kv_len;
-  s.head_dim = hd_;
-  s.kv_stride = kv_stride;
-  s.q_offset = q_offset;
-  s.causal = causal_;
-  s.scale = 1.f / std::sqrt(static_cast<float>(hd_));
-  return s;
+  return {.batch = b_,
+          .heads = h_,
+          .kv_heads = kvh_,
+          .q_len = t_,
+          .kv_len = kv_len,
+          .head_dim = hd_,
+          .kv_stride = kv_stride,
+          .q_offset = q_offset,
+          .causal = causal_,
+          .scale = 1.f / std::sqrt(static_cast<float>(hd_))};
 }
 
 // The same op as in training over the cached keys and values: a prompt (position 0) is causal over

@@ -74,13 +74,14 @@ struct Inputs {
 
 Inputs make_inputs(int64_t batch, int64_t heads, int64_t kv_heads, int64_t t, int64_t d, bool causal, uint64_t seed) {
   Inputs in;
-  in.s.batch = batch;
-  in.s.heads = heads;
-  in.s.kv_heads = kv_heads;
-  in.s.q_len = in.s.kv_len = t;
-  in.s.head_dim = d;
-  in.s.causal = causal;
-  in.s.scale = 1.f / std::sqrt(static_cast<float>(d));
+  in.s = {.batch = batch,
+          .heads = heads,
+          .kv_heads = kv_heads,
+          .q_len = t,
+          .kv_len = t,
+          .head_dim = d,
+          .causal = causal,
+          .scale = 1.f / std::sqrt(static_cast<float>(d))};
   const int64_t nq = batch * heads * t * d, nkv = batch * kv_heads * t * d;
   // Scores of a few units: the softmax is neither flat nor one-hot.
   in.q = random_tensor(nq, seed, 2.f);
