@@ -275,6 +275,37 @@ TEST(FusedAttention, CachedDecodingStepIsTheSequencesLastRow) {
   }
 }
 
+// A block of queries at an offset (a prompt's later chunk over the cache) gives the rows of the
+// whole sequence's causal attention; queries over more keys than themselves, bidirectional (as a
+// cross-attention), the materialised forward's result.
+TEST(FusedAttention, QueriesAtAnOffsetAndUnequalLengths) {
+  const int64_t heads = 4, kvh = 1, d = 32, t = 150;
+  const Inputs whole = make_inputs(1, heads, kvh, t, d, true, 51);
+  FusedAttention& f = *cpu_engine().fused_attention();
+  Tensor out = Tensor::empty({whole.q.numel()}), lse = Tensor::empty({heads * t});
+  f.forward(whole.s, whole.q, whole.k, whole.v, out, lse);
+  const int64_t first = 70, n = 45;  // queries 70 .. 114 over keys 0 .. 114
+  AttentionShape s = whole.s;
+  s.q_len = n;
+  s.kv_len = first + n;
+  s.kv_stride = t * d;
+  s.q_offset = first;
+  Tensor q = Tensor::empty({heads * n * d}), part = Tensor::empty({heads * n * d}), part_lse = Tensor::empty({heads * n});
+  Tensor want = Tensor::empty({heads * n * d});
+  for (int64_t h = 0; h < heads; ++h) {
+    std::copy_n(whole.q.f32() + (h * t + first) * d, n * d, q.f32() + h * n * d);
+    std::copy_n(out.f32() + (h * t + first) * d, n * d, want.f32() + h * n * d);
+  }
+  f.forward(s, q, whole.k, whole.v, part, part_lse);
+  EXPECT_LE(worst_error(part, want), 1e-6);
+  s.causal = false;
+  s.q_offset = 0;
+  Tensor mat = Tensor::empty({heads * n * d});
+  f.forward(s, q, whole.k, whole.v, part, part_lse);
+  materialized_attention_forward(cpu_engine(), s, q, whole.k, whole.v, mat);
+  EXPECT_LE(worst_error(part, mat), kTol);
+}
+
 TEST(FusedAttention, WrongShapesAreRefusedByName) {
   Inputs in = make_inputs(1, 2, 1, 8, 16, true, 41);
   FusedAttention& f = *cpu_engine().fused_attention();
