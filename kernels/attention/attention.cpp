@@ -114,10 +114,10 @@ void materialized_attention_forward(Engine& e, const AttentionShape& s, const Te
   check_materializable(s);
   const Strides st = strides_of(s);
   const Device dev = q.device();
-  Tensor scores = Tensor::empty({st.groups * st.ss}, DType::F32, dev);
-  Tensor probs = Tensor::empty({s.batch * s.heads * s.q_len, s.kv_len}, DType::F32, dev);
+  const Shape rows{s.batch * s.heads * s.q_len, s.kv_len};
+  Tensor scores = Tensor::empty(rows, DType::F32, dev), probs = Tensor::empty(rows, DType::F32, dev);
   e.gemm_batched(st.groups, false, true, st.rows, s.kv_len, s.head_dim, 1.f, q, st.qs, k, st.ks, 0.f, scores, st.ss);
-  softmax_scores(e, s, scores.reshape(probs.shape()), probs);
+  softmax_scores(e, s, scores, probs);
   e.gemm_batched(st.groups, false, false, st.rows, s.head_dim, s.kv_len, 1.f, probs, st.ss, v, st.ks, 0.f, out,
                  st.qs);
 }

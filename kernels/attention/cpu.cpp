@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "../cpu/cpu_engine.h"
 #include "cpu_attention.h"
 #include "dtrain/core/error.h"
 
@@ -41,8 +42,6 @@ const TileKernels& active_tiles() {
 
 namespace {
 
-bool host_memory(const Tensor& t) { return t.device().type != DeviceType::CUDA; }
-
 // Runs task(i, scratch) for i in [0, n) across the OpenMP threads, each with `floats` of scratch.
 template <typename F>
 void parallel_tasks(int64_t n, size_t floats, F task) {
@@ -63,8 +62,8 @@ class CpuFusedAttention final : public FusedAttention {
   void forward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                Tensor& lse) override {
     check_attention_args(s, q, k, v, out);
-    check_lse(s, lse, "lse");
-    DT_CHECK(host_memory(q), "fused attention on the CPU: q is on " << q.device().str());
+    check_f32(lse, s.batch * s.heads * s.q_len, "lse");
+    DT_CHECK(cpu::cpu_addressable(q), "fused attention on the CPU: q is on " << q.device().str());
     Problem p = problem(s, q, k, v);
     p.out = out.device_f32();
     p.lse = lse.device_f32();
@@ -78,13 +77,13 @@ class CpuFusedAttention final : public FusedAttention {
   void backward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                 const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) override {
     check_attention_args(s, q, k, v, out);
-    check_lse(s, lse, "lse");
+    check_f32(lse, s.batch * s.heads * s.q_len, "lse");
     check_f32(dout, q.numel(), "dout");
     check_f32(dq, q.numel(), "dq");
     const int64_t kv_dense = s.batch * s.kv_heads * s.kv_len * s.head_dim;
     check_f32(dk, kv_dense, "dk");
     check_f32(dv, kv_dense, "dv");
-    DT_CHECK(host_memory(q), "fused attention on the CPU: q is on " << q.device().str());
+    DT_CHECK(cpu::cpu_addressable(q), "fused attention on the CPU: q is on " << q.device().str());
     Problem p = problem(s, q, k, v);
     p.o = out.device_f32();
     p.lse_in = lse.device_f32();
@@ -129,12 +128,9 @@ class CpuFusedAttention final : public FusedAttention {
   }
 
   static void check_f32(const Tensor& t, int64_t numel, const char* what) {
-    DT_CHECK(t.defined() && t.dtype() == DType::F32 && t.numel() == numel && host_memory(t),
+    DT_CHECK(t.defined() && t.dtype() == DType::F32 && t.numel() == numel && cpu::cpu_addressable(t),
              "fused attention: " << what << " must be an f32 tensor of " << numel << " elements on the host, got "
                                  << (t.defined() ? t.str() : "undefined"));
-  }
-  static void check_lse(const AttentionShape& s, const Tensor& lse, const char* what) {
-    check_f32(lse, s.batch * s.heads * s.q_len, what);
   }
 
   // dk[b, kv] = sum over the group's query heads h of their partial rows [B*H, Tk, D].

@@ -189,19 +189,14 @@ void online_softmax_row(float* row, int64_t limit, float c, float& m, float& l, 
   m = mnew;
 }
 
-struct Head {
-  int64_t b, h, kv;  // batch, query head, key/value head (b * KV + h / G)
-};
-Head head_of(const AttentionShape& s, int64_t bh) {
-  const int64_t b = bh / s.heads, h = bh % s.heads;
-  return {b, h, b * s.kv_heads + h / s.group()};
-}
+// The key/value head (b * KV + h / G) that query head bh (b * H + h) reads.
+int64_t kv_head_of(const AttentionShape& s, int64_t bh) { return bh / s.heads * s.kv_heads + bh % s.heads / s.group(); }
 
 void forward_tile(const Problem& p, int64_t bh, int64_t tile, float* scratch) {
   const AttentionShape& s = p.s;
   const int64_t d = s.head_dim, dp = padded(d), tq = s.q_len, tk = s.kv_len;
   const int64_t i0 = tile * BR, valid = std::min(BR, tq - i0), rows = round_up(valid, kRows);
-  const Head hd = head_of(s, bh);
+  const int64_t kv = kv_head_of(s, bh);
   float* qt = scratch;      // [BR, dp]
   float* o = qt + BR * dp;  // [BR, dp]
   float* sc = o + BR * dp;  // [BR, BC]
@@ -215,8 +210,8 @@ void forward_tile(const Problem& p, int64_t bh, int64_t tile, float* scratch) {
   const int64_t end = s.causal ? std::min(tk, s.q_offset + i0 + valid) : tk;
   for (int64_t j0 = 0; j0 < end; j0 += BC) {
     const int64_t keys = std::min(BC, tk - j0);
-    const float* kt = p.k_tiles + hd.kv * p.kv_block() + j0 * dp;  // [dp, BC]
-    const float* vp = p.v_rows + hd.kv * p.kv_block() + j0 * dp;   // [BC, dp]
+    const float* kt = p.k_tiles + kv * p.kv_block() + j0 * dp;  // [dp, BC]
+    const float* vp = p.v_rows + kv * p.kv_block() + j0 * dp;   // [BC, dp]
     gemm_tile(rows, BC, dp, qt, dp, 1, kt, BC, sc, BC, false);  // s = q k^T
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t limit = s.causal ? std::min(keys, s.q_offset + i0 + i + 1 - j0) : keys;
@@ -248,7 +243,7 @@ void backward_head(const Problem& p, int64_t bh, float* scratch) {
   const AttentionShape& s = p.s;
   const int64_t d = s.head_dim, dp = padded(d), tq = s.q_len, tk = s.kv_len;
   const int64_t tqp = round_up(tq, BR), tqr = round_up(tq, kRows);
-  const Head hd = head_of(s, bh);
+  const int64_t kv = kv_head_of(s, bh);
   float* qp = scratch;          // [tqp, dp]
   float* dop = qp + tqp * dp;   // [tqp, dp]
   float* dqa = dop + tqp * dp;  // [tqp, dp]
@@ -269,10 +264,10 @@ void backward_head(const Problem& p, int64_t bh, float* scratch) {
     lse2[i] = i < tq ? p.lse_in[bh * tq + i] * kLog2e : 0.f;
   }
   const float c = s.scale * kLog2e;
-  float* dk_rows = p.dk + (p.per_head ? bh : hd.kv) * tk * d;
-  float* dv_rows = p.dv + (p.per_head ? bh : hd.kv) * tk * d;
+  float* dk_rows = p.dk + (p.per_head ? bh : kv) * tk * d;
+  float* dv_rows = p.dv + (p.per_head ? bh : kv) * tk * d;
   for (int64_t j0 = 0; j0 < tk; j0 += BC) {
-    const int64_t keys = std::min(BC, tk - j0), at = hd.kv * p.kv_block() + j0 * dp;
+    const int64_t keys = std::min(BC, tk - j0), at = kv * p.kv_block() + j0 * dp;
     const float *kp = p.k_rows + at, *kt = p.k_tiles + at;  // [BC, dp], [dp, BC]
     const float *vt = p.v_tiles + at;                       // [dp, BC]
     std::fill(dka, dka + BC * dp, 0.f);

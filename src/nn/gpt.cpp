@@ -2,8 +2,6 @@
 // compute goes through the Engine, so the same code runs on the CPU and CUDA engines.
 #include "dtrain/nn/gpt.h"
 
-#include "dtrain/kernels/attention.h"
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -137,6 +135,11 @@ void SelfAttention::start_decoding(int64_t capacity) {
   kcache_ = vcache_ = Tensor();
 }
 
+SelfAttention::Heads SelfAttention::heads_of(const Tensor& flat) const {
+  const int64_t q = b_ * h_ * t_ * hd_, kv = b_ * kvh_ * t_ * hd_;
+  return {flat.slice0(0, q), flat.slice0(q, q + kv), flat.slice0(q + kv, q + 2 * kv)};
+}
+
 AttentionShape SelfAttention::attention_shape(int64_t kv_len, int64_t kv_stride, int64_t q_offset) const {
   return {.batch = b_,
           .heads = h_,
@@ -210,9 +213,8 @@ Tensor SelfAttention::forward(const Tensor& x) {
   if (low_ != DType::F32) e.cast(wide_, ensure(qkvh_, {n}, dev, low_));
   ensure(yh_, {bh, t_, hd_}, dev);  // kept: the backward reads it beside lse_
   ensure(lse_, {bh * t_}, dev);
-  Tensor q = qkvh_.slice0(0, bh * t_ * hd_), k = qkvh_.slice0(bh * t_ * hd_, (bh + bkv) * t_ * hd_),
-         v = qkvh_.slice0((bh + bkv) * t_ * hd_, n);
-  attention_forward(e, attention_shape(t_, 0, 0), q, k, v, yh_, lse_);
+  const Heads h = heads_of(qkvh_);
+  attention_forward(e, attention_shape(t_, 0, 0), h.q, h.k, h.v, yh_, lse_);
   if (copies_)
     ensure_temp(y_, {b_, t_, hc}, dev);  // proj keeps its own copy
   else
@@ -230,11 +232,9 @@ Tensor SelfAttention::backward(const Tensor& dout) {
   ensure(dyh_, {bh, t_, hd_}, dev);
   e.permute_0213(dy, b_, t_, h_, hd_, dyh_);
   ensure(dqkvh_, {n}, dev);
-  Tensor q = qkvh_.slice0(0, bh * t_ * hd_), k = qkvh_.slice0(bh * t_ * hd_, (bh + bkv) * t_ * hd_),
-         v = qkvh_.slice0((bh + bkv) * t_ * hd_, n);
-  Tensor dq = dqkvh_.slice0(0, bh * t_ * hd_), dk = dqkvh_.slice0(bh * t_ * hd_, (bh + bkv) * t_ * hd_),
-         dv = dqkvh_.slice0((bh + bkv) * t_ * hd_, n);
-  attention_backward(e, attention_shape(t_, 0, 0), q, k, v, yh_, lse_, dyh_, dq, dk, dv);
+  const Heads h = heads_of(qkvh_);
+  Heads d = heads_of(dqkvh_);
+  attention_backward(e, attention_shape(t_, 0, 0), h.q, h.k, h.v, yh_, lse_, dyh_, d.q, d.k, d.v);
   if (rope_base_ > 0) {  // back through the rotation
     Tensor dqk = dqkvh_.slice0(0, (bh + bkv) * t_ * hd_);
     e.rotary(dqk, t_, rope_table(dev), 0, true, dqk);

@@ -59,18 +59,21 @@ int64_t resident_bytes() {
 }
 
 // The windows one evaluation batch takes on the host: `batch`, or as many as fit in what this rank
-// may still fill (the training's memory budget less the resident set), from the activations and
+// may still fill (the training's memory budget less the resident set other than the model's
+// activation buffers, which the next pass reuses), from the activations and
 // probabilities of one window measured by a one-window forward; said once when it splits. Not even
 // one window fitting is an input error with the bytes. GPUs keep `batch` (an allocation there fails
 // with an error instead of the out-of-memory killer).
 int64_t eval_rows_that_fit(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, Device device,
                            const MemoryBudget& budget) {
   if (budget.bytes <= 0 || batch <= 1 || device.type == DeviceType::CUDA) return batch;
+  // What the process holds besides the model's activation buffers, which the next pass reuses.
+  const int64_t others = resident_bytes() - model.activation_bytes();
   int64_t scored = 0;
   StagedTensor ids;
   const data::TokenBatch one = validation_windows(s, 0, 1, t, scored);
   const int64_t per_window = model.forward(stage_to(one.ids, device, ids)).nbytes() + model.activation_bytes();
-  const int64_t left = budget.bytes - resident_bytes();
+  const int64_t left = budget.bytes - others;
   const auto mib = [](int64_t b) { return std::to_string(b >> 20) + " MiB"; };
   DT_INPUT_CHECK(per_window <= left, "evaluating one window of " << t << " tokens needs " << mib(per_window)
                                                                  << ", more than the " << mib(std::max<int64_t>(left, 0))

@@ -97,6 +97,11 @@ class SelfAttention : public Module {
   void split_heads(Engine& e, const Tensor& qkv, Tensor& heads);
   void merge_heads(Engine& e, const Tensor& heads, Tensor& dqkv);
   AttentionShape attention_shape(int64_t kv_len, int64_t kv_stride, int64_t q_offset) const;
+  // The q, k and v views of heads held as one tensor [B*H*T*hd | B*KV*T*hd | B*KV*T*hd] (qkvh_, dqkvh_).
+  struct Heads {
+    Tensor q, k, v;
+  };
+  Heads heads_of(const Tensor& flat) const;
   // qkvh_: q [B, H, T, hd], then k and v [B, KV, T, hd] each; yh_ (the attention's output) [B*H, T,
   // hd] and lse_ [B*H*T] (its log-sum-exp, from which backward recomputes the probabilities: no
   // [T, T] tensor is kept); y_ [B, T, H*hd]; split_ [H + 2 KV, B*T, hd] (between the permutes, scratch)
