@@ -9,8 +9,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <memory>
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include "dtrain/comm/runtime.h"
@@ -24,7 +24,6 @@
 #include "dtrain/parallel/process_grid.h"
 #include "dtrain/parallel/tensor_parallel.h"
 #include "dtrain/train/import.h"
-#include "dtrain/train/step_support.h"
 #include "dtrain/train/lm_names.h"
 #include "dtrain/train/task.h"
 #include "dtrain/train/trainer.h"
