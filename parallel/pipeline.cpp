@@ -149,7 +149,7 @@ void check_sent(const Tensor& t, const Shape& expected, int stage, const char* w
 }  // namespace
 
 void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const StageShapes& shapes,
-                               const BeforeBackwardFn& before_backward) {
+                               const BeforeBackwardFn& before_backward, const BeforeForwardFn& before_forward) {
   const double t0 = now_s();
   stats_.recv_wait_s = 0;
   stats_.bytes_sent = 0;
@@ -170,6 +170,7 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
         module_.restore_activations(std::move(spent_.back()));
         spent_.pop_back();
       }
+      if (before_forward) before_forward(mb);
       Tensor y;
       {
         nn::PhaseScope phase(nn::Phase::Forward);
@@ -219,7 +220,7 @@ void PipelineStage::train_step(const InputFn& input, const LossFn& loss, const S
 }
 
 void PipelineStage::forward_only(const InputFn& input, const std::function<void(const Tensor&, int)>& consume,
-                                 const StageShapes& shapes, int micro_batches) {
+                                 const StageShapes& shapes, int micro_batches, const BeforeForwardFn& before_forward) {
   std::shared_ptr<comm::Work> pending;
   Tensor in;
   for (int mb = 0; mb < micro_batches; ++mb) {
@@ -231,6 +232,7 @@ void PipelineStage::forward_only(const InputFn& input, const std::function<void(
       x = recv_from(stage_ - 1, in, 2 * mb);
     }
     wait(pending);  // the output buffer is rewritten by this forward
+    if (before_forward) before_forward(mb);
     Tensor y = module_.forward(x);
     if (last()) {
       consume(y, mb);

@@ -301,6 +301,7 @@ nn::GptVocabShard vocab_parallel_shard(int64_t vocab, comm::Communicator& tp) {
   s.rows = vocab / tp.size();
   s.offset = tp.rank() * s.rows;
   s.sum = [&tp](Tensor& t) { tp.allreduce(t)->wait(); };
+  s.max = [&tp](Tensor& t) { tp.allreduce(t, comm::ReduceOp::Max)->wait(); };
   return s;
 }
 

@@ -195,11 +195,16 @@ void CpuEngine::vocab_xent_loss_accumulate(const Tensor& rowmax, const Tensor& s
   check_f32_numel(stats, kXentStatsFloats, "vocab_xent_loss_accumulate stats");
   const float *pm = rowmax.device_f32(), *ps = sumexp.device_f32(), *pt = target.device_f32();
   double loss = 0;
-  for (int64_t i = 0; i < m; ++i)
-    if (py[i] != kIgnoreLabel) loss += std::log(static_cast<double>(ps[i])) + pm[i] - pt[i];
+  uint64_t hits = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    if (py[i] == kIgnoreLabel) continue;
+    loss += std::log(static_cast<double>(ps[i])) + pm[i] - pt[i];
+    hits += pt[i] >= pm[i];  // the target's logit is the row's maximum
+  }
   XentStats st;
   std::memcpy(&st, stats.device_raw(), sizeof st);
   st.loss_sum += loss;
+  st.hits += hits;
   std::memcpy(stats.device_raw(), &st, sizeof st);
 }
 

@@ -481,8 +481,10 @@ void CudaEngine::vocab_xent_loss_accumulate(const Tensor& rowmax, const Tensor& 
            "vocab_xent_loss_accumulate: " << rowmax.str() << ", " << sumexp.str() << ", " << target.str() << ", stats "
                                           << stats.str());
   bind();
+  char* st = static_cast<char*>(stats.device_raw());
   k::vocab_xent_loss(rowmax.device_f32(), sumexp.device_f32(), target.device_f32(), labels.device_data<int32_t>(), m,
-                     reinterpret_cast<double*>(static_cast<char*>(stats.device_raw()) + kOffDouble), compute_);
+                     reinterpret_cast<double*>(st + kOffDouble), reinterpret_cast<unsigned long long*>(st + kOffCount),
+                     compute_);
 }
 
 void CudaEngine::vocab_xent_backward(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,

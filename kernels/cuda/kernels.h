@@ -43,9 +43,10 @@ void softmax_xent_backward(const float* probs, const int32_t* labels, float scal
 void row_max(const float* x, float* out, int64_t m, int64_t n, cudaStream_t s);
 // y = row-wise softmax of scale * x, x and y [m, n].
 void softmax_rows(const float* x, float scale, float* y, int64_t m, int64_t n, cudaStream_t s);
-// *loss_sum += sum_i log(sumexp[i]) + rowmax[i] - target[i] (m rows).
+// *loss_sum += sum_i log(sumexp[i]) + rowmax[i] - target[i] and *hits += the rows whose target is
+// their maximum (m rows).
 void vocab_xent_loss(const float* rowmax, const float* sumexp, const float* target, const int32_t* labels, int64_t m,
-                     double* loss_sum, cudaStream_t s);
+                     double* loss_sum, unsigned long long* hits, cudaStream_t s);
 void vocab_xent_partials(const float* logits, const int32_t* labels, int64_t offset, const float* rowmax, float* sumexp,
                          float* target, int64_t m, int64_t n, cudaStream_t s);
 void vocab_xent_backward(const float* logits, const int32_t* labels, int64_t offset, const float* rowmax,

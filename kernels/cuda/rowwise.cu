@@ -108,18 +108,31 @@ __global__ void softmax_rows_kernel(const float* x, float scale, float* y, int64
 }
 
 __global__ void vocab_xent_loss_kernel(const float* rowmax, const float* sumexp, const float* target,
-                                       const int32_t* labels, int64_t m, double* loss_sum) {
+                                       const int32_t* labels, int64_t m, double* loss_sum,
+                                       unsigned long long* hits) {
   __shared__ double part[kRowThreads];
+  __shared__ unsigned long long hit_part[kRowThreads];
   double acc = 0;
+  unsigned long long hit = 0;
   for (int64_t i = threadIdx.x; i < m; i += blockDim.x)
-    if (labels[i] != -1) acc += log(static_cast<double>(sumexp[i])) + rowmax[i] - target[i];
+    if (labels[i] != -1) {
+      acc += log(static_cast<double>(sumexp[i])) + rowmax[i] - target[i];
+      hit += target[i] >= rowmax[i];  // the target's logit is the row's maximum
+    }
   part[threadIdx.x] = acc;
+  hit_part[threadIdx.x] = hit;
   __syncthreads();
   for (int half = blockDim.x / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
+    if (threadIdx.x < half) {
+      part[threadIdx.x] += part[threadIdx.x + half];
+      hit_part[threadIdx.x] += hit_part[threadIdx.x + half];
+    }
     __syncthreads();
   }
-  if (threadIdx.x == 0) *loss_sum += part[0];
+  if (threadIdx.x == 0) {
+    *loss_sum += part[0];
+    *hits += hit_part[0];
+  }
 }
 
 __global__ void vocab_xent_partials_kernel(const float* logits, const int32_t* labels, int64_t offset,
@@ -342,8 +355,8 @@ void softmax_rows(const float* x, float scale, float* y, int64_t m, int64_t n, c
 }
 
 void vocab_xent_loss(const float* rowmax, const float* sumexp, const float* target, const int32_t* labels, int64_t m,
-                     double* loss_sum, cudaStream_t s) {
-  vocab_xent_loss_kernel<<<1, kRowThreads, 0, s>>>(rowmax, sumexp, target, labels, m, loss_sum);
+                     double* loss_sum, unsigned long long* hits, cudaStream_t s) {
+  vocab_xent_loss_kernel<<<1, kRowThreads, 0, s>>>(rowmax, sumexp, target, labels, m, loss_sum, hits);
   DT_CUDA_LAUNCHED();
 }
 

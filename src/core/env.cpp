@@ -22,6 +22,9 @@ const std::vector<Knob>& knobs() {
       {"DTRAIN_FLIGHT_RECORDER", "512",
        "collectives each communicator's flight recorder keeps (printed in the hang forensics, compared by the "
        "desync check)"},
+      {"DTRAIN_LM_HEAD", "fused",
+       "the language model's head: fused (its cross-entropy computed with it, a chunk of rows of logits at a "
+       "time) or materialized (the whole [tokens, vocabulary] logits, then the loss: the reference)"},
       {"DTRAIN_LOADER_THREADS", "2", "background threads per rank that read and augment batches"},
       {"DTRAIN_PREFETCH", "4", "batches the loader keeps ready ahead of the step"},
       {"DTRAIN_PROGRESS", "auto", "progress bar on rank 0: auto (when stdout is a terminal), on, off"},

@@ -7,6 +7,9 @@
 #include <limits>
 #include <map>
 #include <sstream>
+#include <utility>
+
+#include "dtrain/core/env.h"
 
 namespace dtrain::nn {
 
@@ -420,31 +423,106 @@ GptHead::GptHead(const GptConfig& cfg, Parameter* tied, Tensor own_wte, GptVocab
   wte_ = tied ? tied : &add_parameter(cfg.tied ? "wte" : "lm_head", std::move(own_wte));
   wte_->gemm_weight = true;  // the unembedding reads it whole
   ln_f_ = make_norm(cfg);
+  constexpr int64_t kChunkBytes = int64_t{64} << 20;
+  const int64_t v = shard_.sharded() ? shard_.rows : cfg.vocab;
+  chunk_rows_ = cfg.head_chunk_rows > 0 ? cfg.head_chunk_rows : std::max<int64_t>(1, kChunkBytes / (4 * v));
 }
 
 std::vector<std::pair<std::string, Module*>> GptHead::children() { return {{"ln_f", ln_f_.get()}}; }
 
 Tensor GptHead::forward(const Tensor& h) {
   DT_CHECK(h.dim() == 3 && h.size(2) == c_, "gpt head needs [B, T, " << c_ << "], got " << h.str());
-  const int64_t v = wte_->value.size(0);
+  const int64_t v = vocab();
   m_ = h.size(0) * h.size(1);
   keep(hf_, ln_f_->forward(h));  // [B, T, C]
+  if (next_targets_.defined()) {
+    score();
+    return stats_;
+  }
+  targets_ = Tensor();
   ensure(logits_, {m_, v}, h.device());
   Engine& e = engine(h);
   e.gemm(false, true, m_, v, c_, 1.f, hf_, gemm_operand(e, *wte_, m_, v), 0.f, logits_);  // hf wte^T
   return logits_;
 }
 
-Tensor GptHead::backward(const Tensor& dlogits) {
-  const int64_t v = wte_->value.size(0);
-  DT_CHECK(dlogits.numel() == m_ * v, "gpt head backward got " << dlogits.str());
-  Engine& e = engine(dlogits);
-  ensure(dhf_, hf_.shape(), dlogits.device());
-  e.gemm(false, false, m_, c_, v, 1.f, dlogits, gemm_operand(e, *wte_, m_, c_), 0.f, dhf_);  // dhf = dlogits wte
-  e.gemm(true, false, v, c_, m_, 1.f, dlogits, hf_, 1.f, wte_->grad);                        // dwte += dlogits^T hf
+Tensor GptHead::chunk_logits(int64_t r0, int64_t r1) {
+  const int64_t v = vocab(), rows = r1 - r0;
+  Engine& e = engine(hf_);
+  Tensor logits = chunk_.reshape({chunk_.numel()}).slice0(0, rows * v).reshape({rows, v});
+  e.gemm(false, true, rows, v, c_, 1.f, hf_.reshape({m_, c_}).slice0(r0, r1), gemm_operand(e, *wte_, rows, v), 0.f,
+         logits);
+  return logits;
+}
+
+// Chunk by chunk: the logits, their row maxima (max-reduced over a shard's ranks), then the sums of
+// exponentials and the target logits (sum-reduced), into the rows' statistics.
+void GptHead::score() {
+  keep(targets_, std::exchange(next_targets_, Tensor()));
+  DT_CHECK(targets_.dtype() == DType::I32 && targets_.numel() == m_,
+           "gpt head: " << targets_.str() << " targets for " << m_ << " rows");
+  const Device dev = hf_.device();
+  Engine& e = engine(hf_);
+  ensure(stats_, {3, m_}, dev);
+  ensure(chunk_, {std::min(chunk_rows_, m_), vocab()}, dev);
+  ensure_temp(partial_, {2 * std::min(chunk_rows_, m_)}, dev);
+  const Tensor labels = targets_.reshape({m_});
+  for (int64_t r0 = 0; r0 < m_; r0 += chunk_rows_) {
+    const int64_t r1 = std::min(m_, r0 + chunk_rows_), rows = r1 - r0;
+    const Tensor logits = chunk_logits(r0, r1);
+    Tensor rowmax = row_stat(0, r0, r1);
+    e.row_max(logits, rowmax);
+    if (shard_.sharded()) shard_.max(rowmax);
+    Tensor both = partial_.slice0(0, 2 * rows), sumexp = both.slice0(0, rows), target = both.slice0(rows, 2 * rows);
+    e.vocab_xent_partials(logits, labels.slice0(r0, r1), shard_.offset, rowmax, sumexp, target);
+    if (shard_.sharded()) shard_.sum(both);
+    Tensor sumexp_rows = row_stat(1, r0, r1), target_rows = row_stat(2, r0, r1);
+    e.copy(sumexp, sumexp_rows);
+    e.copy(target, target_rows);
+  }
+}
+
+// The chunks from the last (whose logits forward left in chunk_) to the first: d(logits) in place,
+// then d(hf) and d(wte) from them.
+void GptHead::backward_scored(float dloss) {
+  Engine& e = engine(hf_);
+  const int64_t v = vocab();
+  const Tensor labels = targets_.reshape({m_}), hf = hf_.reshape({m_, c_});
+  const Tensor dhf = dhf_.reshape({m_, c_});
+  for (int64_t r0 = (m_ - 1) / chunk_rows_ * chunk_rows_; r0 >= 0; r0 -= chunk_rows_) {
+    const int64_t r1 = std::min(m_, r0 + chunk_rows_), rows = r1 - r0;
+    Tensor logits = r1 == m_ ? chunk_.reshape({chunk_.numel()}).slice0(0, rows * v).reshape({rows, v})
+                             : chunk_logits(r0, r1);
+    e.vocab_xent_backward(logits, labels.slice0(r0, r1), shard_.offset, row_stat(0, r0, r1), row_stat(1, r0, r1),
+                          dloss, logits);
+    Tensor dhf_rows = dhf.slice0(r0, r1);
+    e.gemm(false, false, rows, c_, v, 1.f, logits, gemm_operand(e, *wte_, rows, c_), 0.f, dhf_rows);
+    e.gemm(true, false, v, c_, rows, 1.f, logits, hf.slice0(r0, r1), 1.f, wte_->grad);
+  }
+}
+
+Tensor GptHead::backward(const Tensor& dy) {
+  Engine& e = engine(hf_);
+  ensure(dhf_, hf_.shape(), hf_.device());
+  if (targets_.defined()) {
+    DT_CHECK(dy.numel() == 1, "a scoring gpt head's backward takes d(loss)/d(loss sum), got " << dy.str());
+    backward_scored(to_host(dy).f32()[0]);
+  } else {
+    const int64_t v = vocab();
+    DT_CHECK(dy.numel() == m_ * v, "gpt head backward got " << dy.str());
+    e.gemm(false, false, m_, c_, v, 1.f, dy, gemm_operand(e, *wte_, m_, c_), 0.f, dhf_);  // dhf = dlogits wte
+    e.gemm(true, false, v, c_, m_, 1.f, dy, hf_, 1.f, wte_->grad);                        // dwte += dlogits^T hf
+  }
   if (shard_.sharded()) shard_.sum(dhf_);  // every rank's vocabulary columns contribute
   if (owns_) grad_ready(*wte_);
   return ln_f_->backward(dhf_);
+}
+
+bool lm_head_fused() {
+  const std::string want = env::get("DTRAIN_LM_HEAD");
+  DT_INPUT_CHECK(want == "fused" || want == "materialized",
+                 "environment variable DTRAIN_LM_HEAD='" << want << "' is not fused or materialized");
+  return want == "fused";
 }
 
 // ------------------------------------------------------------------ Gpt
@@ -492,6 +570,11 @@ Gpt::Gpt(const GptConfig& cfg, const GptBlockFactory& blocks, GptPart part, bool
   if (tied) cfg.sink->unit_built({embed_.get(), head_.get()});
   if (embed_ && !tied) cfg.sink->unit_built({embed_.get()});
   if (head_ && !tied) cfg.sink->unit_built({head_.get()});
+}
+
+void Gpt::score_next(Tensor targets) {
+  DT_CHECK(head_, "only the part of a gpt with the head scores targets");
+  head_->score_next(std::move(targets));
 }
 
 std::string Gpt::kind() const {

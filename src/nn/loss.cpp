@@ -35,6 +35,28 @@ Tensor SoftmaxCrossEntropy::backward(float scale) {
   return dlogits_;
 }
 
+void HeadCrossEntropy::accumulate(const Tensor& row_stats, const Tensor& labels, Tensor& stats) {
+  DT_CHECK(row_stats.dim() == 2 && row_stats.size(0) == 3 && labels.numel() == row_stats.size(1),
+           "a scoring head's cross-entropy needs row statistics [3, N] and N labels, got " << row_stats.str() << " and "
+                                                                                           << labels.str());
+  rows_ = row_stats.size(1);
+  auto row = [&](int64_t i) { return row_stats.slice0(i, i + 1).reshape({rows_}); };
+  engine_for(row_stats.device()).vocab_xent_loss_accumulate(row(0), row(1), row(2), labels, stats);
+}
+
+float HeadCrossEntropy::forward(const Tensor& row_stats, const Tensor& labels, int64_t* correct) {
+  DT_CHECK(correct == nullptr, "a scoring head's cross-entropy does not count argmax hits");
+  Tensor stats = zeros_on({kXentStatsFloats}, row_stats.device());
+  accumulate(row_stats, labels, stats);
+  loss_sum_ = xent_stats(to_host(stats)).loss_sum;  // the caller asked for the figure: one sync
+  return static_cast<float>(loss_sum_ / static_cast<double>(rows_));
+}
+
+Tensor HeadCrossEntropy::backward(float scale) {
+  DT_CHECK(rows_ > 0, "a scoring head's cross-entropy: backward before a forward");
+  return Tensor::from({1}, {scale / static_cast<float>(rows_)});
+}
+
 SoftTargetLoss::SoftTargetLoss(float temperature) : t_(temperature) {
   DT_INPUT_CHECK(temperature > 0.f && std::isfinite(temperature),
                  "the distillation temperature must be > 0, got " << temperature);

@@ -64,13 +64,14 @@ int64_t resident_bytes() {
 // one window fitting is an input error with the bytes. GPUs keep `batch` (an allocation there fails
 // with an error instead of the out-of-memory killer).
 int64_t eval_rows_that_fit(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, Device device,
-                           const MemoryBudget& budget) {
+                           bool head_scores, const MemoryBudget& budget) {
   if (budget.bytes <= 0 || batch <= 1 || device.type == DeviceType::CUDA) return batch;
   // What the process holds besides the model's activation buffers, which the next pass reuses.
   const int64_t others = resident_bytes() - model.activation_bytes();
   int64_t scored = 0;
-  StagedTensor ids;
+  StagedTensor ids, targets;
   const data::TokenBatch one = validation_windows(s, 0, 1, t, scored);
+  if (head_scores) model.score_next(stage_to(one.targets, device, targets).reshape({t}));
   const int64_t per_window = model.forward(stage_to(one.ids, device, ids)).nbytes() + model.activation_bytes();
   const int64_t left = budget.bytes - others;
   const auto mib = [](int64_t b) { return std::to_string(b >> 20) + " MiB"; };
@@ -93,22 +94,24 @@ int64_t eval_rows_that_fit(nn::Gpt& model, const data::TokenStream& s, int64_t b
 // The mean loss per token over the first `windows` consecutive windows of `s`, `batch` at a time
 // (the last batch holds what is left; fewer where `budget` says a batch would not fit); of a
 // prompt/completion stream: over the completion tokens of its first `windows` samples, one per window.
+// `head_scores`: the model's head scores the targets (then `xent` is a HeadCrossEntropy).
 double eval_stream(nn::Gpt& model, const data::TokenStream& s, int64_t batch, int64_t t, int64_t windows,
-                   nn::SoftmaxCrossEntropy& xent, Device device, const MemoryBudget& budget) {
+                   nn::SoftmaxCrossEntropy& xent, bool head_scores, Device device, const MemoryBudget& budget) {
   DT_INPUT_CHECK(windows > 0,
                  "the validation stream (" << s.tokens.size() << " tokens) holds no window of " << t + 1 << " tokens");
   nn::update_working_copies(model.parameters(), engine_for(device).math_precision());
   bool was_training = model.training();
   model.eval();
-  batch = eval_rows_that_fit(model, s, batch, t, device, budget);
+  batch = eval_rows_that_fit(model, s, batch, t, device, head_scores, budget);
   StagedTensor ids, targets;                            // on a GPU: page-locked staging, reused by every batch
   Tensor stats = zeros_on({kXentStatsFloats}, device);  // summed on the device, read once
   int64_t scored = 0;
   for (int64_t first = 0; first < windows; first += batch) {
     const int64_t rows = std::min(batch, windows - first);
     const data::TokenBatch b = validation_windows(s, first, rows, t, scored);
-    xent.accumulate(model.forward(stage_to(b.ids, device, ids)),
-                    stage_to(b.targets, device, targets).reshape({rows * t}), stats);
+    const Tensor labels = stage_to(b.targets, device, targets).reshape({rows * t});
+    if (head_scores) model.score_next(labels);
+    xent.accumulate(model.forward(stage_to(b.ids, device, ids)), labels, stats);
   }
   model.train(was_training);
   const XentStats st = xent_stats(to_host(stats));
@@ -125,9 +128,11 @@ double evaluate_lm(nn::Gpt& model, const std::string& val_file, int64_t batch, i
 
 double evaluate_lm(nn::Gpt& model, const data::TokenStream& val, int64_t batch, int64_t seq_len, int64_t max_batches,
                    const MemoryBudget& budget) {
-  nn::SoftmaxCrossEntropy xent;
-  return eval_stream(model, val, batch, seq_len, scored_windows(val, batch, seq_len, max_batches), xent,
-                     Device::cpu(), budget);
+  const bool fused = nn::lm_head_fused();
+  nn::HeadCrossEntropy scored;
+  nn::SoftmaxCrossEntropy logits;
+  return eval_stream(model, val, batch, seq_len, scored_windows(val, batch, seq_len, max_batches),
+                     fused ? scored : logits, fused, Device::cpu(), budget);
 }
 
 int64_t scored_windows(const data::TokenStream& s, int64_t batch, int64_t seq_len, int64_t max_batches) {
@@ -284,6 +289,11 @@ class GptTask final : public Task {
   }
   bool load_step(int64_t step, double& wait_s) override;
   Tensor micro_input(int k, int parts) override { return micro_rows(ids_, k, parts); }
+  void before_forward(int k, int parts) override {  // the last stage's head scores the targets itself
+    if (!head_scores_) return;
+    const Tensor targets = micro_rows(targets_, k, parts);
+    model_->score_next(targets.reshape({targets.numel()}));
+  }
   // With a teacher the statistics stay the next tokens' cross-entropy (the same quantity with and
   // without one); the gradient is the distillation loss's (on prompt/completion samples over the
   // completion tokens only).
@@ -374,6 +384,7 @@ class GptTask final : public Task {
   std::unique_ptr<nn::Gpt> model_;
   int64_t parameters_ = 0;  // this rank's part of the model, counted when it was made
   std::unique_ptr<nn::SoftmaxCrossEntropy> xent_;
+  bool head_scores_ = false;  // the last stage's head scores its targets (nn::GptHead::score_next)
   std::unique_ptr<comm::Communicator> tied_;  // first and last stage: the tied embedding's gradient
   std::unique_ptr<nn::Gpt> teacher_;          // --teacher: whole on the last stage's ranks, forward only
   std::unique_ptr<parallel::VocabParallelSoftTargets> soft_targets_;
@@ -441,8 +452,14 @@ void GptTask::setup(const TaskSetup& s) {
   model_->train();
   // Before ZeRO-3 leaves the values empty between passes (built shard by shard: already).
   parameters_ = s.built ? s.built->parameter_count() : model_->parameter_count();
-  xent_ = tp > 1 ? std::make_unique<parallel::VocabParallelCrossEntropy>(s.grid.tp(), vocab.offset)
-                 : std::make_unique<nn::SoftmaxCrossEntropy>();
+  // The head fused with its loss, unless distillation needs the student's whole logits.
+  head_scores_ = part.head && c.teacher.empty() && nn::lm_head_fused();
+  if (head_scores_)
+    xent_ = std::make_unique<nn::HeadCrossEntropy>();
+  else if (tp > 1)
+    xent_ = std::make_unique<parallel::VocabParallelCrossEntropy>(s.grid.tp(), vocab.offset);
+  else
+    xent_ = std::make_unique<nn::SoftmaxCrossEntropy>();
   if (!c.teacher.empty() && stage == c.pp - 1) load_teacher(vocab);  // the stage of the student's logits
 }
 
@@ -520,7 +537,7 @@ Validation GptTask::validate(parallel::PipelineStage* pipe) {
   Validation v;
   v.result.loss =
       pipe ? pipeline_val_loss(*pipe, windows)
-           : eval_stream(*model_, val_, batch_, seq_len_, windows, *xent_, device_,
+           : eval_stream(*model_, val_, batch_, seq_len_, windows, *xent_, head_scores_, device_,
                          memory_per_rank(cfg_->memory_per_rank_mb, device_, comm::Runtime::get().topology().local_size));
   v.result.samples = windows;
   char line[80];
@@ -544,17 +561,23 @@ double GptTask::pipeline_val_loss(parallel::PipelineStage& pipe, int64_t windows
   model_->eval();
   double sum = 0;
   int64_t scored = 0;  // on the last stage
+  StagedTensor staged_labels;
   auto run = [&](int64_t first, int64_t rows, int64_t batches) {
     auto window = [&](int k, int64_t& count) {
       return validation_windows(val_, first + k * rows, rows, seq_len_, count);
     };
     int64_t not_counted = 0;
+    Tensor labels;  // the last stage's, of the micro-batch in flight
     pipe.forward_only([&](int k) { return window(k, not_counted).ids; },
-                      [&](const Tensor& out, int k) {
-                        xent_->forward(out, window(k, scored).targets.reshape({rows * seq_len_}));
+                      [&](const Tensor& out, int) {
+                        xent_->forward(out, labels);
                         sum += xent_->last_loss_sum();
                       },
-                      stage_shapes(rows), static_cast<int>(batches));
+                      stage_shapes(rows), static_cast<int>(batches), [&](int k) {
+                        if (!pipe.last()) return;
+                        labels = stage_to(window(k, scored).targets, device_, staged_labels).reshape({rows * seq_len_});
+                        if (head_scores_) model_->score_next(labels);
+                      });
   };
   const int64_t whole = windows / batch_, rest = windows % batch_;
   if (whole > 0) run(0, batch_, whole);

@@ -66,13 +66,15 @@ void Trainer::forward_backward(float loss_scale) {
     const double t0 = now_s();  // forwards and backwards interleave: counted as forward
     pipe_->train_step([&](int k) { return task_->micro_input(k, parts_); },
                       [&](const Tensor& out, int k) { return task_->micro_loss(out, k, parts_, stats, grad_scale); },
-                      task_->stage_shapes(batch_ / parts_), before_backward);
+                      task_->stage_shapes(batch_ / parts_), before_backward,
+                      [&](int k) { task_->before_forward(k, parts_); });
     bubble_sum_ += pipe_->stats().bubble;
     iv_.fwd += now_s() - t0;
     return;
   }
   for (int k = 0; k < parts_; ++k) {
     const double t0 = now_s();
+    task_->before_forward(k, parts_);
     Tensor dout = task_->micro_loss(model.forward(task_->micro_input(k, parts_)), k, parts_, stats, grad_scale);
     test_delay("forward");
     const double t1 = now_s();

@@ -172,7 +172,8 @@ TEST(TransformerOps, VocabParallelCrossEntropyPiecesAddUpToTheFullLoss) {
   Tensor logits = random_tensor({m, v}, rng), labels = Tensor::empty({m}, DType::I32);
   for (int64_t i = 0; i < m; ++i) labels.data<int32_t>()[i] = static_cast<int32_t>(rng.below(v));
   Tensor probs = Tensor::empty({m, v}), dfull = Tensor::empty({m, v});
-  const double loss = e.softmax_xent_forward(logits, labels, probs, nullptr);
+  int64_t hits = 0;
+  const double loss = e.softmax_xent_forward(logits, labels, probs, &hits);
   e.softmax_xent_backward(probs, labels, 0.25f, dfull);
   Tensor slice[2], mx[2];
   for (int r = 0; r < 2; ++r) {
@@ -203,12 +204,65 @@ TEST(TransformerOps, VocabParallelCrossEntropyPiecesAddUpToTheFullLoss) {
   e.vocab_xent_loss_accumulate(gmax, total, tsum, labels, stats);
   e.vocab_xent_loss_accumulate(gmax, total, tsum, labels, stats);
   EXPECT_NEAR(xent_stats(stats).loss_sum, 2 * loss, 1e-5 * std::abs(loss));
+  EXPECT_EQ(xent_stats(stats).hits, static_cast<uint64_t>(2 * hits));  // the target's logit is the row's maximum
   for (int r = 0; r < 2; ++r) {
     Tensor d = Tensor::empty({m, half});
     e.vocab_xent_backward(slice[r], labels, r * half, gmax, total, 0.25f, d);
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < half; ++j)
         EXPECT_NEAR(d.f32()[i * half + j], dfull.f32()[i * v + r * half + j], 1e-6) << r << " " << i << " " << j;
+  }
+}
+
+// The head fused with its cross-entropy (score_next; chunks of 7 of 34 rows, every fifth target
+// ignored) gives the loss, the hits and every gradient of the whole logits' SoftmaxCrossEntropy
+// within 1e-5, tied (GPT) and untied (Llama); without targets the next forward gives logits again.
+TEST(ScoringHead, LossAndGradientsOfTheWholeLogits) {
+  for (bool llama : {false, true}) {
+    nn::GptConfig cfg = tiny_gpt(37, 20, 2, 4, 16, 3);
+    if (llama) {
+      cfg.kv_heads = 2;
+      cfg.mlp_width = 24;
+      nn::llama_shape(cfg);
+    }
+    cfg.head_chunk_rows = 7;
+    nn::Gpt whole(cfg), scored(cfg);
+    const int64_t b = 2, t = 17;
+    Rng rng(5);
+    Tensor ids = Tensor::empty({b, t}, DType::I32), targets = Tensor::empty({b * t}, DType::I32);
+    for (int64_t i = 0; i < b * t; ++i) {
+      ids.data<int32_t>()[i] = static_cast<int32_t>(rng.below(cfg.vocab));
+      targets.data<int32_t>()[i] = i % 5 == 4 ? kIgnoreLabel : static_cast<int32_t>(rng.below(cfg.vocab));
+    }
+    std::map<std::string, int> fired;
+    scored.set_grad_ready_hook([&](nn::Parameter& p) { ++fired[p.name]; });
+    for (nn::Gpt* m : {&whole, &scored})
+      for (nn::Parameter* p : m->parameters()) p->grad.zero_();
+    nn::SoftmaxCrossEntropy logits_loss;
+    nn::HeadCrossEntropy head_loss;
+    Tensor want = Tensor::zeros({kXentStatsFloats}), got = Tensor::zeros({kXentStatsFloats});
+    logits_loss.accumulate(whole.forward(ids), targets, want);
+    whole.backward(logits_loss.backward(0.5f));
+    scored.score_next(targets);
+    const Tensor rows = scored.forward(ids);
+    EXPECT_EQ(rows.shape(), (Shape{3, b * t}));
+    head_loss.accumulate(rows, targets, got);
+    scored.backward(head_loss.backward(0.5f));
+    EXPECT_NEAR(xent_stats(got).loss_sum, xent_stats(want).loss_sum, 1e-5 * xent_stats(want).loss_sum);
+    EXPECT_EQ(xent_stats(got).hits, xent_stats(want).hits);
+    const auto ref = whole.parameters();
+    const auto params = scored.parameters();
+    ASSERT_EQ(ref.size(), params.size());
+    for (size_t k = 0; k < params.size(); ++k) {
+      EXPECT_EQ(fired[params[k]->name], 1) << params[k]->name;
+      double top = 1e-3, worst = 0;
+      for (int64_t i = 0; i < ref[k]->grad.numel(); ++i) {
+        top = std::max(top, std::abs(static_cast<double>(ref[k]->grad.f32()[i])));
+        worst = std::max(worst, std::abs(static_cast<double>(ref[k]->grad.f32()[i] - params[k]->grad.f32()[i])));
+      }
+      EXPECT_LE(worst, 1e-5 * top) << (llama ? "llama " : "gpt ") << params[k]->name;
+    }
+    EXPECT_EQ(scored.forward(ids).shape(), (Shape{b * t, cfg.vocab}));
   }
 }
 

@@ -80,8 +80,10 @@ using test::small_gpt;
 //   on some processors, whatever the learning rate.
 // (Not Adam: the key bias has an exactly zero gradient, softmax being shift-invariant, and Adam
 // turns its rounding noise into full-size steps that differ between any two summation orders.)
+// `head_scores`: the grid's last stage scores the targets in its head (GptHead::score_next), the
+// reference takes its whole logits' cross-entropy.
 void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int pp, int steps,
-                                parallel::PipelineSchedule schedule, int micro) {
+                                parallel::PipelineSchedule schedule, int micro, bool head_scores = false) {
   parallel::ProcessGrid grid(world(), tp, pp);
   nn::Gpt ref(cfg);
   const int stage = grid.pp_rank();
@@ -131,7 +133,8 @@ void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int
   std::unique_ptr<nn::SoftmaxCrossEntropy> xent_owner =
       tp > 1 ? std::make_unique<parallel::VocabParallelCrossEntropy>(grid.tp(), vocab.offset)
              : std::make_unique<nn::SoftmaxCrossEntropy>();
-  nn::SoftmaxCrossEntropy& xent = *xent_owner;
+  nn::HeadCrossEntropy head_xent;
+  nn::SoftmaxCrossEntropy& xent = head_scores ? head_xent : *xent_owner;
   double worst_loss = 0, worst_grad = 0;
   for (int step = 0; step < steps; ++step) {
     Tensor ids = Tensor::empty({total, t}, DType::I32), tg = Tensor::empty({total * t}, DType::I32);
@@ -157,6 +160,7 @@ void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int
     Tensor loss = Tensor::zeros({1});
     if (!pipe) {
       if (ddp) ddp->begin_backward(true);
+      if (head_scores) model.score_next(my_tg);
       loss.f32()[0] = xent.forward(model.forward(my_ids), my_tg);
       model.backward(xent.backward());
     } else {
@@ -169,6 +173,9 @@ void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int
                        parallel::StageShapes{{mbs, t, cfg.width}, {mbs, t, cfg.width}},
                        [&](int, bool last) {
                          if (ddp) ddp->begin_backward(last);
+                       },
+                       [&](int k) {
+                         if (head_scores && pipe->last()) model.score_next(my_tg.slice0(k * mbs * t, (k + 1) * mbs * t));
                        });
       if (pipe->last()) loss.f32()[0] = sum / static_cast<float>(micro);
       grid.pp().allreduce(loss)->wait();  // from the last stage to all
@@ -637,6 +644,20 @@ TEST(Pipeline, GptPpOverAllRanksOneFOneBMatchesOneRank) {
 TEST(Pipeline, GptTp2Pp2MatchesOneRank) {
   if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
   expect_grid_matches_one_rank(2, 2, 10, parallel::PipelineSchedule::OneFOneB, 2);
+}
+
+// The head fused with its cross-entropy (chunks of 5 rows) under tp 2 (the statistics over the
+// vocabulary slices), pp 2 (targets given where the last stage runs its forward, the chunk kept
+// with each micro-batch's activations) and tp 2 x pp 2: the gradients and losses of one rank's
+// whole logits.
+TEST(TensorParallel, ScoringHeadMatchesOneRanksWholeLogits) {
+  nn::GptConfig gpt = small_gpt(), llama = small_llama();
+  gpt.head_chunk_rows = llama.head_chunk_rows = 5;
+  const auto one_f_one_b = parallel::PipelineSchedule::OneFOneB;
+  compare_grid_with_one_rank(gpt, true, 2, 1, 3, one_f_one_b, 1, true);
+  compare_grid_with_one_rank(llama, true, 2, 1, 3, one_f_one_b, 1, true);
+  compare_grid_with_one_rank(gpt, true, 1, 2, 3, one_f_one_b, 2, true);
+  if (world().size() == 4) compare_grid_with_one_rank(llama, true, 2, 2, 3, one_f_one_b, 2, true);
 }
 
 // The Llama's blocks under every layout the GPT has: tp 2 (kv heads split), pp 2, dp 2 x tp 2 and

@@ -188,8 +188,8 @@ class Engine {
   virtual void vocab_xent_backward(const Tensor& logits, const Tensor& labels, int64_t offset, const Tensor& rowmax,
                                    const Tensor& sumexp, float scale, Tensor& dlogits) = 0;
   // Adds the rows' losses, sum_i log(sumexp[i]) + rowmax[i] - target[i] (the sums over all ranks),
-  // into stats' loss_sum (an XentStats on the same device, as softmax_xent_accumulate's), so a step
-  // needs no host sync for its loss.
+  // into stats' loss_sum, and the rows whose target logit is the row's maximum into its hits (an
+  // XentStats on the same device, as softmax_xent_accumulate's), so a step needs no host sync.
   virtual void vocab_xent_loss_accumulate(const Tensor& rowmax, const Tensor& sumexp, const Tensor& target,
                                           const Tensor& labels, Tensor& stats) = 0;
 

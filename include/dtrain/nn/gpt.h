@@ -34,6 +34,9 @@ struct GptConfig {
   bool bias = true;     // biases on the blocks' Linear layers
   bool tied = true;     // the unembedding is the token embedding; else a weight of its own ("lm_head")
   float norm_eps = 1e-5f;
+  // Rows of logits a scoring head (GptHead::score_next) computes at a time: 0 = as many as fill
+  // 64 MiB of f32 logits.
+  int64_t head_chunk_rows = 0;
   // LoRA adapters (nn::Linear::add_lora) on the blocks' projections named in `lora_targets` (q, k,
   // v, o, gate, up, down; GPT-2's MLP is up and down), drawn from a stream of their own per block.
   int64_t lora_rank = 0;  // 0: none
@@ -141,11 +144,11 @@ using GptBlockFactory = std::function<ModulePtr(int64_t layer, Rng& rng)>;
 
 // A vocabulary split over tensor-parallel ranks (Megatron's vocabulary-parallel embedding): this
 // rank holds rows [offset, offset + rows) of the token embedding and of the tied unembedding, so
-// its logits are those columns; `sum` adds a tensor over the ranks (an allreduce). rows == 0: the
-// whole vocabulary, nothing to add.
+// its logits are those columns; `sum` adds a tensor over the ranks (an allreduce), `max` takes the
+// element-wise maximum over them. rows == 0: the whole vocabulary, nothing to add.
 struct GptVocabShard {
   int64_t offset = 0, rows = 0;
-  std::function<void(Tensor&)> sum;
+  std::function<void(Tensor&)> sum, max;
   bool sharded() const { return rows > 0; }
 };
 
@@ -177,14 +180,23 @@ class GptEmbedding : public Module {
 // or null when this module holds a copy of its own, also named "wte" (the last pipeline stage;
 // the two copies' gradients are summed across the stages). An untied model (`cfg.tied` false)
 // holds its own weight "lm_head" [V, C]. The norm is `cfg`'s (LayerNorm or RMSNorm).
+//
+// Scoring (the LM head fused with its cross-entropy): after score_next(targets) the next forward
+// computes the logits `cfg.head_chunk_rows` rows at a time and returns, instead of them, the rows'
+// softmax statistics [3, B*T] (row max, sum of exponentials, target logit; over the whole
+// vocabulary, a shard's reduced over the ranks), from which HeadCrossEntropy takes the loss; its
+// backward takes d(loss)/d(sum of the rows' losses), one f32, and recomputes each chunk's logits
+// but the last (kept), turning them into d(logits) in place. The [B*T, V] logits never exist.
 class GptHead : public Module {
  public:
   // With a vocabulary shard the logits are this rank's columns [B*T, rows] (vocabulary-parallel
   // cross-entropy takes them) and d(input) is summed over the ranks.
   GptHead(const GptConfig& cfg, Parameter* tied, Tensor own_wte = Tensor(), GptVocabShard shard = {});
   const GptVocabShard& shard() const { return shard_; }
+  // The next forward scores `targets` (i32 [B*T] on the model's device; kIgnoreLabel: no loss).
+  void score_next(Tensor targets) { next_targets_ = std::move(targets); }
   Tensor forward(const Tensor& h) override;
-  Tensor backward(const Tensor& dlogits) override;
+  Tensor backward(const Tensor& dy) override;
   std::string kind() const override { return "GptHead"; }
   std::vector<std::pair<std::string, Module*>> children() override;
   Parameter& wte() { return *wte_; }
@@ -192,12 +204,18 @@ class GptHead : public Module {
   bool owns_wte() const { return owns_ && tied_; }
 
  private:
+  int64_t vocab() const { return wte_->value.size(0); }
+  Tensor chunk_logits(int64_t r0, int64_t r1);  // rows [r0, r1) of hf wte^T, in chunk_
+  Tensor row_stat(int which, int64_t r0, int64_t r1) { return stats_.slice0(which, which + 1).reshape({m_}).slice0(r0, r1); }
+  void score();
+  void backward_scored(float dloss);
   Parameter* wte_;
   bool owns_, tied_;
   GptVocabShard shard_;
   ModulePtr ln_f_;
-  int64_t m_ = 0, c_;
+  int64_t m_ = 0, c_, chunk_rows_ = 0;
   Tensor hf_, logits_, dhf_;
+  Tensor next_targets_, targets_, stats_, chunk_, partial_;  // scoring
 };
 
 // Which part of the model a Gpt holds: blocks [first_block, end_block) (end -1: to the last),
@@ -227,6 +245,8 @@ class Gpt : public Module {
   // The head's own copy of the tied weight (a last pipeline stage without the embedding), else null.
   Parameter* head_wte_copy() { return head_ && head_->owns_wte() ? &head_->wte() : nullptr; }
   Parameter* embedding_wte() { return embed_ ? &embed_->wte() : nullptr; }
+  // The next forward scores `targets` in the head (GptHead::score_next): a part with the head only.
+  void score_next(Tensor targets);
 
  private:
   GptConfig cfg_;
@@ -236,6 +256,10 @@ class Gpt : public Module {
   std::vector<Tensor> scratch_;                            // scratch buffers shared by the blocks
   std::unique_ptr<GptHead> head_;
 };
+
+// Whether the LM head scores its targets itself (fused with the cross-entropy, chunked: DTRAIN_LM_HEAD
+// fused, the default) or returns the whole logits to a separate loss (materialized: the reference).
+bool lm_head_fused();
 
 // Relative compute cost of the embedding, one block and the head (forward + backward FLOPs per
 // token), for cutting the model into balanced pipeline stages.

@@ -358,6 +358,23 @@ class SoftmaxCrossEntropy {
   double loss_sum_ = 0;
 };
 
+// The cross-entropy of a head that scores its own targets (GptHead::score_next): its input is the
+// rows' softmax statistics [3, M] (row max, sum of exponentials, target logit, over the whole
+// vocabulary), the loss of row i log(sumexp_i) + max_i - target_i (none where the label is
+// kIgnoreLabel); no argmax hits. backward gives the head d(mean loss)/d(sum of the rows' losses),
+// times `scale`: one f32 on the host.
+class HeadCrossEntropy : public SoftmaxCrossEntropy {
+ public:
+  float forward(const Tensor& row_stats, const Tensor& labels, int64_t* correct = nullptr) override;
+  Tensor backward(float scale = 1.f) override;
+  double last_loss_sum() const override { return loss_sum_; }
+  void accumulate(const Tensor& row_stats, const Tensor& labels, Tensor& stats) override;
+
+ private:
+  int64_t rows_ = 0;
+  double loss_sum_ = 0;
+};
+
 // Knowledge distillation's soft-target term: T^2 times the mean over rows of
 // KL(softmax(teacher / T) || softmax(student / T)) for logits (N, C) on the host. The T^2 keeps its
 // gradient, T (p_student - p_teacher) / N, on the scale of the hard-label cross-entropy's.

@@ -106,15 +106,17 @@ class PipelineStage {
   using LossFn = std::function<Tensor(const Tensor& out, int mb)>;
   // Runs before each micro-batch's backward (data parallel: communicate on the last one only).
   using BeforeBackwardFn = std::function<void(int mb, bool last)>;
+  // Runs before each micro-batch's forward, on every stage.
+  using BeforeForwardFn = std::function<void(int mb)>;
 
   // One training step's forwards and backwards; gradients accumulate in the module's parameters.
   // `input` is called once per micro-batch and must give each its own tensor (under GPipe every
   // forward runs before the first backward, which reads its input again): slices of the batch.
   void train_step(const InputFn& input, const LossFn& loss, const StageShapes& shapes,
-                  const BeforeBackwardFn& before_backward = nullptr);
+                  const BeforeBackwardFn& before_backward = nullptr, const BeforeForwardFn& before_forward = nullptr);
   // Forwards only (evaluation); the last stage gets each micro-batch's output.
   void forward_only(const InputFn& input, const std::function<void(const Tensor& out, int mb)>& consume,
-                    const StageShapes& shapes, int micro_batches);
+                    const StageShapes& shapes, int micro_batches, const BeforeForwardFn& before_forward = nullptr);
 
   const PipelineStats& stats() const { return stats_; }
 

@@ -95,6 +95,12 @@ class Task {
   // and bad-label flag are added into `stats` (an XentStats row on the device); returns
   // d(loss)/d(output) times `grad_scale`.
   virtual Tensor micro_input(int k, int parts) = 0;
+  // Before micro-batch k's forward, on every pipeline stage (a model whose last layer scores the
+  // targets itself takes them here, where the loss's stage runs its forward).
+  virtual void before_forward(int k, int parts) {
+    (void)k;
+    (void)parts;
+  }
   virtual Tensor micro_loss(const Tensor& out, int k, int parts, Tensor& stats, float grad_scale) = 0;
   virtual int64_t step_units() const = 0;                           // this rank's samples or tokens of the loaded step
   virtual std::string bad_label(int64_t step, int rank) const = 0;  // the message for an out-of-range label
