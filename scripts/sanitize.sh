@@ -31,7 +31,7 @@ if [[ $which == all || $which == address ]]; then
   # Left out as well: the memory tests, which ASan's shadow mapping (terabytes of address space, no
   # prlimit --as holds) and its quarantine (freed memory kept resident) cannot run; and the attention
   # oracle at 1000 tokens (the same code paths as at 256, 6 minutes under ASan).
-  memory='Cli.Context16kTrainsUnderATwoGiBCap|Cli.EvalSplitsABatchThatWouldNotFit|FusedVsMaterialised.*/T1000_'
+  memory='Cli.Context16kTrainsUnderATwoGiBCap|Cli.Vocab50257TrainsUnderACap|Cli.EvalSplitsABatchThatWouldNotFit|FusedVsMaterialised.*/T1000_'
   ASAN_OPTIONS=detect_leaks=1 LSAN_OPTIONS=suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0 \
     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 GTEST_FILTER=-$slow \
     ctest --test-dir build-fuzz --output-on-failure -L 'unit|mpi' -E "_np[34]\$|CliMpi.GptPipeline|$memory" -j "$jobs" ||

@@ -810,6 +810,68 @@ TEST(Cli, FusedAttentionTrainsAsTheMaterialisedPath) {
   fs::remove_all(dir);
 }
 
+// The LM head fused with its cross-entropy (the default) trains the Llama and the GPT for 20 steps,
+// on one rank and cut into two pipeline stages, to the losses of the whole logits'
+// (DTRAIN_LM_HEAD=materialized) within 1e-5, and `dtrain eval` gives the same loss.
+TEST(Cli, FusedHeadTrainsAsTheMaterialisedHead) {
+  std::string dir = dtrain::test::temp_dir("cli-fused-head");
+  ASSERT_EQ(small_text_tokens(dir, 400).code, 0);
+  const std::string args = " --data " + dir +
+                           "/tok --steps 20 --log-every 1 --batch-size 4 --seq-len 80 --layers 2 --width 64 --heads 4 "
+                           "--eval-every 10 --eval-batches 2 --threads 1 --progress off --checkpoint-dir " + dir +
+                           "/ckpt --metrics " + dir + "/";
+  const std::string mpi = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 300 mpiexec -n 2 "
+                          "--oversubscribe --bind-to none ";
+  const std::string materialized = "DTRAIN_LM_HEAD=materialized ";
+  for (const std::string model : {"--model llama --kv-heads 2", "--model gpt", "--model llama --pp 2"}) {
+    const std::string launch = model.find("--pp") != std::string::npos ? mpi : "";
+    const std::string train = launch + std::string(DTRAIN_BINARY_DIR) + "/dtrain train " + model + args;
+    Result fused = shell(train + "fused.jsonl 2>&1");
+    ASSERT_EQ(fused.code, 0) << fused.out;
+    Result eval_fused = run("eval --checkpoint " + dir + "/ckpt --data " + dir + "/tok --batch-size 3");
+    fs::remove_all(dir + "/ckpt");
+    Result mat = shell(materialized + train + "mat.jsonl 2>&1");
+    ASSERT_EQ(mat.code, 0) << mat.out;
+    Result eval_mat = shell(materialized + std::string(DTRAIN_BINARY_DIR) + "/dtrain eval --checkpoint " + dir +
+                            "/ckpt --data " + dir + "/tok --batch-size 3 2>&1");
+    fs::remove_all(dir + "/ckpt");
+    const auto a = step_losses(dir + "/fused.jsonl"), b = step_losses(dir + "/mat.jsonl");
+    ASSERT_EQ(a.size(), 20u) << model;
+    ASSERT_EQ(b.size(), 20u) << model;
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(std::stod(a[i]), std::stod(b[i]), 1e-5) << model << " step " << i;
+    EXPECT_NEAR(last_val_loss(dir + "/fused.jsonl"), last_val_loss(dir + "/mat.jsonl"), 1e-5) << model;
+    ASSERT_EQ(eval_fused.code, 0) << eval_fused.out;
+    ASSERT_EQ(eval_mat.code, 0) << eval_mat.out;
+    const auto figures = [](const std::string& out) {  // "loss ... over all N windows", not the time
+      const size_t at = out.find("loss ");
+      return at == std::string::npos ? out : out.substr(at, out.find(", forward", at) - at);
+    };
+    EXPECT_EQ(figures(eval_fused.out), figures(eval_mat.out)) << model;
+    fs::remove(dir + "/fused.jsonl");
+    fs::remove(dir + "/mat.jsonl");
+  }
+  fs::remove_all(dir);
+}
+
+// GPT-2's vocabulary (50257) at context 1024, batch 2: the whole logits, their probabilities and
+// their gradient are 3 x 412 MB in f32, which a 1.5 GiB address-space cap (prlimit) refuses; the
+// fused head holds one 64 MiB chunk of them and trains under it.
+TEST(Cli, Vocab50257TrainsUnderACapTheMaterialisedHeadExceeds) {
+  std::string dir = dtrain::test::temp_dir("cli-big-vocab");
+  ASSERT_EQ(small_text_tokens(dir, 1500).code, 0);
+  const std::string train = "prlimit --as=" + std::to_string(1536LL << 20) + " " + std::string(DTRAIN_BINARY_DIR) +
+                            "/dtrain train --model llama --layers 2 --width 64 --heads 4 --kv-heads 2 --vocab 50257 "
+                            "--context 1024 --batch-size 2 --steps 1 --eval-every 0 --eval-batches 1 --threads 2 "
+                            "--progress off --data " + dir + "/tok 2>&1";
+  Result fused = shell(train);
+  ASSERT_EQ(fused.code, 0) << fused.out;
+  EXPECT_NE(fused.out.find("val_loss"), std::string::npos) << fused.out;
+  Result mat = shell("DTRAIN_LM_HEAD=materialized " + train);
+  EXPECT_NE(mat.code, 0) << mat.out;
+  EXPECT_NE(mat.out.find("out of host memory"), std::string::npos) << mat.out;
+  fs::remove_all(dir);
+}
+
 // A context of 16384 tokens trains on one rank under a 2 GiB address-space cap (prlimit): the fused
 // attention holds O(T) per head. The materialised path needs 4 GiB for one layer's probabilities
 // ([4 heads, 16384, 16384] f32) and fails under the same cap.
