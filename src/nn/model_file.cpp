@@ -15,6 +15,7 @@
 #include <sstream>
 #include <string_view>
 
+#include "dtrain/core/json.h"
 #include "dtrain/nn/models.h"
 #include "dtrain/nn/vision.h"
 
@@ -29,35 +30,11 @@ using Args = std::map<std::string, std::string>;
 // Boost's JSON parser, write_json and a tree's destructor recurse once per level of nesting, so a
 // file of a few thousand brackets would overflow the stack before any check: deeper files are
 // refused before they are parsed. A model file is small text; a larger one is refused unread.
-constexpr int kMaxNesting = 64;
+constexpr int kMaxNesting = kMaxJsonNesting;
 constexpr uintmax_t kMaxModelFileBytes = uintmax_t{16} << 20;
 // An integer field (a width, kernel, stride, padding) is at most this, so the shapes computed from
 // them stay far from int64's end; the model's size is bounded by ModelBudget.
 constexpr int64_t kMaxField = int64_t{1} << 30;
-
-// The deepest nesting of objects and arrays in JSON text `json`, counted up to kMaxNesting + 1.
-int json_nesting(std::string_view json) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (const char c : json) {
-    if (in_string) {
-      if (escaped)
-        escaped = false;
-      else if (c == '\\')
-        escaped = true;
-      else if (c == '"')
-        in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      deepest = std::max(deepest, ++depth);
-      if (deepest > kMaxNesting) break;
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
-  return deepest;
-}
 
 // INI sections are paths in the tree ("layers/3/body/0"); section [model] holds the top-level keys.
 // A section met again, or after one below it, adds its keys to the same node.
@@ -85,7 +62,7 @@ Tree tree_of_ini(const Tree& ini) {
 }
 
 Tree parse_definition(const std::string& definition) {
-  if (json_nesting(definition) > kMaxNesting)
+  if (json_shape(definition).nesting > kMaxNesting)
     throw pt::ptree_error("it nests objects and lists deeper than " + std::to_string(kMaxNesting) + " levels");
   Tree tree;
   std::istringstream in(definition);
@@ -461,7 +438,7 @@ std::string read_model_file(const std::string& path) {
   DT_INPUT_CHECK(file, "cannot read model file '" << path << "'");
   const std::string ext = std::filesystem::path(path).extension().string();
   const bool ini = ext == ".ini" || ext == ".cfg";
-  DT_INPUT_CHECK(ini || json_nesting(text) <= kMaxNesting,
+  DT_INPUT_CHECK(ini || json_shape(text).nesting <= kMaxNesting,
                  "model file '" << path << "' nests objects and lists deeper than " << kMaxNesting << " levels");
   Tree tree;
   try {

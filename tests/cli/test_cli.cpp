@@ -810,6 +810,19 @@ TEST(Cli, FusedAttentionTrainsAsTheMaterialisedPath) {
   fs::remove_all(dir);
 }
 
+// A JSON text 100,000 arrays deep (here a fine-tuning record) ends the command with exit 2 and one
+// error naming the file and line, before Boost's recursive parser could overflow the stack.
+TEST(Cli, DeepJsonIsAnInputError) {
+  std::string dir = dtrain::test::temp_dir("cli-deep-json");
+  std::ofstream(dir + "/deep.jsonl") << R"({"prompt": "x", "completion": )" << std::string(100000, '[')
+                                     << std::string(100000, ']') << "}\n";
+  Result r = run("convert sft --inputs " + dir + "/deep.jsonl --out " + dir + "/tok");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("deep.jsonl' line 1 nests objects and arrays deeper than 64 levels"), std::string::npos)
+      << r.out;
+  fs::remove_all(dir);
+}
+
 // The LM head fused with its cross-entropy (the default) trains the Llama and the GPT for 20 steps,
 // on one rank and cut into two pipeline stages, to the losses of the whole logits'
 // (DTRAIN_LM_HEAD=materialized) within 1e-5, and `dtrain eval` gives the same loss.

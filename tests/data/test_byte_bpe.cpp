@@ -214,6 +214,9 @@ TEST(ByteBpe, BrokenFilesAreNamed) {
   write_file(tmp / "not_json/vocab.json", "{\"a\": 0,");
   write_file(tmp / "not_json/merges.txt", "");
   testing::expect_input_error([&] { Tokenizer::from_file(tmp / "not_json"); }, {"vocab.json", "not JSON"});
+  write_file(tmp / "deep/vocab.json", std::string(100000, '[') + std::string(100000, ']'));
+  write_file(tmp / "deep/merges.txt", "");
+  testing::expect_input_error([&] { Tokenizer::from_file(tmp / "deep"); }, {"vocab.json", "deeper than 64 levels"});
   write_file(tmp / "no_bytes/vocab.json", "{\"a\": 0, \"b\": 1}");
   write_file(tmp / "no_bytes/merges.txt", "");
   testing::expect_input_error([&] { Tokenizer::from_file(tmp / "no_bytes"); }, {"vocab.json", "no piece for byte"});

@@ -161,6 +161,7 @@ TEST(Import, BrokenFilesAreNamed) {
   for (const std::string& path :
        {write("short", "abc"), write("huge", std::string("\xff\xff\xff\xff\xff\xff\xff\x7f", 8) + "{}"),
         write("json", header("{\"a\": [", 0)),
+        write("deep", header("{\"a\": " + std::string(100000, '[') + std::string(100000, ']') + "}", 0)),
         write("outside", header(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4)),
         write("size", header(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8)),
         write("dtype", header(R"({"w":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", 8)),
@@ -169,4 +170,9 @@ TEST(Import, BrokenFilesAreNamed) {
     EXPECT_NE(e.find(path), std::string::npos) << "'" << e << "' names " << path;
   }
   EXPECT_NE(error_of(model, (dir / "none").string()).find("does not exist"), std::string::npos);
+  // A shard index 100,000 arrays deep: refused before it is parsed, naming the index.
+  const fs::path deep = scratch("deep-index");
+  std::ofstream(deep / "model.safetensors.index.json") << std::string(100000, '[') << std::string(100000, ']');
+  const std::string e = error_of(model, deep.string());
+  EXPECT_NE(e.find("model.safetensors.index.json' nests objects and arrays deeper than"), std::string::npos) << e;
 }

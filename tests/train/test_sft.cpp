@@ -107,6 +107,18 @@ TEST(Sft, ConvertMarksCompletionsAndWindowsHoldOneSample) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("bad.jsonl' line 2"), std::string::npos) << e.what();
   }
+  {
+    std::ofstream out(dir / "deep.jsonl");
+    out << R"({"prompt": "x", "completion": "y"})" << "\n"
+        << R"({"prompt": "x", "completion": )" << std::string(100000, '[') << std::string(100000, ']') << "}\n";
+  }
+  try {
+    data::convert_sft({(dir / "deep.jsonl").string()}, (dir / "deep").string(), opt);
+    ADD_FAILURE() << "a record 100,000 arrays deep was taken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("deep.jsonl' line 2 nests objects and arrays deeper"), std::string::npos)
+        << e.what();
+  }
 }
 
 // A Llama fine-tuned on prompt/completion samples learns the completions: the completion loss on
