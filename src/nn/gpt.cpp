@@ -455,67 +455,63 @@ Tensor GptHead::chunk_logits(int64_t r0, int64_t r1) {
   return logits;
 }
 
-// Chunk by chunk: the logits, their row maxima (max-reduced over a shard's ranks), then the sums of
-// exponentials and the target logits (sum-reduced), into the rows' statistics.
+// Chunk by chunk: the logits, their row maxima (max-reduced over a shard's ranks), the sums of
+// exponentials and the target logits (sum-reduced), into the rows' statistics. Training, the chunk
+// then becomes d(loss sum)/d(logits) = softmax - onehot in place, and from it this forward keeps
+// d(hf) and (unless the weight is frozen) d(wte) of the loss sum, which backward scales.
 void GptHead::score() {
   keep(targets_, std::exchange(next_targets_, Tensor()));
   DT_CHECK(targets_.dtype() == DType::I32 && targets_.numel() == m_,
            "gpt head: " << targets_.str() << " targets for " << m_ << " rows");
   const Device dev = hf_.device();
   Engine& e = engine(hf_);
+  const int64_t v = vocab();
+  const bool grads = training(), weight_grad = grads && !wte_->frozen;
   ensure(stats_, {3, m_}, dev);
-  ensure(chunk_, {std::min(chunk_rows_, m_), vocab()}, dev);
+  if (grads) ensure(dhf_unit_, hf_.shape(), dev);
+  if (weight_grad) ensure(dwte_unit_, wte_->value.shape(), dev);
+  ensure_temp(chunk_, {std::min(chunk_rows_, m_), v}, dev);
   ensure_temp(partial_, {2 * std::min(chunk_rows_, m_)}, dev);
-  const Tensor labels = targets_.reshape({m_});
+  const Tensor labels = targets_.reshape({m_}), hf = hf_.reshape({m_, c_});
   for (int64_t r0 = 0; r0 < m_; r0 += chunk_rows_) {
     const int64_t r1 = std::min(m_, r0 + chunk_rows_), rows = r1 - r0;
-    const Tensor logits = chunk_logits(r0, r1);
-    Tensor rowmax = row_stat(0, r0, r1);
+    Tensor logits = chunk_logits(r0, r1);
+    Tensor rowmax = row_stat(0, r0, r1), sumexp_rows = row_stat(1, r0, r1), target_rows = row_stat(2, r0, r1);
     e.row_max(logits, rowmax);
     if (shard_.sharded()) shard_.max(rowmax);
     Tensor both = partial_.slice0(0, 2 * rows), sumexp = both.slice0(0, rows), target = both.slice0(rows, 2 * rows);
     e.vocab_xent_partials(logits, labels.slice0(r0, r1), shard_.offset, rowmax, sumexp, target);
     if (shard_.sharded()) shard_.sum(both);
-    Tensor sumexp_rows = row_stat(1, r0, r1), target_rows = row_stat(2, r0, r1);
     e.copy(sumexp, sumexp_rows);
     e.copy(target, target_rows);
-  }
-}
-
-// The chunks from the last (whose logits forward left in chunk_) to the first: d(logits) in place,
-// then d(hf) and d(wte) from them.
-void GptHead::backward_scored(float dloss) {
-  Engine& e = engine(hf_);
-  const int64_t v = vocab();
-  const Tensor labels = targets_.reshape({m_}), hf = hf_.reshape({m_, c_});
-  const Tensor dhf = dhf_.reshape({m_, c_});
-  for (int64_t r0 = (m_ - 1) / chunk_rows_ * chunk_rows_; r0 >= 0; r0 -= chunk_rows_) {
-    const int64_t r1 = std::min(m_, r0 + chunk_rows_), rows = r1 - r0;
-    Tensor logits = r1 == m_ ? chunk_.reshape({chunk_.numel()}).slice0(0, rows * v).reshape({rows, v})
-                             : chunk_logits(r0, r1);
-    e.vocab_xent_backward(logits, labels.slice0(r0, r1), shard_.offset, row_stat(0, r0, r1), row_stat(1, r0, r1),
-                          dloss, logits);
-    Tensor dhf_rows = dhf.slice0(r0, r1);
+    if (!grads) continue;
+    e.vocab_xent_backward(logits, labels.slice0(r0, r1), shard_.offset, rowmax, sumexp_rows, 1.f, logits);
+    Tensor dhf_rows = dhf_unit_.reshape({m_, c_}).slice0(r0, r1);
     e.gemm(false, false, rows, c_, v, 1.f, logits, gemm_operand(e, *wte_, rows, c_), 0.f, dhf_rows);
-    e.gemm(true, false, v, c_, rows, 1.f, logits, hf.slice0(r0, r1), 1.f, wte_->grad);
+    if (weight_grad) e.gemm(true, false, v, c_, rows, 1.f, logits, hf.slice0(r0, r1), r0 == 0 ? 0.f : 1.f, dwte_unit_);
   }
 }
 
 Tensor GptHead::backward(const Tensor& dy) {
   Engine& e = engine(hf_);
-  ensure(dhf_, hf_.shape(), hf_.device());
-  if (targets_.defined()) {
-    DT_CHECK(dy.numel() == 1, "a scoring gpt head's backward takes d(loss)/d(loss sum), got " << dy.str());
-    backward_scored(to_host(dy).f32()[0]);
+  Tensor* dhf = &dhf_;
+  if (targets_.defined()) {  // scored: the forward's gradients of the loss sum, times d(loss)/d(loss sum)
+    DT_CHECK(dy.numel() == 1 && dhf_unit_.defined(),
+             "a scoring gpt head's backward takes d(loss)/d(loss sum) after a training forward, got " << dy.str());
+    const float dloss = to_host(dy).f32()[0];
+    e.scale(dhf_unit_, dloss);
+    if (!wte_->frozen) e.axpy(dloss, dwte_unit_, wte_->grad);
+    dhf = &dhf_unit_;
   } else {
     const int64_t v = vocab();
     DT_CHECK(dy.numel() == m_ * v, "gpt head backward got " << dy.str());
+    ensure(dhf_, hf_.shape(), hf_.device());
     e.gemm(false, false, m_, c_, v, 1.f, dy, gemm_operand(e, *wte_, m_, c_), 0.f, dhf_);  // dhf = dlogits wte
     e.gemm(true, false, v, c_, m_, 1.f, dy, hf_, 1.f, wte_->grad);                        // dwte += dlogits^T hf
   }
-  if (shard_.sharded()) shard_.sum(dhf_);  // every rank's vocabulary columns contribute
+  if (shard_.sharded()) shard_.sum(*dhf);  // every rank's vocabulary columns contribute
   if (owns_) grad_ready(*wte_);
-  return ln_f_->backward(dhf_);
+  return ln_f_->backward(*dhf);
 }
 
 bool lm_head_fused() {

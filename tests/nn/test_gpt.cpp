@@ -216,7 +216,8 @@ TEST(TransformerOps, VocabParallelCrossEntropyPiecesAddUpToTheFullLoss) {
 
 // The head fused with its cross-entropy (score_next; chunks of 7 of 34 rows, every fifth target
 // ignored) gives the loss, the hits and every gradient of the whole logits' SoftmaxCrossEntropy
-// within 1e-5, tied (GPT) and untied (Llama); without targets the next forward gives logits again.
+// within 1e-5, tied (GPT) and untied (Llama); evaluating gives the same loss; without targets the
+// next forward gives logits again.
 TEST(ScoringHead, LossAndGradientsOfTheWholeLogits) {
   for (bool llama : {false, true}) {
     nn::GptConfig cfg = tiny_gpt(37, 20, 2, 4, 16, 3);
@@ -262,6 +263,12 @@ TEST(ScoringHead, LossAndGradientsOfTheWholeLogits) {
       }
       EXPECT_LE(worst, 1e-5 * top) << (llama ? "llama " : "gpt ") << params[k]->name;
     }
+    // Evaluating (no gradients made) gives the same statistics; without targets, logits again.
+    scored.eval();
+    scored.score_next(targets);
+    Tensor again = Tensor::zeros({kXentStatsFloats});
+    head_loss.accumulate(scored.forward(ids), targets, again);
+    EXPECT_EQ(xent_stats(again).loss_sum, xent_stats(got).loss_sum);
     EXPECT_EQ(scored.forward(ids).shape(), (Shape{b * t, cfg.vocab}));
   }
 }

@@ -184,9 +184,11 @@ class GptEmbedding : public Module {
 // Scoring (the LM head fused with its cross-entropy): after score_next(targets) the next forward
 // computes the logits `cfg.head_chunk_rows` rows at a time and returns, instead of them, the rows'
 // softmax statistics [3, B*T] (row max, sum of exponentials, target logit; over the whole
-// vocabulary, a shard's reduced over the ranks), from which HeadCrossEntropy takes the loss; its
-// backward takes d(loss)/d(sum of the rows' losses), one f32, and recomputes each chunk's logits
-// but the last (kept), turning them into d(logits) in place. The [B*T, V] logits never exist.
+// vocabulary, a shard's reduced over the ranks), from which HeadCrossEntropy takes the loss. A
+// training forward also turns each chunk into d(logits) of the loss sum and keeps what they give,
+// d(hf) [B*T, C] and d(wte) (the weight's shape; none when it is frozen); backward takes
+// d(loss)/d(loss sum), one f32, and scales them. No GEMM is repeated and the [B*T, V] logits
+// never exist: one chunk at a time, as scratch.
 class GptHead : public Module {
  public:
   // With a vocabulary shard the logits are this rank's columns [B*T, rows] (vocabulary-parallel
@@ -206,16 +208,17 @@ class GptHead : public Module {
  private:
   int64_t vocab() const { return wte_->value.size(0); }
   Tensor chunk_logits(int64_t r0, int64_t r1);  // rows [r0, r1) of hf wte^T, in chunk_
-  Tensor row_stat(int which, int64_t r0, int64_t r1) { return stats_.slice0(which, which + 1).reshape({m_}).slice0(r0, r1); }
+  Tensor row_stat(int which, int64_t r0, int64_t r1) {
+    return stats_.slice0(which, which + 1).reshape({m_}).slice0(r0, r1);
+  }
   void score();
-  void backward_scored(float dloss);
   Parameter* wte_;
   bool owns_, tied_;
   GptVocabShard shard_;
   ModulePtr ln_f_;
   int64_t m_ = 0, c_, chunk_rows_ = 0;
   Tensor hf_, logits_, dhf_;
-  Tensor next_targets_, targets_, stats_, chunk_, partial_;  // scoring
+  Tensor next_targets_, targets_, stats_, dhf_unit_, dwte_unit_, chunk_, partial_;  // scoring
 };
 
 // Which part of the model a Gpt holds: blocks [first_block, end_block) (end -1: to the last),
