@@ -4,7 +4,7 @@
 # the whole [tokens, vocabulary] logits (materialized), runs alternating so both see the same
 # machine: training tokens/s and peak resident memory (GNU time's maximum RSS).
 #   benchmarks/micro/lm_head.sh DTRAIN [REPEATS] [TOKENS_DIR]
-#   STEPS=3 THREADS=2 (environment)
+#   STEPS=3 THREADS=2 GPT_BATCHES="1 4" (environment)
 set -euo pipefail
 BIN=$1
 N=${2:-1}
@@ -49,6 +49,8 @@ measure() {  # measure LABEL ARGS...
   ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "" || b == "") print "-"; else printf "%.2f", b / a }'; }
   echo "| $label | ${ar:--} | ${br:--} | $(ratio "$ar" "$br") | ${am:--} | ${bm:--} | $(ratio "$am" "$bm") |"
 }
-measure "gpt 2 x 768 (12 heads), batch 1" --model gpt --layers 2 --width 768 --heads 12 --batch-size 1
+for b in ${GPT_BATCHES:-1 4}; do
+  measure "gpt 2 x 768 (12 heads), batch $b" --model gpt --layers 2 --width 768 --heads 12 --batch-size "$b"
+done
 measure "llama 2 x 64 (4 heads, 2 kv), batch 4" --model llama --layers 2 --width 64 --heads 4 --kv-heads 2 --batch-size 4
 measure "llama 2 x 64 (4 heads, 2 kv), batch 16" --model llama --layers 2 --width 64 --heads 4 --kv-heads 2 --batch-size 16

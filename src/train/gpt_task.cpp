@@ -619,6 +619,17 @@ void GptTask::check_checkpoint(CheckpointState& s) const {
                      << shape_str(again.int_lists["lm_shape"]) << ", rope base " << again.strings["rope_base"]
                      << ") differ from this run's (" << shape_str(mine.int_lists["lm_shape"]) << ", "
                      << mine.strings["rope_base"] << ")");
+  // The embeddings' rows mean the checkpoint's tokens: the data must be cut by the same tokenizer.
+  const data::Tokenizer theirs_tok = tokenizer_from_checkpoint(s, "the checkpoint");
+  const data::Tokenizer& ours = train_.tokenizer;
+  const auto named = [](const data::Tokenizer& t) {
+    return t.name() + (t.model().empty() ? "" : ", a model of " + std::to_string(t.model().size()) + " bytes");
+  };
+  DT_INPUT_CHECK(theirs_tok.name() == ours.name() && theirs_tok.model() == ours.model(),
+                 "its tokenizer (" << named(theirs_tok) << ") is not the one of --data " << cfg_->data << " ("
+                                   << named(ours)
+                                   << (theirs_tok.name() == ours.name() ? ", another model" : "")
+                                   << "): its embeddings would read other tokens");
 }
 
 }  // namespace

@@ -810,6 +810,33 @@ TEST(Cli, FusedAttentionTrainsAsTheMaterialisedPath) {
   fs::remove_all(dir);
 }
 
+// A checkpoint resumes only on data cut by its own tokenizer: bytes against a SentencePiece model of
+// the same model vocabulary (--vocab 320) is refused with both named (exit 2); the same data resumes.
+TEST(Cli, ResumeOnAnotherTokenizerIsRefused) {
+  std::string dir = dtrain::test::temp_dir("cli-resume-tokenizer");
+  fs::create_directories(dir + "/text");
+  {
+    std::ofstream out(dir + "/text/a.txt");
+    const char* words[] = {"hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"};
+    uint32_t x = 1;
+    for (int i = 0; i < 6000; ++i) out << words[(x = x * 1103515245u + 12345u) >> 16 & 7] << (i % 9 ? " " : ", ");
+  }
+  ASSERT_EQ(run("convert text --inputs " + dir + "/text --out " + dir + "/bytes").code, 0);
+  Result bpe = run("convert text --inputs " + dir + "/text --out " + dir + "/bpe --tokenizer bpe --vocab-size 320");
+  ASSERT_EQ(bpe.code, 0) << bpe.out;
+  const std::string train = "train --model gpt --layers 1 --width 32 --heads 2 --context 16 --batch-size 4 "
+                            "--eval-every 0 --eval-batches 1 --threads 1 --progress off --vocab 320 ";
+  ASSERT_EQ(run(train + "--steps 4 --data " + dir + "/bytes --checkpoint-dir " + dir + "/ckpt").code, 0);
+  Result other = run(train + "--steps 6 --data " + dir + "/bpe --resume " + dir + "/ckpt");
+  EXPECT_EQ(other.code, 2) << other.out;
+  EXPECT_NE(other.out.find("its tokenizer (bytes) is not the one of --data " + dir + "/bpe (sentencepiece-bpe"),
+            std::string::npos)
+      << other.out;
+  Result same = run(train + "--steps 6 --data " + dir + "/bytes --resume " + dir + "/ckpt");
+  EXPECT_EQ(same.code, 0) << same.out;
+  fs::remove_all(dir);
+}
+
 // A JSON text 100,000 arrays deep (here a fine-tuning record) ends the command with exit 2 and one
 // error naming the file and line, before Boost's recursive parser could overflow the stack.
 TEST(Cli, DeepJsonIsAnInputError) {
