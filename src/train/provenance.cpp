@@ -3,6 +3,7 @@
 
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "dtrain/comm/nccl.h"
@@ -91,14 +92,18 @@ JsonFields run_provenance(const std::string& layout, const std::string& config_i
 std::string resume_changes(const std::string& checkpoint_provenance, const std::string& config_ini) {
   const std::string then_ini = config_of(checkpoint_provenance);
   if (then_ini.empty()) return "";  // a checkpoint from before provenance
-  const std::map<std::string, std::string> then = ini_values(then_ini), now = ini_values(config_ini);
+  std::map<std::string, std::string> then = ini_values(then_ini), now = ini_values(config_ini);
+  for (auto* values : {&then, &now}) values->erase("resume");  // how this launch starts, not the run
+  std::set<std::string> keys;
+  for (const auto* values : {&then, &now})
+    for (const auto& [key, value] : *values) keys.insert(key);
   std::string changed;
-  for (const char* key : {"model", "lr", "min-lr", "warmup-steps", "lr-schedule", "precision", "batch-size",
-                          "global-batch-size", "accumulate", "compression", "optimizer"}) {
-    auto a = then.find(key), b = now.find(key);
-    if (a == then.end() || b == now.end() || a->second == b->second) continue;
+  for (const std::string& key : keys) {
+    const auto a = then.find(key), b = now.find(key);
+    const std::string was = a == then.end() ? "(none)" : a->second, is = b == now.end() ? "(none)" : b->second;
+    if (was == is) continue;
     if (!changed.empty()) changed += ", ";
-    changed.append("--").append(key).append(" ").append(a->second).append(" -> ").append(b->second);
+    changed.append("--").append(key).append(" ").append(was).append(" -> ").append(is);
   }
   return changed.empty() ? "" : "resume: changed since the checkpoint: " + changed;
 }

@@ -13,6 +13,7 @@
 
 #include "dtrain/comm/runtime.h"
 #include "dtrain/train/checkpoint.h"
+#include "dtrain/train/provenance.h"
 #include "dtrain/train/trainer.h"
 #include "divergence_test_util.h"
 #include "train_test_util.h"
@@ -665,4 +666,34 @@ TEST(Trainer, CheckFiniteWeightsNamesTheParameterStepAndRank) {
   }
   b.value.f32()[1] = std::nanf("");
   EXPECT_THROW(train::check_finite_weights({&b}, 8, 0), DivergenceError);
+}
+
+// A resume's change note names every option that differs from the checkpoint's configuration (data,
+// seed, steps, LoRA alpha, weight decay, clipping among them; an image model's dropout), and
+// nothing else: not --resume itself, nothing when the configuration is the same.
+TEST(Provenance, ResumeNamesEveryOptionThatChanged) {
+  train::TrainConfig then = train::model_defaults("gpt");
+  then.data = "/data/a";
+  const std::string provenance = train::to_json(train::run_provenance("1 rank", train::config_ini(then)));
+  train::TrainConfig now = then;
+  now.resume = "/ckpt";
+  EXPECT_EQ(train::resume_changes(provenance, train::config_ini(now)), "");
+  now.data = "/data/b";
+  now.seed = 7;
+  now.steps = 900;
+  now.lora_alpha = 8.f;
+  now.weight_decay = 0.05f;
+  now.clip_grad_norm = 0.5f;
+  const std::string note = train::resume_changes(provenance, train::config_ini(now));
+  for (const char* option : {"--data /data/a -> /data/b", "--seed 42 -> 7", "--steps", "--lora-alpha", "--weight-decay",
+                             "--clip-grad-norm 1 -> 0.5"})
+    EXPECT_NE(note.find(option), std::string::npos) << option << " in: " << note;
+  EXPECT_EQ(note.find("--resume"), std::string::npos) << note;
+  EXPECT_EQ(note.find("--model"), std::string::npos) << note;
+  train::TrainConfig mlp = train::model_defaults("mlp"), dropped = mlp;
+  dropped.dropout = 0.25f;
+  EXPECT_NE(train::resume_changes(train::to_json(train::run_provenance("1 rank", train::config_ini(mlp))),
+                                  train::config_ini(dropped))
+                .find("--dropout 0 -> 0.25"),
+            std::string::npos);
 }

@@ -13,7 +13,8 @@ namespace dtrain::train {
 JsonFields run_provenance(const std::string& layout, const std::string& config_ini);
 
 // What the checkpoint's provenance says changed against this run, in one line ("" when nothing
-// that matters did): lr, schedule, precision, model, batch, compression.
+// did): every option of the effective configuration whose value differs, or which only one side
+// has, but --resume itself.
 std::string resume_changes(const std::string& checkpoint_provenance, const std::string& config_ini);
 
 }  // namespace dtrain::train
