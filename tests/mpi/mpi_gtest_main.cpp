@@ -2,10 +2,14 @@
 // once through the dtrain runtime, runs the tests on every rank, and makes the ranks agree: a test
 // that fails on any rank is reported (by rank 0) as failed, and every rank exits non-zero.
 // Only rank 0 prints the usual GoogleTest log; other ranks print their own failures, prefixed.
+// A run in which no selected test ran to the end (every one skipped, or none selected) exits 77,
+// which CTest counts as not run (SKIP_RETURN_CODE), never as a pass; under
+// DTRAIN_REQUIRE_MPI_TESTS=1 (scripts/test.sh as root, where every one can run) it fails.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -77,7 +81,13 @@ int main(int argc, char** argv) {
     for (const std::string& f : agreement->failures()) std::fprintf(stderr, "[ MPI FAILED ] %s\n", f.c_str());
     std::fprintf(stderr, "[ MPI ] %d ranks: %s\n", size, any_failed ? "FAILED" : "all passed");
   }
+  const testing::UnitTest& unit = *testing::UnitTest::GetInstance();
+  const bool nothing_ran = !any_failed && unit.successful_test_count() == 0;  // skipped ones do not count
+  if (rank == 0 && nothing_ran)
+    std::fprintf(stderr, "[ MPI ] no test ran at %d ranks (%d skipped): not a pass\n", size, unit.skipped_test_count());
   MPI_Comm_free(&agree);
   dtrain::comm::Runtime::finalize();
-  return any_failed ? 1 : 0;
+  const char* required = std::getenv("DTRAIN_REQUIRE_MPI_TESTS");
+  const bool must_run = required && std::string(required) == "1";
+  return any_failed || (nothing_ran && must_run) ? 1 : nothing_ran ? 77 : 0;
 }
