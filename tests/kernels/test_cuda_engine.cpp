@@ -600,6 +600,8 @@ TEST_F(CudaEngineTest, SoftmaxRowsAndVocabLossMatchTheCpu) {
   cpu.vocab_xent_loss_accumulate(rowmax, sumexp, target, labels, stats);
   gpu->vocab_xent_loss_accumulate(dev(rowmax), dev(sumexp), dev(target), dev(labels), gstats);
   EXPECT_NEAR(xent_stats(host(gstats)).loss_sum, xent_stats(stats).loss_sum, 1e-9 * 64);
+  EXPECT_EQ(xent_stats(host(gstats)).hits, xent_stats(stats).hits);  // target logits at their row's maximum
+  EXPECT_GT(xent_stats(stats).hits, 0u);
   // The gradient of the rows without a loss is zero on both.
   Tensor d = Tensor::empty({64, 1000}), gd = Tensor::empty({64, 1000}, DType::F32, Device::cuda(0));
   cpu.vocab_xent_backward(x, labels, 0, rowmax, sumexp, 0.5f, d);
