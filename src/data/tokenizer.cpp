@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string_view>
 
 #include "dtrain/core/error.h"
 #include "dtrain/data/byte_bpe.h"
@@ -143,6 +144,65 @@ std::string read_file(const fs::path& path, const std::string& what) {
 
 // The pieces of a SentencePiece model as text (its space mark a space; byte pieces their byte), and
 // the id of the newline's byte piece (-1 without one).
+// Reads a protobuf varint at `at` of `b` (false past the end or past 10 bytes).
+bool read_varint(std::string_view b, size_t& at, uint64_t& value) {
+  value = 0;
+  for (int shift = 0; shift < 70 && at < b.size(); shift += 7) {
+    const auto byte = static_cast<uint8_t>(b[at++]);
+    value |= static_cast<uint64_t>(byte & 0x7f) << shift;
+    if (!(byte & 0x80)) return true;
+  }
+  return false;
+}
+
+// Skips the value of a field of wire type `wire` at `at`; false when it runs past `b` or the type
+// is unknown. `length` receives a length-delimited field's size (its bytes then start at `at`).
+bool skip_field(std::string_view b, size_t& at, uint64_t wire, uint64_t* length = nullptr) {
+  uint64_t v = 0;
+  switch (wire) {
+    case 0:
+      return read_varint(b, at, v);
+    case 1:
+    case 5:
+      at += wire == 1 ? 8 : 4;
+      return at <= b.size();
+    case 2:
+      if (!read_varint(b, at, v) || v > b.size() - at) return false;
+      if (length) *length = v;
+      at += static_cast<size_t>(v);
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Index of the first piece (ModelProto field 1, a message whose string field 1 is the piece) that
+// is empty or holds a NUL byte, or -1. SentencePiece's trie builder reads pieces as C strings and
+// throws from a noexcept path on an empty one (the process ends), so such a model is refused
+// before it is loaded; a text whose wire format breaks off is left to SentencePiece's own parser,
+// which reports it.
+int64_t first_empty_piece(std::string_view model) {
+  size_t at = 0;
+  int64_t index = 0;
+  while (at < model.size()) {
+    uint64_t key = 0, length = 0;
+    if (!read_varint(model, at, key)) return -1;
+    if (!skip_field(model, at, key & 7, &length)) return -1;
+    if (key >> 3 != 1 || (key & 7) != 2) continue;
+    const std::string_view piece_message = model.substr(at - length, length);
+    bool named = false;
+    for (size_t p = 0; p < piece_message.size();) {
+      uint64_t k = 0, n = 0;
+      if (!read_varint(piece_message, p, k) || !skip_field(piece_message, p, k & 7, &n)) return -1;
+      if (k >> 3 == 1 && (k & 7) == 2)
+        named = n > 0 && piece_message.substr(p - n, n).find('\0') == std::string_view::npos;
+    }
+    if (!named) return index;
+    ++index;
+  }
+  return -1;
+}
+
 std::vector<std::string> sentencepiece_pieces(const sentencepiece::SentencePieceProcessor& sp, int32_t& newline,
                                               const std::string& where) {
   std::vector<std::string> pieces(static_cast<size_t>(sp.GetPieceSize()));
@@ -187,6 +247,9 @@ Tokenizer Tokenizer::from_model(const std::string& name, const std::string& mode
   DT_INPUT_CHECK(name == kBpeTokenizer || name == kSentencePieceTokenizer,
                  "'" << where << "' uses tokenizer '" << name << "'; known are " << kBytesTokenizer << ", "
                      << kBpeTokenizer << ", " << kSentencePieceTokenizer << " and " << kByteBpeTokenizer);
+  const int64_t empty = first_empty_piece(model);
+  DT_INPUT_CHECK(empty < 0, "'" << where << "': its " << name << " model's piece " << empty
+                                << " is empty or holds a NUL byte (corrupt file?)");
   auto sp = std::make_shared<sentencepiece::SentencePieceProcessor>();
   const auto status = sp->LoadFromSerializedProto(model);
   DT_INPUT_CHECK(status.ok(), "'" << where << "': its " << name << " model does not load (" << status.ToString()

@@ -135,6 +135,15 @@ TEST(Tokenizer, PretrainedSentencePieceMatchesThePythonModule) {
   testing::expect_input_error([&] { convert_text({text_file}, tmp / "out2", opt); }, {"--tokenizer", "missing.model"});
   opt.tokenizer = text_file;  // a file that is no SentencePiece model
   testing::expect_input_error([&] { convert_text({text_file}, tmp / "out2", opt); }, {"text.txt", "does not load"});
+  // Pieces SentencePiece's trie would end the process on (an empty one, one with a NUL byte):
+  // refused with the piece's index. ModelProto field 1 holds a piece message, its field 1 the text.
+  const std::string unk("\x0a\x07\x0a\x05<unk>", 9);
+  testing::expect_input_error(
+      [&] { Tokenizer::from_model(kSentencePieceTokenizer, unk + std::string("\x0a\x02\x0a\x00", 4), "e.model"); },
+      {"e.model", "piece 1 is empty or holds a NUL byte"});
+  testing::expect_input_error(
+      [&] { Tokenizer::from_model(kSentencePieceTokenizer, std::string("\x0a\x03\x0a\x01\x00", 5) + unk, "n.model"); },
+      {"n.model", "piece 0 is empty or holds a NUL byte"});
 }
 
 TEST(Text, BpeTokenFilesCarryTheirModel) {

@@ -292,6 +292,24 @@ void text_seeds() {
   seed("tokens", "val.h5", fuzz::read_file(dir / "out" / "val.h5"));
 }
 
+// Fine-tuning records of both forms, a blank line, UTF-8, escapes; a second file; a broken record.
+void sft_seeds() {
+  const std::string a = R"({"prompt": "What is 2+2?", "completion": " 4"})" "\n\n"
+                        R"({"messages": [{"role": "user", "content": "hi \u00e9"}, {"role": "assistant", "content": "yo\n"}]})" "\n";
+  const std::string b = R"({"prompt": "a\tb", "completion": "c\"d"})" "\n";
+  seed("sft", "two-forms", a);
+  seed("sft", "two-files", fuzz::join_parts({{"", a}, {"file", b}}));
+  seed("sft", "no-completion", R"({"prompt": "x"})" "\n");
+}
+
+// A SentencePiece BPE model trained by dtrain (the format of a Llama's tokenizer.model), with a text.
+void sentencepiece_seeds() {
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "the quick brown fox " + std::to_string(i % 13) + " jumps, over the lazy dog.\n";
+  const data::Tokenizer tok = data::Tokenizer::train_bpe(text, 300, 1);
+  seed("sentencepiece", "bpe-300", fuzz::join_parts({{"", tok.model()}, {"text", "the fox, \xc3\xa9t\xc3\xa9 42\n"}}));
+}
+
 // Model files: the examples (built-in and standard models, JSON and INI) and small ones that build
 // for the target's [3, 8, 8] samples: every type, blocks with arguments, residuals of both names.
 void model_file_seeds(const fs::path& repo) {
@@ -419,6 +437,8 @@ int main(int argc, char** argv) {
   idx_seeds();
   cifar_seeds();
   text_seeds();
+  sft_seeds();
+  sentencepiece_seeds();
   model_file_seeds(argv[2]);
   shard_index_seeds();
   image_seeds();
