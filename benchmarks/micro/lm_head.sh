@@ -12,23 +12,13 @@ TOKENS=${3:-/tmp/dtrain-ab-fortunes}
 STEPS=${STEPS:-3}
 THREADS=${THREADS:-2}
 [[ -f $TOKENS/train.h5 ]] || "$BIN" convert text --inputs /usr/share/games/fortunes --out "$TOKENS" >/dev/null
-median() { sort -n | awk '{v[NR] = $1} END {if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2)}'; }
-# run PATH ARGS...: prints "tokens/s peak-RSS-MiB" of one training run with the head on PATH.
+source "$(dirname "$0")/train_runs.sh"
+# run PATH ARGS...: one training run with the head on PATH.
 run() {
-  local path=$1 out
+  local path=$1
   shift
-  out=$(DTRAIN_LM_HEAD=$path /usr/bin/time -f 'maxrss %M' "$BIN" train --vocab 50257 --context 1024 \
-    --threads "$THREADS" --steps "$STEPS" --warmup-steps 1 --eval-every 0 --eval-batches 1 --progress off \
-    --data "$TOKENS" "$@" 2>&1) || {
-    echo "run failed: $path $*" >&2
-    echo "$out" | tail -5 >&2
-    echo "- -"
-    return
-  }
-  local rate rss
-  rate=$(echo "$out" | grep -oE 'done: [0-9]+ steps, [0-9.]+ tokens/s' | awk '{print $4}')
-  rss=$(echo "$out" | awk '/^maxrss/ {printf "%.0f", $2 / 1024}')
-  echo "$rate $rss"
+  DTRAIN_LM_HEAD=$path train_run "$BIN" --vocab 50257 --context 1024 --threads "$THREADS" --steps "$STEPS" \
+    --warmup-steps 1 --eval-every 0 --eval-batches 1 --progress off --data "$TOKENS" "$@"
 }
 echo "| model (vocabulary 50257, context 1024) | materialized tokens/s | fused tokens/s | fused / materialized | materialized peak RSS MiB | fused peak RSS MiB | fused / materialized |"
 echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
@@ -46,7 +36,6 @@ measure() {  # measure LABEL ARGS...
   am=$(awk '$2 != "-" {print $2}' /tmp/lmh-a.txt | median)
   br=$(awk '$1 != "-" {print $1}' /tmp/lmh-b.txt | median)
   bm=$(awk '$2 != "-" {print $2}' /tmp/lmh-b.txt | median)
-  ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "" || b == "") print "-"; else printf "%.2f", b / a }'; }
   echo "| $label | ${ar:--} | ${br:--} | $(ratio "$ar" "$br") | ${am:--} | ${bm:--} | $(ratio "$am" "$bm") |"
 }
 for b in ${GPT_BATCHES:-1 4}; do

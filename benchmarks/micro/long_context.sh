@@ -15,22 +15,13 @@ CONTEXTS=${CONTEXTS:-2048 4096 8192 16384}
 BEFORE_MAX=${BEFORE_MAX:-4096}
 STEPS=${STEPS:-3}
 [[ -f $TOKENS/train.h5 ]] || "$B" convert text --inputs /usr/share/games/fortunes --out "$TOKENS" >/dev/null
-median() { sort -n | awk '{v[NR] = $1} END {if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2)}'; }
-# run BINARY ARGS...: prints "tokens/s peak-RSS-MiB" of one training run.
+source "$(dirname "$0")/train_runs.sh"
+# run BINARY ARGS...: one training run of the Llama at batch 1, 1 thread.
 run() {
-  local bin=$1 out
+  local bin=$1
   shift
-  out=$(/usr/bin/time -f 'maxrss %M' "$bin" train --model llama --batch-size 1 --threads 1 --steps "$STEPS" \
-    --warmup-steps 1 --eval-every 0 --eval-batches 1 --progress off --data "$TOKENS" "$@" 2>&1) || {
-    echo "run failed: $bin $*" >&2
-    echo "$out" | tail -5 >&2
-    echo "- -"
-    return
-  }
-  local rate rss
-  rate=$(echo "$out" | grep -oE 'done: [0-9]+ steps, [0-9.]+ tokens/s' | awk '{print $4}')
-  rss=$(echo "$out" | awk '/^maxrss/ {printf "%.0f", $2 / 1024}')
-  echo "$rate $rss"
+  train_run "$bin" --model llama --batch-size 1 --threads 1 --steps "$STEPS" --warmup-steps 1 --eval-every 0 \
+    --eval-batches 1 --progress off --data "$TOKENS" "$@"
 }
 echo "| model | context | before tokens/s | after tokens/s | after / before | before peak RSS MiB | after peak RSS MiB | after / before |"
 echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
@@ -48,7 +39,6 @@ measure() {  # measure LABEL CONTEXT ARGS...
   am=$(awk '$2 != "-" {print $2}' /tmp/lc-a.txt | median)
   br=$(awk '$1 != "-" {print $1}' /tmp/lc-b.txt | median)
   bm=$(awk '$2 != "-" {print $2}' /tmp/lc-b.txt | median)
-  ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "" || b == "") print "-"; else printf "%.2f", b / a }'; }
   echo "| $label | $ctx | ${ar:--} | ${br:--} | $(ratio "$ar" "$br") | ${am:--} | ${bm:--} | $(ratio "$am" "$bm") |"
 }
 for ctx in $CONTEXTS; do
