@@ -30,6 +30,9 @@ const std::vector<Knob>& knobs() {
       {"DTRAIN_PROGRESS", "auto", "progress bar on rank 0: auto (when stdout is a terminal), on, off"},
       {"DTRAIN_SHM_CHUNK_MB", "4",
        "MiB per chunk of the shared-memory allreduce (each rank's window holds two chunks)"},
+      {"DTRAIN_TEST_CHECKPOINT_READ_DELAY", "",
+       "a test hook: RANK:MS makes world rank RANK wait MS milliseconds before it reads the checkpoint set "
+       "(--resume) or the weights (--init-from) it starts from, as on a slow file system"},
       {"DTRAIN_TEST_CHECKPOINT_RENAME_DELAY_MS", "0",
        "a test hook: every checkpoint file waits MS milliseconds complete and synced before its rename (a kill "
        "then leaves it unfinished)"},

@@ -382,13 +382,22 @@ TrainResult Trainer::run() {
   {
     // --init-from at ZeRO-3: whole parameters, which then give each rank its shard (a resume
     // decides for itself: it may take its pieces alone).
+    // The reads are waited for under --checkpoint-timeout: a slow file system is not a lost rank.
     const bool imports = cfg_.resume.empty() && !cfg_.init_from.empty();
     parallel::WholeModel whole(imports ? dp_.get() : nullptr);
     if (!cfg_.resume.empty()) {
-      comm::agree_on_inputs(world_, [&] { at = restore(cfg_.resume); });
+      CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
+      comm::agree_on_inputs(world_, [&] {
+        delay_read_if_asked();
+        at = restore(cfg_.resume);
+      });
     } else if (imports) {  // pretrained weights, then training from step 0
       std::string line;
-      comm::agree_on_inputs(world_, [&] { line = task_->init_from(cfg_.init_from); });
+      CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
+      comm::agree_on_inputs(world_, [&] {
+        delay_read_if_asked();
+        line = task_->init_from(cfg_.init_from);
+      });
       say(line);
     }
     if (dp_) dp_->broadcast_state(0);

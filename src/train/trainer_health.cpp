@@ -79,6 +79,15 @@ void Trainer::find_stragglers() {
   }
 }
 
+// The DTRAIN_TEST_CHECKPOINT_READ_DELAY hook ("RANK:MS"): world rank RANK waits MS milliseconds
+// before it reads the set or weights it starts from, as on a slow file system.
+void Trainer::delay_read_if_asked() const {
+  const std::string delay = env::get("DTRAIN_TEST_CHECKPOINT_READ_DELAY");
+  const auto colon = delay.find(':');
+  if (colon == std::string::npos || std::stoi(delay.substr(0, colon)) != rank_) return;
+  std::this_thread::sleep_for(std::chrono::milliseconds(std::stol(delay.substr(colon + 1))));
+}
+
 // The DTRAIN_TEST_FLIP_BIT hook ("RANK:STEP"): one bit of this rank's first weight flips after
 // step STEP, a silent corruption for check_replicas to find. (A flip of the lowest bit can vanish
 // again: the next update rounds it away.)

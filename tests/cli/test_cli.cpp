@@ -313,6 +313,30 @@ TEST(CliMpi, AModelThatCannotFitIsRefusedBeforeItsFirstStep) {
   EXPECT_NE(fits.out.find("memory of rank 0 (MiB): model state 0.20"), std::string::npos) << fits.out;
 }
 
+// A resume whose read on rank 0 takes 4 s (DTRAIN_TEST_CHECKPOINT_READ_DELAY), beyond a
+// communication timeout of 2 s: the other rank waits under --checkpoint-timeout, and the run goes
+// on; with --checkpoint-timeout 1 the same wait ends the job naming rank 0.
+TEST(CliMpi, SlowResumeReadWaitsUnderTheCheckpointTimeout) {
+  std::string dir = dtrain::test::temp_dir("cli-slow-read");
+  ASSERT_EQ(small_text_tokens(dir, 400).code, 0);
+  const std::string train = "train --model gpt --layers 1 --width 32 --heads 2 --context 16 --batch-size 4 "
+                            "--eval-every 0 --eval-batches 1 --threads 1 --progress off --data " + dir +
+                            "/tok --checkpoint-dir " + dir + "/ckpt ";
+  ASSERT_EQ(mpirun(2, train + "--steps 4").code, 0);
+  const std::string slow = "DTRAIN_COMM_TIMEOUT=2 DTRAIN_TEST_CHECKPOINT_READ_DELAY=0:4000 ";
+  Result resumed = shell(slow + "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n 2 "
+                         "--oversubscribe --bind-to none " + std::string(DTRAIN_BINARY_DIR) + "/dtrain " + train +
+                         "--steps 6 --resume " + dir + "/ckpt 2>&1");
+  EXPECT_EQ(resumed.code, 0) << resumed.out;
+  EXPECT_NE(resumed.out.find("resumed from"), std::string::npos) << resumed.out;
+  Result cut = shell(slow + "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpiexec -n 2 "
+                     "--oversubscribe --bind-to none " + std::string(DTRAIN_BINARY_DIR) + "/dtrain " + train +
+                     "--steps 8 --resume " + dir + "/ckpt --checkpoint-timeout 1 2>&1");
+  EXPECT_NE(cut.code, 0) << cut.out;
+  EXPECT_NE(cut.out.find("ranks that did not arrive: 0"), std::string::npos) << cut.out;
+  fs::remove_all(dir);
+}
+
 TEST(CliMpi, MissingDataOnTwoRanks) {
   Result r = mpirun(2, "train --data /nonexistent/dir --progress off");
   EXPECT_NE(r.code, 0) << r.out;

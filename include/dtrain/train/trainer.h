@@ -113,6 +113,7 @@ class Trainer {
   bool preempted(int64_t epoch, int64_t batch_in_epoch, bool saved);
   void check_replicas();
   void flip_bit_if_asked();
+  void delay_read_if_asked() const;
   void find_stragglers();
   void test_delay(const char* section) const;
   void parse_test_hooks();
