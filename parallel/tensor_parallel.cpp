@@ -19,12 +19,6 @@ void allreduce_sum(comm::Communicator& c, Tensor& t) {
 
 }  // namespace
 
-// ------------------------------------------------------------------ TensorParallelLinear
-Tensor TensorParallelLinear::gather(const nn::Parameter& p, const Tensor& local) const {
-  const Tensor host = host_copy(local);  // the whole tensor is for a checkpoint or an export
-  return splits(p) ? join(host) : host;
-}
-
 // ------------------------------------------------------------------ ColumnParallelLinear
 namespace {
 
@@ -68,7 +62,7 @@ ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool bias, R
     share_ = share;
   }
   auto [w, b] = nn::Linear::init(in, out, bias, rng);  // the one-rank layer's draws, then this rank's rows
-  set_parameters(slice_of(w), bias ? slice_of(b) : Tensor());
+  set_parameters(w, b);
 }
 
 std::string ColumnParallelLinear::kind() const {
@@ -81,72 +75,23 @@ int64_t ColumnParallelLinear::first_row(size_t k, int64_t start, int r) const {
   return start + r / (tp_.size() / b.parts) * (b.rows / b.parts);
 }
 
-Tensor ColumnParallelLinear::slice_of(const Tensor& full) const {
-  DT_CHECK(full.dim() >= 1 && full.size(0) == full_out_, kind() << ": cannot shard " << full.str());
-  const int64_t row = full.numel() / full_out_;  // elements per output row
-  Shape s = full.shape();
-  s[0] = out_;
-  Tensor t = Tensor::empty(s, full.dtype());
-  const size_t es = dtype_size(full.dtype());
-  int64_t start = 0, at = 0;
-  for (size_t k = 0; k < blocks_.size(); ++k) {  // this rank's rows of every block
-    const int64_t mine = blocks_[k].rows / blocks_[k].parts;
-    std::memcpy(static_cast<char*>(t.raw()) + static_cast<size_t>(at * row) * es,
-                static_cast<const char*>(full.raw()) + static_cast<size_t>(first_row(k, start, tp_.rank()) * row) * es,
-                static_cast<size_t>(mine * row) * es);
-    start += blocks_[k].rows;
-    at += mine;
-  }
-  return t;
-}
-
-Tensor ColumnParallelLinear::join(const Tensor& local) const {
-  const int64_t n = local.numel(), tp = tp_.size();
-  Tensor all = Tensor::empty({tp * n}, local.dtype());
-  if (tp > 1)
-    tp_.allgather(local, all)->wait();
-  else
-    all.copy_from(local.reshape({n}));
-  const int64_t row = n / out_;
-  Shape s = local.shape();
-  s[0] = full_out_;
-  Tensor full = Tensor::empty(s, local.dtype());
-  const size_t es = dtype_size(local.dtype());
-  for (int r = 0; r < tp; ++r) {  // replicated rows are written once per copy, alike
+nn::Placement ColumnParallelLinear::output_rows(const Shape& full) const {
+  DT_CHECK(!full.empty() && full[0] == full_out_, kind() << ": cannot place " << shape_str(full));
+  std::vector<nn::TpPart> parts;
+  for (int r = 0; r < tp_.size(); ++r) {
+    nn::TpPart& t = parts.emplace_back();
+    t.local = t.whole = full;
+    t.local[0] = out_;
+    t.columns = t.whole_columns = shape_numel(full) / full_out_;
     int64_t start = 0, at = 0;
     for (size_t k = 0; k < blocks_.size(); ++k) {
-      const int64_t mine = blocks_[k].rows / blocks_[k].parts;
-      std::memcpy(static_cast<char*>(full.raw()) + static_cast<size_t>(first_row(k, start, r) * row) * es,
-                  static_cast<const char*>(all.raw()) + static_cast<size_t>(r * n + at * row) * es,
-                  static_cast<size_t>(mine * row) * es);
+      const int64_t mine = blocks_[k].rows / blocks_[k].parts, copies = tp_.size() / blocks_[k].parts;
+      t.rows.push_back({at, first_row(k, start, r), mine, r % copies == 0});
       start += blocks_[k].rows;
       at += mine;
     }
   }
-  return full;
-}
-
-Shape ColumnParallelLinear::full_shape(const nn::Parameter& p) const {
-  Shape s = p.value.shape();
-  if (splits(p)) s[0] = s[0] / out_ * full_out_;
-  return s;
-}
-
-// Every block's rows of this rank, written by the first of the ranks sharing a replicated block.
-TpPart ColumnParallelLinear::part(const nn::Parameter& p, const Shape& local) const {
-  if (!splits(p)) return TpPart::replicated(local, tp_.rank() == 0);
-  TpPart t;
-  t.local = t.whole = local;
-  t.whole[0] = full_out_;
-  t.columns = t.whole_columns = shape_numel(local) / out_;
-  int64_t start = 0, at = 0;
-  for (size_t k = 0; k < blocks_.size(); ++k) {
-    const int64_t mine = blocks_[k].rows / blocks_[k].parts, copies = tp_.size() / blocks_[k].parts;
-    t.rows.push_back({at, first_row(k, start, tp_.rank()), mine, tp_.rank() % copies == 0});
-    start += blocks_[k].rows;
-    at += mine;
-  }
-  return t;
+  return nn::split_placement(std::move(parts), tp_.rank());
 }
 
 // The local GEMMs are nn::Linear's; d(x) = allreduce_tp(dy W_local): each rank's outputs depend on
@@ -163,7 +108,7 @@ Tensor ColumnParallelLinear::backward(const Tensor& dy) {
 // accumulated so far are set aside and zeroed, so that the sum over the sharers adds up this
 // backward's parts alone, then come back.
 void ColumnParallelLinear::share_gradient(nn::Parameter& p, bool after) {
-  if (!share_ || !splits(p)) return;
+  if (!share_ || !p.placement.split()) return;
   Engine& e = engine(p.grad);
   const int64_t row = p.grad.numel() / out_;
   int64_t shared = 0;
@@ -201,7 +146,7 @@ RowParallelLinear::RowParallelLinear(int64_t in, int64_t out, bool bias, Rng& rn
   DT_INPUT_CHECK(out > 0 && in % tp.size() == 0,
                  "RowParallelLinear(" << in << ", " << out << "): inputs must split over " << tp.size() << " tp ranks");
   auto [w, b] = nn::Linear::init(in, out, bias, rng);
-  set_parameters(slice_of(w), b);
+  set_parameters(w, b);
 }
 
 std::string RowParallelLinear::kind() const {
@@ -209,52 +154,20 @@ std::string RowParallelLinear::kind() const {
          ", tp=" + std::to_string(tp_.size()) + ")";
 }
 
-Tensor RowParallelLinear::slice_of(const Tensor& full) const {
-  DT_CHECK(full.dim() == 2 && full.size(1) == full_in_, kind() << ": cannot shard " << full.str());
-  const int64_t rows = full.size(0);
-  Tensor t = Tensor::empty({rows, in_}, full.dtype());
-  const size_t es = dtype_size(full.dtype());
-  for (int64_t o = 0; o < rows; ++o)
-    std::memcpy(static_cast<char*>(t.raw()) + static_cast<size_t>(o * in_) * es,
-                static_cast<const char*>(full.raw()) + static_cast<size_t>(o * full_in_ + tp_.rank() * in_) * es,
-                static_cast<size_t>(in_) * es);
-  return t;
-}
-
-Tensor RowParallelLinear::join(const Tensor& local) const {
-  const int64_t n = local.numel(), tp = tp_.size(), rows = local.size(0);
-  Tensor all = Tensor::empty({tp * n}, local.dtype());
-  if (tp > 1)
-    tp_.allgather(local, all)->wait();
-  else
-    all.copy_from(local.reshape({n}));
-  Tensor full = Tensor::empty({rows, full_in_}, local.dtype());
-  const size_t es = dtype_size(local.dtype());
-  for (int64_t r = 0; r < tp; ++r)
-    for (int64_t o = 0; o < rows; ++o)
-      std::memcpy(static_cast<char*>(full.raw()) + static_cast<size_t>(o * full_in_ + r * in_) * es,
-                  static_cast<const char*>(all.raw()) + static_cast<size_t>(r * n + o * in_) * es,
-                  static_cast<size_t>(in_) * es);
-  return full;
-}
-
-Shape RowParallelLinear::full_shape(const nn::Parameter& p) const {
-  Shape s = p.value.shape();
-  if (splits(p)) s[1] = full_in_;
-  return s;
-}
-
-// The weight's and A's input columns of this rank; the bias and B whole, written by tp rank 0.
-TpPart RowParallelLinear::part(const nn::Parameter& p, const Shape& local) const {
-  if (!splits(p)) return TpPart::replicated(local, tp_.rank() == 0);
-  TpPart t;
-  t.local = t.whole = local;
-  t.whole[1] = full_in_;
-  t.columns = in_;
-  t.whole_columns = full_in_;
-  t.first_column = tp_.rank() * in_;
-  t.rows = {{0, 0, local[0], true}};
-  return t;
+// The weight's and A's input columns of each rank (the bias and B stay whole).
+nn::Placement RowParallelLinear::input_columns(const Shape& full) const {
+  DT_CHECK(full.size() == 2 && full[1] == full_in_, kind() << ": cannot place " << shape_str(full));
+  std::vector<nn::TpPart> parts;
+  for (int r = 0; r < tp_.size(); ++r) {
+    nn::TpPart& t = parts.emplace_back();
+    t.local = t.whole = full;
+    t.local[1] = in_;
+    t.columns = in_;
+    t.whole_columns = full_in_;
+    t.first_column = r * in_;
+    t.rows = {{0, 0, full[0], true}};
+  }
+  return nn::split_placement(std::move(parts), tp_.rank());
 }
 
 // x_local A_local^T: this rank's input columns' part of x A^T.
@@ -300,6 +213,7 @@ nn::GptVocabShard vocab_parallel_shard(int64_t vocab, comm::Communicator& tp) {
   nn::GptVocabShard s;
   s.rows = vocab / tp.size();
   s.offset = tp.rank() * s.rows;
+  s.ranks = tp.size();
   s.sum = [&tp](Tensor& t) { tp.allreduce(t)->wait(); };
   s.max = [&tp](Tensor& t) { tp.allreduce(t, comm::ReduceOp::Max)->wait(); };
   return s;
@@ -408,82 +322,37 @@ Tensor VocabParallelSoftTargets::gradient(const Tensor& student, const Tensor& t
 }
 
 // ------------------------------------------------------------------ layouts and norms
-namespace {
-
-// Parameter name -> the innermost module holding it (children are visited after their parent).
-void owners(nn::Module& m, const std::string& prefix, std::map<std::string, nn::Module*>& out) {
-  for (nn::Parameter* p : m.parameters()) out[prefix + p->name] = &m;
-  for (auto& [name, child] : m.children()) owners(*child, nn::Module::child_prefix(prefix, name), out);
-}
-
-// The vocabulary shard when `name` (owned by `m`) is a token embedding split over tp ranks.
-const nn::GptVocabShard* vocab_shard_of(nn::Module* m, const std::string& name) {
-  if (!name.ends_with("wte") && !name.ends_with("lm_head")) return nullptr;
-  const nn::GptVocabShard* s = nullptr;
-  if (auto* e = dynamic_cast<nn::GptEmbedding*>(m)) s = &e->shard();
-  if (auto* h = dynamic_cast<nn::GptHead*>(m)) s = &h->shard();
-  return s && s->sharded() ? s : nullptr;
-}
-
-}  // namespace
-
-std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp) {
-  std::map<std::string, nn::Module*> own;
-  owners(model, "", own);
+std::map<std::string, Shape> full_parameter_shapes(nn::Module& model) {
   std::map<std::string, Shape> out;
-  for (nn::Parameter* p : model.parameters()) {
-    Shape s = p->value.shape();
-    nn::Module* m = own.at(p->name);
-    if (vocab_shard_of(m, p->name))
-      s[0] *= tp;  // the vocabulary rows are split
-    else if (const auto* layer = dynamic_cast<const TensorParallelLinear*>(m))
-      s = layer->full_shape(*p);
-    out[p->name] = s;
-  }
+  for (nn::Parameter* p : model.parameters()) out[p->name] = nn::whole_shape(*p);
   return out;
 }
 
-std::map<std::string, TpPart> tp_parts(nn::Module& model, comm::Communicator& tp,
-                                       const std::function<Shape(const nn::Parameter&)>& shape_of) {
-  std::map<std::string, nn::Module*> own;
-  owners(model, "", own);
-  std::map<std::string, TpPart> out;
-  for (nn::Parameter* p : model.parameters()) {
-    nn::Module* m = own.at(p->name);
-    const Shape local = shape_of(*p);
-    if (const nn::GptVocabShard* v = vocab_shard_of(m, p->name)) {
-      TpPart& t = out[p->name] = TpPart::replicated(local, true);
-      t.whole[0] = v->rows * tp.size();
-      t.rows = {{0, v->offset, v->rows, true}};
-    } else if (const auto* layer = dynamic_cast<const TensorParallelLinear*>(m)) {
-      out[p->name] = layer->part(*p, local);
-    } else {
-      out[p->name] = TpPart::replicated(local, tp.rank() == 0);
-    }
-  }
+std::map<std::string, nn::TpPart> tp_parts(nn::Module& model, int tp_rank) {
+  std::map<std::string, nn::TpPart> out;
+  for (nn::Parameter* p : model.parameters()) out[p->name] = nn::tp_part(*p, tp_rank);
   return out;
 }
 
 std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator* tp, const ParameterTensor& pick,
                                           const NamedTensors* reuse, bool trained_only) {
-  std::map<std::string, nn::Module*> own;
-  owners(model, "", own);
   std::map<std::string, Tensor> full;
   for (nn::Parameter* p : model.parameters()) {  // the same order on every rank: the collectives match
     if (trained_only && p->frozen) continue;     // frozen alike on every tp rank
-    nn::Module* m = own.at(p->name);
     const Tensor& t = pick(*p);
-    if (vocab_shard_of(m, p->name)) {
-      DT_CHECK(tp, "gather_full: " << p->name << " is split over tp ranks; pass the tp communicator");
-      Tensor all = Tensor::empty({t.size(0) * tp->size(), t.size(1)});
-      tp->allgather(t, all)->wait();  // rank order is row order
-      full[p->name] = all;
-    } else if (const auto* layer = dynamic_cast<const TensorParallelLinear*>(m)) {
-      full[p->name] = layer->gather(*p, t);
-    } else {  // a copy on the host (checkpoints are written from there)
+    if (!p->placement.split()) {  // a copy on the host (checkpoints are written from there)
       const auto old = reuse ? reuse->find(p->name) : NamedTensors::const_iterator{};
       full[p->name] = host_copy(t, reuse && old != reuse->end() ? &old->second : nullptr);
+      continue;
     }
+    const int64_t ranks = static_cast<int64_t>(p->placement.tp.size());
+    DT_CHECK(tp || ranks == 1, "gather_full: " << p->name << " is split over tp ranks; pass the tp communicator");
+    Tensor parts = Tensor::empty({ranks * t.numel()}, t.dtype());
+    if (ranks > 1)
+      tp->allgather(host_copy(t), parts)->wait();  // rank order
+    else
+      parts.copy_from(host_copy(t).reshape({t.numel()}));
+    full[p->name] = nn::join_parts(p->placement, parts);
   }
   return full;
 }
@@ -496,22 +365,18 @@ std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Co
 
 void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, const ParameterTensor& pick,
                bool trained_only) {
-  std::map<std::string, nn::Module*> own;
-  owners(model, "", own);
   for (nn::Parameter* p : model.parameters()) {
     if (trained_only && p->frozen) continue;
     auto it = full.find(p->name);
     DT_INPUT_CHECK(it != full.end(), "no tensor for parameter " << p->name);
-    nn::Module* m = own.at(p->name);
     Tensor& dst = pick(*p);
-    Tensor shard = it->second;
-    if (const nn::GptVocabShard* v = vocab_shard_of(m, p->name))
-      shard = it->second.slice0(v->offset, v->offset + v->rows);
-    else if (const auto* layer = dynamic_cast<const TensorParallelLinear*>(m))
-      shard = layer->shard(*p, it->second);
-    DT_INPUT_CHECK(shard.numel() == dst.numel() && shard.dtype() == dst.dtype(),
+    const Shape whole = nn::whole_shape(*p);
+    DT_INPUT_CHECK(it->second.numel() == shape_numel(whole) && it->second.dtype() == dst.dtype(),
+                   "parameter " << p->name << ": " << it->second.str() << " does not fit " << shape_str(whole));
+    const Tensor part = nn::own_part(p->placement, to_host(it->second).reshape(whole));
+    DT_INPUT_CHECK(part.numel() == dst.numel(),
                    "parameter " << p->name << ": " << it->second.str() << " does not fit " << dst.str());
-    copy_any(shard, dst);
+    copy_any(part, dst);
   }
 }
 
@@ -520,16 +385,16 @@ void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>
 }
 
 double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp,
-                         const nn::Parameter* skip, DataParallel* dp, const std::map<std::string, TpPart>& parts,
-                         const std::vector<nn::Parameter*>& scaled) {
+                         const nn::Parameter* skip, DataParallel* dp, const std::vector<nn::Parameter*>& scaled) {
   double once = 0;
   for (nn::Parameter* p : model.parameters()) {
     if (p->frozen || (skip && p->name == skip->name)) continue;
     const std::vector<std::pair<int64_t, Tensor>> grads =
         dp ? dp->gradient_parts(*p).parts : std::vector<std::pair<int64_t, Tensor>>{{0, p->grad}};
+    const nn::TpPart part = nn::tp_part(*p, tp.rank());
     for (const auto& [first, grad] : grads) {
       const Tensor flat = grad.reshape({grad.numel()});
-      for (const auto& [lo, hi] : written_elements(parts.at(p->name), first, grad.numel()))
+      for (const auto& [lo, hi] : nn::written_elements(part, first, grad.numel()))
         once += engine_for(grad.device()).sum_squares(flat.slice0(lo - first, hi - first));
     }
   }

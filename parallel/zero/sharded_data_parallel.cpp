@@ -93,11 +93,12 @@ void ShardedDataParallel::lay_out_units() {
     DT_CHECK(!opt_.built || (built.back() && built.back()->params == u.params),
              "unit of " << u.params.front()->name << " was not built as this model cuts it");
     for (size_t i = 0; i < u.params.size(); ++i) {
-      const nn::Parameter* p = u.params[i];
+      nn::Parameter* p = u.params[i];
       DT_CHECK(p->value.dtype() == DType::F32 && p->value.device() == device_,
                "sharded data parallel keeps f32 parameters on one device; " << p->name << " is " << p->value.str());
       u.offset.push_back(u.numel);
       u.shapes.push_back(built.back() ? built.back()->shapes[i] : p->value.shape());
+      p->placement.freed_shape = u.shapes.back();  // ZeRO-3 empties the value between passes
       u.numel += shape_numel(u.shapes.back());
     }
     u.padded = unit_block_numel(u.numel, world) * world;

@@ -35,6 +35,7 @@ void ShardedInit::unit_built(const std::vector<nn::Module*>& entries) {
     if (first < last)
       std::copy(p->value.f32() + (first - offset), p->value.f32() + (last - offset), u.block.f32() + (first - begin));
     u.shapes.push_back(p->value.shape());
+    p->placement.freed_shape = p->value.shape();
     nn::drop_values(*p);  // so is the gradient the layer made whole
     offset += n;
   }

@@ -28,11 +28,6 @@ std::pair<const ShardedDataParallel::Unit*, size_t> ShardedDataParallel::find(co
   return {nullptr, 0};
 }
 
-Shape ShardedDataParallel::parameter_shape(const nn::Parameter& p) const {
-  const auto [u, i] = find(p.name);
-  return u->shapes[i];
-}
-
 std::pair<int64_t, std::string> ShardedDataParallel::place_in_shard(const optim::StateTensor& st) const {
   const size_t dot = st.name.rfind('.');
   auto it = dot == std::string::npos ? start_in_shard_.end() : start_in_shard_.find(st.name.substr(0, dot));

@@ -376,10 +376,21 @@ ModulePtr make_gpt_block(int64_t width, int64_t heads, Rng& rng, bool copy_gemm_
 }
 
 // ------------------------------------------------------------------ GptEmbedding
+Placement GptVocabShard::placement(const Shape& local) const {
+  if (!sharded()) return {};
+  DT_CHECK(!local.empty() && local[0] == rows && offset % rows == 0, "vocabulary shard of " << shape_str(local));
+  Shape whole = local;
+  whole[0] = rows * ranks;
+  std::vector<TpPart> parts;
+  for (int r = 0; r < ranks; ++r) parts.push_back(TpPart::row_range(whole, r * rows, rows));
+  return split_placement(std::move(parts), static_cast<int>(offset / rows));
+}
+
 GptEmbedding::GptEmbedding(Tensor wte, Tensor wpe, int64_t context, GptVocabShard shard)
     : context_(context), shard_(std::move(shard)) {
   DT_CHECK(!shard_.sharded() || (shard_.rows == wte.size(0) && shard_.sum), "vocabulary shard of " << wte.str());
   wte_ = &add_parameter("wte", std::move(wte));
+  wte_->placement = shard_.placement(wte_->value.shape());
   if (wpe.defined()) wpe_ = &add_parameter("wpe", std::move(wpe));
 }
 
@@ -420,7 +431,12 @@ Tensor GptEmbedding::backward(const Tensor& demb) {
 GptHead::GptHead(const GptConfig& cfg, Parameter* tied, Tensor own_wte, GptVocabShard shard)
     : owns_(tied == nullptr), tied_(cfg.tied), shard_(std::move(shard)), c_(cfg.width) {
   DT_CHECK(cfg.tied || !tied, "an untied head holds its own weight");
-  wte_ = tied ? tied : &add_parameter(cfg.tied ? "wte" : "lm_head", std::move(own_wte));
+  if (!tied) {
+    wte_ = &add_parameter(cfg.tied ? "wte" : "lm_head", std::move(own_wte));
+    wte_->placement = shard_.placement(wte_->value.shape());
+  } else {
+    wte_ = tied;
+  }
   wte_->gemm_weight = true;  // the unembedding reads it whole
   ln_f_ = make_norm(cfg);
   constexpr int64_t kChunkBytes = int64_t{64} << 20;

@@ -26,15 +26,22 @@ Linear::Linear(int64_t in, int64_t out, bool bias, Rng& rng) : in_(in), out_(out
   set_parameters(w, b);
 }
 
-void Linear::set_parameters(Tensor weight, Tensor bias) {
-  DT_CHECK(weight.dim() == 2 && weight.size(0) == out_ && weight.size(1) == in_,
-           kind() << " given weight " << weight.str());
-  w_ = &add_parameter("weight", std::move(weight));
+void Linear::set_parameters(const Tensor& full_weight, const Tensor& full_bias) {
+  Placement rows = output_rows(full_weight.shape());
+  w_ = &add_part("weight", full_weight, rows.split() ? std::move(rows) : input_columns(full_weight.shape()));
+  DT_CHECK(w_->value.dim() == 2 && w_->value.size(0) == out_ && w_->value.size(1) == in_,
+           kind() << " given weight " << w_->value.str());
   w_->gemm_weight = true;
-  if (bias.defined()) {
-    DT_CHECK(bias.numel() == out_, kind() << " given bias " << bias.str());
-    b_ = &add_parameter("bias", std::move(bias));
+  if (full_bias.defined()) {
+    b_ = &add_part("bias", full_bias, output_rows(full_bias.shape()));
+    DT_CHECK(b_->value.numel() == out_, kind() << " given bias " << b_->value.str());
   }
+}
+
+Parameter& Linear::add_part(const std::string& name, const Tensor& full, Placement placement) {
+  Parameter& p = add_parameter(name, own_part(placement, full));
+  p.placement = std::move(placement);
+  return p;
 }
 
 // y (M, out) = x (M, in) . W^T (in, out)
@@ -108,9 +115,10 @@ void Linear::add_lora(const std::vector<std::pair<int64_t, int64_t>>& blocks, in
     for (int64_t r = first; r < first + rows; ++r)
       for (int64_t j = 0; j < rank; ++j) mask.f32()[r * nr + static_cast<int64_t>(k) * rank + j] = 1.f;
   }
-  lora_a_ = &add_parameter("lora_A", columns_of(Linear::init(full_in(), nr, false, rng).first));
-  lora_mask_ = rows_of(mask);
-  lora_b_ = &add_parameter("lora_B", Tensor::zeros(lora_mask_.shape()));
+  const Tensor a = Linear::init(full_in(), nr, false, rng).first;
+  lora_a_ = &add_part("lora_A", a, input_columns(a.shape()));
+  lora_mask_ = own_part(output_rows(mask.shape()), mask);
+  lora_b_ = &add_part("lora_B", Tensor::zeros(mask.shape()), output_rows(mask.shape()));
   lora_scale_ = alpha / static_cast<float>(rank);
 }
 

@@ -189,16 +189,16 @@ std::string piece_parameter(std::string_view key) {
 }
 
 std::map<std::string, Tensor> pieces_in_whole_tensors(const std::map<std::string, Tensor>& pieces,
-                                                      const std::map<std::string, parallel::TpPart>& parts) {
+                                                      const std::map<std::string, nn::TpPart>& parts) {
   std::map<std::string, Tensor> out;
   for (const auto& [key, values] : pieces) {
     if (key.starts_with("range/")) continue;
-    const parallel::TpPart& part = parts.at(piece_parameter(key));
+    const nn::TpPart& part = parts.at(piece_parameter(key));
     const int64_t* range = pieces.at("range/" + key).data<int64_t>();
-    const std::vector<parallel::ElementRun> runs = parallel::whole_runs(part, range[0], range[1], true);
+    const std::vector<nn::ElementRun> runs = nn::whole_runs(part, range[0], range[1], true);
     if (runs.empty()) continue;  // another tp rank writes these elements
     int64_t total = 0;
-    for (const parallel::ElementRun& r : runs) total += r.count;
+    for (const nn::ElementRun& r : runs) total += r.count;
     Tensor written = Tensor::empty({total}), pairs = Tensor::empty({2 * static_cast<int64_t>(runs.size())}, DType::I64);
     int64_t at = 0;
     for (size_t i = 0; i < runs.size(); ++i) {
@@ -218,10 +218,10 @@ std::map<std::string, Tensor> pieces_in_whole_tensors(const std::map<std::string
   return out;
 }
 
-PieceSource pieces_in_tp_parts(const PieceSource& source, const std::map<std::string, parallel::TpPart>& parts) {
+PieceSource pieces_in_tp_parts(const PieceSource& source, const std::map<std::string, nn::TpPart>& parts) {
   return [source, &parts](const PieceTaker& take, const PieceWanted& wants) {
     // The part of the piece's parameter, its whole shape checked.
-    auto part_of = [&](const std::string& key, const Shape& shape) -> const parallel::TpPart* {
+    auto part_of = [&](const std::string& key, const Shape& shape) -> const nn::TpPart* {
       const auto it = parts.find(piece_parameter(key));
       if (it == parts.end()) return nullptr;  // not of this rank's model (or no piece): passed on as it is
       DT_INPUT_CHECK(shape == it->second.whole,
@@ -229,16 +229,16 @@ PieceSource pieces_in_tp_parts(const PieceSource& source, const std::map<std::st
       return &it->second;
     };
     const PieceWanted wants_whole = [&](const std::string& key, int64_t from, int64_t count, const Shape& shape) {
-      const parallel::TpPart* part = part_of(key, shape);
+      const nn::TpPart* part = part_of(key, shape);
       if (!part) return !wants || wants(key, from, count, shape);
-      for (const parallel::ElementRun& r : parallel::part_runs(*part, from, count))
+      for (const nn::ElementRun& r : nn::part_runs(*part, from, count))
         if (!wants || wants(key, r.local, r.count, part->local)) return true;
       return false;
     };
     const PieceTaker take_whole = [&](const std::string& key, int64_t from, const Shape& shape, const Tensor& values) {
-      const parallel::TpPart* part = part_of(key, shape);
+      const nn::TpPart* part = part_of(key, shape);
       if (!part) return take(key, from, shape, values);
-      for (const parallel::ElementRun& r : parallel::part_runs(*part, from, values.numel()))
+      for (const nn::ElementRun& r : nn::part_runs(*part, from, values.numel()))
         take(key, r.local, part->local, values.slice0(r.whole - from, r.whole - from + r.count));
     };
     source(take_whole, wants_whole);

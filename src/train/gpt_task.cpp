@@ -344,7 +344,7 @@ class GptTask final : public Task {
   std::string init_from(const std::string& where) override {
     const auto files = list_safetensors(where);
     const PretrainedNames names = lm_pretrained_names(model_cfg_, files);
-    const int64_t n = import_pretrained(*model_, grid_->tp_size() > 1 ? &grid_->tp() : nullptr, where, names);
+    const int64_t n = import_pretrained(*model_, where, names);
     return "initialised " + std::to_string(n) + " parameters from " + where + " (" + names.scheme + " names)";
   }
   ResumePoint resume_point(CheckpointState&, int64_t step) override {

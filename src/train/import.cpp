@@ -205,10 +205,10 @@ Tensor assemble(const std::string& param, const Shape& want, const std::vector<S
 
 }  // namespace
 
-int64_t import_pretrained(nn::Module& model, comm::Communicator* tp, const std::string& where,
+int64_t import_pretrained(nn::Module& model, const std::string& where,
                           const PretrainedNames& names) {
   const std::map<std::string, SafetensorsEntry> files = list_safetensors(where);
-  const std::map<std::string, Shape> shapes = parallel::full_parameter_shapes(model, tp ? tp->size() : 1);
+  const std::map<std::string, Shape> shapes = parallel::full_parameter_shapes(model);
   std::vector<std::string> wrong;
   std::set<std::string> used;
   std::map<std::string, Tensor> full;

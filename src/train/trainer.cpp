@@ -92,7 +92,7 @@ void Trainer::clip_gradients() {
   const double max_norm = cfg_.clip_grad_norm;
   if (cfg_.tp > 1 || cfg_.pp > 1) {
     parallel::clip_grad_norm_tp(task_->model(), grid_->tp(), max_norm, cfg_.pp > 1 ? &grid_->pp() : nullptr,
-                                task_->duplicate(), dp_.get(), tp_parts_, opt_->params());
+                                task_->duplicate(), dp_.get(), opt_->params());
     return;
   }
   const double norm = dp_ ? dp_->grad_norm() : optim::grad_norm(opt_->params());

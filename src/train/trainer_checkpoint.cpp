@@ -137,7 +137,7 @@ std::map<std::string, Tensor> Trainer::own_pieces() const {
   if (const nn::Parameter* copy = task_->duplicate())
     std::erase_if(pieces, [&](const auto& entry) { return piece_parameter(entry.first) == copy->name; });
   if (cfg_.tp == 1) return pieces;
-  return pieces_in_whole_tensors(pieces, tp_parts_);
+  return pieces_in_whole_tensors(pieces, parallel::tp_parts(task_->model(), grid_->tp_rank()));
 }
 
 // A checkpoint of step_ (collective). Each rank's gradient compression state first; then rank 0 of
@@ -285,7 +285,9 @@ void Trainer::load_model_state(CheckpointState& s, const std::string& file) {
       PieceSource source = [&](const PieceTaker& take, const PieceWanted& wants) {
         for_each_shard_piece(s, file, take, wants);
       };
-      dp_->load_pieces(cfg_.tp > 1 ? pieces_in_tp_parts(source, tp_parts_) : source, opt_->state());
+      dp_->load_pieces(
+          cfg_.tp > 1 ? pieces_in_tp_parts(source, parallel::tp_parts(model, grid_->tp_rank())) : source,
+          opt_->state());
     } else {
       std::map<std::string, Tensor> params;
       for (auto& [name, t] : s.tensors)

@@ -189,9 +189,6 @@ void Trainer::setup_exchange() {
     dp_ = parallel::make_data_parallel(model, nccl_ ? *nccl_ : grid_->dp(), dpo);
     built_.reset();  // the blocks are the shard's now
   }
-  tp_parts_ = parallel::tp_parts(model, grid_->tp(), [&](const nn::Parameter& p) {
-    return dp_ ? dp_->parameter_shape(p) : p.value.shape();  // ZeRO-3 empties the values
-  });
   if (cfg_.pp > 1)
     pipe_ = std::make_unique<parallel::PipelineStage>(model, grid_->pp(),
                                                       parallel::pipeline_schedule_from_name(cfg_.schedule), parts_);

@@ -14,6 +14,7 @@
 #include <fstream>
 
 #include <cstdio>
+#include <cstring>
 #include "../train/lm_test_util.h"
 #include "dtrain/comm/nccl.h"
 #include "dtrain/comm/runtime.h"
@@ -33,23 +34,8 @@ namespace {
 
 comm::Communicator& world() { return comm::Runtime::get().world(); }
 
-// Every parameter of `m` with the innermost module that holds it (to find the shard of a full tensor).
-void owners(nn::Module& m, const std::string& prefix, std::map<std::string, nn::Module*>& out) {
-  for (nn::Parameter* p : m.parameters())
-    out[prefix + p->name] = &m;  // children, visited later, overwrite: the innermost owner wins
-  for (auto& [name, child] : m.children()) owners(*child, nn::Module::child_prefix(prefix, name), out);
-}
-
-// The part of a one-rank tensor that a tp rank holds for parameter `name` owned by `owner`.
-Tensor expected_shard(nn::Module* owner, const nn::Parameter& p, const Tensor& full) {
-  const std::string& name = p.name;
-  if (auto* layer = dynamic_cast<parallel::TensorParallelLinear*>(owner)) return layer->shard(p, full);
-  const nn::GptVocabShard* v = nullptr;  // a vocabulary-parallel embedding: this rank's rows
-  if (auto* e = dynamic_cast<nn::GptEmbedding*>(owner)) v = &e->shard();
-  if (auto* h = dynamic_cast<nn::GptHead*>(owner)) v = &h->shard();
-  if (v && v->sharded() && (name == "wte" || name == "lm_head")) return full.slice0(v->offset, v->offset + v->rows);
-  return full;
-}
+// The part of a one-rank tensor that a tp rank holds for parameter `p` (its placement).
+Tensor expected_shard(const nn::Parameter& p, const Tensor& full) { return nn::own_part(p.placement, to_host(full)); }
 
 // max |got - want| <= tol * max(floor, max |want|); returns the left side over the scale.
 double expect_rel_close(const Tensor& got, const Tensor& want, double tol, const std::string& what,
@@ -91,8 +77,6 @@ void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int
   nn::GptPart part{starts[stage], starts[stage + 1], stage == 0, stage == pp - 1};
   const nn::GptVocabShard vocab = tp > 1 ? parallel::vocab_parallel_shard(cfg.vocab, grid.tp()) : nn::GptVocabShard();
   nn::Gpt model(cfg, tp > 1 ? parallel::tensor_parallel_gpt_blocks(cfg, grid.tp()) : nullptr, part, false, vocab);
-  std::map<std::string, nn::Module*> own;
-  owners(model, "", own);
   std::map<std::string, nn::Parameter*> ref_params;
   for (nn::Parameter* p : ref.parameters()) ref_params[p->name] = p;
   if (pp == 1) {
@@ -100,7 +84,7 @@ void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int
   }
   for (nn::Parameter* p : model.parameters()) {
     ASSERT_TRUE(ref_params.count(p->name)) << p->name;
-    expect_rel_close(p->value, expected_shard(own[p->name], *p, ref_params[p->name]->value), 0, "init " + p->name);
+    expect_rel_close(p->value, expected_shard(*p, ref_params[p->name]->value), 0, "init " + p->name);
   }
   // The tied embedding: the first stage's and the last stage's copies add their gradients.
   std::unique_ptr<comm::Communicator> tied;
@@ -188,14 +172,14 @@ void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int
     for (nn::Parameter* p : model.parameters()) {
       if (!sync) continue;
       const std::string what = "step " + std::to_string(step) + " gradient " + p->name;
-      Tensor want = expected_shard(own[p->name], *p, ref_params[p->name]->grad);
+      Tensor want = expected_shard(*p, ref_params[p->name]->grad);
       worst_grad = std::max(worst_grad, expect_rel_close(p->grad, want, 1e-5, what, 1e-3));
     }
     opt_ref.step(0.1f);
     opt.step(0.1f);
     if (sync)
       for (nn::Parameter* p : model.parameters())
-        p->value.copy_from(expected_shard(own[p->name], *p, ref_params[p->name]->value));
+        p->value.copy_from(expected_shard(*p, ref_params[p->name]->value));
   }
   if (world().rank() == 0 && sync)
     std::printf("%s tp %d pp %d: worst relative gradient difference over %d steps at the same parameters: %.2e\n",
@@ -208,7 +192,7 @@ void compare_grid_with_one_rank(const nn::GptConfig& cfg, bool sync, int tp, int
   // per-step gradients above are held to 1e-5.
   if (!sync)
     for (nn::Parameter* p : model.parameters())
-      expect_rel_close(p->value, expected_shard(own[p->name], *p, ref_params[p->name]->value), 5e-5,
+      expect_rel_close(p->value, expected_shard(*p, ref_params[p->name]->value), 5e-5,
                        "after training " + p->name);
 }
 
@@ -265,6 +249,48 @@ TEST(TensorParallel, GptTp2MatchesOneRank) { expect_tp_matches_one_rank(2, 10); 
 TEST(TensorParallel, GptTpOverAllRanksMatchesOneRank) {
   if (world().size() > 4) GTEST_SKIP() << "4 heads";
   expect_tp_matches_one_rank(world().size(), 10);
+}
+
+// Each parameter carries its placement over the tp ranks, and the gathers and the clipping norm
+// read it: over tp = every rank, the Llama's (2 key/value heads: replicated past tp 2) gathered
+// parameters equal the one-rank model's, and its norm (gradients set to the values) the one-rank
+// norm. A split weight marked replicated (a wrong placement) fails both.
+TEST(TensorParallel, PlacementIsWhatGathersAndTheNormRead) {
+  if (world().size() > 4) GTEST_SKIP() << "4 heads";
+  const nn::GptConfig cfg = small_llama();
+  parallel::ProcessGrid grid(world(), world().size(), 1);
+  nn::Gpt ref(cfg);
+  const int tp = grid.tp_size();
+  const nn::GptVocabShard vocab = tp > 1 ? parallel::vocab_parallel_shard(cfg.vocab, grid.tp()) : nn::GptVocabShard();
+  nn::Gpt model(cfg, parallel::tensor_parallel_gpt_blocks(cfg, grid.tp()), nn::GptPart{0, cfg.layers, true, true},
+                false, vocab);
+  double squares = 0;
+  for (nn::Parameter* p : ref.parameters()) squares += engine_for(p->value.device()).sum_squares(p->value);
+  for (nn::Parameter* p : model.parameters()) p->grad.copy_from(p->value);
+  auto gathered_match = [&] {
+    const std::map<std::string, Tensor> full = parallel::gather_full_parameters(model, &grid.tp());
+    bool same = true;
+    for (nn::Parameter* p : ref.parameters()) {
+      const Tensor& got = full.at(p->name);
+      same = same && got.shape() == p->value.shape() &&
+             std::memcmp(got.raw(), p->value.raw(), static_cast<size_t>(p->value.nbytes())) == 0;
+    }
+    return same;
+  };
+  auto norm_error = [&] {
+    const double norm = parallel::clip_grad_norm_tp(model, grid.tp(), 0, nullptr, nullptr, nullptr, {});
+    return std::abs(norm - std::sqrt(squares)) / std::sqrt(squares);
+  };
+  EXPECT_TRUE(gathered_match());
+  EXPECT_LT(norm_error(), 1e-6);
+  if (tp == 1) return;
+  nn::Parameter* wrong = nullptr;  // the first block's fused q/k/v weight, split by output rows
+  for (nn::Parameter* p : model.parameters())
+    if (!wrong && p->placement.split() && p->value.dim() == 2 && p->name.starts_with("blocks.0.")) wrong = p;
+  ASSERT_NE(wrong, nullptr);
+  wrong->placement = nn::Placement{};
+  EXPECT_FALSE(gathered_match()) << wrong->name << " marked replicated still gathers";
+  EXPECT_GT(norm_error(), 1e-3) << wrong->name << " marked replicated still counts once";
 }
 
 namespace {

@@ -39,7 +39,7 @@ fs::path scratch(const std::string& name) {
 
 int64_t import_into(nn::Gpt& model, const std::string& where) {
   const auto files = train::list_safetensors(where);
-  return train::import_pretrained(model, nullptr, where, train::lm_pretrained_names(model.config(), files));
+  return train::import_pretrained(model, where, train::lm_pretrained_names(model.config(), files));
 }
 
 void expect_same_parameters(nn::Gpt& a, nn::Gpt& b) {  // bitwise

@@ -199,7 +199,7 @@ TEST(LanguageModel, LoraTrainsAdaptersOnlyAndExportsMerged) {
   nn::GptConfig shape = pretrained.config();
   nn::Gpt target(shape);
   const auto files = train::list_safetensors(merged);
-  train::import_pretrained(target, nullptr, merged, train::lm_pretrained_names(shape, files));
+  train::import_pretrained(target, merged, train::lm_pretrained_names(shape, files));
   Tensor ids = Tensor::empty({2, 16}, DType::I32);
   for (int64_t i = 0; i < ids.numel(); ++i) ids.data<int32_t>()[i] = static_cast<int32_t>((i * 7) % 256);
   const Tensor want = adapted->forward(ids).clone(), got = target.forward(ids);

@@ -148,8 +148,11 @@ using GptBlockFactory = std::function<ModulePtr(int64_t layer, Rng& rng)>;
 // element-wise maximum over them. rows == 0: the whole vocabulary, nothing to add.
 struct GptVocabShard {
   int64_t offset = 0, rows = 0;
+  int ranks = 1;  // the tp ranks the vocabulary is split over, `rows` each
   std::function<void(Tensor&)> sum, max;
   bool sharded() const { return rows > 0; }
+  // Where this rank's rows of a [V, ...] tensor of local shape `local` lie (none when not sharded).
+  Placement placement(const Shape& local) const;
 };
 
 // Token and position embeddings: ids i32 [B, T] -> [B, T, C]. Parameters "wte" [V, C] (or this

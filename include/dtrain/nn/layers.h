@@ -48,17 +48,22 @@ class Linear : public Module {
 
  protected:
   // For layers that hold a slice of a bigger one (tensor parallel): `in` x `out` are the local
-  // sizes, and the subclass registers the slice's tensors with set_parameters.
+  // sizes, and the subclass gives set_parameters the full layer's tensors.
   Linear(int64_t in, int64_t out) : in_(in), out_(out) {}
-  void set_parameters(Tensor weight, Tensor bias);
-  // A slice of a bigger layer says how: the full layer's sizes, its part of a full [full out, k]
-  // tensor (output rows) and of a full [k, full in] one (input columns). LoRA's rank-space
-  // activations x A^T are partial sums where the inputs are split, their gradient where the outputs
-  // are: the sum over the slices' ranks, in place. One layer: the whole, nothing to sum.
+  // Registers this slice's parts of the full layer's weight and bias, each with its placement.
+  void set_parameters(const Tensor& full_weight, const Tensor& full_bias);
+  // A slice of a bigger layer says how: the full layer's sizes and where its parts lie of a full
+  // tensor whose rows are the outputs ([full out, k]: the weight, the bias, LoRA's B) and of one
+  // whose columns are the inputs ([k, full in]: the weight, LoRA's A); a split tensor is one of
+  // them. LoRA's rank-space activations x A^T are partial sums where the inputs are split, their
+  // gradient where the outputs are: the sum over the slices' ranks, in place. One layer: the
+  // whole, nothing to sum.
   virtual int64_t full_in() const { return in_; }
   virtual int64_t full_out() const { return out_; }
-  virtual Tensor rows_of(const Tensor& full) const { return full; }
-  virtual Tensor columns_of(const Tensor& full) const { return full; }
+  virtual Placement output_rows(const Shape& /*full*/) const { return {}; }
+  virtual Placement input_columns(const Shape& /*full*/) const { return {}; }
+  // Registers parameter `name` as this slice's part of `full`, placed by `placement`.
+  Parameter& add_part(const std::string& name, const Tensor& full, Placement placement);
   virtual void sum_lora_activations(Tensor&) {}
   virtual void sum_lora_gradients(Tensor&) {}
   // Rows this slice shares with other ranks (a replicated head's) get only part of their gradient

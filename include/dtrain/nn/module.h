@@ -9,6 +9,7 @@
 
 #include "dtrain/core/tensor.h"
 #include "dtrain/kernels/engine.h"
+#include "dtrain/nn/placement.h"
 
 namespace dtrain::nn {
 
@@ -24,6 +25,7 @@ struct Parameter {
   // Frozen (--freeze): its gradient is zero whenever it is final (grad_ready) and the optimizer
   // leaves it out; layers may skip computing it.
   bool frozen = false;
+  Placement placement{};  // where it lies in the one-rank model (placement.h)
 };
 
 // Makes (or drops, in fp32) the working copies of the GEMM weights among `params` for math

@@ -175,8 +175,6 @@ class DataParallel {
     Device device = Device::cpu();
   };
   virtual GradientParts gradient_parts(const nn::Parameter& p) = 0;
-  // p's shape, also where its value is empty between passes (ZeRO-3).
-  virtual Shape parameter_shape(const nn::Parameter& p) const { return p.value.shape(); }
   // After finish(): adds into this rank's share of p's averaged gradient the averaged gradient of
   // p's copy that the other ranks of `copies` hold (GPT-2's tied embedding on the first and last
   // pipeline stage: `copies` joins the ranks of the same data-parallel and tp position). A sharded

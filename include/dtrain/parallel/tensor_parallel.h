@@ -21,55 +21,12 @@
 
 namespace dtrain::parallel {
 
-// Where this rank's tp part of a parameter lies in the one-rank tensor, both seen as matrices of
-// rows (the first dimension) by columns (the rest): runs of its rows at rows of the whole, and its
-// columns at the whole's [first_column, first_column + columns). Of the tp ranks holding the same
-// rows (a replicated tensor, a replicated key/value block) the first one `writes` them into a
-// checkpoint's shard parts.
-struct TpPart {
-  struct Rows {
-    int64_t local, whole, count;
-    bool writes;
-  };
-  Shape local, whole;
-  int64_t first_column = 0, columns = 0, whole_columns = 0;
-  std::vector<Rows> rows;  // in local order
-  // The whole tensor, held alike by every tp rank; `writes` on one of them.
-  static TpPart replicated(const Shape& shape, bool writes);
-};
-
-// `count` elements in a row, at flat index `local` of a rank's tp part and `whole` of the whole.
-struct ElementRun {
-  int64_t local, whole, count;
-};
-// The part's elements [from, from + count) as runs of the whole tensor (with `written_only`, those
-// this rank writes), in local order, neighbours merged.
-std::vector<ElementRun> whole_runs(const TpPart& part, int64_t from, int64_t count, bool written_only);
-// The whole tensor's elements [from, from + count) that the part holds, in whole order.
-std::vector<ElementRun> part_runs(const TpPart& part, int64_t from, int64_t count);
-// The part's elements [from, from + count) that this rank writes, as ranges [first, last) of the
-// part (the elements a norm over the tp ranks counts here).
-std::vector<std::pair<int64_t, int64_t>> written_elements(const TpPart& part, int64_t from, int64_t count);
-
 // Both layers are nn::Linear over this rank's slice (its in_ x out_ are the local sizes), so they
-// share its GEMMs, gradient hooks and LoRA adapters and add only the tp communication. Each says
-// of its own parameters which are split over the tp ranks and how a full tensor is cut and joined.
+// share its GEMMs, gradient hooks and LoRA adapters and add only the tp communication. Each places
+// its parameters (nn::Placement): every tp rank's part of the full layer's tensors.
 class TensorParallelLinear : public nn::Linear {
- public:
-  // Whether the tp ranks hold parts of `p` (else each holds it whole, with equal gradients).
-  virtual bool splits(const nn::Parameter& p) const = 0;
-  virtual Shape full_shape(const nn::Parameter& p) const = 0;
-  // This rank's part of the full tensor of `p` (`full` itself when `p` is whole), as a new tensor.
-  Tensor shard(const nn::Parameter& p, const Tensor& full) const { return splits(p) ? slice_of(full) : full; }
-  // The full tensor of `p` from every tp rank's part `local`, on the host (collective over tp).
-  Tensor gather(const nn::Parameter& p, const Tensor& local) const;
-  // Where this rank's part of `p`, of shape `local`, lies in the full tensor.
-  virtual TpPart part(const nn::Parameter& p, const Shape& local) const = 0;
-
  protected:
   TensorParallelLinear(int64_t in, int64_t out, comm::Communicator& tp) : nn::Linear(in, out), tp_(tp) {}
-  virtual Tensor slice_of(const Tensor& full) const = 0;  // along the split dimension
-  virtual Tensor join(const Tensor& local) const = 0;     // the inverse (collective over tp)
   comm::Communicator& tp_;
 };
 
@@ -87,18 +44,13 @@ class ColumnParallelLinear : public TensorParallelLinear {
                        std::shared_ptr<comm::Communicator> share = nullptr);
   Tensor backward(const Tensor& dy) override;  // forward is nn::Linear's: (..., in) -> (..., out / tp)
   std::string kind() const override;
-  bool splits(const nn::Parameter& p) const override { return &p != lora_a_; }
-  Shape full_shape(const nn::Parameter& p) const override;
-  TpPart part(const nn::Parameter& p, const Shape& local) const override;
 
  protected:
   int64_t full_out() const override { return full_out_; }
-  Tensor rows_of(const Tensor& full) const override { return slice_of(full); }
+  // Every block's rows of each rank, written by the first of the ranks sharing a replicated block.
+  nn::Placement output_rows(const Shape& full) const override;
   void sum_lora_gradients(Tensor& dt) override;
   void share_gradient(nn::Parameter& p, bool after) override;
-  // The rows of a full [out, ...] tensor that this rank holds, and their inverse.
-  Tensor slice_of(const Tensor& full) const override;
-  Tensor join(const Tensor& local) const override;
 
  private:
   struct Block {
@@ -120,17 +72,11 @@ class RowParallelLinear : public TensorParallelLinear {
   RowParallelLinear(int64_t in, int64_t out, bool bias, Rng& rng, comm::Communicator& tp);
   Tensor forward(const Tensor& x) override;  // (..., in / tp) -> (..., out), summed over tp
   std::string kind() const override;         // backward is nn::Linear's: dy is the same on every tp rank
-  bool splits(const nn::Parameter& p) const override { return &p == w_ || &p == lora_a_; }
-  Shape full_shape(const nn::Parameter& p) const override;
-  TpPart part(const nn::Parameter& p, const Shape& local) const override;
 
  protected:
   int64_t full_in() const override { return full_in_; }
-  Tensor columns_of(const Tensor& full) const override { return slice_of(full); }
+  nn::Placement input_columns(const Shape& full) const override;
   void sum_lora_activations(Tensor& t) override;
-  // The columns of a full [rows, in] tensor this rank holds, and their inverse.
-  Tensor slice_of(const Tensor& full) const override;
-  Tensor join(const Tensor& local) const override;
 
  private:
   int64_t full_in_;
@@ -187,10 +133,10 @@ class VocabParallelCrossEntropy : public nn::SoftmaxCrossEntropy {
   double loss_sum_ = 0;
 };
 
-// Layout changes for any model holding these layers (checkpoints are written in the one-rank
-// layout, so they load into any tp size): every parameter as its full one-rank tensor (collective
-// over the tp communicator of the layers), and the inverse, which keeps this rank's shards.
-// A vocabulary-parallel embedding is gathered over `tp` (required when the model has one).
+// Layout changes for any model whose parameters are placed over tp ranks (checkpoints are written
+// in the one-rank layout, so they load into any tp size): every parameter as its full one-rank
+// tensor (collective over `tp`, required when a parameter is split), and the inverse, which keeps
+// this rank's parts.
 std::map<std::string, Tensor> gather_full_parameters(nn::Module& model, comm::Communicator* tp = nullptr,
                                                      const std::map<std::string, Tensor>* reuse = nullptr);
 void load_full_parameters(nn::Module& model, const std::map<std::string, Tensor>& full);
@@ -205,20 +151,18 @@ std::map<std::string, Tensor> gather_full(nn::Module& model, comm::Communicator*
                                           const NamedTensors* reuse = nullptr, bool trained_only = false);
 void load_full(nn::Module& model, const std::map<std::string, Tensor>& full, const ParameterTensor& pick,
                bool trained_only = false);
-// The one-rank shape of every parameter of `model` (this rank's part of a tp layout of `tp` ranks).
-std::map<std::string, Shape> full_parameter_shapes(nn::Module& model, int64_t tp);
-// Where this rank's part of every parameter of `model` lies in its one-rank tensor, by name;
-// `shape_of` gives a parameter's shape (DataParallel::parameter_shape: ZeRO-3 empties the values).
-std::map<std::string, TpPart> tp_parts(nn::Module& model, comm::Communicator& tp,
-                                       const std::function<Shape(const nn::Parameter&)>& shape_of);
+// The one-rank shape of every parameter of `model`.
+std::map<std::string, Shape> full_parameter_shapes(nn::Module& model);
+// Where this rank's part (tp rank `tp_rank`) of every parameter of `model` lies in its one-rank
+// tensor, by name.
+std::map<std::string, nn::TpPart> tp_parts(nn::Module& model, int tp_rank);
 
 // Global-norm clipping that counts every weight once: each rank adds the squares of the gradient
-// elements it would write into a checkpoint (the rows of its tp parts, `parts` from tp_parts, it
-// `writes`, of its pieces where `dp` shards the gradients: DataParallel::gradient_parts), summed
-// over `dp`'s shard group, `tp` and `pp`, leaving out `skip` (the last stage's copy of the tied
-// embedding); then scales the gradients of `scaled` (the optimizer's parameters). Returns the norm.
+// elements it would write into a checkpoint (the rows of its tp part it `writes`, nn::tp_part, of
+// its pieces where `dp` shards the gradients: DataParallel::gradient_parts), summed over `dp`'s
+// shard group, `tp` and `pp`, leaving out `skip` (the last stage's copy of the tied embedding);
+// then scales the gradients of `scaled` (the optimizer's parameters). Returns the norm.
 double clip_grad_norm_tp(nn::Module& model, comm::Communicator& tp, double max_norm, comm::Communicator* pp,
-                         const nn::Parameter* skip, DataParallel* dp, const std::map<std::string, TpPart>& parts,
-                         const std::vector<nn::Parameter*>& scaled);
+                         const nn::Parameter* skip, DataParallel* dp, const std::vector<nn::Parameter*>& scaled);
 
 }  // namespace dtrain::parallel

@@ -144,10 +144,10 @@ std::string piece_parameter(std::string_view key);
 // the tp ranks holding the same elements), "runs/<key>" listing them where there are several;
 // pieces left without a run are dropped. So a set written under tp is every rank's shard part too.
 std::map<std::string, Tensor> pieces_in_whole_tensors(const std::map<std::string, Tensor>& pieces,
-                                                      const std::map<std::string, parallel::TpPart>& parts);
+                                                      const std::map<std::string, nn::TpPart>& parts);
 // The inverse for a load under tp: `source`'s pieces of the one-rank tensors passed on (to
 // ShardedDataParallel::load_pieces) as the runs of this rank's parts (`parts`: tp_parts) they hold.
-PieceSource pieces_in_tp_parts(const PieceSource& source, const std::map<std::string, parallel::TpPart>& parts);
+PieceSource pieces_in_tp_parts(const PieceSource& source, const std::map<std::string, nn::TpPart>& parts);
 
 // Keeps the newest `keep` checkpoints up to `just_written` (the main file just written, which is
 // never removed): older main files go with all their parts. Files of later steps (a run resumed

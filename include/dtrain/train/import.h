@@ -50,7 +50,7 @@ struct PretrainedNames {
 // Loads every parameter of `model` (this rank's part of a dp x tp x pp layout: the tensors of its
 // stage only are read, whole, and tp-split parameters keep their slice) from `where`. Returns the
 // number of parameters loaded.
-int64_t import_pretrained(nn::Module& model, comm::Communicator* tp, const std::string& where,
+int64_t import_pretrained(nn::Module& model, const std::string& where,
                           const PretrainedNames& names);
 
 }  // namespace dtrain::train

@@ -172,9 +172,6 @@ class Trainer {
   std::string comm_ = "mpi";                  // how device tensors travel: "nccl" or "mpi (host-staged)" (choose_comm)
   std::unique_ptr<comm::Communicator> nccl_;  // data parallel on GPUs (declared before dp_, which uses it)
   std::unique_ptr<parallel::DataParallel> dp_;
-  // Where this rank's tp part of every parameter lies in its one-rank tensor (set once the layout is
-  // built: checkpoints' pieces and the clipping norm read it).
-  std::map<std::string, parallel::TpPart> tp_parts_;
   // ZeRO-3: this rank's blocks of the model's values, kept as the model was built; handed to dp_.
   std::unique_ptr<parallel::ShardedInit> built_;
   std::unique_ptr<parallel::PipelineStage> pipe_;

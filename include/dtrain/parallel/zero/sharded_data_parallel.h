@@ -77,7 +77,6 @@ class ShardedDataParallel final : public DataParallel {
   comm::Communicator* shard_group() override { return &shards(); }
   std::map<std::string, int64_t> memory_bytes() const override;
   GradientParts gradient_parts(const nn::Parameter& p) override;
-  Shape parameter_shape(const nn::Parameter& p) const override;
   void load_pieces(const PieceSource& for_each_piece, const std::vector<optim::StateTensor>& state) override;
 
  private:
