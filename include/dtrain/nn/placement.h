@@ -54,13 +54,14 @@ struct Placement {
 
 struct Parameter;
 // This rank's shape of `p` (its value's, or the one kept while the value is freed), the one-rank
-// model's, and where this rank's part lies in it (a tensor not split: the whole, written by tp
-// rank 0 of `tp_rank`).
+// model's, and where this rank's part lies in it (`tp_rank`: this rank's place in the tp group; a
+// tensor not split is the whole, which tp rank 0 writes).
 Shape local_shape(const Parameter& p);
 Shape whole_shape(const Parameter& p);
 TpPart tp_part(const Parameter& p, int tp_rank);
 
-// The placement of a tensor of shape `whole` cut into `parts` (one per tp rank), this rank's `rank`.
+// The placement of a tensor cut into `parts` (one per tp rank, each naming the whole's shape),
+// this rank's part being `parts[rank]`.
 Placement split_placement(std::vector<TpPart> parts, int rank);
 // This rank's part of `whole` (on the host) as a new tensor; `whole` itself when nothing is split.
 Tensor own_part(const Placement& placement, const Tensor& whole);
