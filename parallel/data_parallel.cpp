@@ -27,19 +27,31 @@ ReplicatedDataParallel::ReplicatedDataParallel(nn::Module& model, comm::Communic
   std::vector<nn::Parameter*> params = model.parameters();
   DT_CHECK(!params.empty(), "data parallel needs a model with parameters");
   Device dev = params.front()->value.device();
-  int64_t total = 0;
+  int64_t trained = 0, frozen = 0;
   for (nn::Parameter* p : params) {
     DT_CHECK(p->value.dtype() == DType::F32 && p->value.device() == dev,
              "data parallel keeps f32 parameters on one device; " << p->name << " is " << p->value.str());
-    total += p->value.numel();
+    (p->frozen ? frozen : trained) += p->value.numel();
   }
   const int64_t world = comm.size();
-  const int64_t padded = (total + world - 1) / world * world;
-  flat_param_ = zeros_on({padded}, dev);
+  const int64_t padded = (trained + world - 1) / world * world;
+  // The trained parameters (padded), then the frozen ones, which have no gradient: the flat
+  // gradient, its buckets and ZeRO-1's slices cover the trained part only.
+  flat_param_ = zeros_on({padded + frozen}, dev);
   flat_grad_ = zeros_on({padded}, dev);
+  int64_t frozen_at = padded;
+  for (nn::Parameter* p : params) {
+    if (!p->frozen) continue;
+    Tensor v = flat_param_.slice0(frozen_at, frozen_at + p->value.numel()).reshape(p->value.shape());
+    engine_for(dev).copy(p->value, v);
+    p->value = v;
+    p->grad = Tensor();
+    offset_[p] = frozen_at;
+    frozen_at += p->value.numel();
+  }
 
-  // Lay parameters out last-first: backward finishes them roughly in this order, so the first
-  // bucket fills first and goes out first.
+  // Lay the trained parameters out last-first: backward finishes them roughly in this order, so
+  // the first bucket fills first and goes out first.
   // A compressor that factorises tensors (PowerSGD, layer by layer as PyTorch's PowerSGD hook: each
   // weight as its [out, in*kh*kw] matrix; a square reshape of a flat bucket has no low-rank
   // structure to find) gets every tensor as its own bucket. (Top-k stays on flat buckets: measured
@@ -50,9 +62,10 @@ ReplicatedDataParallel::ReplicatedDataParallel(nn::Module& model, comm::Communic
   const int64_t bucket_elems = layerwise ? 1 : std::max<int64_t>(1, opt_.bucket_bytes / 4);
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
     nn::Parameter* p = *it;
+    if (p->frozen) continue;
     int64_t n = p->value.numel();
     Tensor v = flat_param_.slice0(off, off + n).reshape(p->value.shape());
-    Tensor g = flat_grad_.slice0(off, off + n).reshape(p->grad.shape());
+    Tensor g = flat_grad_.slice0(off, off + n).reshape(p->value.shape());
     engine_for(dev).copy(p->value, v);
     engine_for(dev).copy(p->grad, g);
     p->value = v;
@@ -73,7 +86,7 @@ ReplicatedDataParallel::ReplicatedDataParallel(nn::Module& model, comm::Communic
     buckets_.push_back(Bucket{off, padded, 0, 0, 0, nullptr});
   }
 
-  if (zero1()) make_shard(total);
+  if (zero1()) make_shard(trained);
   model_.set_grad_ready_hook([this](nn::Parameter& p) { on_grad_ready(p); });
 }
 
@@ -207,9 +220,9 @@ std::pair<int64_t, int64_t> ReplicatedDataParallel::overlap(const nn::Parameter*
 void ReplicatedDataParallel::make_shard(int64_t model_numel) {
   // A slice of padding only would give its rank no optimizer state, and the state's collectives
   // (gather_state) would not match over the ranks.
-  DT_INPUT_CHECK(flat_param_.numel() - model_numel < shard_numel(),
+  DT_INPUT_CHECK(flat_grad_.numel() - model_numel < shard_numel(),
                  "--zero1 over " << comm_.size() << " ranks: the model's " << model_numel
-                                 << " parameters leave the last rank's slice empty");
+                                 << " trained parameters leave the last rank's slice empty");
   shard_.value = Tensor::empty({shard_numel()}, DType::F32, flat_param_.device());
   engine_for(flat_param_.device()).copy(own_slice(flat_param_), shard_.value);
   shard_.grad = zeros_on({shard_numel()}, flat_grad_.device());
@@ -267,6 +280,7 @@ std::map<std::string, Tensor> ReplicatedDataParallel::gather_state(const std::ve
   for (const auto& [kind, slice] : slices) {
     const Tensor flat = to_host(gather_flat(slice));
     for (nn::Parameter* p : model_.parameters()) {
+      if (p->frozen) continue;  // no state
       const int64_t off = offset_.at(p);
       full[p->name + "." + kind] = flat.slice0(off, off + p->value.numel()).reshape(p->value.shape()).clone();
     }
@@ -307,18 +321,19 @@ void ReplicatedDataParallel::reload_shard() {
 void ReplicatedDataParallel::after_step() {
   if (!zero1()) return;
   double t0 = now_s();
+  Tensor trained = flat_param_.slice0(0, flat_grad_.numel());
   if (comm_.size() > 1) {
-    comm_.allgather(shard_.value, flat_param_)->wait();
+    comm_.allgather(shard_.value, trained)->wait();
     stats_.bytes_sent += static_cast<int64_t>(shard_.value.nbytes());
     ++stats_.collectives;
   } else {
-    engine_for(flat_param_.device()).copy(shard_.value, flat_param_);
+    engine_for(trained.device()).copy(shard_.value, trained);
   }
   stats_.comm_wait_s += now_s() - t0;
 }
 
 Tensor ReplicatedDataParallel::gather_flat(const Tensor& slice) {
-  Tensor full = zeros_on(flat_param_.shape(), flat_param_.device());
+  Tensor full = zeros_on(flat_grad_.shape(), flat_grad_.device());
   if (comm_.size() > 1)
     comm_.allgather(slice, full)->wait();
   else

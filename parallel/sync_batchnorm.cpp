@@ -120,10 +120,11 @@ Tensor SyncBatchNorm::backward(const Tensor& dy) {
     dbeta.f32()[c] = static_cast<float>(s_dy);
   }
   Tensor here = Tensor::empty({c_}, DType::F32, dy.device());  // accumulated, as every parameter gradient
-  copy_any(dgamma, here);
-  e.axpy(1.f, here, gamma_->grad);
-  copy_any(dbeta, here);
-  e.axpy(1.f, here, beta_->grad);
+  for (auto [p, d] : {std::pair{gamma_, &dgamma}, std::pair{beta_, &dbeta}}) {
+    if (p->frozen) continue;
+    copy_any(*d, here);
+    e.axpy(1.f, here, p->grad);
+  }
   grad_ready(*gamma_);
   grad_ready(*beta_);
   const Tensor all = sum_over_ranks(0.f);

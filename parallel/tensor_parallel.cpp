@@ -108,7 +108,7 @@ Tensor ColumnParallelLinear::backward(const Tensor& dy) {
 // accumulated so far are set aside and zeroed, so that the sum over the sharers adds up this
 // backward's parts alone, then come back.
 void ColumnParallelLinear::share_gradient(nn::Parameter& p, bool after) {
-  if (!share_ || !p.placement.split()) return;
+  if (!share_ || !p.placement.split() || p.frozen) return;
   Engine& e = engine(p.grad);
   const int64_t row = p.grad.numel() / out_;
   int64_t shared = 0;

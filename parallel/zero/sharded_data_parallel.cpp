@@ -56,11 +56,10 @@ void ShardedDataParallel::cut_into_units() {
   DT_INPUT_CHECK(!cut.entries.empty(), "option --zero " << opt_.zero << ": the model (" << model_.kind()
                                                         << ") cannot be cut into units to shard");
   order_ = cut.entries;
-  unit_at_ = cut.unit_of;
-  units_.resize(static_cast<size_t>(*std::max_element(unit_at_.begin(), unit_at_.end()) + 1));
+  units_.resize(static_cast<size_t>(*std::max_element(cut.unit_of.begin(), cut.unit_of.end()) + 1));
   std::set<nn::Parameter*> seen;
   for (size_t pos = 0; pos < order_.size(); ++pos) {
-    Unit& u = units_[static_cast<size_t>(unit_at_[pos])];
+    Unit& u = units_[static_cast<size_t>(cut.unit_of[pos])];
     u.entries.push_back(static_cast<int>(pos));
     for (nn::Parameter* p : order_[pos]->parameters())
       if (seen.insert(p).second) u.params.push_back(p);
@@ -76,6 +75,35 @@ void ShardedDataParallel::cut_into_units() {
   device_ = all.front()->value.device();
   for (Unit& u : units_)
     for (nn::Parameter* p : u.params) u.bucket.push_back(from_last.at(p));
+  split_frozen();
+  units_at_.assign(order_.size(), {});
+  for (Unit& u : units_)
+    for (int e : u.entries) units_at_[static_cast<size_t>(e)].push_back(&u);
+}
+
+// A unit's frozen parameters become a unit of their own after all others, with the same modules
+// (a unit of frozen parameters only is marked so where it is); the trained part keeps its place,
+// so a compressor's keys stay those of the run without frozen parameters.
+void ShardedDataParallel::split_frozen() {
+  const size_t count = units_.size();
+  for (size_t k = 0; k < count; ++k) {
+    Unit trained, frozen;
+    for (size_t i = 0; i < units_[k].params.size(); ++i) {
+      Unit& part = units_[k].params[i]->frozen ? frozen : trained;
+      part.params.push_back(units_[k].params[i]);
+      part.bucket.push_back(units_[k].bucket[i]);
+    }
+    if (frozen.params.empty()) continue;
+    if (trained.params.empty()) {
+      units_[k].frozen = true;
+      continue;
+    }
+    units_[k].params = std::move(trained.params);
+    units_[k].bucket = std::move(trained.bucket);
+    frozen.entries = units_[k].entries;
+    frozen.frozen = true;
+    units_.push_back(std::move(frozen));
+  }
 }
 
 // Each unit's flat layout and this rank's blocks. Every rank's model holds the same initial values
@@ -86,7 +114,7 @@ void ShardedDataParallel::lay_out_units() {
   DT_CHECK(!opt_.built || (opt_.zero == 3 && opt_.built->ranks() == world && opt_.built->rank() == shards().rank()),
            "the model was built in blocks for rank " << opt_.built->rank() << " of " << opt_.built->ranks()
                                                      << ", not for this ZeRO-" << opt_.zero << " group");
-  int64_t shard_total = 0;
+  int64_t shard_total = 0, grad_total = 0;
   std::vector<const ShardedInit::Unit*> built;
   for (Unit& u : units_) {
     built.push_back(opt_.built ? opt_.built->find(u.params.front()) : nullptr);
@@ -104,6 +132,8 @@ void ShardedDataParallel::lay_out_units() {
     u.padded = unit_block_numel(u.numel, world) * world;
     u.shard_begin = shard_total;
     shard_total += u.padded / world;
+    u.grad_begin = grad_total;
+    if (!u.frozen) grad_total += u.padded / world;
   }
   // ZeRO-2's masters are the whole values themselves (each piece a view of its block of them);
   // ZeRO-3 keeps this rank's blocks in a buffer of their own.
@@ -111,17 +141,15 @@ void ShardedDataParallel::lay_out_units() {
   // touched no sooner): the two are not held at once.
   if (opt_.zero == 3)
     shard_.value = opt_.built ? Tensor::empty({shard_total}, DType::F32, device_) : zeros_on({shard_total}, device_);
-  shard_.grad = zeros_on({shard_total}, device_);
+  shard_.grad = zeros_on({grad_total}, device_);
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = units_[k];
     if (built[k]) {
       Tensor mine = shard_block(shard_.value, u);
       copy_any(built[k]->block, mine);
       opt_.built->free_block(u.params.front());
-      for (size_t i = 0; i < u.params.size(); ++i) {
-        u.params[i]->value = empty_like_rank(u.shapes[i], device_);
-        u.params[i]->grad = empty_like_rank(u.shapes[i], device_);
-      }
+      for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->value = empty_like_rank(u.shapes[i], device_);
+      empty_grads(u);
       continue;
     }
     u.full = zeros_on({u.padded}, device_);
@@ -135,7 +163,7 @@ void ShardedDataParallel::lay_out_units() {
     }
     point_values(u);
     take_shard(u);
-    for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->grad = empty_like_rank(u.shapes[i], device_);
+    empty_grads(u);
     release(u);
   }
   opt_.built = nullptr;  // the blocks are the shard now; the sink goes with the build
@@ -156,11 +184,13 @@ void ShardedDataParallel::make_pieces() {
       if (first >= last) continue;
       nn::Parameter& piece = pieces_.emplace_back();
       piece.name = u.params[i]->name;
-      const int64_t at = u.shard_begin + first - begin;
+      const int64_t at = u.shard_begin + first - begin, grad_at = u.grad_begin + first - begin;
       piece.value = opt_.zero == 3 ? shard_.value.slice0(at, at + last - first) : u.full.slice0(first, last);
-      piece.grad = shard_.grad.slice0(at, at + last - first);
       piece_of_[u.params[i]] = &piece;
-      start_in_shard_[piece.name] = at;
+      if (!u.frozen) {  // a frozen piece is a value only (checkpoints'): no gradient, no optimizer state
+        piece.grad = shard_.grad.slice0(grad_at, grad_at + last - first);
+        start_in_shard_[piece.name] = grad_at;
+      }
       std::vector<int64_t>& range = piece_range_[piece.name];
       range = {first - u.offset[i], last - first};
       range.insert(range.end(), u.shapes[i].begin(), u.shapes[i].end());
@@ -185,16 +215,28 @@ void ShardedDataParallel::install_hooks() {
   for (size_t pos = 0; pos < order_.size(); ++pos) {
     const int e = static_cast<int>(pos);
     auto hooks = std::make_shared<nn::PassHooks>();
-    hooks->before_forward = [this, e] { before_forward(e); };
-    hooks->after_forward = [this, e] { after_forward(e); };
-    hooks->before_backward = [this, e] { before_backward(e); };
-    hooks->after_backward = [this, e] { after_backward(e); };
+    hooks->before_forward = [this, e, units = units_at_[pos]] {
+      for (Unit* u : units) before_forward(*u, e);
+    };
+    hooks->after_forward = [this, e, units = units_at_[pos]] {
+      for (Unit* u : units) after_forward(*u, e);
+    };
+    hooks->before_backward = [this, e, units = units_at_[pos]] {
+      for (Unit* u : units) before_backward(*u, e);
+    };
+    hooks->after_backward = [this, e, units = units_at_[pos]] {
+      for (Unit* u : units) after_backward(*u, e);
+    };
     order_[pos]->set_pass_hooks(hooks);
   }
 }
 
 Tensor ShardedDataParallel::shard_block(const Tensor& shard, const Unit& u) const {
   return shard.slice0(u.shard_begin, u.shard_begin + block_numel(u));
+}
+
+Tensor ShardedDataParallel::grad_block(const Tensor& shard, const Unit& u) const {
+  return shard.slice0(u.grad_begin, u.grad_begin + block_numel(u));
 }
 
 Tensor ShardedDataParallel::view(const Tensor& flat, const Unit& u, size_t i) {
@@ -214,8 +256,7 @@ void ShardedDataParallel::take_shard(Unit& u) {
 
 // ---- the passes -------------------------------------------------------------------------------
 
-void ShardedDataParallel::before_forward(int entry) {
-  Unit& u = units_[static_cast<size_t>(unit_at_[static_cast<size_t>(entry)])];
+void ShardedDataParallel::before_forward(Unit& u, int entry) {
   if (entry == u.entries.front()) u.forwards = 0;
   if (opt_.zero == 3) {
     start_gather(u);
@@ -224,23 +265,21 @@ void ShardedDataParallel::before_forward(int entry) {
   }
 }
 
-void ShardedDataParallel::after_forward(int entry) {
-  Unit& u = units_[static_cast<size_t>(unit_at_[static_cast<size_t>(entry)])];
+void ShardedDataParallel::after_forward(Unit& u, int entry) {
   ++u.forwards;
   if (entry != u.entries.back()) return;  // a later module of the unit still reads its values
   if (order_[static_cast<size_t>(entry)]->training() && !opt_.reshard_after_forward) return;  // kept for backward
   release(u);
 }
 
-void ShardedDataParallel::before_backward(int entry) {
-  Unit& u = units_[static_cast<size_t>(unit_at_[static_cast<size_t>(entry)])];
+void ShardedDataParallel::before_backward(Unit& u, int entry) {
   if (entry == u.entries.back()) u.backwards = 0;
   if (opt_.zero == 3) {
     start_gather(u);
     finish_gather(u);
     if (opt_.prefetch) prefetch(entry - 1);
   }
-  if (u.grad.defined()) return;
+  if (u.frozen || u.grad.defined()) return;
   u.grad = take_buffer(u.padded);
   engine_for(device_).fill(u.grad, 0.f);
   for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->grad = view(u.grad, u, i);
@@ -248,19 +287,18 @@ void ShardedDataParallel::before_backward(int entry) {
   peak_grad_bytes_ = std::max(peak_grad_bytes_, grad_bytes_);
 }
 
-void ShardedDataParallel::after_backward(int entry) {
-  Unit& u = units_[static_cast<size_t>(unit_at_[static_cast<size_t>(entry)])];
+void ShardedDataParallel::after_backward(Unit& u, int entry) {
   ++u.backwards;
   if (entry != u.entries.front()) return;  // an earlier module of the unit still adds to its gradient
-  if (hook_) {
-    if (syncing_) exchange_compressed(u);
+  if (u.frozen || hook_) {
+    if (!u.frozen && syncing_) exchange_compressed(u);
     release(u);
     return;
   }
   // The step's first gradient of the unit goes straight into its block of the shard (which holds
   // zeros: the same bits as adding it there); later micro-batches' are added when they arrive.
   const bool first = !std::exchange(u.in_shard, true);
-  Pending p{&u, first ? shard_block(shard_.grad, u) : Tensor::empty({block_numel(u)}, DType::F32, device_), nullptr,
+  Pending p{&u, first ? grad_block(shard_.grad, u) : Tensor::empty({block_numel(u)}, DType::F32, device_), nullptr,
             false, first};
   const int64_t w0 = wire_bytes();
   if (shards().size() > 1)
@@ -277,7 +315,7 @@ void ShardedDataParallel::after_backward(int entry) {
 
 void ShardedDataParallel::prefetch(int entry) {
   if (entry < 0 || entry >= static_cast<int>(order_.size())) return;
-  start_gather(units_[static_cast<size_t>(unit_at_[static_cast<size_t>(entry)])]);
+  for (Unit* u : units_at_[static_cast<size_t>(entry)]) start_gather(*u);
 }
 
 // ---- gathering and freeing a unit's values ------------------------------------------------------
@@ -399,7 +437,7 @@ bool ShardedDataParallel::advance(Pending& p, bool wait) {
 
 void ShardedDataParallel::retire(Pending& p) {
   if (!p.into_shard) {
-    Tensor mine = shard_block(shard_.grad, *p.unit);
+    Tensor mine = grad_block(shard_.grad, *p.unit);
     engine_for(device_).axpy(1.f, p.block, mine);
   }
   free_grad(*p.unit);
@@ -408,7 +446,12 @@ void ShardedDataParallel::retire(Pending& p) {
 void ShardedDataParallel::free_grad(Unit& u) {
   grad_bytes_ -= static_cast<int64_t>(u.grad.nbytes());
   give_buffer(u.grad);
-  for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->grad = empty_like_rank(u.shapes[i], device_);
+  empty_grads(u);
+}
+
+void ShardedDataParallel::empty_grads(Unit& u) {
+  for (size_t i = 0; i < u.params.size(); ++i)
+    u.params[i]->grad = u.frozen ? Tensor() : empty_like_rank(u.shapes[i], device_);
 }
 
 void ShardedDataParallel::retire_finished(bool wait_all) {
@@ -421,13 +464,12 @@ void ShardedDataParallel::retire_finished(bool wait_all) {
 void ShardedDataParallel::finish() {
   // A unit whose modules this step's graph skipped never reduce-scattered: every rank must issue
   // the same collectives, so its (zero) gradient goes now.
-  for (size_t pos = 0; pos < order_.size(); ++pos) {
-    Unit& u = units_[static_cast<size_t>(unit_at_[pos])];
-    if (u.backwards == 0 && static_cast<int>(pos) == u.entries.front()) {
-      before_backward(static_cast<int>(pos));
-      for (int e : u.entries) after_backward(e);
-    }
-  }
+  for (size_t pos = 0; pos < order_.size(); ++pos)
+    for (Unit* u : units_at_[pos])
+      if (!u->frozen && u->backwards == 0 && static_cast<int>(pos) == u->entries.front()) {
+        before_backward(*u, static_cast<int>(pos));
+        for (int e : u->entries) after_backward(*u, e);
+      }
   retire_finished(true);
   if (hook_) keep_compressed_blocks();
   for (Unit& u : units_) {
@@ -438,11 +480,16 @@ void ShardedDataParallel::finish() {
 }
 
 void ShardedDataParallel::after_step() {
-  if (opt_.zero == 3) return;        // the next forward gathers the updated blocks
+  if (opt_.zero == 2) allgather_values(false);  // ZeRO-3: the next forward gathers the updated blocks
+}
+
+// Frozen units' values change only by a load (frozen_too).
+void ShardedDataParallel::allgather_values(bool frozen_too) {
   if (shards().size() == 1) return;  // the optimizer updated the whole values
   const double t0 = now_s();
   std::vector<std::shared_ptr<comm::Work>> works;
   for (Unit& u : units_) {
+    if (u.frozen && !frozen_too) continue;
     const int64_t b = block_numel(u);
     const int64_t w0 = wire_bytes();
     works.push_back(shards().allgather(u.full.slice0(shards().rank() * b, (shards().rank() + 1) * b), u.full));
@@ -492,7 +539,7 @@ void ShardedDataParallel::keep_compressed_blocks() {
   compressed_works_.clear();
   for (Unit* u : compressed_units_) {
     const int64_t b = block_numel(*u);
-    Tensor mine = shard_block(shard_.grad, *u);
+    Tensor mine = grad_block(shard_.grad, *u);
     engine_for(device_).axpy(1.f, u->grad.slice0(shards().rank() * b, (shards().rank() + 1) * b), mine);
     free_grad(*u);
   }
@@ -540,7 +587,7 @@ void ShardedDataParallel::reload_shard() {
 // pieces: load_pieces); at ZeRO-3 every rank's blocks came from the same seed or the set, and only
 // held values travel.
 void ShardedDataParallel::broadcast_state(int root) {
-  if (opt_.zero == 2) after_step();
+  if (opt_.zero == 2) allgather_values(true);
   std::vector<std::shared_ptr<comm::Work>> works;
   for (Unit& u : units_)
     if (opt_.zero == 3 && hold_) works.push_back(comm_.broadcast(u.full, root));

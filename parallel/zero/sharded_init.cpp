@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <set>
+#include <utility>
 
 namespace dtrain::parallel {
 
@@ -14,14 +15,26 @@ std::vector<nn::Parameter*> unit_parameters(const std::vector<nn::Module*>& entr
   return params;
 }
 
-ShardedInit::ShardedInit(int rank, int ranks) : rank_(rank), ranks_(ranks) {
+ShardedInit::ShardedInit(int rank, int ranks, std::function<bool(const std::string&)> frozen)
+    : rank_(rank), ranks_(ranks), frozen_(std::move(frozen)) {
   DT_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "ShardedInit: rank " << rank << " of " << ranks);
 }
 
 void ShardedInit::unit_built(const std::vector<nn::Module*>& entries) {
+  std::vector<nn::Parameter*> trained = unit_parameters(entries), frozen;
+  if (frozen_) {
+    const auto at = std::stable_partition(trained.begin(), trained.end(),
+                                          [&](const nn::Parameter* p) { return !frozen_(p->name); });
+    frozen.assign(at, trained.end());
+    trained.erase(at, trained.end());
+  }
+  if (!trained.empty()) keep_block(std::move(trained));
+  if (!frozen.empty()) keep_block(std::move(frozen));
+}
+
+void ShardedInit::keep_block(std::vector<nn::Parameter*> params) {
   Unit u;
-  u.params = unit_parameters(entries);
-  if (u.params.empty()) return;
+  u.params = std::move(params);
   int64_t numel = 0;
   for (const nn::Parameter* p : u.params) numel += p->value.numel();
   const int64_t block = unit_block_numel(numel, ranks_), begin = rank_ * block;

@@ -48,11 +48,12 @@ std::map<std::string, Tensor> ShardedDataParallel::gather_state(const std::vecto
   std::map<std::string, Tensor> full;
   for (const auto& [kind, shard] : by_kind)
     for (Unit& u : units_) {
+      if (u.frozen) continue;  // no state
       Tensor whole = zeros_on({u.padded}, device_);
       if (shards().size() > 1)
-        shards().allgather(shard_block(shard, u), whole)->wait();
+        shards().allgather(grad_block(shard, u), whole)->wait();
       else
-        engine_for(device_).copy(shard_block(shard, u), whole);
+        engine_for(device_).copy(grad_block(shard, u), whole);
       const Tensor host = to_host(whole);
       for (size_t i = 0; i < u.params.size(); ++i) full[u.params[i]->name + "." + kind] = view(host, u, i).clone();
     }
@@ -109,7 +110,7 @@ std::vector<Tensor*> ShardedDataParallel::parameter_state(const std::vector<nn::
 // pass kept gathered (the next pass gathers the new masters).
 void ShardedDataParallel::state_replaced() {
   if (opt_.zero == 2) {
-    after_step();
+    allgather_values(true);
     return;
   }
   for (Unit& u : units_) release(u);

@@ -42,7 +42,8 @@ Tensor Conv2d::forward(const Tensor& x) {
 Tensor Conv2d::backward(const Tensor& dy) {
   Conv2dGeom g = geom(x_);
   Engine& e = engine(dy);
-  e.conv2d_backward_weights(g, x_, dy, w_->grad, b_ ? b_->grad : no_bias_);
+  if (!w_->frozen || (b_ && !b_->frozen))
+    e.conv2d_backward_weights(g, x_, dy, grad_into(*w_, frozen_dw_), b_ ? grad_into(*b_, frozen_db_) : no_bias_);
   grad_ready(*w_);
   if (b_) grad_ready(*b_);
   if (!needs_input_grad_) return Tensor();

@@ -416,8 +416,8 @@ Tensor GptEmbedding::forward(const Tensor& ids) {
 Tensor GptEmbedding::backward(const Tensor& demb) {
   const int64_t c = wte_->value.size(1);
   Engine& e = engine(demb);
-  e.embedding_backward(ids_, demb, shard_.offset, wte_->grad);
-  if (wpe_) {
+  if (!wte_->frozen) e.embedding_backward(ids_, demb, shard_.offset, wte_->grad);
+  if (wpe_ && !wpe_->frozen) {
     Tensor dpos = wpe_->grad.slice0(0, t_).reshape({t_ * c});
     e.row_bias_grad(demb.reshape({b_, t_ * c}), dpos);
     grad_ready(*wpe_);
@@ -523,7 +523,7 @@ Tensor GptHead::backward(const Tensor& dy) {
     DT_CHECK(dy.numel() == m_ * v, "gpt head backward got " << dy.str());
     ensure(dhf_, hf_.shape(), hf_.device());
     e.gemm(false, false, m_, c_, v, 1.f, dy, gemm_operand(e, *wte_, m_, c_), 0.f, dhf_);  // dhf = dlogits wte
-    e.gemm(true, false, v, c_, m_, 1.f, dy, hf_, 1.f, wte_->grad);                        // dwte += dlogits^T hf
+    if (!wte_->frozen) e.gemm(true, false, v, c_, m_, 1.f, dy, hf_, 1.f, wte_->grad);  // dwte += dlogits^T hf
   }
   if (shard_.sharded()) shard_.sum(*dhf);  // every rank's vocabulary columns contribute
   if (owns_) grad_ready(*wte_);

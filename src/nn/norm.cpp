@@ -28,7 +28,8 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
 Tensor BatchNorm2d::backward(const Tensor& dy) {
   DT_CHECK(training_, kind() << ": backward after an evaluation forward");
   Tensor& dx = ensure(dx_, x_.shape(), dy.device());
-  engine(dy).batchnorm_backward(x_, dy, c_, gamma_->value, save_mean_, save_invstd_, dx, gamma_->grad, beta_->grad);
+  engine(dy).batchnorm_backward(x_, dy, c_, gamma_->value, save_mean_, save_invstd_, dx, grad_into(*gamma_, frozen_dgamma_),
+                              grad_into(*beta_, frozen_dbeta_));
   grad_ready(*gamma_);
   grad_ready(*beta_);
   return dx;
@@ -52,7 +53,8 @@ Tensor LayerNorm::forward(const Tensor& x) {
 
 Tensor LayerNorm::backward(const Tensor& dy) {
   Tensor& dx = ensure(dx_, x_.shape(), dy.device());
-  engine(dy).layernorm_backward(x_, dy, gamma_->value, mean_, rstd_, dx, gamma_->grad, beta_->grad);
+  engine(dy).layernorm_backward(x_, dy, gamma_->value, mean_, rstd_, dx, grad_into(*gamma_, frozen_dgamma_),
+                                grad_into(*beta_, frozen_dbeta_));
   grad_ready(*gamma_);
   grad_ready(*beta_);
   return dx;
@@ -73,7 +75,7 @@ Tensor RMSNorm::forward(const Tensor& x) {
 
 Tensor RMSNorm::backward(const Tensor& dy) {
   Tensor& dx = ensure(dx_, x_.shape(), dy.device());
-  engine(dy).rmsnorm_backward(x_, dy, gamma_->value, rstd_, dx, gamma_->grad);
+  engine(dy).rmsnorm_backward(x_, dy, gamma_->value, rstd_, dx, grad_into(*gamma_, frozen_dgamma_));
   grad_ready(*gamma_);
   return dx;
 }

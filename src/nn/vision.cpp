@@ -43,10 +43,11 @@ Tensor PatchTokens::backward(const Tensor& dy) {
   }
   Tensor& dtokens = ensure_temp(dtokens_, {n, p, d_}, dy.device());
   const Tensor rows = dy.reshape({n * t, d_}), dpatches = dtokens.reshape({n * p, d_});
-  Tensor dcls = cls_->grad.reshape({d_});
   for (int64_t b = 0; b < n; ++b) {
     Tensor patch_rows = dpatches.slice0(b * p, (b + 1) * p);
     e.copy(rows.slice0(b * t + 1, (b + 1) * t), patch_rows);
+    if (cls_->frozen) continue;
+    Tensor dcls = cls_->grad.reshape({d_});
     e.axpy(1.f, rows.slice0(b * t, b * t + 1).reshape({d_}), dcls);
   }
   grad_ready(*cls_);
@@ -74,8 +75,10 @@ Tensor PositionEmbedding::forward(const Tensor& x) {
 }
 
 Tensor PositionEmbedding::backward(const Tensor& dy) {
-  Tensor dpos = pos_->grad.reshape({t_ * d_});
-  engine(dy).row_bias_grad(dy.reshape({dy.numel() / (t_ * d_), t_ * d_}), dpos);
+  if (!pos_->frozen) {
+    Tensor dpos = pos_->grad.reshape({t_ * d_});
+    engine(dy).row_bias_grad(dy.reshape({dy.numel() / (t_ * d_), t_ * d_}), dpos);
+  }
   grad_ready(*pos_);
   return dy;  // d(x + pos)/dx is the identity
 }

@@ -328,7 +328,7 @@ class GptTask final : public Task {
            " is outside the vocabulary";
   }
   void after_exchange(parallel::DataParallel* dp) override {  // the embedding's and the head's parts
-    if (!tied_) return;
+    if (!tied_ || tied_weight()->frozen) return;
     if (dp)
       dp->add_copy_gradients(*tied_weight(), *tied_);
     else

@@ -157,7 +157,8 @@ bool Trainer::step_once(double& wait_s) {
   const int64_t mallocs0 = gpu_malloc_count(device_);
   comm::set_step_phase(step_ + 1, false);  // tags this step's collectives for the desync check
   const float lr = sched_->lr(step_) * lr_scale_;
-  for (nn::Parameter* p : task_->model().parameters()) engine_for(p->grad.device()).fill(p->grad, 0.f);
+  for (nn::Parameter* p : task_->model().parameters())
+    if (!p->frozen) engine_for(p->grad.device()).fill(p->grad, 0.f);
   nn::update_working_copies(task_->model().parameters(), engine_for(device_).math_precision());  // masters changed
   forward_backward(scaler_ ? scaler_->scale() : 1.f);
   const double tw = now_s();

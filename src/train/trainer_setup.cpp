@@ -56,6 +56,18 @@ int64_t draw_run_id(comm::Communicator& world) {
   if (world.size() > 1) world.broadcast(id, 0)->wait();
   return id.data<int64_t>()[0];
 }
+
+// Which parameters (by name) the run freezes: LoRA every weight but the adapters, --freeze those
+// its expression matches whole; none (empty) without either. InputError for a bad expression.
+std::function<bool(const std::string&)> frozen_names(const TrainConfig& cfg) {
+  if (cfg.lora_rank > 0) return [](const std::string& name) { return !nn::is_lora_adapter(name); };
+  if (cfg.freeze.empty()) return {};
+  try {
+    return [pattern = std::regex(cfg.freeze)](const std::string& name) { return std::regex_match(name, pattern); };
+  } catch (const std::regex_error& e) {
+    throw InputError("option --freeze '" + cfg.freeze + "' is not a regular expression: " + e.what());
+  }
+}
 }  // namespace
 
 Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* world)
@@ -80,7 +92,7 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
     comm::agree_on_inputs(world_, [this] {
       const parallel::ShardGroups g = parallel::shard_groups(grid_->dp(), cfg_.shard_scope);
       const comm::Communicator& over = g.node ? *g.node : grid_->dp();
-      built_ = std::make_unique<parallel::ShardedInit>(over.rank(), over.size());
+      built_ = std::make_unique<parallel::ShardedInit>(over.rank(), over.size(), frozen_names(cfg_));
     });
   }
   comm::agree_on_inputs(world_, [this] {
@@ -297,8 +309,9 @@ std::map<std::string, int64_t> Trainer::model_state_bytes() {
   if (dp_) {
     bytes = dp_->memory_bytes();
   } else {
-    const int64_t whole = task_->model().parameter_count() * 4;
-    bytes = {{"parameters", whole}, {"gradients", whole}};
+    bytes = {{"parameters", task_->model().parameter_count() * 4}, {"gradients", 0}};
+    for (const nn::Parameter* p : task_->model().parameters())
+      bytes["gradients"] += static_cast<int64_t>(p->grad.defined() ? p->grad.nbytes() : 0);
   }
   int64_t state = 0;
   for (const optim::StateTensor& st : opt_->state()) state += static_cast<int64_t>(st.value->nbytes());
@@ -309,8 +322,9 @@ std::map<std::string, int64_t> Trainer::model_state_bytes() {
 // At the end, on rank 0 (every rank with --memory-report): the model state by kind, ZeRO's peaks,
 // the activations the last step kept, and the process's peak RSS.
 void Trainer::report_memory() {
+  result_.model_state_bytes = model_state_bytes();
   if (rank_ != 0 && !cfg_.memory_report) return;
-  const std::map<std::string, int64_t> held = model_state_bytes();
+  const std::map<std::string, int64_t>& held = result_.model_state_bytes;
   std::string line;
   int64_t total = 0;
   for (const auto& [kind, bytes] : held) {
@@ -344,19 +358,15 @@ float Trainer::topk_momentum_correction() const {
 // pipeline stage may hold none of them): an expression that matches nothing, or everything, is
 // refused on every rank.
 void Trainer::freeze_parameters() {
-  const bool lora = cfg_.lora_rank > 0;  // every weight but the adapters
-  if (!lora && cfg_.freeze.empty()) return;
-  std::regex pattern;
-  try {
-    if (!lora) pattern = std::regex(cfg_.freeze);
-  } catch (const std::regex_error& e) {
-    DT_INPUT_CHECK(false, "option --freeze '" << cfg_.freeze << "' is not a regular expression: " << e.what());
-  }
+  const std::function<bool(const std::string&)> frozen = frozen_names(cfg_);
+  if (!frozen) return;
+  const bool lora = cfg_.lora_rank > 0;
   // Counted over the world, each parameter once (by the first tp and dp rank of its stage).
   const bool counts = grid_->dp_rank() == 0 && grid_->tp_rank() == 0;
   Tensor n = Tensor::zeros({2});  // frozen tensors, all tensors
   for (nn::Parameter* p : task_->model().parameters()) {
-    p->frozen = lora ? !nn::is_lora_adapter(p->name) : std::regex_match(p->name, pattern);
+    p->frozen = frozen(p->name);
+    if (p->frozen) p->grad = Tensor();  // no gradient memory (nn::Parameter::frozen)
     n.f32()[0] += counts && p->frozen ? 1.f : 0.f;
     n.f32()[1] += counts ? 1.f : 0.f;
   }

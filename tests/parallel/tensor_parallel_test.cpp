@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <map>
 
 #include <mpi.h>
@@ -327,12 +328,16 @@ std::filesystem::path make_sft_corpus(const std::string& tag) {
 
 // ZeRO 1, 2 and 3 with config `c` over the world: every step's loss and the validation equal
 // `want`'s within 1e-5 (by default ZeRO-0's).
-void expect_zero_stages_match_zero0(train::TrainConfig c, const train::TrainResult* reference = nullptr) {
+// `also` checks each run further (ZeRO-0's too when it runs here), given its stage.
+void expect_zero_stages_match_zero0(train::TrainConfig c, const train::TrainResult* reference = nullptr,
+                                    const std::function<void(const train::TrainResult&, int)>& also = {}) {
   c.zero = 0;
   const train::TrainResult want = reference ? *reference : train::train_lm(c, &world());
+  if (also && !reference) also(want, 0);
   for (int zero : {1, 2, 3}) {
     c.zero = zero;
     const train::TrainResult got = train::train_lm(c, &world());
+    if (also) also(got, zero);
     ASSERT_EQ(got.step_losses.size(), want.step_losses.size()) << "ZeRO-" << zero;
     for (size_t i = 0; i < want.step_losses.size(); ++i)
       EXPECT_NEAR(got.step_losses[i], want.step_losses[i], 1e-5 * want.step_losses[i])
@@ -449,7 +454,9 @@ TEST(TensorParallel, ZeroStagesWithinTheDataParallelGroupMatchTp2) {
 }
 
 // LoRA under every ZeRO stage (the frozen base weights sharded with the rest under ZeRO-3; at 4
-// ranks dp 2 x tp 2): every step's loss and the validation equal ZeRO-0's within 1e-5.
+// ranks dp 2 x tp 2): every step's loss and the validation equal ZeRO-0's within 1e-5, and no stage
+// holds gradients of the frozen weights: this rank's gradient memory (whole, shards and buffers)
+// stays within 2x the one-rank model's adapters (the base weights' would be about 10x).
 TEST(TensorParallel, LoraUnderZeroStagesMatchesDataParallel) {
   const std::filesystem::path dir = make_corpus("lora-zero");
   train::TrainConfig c = test::small_lm_config(dir / "tok", small_llama());
@@ -457,7 +464,11 @@ TEST(TensorParallel, LoraUnderZeroStagesMatchesDataParallel) {
   c.lora_rank = 2;
   c.lora_targets = "q,k,v,o,gate,up,down";
   c.lr = 2e-2f;
-  expect_zero_stages_match_zero0(c);
+  const int64_t adapters = test::adapter_bytes(c, c.vocab);
+  expect_zero_stages_match_zero0(c, nullptr, [&](const train::TrainResult& r, int zero) {
+    EXPECT_GT(test::gradient_bytes(r), 0) << "ZeRO-" << zero;
+    EXPECT_LE(test::gradient_bytes(r), 2 * adapters) << "ZeRO-" << zero << ": gradient bytes against the adapters'";
+  });
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }

@@ -59,6 +59,23 @@ inline train::TrainConfig small_lm_config(const std::filesystem::path& tokens, c
   return c;
 }
 
+// The bytes of the LoRA adapters of the one-rank model `c` trains over `vocab` tokens, and those of
+// the gradients a run's memory report gives (every kind of gradient state: whole, shard, buffers'
+// peak).
+inline int64_t adapter_bytes(const train::TrainConfig& c, int64_t vocab) {
+  nn::Gpt model(train::lm_shape(c, vocab));
+  int64_t bytes = 0;
+  for (const nn::Parameter* p : model.parameters())
+    if (nn::is_lora_adapter(p->name)) bytes += static_cast<int64_t>(p->value.nbytes());
+  return bytes;
+}
+inline int64_t gradient_bytes(const train::TrainResult& r) {
+  int64_t bytes = 0;
+  for (const auto& [kind, n] : r.model_state_bytes)
+    if (kind.find("gradient") != std::string::npos) bytes += n;
+  return bytes;
+}
+
 // The parameters of `model` as a checkpoint of its shape (write_lm_shape, "param/<name>").
 inline train::CheckpointState lm_state(nn::Gpt& model) {
   train::CheckpointState s;

@@ -153,7 +153,8 @@ TEST(LanguageModel, FrozenParametersStayAsDrawn) {
 }
 
 // LoRA on a Llama started from pretrained weights: only the adapters move; their optimizer state is
-// under 2 % of full fine-tuning's; an export under Hugging Face's names merges them, and a plain
+// under 2 % of full fine-tuning's, the gradients the memory report counts at most 2x the adapters'
+// bytes (the frozen weights have none); an export under Hugging Face's names merges them, and a plain
 // Llama that imports it gives the adapted model's logits.
 TEST(LanguageModel, LoraTrainsAdaptersOnlyAndExportsMerged) {
   fs::path dir = fs::path(DTRAIN_BINARY_DIR) / "test-tmp" / "lora";
@@ -171,7 +172,10 @@ TEST(LanguageModel, LoraTrainsAdaptersOnlyAndExportsMerged) {
   c.lora_rank = 4;
   c.lr = 1e-2f;
   c.checkpoint_dir = (dir / "lora").string();
-  train::CheckpointState lora = train::load_checkpoint_set(train::train_lm(c, nullptr).checkpoint);
+  const train::TrainResult trained = train::train_lm(c, nullptr);
+  train::CheckpointState lora = train::load_checkpoint_set(trained.checkpoint);
+  EXPECT_GT(test::gradient_bytes(trained), 0);
+  EXPECT_LE(test::gradient_bytes(trained), 2 * test::adapter_bytes(c, 256)) << "gradient bytes against the adapters'";
   auto state_floats = [](const train::CheckpointState& s) {
     int64_t n = 0;
     for (const auto& [k, t] : s.tensors) n += k.rfind("optim/", 0) == 0 ? t.numel() : 0;

@@ -114,6 +114,7 @@ class Conv2d : public Module {
   Parameter* w_;
   Parameter* b_ = nullptr;
   Tensor x_, y_, dx_, no_bias_;
+  Tensor frozen_dw_, frozen_db_;  // grad_into's scratch
 };
 
 class Pool2d : public Module {
@@ -213,6 +214,7 @@ class BatchNorm2d : public Module {
   Parameter *gamma_, *beta_;
   Buffer *running_mean_, *running_var_;
   Tensor x_, y_, dx_, save_mean_, save_invstd_;
+  Tensor frozen_dgamma_, frozen_dbeta_;  // grad_into's scratch
 };
 
 class LayerNorm : public Module {
@@ -227,6 +229,7 @@ class LayerNorm : public Module {
   float eps_;
   Parameter *gamma_, *beta_;
   Tensor x_, y_, dx_, mean_, rstd_;
+  Tensor frozen_dgamma_, frozen_dbeta_;  // grad_into's scratch
 };
 
 // RMSNorm (the Llama family's): y = x / sqrt(mean(x^2) + eps) * weight over the last dimension.
@@ -242,6 +245,7 @@ class RMSNorm : public Module {
   float eps_;
   Parameter* gamma_;
   Tensor x_, y_, dx_, rstd_;
+  Tensor frozen_dgamma_;  // grad_into's scratch
 };
 
 // SwiGLU over a fused gate/up projection: x [..., 2F] (gate in the first F features, up in the

@@ -22,8 +22,9 @@ struct Parameter {
   // GEMMs read instead of rounding the master on every call. Undefined in fp32.
   bool gemm_weight = false;
   Tensor working{};
-  // Frozen (--freeze): its gradient is zero whenever it is final (grad_ready) and the optimizer
-  // leaves it out; layers may skip computing it.
+  // Frozen (--freeze, LoRA's base weights): it has no gradient (`grad` undefined), so no buffer,
+  // bucket or shard holds one; layers skip computing it (or write it to scratch, Module::grad_into)
+  // and the optimizer leaves it out.
   bool frozen = false;
   Placement placement{};  // where it lies in the one-rank model (placement.h)
 };
@@ -179,8 +180,12 @@ class Module {
   Parameter& add_parameter(const std::string& name, Tensor value);
   Buffer& add_buffer(const std::string& name, Tensor value, bool host = false);
   void grad_ready(Parameter& p) {
-    if (p.frozen) engine(p.grad).fill(p.grad, 0.f);
-    if (hook_) hook_(p);
+    if (hook_ && !p.frozen) hook_(p);
+  }
+  // Where a backward writes p's gradient: p.grad, or for a frozen p (which has none) `scratch`, a
+  // member made temporary of p's shape, for kernels that give it with the input's gradient.
+  Tensor& grad_into(Parameter& p, Tensor& scratch) {
+    return p.frozen ? ensure_temp(scratch, p.value.shape(), p.value.device()) : p.grad;
   }
   Engine& engine(const Tensor& t) { return engine_for(t.device()); }
   // Reuses `buf` when it already has shape `s`, so steady-state steps allocate nothing. `buf` must

@@ -291,10 +291,11 @@ class ReplicatedDataParallel final : public DataParallel {
   void launch(Bucket& b);
   void complete(const std::shared_ptr<comm::Work>& w);  // on the device stream where it can, else on the host
   bool zero1() const { return opt_.zero == 1; }
-  int64_t shard_numel() const { return flat_param_.numel() / comm_.size(); }  // a rank's ZeRO-1 slice
+  int64_t shard_numel() const { return flat_grad_.numel() / comm_.size(); }  // a rank's ZeRO-1 slice
   int64_t slice_begin() const { return comm_.rank() * shard_numel(); }        // in the flat buffers
   Tensor own_slice(const Tensor& flat) const;  // this rank's slice of a flat (padded) vector
-  // The whole flat (padded) vector from every rank's slice of it (a collective over the communicator).
+  // The whole flat (padded) gradient-sized vector from every rank's slice of it (a collective over
+  // the communicator).
   Tensor gather_flat(const Tensor& slice);
   // The elements of the flat buffers in [begin, end) that parameter p holds, as a range (empty
   // when first >= second).
@@ -306,7 +307,9 @@ class ReplicatedDataParallel final : public DataParallel {
   nn::Module& model_;
   comm::Communicator& comm_;
   DataParallelOptions opt_;
-  Tensor flat_param_, flat_grad_;  // padded to a multiple of world for reduce-scatter
+  // The trained parameters padded to a multiple of world (for reduce-scatter), then the frozen ones
+  // (values only: flat_grad_ covers the trained part).
+  Tensor flat_param_, flat_grad_;
   std::vector<Bucket> buckets_;
   std::unordered_map<nn::Parameter*, size_t> bucket_of_;
   std::unordered_map<const nn::Parameter*, int64_t> offset_;

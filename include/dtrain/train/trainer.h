@@ -55,6 +55,9 @@ struct TrainResult {
   // and the cudaMalloc calls it made after the second step (0 when the steps allocate nothing new).
   double gpu_peak_allocated_mib = 0, gpu_reserved_mib = 0;
   int64_t gpu_mallocs_after_warmup = -1;
+  // This rank's model state at the end by kind, in bytes, as the memory report gives it
+  // ("parameters", "gradients", ZeRO's shards and peaks, "optimizer state").
+  std::map<std::string, int64_t> model_state_bytes;
 };
 
 class Trainer {

@@ -17,6 +17,9 @@
 //            next unit's all-gather (forward order in forward, the reverse in backward) runs while
 //            the current one computes. Between passes a Parameter's value is empty (of its
 //            rank, all sizes 0), as is its gradient outside the unit's backward.
+// Frozen parameters (--freeze, LoRA's base weights) have no gradient: a unit holding some is cut in
+// two with the same modules, its trained part and a frozen part whose values are sharded, gathered
+// and freed alike but which has no gradient buffer, no block of the gradient shard and no exchange.
 // Every micro-batch's backward reduce-scatters (gradient accumulation adds into the shard), so
 // begin_backward's sync flag changes nothing here.
 //
@@ -86,7 +89,9 @@ class ShardedDataParallel final : public DataParallel {
     std::vector<Shape> shapes;           // of each parameter (its value is empty between passes)
     std::vector<int> bucket;             // each parameter's key with a per-tensor compressor
     int64_t numel = 0, padded = 0;       // padded: a multiple of the data-parallel size
-    int64_t shard_begin = 0;             // where this rank's block starts in the shard buffers
+    int64_t shard_begin = 0;             // where this rank's block starts in the shard's values
+    int64_t grad_begin = 0;              // and in its gradient (a trained unit's)
+    bool frozen = false;                 // its parameters are frozen: values only, no gradient
     std::vector<int> entries;            // positions in order_ of the unit's modules
     Tensor full;                         // the gathered values (stage 2: always)
     Tensor wire;                         // the gather's buffer when it travels in another dtype
@@ -110,14 +115,16 @@ class ShardedDataParallel final : public DataParallel {
   int64_t wire_bytes() const { return shards().wire_bytes_sent(); }
   int64_t block_numel(const Unit& u) const { return u.padded / shards().size(); }
   void cut_into_units();
+  void split_frozen();
   void lay_out_units();
   void make_pieces();
-  Tensor shard_block(const Tensor& shard, const Unit& u) const;  // u's block in a shard buffer
+  Tensor shard_block(const Tensor& shard, const Unit& u) const;  // u's block in the shard's values
+  Tensor grad_block(const Tensor& shard, const Unit& u) const;   // in a gradient-shaped shard
   void install_hooks();
-  void before_forward(int entry);
-  void after_forward(int entry);
-  void before_backward(int entry);
-  void after_backward(int entry);
+  void before_forward(Unit& u, int entry);  // the passes of the module at `entry`, for each of its units
+  void after_forward(Unit& u, int entry);
+  void before_backward(Unit& u, int entry);
+  void after_backward(Unit& u, int entry);
   void start_gather(Unit& u);
   void finish_gather(Unit& u);  // waits for u's values and points its parameters at them
   void release(Unit& u);        // stage 3: frees u's values
@@ -128,6 +135,8 @@ class ShardedDataParallel final : public DataParallel {
   Tensor take_buffer(int64_t numel);  // a spare of that size, or a new one
   void give_buffer(Tensor& t);        // kept as the spare (or freed); t is left empty
   void free_grad(Unit& u);            // u's gradient buffer back, its parameters' gradients empty again
+  void empty_grads(Unit& u);          // its parameters' gradients empty (none when frozen)
+  void allgather_values(bool frozen_too);  // ZeRO-2: the owners' blocks into every rank's whole values
   void exchange_compressed(Unit& u);  // the unit's gradient through the hook
   void keep_compressed_blocks();      // after the hook's works: each rank's block into its shard
   static Tensor view(const Tensor& flat, const Unit& u, size_t i);  // parameter i's part of a unit vector
@@ -143,8 +152,8 @@ class ShardedDataParallel final : public DataParallel {
   Device device_;
   std::vector<Unit> units_;
   std::vector<nn::Module*> order_;  // the units' modules in forward order
-  std::vector<int> unit_at_;        // per position in order_
-  nn::Parameter shard_;             // this rank's blocks of every unit: f32 masters and gradients
+  std::vector<std::vector<Unit*>> units_at_;  // per position in order_: its units (trained, frozen)
+  nn::Parameter shard_;  // this rank's blocks of every unit: f32 masters and (trained units') gradients
   std::vector<nn::Parameter> pieces_;
   std::map<const nn::Parameter*, nn::Parameter*> piece_of_;
   std::map<std::string, int64_t> start_in_shard_;            // per piece, by its parameter's name

@@ -4,8 +4,12 @@
 // layout ShardedDataParallel uses: the parameters in forward order, padded to a multiple of the
 // ranks) and leaves the values empty, so a rank holds at most one whole unit at any time. The
 // values are drawn exactly as without a sink: every layout starts from a one-rank run's numbers.
-// ShardedDataParallel over the same units and ranks then starts from these blocks.
+// ShardedDataParallel over the same units and ranks then starts from these blocks. A unit with
+// frozen parameters (by name, as the trainer will freeze them) is kept as two: its trained
+// parameters' block and its frozen ones', as ShardedDataParallel cuts it.
+#include <functional>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "dtrain/nn/module.h"
@@ -20,8 +24,9 @@ class ShardedInit final : public nn::UnitSink {
     Tensor block;                        // this rank's block of the unit's flat values (host)
   };
 
-  // rank: this rank's place among the `ranks` the units are sharded over.
-  ShardedInit(int rank, int ranks);
+  // rank: this rank's place among the `ranks` the units are sharded over; frozen: whether a
+  // parameter (by its name) will be frozen (none when empty).
+  ShardedInit(int rank, int ranks, std::function<bool(const std::string&)> frozen = {});
   void unit_built(const std::vector<nn::Module*>& entries) override;
 
   const Unit* find(const nn::Parameter* first) const;  // the unit whose first parameter is `first`
@@ -33,7 +38,10 @@ class ShardedInit final : public nn::UnitSink {
   std::vector<int64_t> unit_sizes() const;  // per unit
 
  private:
+  void keep_block(std::vector<nn::Parameter*> params);  // one unit's (or part's) block; values dropped
+
   int rank_, ranks_;
+  std::function<bool(const std::string&)> frozen_;
   std::map<const nn::Parameter*, Unit> units_;
 };
 
