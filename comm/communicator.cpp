@@ -413,15 +413,22 @@ void agree_on_inputs(Communicator& comm, const std::function<void()>& fn) {
   comm.allreduce(first, ReduceOp::Min)->wait();
   int root = first.data<int32_t>()[0];
   if (root == comm.size()) return;
-  Tensor head = Tensor::empty({2}, DType::I64);  // message length, kind
-  head.data<int64_t>()[0] = static_cast<int64_t>(error.size());
-  head.data<int64_t>()[1] = kind;
+  Tensor head = Tensor::empty({1}, DType::I64);  // the failure's kind
+  head.data<int64_t>()[0] = kind;
   comm.broadcast(head, root)->wait();
-  const int64_t len = head.data<int64_t>()[0];
-  Tensor text = Tensor::zeros({std::max<int64_t>(len, 1)}, DType::U8);
-  if (comm.rank() == root) std::memcpy(text.raw(), error.data(), error.size());
-  comm.broadcast(text, root)->wait();
-  rethrow(head.data<int64_t>()[1], std::string(static_cast<const char*>(text.raw()), static_cast<size_t>(len)));
+  rethrow(head.data<int64_t>()[0], broadcast_text(comm, error, root));
+}
+
+std::string broadcast_text(Communicator& comm, const std::string& text, int root) {
+  if (comm.size() == 1) return text;
+  Tensor len = Tensor::empty({1}, DType::I64);
+  len.data<int64_t>()[0] = static_cast<int64_t>(text.size());
+  comm.broadcast(len, root)->wait();
+  const int64_t n = len.data<int64_t>()[0];
+  Tensor bytes = Tensor::zeros({std::max<int64_t>(n, 1)}, DType::U8);
+  if (comm.rank() == root) std::memcpy(bytes.raw(), text.data(), text.size());
+  comm.broadcast(bytes, root)->wait();
+  return std::string(static_cast<const char*>(bytes.raw()), static_cast<size_t>(n));
 }
 
 }  // namespace dtrain::comm

@@ -177,6 +177,10 @@ dtrain_record_restart() {
 # shell is passed on to CMD as SIGUSR1 (srun and mpirun both forward SIGUSR1 to every rank, while
 # mpirun would answer SIGTERM by killing the ranks before they checkpoint). Returns CMD's status.
 dtrain_run_forwarding() {
+  # Which launch of the job this is (requeues.launches in this allocation): a later launch takes the
+  # checkpoint folder over from an earlier one (its owner file, checkpoint_owner.h).
+  DTRAIN_LAUNCHES=$((${DTRAIN_LAUNCHES:-0} + 1))
+  export DTRAIN_LAUNCH="${SLURM_RESTART_COUNT:-${PBS_RUN_COUNT:-0}}.$DTRAIN_LAUNCHES"
   "$@" &
   local pid=$! ended
   ended=$(mktemp)

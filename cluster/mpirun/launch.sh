@@ -39,7 +39,7 @@ dtrain_find_bin
 dtrain_train_args "$@"
 dtrain_log "$np ranks, run folder $DTRAIN_RUN_DIR"
 set +e
-dtrain_run_forwarding "${mpirun_cmd[@]}" -n "$np" "${mpirun_extra[@]}" "$DTRAIN_BIN" "${DTRAIN_TRAIN_ARGS[@]}"
+dtrain_run_forwarding "${mpirun_cmd[@]}" -n "$np" -x DTRAIN_LAUNCH "${mpirun_extra[@]}" "$DTRAIN_BIN" "${DTRAIN_TRAIN_ARGS[@]}"
 rc=$?
 set -e
 if [[ $rc -eq $DTRAIN_PREEMPTED_EXIT ]]; then

@@ -22,6 +22,9 @@ const std::vector<Knob>& knobs() {
       {"DTRAIN_FLIGHT_RECORDER", "512",
        "collectives each communicator's flight recorder keeps (printed in the hang forensics, compared by the "
        "desync check)"},
+      {"DTRAIN_LAUNCH", "",
+       "set by the job scripts: which launch of the job this is (requeue count.relaunch), recorded in the "
+       "checkpoint folder's owner file, so a later launch of the same job takes the folder over from an earlier one"},
       {"DTRAIN_LM_HEAD", "fused",
        "the language model's head: fused (its cross-entropy computed with it, a chunk of rows of logits at a "
        "time) or materialized (the whole [tokens, vocabulary] logits, then the loss: the reference)"},

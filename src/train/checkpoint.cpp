@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "dtrain/comm/communicator.h"
@@ -518,6 +519,26 @@ void check_manifest(const CheckpointState& main, const std::string& main_file, i
   const std::vector<SetPart> parts = manifest_parts(main, main_file);
   for (size_t i = static_cast<size_t>(first); i < parts.size(); i += static_cast<size_t>(std::max(stride, 1)))
     check_set_part(main, main_file, parts[i]);
+}
+
+void check_parts_visible(const CheckpointState& main, const std::string& main_file) {
+  std::set<int64_t> unseen;
+  std::string first;
+  for (const SetPart& part : manifest_parts(main, main_file)) {
+    try {
+      check_set_part(main, main_file, part);
+    } catch (const InputError& e) {
+      if (first.empty()) first = e.what();
+      unseen.insert(part.rank);
+    }
+  }
+  if (unseen.empty()) return;
+  std::string ranks;
+  for (const int64_t r : unseen) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  throw InputError("checkpoint folder '" + fs::path(main_file).parent_path().string() +
+                   "' is not one folder every rank shares: the writer of the set cannot see the parts of rank(s) " +
+                   ranks + " (" + first + "); give --checkpoint-dir on a file system every node mounts (a " +
+                   "node's own disk holds only its ranks' parts); the earlier sets are kept");
 }
 
 bool write_compression_parts(const std::string& main_file, const parallel::DataParallel* dp, comm::Communicator* world,

@@ -102,4 +102,33 @@ void prune_checkpoints(const std::string& dir, const std::string& just_written, 
   }
 }
 
+std::string abandoned_folder(const std::string& dir, int64_t run_id) {
+  return (fs::path(dir) / ("abandoned-" + std::to_string(run_id))).string();
+}
+
+std::vector<std::string> set_aside_later_sets(const std::string& dir, int64_t step, int64_t run_id) {
+  if (!fs::is_directory(dir)) return {};
+  const std::string resumed = fs::path(checkpoint_file(dir, step)).filename().string();
+  std::map<std::string, std::vector<fs::path>> later;  // every file of each later set, by its main file
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string main = main_file_of(e.path().filename().string());
+    if (!main.empty() && main > resumed && e.is_regular_file()) later[main].push_back(e.path());
+  }
+  std::vector<std::string> moved;
+  const fs::path aside = abandoned_folder(dir, run_id);
+  try {
+    if (!later.empty()) fs::create_directories(aside);
+    for (auto& [main, files] : later) {
+      // The main file first: from then on the folder holds no set of that step to resume from.
+      std::stable_partition(files.begin(), files.end(), [&](const fs::path& f) { return f.filename() == main; });
+      for (const fs::path& f : files) fs::rename(f, aside / f.filename());
+      moved.push_back(main);
+    }
+  } catch (const fs::filesystem_error& e) {
+    throw InputError("cannot move the later checkpoint sets of '" + dir + "' aside into '" + aside.string() +
+                     "': " + e.what());
+  }
+  return moved;
+}
+
 }  // namespace dtrain::train

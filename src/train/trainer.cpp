@@ -368,10 +368,13 @@ bool Trainer::preempted(int64_t epoch, int64_t batch_in_epoch, bool saved) {
 // ------------------------------------------------------------------ the loop
 TrainResult Trainer::run() {
   ResumePoint at;
-  // What a killed write left behind is removed before anyone writes there again.
+  // The folder is this run's alone; what a killed write left behind is removed before anyone writes
+  // there again.
   if (!cfg_.checkpoint_dir.empty())
     comm::agree_on_inputs(world_, [&] {
       if (rank_ != 0) return;
+      owner_ = std::make_unique<FolderOwner>(cfg_.checkpoint_dir, run_id_);
+      if (!owner_->note().empty()) say(owner_->note());
       const std::vector<std::string> removed = remove_unfinished_writes(cfg_.checkpoint_dir);
       std::string names;
       for (const std::string& n : removed) names += (names.empty() ? "" : ", ") + n;
@@ -392,6 +395,7 @@ TrainResult Trainer::run() {
         delay_read_if_asked();
         at = restore(cfg_.resume);
       });
+      set_aside_later_line();
     } else if (imports) {  // pretrained weights, then training from step 0
       std::string line;
       CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
@@ -457,6 +461,7 @@ TrainResult Trainer::run() {
     }
   }
   finish();
+  owner_.reset();  // the folder is free for the next run (a test's, a trainer group's next member)
   return result_;
 }
 

@@ -1,6 +1,7 @@
 // The one loop's checkpoints: the parameters, buffers and optimizer state of any dp x tp x pp
 // layout in the one-rank layout, as one set of files (gathered to each stage's writer, or under
 // ZeRO-2/3 every rank's pieces of the one-rank tensors in its shard part); restored into any.
+#include <filesystem>
 #include <map>
 #include <string>
 #include <string_view>
@@ -11,6 +12,8 @@
 #include "dtrain/train/metrics.h"
 #include "dtrain/train/provenance.h"
 #include "dtrain/train/trainer.h"
+
+namespace fs = std::filesystem;
 
 namespace dtrain::train {
 
@@ -27,6 +30,37 @@ std::map<std::string, Tensor> entries_under(const std::map<std::string, Tensor>&
 const Tensor* entry(const std::map<std::string, Tensor>& snapshot, const std::string& name) {
   const auto it = snapshot.find(name);
   return it == snapshot.end() ? nullptr : &it->second;
+}
+
+// The sets a resume tries, newest first, as world rank 0 lists them: every rank tries the same ones
+// in the same order (a folder that is not shared would show each node other files). Collective.
+std::vector<std::string> candidates_as_rank0_lists(comm::Communicator& world, const std::string& where) {
+  std::string listed;
+  comm::agree_on_inputs(world, [&] {
+    if (world.rank() == 0)
+      for (const std::string& c : checkpoint_candidates(where)) listed += c + "\n";
+  });
+  listed = comm::broadcast_text(world, listed, 0);
+  std::vector<std::string> out;
+  for (size_t at = 0, end; (end = listed.find('\n', at)) != std::string::npos; at = end + 1)
+    out.push_back(listed.substr(at, end - at));
+  return out;
+}
+
+// Every rank read the set rank 0 read: the same run id and step under the same name (a folder on
+// each node's own disk can hold another run's set there). Collective.
+void check_every_rank_read_one_set(comm::Communicator& world, CheckpointState& s, const std::string& file) {
+  comm::agree_on_inputs(world, [&] {
+    Tensor zero = Tensor::empty({2}, DType::I64);
+    zero.data<int64_t>()[0] = s.ints["run_id"];
+    zero.data<int64_t>()[1] = s.ints["step"];
+    if (world.size() > 1) world.broadcast(zero, 0)->wait();
+    const int64_t run = zero.data<int64_t>()[0], step = zero.data<int64_t>()[1];
+    DT_INPUT_CHECK(run == s.ints["run_id"] && step == s.ints["step"],
+                   "rank " << world.rank() << " reads another set at '" << file << "' (run " << s.ints["run_id"]
+                           << ", step " << s.ints["step"] << ") than rank 0 (run " << run << ", step " << step
+                           << "): the checkpoint folder is not one folder that every rank shares");
+  });
 }
 
 }  // namespace
@@ -121,6 +155,7 @@ CheckpointState Trainer::checkpoint_state(int64_t epoch, int64_t batch_in_epoch,
   s.ints["tp"] = cfg_.tp;
   s.ints["dp"] = grid_->dp_size();
   s.ints["run_id"] = run_id_;  // every part of the set carries it: a part of another run is never merged
+  if (!parent_set_.empty()) s.strings["parent"] = parent_set_;
   if (scaler_) {
     s.tensors["meta/loss_scale"] = Tensor::from({1}, {scaler_->scale()});
     s.ints["loss_scale_good_steps"] = scaler_->good_steps();
@@ -197,6 +232,7 @@ Trainer::CheckpointWaits::~CheckpointWaits() { world_.set_timeout(before_); }
 void Trainer::write_checkpoint_set(const std::string& file, CheckpointState& s, const SavedFile* rank_part,
                                    const SavedFile* shard_part, bool wait) {
   const bool writer = grid_->dp_rank() == 0 && grid_->tp_rank() == 0, first = grid_->pp_rank() == 0;
+  const bool first_set = result_.checkpoint.empty();  // of this run: whether every part is in sight is checked
   {
     CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
     SavedFile stage_part;
@@ -212,6 +248,7 @@ void Trainer::write_checkpoint_set(const std::string& file, CheckpointState& s, 
     CheckpointWaits waits(world_, cfg_.checkpoint_timeout);
     comm::agree_on_inputs(world_, [&] {
       if (!writer || !first) return;
+      if (first_set) check_parts_visible(s, file);
       save_checkpoint(file, s);
       prune_checkpoints(cfg_.checkpoint_dir, file, cfg_.keep_checkpoints);
     });
@@ -222,9 +259,10 @@ void Trainer::write_checkpoint_set(const std::string& file, CheckpointState& s, 
   pending_->snapshot = std::move(s);
   if (!writer) return;
   PendingCheckpoint* p = pending_.get();
-  p->writer = std::thread([this, p, file] {
+  p->writer = std::thread([this, p, file, first_set] {
     const double t0 = now_s();
     try {
+      if (first_set) check_parts_visible(p->snapshot, file);
       save_checkpoint(file, p->snapshot);
       prune_checkpoints(cfg_.checkpoint_dir, file, cfg_.keep_checkpoints);
     } catch (...) {
@@ -311,7 +349,7 @@ ResumePoint Trainer::restore(const std::string& where) {
   std::string file;
   CheckpointState s, part;  // part: this rank's compression part, where the run takes them
   std::vector<std::string> skipped;
-  for (const std::string& candidate : checkpoint_candidates(where)) {
+  for (const std::string& candidate : candidates_as_rank0_lists(world_, where)) {
     try {
       s = load_verified_set(candidate, part);
       file = candidate;
@@ -326,6 +364,7 @@ ResumePoint Trainer::restore(const std::string& where) {
     DT_INPUT_CHECK(false, "option --resume " << where << ": no checkpoint set there is complete and verifies:" << why);
   }
   for (const std::string& line : skipped) say("resume: skipped " + line);
+  check_every_rank_read_one_set(world_, s, file);
   ResumePoint at;
   std::string compression_note, changed;
   try {
@@ -350,6 +389,7 @@ ResumePoint Trainer::restore(const std::string& where) {
     if (uses_compression_parts(s, dp_.get(), world_.size(), cfg_.compression, same_layout(s), &compression_note))
       put_compression_part(part, rank_part_file(file, rank_), dp_.get());
     at = task_->resume_point(s, step_);
+    parent_set_ = fs::path(file).filename().string() + " run " + std::to_string(s.ints["run_id"]);
     changed = resume_changes(s.strings["provenance"], config_ini(cfg_));
   } catch (const InputError& e) {
     DT_INPUT_CHECK(false, "option --resume " << file << ": " << e.what());
@@ -359,6 +399,22 @@ ResumePoint Trainer::restore(const std::string& where) {
   say("resumed from " + file + " at step " + std::to_string(step_) +
       (has_epochs_ ? " (epoch " + std::to_string(at.epoch + 1) + ")" : std::string()));
   return at;
+}
+
+// Once every rank has read its set: sets of --checkpoint-dir after the resumed step belong to the
+// line this run went back on (a user resuming before a loss spike), and would win the next resume.
+void Trainer::set_aside_later_line() {
+  if (cfg_.checkpoint_dir.empty()) return;
+  std::vector<std::string> moved;
+  comm::agree_on_inputs(world_, [&] {
+    if (rank_ == 0) moved = set_aside_later_sets(cfg_.checkpoint_dir, step_, run_id_);
+  });
+  if (moved.empty()) return;
+  std::string names;
+  for (const std::string& m : moved) names += (names.empty() ? "" : ", ") + m;
+  say("resumed behind " + std::to_string(moved.size()) + " later checkpoint set(s) of another line in " +
+      cfg_.checkpoint_dir + ": moved to " + abandoned_folder(cfg_.checkpoint_dir, run_id_) + " (" + names +
+      "); --resume that folder to go back to them");
 }
 
 }  // namespace dtrain::train

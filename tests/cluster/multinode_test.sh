@@ -16,6 +16,10 @@
 #                                              mid-run (every process on it killed): the job relaunches
 #                                              2 ranks on emu1 inside its allocation, resumes from its
 #                                              newest checkpoint and finishes
+#   multinode_test.sh node-local BIN WORK      a --checkpoint-dir on each node's own /var/tmp under
+#                                              ZeRO-3 (2 nodes x 2 ranks): the first checkpoint fails
+#                                              on every rank naming the folder and the other node's
+#                                              ranks; the set it resumed from is intact
 #   multinode_test.sh data      BIN DATA WORK  the training set read on 2 nodes x 2 ranks: the job-
 #                                              wide store (chosen by auto past a node's budget)
 #                                              and the node-shared cache train on the batches of
@@ -205,6 +209,32 @@ case "$mode" in
       { cat "$work/resume.log"; fail "the last checkpoint $last did not resume"; }
     grep -q "resumed from $last at step $step" "$work/resume.log" || { cat "$work/resume.log"; fail "did not resume at step $step"; }
     echo "PASS: node emu2 lost: ranks 2, 3 named with their node, the job ended in $ended s, resumed at step $step"
+    ;;
+  node-local)
+    bin=$2 work=$3
+    rm -rf "$work" && mkdir -p "$work"
+    start_cluster --nodes 2
+    common=(train --model mlp --hidden 32 --synthetic --batch-size 16 --threads 1 --progress off --zero 3
+      --checkpoint-every 10)
+    on emu1 mpirun --host emu1:2,emu2:2 -n 4 --bind-to none "$bin" "${common[@]}" --steps 10 \
+      --checkpoint-dir "$work/shared" >"$work/shared.log" 2>&1 || { cat "$work/shared.log"; fail "the shared run failed"; }
+    set10=$work/shared/ckpt-step000000010.h5
+    [[ -f $set10 ]] || fail "no set of step 10 in the shared folder"
+    sum=$(cat "$set10"* | md5sum)
+    # Resumed into a folder on each node's own disk: rank 0 cannot see emu2's ranks' parts.
+    local_dir=/var/tmp/dtrain-node-local-$$
+    rc=0
+    on emu1 mpirun --host emu1:2,emu2:2 -n 4 --bind-to none "$bin" "${common[@]}" --steps 20 --resume "$set10" \
+      --checkpoint-dir "$local_dir" >"$work/local.log" 2>&1 || rc=$?
+    cat "$work/local.log"
+    [[ $rc -eq 2 ]] || fail "a node-local checkpoint folder: exit status $rc, expected 2"
+    grep -q "checkpoint folder '$local_dir' is not one folder every rank shares: the writer of the set cannot see the parts of rank(s) 2, 3" \
+      "$work/local.log" || fail "no message naming the folder and ranks 2, 3"
+    on emu1 test ! -e "$local_dir/ckpt-step000000020.h5" || fail "a main file was written for the broken set"
+    [[ "$(cat "$set10"* | md5sum)" == "$sum" ]] || fail "the set resumed from changed"
+    on emu1 mpirun --host emu1:2,emu2:2 -n 4 --bind-to none "$bin" "${common[@]}" --steps 20 --resume "$set10" \
+      --checkpoint-dir "$work/shared" >"$work/again.log" 2>&1 || { cat "$work/again.log"; fail "the set of step 10 did not resume"; }
+    echo "a node-local folder failed the first checkpoint naming ranks 2, 3; the shared set of step 10 resumed"
     ;;
   data)
     bin=$2 data=$3 work=$4

@@ -5,6 +5,7 @@
 
 #include <zlib.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -391,6 +392,70 @@ TEST(Trainer, ResumeFallsBackToTheNewestGoodSet) {
   fs::remove_all(dir);
 }
 
+// A rollback: sets of steps 20, 40 and 60, then a run resumed from 20 into the same folder that
+// stops at 35. Its line of sets is 20, 35: the sets of 40 and 60 are moved aside (named in the log)
+// so that `--resume DIR` (what a requeue or relaunch runs) continues from 35, not from the abandoned
+// 60; each set of the new line names its parent; the abandoned line resumes when named.
+TEST(Trainer, ResumingBehindNewerSetsStartsALineOfItsOwn) {
+  comm::Runtime& rt = runtime();
+  const std::string dir = test::temp_dir("line-of-sets"), ckpt = dir + "/ckpt";
+  test::make_band_dataset(dir + "/train", 1024);  // 64 steps an epoch: no epoch-end sets
+  const std::vector<std::string> base = {"--data", dir + "/train", "--model", "mlp", "--hidden", "16", "--epochs", "1",
+                                         "--batch-size", "16", "--threads", "1", "--progress", "off",
+                                         "--checkpoint-dir", ckpt, "--checkpoint-every", "20", "--keep-checkpoints", "3"};
+  auto steps_of = [&](const std::string& folder) {
+    std::vector<std::string> mains;
+    for (const auto& e : fs::directory_iterator(folder))
+      if (e.is_regular_file() && e.path().extension() == ".h5") mains.push_back(e.path().filename().string());
+    std::sort(mains.begin(), mains.end());
+    return mains;
+  };
+  train::Trainer(parse(base, {"--steps", "60"}), rt).run();
+  ASSERT_EQ(steps_of(ckpt), (std::vector<std::string>{"ckpt-step000000020.h5", "ckpt-step000000040.h5",
+                                                      "ckpt-step000000060.h5"}));
+  testing::internal::CaptureStdout();
+  train::Trainer(parse(base, {"--steps", "35", "--resume", ckpt + "/ckpt-step000000020.h5"}), rt).run();
+  const std::string log = testing::internal::GetCapturedStdout();
+  EXPECT_EQ(steps_of(ckpt), (std::vector<std::string>{"ckpt-step000000020.h5", "ckpt-step000000035.h5"}));
+  std::string aside;
+  for (const auto& e : fs::directory_iterator(ckpt))
+    if (e.is_directory()) aside = e.path().string();
+  ASSERT_FALSE(aside.empty()) << "no folder of abandoned sets in " << ckpt;
+  EXPECT_EQ(steps_of(aside), (std::vector<std::string>{"ckpt-step000000040.h5", "ckpt-step000000060.h5"}));
+  EXPECT_NE(log.find("moved to " + aside + " (ckpt-step000000040.h5, ckpt-step000000060.h5)"), std::string::npos)
+      << log;
+  const train::CheckpointState set35 = train::load_checkpoint(ckpt + "/ckpt-step000000035.h5");
+  EXPECT_EQ(set35.strings.at("parent").rfind("ckpt-step000000020.h5 run ", 0), 0u) << set35.strings.at("parent");
+  // What a requeue runs: the folder's newest set is the new line's.
+  const train::TrainResult requeued = train::Trainer(parse(base, {"--steps", "45", "--resume", ckpt}), rt).run();
+  EXPECT_EQ(requeued.step_losses.size(), 10u) << "--resume " << ckpt << " did not continue from step 35";
+  const train::TrainResult back = train::Trainer(parse(base, {"--steps", "64", "--resume", aside}), rt).run();
+  EXPECT_EQ(back.step_losses.size(), 4u) << "--resume " << aside << " did not continue from step 60";
+  fs::remove_all(dir);
+}
+
+// A run on a checkpoint folder another live run owns stops before it touches the folder, naming
+// the owner (checkpoint_owner.h); the owner's sets are left as they were.
+TEST(Trainer, ARunOnAFolderAnotherRunOwnsStopsNamingIt) {
+  comm::Runtime& rt = runtime();
+  const std::string dir = test::temp_dir("owned"), ckpt = dir + "/ckpt";
+  test::make_band_dataset(dir + "/train", 256);
+  fs::create_directories(ckpt);
+  std::ofstream(ckpt + "/ckpt-step000000008.h5.tmp") << "the owner's write in flight";
+  train::FolderOwner owner(ckpt, 77);
+  try {
+    train::Trainer(parse({"--data", dir + "/train", "--model", "mlp", "--steps", "2", "--threads", "1", "--progress",
+                          "off", "--checkpoint-dir", ckpt}),
+                   rt)
+        .run();
+    ADD_FAILURE() << "a second run took a folder run 77 owns";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("belongs to run 77"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(fs::exists(ckpt + "/ckpt-step000000008.h5.tmp")) << "the refused run removed the owner's write";
+  fs::remove_all(dir);
+}
+
 // Magnitude pruning through checkpoints: the masks are saved beside the weights, and a run resumed
 // mid-ramp ends bitwise equal to the uninterrupted one with its pruned weights exactly zero.
 TEST(Trainer, PruningMasksResumeExactly) {
@@ -501,7 +566,8 @@ TEST(Trainer, BackgroundCheckpointsHoldTheSameStateAsSynchronousOnes) {
 }
 
 // Resuming from an older checkpoint into a folder that holds later ones: pruning keeps the newest
-// of this run's own line and never removes the checkpoint it has just written.
+// of this run's own line and never removes the checkpoint it has just written; the later set is
+// another line's, moved aside, not pruned.
 TEST(Trainer, PruningKeepsTheCheckpointJustWritten) {
   comm::Runtime& rt = runtime();
   std::string dir = test::temp_dir("prune");
@@ -517,7 +583,10 @@ TEST(Trainer, PruningKeepsTheCheckpointJustWritten) {
   EXPECT_EQ(train::Trainer(r, rt).run().steps, 15);
   EXPECT_TRUE(fs::exists(dir + "/ck/ckpt-step000000015.h5")) << "the checkpoint just written was pruned";
   EXPECT_TRUE(fs::exists(dir + "/ck/ckpt-step000000010.h5"));  // the newest before it (keep 2)
-  EXPECT_TRUE(fs::exists(dir + "/ck/ckpt-step000000030.h5"));  // a later step is not this run's to prune
+  bool aside = false;  // a later step is not this run's to prune: its line is kept aside
+  for (const auto& e : fs::directory_iterator(dir + "/ck"))
+    aside |= e.is_directory() && fs::exists(e.path() / "ckpt-step000000030.h5");
+  EXPECT_TRUE(aside) << "the later set is gone";
   fs::remove_all(dir);
 }
 

@@ -209,6 +209,9 @@ MPI_Op mpi_op_of(ReduceOp op, DType t);
 // next collective. Collective: every rank must call it.
 void agree_on_inputs(Communicator& comm, const std::function<void()>& fn);
 
+// Rank `root`'s `text` on every rank of `comm` (host memory; collective).
+std::string broadcast_text(Communicator& comm, const std::string& text, int root = 0);
+
 // The ranks of `c` grouped by node (collective over c): `node` holds the ranks of this rank's node,
 // `cross` the ranks of this rank's local rank on every node (ordered by node). `uniform`: every node
 // holds as many ranks of c. Nodes follow DTRAIN_TEST_RANKS_PER_NODE where that test hook is set.

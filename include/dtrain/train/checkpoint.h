@@ -112,6 +112,10 @@ std::vector<SetPart> manifest_parts(const CheckpointState& main, const std::stri
 void check_set_part(const CheckpointState& main, const std::string& main_file, const SetPart& part);
 // Every `stride`-th part from `first` (the ranks of a resume share the checks).
 void check_manifest(const CheckpointState& main, const std::string& main_file, int first = 0, int stride = 1);
+// Every listed part as the main file's writer sees it, before it writes the main file of a run's
+// first set: InputError naming the folder and every rank whose part it cannot see (a folder on each
+// node's own disk), so the fault shows at the first checkpoint, not at the first resume.
+void check_parts_visible(const CheckpointState& main, const std::string& main_file);
 // The shard parts of a ZeRO-2/3 set (`ranks` of them, each checked against `listed`, the manifest)
 // assembled into `main`'s whole tensors; their pieces must tile each tensor exactly (checked before
 // anything is allocated). load_checkpoint_set calls it.
@@ -150,10 +154,18 @@ std::map<std::string, Tensor> pieces_in_whole_tensors(const std::map<std::string
 PieceSource pieces_in_tp_parts(const PieceSource& source, const std::map<std::string, nn::TpPart>& parts);
 
 // Keeps the newest `keep` checkpoints up to `just_written` (the main file just written, which is
-// never removed): older main files go with all their parts. Files of later steps (a run resumed
-// behind them) are left alone. Parts whose main file was never written (the job died in between)
+// never removed): older main files go with all their parts. Files of later steps (another line's,
+// which set_aside_later_sets moves away at a resume) are left alone. Parts whose main file was never written (the job died in between)
 // are removed too, when they are older than `just_written`.
 void prune_checkpoints(const std::string& dir, const std::string& just_written, int keep);
+
+// A run that resumed at `step` continues a line of sets of its own: the sets of `dir` of later steps
+// (the line it went back on) are moved, every file of each, its main file first, into
+// abandoned_folder(dir, run_id), so no resume, requeue or relaunch of the folder takes them and
+// pruning never counts them; `--resume` that folder brings the line back. Returns the main files
+// moved, oldest first (none: nothing was later). InputError naming the folder when a move fails.
+std::vector<std::string> set_aside_later_sets(const std::string& dir, int64_t step, int64_t run_id);
+std::string abandoned_folder(const std::string& dir, int64_t run_id);  // dir/abandoned-<run id>
 
 // Gradient compression state beside a checkpoint: it differs between ranks (error-feedback
 // residuals, PowerSGD's Q, top-k momentum, QSGD's streams), so each rank of `world` writes its own

@@ -25,6 +25,7 @@
 #include "dtrain/parallel/process_grid.h"
 #include "dtrain/parallel/zero/sharded_init.h"
 #include "dtrain/train/checkpoint.h"
+#include "dtrain/train/checkpoint_owner.h"
 #include "dtrain/train/config.h"
 #include "dtrain/train/metrics.h"
 #include "dtrain/train/task.h"
@@ -143,6 +144,7 @@ class Trainer {
   // Waits for the background write and makes the ranks agree on its outcome (collective).
   void finish_pending_checkpoint();
   ResumePoint restore(const std::string& where);
+  void set_aside_later_line();  // after a resume: --checkpoint-dir's later sets (set_aside_later_sets)
   CheckpointState load_verified_set(const std::string& main_file, CheckpointState& part);  // collective
   void load_model_state(CheckpointState& s, const std::string& file);  // parameters, buffers, optimizer state
   std::map<std::string, Tensor> own_pieces() const;                    // for this rank's shard part
@@ -169,6 +171,10 @@ class Trainer {
   std::unique_ptr<parallel::ProcessGrid> grid_;
   int rank_ = 0;
   int64_t run_id_ = 0;  // drawn by rank 0 at start: every file of this run's checkpoint sets carries it
+  // The set a resume started from, "<main file name> run <its run id>": every set of this run
+  // records it as its "parent" (its line of sets); empty for a run from step 0.
+  std::string parent_set_;
+  std::unique_ptr<FolderOwner> owner_;  // world rank 0, with --checkpoint-dir: the folder's (checkpoint_owner.h)
   int64_t batch_ = 0;
   int parts_ = 1;                             // micro-batches of a step: --accumulate, or the pipeline's
   Device device_ = Device::cpu();             // where the model trains (--device)

@@ -25,9 +25,10 @@ void differ(const std::string& what) {
   ++differences;
 }
 
-// What names a run, its command line or a file's bytes, not its state.
+// What names a run (its id, the set it resumed from), its command line or a file's bytes, not its
+// state.
 bool identity(const std::string& key) {
-  return key == "run_id" || key == "provenance" || key.starts_with("manifest") || key.ends_with("xxh3") || key.ends_with("bytes") ||
+  return key == "run_id" || key == "parent" || key == "provenance" || key.starts_with("manifest") || key.ends_with("xxh3") || key.ends_with("bytes") ||
          key.ends_with("checksum");
 }
 
