@@ -49,16 +49,21 @@ std::vector<std::string> candidates_as_rank0_lists(comm::Communicator& world, co
 
 // Every rank read the set rank 0 read: the same run id and step under the same name (a folder on
 // each node's own disk can hold another run's set there). Collective.
-void check_every_rank_read_one_set(comm::Communicator& world, CheckpointState& s, const std::string& file) {
+void check_every_rank_read_one_set(comm::Communicator& world, const CheckpointState& s, const std::string& file) {
+  auto read = [&](const char* key) {  // -1 where absent (the resume's own checks name what is missing)
+    const auto it = s.ints.find(key);
+    return it == s.ints.end() ? int64_t{-1} : it->second;
+  };
+  const int64_t my_run = read("run_id"), my_step = read("step");
   comm::agree_on_inputs(world, [&] {
     Tensor zero = Tensor::empty({2}, DType::I64);
-    zero.data<int64_t>()[0] = s.ints["run_id"];
-    zero.data<int64_t>()[1] = s.ints["step"];
+    zero.data<int64_t>()[0] = my_run;
+    zero.data<int64_t>()[1] = my_step;
     if (world.size() > 1) world.broadcast(zero, 0)->wait();
     const int64_t run = zero.data<int64_t>()[0], step = zero.data<int64_t>()[1];
-    DT_INPUT_CHECK(run == s.ints["run_id"] && step == s.ints["step"],
-                   "rank " << world.rank() << " reads another set at '" << file << "' (run " << s.ints["run_id"]
-                           << ", step " << s.ints["step"] << ") than rank 0 (run " << run << ", step " << step
+    DT_INPUT_CHECK(run == my_run && step == my_step,
+                   "rank " << world.rank() << " reads another set at '" << file << "' (run " << my_run << ", step "
+                           << my_step << ") than rank 0 (run " << run << ", step " << step
                            << "): the checkpoint folder is not one folder that every rank shares");
   });
 }

@@ -234,6 +234,21 @@ case "$mode" in
     [[ "$(cat "$set10"* | md5sum)" == "$sum" ]] || fail "the set resumed from changed"
     on emu1 mpirun --host emu1:2,emu2:2 -n 4 --bind-to none "$bin" "${common[@]}" --steps 20 --resume "$set10" \
       --checkpoint-dir "$work/shared" >"$work/again.log" 2>&1 || { cat "$work/again.log"; fail "the set of step 10 did not resume"; }
+    # Each node's own folder holds another run's set of the same name: a resume across both nodes takes
+    # the sets rank 0 lists, and the ranks that read another run's set there say so.
+    own=/var/tmp/dtrain-own-$$
+    for node in emu1 emu2; do
+      on "$node" mpirun --host "$node:2" -n 2 --bind-to none "$bin" train --model mlp --hidden 32 --synthetic \
+        --batch-size 16 --threads 1 --progress off --steps 10 --checkpoint-dir "$own" >"$work/own-$node.log" 2>&1 ||
+        { cat "$work/own-$node.log"; fail "the run on $node alone failed"; }
+    done
+    rc=0
+    on emu1 mpirun --host emu1:2,emu2:2 -n 4 --bind-to none "$bin" train --model mlp --hidden 32 --synthetic \
+      --batch-size 16 --threads 1 --progress off --steps 20 --resume "$own" >"$work/own.log" 2>&1 || rc=$?
+    cat "$work/own.log"
+    [[ $rc -eq 2 ]] || fail "a resume from two nodes' own folders: exit status $rc, expected 2"
+    grep -q "rank 2 reads another set at '$own/ckpt-step000000010.h5' (run [0-9]*, step 10) than rank 0" "$work/own.log" ||
+      fail "no message naming rank 2's other set"
     echo "a node-local folder failed the first checkpoint naming ranks 2, 3; the shared set of step 10 resumed"
     ;;
   data)
