@@ -368,20 +368,7 @@ bool Trainer::preempted(int64_t epoch, int64_t batch_in_epoch, bool saved) {
 // ------------------------------------------------------------------ the loop
 TrainResult Trainer::run() {
   ResumePoint at;
-  // The folder is this run's alone; what a killed write left behind is removed before anyone writes
-  // there again.
-  if (!cfg_.checkpoint_dir.empty())
-    comm::agree_on_inputs(world_, [&] {
-      if (rank_ != 0) return;
-      owner_ = std::make_unique<FolderOwner>(cfg_.checkpoint_dir, run_id_);
-      if (!owner_->note().empty()) say(owner_->note());
-      const std::vector<std::string> removed = remove_unfinished_writes(cfg_.checkpoint_dir);
-      std::string names;
-      for (const std::string& n : removed) names += (names.empty() ? "" : ", ") + n;
-      if (!removed.empty())
-        say("removed " + std::to_string(removed.size()) + " unfinished checkpoint file(s) of a killed write in " +
-            cfg_.checkpoint_dir + ": " + names);
-    });
+  take_checkpoint_folder();
   // A checkpoint part or file one rank cannot read fails every rank alike.
   {
     // --init-from at ZeRO-3: whole parameters, which then give each rank its shard (a resume

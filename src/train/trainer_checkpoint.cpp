@@ -406,6 +406,23 @@ ResumePoint Trainer::restore(const std::string& where) {
   return at;
 }
 
+// The folder is this run's alone (checkpoint_owner.h); what a killed write left behind is removed
+// before anyone writes there again. Collective.
+void Trainer::take_checkpoint_folder() {
+  if (cfg_.checkpoint_dir.empty()) return;
+  comm::agree_on_inputs(world_, [&] {
+    if (rank_ != 0) return;
+    owner_ = std::make_unique<FolderOwner>(cfg_.checkpoint_dir, run_id_);
+    if (!owner_->note().empty()) say(owner_->note());
+    const std::vector<std::string> removed = remove_unfinished_writes(cfg_.checkpoint_dir);
+    std::string names;
+    for (const std::string& n : removed) names += (names.empty() ? "" : ", ") + n;
+    if (!removed.empty())
+      say("removed " + std::to_string(removed.size()) + " unfinished checkpoint file(s) of a killed write in " +
+          cfg_.checkpoint_dir + ": " + names);
+  });
+}
+
 // Once every rank has read its set: sets of --checkpoint-dir after the resumed step belong to the
 // line this run went back on (a user resuming before a loss spike), and would win the next resume.
 void Trainer::set_aside_later_line() {

@@ -143,6 +143,7 @@ class Trainer {
   bool reads_shards() const { return dp_ && dp_->zero_stage() >= 2; }
   // Waits for the background write and makes the ranks agree on its outcome (collective).
   void finish_pending_checkpoint();
+  void take_checkpoint_folder();  // at the start: --checkpoint-dir's owner, leftovers of a killed write
   ResumePoint restore(const std::string& where);
   void set_aside_later_line();  // after a resume: --checkpoint-dir's later sets (set_aside_later_sets)
   CheckpointState load_verified_set(const std::string& main_file, CheckpointState& part);  // collective
