@@ -6,15 +6,17 @@
 
 namespace dtrain::parallel {
 
-ModelStateBytes plan_model_state(int64_t params, const std::vector<int64_t>& unit_params, int zero, int dp_ranks,
-                                 int optimizer_floats, bool prefetch) {
+ModelStateBytes plan_model_state(int64_t params, int64_t trained, const std::vector<int64_t>& unit_params, int zero,
+                                 int dp_ranks, int optimizer_floats, bool prefetch) {
   const int64_t n = std::max(dp_ranks, 1), f32 = 4;
-  const auto slice = [&](int64_t floats) { return (floats * params + n - 1) / n * f32; };  // one rank's 1/n
+  const auto slice = [&](int64_t floats) { return (floats + n - 1) / n * f32; };  // one rank's 1/n
   ModelStateBytes b;
   b.parameters = zero >= 3 ? 0 : f32 * params;
-  b.gradients = zero >= 2 ? 0 : f32 * params;
-  b.optimizer = zero >= 1 ? slice(optimizer_floats) : f32 * optimizer_floats * params;
-  b.shards = zero == 1 ? slice(2) : zero == 2 ? slice(1) : zero == 3 ? slice(2) : 0;  // masters, gradients
+  b.gradients = zero >= 2 ? 0 : f32 * trained;
+  b.optimizer = zero >= 1 ? slice(optimizer_floats * trained) : f32 * optimizer_floats * trained;
+  // The shards: ZeRO-1 a master and a gradient slice of the trained parameters, ZeRO-2 a gradient
+  // slice, ZeRO-3 the masters of every parameter and the gradient slice.
+  b.shards = zero == 1 ? slice(2 * trained) : zero == 2 ? slice(trained) : zero == 3 ? slice(params) + slice(trained) : 0;
   if (zero >= 3) {
     std::vector<int64_t> largest = unit_params;
     std::sort(largest.begin(), largest.end(), std::greater<>());

@@ -271,12 +271,16 @@ void Trainer::refuse_what_cannot_fit() {
   if (budget <= 0) return;
   nn::Module& model = task_->model();
   const int64_t params = built_ ? built_->parameter_count() : model.parameter_count();
+  int64_t trained = params;  // less what --freeze or LoRA will freeze (values may be freed: their kept shapes)
+  if (const auto frozen = frozen_names(cfg_))
+    for (const nn::Parameter* p : model.parameters())
+      if (frozen(p->name)) trained -= shape_numel(nn::local_shape(*p));
   const std::vector<int64_t> units = built_ ? built_->unit_sizes() : unit_sizes(model);
   // --shard-scope node shards over a node's ranks only.
   const int dp = cfg_.shard_scope == "node" ? std::min(grid_->dp_size(), topo.local_size) : grid_->dp_size();
   const int k = optimizer_floats(cfg_);
   const auto plan = [&](int zero, int ranks) {
-    return parallel::plan_model_state(params, units, zero, ranks, k, cfg_.zero_prefetch);
+    return parallel::plan_model_state(params, trained, units, zero, ranks, k, cfg_.zero_prefetch);
   };
   const parallel::ModelStateBytes need = plan(cfg_.zero, dp);
   if (need.total() <= budget) return;

@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "dtrain/comm/runtime.h"
+#include "dtrain/parallel/zero/memory_plan.h"
 #include "dtrain/train/checkpoint.h"
 #include "dtrain/train/provenance.h"
 #include "dtrain/train/trainer.h"
@@ -454,6 +455,26 @@ TEST(Trainer, ARunOnAFolderAnotherRunOwnsStopsNamingIt) {
   }
   EXPECT_TRUE(fs::exists(ckpt + "/ckpt-step000000008.h5.tmp")) << "the refused run removed the owner's write";
   fs::remove_all(dir);
+}
+
+// The memory check before the first step: frozen parameters (LoRA, --freeze) hold their values
+// only, no gradients, optimizer state or shard of either; with every parameter trained the stages
+// hold what memory_plan.h's table says (4 + 4 + 4k, 4 + 4 + (8 + 4k)/N, 4 + (4 + 4k)/N,
+// (8 + 4k)/N bytes a parameter; AdamW k = 2, N = 2).
+TEST(MemoryPlan, FrozenParametersHoldTheirValuesOnly) {
+  const std::vector<int64_t> units = {600, 400};
+  const int64_t full[4] = {16000, 16000, 10000, 8000};  // 1000 parameters, before the gathered units
+  for (int zero = 0; zero <= 3; ++zero) {
+    const parallel::ModelStateBytes all = parallel::plan_model_state(1000, 1000, units, zero, 2, 2, false);
+    EXPECT_EQ(all.total() - all.gathered, full[zero]) << "ZeRO-" << zero;
+    const parallel::ModelStateBytes lora = parallel::plan_model_state(1000, 10, units, zero, 2, 2, false);
+    EXPECT_EQ(lora.parameters, zero >= 3 ? 0 : 4000) << "ZeRO-" << zero;
+    EXPECT_EQ(lora.gradients, zero >= 2 ? 0 : 40) << "ZeRO-" << zero;
+    EXPECT_EQ(lora.optimizer, zero >= 1 ? 40 : 80) << "ZeRO-" << zero;
+    const int64_t shards[4] = {0, 40, 20, 2000 + 20};  // ZeRO-3: every master's slice, the trained gradients'
+    EXPECT_EQ(lora.shards, shards[zero]) << "ZeRO-" << zero;
+    EXPECT_EQ(lora.gathered, all.gathered) << "ZeRO-" << zero;
+  }
 }
 
 // Magnitude pruning through checkpoints: the masks are saved beside the weights, and a run resumed
