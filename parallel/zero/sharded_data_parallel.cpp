@@ -98,6 +98,10 @@ void ShardedDataParallel::split_frozen() {
       units_[k].frozen = true;
       continue;
     }
+    // Built shard by shard, a unit's blocks are laid out as ShardedInit cut it: cut here alike only
+    // where it did; elsewhere the frozen parameters keep their places in the unit's gradient (zeros).
+    const ShardedInit::Unit* built = opt_.built ? opt_.built->find(trained.params.front()) : nullptr;
+    if (opt_.built && !(built && built->params == trained.params)) continue;
     units_[k].params = std::move(trained.params);
     units_[k].bucket = std::move(trained.bucket);
     frozen.entries = units_[k].entries;
@@ -199,6 +203,11 @@ void ShardedDataParallel::make_pieces() {
   DT_INPUT_CHECK(!pieces_.empty(), "option --zero " << opt_.zero << " over " << shards().size()
                                                     << " ranks: the model's parameters leave rank " << r
                                                     << " nothing to hold");
+  // The optimizer state's gathers run per trained unit on the ranks that hold any of it.
+  const bool trains = std::any_of(units_.begin(), units_.end(), [](const Unit& u) { return !u.frozen; });
+  DT_INPUT_CHECK(!trains || !start_in_shard_.empty(), "option --zero " << opt_.zero << " over " << shards().size()
+                                                                      << " ranks: the trained parameters leave rank "
+                                                                      << r << " no optimizer state");
 }
 
 ShardedDataParallel::~ShardedDataParallel() {

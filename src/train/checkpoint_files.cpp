@@ -110,17 +110,18 @@ std::vector<std::string> set_aside_later_sets(const std::string& dir, int64_t st
   if (!fs::is_directory(dir)) return {};
   const std::string resumed = fs::path(checkpoint_file(dir, step)).filename().string();
   std::map<std::string, std::vector<fs::path>> later;  // every file of each later set, by its main file
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string main = main_file_of(e.path().filename().string());
-    if (!main.empty() && main > resumed && e.is_regular_file()) later[main].push_back(e.path());
-  }
   std::vector<std::string> moved;
   const fs::path aside = abandoned_folder(dir, run_id);
   try {
+    for (const auto& e : fs::directory_iterator(dir)) {
+      const std::string main = main_file_of(e.path().filename().string());
+      if (!main.empty() && main > resumed && e.is_regular_file()) later[main].push_back(e.path());
+    }
     if (!later.empty()) fs::create_directories(aside);
     for (auto& [main, files] : later) {
       // The main file first: from then on the folder holds no set of that step to resume from.
-      std::stable_partition(files.begin(), files.end(), [&](const fs::path& f) { return f.filename() == main; });
+      const std::string& first = main;  // (a structured binding is not captured before C++20's last rules)
+      std::stable_partition(files.begin(), files.end(), [&](const fs::path& f) { return f.filename() == first; });
       for (const fs::path& f : files) fs::rename(f, aside / f.filename());
       moved.push_back(main);
     }

@@ -77,12 +77,16 @@ FolderOwner::FolderOwner(const std::string& dir, int64_t run_id) : file_(file_of
   fs::create_directories(dir, ec);
   fd_ = ::open(file_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   DT_INPUT_CHECK(fd_ >= 0, "option --checkpoint-dir: cannot open '" << file_ << "': " << std::strerror(errno));
-  // A file system without flock (some NFS and Lustre mounts) leaves the record and the lease.
+  // A file system without flock (some NFS and Lustre mounts) leaves the record and the lease. An
+  // earlier launch of this job is gone even while its lock lingers (a lost node's, until the file
+  // system's lease on it runs out; a rank 0 still tearing down).
   const bool locked = ::flock(fd_, LOCK_EX | LOCK_NB) == 0;
   const bool held = !locked && errno == EWOULDBLOCK;
   const FolderOwnerRecord old = read(file_);
-  const std::string gone = held || old.run_id == 0 ? "" : why_gone(old, locked);
-  if (held || (old.run_id != 0 && gone.empty())) {
+  const bool relaunch = old.run_id != 0 && !old.job.empty() && old.job == me_.job && old.launch != me_.launch;
+  const std::string gone =
+      relaunch ? "an earlier launch of job " + old.job : held || old.run_id == 0 ? "" : why_gone(old, locked);
+  if ((held && !relaunch) || (old.run_id != 0 && gone.empty())) {
     ::close(fd_);
     fd_ = -1;
     throw InputError("option --checkpoint-dir '" + dir + "' belongs to " + (old.run_id ? old.text() : "another run") +
@@ -91,15 +95,18 @@ FolderOwner::FolderOwner(const std::string& dir, int64_t run_id) : file_(file_of
                      "--checkpoint-dir or stop that run (" + file_ + " names the owner)");
   }
   if (!gone.empty()) note_ = "took over checkpoint folder " + dir + " from " + old.text() + " (" + gone + ")";
-  write(file_, me_);
-  renewer_ = std::thread([this] { renew(); });
+  try {
+    write(file_, me_);
+    renewer_ = std::thread([this] { renew(); });
+  } catch (...) {
+    ::close(fd_);  // the lock with it: the folder stays free for another run of this process
+    throw;
+  }
 }
 
 std::string FolderOwner::why_gone(const FolderOwnerRecord& old, bool locked) const {
   if (old.host == me_.host && (locked || !pid_alive(old.pid)))
     return locked ? "its lock is free: it ended" : "its pid is not alive";
-  if (!old.job.empty() && old.job == me_.job && old.launch != me_.launch)
-    return "an earlier launch of job " + old.job;
   struct stat st {};
   if (::fstat(fd_, &st) == 0 && std::time(nullptr) - st.st_mtime > kOwnerLeaseS)
     return "its lease was last renewed " + std::to_string(std::time(nullptr) - st.st_mtime) + " s ago";

@@ -37,8 +37,12 @@ const Tensor* entry(const std::map<std::string, Tensor>& snapshot, const std::st
 std::vector<std::string> candidates_as_rank0_lists(comm::Communicator& world, const std::string& where) {
   std::string listed;
   comm::agree_on_inputs(world, [&] {
-    if (world.rank() == 0)
+    if (world.rank() != 0) return;
+    try {
       for (const std::string& c : checkpoint_candidates(where)) listed += c + "\n";
+    } catch (const fs::filesystem_error& e) {  // an error of rank 0 alone: agreed as an input error
+      throw InputError("option --resume '" + where + "': " + e.what());
+    }
   });
   listed = comm::broadcast_text(world, listed, 0);
   std::vector<std::string> out;
@@ -425,8 +429,10 @@ void Trainer::take_checkpoint_folder() {
 
 // Once every rank has read its set: sets of --checkpoint-dir after the resumed step belong to the
 // line this run went back on (a user resuming before a loss spike), and would win the next resume.
+// A resume from a folder took its newest set that verifies: a newer one it skipped may have failed
+// for a passing reason (a slow read), and stays for the next resume to try.
 void Trainer::set_aside_later_line() {
-  if (cfg_.checkpoint_dir.empty()) return;
+  if (cfg_.checkpoint_dir.empty() || fs::is_directory(cfg_.resume)) return;
   std::vector<std::string> moved;
   comm::agree_on_inputs(world_, [&] {
     if (rank_ == 0) moved = set_aside_later_sets(cfg_.checkpoint_dir, step_, run_id_);

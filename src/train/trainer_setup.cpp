@@ -92,7 +92,10 @@ Trainer::Trainer(const TrainConfig& cfg, comm::Runtime& rt, comm::Communicator* 
     comm::agree_on_inputs(world_, [this] {
       const parallel::ShardGroups g = parallel::shard_groups(grid_->dp(), cfg_.shard_scope);
       const comm::Communicator& over = g.node ? *g.node : grid_->dp();
-      built_ = std::make_unique<parallel::ShardedInit>(over.rank(), over.size(), frozen_names(cfg_));
+      // LoRA's adapters are known by their names' ends as a unit is built; --freeze's expressions
+      // name whole-model paths, which a unit's parameters do not have yet then (its units stay whole).
+      built_ = std::make_unique<parallel::ShardedInit>(over.rank(), over.size(),
+                                                       cfg_.lora_rank > 0 ? frozen_names(cfg_) : nullptr);
     });
   }
   comm::agree_on_inputs(world_, [this] {

@@ -1,6 +1,6 @@
 // One writer per checkpoint folder (checkpoint_owner.h): a live owner refuses a second run with
 // both named; a gone one (its lock free on this host, a lapsed lease elsewhere, an earlier launch
-// of the same job) is taken over with a message.
+// of the same job, even while its lock lingers) is taken over with a message.
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -104,6 +104,14 @@ TEST(CheckpointOwner, AGoneOwnerIsTakenOverAndALiveOneElsewhereIsNot) {
   {
     FolderOwner taker(dir, 10);
     EXPECT_NE(taker.note().find("an earlier launch of job 4242"), std::string::npos) << taker.note();
+  }
+  // A later launch while the earlier one's lock lingers (a lost node's, a rank 0 still ending).
+  {
+    FolderOwner earlier(dir, 11);
+    ::setenv("DTRAIN_LAUNCH", "0.2", 1);
+    FolderOwner later(dir, 12);
+    EXPECT_NE(later.note().find("from run 11"), std::string::npos) << later.note();
+    EXPECT_NE(later.note().find("an earlier launch of job 4242"), std::string::npos) << later.note();
   }
   ::unsetenv("SLURM_JOB_ID");
   ::unsetenv("DTRAIN_LAUNCH");

@@ -116,14 +116,15 @@ TEST(LanguageModel, LlamaLearnsResumesBitwiseAndReloads) {
   fs::remove_all(dir);
 }
 
-// --freeze: the matched parameters end as they began (also under ZeRO-3, whose shards hold them),
-// with no optimizer state; the rest train. An expression that matches nothing or everything, or
+// --freeze: the matched parameters end as they began (also under ZeRO-3, whose shards hold them,
+// with an expression that cuts block 1 in two), with no optimizer state; the rest train. An expression that matches nothing or everything, or
 // is not one, is refused.
 TEST(LanguageModel, FrozenParametersStayAsDrawn) {
   fs::path dir = fs::path(DTRAIN_BINARY_DIR) / "test-tmp" / "freeze";
   train::TrainConfig c = periodic_text_run(dir, "llama");
   c.steps = 10;
-  c.freeze = "wte|blocks\\.0\\..*";
+  c.layers = 2;
+  c.freeze = "wte|blocks\\.0\\..*|blocks\\.1\\.0\\..*";  // block 1's attention half
   const nn::Gpt init(train::lm_shape(c, 256));
   for (int zero : {0, 3}) {
     c.zero = zero;
@@ -133,12 +134,13 @@ TEST(LanguageModel, FrozenParametersStayAsDrawn) {
     for (nn::Parameter* p : const_cast<nn::Gpt&>(init).parameters()) {
       const Tensor& now = s.tensors.at("param/" + p->name);
       const bool same = std::memcmp(now.raw(), p->value.raw(), static_cast<size_t>(p->value.nbytes())) == 0;
-      const bool matched = p->name == "wte" || p->name.rfind("blocks.0.", 0) == 0;
+      const bool matched =
+          p->name == "wte" || p->name.rfind("blocks.0.", 0) == 0 || p->name.rfind("blocks.1.0.", 0) == 0;
       EXPECT_EQ(same, matched) << p->name << " under --zero " << zero;
       EXPECT_EQ(s.tensors.count("optim/" + p->name + ".exp_avg"), matched ? 0u : 1u) << p->name;
       frozen += matched;
     }
-    EXPECT_EQ(frozen, 7);  // wte, and block 0's two norms, qkv, proj, gate/up, down
+    EXPECT_EQ(frozen, 10);  // wte, block 0's two norms, qkv, proj, gate/up, down; block 1's norm, qkv, proj
   }
   for (const char* bad : {"nothing", ".*", "(unclosed"}) {
     c.freeze = bad;

@@ -25,7 +25,7 @@ class ShardedInit final : public nn::UnitSink {
   };
 
   // rank: this rank's place among the `ranks` the units are sharded over; frozen: whether a
-  // parameter (by its name) will be frozen (none when empty).
+  // parameter will be frozen, by its name within the unit's modules (none when empty).
   ShardedInit(int rank, int ranks, std::function<bool(const std::string&)> frozen = {});
   void unit_built(const std::vector<nn::Module*>& entries) override;
 
