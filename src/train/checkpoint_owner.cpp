@@ -12,7 +12,6 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
 #include "dtrain/core/env.h"
 #include "dtrain/core/error.h"
@@ -71,8 +70,9 @@ void FolderOwner::write(const std::string& file, const FolderOwnerRecord& r) {
 }
 
 FolderOwner::FolderOwner(const std::string& dir, int64_t run_id) : file_(file_of(dir)) {
-  me_ = {run_id, this_host(), env_or_empty("SLURM_JOB_ID").empty() ? env_or_empty("PBS_JOBID") : env_or_empty("SLURM_JOB_ID"),
-         env::get("DTRAIN_LAUNCH"), static_cast<int64_t>(::getpid())};
+  const std::string slurm_job = env_or_empty("SLURM_JOB_ID");
+  me_ = {run_id, this_host(), slurm_job.empty() ? env_or_empty("PBS_JOBID") : slurm_job, env::get("DTRAIN_LAUNCH"),
+         static_cast<int64_t>(::getpid())};
   std::error_code ec;
   fs::create_directories(dir, ec);
   fd_ = ::open(file_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
