@@ -169,11 +169,11 @@ void NodeAllreduce::barrier() {
     if (control_->generation.load(std::memory_order_acquire) != gen) return;
     __builtin_ia32_pause();
   }
-  const double start = now_s();
+  WaitClock clock;  // a stop of the whole job (SIGSTOP, scontrol suspend) does not count
   control_->sleepers.fetch_add(1, std::memory_order_seq_cst);
   while (control_->generation.load(std::memory_order_seq_cst) == gen) {
     futex_wait(&control_->generation, gen, 1000000);
-    if (timeout_s_ > 0 && now_s() - start > timeout_s_) {
+    if (timeout_s_ > 0 && clock.waited() > timeout_s_) {
       control_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
       DT_CHECK(false, "shared-memory allreduce: the ranks of this node did not all reach its barrier within "
                           << timeout_s_ << " s");

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "backends/mpi_types.h"
+#include "control/phase_deadline.h"
 #include "control/sequence_check.h"
 #include "dtrain/comm/mpi_check.h"
 #include "dtrain/comm/runtime.h"
@@ -145,28 +146,27 @@ bool MpiWork::test() {
 }
 
 void MpiWork::wait(double timeout_s) {
-  double limit = timeout_s < 0 ? timeout_s_ : timeout_s;
-  double start = now_s();
-  double deadline = limit > 0 ? start + limit : 1e300;
+  const double limit = timeout_s < 0 ? timeout_s_ : timeout_s;
+  WaitClock clock;  // a stop of the whole job (SIGSTOP, scontrol suspend) does not count
   StallWatch stall(limit);  // a desync found by any rank ends the wait; a long one asks for a check
+  const auto ran_out = [&] { return limit > 0 && clock.waited() >= limit; };
   if (kind_ == Kind::Collective) {
     std::unique_lock<std::mutex> lock(mu_);
     while (!done_.load(std::memory_order_acquire)) {
-      double left = deadline - now_s();
-      if (left <= 0) {
+      if (ran_out()) {
         lock.unlock();
-        on_timeout(limit, now_s() - start);
+        on_timeout(limit, clock.waited());
       }
-      cv_.wait_for(lock, std::chrono::duration<double>(std::min(left, 0.1)));
-      if (!done_.load(std::memory_order_acquire)) stall.tick(now_s() - start);
+      cv_.wait_for(lock, std::chrono::milliseconds(100));
+      if (!done_.load(std::memory_order_acquire)) stall.tick(clock.waited());
     }
   } else {
     // Periodic testing: the waiter drives the transfer (the worker also polls when idle).
     // Spin briefly (latency), then back off to 50 us sleeps (a long pipeline bubble should not
     // burn a core).
     for (int polls = 0; !poll(); ++polls) {
-      if (now_s() >= deadline) on_timeout(limit, now_s() - start);
-      if (polls >= 2000) stall.tick(now_s() - start);
+      if (ran_out()) on_timeout(limit, clock.waited());
+      if (polls >= 2000) stall.tick(clock.waited());
       if (polls < 2000)
         std::this_thread::yield();
       else
@@ -540,7 +540,10 @@ void shutdown_all_mpi_communicators() {
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, const std::string& name) {
   DT_CHECK(Runtime::initialized(), "make_mpi_communicator: call dtrain::comm::Runtime::init() first");
   MPI_Comm dup = MPI_COMM_NULL;
-  DT_MPI_CHECK(MPI_Comm_dup(comm, &dup));
+  {  // collective: a rank that died or never came would wait it forever
+    detail::PhaseDeadline deadline("creating communicator '" + name + "' (MPI_Comm_dup)");
+    DT_MPI_CHECK(MPI_Comm_dup(comm, &dup));
+  }
   DT_MPI_CHECK(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN));
   return std::make_unique<detail::MpiCommunicator>(dup, name.empty() ? std::string("comm") : name,
                                                    Runtime::get().threaded_progress());

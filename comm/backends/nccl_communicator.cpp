@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "control/control_channel.h"
+#include "control/phase_deadline.h"
 #include "control/sequence_check.h"
 #include "dtrain/comm/mpi_check.h"
 #include "dtrain/comm/nccl.h"
@@ -136,11 +137,11 @@ class NcclWork final : public Work {
   }
 
   void wait(double timeout_s) override {
-    double limit = timeout_s < 0 ? timeout_s_ : timeout_s;
-    double start = now_s();
+    const double limit = timeout_s < 0 ? timeout_s_ : timeout_s;
+    WaitClock clock;  // a stop of the whole job (SIGSTOP, scontrol suspend) does not count
     StallWatch stall(limit);  // a desync found by any rank ends the wait; a long one asks for a check
     while (!test()) {
-      double waited = now_s() - start;
+      const double waited = clock.waited();
       if (limit > 0 && waited >= limit) on_timeout(limit, waited);
       stall.tick(waited);
       std::this_thread::sleep_for(std::chrono::microseconds(20));
@@ -270,7 +271,11 @@ class NcclCommunicator final : public Communicator {
     auto sub_shadow = shadow_->split(color, key, name + "/bootstrap");
     ncclComm_t sub = nullptr;
     DT_COMM_CUDA_CHECK(cudaSetDevice(device_));
-    DT_NCCL_CHECK(ncclCommSplit(comm_, color == kNoColor ? NCCL_SPLIT_NOCOLOR : color, key, &sub, nullptr));
+    {  // a rank that died or never came waits NCCL's split forever
+      PhaseDeadline deadline("splitting NCCL communicator '" + this->name() + "' into '" + name + "'", timeout_s_,
+                             PhaseDeadline::Ending::abort_job);
+      DT_NCCL_CHECK(ncclCommSplit(comm_, color == kNoColor ? NCCL_SPLIT_NOCOLOR : color, key, &sub, nullptr));
+    }
     if (!sub_shadow || !sub) return nullptr;
     auto c = std::make_unique<NcclCommunicator>(std::move(sub_shadow), sub, device_, name);
     c->set_input_stream(input_);  // a sub-communicator's collectives wait for the same compute stream
@@ -330,7 +335,11 @@ std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap, in
   std::memcpy(&uid, id.device_raw(), sizeof uid);
   DT_COMM_CUDA_CHECK(cudaSetDevice(device));
   ncclComm_t comm = nullptr;
-  DT_NCCL_CHECK(ncclCommInitRank(&comm, shadow->size(), uid, shadow->rank()));
+  {  // a rank that died or never came waits NCCL's set-up forever
+    detail::PhaseDeadline deadline("setting up NCCL communicator '" + name + "' (ncclCommInitRank)", shadow->timeout(),
+                                   detail::PhaseDeadline::Ending::abort_job);
+    DT_NCCL_CHECK(ncclCommInitRank(&comm, shadow->size(), uid, shadow->rank()));
+  }
   return std::make_unique<detail::NcclCommunicator>(std::move(shadow), comm, device, name);
 }
 

@@ -33,6 +33,7 @@
 #include "dtrain/core/cores.h"
 #include "dtrain/core/env.h"
 #include "dtrain/core/error.h"
+#include "dtrain/core/timer.h"
 
 namespace dtrain::comm {
 
@@ -234,12 +235,12 @@ bool Runtime::all_ranks_arrive_within(double seconds) {
   if (rt.topo_.size == 1) return true;
   MPI_Request req = MPI_REQUEST_NULL;
   if (MPI_Ibarrier(rt.ending_, &req) != MPI_SUCCESS) return false;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  WaitClock clock;  // a stop of the whole job (SIGSTOP, scontrol suspend) does not count
   for (;;) {
     int done = 0;
     if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
     if (done) return true;
-    if (std::chrono::steady_clock::now() >= until) return false;  // the request is left: the job ends
+    if (clock.waited() >= seconds) return false;  // the request is left: the job ends
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
 }

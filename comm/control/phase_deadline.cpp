@@ -10,6 +10,7 @@
 #include "dtrain/comm/runtime.h"
 #include "dtrain/core/env.h"
 #include "dtrain/core/error.h"
+#include "dtrain/core/timer.h"
 
 namespace dtrain::comm::detail {
 
@@ -34,7 +35,9 @@ PhaseDeadline::~PhaseDeadline() {
 
 void PhaseDeadline::watch(std::string phase, double seconds, Ending ending) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (cv_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return finished_; })) return;
+  WaitClock clock;  // a stop of the whole job (SIGSTOP, scontrol suspend) does not count
+  while (clock.waited() < seconds)
+    if (cv_.wait_for(lock, std::chrono::milliseconds(250), [this] { return finished_; })) return;
   lock.unlock();  // the phase's owner must not block on this if ending the job takes a while
   const std::string message = phase + " did not finish within " + std::to_string(static_cast<long>(seconds)) +
                               " s (DTRAIN_COMM_TIMEOUT): a rank that never started, or a node that is gone?";

@@ -7,7 +7,11 @@
 #   skip:   rank 1 does not issue its gradient allreduce of step 7. The desync check names the
 #           collective and the rank on every rank, long before the 30 s timeout; without the hook
 #           the same runs (also with pipeline stages, checking every step) pass.
-# usage: hang_test.sh stop|skip DTRAIN_BIN WORK_DIR
+#   suspend: every process of the job (mpiexec and the 3 ranks) is stopped with SIGSTOP for 12 s,
+#           3 times the communication timeout (DTRAIN_COMM_TIMEOUT=4), as `scontrol suspend` does, and
+#           continued: the run goes on to its last step and exits 0 (a deadline must not count the
+#           time the job was stopped).
+# usage: hang_test.sh stop|skip|suspend DTRAIN_BIN WORK_DIR
 set -euo pipefail
 mode=$1 bin=$2 work=$3
 rm -rf "$work" && mkdir -p "$work"
@@ -65,7 +69,34 @@ elif [[ $mode == skip ]]; then
   set -e
   [[ $rc -eq 0 ]] || fail "a pipeline run without the hook failed"
   echo "PASS: no desync reported in runs that have none"
+elif [[ $mode == suspend ]]; then
+  log=$work/out.txt
+  t0=$SECONDS
+  DTRAIN_COMM_TIMEOUT=4 DTRAIN_TEST_SLOW=0:data:30 mpiexec -n 3 --oversubscribe --bind-to none "$bin" train \
+    --synthetic --model mlp --threads 1 --progress off --steps 400 --log-every 10 >"$log" 2>&1 &
+  job=$!
+  until grep -q "step 50/400" "$log" 2>/dev/null; do
+    kill -0 $job 2>/dev/null || { rc=gone took=$((SECONDS - t0)) out=$(cat "$log"); fail "the run ended before step 50"; }
+    sleep 0.2
+  done
+  ranks=$(pgrep -P $job)
+  [[ $(wc -w <<<"$ranks") -eq 3 ]] || { rc=- took=0 out=$(cat "$log"); fail "expected 3 ranks under mpiexec, found: $ranks"; }
+  kill -STOP $job $ranks
+  stopped_at=$(grep -c "^epoch 1/1 step" "$log")
+  sleep 12
+  kill -CONT $ranks $job
+  set +e
+  wait $job
+  rc=$?
+  set -e
+  took=$((SECONDS - t0)) out=$(cat "$log")
+  [[ $rc -eq 0 ]] || fail "a job continued after a 12 s stop must go on"
+  expect "^done: 400 steps"
+  grep -q "comm timeout" <<<"$out" && fail "a deadline counted the stop"
+  after=$(grep -c "^epoch 1/1 step" "$log")
+  ((stopped_at < 40 && after == 40)) || fail "stopped at log line $stopped_at of $after: the stop did not fall mid-run"
+  echo "PASS: stopped 12 s at log line $stopped_at of 40 (timeout 4 s), continued to step 400"
 else
-  echo "usage: hang_test.sh stop|skip DTRAIN_BIN WORK_DIR"
+  echo "usage: hang_test.sh stop|skip|suspend DTRAIN_BIN WORK_DIR"
   exit 2
 fi
